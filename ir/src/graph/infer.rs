@@ -1,0 +1,353 @@
+//! Shape and dtype inference, one rule per op (DESIGN.md §4).
+
+use super::{GraphError, Op};
+use crate::{DType, Shape};
+
+type Typed<'a> = (&'a Shape, DType);
+
+fn arity(op: &Op, inputs: &[Typed], expected: &[usize]) -> Result<(), GraphError> {
+    if expected.contains(&inputs.len()) {
+        Ok(())
+    } else {
+        let expected = expected.iter().map(|n| n.to_string()).collect::<Vec<_>>().join(" or ");
+        Err(GraphError::Arity { op: op.name().into(), expected, got: inputs.len() })
+    }
+}
+
+fn invalid(op: &Op, message: impl Into<String>) -> GraphError {
+    GraphError::Invalid { op: op.name().into(), message: message.into() }
+}
+
+fn mismatch(op: &Op, detail: impl Into<String>, lhs: &Shape, rhs: &Shape) -> GraphError {
+    GraphError::ShapeMismatch { op: op.name().into(), detail: detail.into(), lhs: lhs.clone(), rhs: rhs.clone() }
+}
+
+fn float(op: &Op, inputs: &[Typed], slot: usize) -> Result<DType, GraphError> {
+    let dt = inputs[slot].1;
+    if dt.is_float() {
+        Ok(dt)
+    } else {
+        Err(GraphError::DType { op: op.name().into(), slot, got: dt, expected: "a float type".into() })
+    }
+}
+
+fn int(op: &Op, inputs: &[Typed], slot: usize) -> Result<(), GraphError> {
+    let dt = inputs[slot].1;
+    if dt == DType::I32 {
+        Ok(())
+    } else {
+        Err(GraphError::DType { op: op.name().into(), slot, got: dt, expected: "i32".into() })
+    }
+}
+
+fn same_dtype(op: &Op, inputs: &[Typed]) -> Result<DType, GraphError> {
+    let first = float(op, inputs, 0)?;
+    for slot in 1..inputs.len() {
+        if inputs[slot].1 != first {
+            return Err(GraphError::DType {
+                op: op.name().into(),
+                slot,
+                got: inputs[slot].1,
+                expected: first.name().into(),
+            });
+        }
+    }
+    Ok(first)
+}
+
+fn last_axis_param(op: &Op, x: &Shape, p: &Shape, what: &str) -> Result<(), GraphError> {
+    if p.dims() != [x.last()] {
+        return Err(mismatch(op, format!("{what} must be [{}] (the last axis of x)", x.last()), x, p));
+    }
+    Ok(())
+}
+
+/// Infers the output type of `op` applied to inputs of the given types.
+pub(super) fn infer(op: &Op, inputs: &[Typed]) -> Result<(Shape, DType), GraphError> {
+    match op {
+        Op::Input { .. } | Op::Param(_) | Op::Constant { .. } => {
+            Err(invalid(op, "source ops are added with Graph::add_source"))
+        }
+        Op::Unary(_) | Op::Affine { .. } | Op::Softmax => {
+            arity(op, inputs, &[1])?;
+            Ok((inputs[0].0.clone(), float(op, inputs, 0)?))
+        }
+        Op::Binary(_) => {
+            arity(op, inputs, &[2])?;
+            let dt = same_dtype(op, inputs)?;
+            let (a, b) = (inputs[0].0, inputs[1].0);
+            let shape = a.broadcast(b).ok_or_else(|| mismatch(op, "operands do not broadcast", a, b))?;
+            Ok((shape, dt))
+        }
+        Op::Reduce { axis, keepdim, .. } => {
+            arity(op, inputs, &[1])?;
+            let x = inputs[0].0;
+            if *axis >= x.rank() {
+                return Err(invalid(op, format!("axis {axis} out of range for {x}")));
+            }
+            let mut dims = x.dims().to_vec();
+            if *keepdim {
+                dims[*axis] = 1;
+            } else {
+                dims.remove(*axis);
+            }
+            Ok((Shape(dims), float(op, inputs, 0)?))
+        }
+        Op::MatMul { trans_a, trans_b } => {
+            arity(op, inputs, &[2])?;
+            let dt = same_dtype(op, inputs)?;
+            let (a, b) = (inputs[0].0, inputs[1].0);
+            if a.rank() < 2 || b.rank() < 2 {
+                return Err(mismatch(op, "operands need rank >= 2", a, b));
+            }
+            let (ar, br) = (a.rank(), b.rank());
+            let (m, ka) = if *trans_a { (a.0[ar - 1], a.0[ar - 2]) } else { (a.0[ar - 2], a.0[ar - 1]) };
+            let (kb, n) = if *trans_b { (b.0[br - 1], b.0[br - 2]) } else { (b.0[br - 2], b.0[br - 1]) };
+            if ka != kb {
+                return Err(mismatch(op, format!("contraction sizes differ ({ka} vs {kb})"), a, b));
+            }
+            let batch = Shape(a.0[..ar - 2].to_vec())
+                .broadcast(&Shape(b.0[..br - 2].to_vec()))
+                .ok_or_else(|| mismatch(op, "batch dimensions do not broadcast", a, b))?;
+            let mut dims = batch.0;
+            dims.extend([m, n]);
+            Ok((Shape(dims), dt))
+        }
+        Op::Reshape { shape } => {
+            arity(op, inputs, &[1])?;
+            let x = inputs[0].0;
+            let target = Shape(shape.clone());
+            if x.numel() != target.numel() {
+                return Err(mismatch(op, "element counts differ", x, &target));
+            }
+            Ok((target, inputs[0].1))
+        }
+        Op::Permute { perm } => {
+            arity(op, inputs, &[1])?;
+            let x = inputs[0].0;
+            let mut seen = vec![false; x.rank()];
+            if perm.len() != x.rank() || perm.iter().any(|&p| p >= x.rank() || std::mem::replace(&mut seen[p], true)) {
+                return Err(invalid(op, format!("{perm:?} is not a permutation of the axes of {x}")));
+            }
+            Ok((Shape(perm.iter().map(|&p| x.0[p]).collect()), inputs[0].1))
+        }
+        Op::Broadcast { shape } => {
+            arity(op, inputs, &[1])?;
+            let x = inputs[0].0;
+            let target = Shape(shape.clone());
+            if x.broadcast(&target).as_ref() != Some(&target) {
+                return Err(mismatch(op, "cannot broadcast", x, &target));
+            }
+            Ok((target, inputs[0].1))
+        }
+        Op::Slice { axis, start, end } => {
+            arity(op, inputs, &[1])?;
+            let x = inputs[0].0;
+            if *axis >= x.rank() || start >= end || *end > x.0[*axis] {
+                return Err(invalid(op, format!("slice {start}..{end} on axis {axis} is out of range for {x}")));
+            }
+            let mut dims = x.0.clone();
+            dims[*axis] = end - start;
+            Ok((Shape(dims), inputs[0].1))
+        }
+        Op::Concat { axis } => {
+            if inputs.is_empty() {
+                return Err(GraphError::Arity { op: op.name().into(), expected: ">= 1".into(), got: 0 });
+            }
+            let first = inputs[0].0;
+            if *axis >= first.rank() {
+                return Err(invalid(op, format!("axis {axis} out of range for {first}")));
+            }
+            let mut dims = first.0.clone();
+            dims[*axis] = 0;
+            for (slot, (s, dt)) in inputs.iter().enumerate() {
+                if *dt != inputs[0].1 {
+                    return Err(GraphError::DType { op: op.name().into(), slot, got: *dt, expected: inputs[0].1.name().into() });
+                }
+                let same_rank = s.rank() == first.rank();
+                if !same_rank || (0..first.rank()).any(|i| i != *axis && s.0[i] != first.0[i]) {
+                    return Err(mismatch(op, format!("inputs differ off axis {axis}"), first, s));
+                }
+                dims[*axis] += s.0[*axis];
+            }
+            Ok((Shape(dims), inputs[0].1))
+        }
+        Op::Gather { axis } => {
+            arity(op, inputs, &[2])?;
+            int(op, inputs, 1)?;
+            let (x, idx) = (inputs[0].0, inputs[1].0);
+            if *axis >= x.rank() || idx.rank() < *axis || idx.0[..*axis] != x.0[..*axis] {
+                return Err(mismatch(op, format!("index must share the {axis} leading dims of x"), x, idx));
+            }
+            let mut dims = idx.0.clone();
+            dims.extend_from_slice(&x.0[axis + 1..]);
+            Ok((Shape(dims), inputs[0].1))
+        }
+        Op::ScatterAdd { axis } | Op::ScatterRows { axis } => {
+            arity(op, inputs, &[3])?;
+            int(op, inputs, 1)?;
+            let (base, idx, src) = (inputs[0].0, inputs[1].0, inputs[2].0);
+            if *axis >= base.rank() || idx.rank() < *axis || idx.0[..*axis] != base.0[..*axis] {
+                return Err(mismatch(op, format!("index must share the {axis} leading dims of base"), base, idx));
+            }
+            let mut expected = idx.0.clone();
+            expected.extend_from_slice(&base.0[axis + 1..]);
+            if src.0 != expected {
+                return Err(mismatch(op, format!("src must be {}", Shape(expected)), base, src));
+            }
+            if inputs[2].1 != inputs[0].1 {
+                return Err(GraphError::DType { op: op.name().into(), slot: 2, got: inputs[2].1, expected: inputs[0].1.name().into() });
+            }
+            Ok((base.clone(), float(op, inputs, 0)?))
+        }
+        Op::TopK { k, fixed } => {
+            arity(op, inputs, &[1])?;
+            float(op, inputs, 0)?;
+            let x = inputs[0].0;
+            if x.rank() == 0 || *k > x.last() || fixed > k {
+                return Err(invalid(op, format!("need fixed {fixed} <= k {k} <= last axis of {x}")));
+            }
+            let mut dims = x.0.clone();
+            *dims.last_mut().expect("rank >= 1") = *k;
+            Ok((Shape(dims), DType::I32))
+        }
+        Op::RmsNorm { .. } | Op::LayerNorm { .. } | Op::GroupNorm { .. } => {
+            let allowed: &[usize] = match op {
+                Op::RmsNorm { .. } => &[1, 2],
+                Op::LayerNorm { .. } => &[1, 3],
+                _ => &[3],
+            };
+            arity(op, inputs, allowed)?;
+            let dt = same_dtype(op, inputs)?;
+            let x = inputs[0].0;
+            if x.rank() == 0 {
+                return Err(invalid(op, "cannot normalize a scalar"));
+            }
+            for (slot, (p, _)) in inputs.iter().enumerate().skip(1) {
+                last_axis_param(op, x, p, if slot == 1 { "gain" } else { "bias" })?;
+            }
+            if let Op::GroupNorm { groups, .. } = op {
+                if *groups == 0 || x.last() % groups != 0 {
+                    return Err(invalid(op, format!("{} channels do not split into {groups} groups", x.last())));
+                }
+            }
+            Ok((x.clone(), dt))
+        }
+        Op::NormProject { centered, .. } => {
+            arity(op, inputs, &[2])?;
+            let dt = same_dtype(op, inputs)?;
+            let (x, w) = (inputs[0].0, inputs[1].0);
+            if x.rank() == 0 || w.rank() != 2 || w.0[0] != x.last() {
+                return Err(mismatch(op, "w must be [K, M] with K the last axis of x", x, w));
+            }
+            if *centered > w.0[1] {
+                return Err(invalid(op, format!("centered {centered} exceeds the {} outputs", w.0[1])));
+            }
+            let mut dims = x.0.clone();
+            *dims.last_mut().expect("rank >= 1") = w.0[1];
+            Ok((Shape(dims), dt))
+        }
+        Op::SoftmaxCrossEntropy => {
+            arity(op, inputs, &[2])?;
+            float(op, inputs, 0)?;
+            int(op, inputs, 1)?;
+            let (logits, targets) = (inputs[0].0, inputs[1].0);
+            if logits.rank() == 0 || logits.0[..logits.rank() - 1] != targets.0[..] {
+                return Err(mismatch(op, "targets must be the logits' shape without the class axis", logits, targets));
+            }
+            Ok((Shape::scalar(), inputs[0].1))
+        }
+        Op::CausalAttention { .. } => {
+            arity(op, inputs, &[3])?;
+            let dt = same_dtype(op, inputs)?;
+            let (q, k, v) = (inputs[0].0, inputs[1].0, inputs[2].0);
+            if q.rank() != 4 || k.rank() != 4 || k != v {
+                return Err(mismatch(op, "q must be [B, T, H, dh]; k and v equal [B, T, Hkv, dh]", q, k));
+            }
+            let (h, hkv) = (q.0[2], k.0[2]);
+            if q.0[0] != k.0[0] || q.0[1] != k.0[1] || q.0[3] != k.0[3] || hkv == 0 || h % hkv != 0 {
+                return Err(mismatch(op, "q and k/v disagree on B, T or dh, or H % Hkv != 0", q, k));
+            }
+            Ok((q.clone(), dt))
+        }
+        Op::Sinkhorn { .. } => {
+            arity(op, inputs, &[1])?;
+            let x = inputs[0].0;
+            if x.rank() < 2 || x.0[x.rank() - 1] != x.0[x.rank() - 2] {
+                return Err(invalid(op, format!("needs square trailing matrices, got {x}")));
+            }
+            Ok((x.clone(), float(op, inputs, 0)?))
+        }
+        Op::TemporalAugment { .. } => {
+            if inputs.len() < 2 {
+                return Err(GraphError::Arity { op: op.name().into(), expected: ">= 2".into(), got: inputs.len() });
+            }
+            let dt = same_dtype(op, inputs)?;
+            let out = inputs[0].0;
+            if out.rank() != 3 {
+                return Err(invalid(op, format!("out must be [B, T, C], got {out}")));
+            }
+            for (w, _) in &inputs[1..] {
+                if w.rank() != 2 || w.0[1] != out.0[2] || w.0[0] == 0 {
+                    return Err(mismatch(op, "kernels must be [kappa, C]", out, w));
+                }
+            }
+            Ok((Shape::new([out.0[0], out.0[1], inputs.len() - 1, out.0[2]]), dt))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{Graph, Init, Op, ParamClass, ParamInfo};
+    use crate::{DType, Shape};
+
+    fn param(g: &mut Graph, name: &str, dims: &[usize]) -> super::super::NodeId {
+        let info = ParamInfo { name: name.into(), init: Init::Zeros, class: ParamClass::Hidden };
+        g.add_source(Op::Param(info), Shape::new(dims), DType::F32, None)
+    }
+
+    #[test]
+    fn matmul_rejects_mismatched_contraction_naming_op_and_shapes() {
+        let mut g = Graph::new();
+        let a = param(&mut g, "a", &[2, 3, 4]);
+        let b = param(&mut g, "b", &[5, 6]);
+        let err = g.add(Op::MatMul { trans_a: false, trans_b: false }, &[a, b]).unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.starts_with("matmul"), "{msg}");
+        assert!(msg.contains("[2, 3, 4]") && msg.contains("[5, 6]"), "{msg}");
+    }
+
+    #[test]
+    fn matmul_broadcasts_batch_and_honours_transposes() {
+        let mut g = Graph::new();
+        let a = param(&mut g, "a", &[2, 3, 4]);
+        let b = param(&mut g, "b", &[5, 4]);
+        let c = g.add(Op::MatMul { trans_a: false, trans_b: true }, &[a, b]).unwrap();
+        assert_eq!(g.node(c).shape, Shape::new([2, 3, 5]));
+    }
+
+    #[test]
+    fn gather_and_scatter_shapes() {
+        let mut g = Graph::new();
+        let x = param(&mut g, "x", &[2, 3, 16, 8]);
+        let scores = param(&mut g, "s", &[2, 3, 16]);
+        let idx = g.add(Op::TopK { k: 4, fixed: 2 }, &[scores]).unwrap();
+        assert_eq!(g.node(idx).dtype, DType::I32);
+        let act = g.add(Op::Gather { axis: 2 }, &[x, idx]).unwrap();
+        assert_eq!(g.node(act).shape, Shape::new([2, 3, 4, 8]));
+        let back = g.add(Op::ScatterRows { axis: 2 }, &[x, idx, act]).unwrap();
+        assert_eq!(g.node(back).shape, Shape::new([2, 3, 16, 8]));
+        let err = g.add(Op::ScatterRows { axis: 2 }, &[x, idx, x]).unwrap_err();
+        assert!(err.to_string().contains("scatter_rows"));
+    }
+
+    #[test]
+    fn norm_gain_must_match_last_axis() {
+        let mut g = Graph::new();
+        let x = param(&mut g, "x", &[2, 8]);
+        let gain = param(&mut g, "g", &[4]);
+        let err = g.add(Op::RmsNorm { eps: 1e-5 }, &[x, gain]).unwrap_err().to_string();
+        assert!(err.contains("rms_norm") && err.contains("[2, 8]") && err.contains("[4]"), "{err}");
+    }
+}

@@ -1,0 +1,258 @@
+//! The op set, defined once (DESIGN.md §4). Every op's semantics is its
+//! reference implementation in `exec`; every op's derivative is one rule in
+//! `autodiff`. Shapes follow NumPy broadcasting for elementwise binaries.
+
+use serde::{Deserialize, Serialize};
+
+/// Elementwise unary functions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum UnaryOp {
+    Neg,
+    Exp,
+    Log,
+    Tanh,
+    Sigmoid,
+    /// x * sigmoid(x)
+    Silu,
+    Sqrt,
+    Rsqrt,
+    Recip,
+    Square,
+}
+
+/// Elementwise binary functions (NumPy broadcasting).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum BinaryOp {
+    Add,
+    Sub,
+    Mul,
+    Div,
+    /// Elementwise maximum; the derivative goes to the larger operand (ties: the first).
+    Max,
+}
+
+/// Reductions over one axis.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ReduceOp {
+    Sum,
+    Max,
+    Mean,
+}
+
+/// How a parameter is initialized. Initialization itself is done by the runtime
+/// from a seeded RNG; the graph only records the rule.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Init {
+    Zeros,
+    Ones,
+    Constant(f64),
+    /// N(0, std^2).
+    Normal { std: f64 },
+    /// U(-bound, bound).
+    Uniform { bound: f64 },
+    /// Rectangular identity: 1 where row == col (e.g. W_reduce = [I_D | 0], MATH.md §5.6).
+    Eye,
+    /// Explicit row-major values (small static connection matrices: GHC A/B, mHC b).
+    Values(Vec<f64>),
+}
+
+/// How a parameter is treated by optimizers and muP (MATH.md §8.1, §8.2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ParamClass {
+    /// Embedding tables (E, E_wide, E_base): AdamW, no weight decay, muP vector-like.
+    Embedding,
+    /// Hidden matrices (attention, FFN, experts, W_reduce, W_expand, MTP mixers):
+    /// weight decay, Muon-eligible, muP hidden.
+    Hidden,
+    /// The unembedding U: weight decay, AdamW, muP readout.
+    Readout,
+    /// Norm gains and biases: no weight decay.
+    Gain,
+    /// Connection-coefficient generators that read a width-sized vector
+    /// (HC W, mHC phi, GHC W_alpha/W_beta, xHC W^r/W^pre/W^res/W^post):
+    /// AdamW with weight decay, muP readout-like (MATH.md §8.1 DECISION).
+    ConnectionProjection,
+    /// Static connection parameters (A, B, b, S, alpha scalars): AdamW, no weight decay.
+    ConnectionStatic,
+    /// xHC temporal-conv kernels: AdamW, weight decay, muP vector-like.
+    Conv,
+    /// MoE router matrices: AdamW, weight decay (Muon-eligible per xHC §4.6).
+    Router,
+}
+
+impl ParamClass {
+    /// Whether AdamW applies decoupled weight decay (MATH.md §1.2, §2.4, §5.6, §6.7).
+    pub fn weight_decay(self) -> bool {
+        matches!(
+            self,
+            ParamClass::Hidden
+                | ParamClass::Readout
+                | ParamClass::ConnectionProjection
+                | ParamClass::Conv
+                | ParamClass::Router
+        )
+    }
+
+    /// Whether Muon (rather than AdamW) updates this parameter when Muon is selected (§8.2).
+    pub fn muon_eligible(self) -> bool {
+        matches!(self, ParamClass::Hidden | ParamClass::Router)
+    }
+}
+
+/// A trainable parameter.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ParamInfo {
+    /// Stable, documented name (checkpoint key), e.g. `blocks.0.attn.wq`.
+    pub name: String,
+    pub init: Init,
+    pub class: ParamClass,
+}
+
+/// The ops. Inputs are ordered by edge slot; the doc of each variant lists them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Op {
+    /// Per-step data (token windows). No inputs.
+    Input { name: String },
+    /// A trainable parameter. No inputs.
+    Param(ParamInfo),
+    /// A tensor filled with one value. No inputs.
+    Constant { value: f64 },
+    /// Elementwise unary: (x).
+    Unary(UnaryOp),
+    /// Elementwise binary with broadcasting: (a, b).
+    Binary(BinaryOp),
+    /// a * x + b with constants, elementwise: (x).
+    Affine { mul: f64, add: f64 },
+    /// Reduce one axis: (x).
+    Reduce { op: ReduceOp, axis: usize, keepdim: bool },
+    /// Batched matrix product: (a [.., M, K], b [.., K, N]) -> [.., M, N], batch dims
+    /// broadcast; `trans_a`/`trans_b` transpose the last two axes of an operand first.
+    MatMul { trans_a: bool, trans_b: bool },
+    /// View with a new shape of the same element count: (x).
+    Reshape { shape: Vec<usize> },
+    /// Axis permutation, out.dims[i] = x.dims[perm[i]]: (x).
+    Permute { perm: Vec<usize> },
+    /// NumPy broadcast to `shape`: (x).
+    Broadcast { shape: Vec<usize> },
+    /// x[.., start..end, ..] on `axis`: (x).
+    Slice { axis: usize, start: usize, end: usize },
+    /// Concatenate along `axis`: (x0, x1, ...).
+    Concat { axis: usize },
+    /// Gather along `axis`: (x [P.., S, R..], idx i32 [P.., J..]) -> [P.., J.., R..],
+    /// where P = x.dims[..axis]. Embedding lookup is axis 0; per-token stream gather
+    /// is axis 2 of [B, T, N, C] with idx [B, T, k].
+    Gather { axis: usize },
+    /// Inverse of `Gather`, accumulating: (base, idx, src) -> base with src added at idx.
+    ScatterAdd { axis: usize },
+    /// Row replacement: (base, idx, src) -> base with rows idx replaced by src
+    /// (indices distinct within each P). Used for xHC's sparse write-back (MATH.md §6.6).
+    ScatterRows { axis: usize },
+    /// xHC routing over the last axis (MATH.md §6.2): (scores [.., N]) -> i32 [.., k]:
+    /// indices 0..fixed, then the k - fixed highest scores among the rest, in ascending
+    /// index order; ties go to the lowest index. Not differentiable.
+    TopK { k: usize, fixed: usize },
+    /// Softmax over the last axis: (x).
+    Softmax,
+    /// RMSNorm over the last axis: (x, gain [d]) or (x) without gain (MATH.md §1.3).
+    RmsNorm { eps: f64 },
+    /// LayerNorm over the last axis: (x, gain, bias) or (x) without affine.
+    LayerNorm { eps: f64 },
+    /// GroupNorm over the last axis split into `groups` groups, per-channel affine:
+    /// (x, gain, bias) (MATH.md §5.2).
+    GroupNorm { groups: usize, eps: f64 },
+    /// Projection of the normalized input, reading x once (mHC fused form, MATH.md §4.3;
+    /// xHC fused router + pre, §6.2–6.3): (x [.., K], w [K, M]) -> [.., M]. The first
+    /// `centered` output columns use LayerNorm statistics (mean-centred, no affine),
+    /// the rest RMSNorm statistics (no gain: it is folded into w).
+    NormProject { eps: f64, centered: usize },
+    /// Mean softmax cross-entropy: (logits [.., V], targets i32 [..]) -> scalar.
+    SoftmaxCrossEntropy,
+    /// Causal self-attention with optional half-split RoPE (MATH.md §1.3):
+    /// (q [B, T, H, dh], k [B, T, Hkv, dh], v [B, T, Hkv, dh]) -> [B, T, H, dh].
+    CausalAttention { scale: f64, rope_base: Option<f64> },
+    /// Sinkhorn-Knopp over the last two axes (MATH.md §4.2): (logits [.., n, n]).
+    /// exp(x - colmax), then `iters` x (column normalize, row normalize), each sum + eps.
+    Sinkhorn { iters: usize, eps: f64 },
+    /// xHC temporal augmentation (MATH.md §6.5): (out [B, T, C], w_1 [κ_1, C], ..., w_r [κ_r, C])
+    /// -> [B, T, r, C] = v_2..v_{r+1}: causal depthwise convolutions g_j, then (optionally)
+    /// modified Gram–Schmidt against out and the earlier components.
+    TemporalAugment { gram_schmidt: bool, eps_rel: f64 },
+}
+
+impl Op {
+    /// Short op name for dumps and errors.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Op::Input { .. } => "input",
+            Op::Param(_) => "param",
+            Op::Constant { .. } => "constant",
+            Op::Unary(u) => match u {
+                UnaryOp::Neg => "neg",
+                UnaryOp::Exp => "exp",
+                UnaryOp::Log => "log",
+                UnaryOp::Tanh => "tanh",
+                UnaryOp::Sigmoid => "sigmoid",
+                UnaryOp::Silu => "silu",
+                UnaryOp::Sqrt => "sqrt",
+                UnaryOp::Rsqrt => "rsqrt",
+                UnaryOp::Recip => "recip",
+                UnaryOp::Square => "square",
+            },
+            Op::Binary(b) => match b {
+                BinaryOp::Add => "add",
+                BinaryOp::Sub => "sub",
+                BinaryOp::Mul => "mul",
+                BinaryOp::Div => "div",
+                BinaryOp::Max => "max",
+            },
+            Op::Affine { .. } => "affine",
+            Op::Reduce { op, .. } => match op {
+                ReduceOp::Sum => "sum",
+                ReduceOp::Max => "reduce_max",
+                ReduceOp::Mean => "mean",
+            },
+            Op::MatMul { .. } => "matmul",
+            Op::Reshape { .. } => "reshape",
+            Op::Permute { .. } => "permute",
+            Op::Broadcast { .. } => "broadcast",
+            Op::Slice { .. } => "slice",
+            Op::Concat { .. } => "concat",
+            Op::Gather { .. } => "gather",
+            Op::ScatterAdd { .. } => "scatter_add",
+            Op::ScatterRows { .. } => "scatter_rows",
+            Op::TopK { .. } => "topk",
+            Op::Softmax => "softmax",
+            Op::RmsNorm { .. } => "rms_norm",
+            Op::LayerNorm { .. } => "layer_norm",
+            Op::GroupNorm { .. } => "group_norm",
+            Op::NormProject { .. } => "norm_project",
+            Op::SoftmaxCrossEntropy => "softmax_cross_entropy",
+            Op::CausalAttention { .. } => "causal_attention",
+            Op::Sinkhorn { .. } => "sinkhorn",
+            Op::TemporalAugment { .. } => "temporal_augment",
+        }
+    }
+
+    /// Pure views: no data is moved (DESIGN.md §4 "movement as views"). The cost model
+    /// counts no traffic for them.
+    pub fn is_view(&self) -> bool {
+        matches!(
+            self,
+            Op::Reshape { .. }
+                | Op::Permute { .. }
+                | Op::Broadcast { .. }
+                | Op::Slice { .. }
+                | Op::Concat { .. }
+        )
+    }
+
+    /// Heavy ops that are kernels of their own (DESIGN.md §5).
+    pub fn is_heavy(&self) -> bool {
+        matches!(self, Op::MatMul { .. } | Op::CausalAttention { .. } | Op::SoftmaxCrossEntropy)
+    }
+
+    /// Sources have no inputs.
+    pub fn is_source(&self) -> bool {
+        matches!(self, Op::Input { .. } | Op::Param(_) | Op::Constant { .. })
+    }
+}

@@ -1,0 +1,14 @@
+//! `ir`: the front half of widen.
+//!
+//! Data flows one way (DESIGN.md §2): a [`spec::ModelSpec`] (from RON or the
+//! derive) is validated, lowered to a [`graph::Graph`], differentiated and
+//! costed. The reference executor in [`exec`] is the oracle every other
+//! backend is tested against.
+
+pub mod dtype;
+pub mod graph;
+pub mod shape;
+pub mod spec;
+
+pub use dtype::DType;
+pub use shape::Shape;

@@ -1,0 +1,758 @@
+//! The model spec: everything a user says about a model (MATH.md §10).
+//!
+//! A RON file holds one `Model(...)`; every field has a documented default so
+//! a minimal spec is a few lines. The derive macro builds the same
+//! [`ModelSpec`] and runs the same [`ModelSpec::validate`].
+//!
+//! Fields that default to a value computed from other fields (`kv_heads`,
+//! `head_dim`, the SwiGLU hidden width, GHC's `tau` and `reduce_norm`, xHC's
+//! `gram_schmidt`) are `Option`s; use the resolving accessors
+//! ([`ModelSpec::kv_heads`], [`ModelSpec::head_dim`], ...) rather than the raw field.
+
+mod parse;
+mod validate;
+
+pub use parse::{parse_spec, SpecLoadError};
+pub use validate::FieldError;
+
+use serde::{Deserialize, Serialize};
+
+/// A whole model: backbone, residual-stream scheme, MTP, parametrization, training.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields, rename = "Model")]
+pub struct ModelSpec {
+    /// Human-readable name, used in reports and output folders.
+    pub name: String,
+    /// Vocabulary size V [>= 2]. 256 = byte-level text.
+    pub vocab: usize,
+    /// Backbone width D (= C) [>= 1].
+    pub d_model: usize,
+    /// Transformer blocks L [>= 1]; each has two sublayers (attention, FFN).
+    pub layers: usize,
+    /// Query heads H [>= 1].
+    pub heads: usize,
+    /// Key/value heads H_kv (GQA) [1 <= H_kv <= H, H % H_kv == 0]; default H.
+    pub kv_heads: Option<usize>,
+    /// Head dimension d_h [even, for RoPE]; default D / H.
+    pub head_dim: Option<usize>,
+    /// Feed-forward sublayer.
+    pub ffn: FfnSpec,
+    /// RMSNorm epsilon [> 0]; default 1e-5.
+    pub norm_eps: f64,
+    /// RoPE base [> 0]; default 10000 (MATH.md §1.2).
+    pub rope_base: f64,
+    /// Tie the unembedding to the embedding (U = E^T); default false (MATH.md §10 (D)).
+    pub tie_embeddings: bool,
+    /// Standard-parametrization init std [> 0]; default 0.02 (MATH.md §1.2).
+    pub init_std: f64,
+    /// Depth-scale the output projections W_o, W_2 by 1/sqrt(2L) (MATH.md §1.2); default true.
+    pub out_proj_depth_scaled: bool,
+    /// The residual-stream scheme.
+    pub residual: ResidualSpec,
+    /// Multi-token prediction (MATH.md §7).
+    pub mtp: MtpSpec,
+    /// Standard or muP (MATH.md §8.1).
+    pub parametrization: Parametrization,
+    /// Numeric precision of the residual state and matmul operands (MATH.md §6.12).
+    pub precision: Precision,
+    /// Training configuration.
+    pub train: TrainSpec,
+}
+
+impl Default for ModelSpec {
+    fn default() -> Self {
+        ModelSpec {
+            name: "model".into(),
+            vocab: 256,
+            d_model: 64,
+            layers: 2,
+            heads: 4,
+            kv_heads: None,
+            head_dim: None,
+            ffn: FfnSpec::default(),
+            norm_eps: 1e-5,
+            rope_base: 10000.0,
+            tie_embeddings: false,
+            init_std: 0.02,
+            out_proj_depth_scaled: true,
+            residual: ResidualSpec::Residual,
+            mtp: MtpSpec::default(),
+            parametrization: Parametrization::Standard,
+            precision: Precision::F32,
+            train: TrainSpec::default(),
+        }
+    }
+}
+
+impl ModelSpec {
+    /// Key/value heads, defaulting to the query heads (plain multi-head attention).
+    pub fn kv_heads(&self) -> usize {
+        self.kv_heads.unwrap_or(self.heads)
+    }
+
+    /// Head dimension, defaulting to D / H.
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+            .unwrap_or(if self.heads == 0 { 0 } else { self.d_model / self.heads })
+    }
+
+    /// Number of sublayers 2L (MATH.md §0.1: every HC-family paper counts a sublayer as a layer).
+    pub fn sublayers(&self) -> usize {
+        2 * self.layers
+    }
+
+    /// The same spec with a plain residual: the baseline every overhead is measured against.
+    pub fn with_plain_residual(&self) -> ModelSpec {
+        let mut s = self.clone();
+        s.residual = ResidualSpec::Residual;
+        s
+    }
+}
+
+/// The feed-forward sublayer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum FfnSpec {
+    /// SwiGLU: (silu(x W_1) * (x W_3)) W_2 (MATH.md §1.3).
+    SwiGlu(SwiGluSpec),
+    /// Mixture of experts: top-k routed SwiGLU experts plus always-on shared experts.
+    Moe(MoeSpec),
+}
+
+impl Default for FfnSpec {
+    fn default() -> Self {
+        FfnSpec::SwiGlu(SwiGluSpec::default())
+    }
+}
+
+impl FfnSpec {
+    /// The SwiGLU inner width F. Default round_up(8D/3, 256) (Llama convention, MATH.md §1.2),
+    /// except that for D < 96 it is round_up(8D/3, 8), so tiny models stay tiny.
+    pub fn default_hidden(d_model: usize) -> usize {
+        let raw = (8 * d_model).div_ceil(3);
+        let multiple = if d_model < 96 { 8 } else { 256 };
+        raw.div_ceil(multiple) * multiple
+    }
+}
+
+/// SwiGLU knobs.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SwiGluSpec {
+    /// Inner width F [>= 1]; default [`FfnSpec::default_hidden`].
+    pub hidden: Option<usize>,
+}
+
+/// Mixture-of-experts knobs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MoeSpec {
+    /// Routed experts E [>= 1].
+    pub experts: usize,
+    /// Experts active per token [1 <= top_k <= experts].
+    pub top_k: usize,
+    /// Always-active shared experts [>= 0].
+    pub shared: usize,
+    /// Inner width of each expert [>= 1].
+    pub hidden: usize,
+    /// Gate function over the routed experts' scores.
+    pub gate: MoeGate,
+}
+
+impl Default for MoeSpec {
+    fn default() -> Self {
+        MoeSpec { experts: 8, top_k: 2, shared: 1, hidden: 128, gate: MoeGate::Softmax }
+    }
+}
+
+/// How the MoE router turns scores into gates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MoeGate {
+    /// Softmax over all experts, then keep the top-k weights (unrenormalized).
+    Softmax,
+    /// Independent sigmoids (DeepSeek-V3 style), top-k kept.
+    Sigmoid,
+}
+
+/// The residual-stream scheme (MATH.md §0.3 unified Read / Carry / Write form).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub enum ResidualSpec {
+    /// Plain pre-norm residual (MATH.md §1).
+    #[default]
+    Residual,
+    /// Hyper-connections, n streams (MATH.md §2).
+    Hc(HcSpec),
+    /// Frac-connections, frac-rate m (MATH.md §3).
+    Fc(FcSpec),
+    /// Manifold-constrained hyper-connections (MATH.md §4).
+    Mhc(MhcSpec),
+    /// Generalized hyper-connections / Virtual Width Networks (MATH.md §5).
+    Ghc(GhcSpec),
+    /// Expanded hyper-connections (MATH.md §6).
+    Xhc(XhcSpec),
+}
+
+impl ResidualSpec {
+    /// The spec keyword, as written in RON.
+    pub fn kind_name(&self) -> &'static str {
+        match self {
+            ResidualSpec::Residual => "Residual",
+            ResidualSpec::Hc(_) => "Hc",
+            ResidualSpec::Fc(_) => "Fc",
+            ResidualSpec::Mhc(_) => "Mhc",
+            ResidualSpec::Ghc(_) => "Ghc",
+            ResidualSpec::Xhc(_) => "Xhc",
+        }
+    }
+}
+
+/// Elementwise activation used by HC/FC dynamic coefficient generation (MATH.md §2.3).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum GateAct {
+    Tanh,
+    /// The paper's "W/O tanh" variant.
+    Identity,
+}
+
+/// Norm applied to each stream before HC dynamic coefficient generation (MATH.md §2.3).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum GenNorm {
+    /// HC Alg. 2 (the paper).
+    LayerNorm,
+    /// mHC's recap of HC and lucidrains.
+    RmsNorm,
+}
+
+/// HC output-projection init multiplier (MATH.md §2.4 DECISION: divide by sqrt(n)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum OutProjStdMult {
+    One,
+    InvSqrtN,
+    SqrtN,
+}
+
+/// Hyper-connections (MATH.md §2).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HcSpec {
+    /// Streams n [>= 1]; default 4.
+    pub n: usize,
+    /// Dynamic (DHC) coefficients; default true.
+    pub dynamic: bool,
+    /// Activation on the dynamic projections; default tanh.
+    pub act: GateAct,
+    /// Per-stream norm before the dynamic projections; default LayerNorm (the paper).
+    pub gen_norm: GenNorm,
+    /// s_alpha = s_beta init [finite]; default 0.01.
+    pub scale_init: f64,
+    /// Output-projection init multiplier; default 1/sqrt(n) (MATH.md §2.4 DECISION).
+    pub out_proj_std_mult: OutProjStdMult,
+}
+
+impl Default for HcSpec {
+    fn default() -> Self {
+        HcSpec {
+            n: 4,
+            dynamic: true,
+            act: GateAct::Tanh,
+            gen_norm: GenNorm::LayerNorm,
+            scale_init: 0.01,
+            out_proj_std_mult: OutProjStdMult::InvSqrtN,
+        }
+    }
+}
+
+/// Frac-connections (MATH.md §3).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FcSpec {
+    /// Frac-rate m [>= 1, D % m == 0]; default 4.
+    pub m: usize,
+    /// Dynamic (DFC) coefficients; default true.
+    pub dynamic: bool,
+    /// Activation on the dynamic projections; default tanh.
+    pub act: GateAct,
+    /// s_alpha = s_beta init; default 0.01.
+    pub scale_init: f64,
+}
+
+impl Default for FcSpec {
+    fn default() -> Self {
+        FcSpec { m: 4, dynamic: true, act: GateAct::Tanh, scale_init: 0.01 }
+    }
+}
+
+/// mHC static-bias init (MATH.md §4.4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MhcBiasInit {
+    /// b_pre = +3 home / -3 elsewhere, b_post = 0, b_res = 6I - 3 (DECISION, convention 1).
+    SingleStream,
+    /// All biases zero (the "historical" convention).
+    Zero,
+}
+
+/// Init of connection projections (mHC phi, MATH.md §4.4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ProjInit {
+    Zero,
+    Xavier,
+}
+
+/// How the streams are collapsed before the final norm (MATH.md §4.4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Collapse {
+    Sum,
+    Mean,
+}
+
+/// Manifold-constrained hyper-connections (MATH.md §4).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MhcSpec {
+    /// Streams n [>= 1]; default 4.
+    pub n: usize,
+    /// Sinkhorn iterations t_max [>= 1]; default 20.
+    pub sinkhorn_iters: usize,
+    /// Guard added to Sinkhorn row/column sums [>= 0]; default 0 (the paper's exact form).
+    pub sinkhorn_eps: f64,
+    /// Added to H_pre to keep reads strictly positive [>= 0]; default 0 (paper).
+    pub pre_eps: f64,
+    /// Upper bound of the write gate, H_post = post_max * sigmoid [> 0]; default 2.
+    pub post_max: f64,
+    /// alpha_pre = alpha_post = alpha_res init; default 0.01 (paper Table 5).
+    pub alpha_init: f64,
+    /// Static-bias init; default single-stream.
+    pub bias_init: MhcBiasInit,
+    /// Projection init; default zero.
+    pub proj_init: ProjInit,
+    /// Collapse before the head; default sum.
+    pub collapse: Collapse,
+}
+
+impl Default for MhcSpec {
+    fn default() -> Self {
+        MhcSpec {
+            n: 4,
+            sinkhorn_iters: 20,
+            sinkhorn_eps: 0.0,
+            pre_eps: 0.0,
+            post_max: 2.0,
+            alpha_init: 0.01,
+            bias_init: MhcBiasInit::SingleStream,
+            proj_init: ProjInit::Zero,
+            collapse: Collapse::Sum,
+        }
+    }
+}
+
+/// VWN over-width embedding (MATH.md §5.2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum EmbedMode {
+    /// E_wide in R^{V x D'}.
+    Full,
+    /// E_base W_expand, E_base in R^{V x D}, W_expand in R^{D x D'}.
+    Expand,
+}
+
+/// Norm before W_reduce (MATH.md §5.2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ReduceNorm {
+    /// GroupNorm with group size D (r groups over D'); requires n % m == 0.
+    GroupNorm,
+    None,
+}
+
+/// W_reduce init (MATH.md §5.6 DECISION).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ReduceInit {
+    /// [I_D | 0]: reads the first m slots, equivalent to the baseline at init.
+    BlockIdentity,
+    /// N(0, 1/D').
+    Normal,
+}
+
+/// Generalized hyper-connections / Virtual Width Networks (MATH.md §5).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct GhcSpec {
+    /// Fraction rate m [>= 1, D % m == 0]: backbone segments of width d_b = D/m. Default 4.
+    pub m: usize,
+    /// Over-width slots n [>= m]; r = n/m, D' = n*d_b. Default 16 (r = 4).
+    pub n: usize,
+    /// Dynamic (DGHC) coefficients; default true.
+    pub dynamic: bool,
+    /// Temperature tau [> 0]; default sqrt(d_b) (MATH.md §5.5).
+    pub tau: Option<f64>,
+    /// S_alpha, S_beta init; default 1.
+    pub s_init: f64,
+    /// Over-width embedding form; default full.
+    pub embed_mode: EmbedMode,
+    /// Norm before W_reduce; default GroupNorm when n % m == 0 and r >= 2, else none.
+    pub reduce_norm: Option<ReduceNorm>,
+    /// W_reduce init; default block identity.
+    pub reduce_init: ReduceInit,
+}
+
+impl Default for GhcSpec {
+    fn default() -> Self {
+        GhcSpec {
+            m: 4,
+            n: 16,
+            dynamic: true,
+            tau: None,
+            s_init: 1.0,
+            embed_mode: EmbedMode::Full,
+            reduce_norm: None,
+            reduce_init: ReduceInit::BlockIdentity,
+        }
+    }
+}
+
+impl GhcSpec {
+    /// Segment width d_b = D/m.
+    pub fn segment_width(&self, d_model: usize) -> usize {
+        d_model / self.m.max(1)
+    }
+
+    /// Temperature, defaulting to sqrt(d_b) (MATH.md §5.5).
+    pub fn tau(&self, d_model: usize) -> f64 {
+        self.tau.unwrap_or((self.segment_width(d_model) as f64).sqrt())
+    }
+
+    /// The reduce norm, defaulting to GroupNorm when r is an integer >= 2 (MATH.md §5.2 DECISION).
+    pub fn reduce_norm(&self) -> ReduceNorm {
+        self.reduce_norm.unwrap_or(if self.n % self.m.max(1) == 0 && self.n >= 2 * self.m {
+            ReduceNorm::GroupNorm
+        } else {
+            ReduceNorm::None
+        })
+    }
+}
+
+/// xHC router gate (MATH.md §6.2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Router {
+    Sigmoid,
+    Softmax,
+}
+
+/// xHC-Flash sharing (MATH.md §6.10, §6.11).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Flash {
+    /// Full xHC: routing and maps per sublayer.
+    None,
+    /// xHC-Flash: one routing decision per block.
+    Block,
+    /// xHC-Flash-4sub: one routing decision per two blocks.
+    TwoBlock,
+}
+
+/// Which sublayers get temporal feature augmentation (MATH.md §6.5).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum AugSublayers {
+    /// The paper's default.
+    Mlp,
+    MlpAndAttention,
+}
+
+/// Expanded hyper-connections (MATH.md §6).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct XhcSpec {
+    /// Total streams N [>= 1]; default 16.
+    pub n: usize,
+    /// Active streams k [1 <= k <= N]; default 4.
+    pub k: usize,
+    /// Fixed streams m_f [0 <= fixed <= k]; default 2.
+    pub fixed: usize,
+    /// Temporal conv kernel sizes [each >= 1]; K_r = len + 1 on augmented sublayers. Default [4, 8, 12].
+    pub conv_kernels: Vec<usize>,
+    /// Sublayers with temporal augmentation; default MLP only.
+    pub temporal_aug: AugSublayers,
+    /// Gram-Schmidt on the augmented components; default true with AdamW, false with Muon (§8.2).
+    pub gram_schmidt: Option<bool>,
+    /// Relative Gram-Schmidt guard (MATH.md §6.5 DECISION); default 1e-6.
+    pub gs_eps: f64,
+    /// Router gate; default sigmoid.
+    pub router: Router,
+    /// Sinkhorn iterations over the active set [>= 1]; default 20.
+    pub sinkhorn_iters: usize,
+    /// Row clamp after Sinkhorn (MATH.md §6.4); default true.
+    pub row_clamp: bool,
+    /// alpha init; default 0.01.
+    pub alpha_init: f64,
+    /// Flash variant; default none.
+    pub flash: Flash,
+}
+
+impl Default for XhcSpec {
+    fn default() -> Self {
+        XhcSpec {
+            n: 16,
+            k: 4,
+            fixed: 2,
+            conv_kernels: vec![4, 8, 12],
+            temporal_aug: AugSublayers::Mlp,
+            gram_schmidt: None,
+            gs_eps: 1e-6,
+            router: Router::Sigmoid,
+            sinkhorn_iters: 20,
+            row_clamp: true,
+            alpha_init: 0.01,
+            flash: Flash::None,
+        }
+    }
+}
+
+/// Order of the MTP concatenation (MATH.md §7.1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ConcatOrder {
+    /// [h; e], the paper's order (DECISION).
+    HiddenFirst,
+    /// [e; h], vLLM's order.
+    EmbFirst,
+}
+
+/// Multi-token prediction (MATH.md §7).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MtpSpec {
+    /// Number of MTP modules K [>= 0]. MATH.md §10 lists the papers' default of 1
+    /// (DeepSeek-V3); widen defaults to 0 so that a spec without an `mtp` field is a
+    /// plain next-token model, and `mtp: (depth: 1)` opts in.
+    pub depth: usize,
+    /// Loss weight lambda [>= 0]; L = L_main + lambda/K * sum_k L^k. Default 0.3.
+    pub lambda: f64,
+    /// Concatenation order of hidden and embedding; default hidden first.
+    pub concat_order: ConcatOrder,
+}
+
+impl Default for MtpSpec {
+    fn default() -> Self {
+        MtpSpec { depth: 0, lambda: 0.3, concat_order: ConcatOrder::HiddenFirst }
+    }
+}
+
+/// Standard parametrization or muP (MATH.md §8.1).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub enum Parametrization {
+    #[default]
+    Standard,
+    MuP(MupSpec),
+}
+
+/// muP knobs (MATH.md §8.1, §10).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MupSpec {
+    /// Base width D_base the hyper-parameters were tuned at [>= 1, <= d_model]. Default 64.
+    pub base_width: usize,
+    /// Readout output multiplier [> 0]; default 1.
+    pub output_mult: f64,
+    /// Attention logit multiplier alpha_attn (logits scaled by alpha_attn / d_h) [> 0]; default 8.
+    pub attn_mult: f64,
+    /// Zero-initialize the readout; default false.
+    pub readout_zero_init: bool,
+}
+
+impl Default for MupSpec {
+    fn default() -> Self {
+        MupSpec { base_width: 64, output_mult: 1.0, attn_mult: 8.0, readout_zero_init: false }
+    }
+}
+
+/// Numeric precision (MATH.md §6.12). Norm statistics, routing coefficients and Sinkhorn
+/// stay fp32 in every mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub enum Precision {
+    #[default]
+    F32,
+    /// Residual state and matmul operands in bf16 (GPU).
+    Bf16,
+}
+
+/// Training configuration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TrainSpec {
+    /// Training data; default the built-in synthetic corpus.
+    pub data: DataSpec,
+    /// Tokens per sequence T [>= 2].
+    pub seq_len: usize,
+    /// Sequences per step B [>= 1].
+    pub batch: usize,
+    /// Optimizer steps [>= 1].
+    pub steps: usize,
+    /// Optimizer.
+    pub optimizer: OptimizerSpec,
+    /// Learning-rate schedule.
+    pub schedule: ScheduleSpec,
+    /// Global gradient-norm clip [> 0], or none. Default 1.0 (MATH.md §10).
+    pub clip: Option<f64>,
+    /// RNG seed for init and data order.
+    pub seed: u64,
+    /// Validate every this many steps [>= 1]; default 50.
+    pub eval_every: usize,
+    /// Validation batches per evaluation [>= 1]; default 4.
+    pub eval_batches: usize,
+    /// Fraction of the text held out for validation (0 < f < 1); default 0.1.
+    pub val_fraction: f64,
+    /// Checkpoint every this many steps (0 = only at the end); default 0.
+    pub checkpoint_every: usize,
+}
+
+impl Default for TrainSpec {
+    fn default() -> Self {
+        TrainSpec {
+            data: DataSpec::Synthetic(SyntheticCorpus::Default),
+            seq_len: 64,
+            batch: 8,
+            steps: 200,
+            optimizer: OptimizerSpec::AdamW(AdamWSpec::default()),
+            schedule: ScheduleSpec::Cosine(CosineSpec::default()),
+            clip: Some(1.0),
+            seed: 0,
+            eval_every: 50,
+            eval_batches: 4,
+            val_fraction: 0.1,
+            checkpoint_every: 0,
+        }
+    }
+}
+
+/// Where training text comes from.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum DataSpec {
+    /// A built-in generated corpus: no download needed.
+    Synthetic(SyntheticCorpus),
+    /// A byte-level text file.
+    Text(String),
+}
+
+/// Built-in corpora.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SyntheticCorpus {
+    /// Deterministic English-like text from a small grammar; learnable structure at byte level.
+    Default,
+}
+
+/// Optimizer choice.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum OptimizerSpec {
+    AdamW(AdamWSpec),
+    /// Muon for hidden matrices, AdamW for everything else (MATH.md §8.2).
+    Muon(MuonSpec),
+}
+
+/// AdamW (decoupled weight decay). No decay on gains, biases, embeddings and static
+/// connection parameters (MATH.md §1.2, §2.4, §5.6).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AdamWSpec {
+    /// Peak learning rate [> 0].
+    pub lr: f64,
+    /// (beta1, beta2), each in [0, 1).
+    pub betas: (f64, f64),
+    /// Denominator epsilon [> 0]; default 1e-8.
+    pub eps: f64,
+    /// Decoupled weight decay [>= 0]; default 0.1.
+    pub weight_decay: f64,
+}
+
+impl Default for AdamWSpec {
+    fn default() -> Self {
+        AdamWSpec { lr: 3e-3, betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1 }
+    }
+}
+
+/// Muon update scaling (MATH.md §8.2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MuonScale {
+    /// sqrt(max(1, out/in)) (Keller Jordan's original).
+    Original,
+    /// 0.2 * sqrt(max(out, in)): matches AdamW's update RMS (Moonlight; xHC).
+    MatchRmsAdamW,
+}
+
+/// Muon knobs (MATH.md §8.2).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MuonSpec {
+    /// Muon learning rate [> 0]; default 0.02.
+    pub lr: f64,
+    /// Momentum beta [0, 1); default 0.95.
+    pub momentum: f64,
+    /// Nesterov momentum; default true.
+    pub nesterov: bool,
+    /// Newton-Schulz steps [>= 1]; default 5.
+    pub ns_steps: usize,
+    /// Update scaling; default original.
+    pub scale: MuonScale,
+    /// Decoupled weight decay on Muon matrices [>= 0]; default 0.
+    pub weight_decay: f64,
+    /// AdamW for the non-hidden parameters.
+    pub adamw: AdamWSpec,
+}
+
+impl Default for MuonSpec {
+    fn default() -> Self {
+        MuonSpec {
+            lr: 0.02,
+            momentum: 0.95,
+            nesterov: true,
+            ns_steps: 5,
+            scale: MuonScale::Original,
+            weight_decay: 0.0,
+            adamw: AdamWSpec::default(),
+        }
+    }
+}
+
+/// Learning-rate schedule.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum ScheduleSpec {
+    /// Linear warmup then constant.
+    Constant(ConstantSpec),
+    /// Linear warmup then cosine decay to `min_ratio` of the peak.
+    Cosine(CosineSpec),
+    /// Warmup-stable-decay: warmup, constant, then linear decay over the last `decay_fraction`.
+    Wsd(WsdSpec),
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ConstantSpec {
+    /// Warmup steps [>= 0, < steps].
+    pub warmup: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CosineSpec {
+    /// Warmup steps [>= 0, < steps]; default 20.
+    pub warmup: usize,
+    /// Final LR as a fraction of the peak [0, 1]; default 0.1.
+    pub min_ratio: f64,
+}
+
+impl Default for CosineSpec {
+    fn default() -> Self {
+        CosineSpec { warmup: 20, min_ratio: 0.1 }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct WsdSpec {
+    /// Warmup steps [>= 0, < steps]; default 20.
+    pub warmup: usize,
+    /// Fraction of steps spent decaying (0, 1]; default 0.2.
+    pub decay_fraction: f64,
+    /// Final LR as a fraction of the peak [0, 1]; default 0.1.
+    pub final_ratio: f64,
+}
+
+impl Default for WsdSpec {
+    fn default() -> Self {
+        WsdSpec { warmup: 20, decay_fraction: 0.2, final_ratio: 0.1 }
+    }
+}

@@ -1,0 +1,1 @@
+//! Devices, executor, optimizers, data and the training loop.
