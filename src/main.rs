@@ -1,1 +1,39 @@
-fn main() {}
+//! The `widen` command line.
+
+mod cli;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(name = "widen", version, about = "Compile and train transformers with expanded residual streams")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Validate a spec and print its cost report.
+    Check(cli::check::Args),
+    /// Train a model from a spec.
+    Train(cli::train::Args),
+    /// Generate text from a checkpoint.
+    Sample(cli::sample::Args),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Check(args) => cli::check::run(args),
+        Command::Train(args) => cli::train::run(args),
+        Command::Sample(args) => cli::sample::run(args),
+    };
+    match result {
+        Ok(code) => code,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

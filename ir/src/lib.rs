@@ -5,7 +5,9 @@
 //! costed. The reference executor in [`exec`] is the oracle every other
 //! backend is tested against.
 
+pub mod autodiff;
 pub mod dtype;
+pub mod exec;
 pub mod graph;
 pub mod shape;
 pub mod spec;

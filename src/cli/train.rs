@@ -1,0 +1,13 @@
+//! `widen train`.
+
+use std::process::ExitCode;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Path to the RON spec.
+    pub spec: std::path::PathBuf,
+}
+
+pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    anyhow::bail!("widen train is not implemented yet ({})", args.spec.display())
+}
