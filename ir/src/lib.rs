@@ -9,6 +9,7 @@ pub mod autodiff;
 pub mod dtype;
 pub mod exec;
 pub mod graph;
+pub mod lower;
 pub mod shape;
 pub mod spec;
 

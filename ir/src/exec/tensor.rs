@@ -2,10 +2,19 @@
 
 use crate::Shape;
 
+mod sealed {
+    /// Keeps [`super::Float`] to f32 and f64: the matmul goes through the `gemm`
+    /// crate, which only has kernels for those two.
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for f64 {}
+}
+
 /// A float element type the reference executor runs in (f32 for training, f64 for
-/// gradient checks).
+/// gradient checks). Implemented for f32 and f64 only.
 pub trait Float:
-    Copy
+    sealed::Sealed
+    + Copy
     + Default
     + PartialOrd
     + std::fmt::Debug
@@ -18,28 +27,85 @@ pub trait Float:
     + std::ops::Div<Output = Self>
     + std::ops::Neg<Output = Self>
     + std::ops::AddAssign
+    + std::ops::SubAssign
+    + std::ops::MulAssign
+    + std::ops::DivAssign
 {
     fn from_f64(v: f64) -> Self;
     fn to_f64(self) -> f64;
+    fn exp(self) -> Self;
+    /// Natural logarithm.
+    fn ln(self) -> Self;
+    fn sqrt(self) -> Self;
+    fn tanh(self) -> Self;
+    fn sin(self) -> Self;
+    fn cos(self) -> Self;
+    fn abs(self) -> Self;
+    fn is_nan(self) -> bool;
+
+    fn zero() -> Self {
+        Self::default()
+    }
+
+    fn one() -> Self {
+        Self::from_f64(1.0)
+    }
+
+    /// The larger of two values (IEEE 754-2019 `maximum`): NaN in either operand gives
+    /// NaN, so a NaN is never hidden by a max or a max-reduction.
+    fn maximum(self, other: Self) -> Self {
+        if self.is_nan() || self >= other {
+            self
+        } else {
+            other
+        }
+    }
+
+    /// 1 / (1 + e^-x): saturates to 0 and 1 without overflow trouble (e^-x = inf gives 0).
+    fn sigmoid(self) -> Self {
+        Self::one() / (Self::one() + (-self).exp())
+    }
 }
 
-impl Float for f32 {
-    fn from_f64(v: f64) -> Self {
-        v as f32
-    }
-    fn to_f64(self) -> f64 {
-        self as f64
-    }
+macro_rules! impl_float {
+    ($t:ty) => {
+        impl Float for $t {
+            fn from_f64(v: f64) -> Self {
+                v as $t
+            }
+            fn to_f64(self) -> f64 {
+                self as f64
+            }
+            fn exp(self) -> Self {
+                <$t>::exp(self)
+            }
+            fn ln(self) -> Self {
+                <$t>::ln(self)
+            }
+            fn sqrt(self) -> Self {
+                <$t>::sqrt(self)
+            }
+            fn tanh(self) -> Self {
+                <$t>::tanh(self)
+            }
+            fn sin(self) -> Self {
+                <$t>::sin(self)
+            }
+            fn cos(self) -> Self {
+                <$t>::cos(self)
+            }
+            fn abs(self) -> Self {
+                <$t>::abs(self)
+            }
+            fn is_nan(self) -> bool {
+                <$t>::is_nan(self)
+            }
+        }
+    };
 }
 
-impl Float for f64 {
-    fn from_f64(v: f64) -> Self {
-        v
-    }
-    fn to_f64(self) -> f64 {
-        self
-    }
-}
+impl_float!(f32);
+impl_float!(f64);
 
 /// A dense row-major tensor.
 #[derive(Debug, Clone, PartialEq)]
@@ -62,6 +128,18 @@ impl<T: Clone + Default> Tensor<T> {
     pub fn full(shape: Shape, value: T) -> Self {
         let n = shape.numel();
         Tensor { shape, data: vec![value; n] }
+    }
+}
+
+impl<T: Float> Tensor<T> {
+    /// A tensor from f64 values (test fixtures and gradient checks build tensors this way).
+    pub fn from_f64(shape: Shape, data: &[f64]) -> Self {
+        Tensor::new(shape, data.iter().map(|&v| T::from_f64(v)).collect())
+    }
+
+    /// The values widened to f64.
+    pub fn to_f64(&self) -> Vec<f64> {
+        self.data.iter().map(|v| v.to_f64()).collect()
     }
 }
 
@@ -91,6 +169,22 @@ impl<T> Value<T> {
         match self {
             Value::Int(t) => Some(t),
             Value::Float(_) => None,
+        }
+    }
+
+    /// The float tensor, consuming the value.
+    pub fn into_float(self) -> Option<Tensor<T>> {
+        match self {
+            Value::Float(t) => Some(t),
+            Value::Int(_) => None,
+        }
+    }
+
+    /// The kind of value, for errors.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Value::Float(_) => "float",
+            Value::Int(_) => "i32",
         }
     }
 }

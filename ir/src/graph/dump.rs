@@ -54,6 +54,14 @@ fn attrs(op: &Op) -> String {
         },
         Op::Sinkhorn { iters, eps } => format!("iters={iters} eps={eps:e}"),
         Op::TemporalAugment { gram_schmidt, eps_rel } => format!("gram_schmidt={gram_schmidt} eps_rel={eps_rel:e}"),
+        Op::CausalAttentionGrad { scale, rope_base, wrt } => match rope_base {
+            Some(b) => format!("scale={scale} rope={b} wrt={wrt}"),
+            None => format!("scale={scale} wrt={wrt}"),
+        },
+        Op::SinkhornGrad { iters, eps } => format!("iters={iters} eps={eps:e}"),
+        Op::TemporalAugmentGrad { gram_schmidt, eps_rel, wrt } => {
+            format!("gram_schmidt={gram_schmidt} eps_rel={eps_rel:e} wrt={wrt}")
+        }
         Op::Unary(_) | Op::Binary(_) | Op::Softmax | Op::SoftmaxCrossEntropy => String::new(),
     }
 }

@@ -62,6 +62,27 @@ fn last_axis_param(op: &Op, x: &Shape, p: &Shape, what: &str) -> Result<(), Grap
     Ok(())
 }
 
+/// A backward op of autodiff: (forward inputs [..n_forward], output gradient) -> the
+/// gradient of forward input `wrt`. The forward inputs must satisfy `forward`'s rule and
+/// the output gradient must have the forward output's type.
+fn grad_of(
+    op: &Op,
+    forward: &Op,
+    inputs: &[Typed],
+    wrt: usize,
+    n_forward: usize,
+) -> Result<(Shape, DType), GraphError> {
+    let (out, dt) = infer(forward, &inputs[..n_forward])?;
+    let dout = &inputs[n_forward];
+    if *dout.0 != out || dout.1 != dt {
+        return Err(mismatch(op, "the output gradient must have the forward output's type", &out, dout.0));
+    }
+    if wrt >= n_forward {
+        return Err(invalid(op, format!("wrt {wrt} is not one of the {n_forward} forward inputs")));
+    }
+    Ok((inputs[wrt].0.clone(), inputs[wrt].1))
+}
+
 /// Infers the output type of `op` applied to inputs of the given types.
 pub(super) fn infer(op: &Op, inputs: &[Typed]) -> Result<(Shape, DType), GraphError> {
     match op {
@@ -293,6 +314,22 @@ pub(super) fn infer(op: &Op, inputs: &[Typed]) -> Result<(Shape, DType), GraphEr
                 }
             }
             Ok((Shape::new([out.0[0], out.0[1], inputs.len() - 1, out.0[2]]), dt))
+        }
+        Op::CausalAttentionGrad { scale, rope_base, wrt } => {
+            arity(op, inputs, &[4])?;
+            let forward = Op::CausalAttention { scale: *scale, rope_base: *rope_base };
+            grad_of(op, &forward, inputs, *wrt, 3)
+        }
+        Op::SinkhornGrad { iters, eps } => {
+            arity(op, inputs, &[2])?;
+            grad_of(op, &Op::Sinkhorn { iters: *iters, eps: *eps }, inputs, 0, 1)
+        }
+        Op::TemporalAugmentGrad { gram_schmidt, eps_rel, wrt } => {
+            if inputs.len() < 3 {
+                return Err(GraphError::Arity { op: op.name().into(), expected: ">= 3".into(), got: inputs.len() });
+            }
+            let forward = Op::TemporalAugment { gram_schmidt: *gram_schmidt, eps_rel: *eps_rel };
+            grad_of(op, &forward, inputs, *wrt, inputs.len() - 1)
         }
     }
 }

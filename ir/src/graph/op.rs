@@ -177,6 +177,16 @@ pub enum Op {
     /// -> [B, T, r, C] = v_2..v_{r+1}: causal depthwise convolutions g_j, then (optionally)
     /// modified Gram–Schmidt against out and the earlier components.
     TemporalAugment { gram_schmidt: bool, eps_rel: f64 },
+    /// Backward of `CausalAttention`, added by autodiff: (q, k, v, dout) -> the gradient
+    /// of q, k or v (`wrt` = 0, 1, 2), recomputing the probabilities (MATH.md §1.4).
+    CausalAttentionGrad { scale: f64, rope_base: Option<f64>, wrt: usize },
+    /// Backward of `Sinkhorn`, added by autodiff: (logits, dout) -> d logits, unrolled
+    /// through every normalization of the recomputed finite iteration (MATH.md §4.5).
+    SinkhornGrad { iters: usize, eps: f64 },
+    /// Backward of `TemporalAugment`, added by autodiff: (out, w_1, ..., w_r, dY) -> the
+    /// gradient of input `wrt` (0 = out, j = w_j), recomputing the convolutions and the
+    /// Gram–Schmidt sweep (MATH.md §6.8).
+    TemporalAugmentGrad { gram_schmidt: bool, eps_rel: f64, wrt: usize },
 }
 
 impl Op {
@@ -230,6 +240,9 @@ impl Op {
             Op::CausalAttention { .. } => "causal_attention",
             Op::Sinkhorn { .. } => "sinkhorn",
             Op::TemporalAugment { .. } => "temporal_augment",
+            Op::CausalAttentionGrad { .. } => "causal_attention_grad",
+            Op::SinkhornGrad { .. } => "sinkhorn_grad",
+            Op::TemporalAugmentGrad { .. } => "temporal_augment_grad",
         }
     }
 

@@ -1,0 +1,134 @@
+//! The unchanged backbone sublayers F_l, each including its own pre-RMSNorm
+//! (MATH.md §1.3; every HC-family paper applies the sublayer norm to the read
+//! input, §2.2, §4.1, §5.3).
+
+use super::Cx;
+use crate::graph::{GraphError, Init, NodeId, Op, ParamClass, UnaryOp};
+use crate::spec::{FfnSpec, MoeGate, Parametrization};
+
+/// Init std of an output projection (W_o, W_2): init_std / sqrt(2L) when depth-scaled
+/// (GPT-2/Megatron, MATH.md §1.2), times the scheme's multiplier (HC's 1/sqrt(n), §2.4).
+fn out_proj_std(cx: &Cx, scheme_mult: f64) -> f64 {
+    let base = if cx.spec.out_proj_depth_scaled {
+        cx.spec.init_std / ((2 * cx.spec.layers) as f64).sqrt()
+    } else {
+        cx.spec.init_std
+    };
+    cx.hidden_std(base) * scheme_mult
+}
+
+/// Causal (GQA) self-attention with half-split RoPE: `[B, T, D] -> [B, T, D]` (MATH.md §1.3).
+/// Logit scale 1/sqrt(d_h), or alpha_attn/d_h under muP (§8.1).
+pub(super) fn attention(cx: &mut Cx, u: NodeId, prefix: &str, out_mult: f64) -> Result<NodeId, GraphError> {
+    let spec = cx.spec.clone();
+    let (d, h, hkv, dh) = (spec.d_model, spec.heads, spec.kv_heads(), spec.head_dim());
+    let (b, t) = (cx.shape(u)[0], cx.shape(u)[1]);
+    let std = cx.hidden_std(spec.init_std);
+    let gain = cx.param(&format!("{prefix}.norm"), &[d], Init::Ones, ParamClass::Gain);
+    let wq = cx.param(&format!("{prefix}.wq"), &[d, h * dh], Init::Normal { std }, ParamClass::Hidden);
+    let wk = cx.param(&format!("{prefix}.wk"), &[d, hkv * dh], Init::Normal { std }, ParamClass::Hidden);
+    let wv = cx.param(&format!("{prefix}.wv"), &[d, hkv * dh], Init::Normal { std }, ParamClass::Hidden);
+    let wo_std = out_proj_std(cx, out_mult);
+    let wo = cx.param(&format!("{prefix}.wo"), &[h * dh, d], Init::Normal { std: wo_std }, ParamClass::Hidden);
+
+    let a = cx.rms_norm(u, Some(gain))?;
+    let q = cx.matmul(a, wq)?;
+    let k = cx.matmul(a, wk)?;
+    let v = cx.matmul(a, wv)?;
+    let q = cx.reshape(q, &[b, t, h, dh])?;
+    let k = cx.reshape(k, &[b, t, hkv, dh])?;
+    let v = cx.reshape(v, &[b, t, hkv, dh])?;
+    let scale = match &spec.parametrization {
+        Parametrization::Standard => 1.0 / (dh as f64).sqrt(),
+        Parametrization::MuP(m) => m.attn_mult / dh as f64,
+    };
+    let o = cx.g.add(Op::CausalAttention { scale, rope_base: Some(spec.rope_base) }, &[q, k, v])?;
+    let o = cx.reshape(o, &[b, t, h * dh])?;
+    cx.matmul(o, wo)
+}
+
+/// The FFN sublayer: SwiGLU or MoE, with its own pre-RMSNorm.
+pub(super) fn ffn(cx: &mut Cx, u: NodeId, prefix: &str, out_mult: f64) -> Result<NodeId, GraphError> {
+    let d = cx.spec.d_model;
+    let gain = cx.param(&format!("{prefix}.norm"), &[d], Init::Ones, ParamClass::Gain);
+    let x = cx.rms_norm(u, Some(gain))?;
+    match cx.spec.ffn.clone() {
+        FfnSpec::SwiGlu(s) => {
+            let hidden = s.hidden.unwrap_or_else(|| FfnSpec::default_hidden(d));
+            swiglu(cx, x, prefix, hidden, out_mult)
+        }
+        FfnSpec::Moe(m) => moe(cx, x, prefix, &m, out_mult),
+    }
+}
+
+/// (silu(x W_1) * (x W_3)) W_2 on already-normalized x.
+fn swiglu(cx: &mut Cx, x: NodeId, prefix: &str, hidden: usize, out_mult: f64) -> Result<NodeId, GraphError> {
+    let d = cx.spec.d_model;
+    let std = cx.hidden_std(cx.spec.init_std);
+    let w1 = cx.param(&format!("{prefix}.w1"), &[d, hidden], Init::Normal { std }, ParamClass::Hidden);
+    let w3 = cx.param(&format!("{prefix}.w3"), &[d, hidden], Init::Normal { std }, ParamClass::Hidden);
+    let w2_std = out_proj_std(cx, out_mult);
+    let w2 = cx.param(&format!("{prefix}.w2"), &[hidden, d], Init::Normal { std: w2_std }, ParamClass::Hidden);
+    let gate = cx.matmul(x, w1)?;
+    let gate = cx.unary(UnaryOp::Silu, gate)?;
+    let up = cx.matmul(x, w3)?;
+    let inner = cx.mul(gate, up)?;
+    cx.matmul(inner, w2)
+}
+
+/// Mixture of experts: gates from a router (softmax or sigmoid over E experts), the
+/// top-k kept (ties to the lowest index) and the rest zeroed, routed SwiGLU experts
+/// weighted by their gates, plus the always-on shared experts (one SwiGLU of width
+/// shared x hidden, which equals the sum of `shared` experts of width `hidden`).
+///
+/// The reference computes every routed expert densely and masks by the gate; the
+/// nodes carry `active_fraction = top_k / E` so the cost model counts only the work a
+/// routed implementation does.
+fn moe(
+    cx: &mut Cx,
+    x: NodeId,
+    prefix: &str,
+    m: &crate::spec::MoeSpec,
+    out_mult: f64,
+) -> Result<NodeId, GraphError> {
+    let d = cx.spec.d_model;
+    let (b, t) = (cx.shape(x)[0], cx.shape(x)[1]);
+    let (e, hidden) = (m.experts, m.hidden);
+    let std = cx.hidden_std(cx.spec.init_std);
+    let router = cx.param(&format!("{prefix}.router"), &[d, e], Init::Normal { std }, ParamClass::Router);
+    let scores = cx.matmul(x, router)?;
+    let probs = match m.gate {
+        MoeGate::Softmax => cx.g.add(Op::Softmax, &[scores])?,
+        MoeGate::Sigmoid => cx.unary(UnaryOp::Sigmoid, scores)?,
+    };
+    let chosen = cx.g.add(Op::TopK { k: m.top_k, fixed: 0 }, &[probs])?;
+    let kept = cx.g.add(Op::Gather { axis: 2 }, &[probs, chosen])?;
+    let zeros = cx.constant(0.0, &[b, t, e]);
+    let gates = cx.g.add(Op::ScatterRows { axis: 2 }, &[zeros, chosen, kept])?;
+
+    let saved = cx.g.role();
+    cx.set_role(saved.active_fraction(m.top_k as f64 / e as f64));
+    let w1 = cx.param(&format!("{prefix}.experts.w1"), &[e, d, hidden], Init::Normal { std }, ParamClass::Hidden);
+    let w3 = cx.param(&format!("{prefix}.experts.w3"), &[e, d, hidden], Init::Normal { std }, ParamClass::Hidden);
+    let w2_std = out_proj_std(cx, out_mult);
+    let w2 =
+        cx.param(&format!("{prefix}.experts.w2"), &[e, hidden, d], Init::Normal { std: w2_std }, ParamClass::Hidden);
+    let flat = cx.reshape(x, &[1, b * t, d])?;
+    let gate = cx.matmul(flat, w1)?;
+    let gate = cx.unary(UnaryOp::Silu, gate)?;
+    let up = cx.matmul(flat, w3)?;
+    let inner = cx.mul(gate, up)?;
+    let expert_out = cx.matmul(inner, w2)?; // [E, B*T, D]
+    let gates = cx.reshape(gates, &[b * t, e])?;
+    let gates = cx.permute(gates, &[1, 0])?;
+    let gates = cx.reshape(gates, &[e, b * t, 1])?;
+    let weighted = cx.mul(expert_out, gates)?;
+    let routed = cx.sum(weighted, 0, false)?;
+    cx.set_role(saved);
+    let mut out = cx.reshape(routed, &[b, t, d])?;
+    if m.shared > 0 {
+        let shared = swiglu(cx, x, &format!("{prefix}.shared"), m.shared * hidden, out_mult)?;
+        out = cx.add(out, shared)?;
+    }
+    Ok(out)
+}

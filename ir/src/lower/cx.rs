@@ -1,0 +1,169 @@
+//! The lowering context: the graph being built plus small builders that keep
+//! scheme code short. Every builder infers shapes through `Graph::add`, so a
+//! mistake in a scheme surfaces as a `GraphError` naming the op and both shapes.
+
+use crate::graph::{BinaryOp, Graph, GraphError, Init, NodeId, Op, ParamClass, ParamInfo, Region, Role, UnaryOp};
+use crate::spec::{ModelSpec, Parametrization};
+use crate::{DType, Shape};
+
+/// Lowering state shared by the driver, the backbone and the schemes.
+pub struct Cx {
+    pub g: Graph,
+    pub spec: ModelSpec,
+    pub batch: usize,
+    /// Sequence length of the part being lowered (T for the trunk, T - k in MTP module k).
+    pub seq_len: usize,
+    /// None while lowering the trunk, Some(k) inside MTP module k.
+    pub module: Option<usize>,
+    /// The V x D embedding table, when the scheme has one (for tied unembeddings).
+    pub embedding_table: Option<NodeId>,
+}
+
+impl Cx {
+    pub(crate) fn new(spec: &ModelSpec, batch: usize, seq_len: usize) -> Self {
+        Cx { g: Graph::new(), spec: spec.clone(), batch, seq_len, module: None, embedding_table: None }
+    }
+
+    pub(crate) fn finish(self) -> Graph {
+        self.g
+    }
+
+    pub fn set_role(&mut self, role: Role) {
+        self.g.set_role(role);
+    }
+
+    /// Marks the nodes added next as connection machinery of `sublayer`.
+    pub fn connection(&mut self, sublayer: usize) {
+        self.g.set_role(Role::new(Region::Connection).sublayer(sublayer).mtp(self.module));
+    }
+
+    /// First global sublayer index of the block being lowered: 0 for the trunk,
+    /// 2L + 2(k - 1) inside MTP module k (so per-sublayer inits such as HC's home
+    /// stream e_{l mod n} keep rotating, MATH.md §2.4).
+    pub fn mtp_sublayer_offset(&self) -> usize {
+        match self.module {
+            None => 0,
+            Some(k) => 2 * self.spec.layers + 2 * (k - 1),
+        }
+    }
+
+    /// Stable parameter-name prefix of a sublayer: `blocks.{i}.attn|ffn` in the trunk,
+    /// `mtp.{k}.block.attn|ffn` in MTP module k.
+    pub fn sublayer_prefix(&self, sublayer: usize) -> String {
+        let kind = if sublayer % 2 == 0 { "attn" } else { "ffn" };
+        match self.module {
+            None => format!("blocks.{}.{kind}", sublayer / 2),
+            Some(k) => format!("mtp.{k}.block.{kind}"),
+        }
+    }
+
+    /// muP width multiplier w = D / D_base (MATH.md §8.1); 1 under the standard parametrization.
+    pub fn width_mult(&self) -> f64 {
+        match &self.spec.parametrization {
+            Parametrization::Standard => 1.0,
+            Parametrization::MuP(m) => self.spec.d_model as f64 / m.base_width as f64,
+        }
+    }
+
+    /// Init std of a hidden matrix: `std` in SP, std / sqrt(w) under muP (MATH.md §8.1).
+    pub fn hidden_std(&self, std: f64) -> f64 {
+        std / self.width_mult().sqrt()
+    }
+
+    pub fn shape(&self, x: NodeId) -> &[usize] {
+        self.g.node(x).shape.dims()
+    }
+
+    /// A trainable f32 parameter with a stable, documented name.
+    pub fn param(&mut self, name: &str, dims: &[usize], init: Init, class: ParamClass) -> NodeId {
+        let info = ParamInfo { name: name.to_string(), init, class };
+        self.g.add_source(Op::Param(info), Shape::new(dims), DType::F32, Some(name.to_string()))
+    }
+
+    /// An f32 tensor filled with `value`.
+    pub fn constant(&mut self, value: f64, dims: &[usize]) -> NodeId {
+        self.g.add_source(Op::Constant { value }, Shape::new(dims), DType::F32, None)
+    }
+
+    pub fn unary(&mut self, op: UnaryOp, x: NodeId) -> Result<NodeId, GraphError> {
+        self.g.add(Op::Unary(op), &[x])
+    }
+
+    pub fn binary(&mut self, op: BinaryOp, a: NodeId, b: NodeId) -> Result<NodeId, GraphError> {
+        self.g.add(Op::Binary(op), &[a, b])
+    }
+
+    pub fn add(&mut self, a: NodeId, b: NodeId) -> Result<NodeId, GraphError> {
+        self.binary(BinaryOp::Add, a, b)
+    }
+
+    pub fn sub(&mut self, a: NodeId, b: NodeId) -> Result<NodeId, GraphError> {
+        self.binary(BinaryOp::Sub, a, b)
+    }
+
+    pub fn mul(&mut self, a: NodeId, b: NodeId) -> Result<NodeId, GraphError> {
+        self.binary(BinaryOp::Mul, a, b)
+    }
+
+    pub fn div(&mut self, a: NodeId, b: NodeId) -> Result<NodeId, GraphError> {
+        self.binary(BinaryOp::Div, a, b)
+    }
+
+    /// mul * x + add.
+    pub fn affine(&mut self, x: NodeId, mul: f64, add: f64) -> Result<NodeId, GraphError> {
+        self.g.add(Op::Affine { mul, add }, &[x])
+    }
+
+    pub fn matmul(&mut self, a: NodeId, b: NodeId) -> Result<NodeId, GraphError> {
+        self.g.add(Op::MatMul { trans_a: false, trans_b: false }, &[a, b])
+    }
+
+    pub fn matmul_t(&mut self, a: NodeId, b: NodeId, trans_a: bool, trans_b: bool) -> Result<NodeId, GraphError> {
+        self.g.add(Op::MatMul { trans_a, trans_b }, &[a, b])
+    }
+
+    pub fn reshape(&mut self, x: NodeId, dims: &[usize]) -> Result<NodeId, GraphError> {
+        if self.shape(x) == dims {
+            return Ok(x);
+        }
+        self.g.add(Op::Reshape { shape: dims.to_vec() }, &[x])
+    }
+
+    pub fn permute(&mut self, x: NodeId, perm: &[usize]) -> Result<NodeId, GraphError> {
+        self.g.add(Op::Permute { perm: perm.to_vec() }, &[x])
+    }
+
+    pub fn broadcast(&mut self, x: NodeId, dims: &[usize]) -> Result<NodeId, GraphError> {
+        if self.shape(x) == dims {
+            return Ok(x);
+        }
+        self.g.add(Op::Broadcast { shape: dims.to_vec() }, &[x])
+    }
+
+    pub fn slice(&mut self, x: NodeId, axis: usize, start: usize, end: usize) -> Result<NodeId, GraphError> {
+        if start == 0 && end == self.shape(x)[axis] {
+            return Ok(x);
+        }
+        self.g.add(Op::Slice { axis, start, end }, &[x])
+    }
+
+    pub fn concat(&mut self, xs: &[NodeId], axis: usize) -> Result<NodeId, GraphError> {
+        if xs.len() == 1 {
+            return Ok(xs[0]);
+        }
+        self.g.add(Op::Concat { axis }, xs)
+    }
+
+    pub fn sum(&mut self, x: NodeId, axis: usize, keepdim: bool) -> Result<NodeId, GraphError> {
+        self.g.add(Op::Reduce { op: crate::graph::ReduceOp::Sum, axis, keepdim }, &[x])
+    }
+
+    /// RMSNorm over the last axis with the spec's epsilon (MATH.md §1.3).
+    pub fn rms_norm(&mut self, x: NodeId, gain: Option<NodeId>) -> Result<NodeId, GraphError> {
+        let eps = self.spec.norm_eps;
+        match gain {
+            Some(g) => self.g.add(Op::RmsNorm { eps }, &[x, g]),
+            None => self.g.add(Op::RmsNorm { eps }, &[x]),
+        }
+    }
+}
