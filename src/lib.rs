@@ -3,7 +3,33 @@
 //! This crate is the CLI and a facade over the pipeline crates (DESIGN.md §2):
 //! [`ir`] (spec, graph, autodiff, cost model, reference executor), [`codegen`]
 //! (kernels and renderers) and [`runtime`] (devices, optimizers, training).
+//!
+//! A model can be a RON file or a Rust type (DESIGN.md §1). The derive checks
+//! the spec with the same `ModelSpec::validate` as the RON path, at compile time,
+//! and reports each problem at the attribute key that caused it:
+//!
+//! ```
+//! use widen::VirtualWidth;
+//!
+//! #[derive(VirtualWidth)]
+//! #[widen(vocab = 256, d_model = 64, layers = 2, heads = 4)]
+//! #[widen(residual = ghc(m = 4, r = 2), mtp(depth = 1))]
+//! struct Tiny;
+//!
+//! let spec = Tiny::spec();
+//! assert_eq!(spec.name, "tiny");
+//! assert!(matches!(spec.residual, widen::ir::spec::ResidualSpec::Ghc(ref g) if g.n == 8));
+//! ```
+//!
+//! Attribute keys are the RON field names and variants are snake_case; the full
+//! grammar and the conveniences beyond RON are documented in the `widen-macros`
+//! crate.
 
 pub use codegen;
 pub use ir;
 pub use runtime;
+
+/// The trait: `T::spec()` and `T::graph()`.
+pub use ir::spec::VirtualWidth;
+/// The derive, in the macro namespace under the trait's name (as serde does).
+pub use macros::VirtualWidth;

@@ -6,6 +6,7 @@
 //! backend is tested against.
 
 pub mod autodiff;
+pub mod cost;
 pub mod dtype;
 pub mod exec;
 pub mod graph;

@@ -93,10 +93,20 @@ pub enum Value {
     /// A bare key with no value: `true` for a boolean field.
     Flag(Ident),
     /// A variant with data: `ghc(m = 4, n = 16)`.
-    Call { name: Ident, args: Vec<Arg>, range: Range },
+    Call {
+        name: Ident,
+        args: Vec<Arg>,
+        range: Range,
+    },
     /// `(a = 1, b = 2)` or `(0.9, 0.95)`.
-    Group { args: Vec<Arg>, range: Range },
-    List { items: Vec<Value>, range: Range },
+    Group {
+        args: Vec<Arg>,
+        range: Range,
+    },
+    List {
+        items: Vec<Value>,
+        range: Range,
+    },
 }
 
 impl Value {
@@ -106,9 +116,7 @@ impl Value {
             Value::Str(s) => Range::single(s.span()),
             Value::Bool(b) => Range::single(b.span),
             Value::Ident(i) | Value::Flag(i) => Range::single(i.span()),
-            Value::Call { range, .. } | Value::Group { range, .. } | Value::List { range, .. } => {
-                *range
-            }
+            Value::Call { range, .. } | Value::Group { range, .. } | Value::List { range, .. } => *range,
         }
     }
 
@@ -213,10 +221,7 @@ impl Parse for Value {
                     Ok(Value::Number(Number { negative: false, lit, range }))
                 }
                 syn::Lit::Str(s) => Ok(Value::Str(s)),
-                other => Err(syn::Error::new(
-                    other.span(),
-                    "expected a number, a string, `true` or `false`",
-                )),
+                other => Err(syn::Error::new(other.span(), "expected a number, a string, `true` or `false`")),
             };
         }
         if lookahead.peek(Ident) {
@@ -254,7 +259,11 @@ mod tests {
     #[test]
     fn named_struct_shorthand_flag_and_positional_forms() {
         let args = parse(quote::quote!(
-            d_model = 256, mtp(depth = 1), tie_embeddings, residual = ghc(m = 4), betas = (0.9, 0.95)
+            d_model = 256,
+            mtp(depth = 1),
+            tie_embeddings,
+            residual = ghc(m = 4),
+            betas = (0.9, 0.95)
         ));
         assert_eq!(args.len(), 5);
         assert!(matches!(&args[0].value, Value::Number(n) if n.text() == "256"));
@@ -281,6 +290,6 @@ mod tests {
     #[test]
     fn malformed_input_is_an_error_not_a_panic() {
         assert!(syn::parse2::<Args>(quote::quote!(d_model = )).is_err());
-        assert!(syn::parse2::<Args>(quote::quote!(d_model = - "x")).is_err());
+        assert!(syn::parse2::<Args>(quote::quote!(d_model = -"x")).is_err());
     }
 }

@@ -1,1 +1,18 @@
-//! Devices, executor, optimizers, data and the training loop.
+//! Devices, executor, optimizers, data and the training loop (DESIGN.md §7).
+//!
+//! - [`init`]: parameter initialization from the graph's `Init` rules.
+//! - [`optim`]: AdamW, Muon, muP LR scaling, clipping, schedules (MATH.md §8).
+//! - [`data`]: byte-level corpora, train/validation split, batch sampling.
+//! - [`checkpoint`]: safetensors checkpoints with resume state.
+//! - [`executor`]: the device boundary ([`executor::StepExecutor`]) and the reference executor.
+//! - [`train`]: the training loop; [`sample`]: text generation.
+
+pub mod checkpoint;
+pub mod data;
+pub mod executor;
+pub mod init;
+pub mod optim;
+pub mod params;
+pub mod rng;
+pub mod sample;
+pub mod train;

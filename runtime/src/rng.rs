@@ -104,22 +104,30 @@ mod tests {
 
     #[test]
     fn streams_are_reproducible_and_distinct() {
-        let a: Vec<u64> = (0..4).map({
-            let mut r = Rng::stream(7, "blocks.0.attn.wq");
-            move |_| r.next_u64()
-        }).collect();
-        let b: Vec<u64> = (0..4).map({
-            let mut r = Rng::stream(7, "blocks.0.attn.wq");
-            move |_| r.next_u64()
-        }).collect();
-        let c: Vec<u64> = (0..4).map({
-            let mut r = Rng::stream(7, "blocks.0.attn.wk");
-            move |_| r.next_u64()
-        }).collect();
-        let d: Vec<u64> = (0..4).map({
-            let mut r = Rng::stream(8, "blocks.0.attn.wq");
-            move |_| r.next_u64()
-        }).collect();
+        let a: Vec<u64> = (0..4)
+            .map({
+                let mut r = Rng::stream(7, "blocks.0.attn.wq");
+                move |_| r.next_u64()
+            })
+            .collect();
+        let b: Vec<u64> = (0..4)
+            .map({
+                let mut r = Rng::stream(7, "blocks.0.attn.wq");
+                move |_| r.next_u64()
+            })
+            .collect();
+        let c: Vec<u64> = (0..4)
+            .map({
+                let mut r = Rng::stream(7, "blocks.0.attn.wk");
+                move |_| r.next_u64()
+            })
+            .collect();
+        let d: Vec<u64> = (0..4)
+            .map({
+                let mut r = Rng::stream(8, "blocks.0.attn.wq");
+                move |_| r.next_u64()
+            })
+            .collect();
         assert_eq!(a, b);
         assert_ne!(a, c);
         assert_ne!(a, d);

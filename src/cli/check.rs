@@ -1,13 +1,256 @@
-//! `widen check`.
+//! `widen check SPEC [--json]`: validate a spec and print its cost report
+//! (DESIGN.md §8; the figures and their conventions are documented in `ir::cost`).
+//!
+//! Exit status 0 for a valid spec, 1 when the file cannot be read, is not RON, or
+//! breaks validation rules. With `--json`, stdout is exactly one JSON object in both
+//! cases: the report with `"valid": true`, or `{"valid": false, "errors": [...]}` with
+//! one `{path, message}` per problem (`path` is the spec field, or `""` when the
+//! problem is the file or its syntax, which also carry `line` and `col`).
 
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+
+use ir::cost::{cost_report, CostReport};
+use ir::lower::LowerError;
+use ir::spec::{load_spec, SpecLoadError};
+use serde_json::{json, Value};
 
 #[derive(clap::Args)]
 pub struct Args {
     /// Path to the RON spec.
-    pub spec: std::path::PathBuf,
+    pub spec: PathBuf,
+    /// Print one machine-readable JSON object instead of the table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// One problem that makes the spec unusable.
+struct Problem {
+    /// Spec field path, or "" for the file itself.
+    path: String,
+    message: String,
+    /// 1-based position in the file, when known.
+    at: Option<(usize, usize)>,
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
-    anyhow::bail!("widen check is not implemented yet ({})", args.spec.display())
+    let spec = match load_spec(&args.spec) {
+        Ok(spec) => spec,
+        Err(err) => return Ok(fail(&args, &load_problems(err))),
+    };
+    let report = match cost_report(&spec) {
+        Ok(report) => report,
+        Err(LowerError::Invalid(errors)) => {
+            let problems: Vec<Problem> =
+                errors.into_iter().map(|e| Problem { path: e.path, message: e.message, at: None }).collect();
+            return Ok(fail(&args, &problems));
+        }
+        Err(err) => {
+            let problem = Problem { path: String::new(), message: format!("cannot lower the spec: {err}"), at: None };
+            return Ok(fail(&args, &[problem]));
+        }
+    };
+    if args.json {
+        let mut value = serde_json::to_value(&report)?;
+        if let Value::Object(map) = &mut value {
+            map.insert("valid".into(), Value::Bool(true));
+        }
+        println!("{}", serde_json::to_string_pretty(&value)?);
+    } else {
+        print!("{}", table(&args.spec, &report));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Flattens a load error into problems: every validation error and every unknown name.
+fn load_problems(err: SpecLoadError) -> Vec<Problem> {
+    match err {
+        SpecLoadError::Io { .. } => vec![Problem { path: String::new(), message: err.to_string(), at: None }],
+        SpecLoadError::Syntax { path, line, col, message } => {
+            vec![Problem { path: String::new(), message: format!("{path}:{line}:{col}: {message}"), at: Some((line, col)) }]
+        }
+        SpecLoadError::UnknownNames { names, .. } => names
+            .into_iter()
+            .map(|n| Problem { path: n.path, message: n.message, at: Some((n.line, n.col)) })
+            .collect(),
+        SpecLoadError::Invalid { errors, .. } => {
+            errors.into_iter().map(|e| Problem { path: e.path, message: e.message, at: None }).collect()
+        }
+    }
+}
+
+/// Reports the problems (JSON on stdout, or one `error:` line each on stderr).
+fn fail(args: &Args, problems: &[Problem]) -> ExitCode {
+    if args.json {
+        let errors: Vec<Value> = problems
+            .iter()
+            .map(|p| {
+                let mut e = json!({ "path": p.path, "message": p.message });
+                if let (Some((line, col)), Value::Object(map)) = (p.at, &mut e) {
+                    map.insert("line".into(), json!(line));
+                    map.insert("col".into(), json!(col));
+                }
+                e
+            })
+            .collect();
+        let out = json!({ "valid": false, "spec": args.spec.display().to_string(), "errors": errors });
+        println!("{out}");
+    } else {
+        for p in problems {
+            let at = match p.at {
+                Some((line, col)) if !p.path.is_empty() => format!(" ({}:{line}:{col})", args.spec.display()),
+                _ => String::new(),
+            };
+            if p.path.is_empty() {
+                eprintln!("error: {}", p.message);
+            } else {
+                eprintln!("error: {}: {}{at}", p.path, p.message);
+            }
+        }
+    }
+    ExitCode::FAILURE
+}
+
+/// The human-readable report.
+fn table(path: &Path, r: &CostReport) -> String {
+    let mut out = String::new();
+    let mut line = |s: String| {
+        out.push_str(&s);
+        out.push('\n');
+    };
+    line(format!("{}: {} is valid", path.display(), r.name));
+    line(format!("  scheme    {}", r.scheme));
+    line(format!(
+        "  backbone  D = {}, L = {}, V = {}; counted on the graph at batch 1, T = {}",
+        r.d_model, r.layers, r.vocab, r.seq_len
+    ));
+    line(String::new());
+
+    let p = &r.params;
+    let share = |x: u64| if p.total == 0 { 0.0 } else { 100.0 * x as f64 / p.total as f64 };
+    line(format!("{:<30}{:>16}{:>9}", "parameters", "count", "share"));
+    for (name, x) in
+        [("embedding", p.embedding), ("backbone", p.backbone), ("connection", p.connection), ("mtp", p.mtp)]
+    {
+        line(format!("  {name:<28}{:>16}{:>8.2}%", grouped(x), share(x)));
+    }
+    line(format!(
+        "  {:<28}{:>16}{:>9}   residual {} ({})",
+        "total",
+        grouped(p.total),
+        "",
+        grouped(r.baseline.params),
+        percent(r.overhead_vs_residual.params)
+    ));
+    line(String::new());
+
+    let o = &r.overhead_vs_residual;
+    let b = &r.baseline;
+    line(format!("{:<30}{:>16}{:>16}{:>12}", "per token", "this", "residual", "overhead"));
+    line(format!(
+        "  {:<28}{:>16}{:>16}{:>12}",
+        "forward FLOPs",
+        si(r.flops_per_token.forward as f64),
+        si(b.flops_forward as f64),
+        percent(o.flops)
+    ));
+    line(format!(
+        "  {:<28}{:>16}{:>16}{:>12}",
+        "train FLOPs (3 x forward)",
+        si(r.flops_per_token.train as f64),
+        si(3.0 * b.flops_forward as f64),
+        percent(o.flops)
+    ));
+    line(format!(
+        "  {:<28}{:>16}{:>16}{:>12}",
+        "activation bytes (f32)",
+        grouped(r.activation_bytes_per_token),
+        grouped(b.activation_bytes_per_token),
+        percent(o.activation)
+    ));
+    line(String::new());
+
+    let d = r.d_model as f64;
+    let t = &r.traffic_per_sublayer;
+    let paper = |x: Option<f64>| x.map(|v| format!("{v:.2}")).unwrap_or_else(|| "-".into());
+    line(format!("{:<30}{:>16}{:>16}{:>12}{:>10}", "per sublayer, units of D", "this", "residual", "overhead", "paper"));
+    line(format!(
+        "  {:<28}{:>16.2}{:>16.2}{:>12}{:>10}",
+        "connection FLOPs (papers')",
+        r.connection_flops_per_sublayer_d,
+        0.0,
+        "",
+        paper(r.paper.connection_flops_per_sublayer_d)
+    ));
+    line(format!(
+        "  {:<28}{:>16.2}{:>16.2}{:>12}{:>10}",
+        "connection FLOPs (all ops)",
+        r.connection_flops_per_sublayer_all_ops / d,
+        b.connection_flops_all_ops / d,
+        "",
+        ""
+    ));
+    line(format!(
+        "  {:<28}{:>16.2}{:>16.2}{:>12}{:>10}",
+        "traffic read",
+        t.read,
+        b.traffic_read,
+        "",
+        paper(r.paper.traffic_read)
+    ));
+    line(format!(
+        "  {:<28}{:>16.2}{:>16.2}{:>12}{:>10}",
+        "traffic write",
+        t.write,
+        b.traffic_write,
+        "",
+        paper(r.paper.traffic_write)
+    ));
+    line(format!(
+        "  {:<28}{:>16.2}{:>16.2}{:>12}{:>10}",
+        "traffic read + write",
+        t.total,
+        b.traffic_read + b.traffic_write,
+        percent(o.traffic),
+        ""
+    ));
+    line(format!("  {:<28}{:>16}", "traffic bytes", grouped(t.bytes.round() as u64)));
+    line(format!(
+        "  {:<28}{:>16}{:>16}{:>12}{:>10}",
+        "connection params / block",
+        grouped(r.connection_params_per_block.round() as u64),
+        "0",
+        "",
+        r.paper.connection_params_per_block.map(|v| grouped(v.round() as u64)).unwrap_or_else(|| "-".into())
+    ));
+    out
+}
+
+/// 1234567 -> "1,234,567".
+fn grouped(x: u64) -> String {
+    let digits = x.to_string();
+    let mut out = String::new();
+    for (i, ch) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(ch);
+    }
+    out
+}
+
+/// 12_345_678 -> "12.35 M".
+fn si(x: f64) -> String {
+    let units = [(1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")];
+    for (scale, unit) in units {
+        if x >= scale {
+            return format!("{:.2} {unit}", x / scale);
+        }
+    }
+    format!("{x:.0}")
+}
+
+/// 0.1234 -> "+12.34%".
+fn percent(ratio: f64) -> String {
+    format!("{:+.2}%", 100.0 * ratio)
 }

@@ -1,13 +1,73 @@
-//! `widen train`.
+//! `widen train`: train a model from a spec on the reference executor.
 
+use anyhow::Context;
+use ir::spec::{load_spec, DataSpec};
+use runtime::executor::Device;
+use runtime::train::{train_spec, Progress, TrainOptions};
+use std::path::PathBuf;
 use std::process::ExitCode;
+
+/// The device to run on. Compiled CPU and CUDA plans will join the reference
+/// interpreter here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum DeviceArg {
+    /// The reference interpreter of the unfused graph (f32).
+    Reference,
+}
+
+impl From<DeviceArg> for Device {
+    fn from(d: DeviceArg) -> Device {
+        match d {
+            DeviceArg::Reference => Device::Reference,
+        }
+    }
+}
 
 #[derive(clap::Args)]
 pub struct Args {
     /// Path to the RON spec.
-    pub spec: std::path::PathBuf,
+    pub spec: PathBuf,
+    /// Train on this byte-level text file instead of the spec's data.
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// Number of optimizer steps (overrides `train.steps`).
+    #[arg(long)]
+    pub steps: Option<usize>,
+    /// Run folder for metrics and checkpoints [default: runs/<spec name>].
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Continue from a checkpoint of the same spec.
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
+    /// Where to run.
+    #[arg(long, value_enum, default_value = "reference")]
+    pub device: DeviceArg,
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
-    anyhow::bail!("widen train is not implemented yet ({})", args.spec.display())
+    let mut spec = load_spec(&args.spec)?;
+    if let Some(data) = &args.data {
+        spec.train.data = DataSpec::Text(data.display().to_string());
+    }
+    if let Some(steps) = args.steps {
+        anyhow::ensure!(steps >= 1, "--steps must be at least 1");
+        spec.train.steps = steps;
+    }
+    let out_dir = args.out.unwrap_or_else(|| PathBuf::from("runs").join(&spec.name));
+    let opts = TrainOptions {
+        out_dir: out_dir.clone(),
+        resume: args.resume,
+        progress: Progress::Auto { every: (spec.train.steps / 20).max(1) },
+    };
+    let report = train_spec(&spec, args.device.into(), &opts)
+        .with_context(|| format!("training {} (run folder {})", args.spec.display(), out_dir.display()))?;
+    let last = report.losses.last().map(|l| format!("{l:.4}")).unwrap_or_else(|| "-".into());
+    let val = report.val_loss.map(|v| format!(", validation loss {v:.4}")).unwrap_or_default();
+    eprintln!(
+        "trained {} steps: loss {last}{val}; checkpoint {}, metrics {}",
+        report.steps,
+        report.final_checkpoint.display(),
+        report.metrics.display()
+    );
+    Ok(ExitCode::SUCCESS)
 }

@@ -108,7 +108,13 @@ impl Builder<'_> {
         self.op(Op::Slice { axis, start, end }, &[x])
     }
 
-    pub fn matmul(&mut self, a: NodeId, b: NodeId, trans_a: bool, trans_b: bool) -> Result<NodeId, GraphError> {
+    pub fn matmul(
+        &mut self,
+        a: NodeId,
+        b: NodeId,
+        trans_a: bool,
+        trans_b: bool,
+    ) -> Result<NodeId, GraphError> {
         self.op(Op::MatMul { trans_a, trans_b }, &[a, b])
     }
 
@@ -140,7 +146,7 @@ impl Builder<'_> {
     /// Routes `dy` (shaped like the reduction of `x` over `axis`, kept as size 1) to the
     /// first maximum of `x` along `axis` and zeros elsewhere. Built from `TopK` with
     /// k = 1, no fixed slots, whose ties go to the lowest index, and `ScatterAdd`.
-    pub fn to_first_max(&mut self, x: NodeId, axis: usize, dy: NodeId) -> Result<NodeId, GraphError> {
+    pub fn route_to_first_max(&mut self, x: NodeId, axis: usize, dy: NodeId) -> Result<NodeId, GraphError> {
         let rank = self.shape(x).rank();
         let mut perm: Vec<usize> = (0..rank).filter(|&a| a != axis).collect();
         perm.push(axis);

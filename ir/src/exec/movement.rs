@@ -58,9 +58,7 @@ impl Iterator for StridedIter {
 /// `out` (NumPy rules: right-aligned, missing or size-1 axes repeat with stride 0).
 pub(crate) fn broadcast_strides(dims: &[usize], strides: &[usize], out: &[usize]) -> Vec<usize> {
     let lead = out.len() - dims.len();
-    (0..out.len())
-        .map(|i| if i < lead || dims[i - lead] == 1 { 0 } else { strides[i - lead] })
-        .collect()
+    (0..out.len()).map(|i| if i < lead || dims[i - lead] == 1 { 0 } else { strides[i - lead] }).collect()
 }
 
 fn strided_copy<E: Copy>(data: &[E], dims: &[usize], strides: &[usize], base: usize) -> Vec<E> {
@@ -126,7 +124,7 @@ struct RowLayout {
 impl RowLayout {
     fn new(x: &Shape, idx: &Shape, axis: usize) -> Self {
         let p: usize = x.0[..axis].iter().product();
-        let j = if p == 0 { 0 } else { idx.numel() / p };
+        let j = idx.numel().checked_div(p).unwrap_or(0);
         RowLayout { p, s: x.0[axis], r: x.0[axis + 1..].iter().product(), j }
     }
 

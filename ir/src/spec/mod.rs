@@ -9,11 +9,16 @@
 //! `gram_schmidt`) are `Option`s; use the resolving accessors
 //! ([`ModelSpec::kv_heads`], [`ModelSpec::head_dim`], ...) rather than the raw field.
 
+mod names;
 mod parse;
+mod ron_tree;
 mod validate;
+mod virtual_width;
 
-pub use parse::{parse_spec, SpecLoadError};
+pub use names::UnknownName;
+pub use parse::{load_spec, parse_spec, SpecLoadError};
 pub use validate::FieldError;
+pub use virtual_width::VirtualWidth;
 
 use serde::{Deserialize, Serialize};
 
@@ -92,8 +97,7 @@ impl ModelSpec {
 
     /// Head dimension, defaulting to D / H.
     pub fn head_dim(&self) -> usize {
-        self.head_dim
-            .unwrap_or(if self.heads == 0 { 0 } else { self.d_model / self.heads })
+        self.head_dim.unwrap_or(self.d_model.checked_div(self.heads).unwrap_or(0))
     }
 
     /// Number of sublayers 2L (MATH.md §0.1: every HC-family paper counts a sublayer as a layer).
@@ -358,7 +362,9 @@ pub enum EmbedMode {
 pub enum ReduceNorm {
     /// GroupNorm with group size D (r groups over D'); requires n % m == 0.
     GroupNorm,
-    None,
+    /// No norm (the paper's 1.5x runs). Named `Off` so that `reduce_norm: None`
+    /// keeps meaning "the default".
+    Off,
 }
 
 /// W_reduce init (MATH.md §5.6 DECISION).
@@ -386,7 +392,7 @@ pub struct GhcSpec {
     pub s_init: f64,
     /// Over-width embedding form; default full.
     pub embed_mode: EmbedMode,
-    /// Norm before W_reduce; default GroupNorm when n % m == 0 and r >= 2, else none.
+    /// Norm before W_reduce; default GroupNorm when n % m == 0 and r >= 2, else off.
     pub reduce_norm: Option<ReduceNorm>,
     /// W_reduce init; default block identity.
     pub reduce_init: ReduceInit,
@@ -420,10 +426,10 @@ impl GhcSpec {
 
     /// The reduce norm, defaulting to GroupNorm when r is an integer >= 2 (MATH.md §5.2 DECISION).
     pub fn reduce_norm(&self) -> ReduceNorm {
-        self.reduce_norm.unwrap_or(if self.n % self.m.max(1) == 0 && self.n >= 2 * self.m {
+        self.reduce_norm.unwrap_or(if self.n.is_multiple_of(self.m.max(1)) && self.n >= 2 * self.m {
             ReduceNorm::GroupNorm
         } else {
-            ReduceNorm::None
+            ReduceNorm::Off
         })
     }
 }

@@ -1,8 +1,339 @@
-//! Validation (placeholder until the spec work lands).
+//! Spec validation: every rule of MATH.md §10, plus the structural constraints of
+//! §5.1–5.2 (VWN widths and the reduce GroupNorm) and §6.1 (xHC stream counts).
+//!
+//! All problems are collected, never just the first, so one run of the compiler
+//! (or one `cargo build` through the derive macro) shows everything to fix. Each
+//! [`FieldError`] names the field by its RON path (`residual.k`,
+//! `train.optimizer.lr`), the bad value, and what would be valid.
+
+use std::fmt;
+
+use super::{
+    AdamWSpec, DataSpec, FfnSpec, Flash, ModelSpec, OptimizerSpec, Parametrization, ReduceNorm, ResidualSpec,
+    ScheduleSpec,
+};
 
 /// One validation problem: the field path and a message naming the bad value and what is valid.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct FieldError {
+    /// RON field path, e.g. `residual.k` or `train.schedule.warmup`.
     pub path: String,
+    /// Names the field, its value and the valid range, e.g. `residual.k = 5 must be <= residual.n = 4`.
     pub message: String,
+}
+
+impl fmt::Display for FieldError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for FieldError {}
+
+impl ModelSpec {
+    /// Checks every rule and returns all violations (MATH.md §10).
+    pub fn validate(&self) -> Result<(), Vec<FieldError>> {
+        let mut c = Checker::default();
+        self.check_backbone(&mut c);
+        self.check_ffn(&mut c);
+        self.check_residual(&mut c);
+        c.non_negative("mtp.lambda", self.mtp.lambda);
+        if let Parametrization::MuP(mup) = &self.parametrization {
+            if mup.base_width < 1 || mup.base_width > self.d_model {
+                c.fail(
+                    "parametrization.base_width",
+                    format!(
+                        "parametrization.base_width = {} must be in 1..=d_model (d_model = {})",
+                        mup.base_width, self.d_model
+                    ),
+                );
+            }
+            c.positive("parametrization.attn_mult", mup.attn_mult);
+            c.positive("parametrization.output_mult", mup.output_mult);
+        }
+        self.check_train(&mut c);
+        if c.errors.is_empty() {
+            Ok(())
+        } else {
+            Err(c.errors)
+        }
+    }
+
+    fn check_backbone(&self, c: &mut Checker) {
+        if self.name.trim().is_empty() {
+            c.fail(
+                "name",
+                format!("name = {:?} must be non-empty (it names reports and output folders)", self.name),
+            );
+        }
+        c.at_least("vocab", self.vocab, 2);
+        c.at_least("d_model", self.d_model, 1);
+        c.at_least("layers", self.layers, 1);
+        c.at_least("heads", self.heads, 1);
+        if let Some(kv) = self.kv_heads {
+            if kv < 1 || kv > self.heads {
+                c.fail("kv_heads", format!("kv_heads = {kv} must be in 1..=heads (heads = {})", self.heads));
+            } else if !self.heads.is_multiple_of(kv) {
+                c.fail("kv_heads", format!("heads = {} is not a multiple of kv_heads = {kv}", self.heads));
+            }
+        }
+        match self.head_dim {
+            Some(h) if h < 2 || !h.is_multiple_of(2) => {
+                c.fail("head_dim", format!("head_dim = {h} must be even and >= 2 (RoPE rotates pairs)"));
+            }
+            Some(_) => {}
+            None if self.heads >= 1 => {
+                if !self.d_model.is_multiple_of(self.heads) {
+                    c.fail(
+                        "d_model",
+                        format!(
+                            "d_model = {} is not divisible by heads = {} (head_dim defaults to d_model / heads; \
+                             set head_dim or change d_model)",
+                            self.d_model, self.heads
+                        ),
+                    );
+                } else {
+                    let h = self.d_model / self.heads;
+                    if h < 2 || !h.is_multiple_of(2) {
+                        c.fail(
+                            "head_dim",
+                            format!(
+                                "head_dim = {h} (d_model / heads, the default) must be even and >= 2 \
+                                 (RoPE rotates pairs); set head_dim"
+                            ),
+                        );
+                    }
+                }
+            }
+            None => {}
+        }
+        c.positive("norm_eps", self.norm_eps);
+        c.positive("rope_base", self.rope_base);
+        c.positive("init_std", self.init_std);
+    }
+
+    fn check_ffn(&self, c: &mut Checker) {
+        match &self.ffn {
+            FfnSpec::SwiGlu(s) => {
+                if let Some(hidden) = s.hidden {
+                    c.at_least("ffn.hidden", hidden, 1);
+                }
+            }
+            FfnSpec::Moe(m) => {
+                c.at_least("ffn.experts", m.experts, 1);
+                if m.top_k < 1 {
+                    c.at_least("ffn.top_k", m.top_k, 1);
+                } else if m.top_k > m.experts {
+                    c.fail(
+                        "ffn.top_k",
+                        format!("ffn.top_k = {} must be <= ffn.experts = {}", m.top_k, m.experts),
+                    );
+                }
+                c.at_least("ffn.hidden", m.hidden, 1);
+            }
+        }
+    }
+
+    fn check_residual(&self, c: &mut Checker) {
+        match &self.residual {
+            ResidualSpec::Residual => {}
+            ResidualSpec::Hc(h) => {
+                c.at_least("residual.n", h.n, 1);
+                c.finite("residual.scale_init", h.scale_init);
+            }
+            ResidualSpec::Fc(f) => {
+                c.at_least("residual.m", f.m, 1);
+                c.divides("residual.m", self.d_model, f.m);
+                c.finite("residual.scale_init", f.scale_init);
+            }
+            ResidualSpec::Mhc(m) => {
+                c.at_least("residual.n", m.n, 1);
+                c.at_least("residual.sinkhorn_iters", m.sinkhorn_iters, 1);
+                c.non_negative("residual.sinkhorn_eps", m.sinkhorn_eps);
+                c.non_negative("residual.pre_eps", m.pre_eps);
+                c.positive("residual.post_max", m.post_max);
+                c.finite("residual.alpha_init", m.alpha_init);
+            }
+            ResidualSpec::Ghc(g) => {
+                // MATH.md §5.1: D % m == 0 and n >= m; n need not be a multiple of m.
+                c.at_least("residual.m", g.m, 1);
+                c.divides("residual.m", self.d_model, g.m);
+                if g.n < g.m {
+                    c.fail("residual.n", format!("residual.n = {} must be >= residual.m = {}", g.n, g.m));
+                }
+                if let Some(tau) = g.tau {
+                    c.positive("residual.tau", tau);
+                }
+                c.finite("residual.s_init", g.s_init);
+                // MATH.md §5.2: GroupNorm groups have size D, so D' = (n/m) D must split evenly.
+                if g.reduce_norm == Some(ReduceNorm::GroupNorm) && g.m >= 1 && !g.n.is_multiple_of(g.m) {
+                    c.fail(
+                        "residual.reduce_norm",
+                        format!(
+                            "residual.reduce_norm = GroupNorm requires residual.n = {} to be a multiple of \
+                             residual.m = {} (groups of size d_model); use reduce_norm: Off",
+                            g.n, g.m
+                        ),
+                    );
+                }
+            }
+            ResidualSpec::Xhc(x) => {
+                c.at_least("residual.n", x.n, 1);
+                if x.k < 1 {
+                    c.at_least("residual.k", x.k, 1);
+                } else if x.k > x.n {
+                    c.fail("residual.k", format!("residual.k = {} must be <= residual.n = {}", x.k, x.n));
+                }
+                if x.fixed > x.k {
+                    c.fail(
+                        "residual.fixed",
+                        format!("residual.fixed = {} must be <= residual.k = {}", x.fixed, x.k),
+                    );
+                }
+                for (i, &kernel) in x.conv_kernels.iter().enumerate() {
+                    c.at_least(&format!("residual.conv_kernels[{i}]"), kernel, 1);
+                }
+                c.at_least("residual.sinkhorn_iters", x.sinkhorn_iters, 1);
+                c.positive("residual.gs_eps", x.gs_eps);
+                c.finite("residual.alpha_init", x.alpha_init);
+                // MATH.md §6.11: one routing decision per two blocks needs whole pairs.
+                if x.flash == Flash::TwoBlock && !self.layers.is_multiple_of(2) {
+                    c.fail(
+                        "residual.flash",
+                        format!(
+                            "residual.flash = TwoBlock shares routing over pairs of blocks and needs an even \
+                             number of layers, but layers = {}",
+                            self.layers
+                        ),
+                    );
+                }
+            }
+        }
+    }
+
+    fn check_train(&self, c: &mut Checker) {
+        let t = &self.train;
+        if let DataSpec::Text(path) = &t.data {
+            if path.trim().is_empty() {
+                c.fail("train.data", format!("train.data = Text({path:?}) must name a text file"));
+            }
+        }
+        c.at_least("train.seq_len", t.seq_len, 2);
+        c.at_least("train.batch", t.batch, 1);
+        c.at_least("train.steps", t.steps, 1);
+        match &t.optimizer {
+            OptimizerSpec::AdamW(a) => check_adamw(c, "train.optimizer", a),
+            OptimizerSpec::Muon(m) => {
+                c.positive("train.optimizer.lr", m.lr);
+                c.unit_interval_open_top("train.optimizer.momentum", m.momentum);
+                c.at_least("train.optimizer.ns_steps", m.ns_steps, 1);
+                c.non_negative("train.optimizer.weight_decay", m.weight_decay);
+                check_adamw(c, "train.optimizer.adamw", &m.adamw);
+            }
+        }
+        let warmup = match &t.schedule {
+            ScheduleSpec::Constant(s) => s.warmup,
+            ScheduleSpec::Cosine(s) => {
+                c.unit_interval("train.schedule.min_ratio", s.min_ratio);
+                s.warmup
+            }
+            ScheduleSpec::Wsd(s) => {
+                if !(s.decay_fraction > 0.0 && s.decay_fraction <= 1.0) {
+                    c.fail(
+                        "train.schedule.decay_fraction",
+                        format!("train.schedule.decay_fraction = {:?} must be in (0, 1]", s.decay_fraction),
+                    );
+                }
+                c.unit_interval("train.schedule.final_ratio", s.final_ratio);
+                s.warmup
+            }
+        };
+        if warmup >= t.steps {
+            c.fail(
+                "train.schedule.warmup",
+                format!("train.schedule.warmup = {warmup} must be < train.steps = {}", t.steps),
+            );
+        }
+        if let Some(clip) = t.clip {
+            c.positive("train.clip", clip);
+        }
+        c.at_least("train.eval_every", t.eval_every, 1);
+        c.at_least("train.eval_batches", t.eval_batches, 1);
+        if !(t.val_fraction > 0.0 && t.val_fraction < 1.0) {
+            c.fail(
+                "train.val_fraction",
+                format!("train.val_fraction = {:?} must be in (0, 1)", t.val_fraction),
+            );
+        }
+    }
+}
+
+fn check_adamw(c: &mut Checker, at: &str, a: &AdamWSpec) {
+    c.positive(&format!("{at}.lr"), a.lr);
+    let (b1, b2) = a.betas;
+    for (which, beta) in [("beta1", b1), ("beta2", b2)] {
+        if !(0.0..1.0).contains(&beta) {
+            c.fail(
+                &format!("{at}.betas"),
+                format!("{at}.betas = ({b1:?}, {b2:?}): {which} = {beta:?} must be in [0, 1)"),
+            );
+        }
+    }
+    c.positive(&format!("{at}.eps"), a.eps);
+    c.non_negative(&format!("{at}.weight_decay"), a.weight_decay);
+}
+
+/// Collects problems; each helper writes `path = value must be ...`.
+#[derive(Default)]
+struct Checker {
+    errors: Vec<FieldError>,
+}
+
+impl Checker {
+    fn fail(&mut self, path: &str, message: String) {
+        self.errors.push(FieldError { path: path.to_string(), message });
+    }
+
+    fn at_least(&mut self, path: &str, value: usize, min: usize) {
+        if value < min {
+            self.fail(path, format!("{path} = {value} must be >= {min}"));
+        }
+    }
+
+    /// `d_model % divisor == 0`, in the style `d_model = 250 is not divisible by residual.m = 4`.
+    fn divides(&mut self, path: &str, d_model: usize, divisor: usize) {
+        if divisor >= 1 && !d_model.is_multiple_of(divisor) {
+            self.fail(path, format!("d_model = {d_model} is not divisible by {path} = {divisor}"));
+        }
+    }
+
+    fn positive(&mut self, path: &str, value: f64) {
+        if !(value > 0.0 && value.is_finite()) {
+            self.fail(path, format!("{path} = {value:?} must be > 0 and finite"));
+        }
+    }
+
+    fn non_negative(&mut self, path: &str, value: f64) {
+        if !(value >= 0.0 && value.is_finite()) {
+            self.fail(path, format!("{path} = {value:?} must be >= 0 and finite"));
+        }
+    }
+
+    fn finite(&mut self, path: &str, value: f64) {
+        if !value.is_finite() {
+            self.fail(path, format!("{path} = {value:?} must be finite"));
+        }
+    }
+
+    fn unit_interval(&mut self, path: &str, value: f64) {
+        if !(0.0..=1.0).contains(&value) {
+            self.fail(path, format!("{path} = {value:?} must be in [0, 1]"));
+        }
+    }
+
+    fn unit_interval_open_top(&mut self, path: &str, value: f64) {
+        if !(0.0..1.0).contains(&value) {
+            self.fail(path, format!("{path} = {value:?} must be in [0, 1)"));
+        }
+    }
 }

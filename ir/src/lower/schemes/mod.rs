@@ -1,6 +1,11 @@
 //! One module per residual-stream scheme (MATH.md §0.3 table).
 
+mod fc;
+mod ghc;
+mod hc;
+mod mhc;
 mod residual;
+mod xhc;
 
 use super::Scheme;
 use crate::spec::{ModelSpec, ResidualSpec};
@@ -9,6 +14,10 @@ use crate::spec::{ModelSpec, ResidualSpec};
 pub(crate) fn build(spec: &ModelSpec) -> Box<dyn Scheme> {
     match &spec.residual {
         ResidualSpec::Residual => Box::new(residual::PlainResidual::new(spec)),
-        other => todo!("scheme {}", other.kind_name()),
+        ResidualSpec::Hc(hc) => Box::new(hc::Hc::new(spec, hc)),
+        ResidualSpec::Fc(fc) => Box::new(fc::Fc::new(spec, fc)),
+        ResidualSpec::Ghc(ghc) => Box::new(ghc::Ghc::new(spec, ghc)),
+        ResidualSpec::Mhc(mhc) => Box::new(mhc::Mhc::new(spec, mhc)),
+        ResidualSpec::Xhc(xhc) => Box::new(xhc::Xhc::new(spec, xhc)),
     }
 }

@@ -1,0 +1,422 @@
+//! The derivative table: one vector-Jacobian rule per op, in one match
+//! (DESIGN.md §4). Each arm receives the output adjoint `dy` and returns the
+//! adjoint of every input the sweep asked for (`needs`), shaped like that input.
+//! Rules are graph-building code: derivatives are expressed with the primitive
+//! ops wherever that is natural, and with a backward op (`*Grad`) for composites
+//! whose derivative would otherwise need their internals spelled out.
+
+use super::build::Builder;
+use super::AutodiffError;
+use crate::graph::{BinaryOp, GraphError, NodeId, Op, ReduceOp, UnaryOp};
+
+type Adjoints = Vec<Option<NodeId>>;
+
+/// The adjoints of the inputs of node `y` given its output adjoint `dy`. Entries for
+/// inputs with `needs[slot] == false` are `None`.
+pub(super) fn vjp(b: &mut Builder, y: NodeId, dy: NodeId, needs: &[bool]) -> Result<Adjoints, AutodiffError> {
+    let op = b.g.node(y).op.clone();
+    let xs = b.g.inputs(y);
+    let mut out: Adjoints = vec![None; xs.len()];
+    match op {
+        Op::Unary(u) => {
+            let x = xs[0];
+            out[0] = Some(unary(b, u, x, y, dy)?);
+        }
+        Op::Binary(op) => {
+            let (l, r) = (xs[0], xs[1]);
+            let (dl, dr) = binary(b, op, l, r, y, dy, needs)?;
+            out[0] = dl.map(|d| b.sum_to(d, &b.shape(l))).transpose()?;
+            out[1] = dr.map(|d| b.sum_to(d, &b.shape(r))).transpose()?;
+        }
+        Op::Affine { mul, .. } => out[0] = Some(b.affine(dy, mul, 0.0)?),
+        Op::Reduce { op, axis, .. } => {
+            let x = xs[0];
+            let xshape = b.shape(x);
+            let mut kept = xshape.dims().to_vec();
+            kept[axis] = 1;
+            let dyk = b.reshape(dy, &kept)?;
+            out[0] = Some(match op {
+                ReduceOp::Sum => b.broadcast(dyk, xshape.dims())?,
+                ReduceOp::Mean => {
+                    let spread = b.broadcast(dyk, xshape.dims())?;
+                    b.affine(spread, 1.0 / xshape.dims()[axis] as f64, 0.0)?
+                }
+                ReduceOp::Max => b.route_to_first_max(x, axis, dyk)?,
+            });
+        }
+        Op::MatMul { trans_a, trans_b } => {
+            let (a, c) = (xs[0], xs[1]);
+            if needs[0] {
+                let da =
+                    if trans_a { b.matmul(c, dy, trans_b, true)? } else { b.matmul(dy, c, false, !trans_b)? };
+                out[0] = Some(b.sum_to(da, &b.shape(a))?);
+            }
+            if needs[1] {
+                let dc =
+                    if trans_b { b.matmul(dy, a, true, trans_a)? } else { b.matmul(a, dy, !trans_a, false)? };
+                out[1] = Some(b.sum_to(dc, &b.shape(c))?);
+            }
+        }
+        Op::Reshape { .. } => out[0] = Some(b.reshape(dy, b.shape(xs[0]).dims())?),
+        Op::Permute { perm } => {
+            let mut inverse = vec![0; perm.len()];
+            for (i, &p) in perm.iter().enumerate() {
+                inverse[p] = i;
+            }
+            out[0] = Some(b.permute(dy, &inverse)?);
+        }
+        Op::Broadcast { .. } => out[0] = Some(b.sum_to(dy, &b.shape(xs[0]))?),
+        Op::Slice { axis, start, end } => {
+            let dims = b.shape(xs[0]).dims().to_vec();
+            let mut parts = Vec::new();
+            for (lo, hi) in [(0, start), (start, end), (end, dims[axis])] {
+                if (lo, hi) == (start, end) {
+                    parts.push(dy);
+                } else if hi > lo {
+                    let mut zdims = dims.clone();
+                    zdims[axis] = hi - lo;
+                    parts.push(b.constant(0.0, zdims.into(), b.dtype(dy)));
+                }
+            }
+            out[0] = Some(if parts.len() == 1 { dy } else { b.op(Op::Concat { axis }, &parts)? });
+        }
+        Op::Concat { axis } => {
+            let mut offset = 0;
+            for (slot, &x) in xs.iter().enumerate() {
+                let size = b.shape(x).dims()[axis];
+                if needs[slot] {
+                    out[slot] = Some(if size == 0 {
+                        b.zeros_like(x)
+                    } else {
+                        b.slice(dy, axis, offset, offset + size)?
+                    });
+                }
+                offset += size;
+            }
+        }
+        Op::Gather { axis } => {
+            let zeros = b.zeros_like(xs[0]);
+            out[0] = Some(b.op(Op::ScatterAdd { axis }, &[zeros, xs[1], dy])?);
+        }
+        Op::ScatterAdd { axis } => {
+            out[0] = needs[0].then_some(dy);
+            if needs[2] {
+                out[2] = Some(b.op(Op::Gather { axis }, &[dy, xs[1]])?);
+            }
+        }
+        Op::ScatterRows { axis } => {
+            if needs[0] {
+                let zeros = b.zeros_like(xs[2]);
+                out[0] = Some(b.op(Op::ScatterRows { axis }, &[dy, xs[1], zeros])?);
+            }
+            if needs[2] {
+                out[2] = Some(b.op(Op::Gather { axis }, &[dy, xs[1]])?);
+            }
+        }
+        Op::Softmax => {
+            // dx = y ⊙ (dy − Σ dy ⊙ y)
+            let dyy = b.mul(dy, y)?;
+            let s = b.sum_last(dyy)?;
+            let centred = b.sub(dy, s)?;
+            out[0] = Some(b.mul(y, centred)?);
+        }
+        Op::RmsNorm { eps } => {
+            let x = xs[0];
+            let (xhat, rho) = rms_stats(b, x, eps)?;
+            if needs[0] {
+                let dxhat = if xs.len() > 1 { b.mul(dy, xs[1])? } else { dy };
+                out[0] = Some(rms_back(b, xhat, rho, dxhat)?);
+            }
+            if xs.len() > 1 && needs[1] {
+                let prod = b.mul(dy, xhat)?;
+                out[1] = Some(b.sum_to(prod, &b.shape(xs[1]))?);
+            }
+        }
+        Op::LayerNorm { eps } => {
+            let x = xs[0];
+            let (xhat, rstd) = ln_stats(b, x, eps)?;
+            if needs[0] {
+                let dxhat = if xs.len() > 1 { b.mul(dy, xs[1])? } else { dy };
+                out[0] = Some(ln_back(b, xhat, rstd, dxhat)?);
+            }
+            affine_adjoints(b, &xs, xhat, dy, needs, &mut out)?;
+        }
+        Op::GroupNorm { groups, eps } => {
+            // GroupNorm = LayerNorm over [.., groups, C / groups] then a per-channel affine.
+            let x = xs[0];
+            let dims = b.shape(x).dims().to_vec();
+            let mut grouped = dims.clone();
+            let c = grouped.pop().expect("normalized input has rank >= 1");
+            grouped.extend([groups, c / groups]);
+            let xg = b.reshape(x, &grouped)?;
+            let (xhat_g, rstd) = ln_stats(b, xg, eps)?;
+            let xhat = b.reshape(xhat_g, &dims)?;
+            if needs[0] {
+                let dxhat = b.mul(dy, xs[1])?;
+                let dxhat_g = b.reshape(dxhat, &grouped)?;
+                let dx_g = ln_back(b, xhat_g, rstd, dxhat_g)?;
+                out[0] = Some(b.reshape(dx_g, &dims)?);
+            }
+            affine_adjoints(b, &xs, xhat, dy, needs, &mut out)?;
+        }
+        Op::NormProject { eps, centered } => {
+            let (dx, dw) = norm_project(b, xs[0], xs[1], dy, eps, centered, needs)?;
+            out[0] = dx;
+            out[1] = dw;
+        }
+        Op::SoftmaxCrossEntropy => {
+            // d logits = (softmax(logits) − onehot(targets)) · dy / count.
+            let (logits, targets) = (xs[0], xs[1]);
+            let dims = b.shape(logits).dims().to_vec();
+            let rank = dims.len();
+            let count = b.shape(targets).numel();
+            let p = b.op(Op::Softmax, &[logits])?;
+            let mut col = b.shape(targets).dims().to_vec();
+            col.push(1);
+            let idx = b.reshape(targets, &col)?;
+            let ones = b.constant(1.0, col.into(), b.dtype(logits));
+            let zeros = b.zeros_like(logits);
+            let onehot = b.op(Op::ScatterAdd { axis: rank - 1 }, &[zeros, idx, ones])?;
+            let diff = b.sub(p, onehot)?;
+            let scaled = b.affine(dy, 1.0 / count as f64, 0.0)?;
+            out[0] = Some(b.mul(diff, scaled)?);
+        }
+        Op::CausalAttention { scale, rope_base } => {
+            let args = [xs[0], xs[1], xs[2], dy];
+            for wrt in (0..3).filter(|&i| needs[i]) {
+                out[wrt] = Some(b.op(Op::CausalAttentionGrad { scale, rope_base, wrt }, &args)?);
+            }
+        }
+        Op::Sinkhorn { iters, eps } => out[0] = Some(b.op(Op::SinkhornGrad { iters, eps }, &[xs[0], dy])?),
+        Op::TemporalAugment { gram_schmidt, eps_rel } => {
+            let mut args = xs.clone();
+            args.push(dy);
+            for wrt in (0..xs.len()).filter(|&i| needs[i]) {
+                out[wrt] = Some(b.op(Op::TemporalAugmentGrad { gram_schmidt, eps_rel, wrt }, &args)?);
+            }
+        }
+        Op::Input { .. } | Op::Param(_) | Op::Constant { .. } => {}
+        Op::TopK { .. }
+        | Op::CausalAttentionGrad { .. }
+        | Op::SinkhornGrad { .. }
+        | Op::TemporalAugmentGrad { .. } => {
+            return Err(AutodiffError::NoRule { op: op.name(), node: y.index() })
+        }
+    }
+    Ok(out)
+}
+
+fn unary(b: &mut Builder, u: UnaryOp, x: NodeId, y: NodeId, dy: NodeId) -> Result<NodeId, GraphError> {
+    Ok(match u {
+        UnaryOp::Neg => b.unary(UnaryOp::Neg, dy)?,
+        UnaryOp::Exp => b.mul(dy, y)?,
+        UnaryOp::Log => b.div(dy, x)?,
+        UnaryOp::Tanh => {
+            // 1 − y²
+            let y2 = b.unary(UnaryOp::Square, y)?;
+            let d = b.affine(y2, -1.0, 1.0)?;
+            b.mul(dy, d)?
+        }
+        UnaryOp::Sigmoid => {
+            // y (1 − y)
+            let one_minus = b.affine(y, -1.0, 1.0)?;
+            let d = b.mul(y, one_minus)?;
+            b.mul(dy, d)?
+        }
+        UnaryOp::Silu => {
+            // σ(x) (1 + x (1 − σ(x)))
+            let s = b.unary(UnaryOp::Sigmoid, x)?;
+            let one_minus = b.affine(s, -1.0, 1.0)?;
+            let t = b.mul(x, one_minus)?;
+            let t1 = b.affine(t, 1.0, 1.0)?;
+            let d = b.mul(s, t1)?;
+            b.mul(dy, d)?
+        }
+        UnaryOp::Sqrt => {
+            // 1 / (2 y)
+            let half = b.affine(dy, 0.5, 0.0)?;
+            b.div(half, y)?
+        }
+        UnaryOp::Rsqrt => {
+            // −y³ / 2
+            let y2 = b.unary(UnaryOp::Square, y)?;
+            let y3 = b.mul(y2, y)?;
+            let d = b.affine(y3, -0.5, 0.0)?;
+            b.mul(dy, d)?
+        }
+        UnaryOp::Recip => {
+            // −y²
+            let y2 = b.unary(UnaryOp::Square, y)?;
+            let d = b.mul(dy, y2)?;
+            b.unary(UnaryOp::Neg, d)?
+        }
+        UnaryOp::Square => {
+            let d = b.affine(x, 2.0, 0.0)?;
+            b.mul(dy, d)?
+        }
+    })
+}
+
+/// Adjoints of a broadcasting binary at the output shape (the caller sums them down).
+fn binary(
+    b: &mut Builder,
+    op: BinaryOp,
+    l: NodeId,
+    r: NodeId,
+    y: NodeId,
+    dy: NodeId,
+    needs: &[bool],
+) -> Result<(Option<NodeId>, Option<NodeId>), GraphError> {
+    let (nl, nr) = (needs[0], needs[1]);
+    Ok(match op {
+        BinaryOp::Add => (nl.then_some(dy), nr.then_some(dy)),
+        BinaryOp::Sub => (nl.then_some(dy), if nr { Some(b.unary(UnaryOp::Neg, dy)?) } else { None }),
+        BinaryOp::Mul => {
+            (if nl { Some(b.mul(dy, r)?) } else { None }, if nr { Some(b.mul(dy, l)?) } else { None })
+        }
+        BinaryOp::Div => {
+            // d l = dy / r;  d r = −dy · y / r
+            let dl = if nl { Some(b.div(dy, r)?) } else { None };
+            let dr = if nr {
+                let t = b.mul(dy, y)?;
+                let t = b.div(t, r)?;
+                Some(b.unary(UnaryOp::Neg, t)?)
+            } else {
+                None
+            };
+            (dl, dr)
+        }
+        BinaryOp::Max => {
+            // Stack both operands on a new last axis; the first maximum of each pair
+            // (ties: the first operand) receives dy.
+            let dims = b.shape(y).dims().to_vec();
+            let mut col = dims.clone();
+            col.push(1);
+            let lb = b.broadcast(l, &dims)?;
+            let lb = b.reshape(lb, &col)?;
+            let rb = b.broadcast(r, &dims)?;
+            let rb = b.reshape(rb, &col)?;
+            let pair = b.op(Op::Concat { axis: dims.len() }, &[lb, rb])?;
+            let dyc = b.reshape(dy, &col)?;
+            let routed = b.route_to_first_max(pair, dims.len(), dyc)?;
+            let pick = |b: &mut Builder, slot: usize| -> Result<NodeId, GraphError> {
+                let s = b.slice(routed, dims.len(), slot, slot + 1)?;
+                b.reshape(s, &dims)
+            };
+            (if nl { Some(pick(b, 0)?) } else { None }, if nr { Some(pick(b, 1)?) } else { None })
+        }
+    })
+}
+
+/// RMSNorm statistics over the last axis, recomputed from x: (x̂ = xρ, ρ) with
+/// ρ = (mean x² + ε)^(-1/2) (MATH.md §1.3).
+fn rms_stats(b: &mut Builder, x: NodeId, eps: f64) -> Result<(NodeId, NodeId), GraphError> {
+    let x2 = b.unary(UnaryOp::Square, x)?;
+    let ms = b.mean_last(x2)?;
+    let ms = b.affine(ms, 1.0, eps)?;
+    let rho = b.unary(UnaryOp::Rsqrt, ms)?;
+    Ok((b.mul(x, rho)?, rho))
+}
+
+/// RMSNorm VJP (MATH.md §1.4) given the adjoint of x̂: dx = ρ (dx̂ − x̂ mean(x̂ ⊙ dx̂)).
+fn rms_back(b: &mut Builder, xhat: NodeId, rho: NodeId, dxhat: NodeId) -> Result<NodeId, GraphError> {
+    let p = b.mul(xhat, dxhat)?;
+    let m = b.mean_last(p)?;
+    let t = b.mul(xhat, m)?;
+    let t = b.sub(dxhat, t)?;
+    b.mul(rho, t)
+}
+
+/// LayerNorm statistics over the last axis, recomputed from x: (x̂ = (x − μ) r, r)
+/// with r = (mean (x − μ)² + ε)^(-1/2).
+fn ln_stats(b: &mut Builder, x: NodeId, eps: f64) -> Result<(NodeId, NodeId), GraphError> {
+    let mu = b.mean_last(x)?;
+    let c = b.sub(x, mu)?;
+    let c2 = b.unary(UnaryOp::Square, c)?;
+    let var = b.mean_last(c2)?;
+    let var = b.affine(var, 1.0, eps)?;
+    let rstd = b.unary(UnaryOp::Rsqrt, var)?;
+    Ok((b.mul(c, rstd)?, rstd))
+}
+
+/// LayerNorm VJP given the adjoint of x̂: dx = r (dx̂ − mean(dx̂) − x̂ mean(x̂ ⊙ dx̂)).
+fn ln_back(b: &mut Builder, xhat: NodeId, rstd: NodeId, dxhat: NodeId) -> Result<NodeId, GraphError> {
+    let m1 = b.mean_last(dxhat)?;
+    let p = b.mul(xhat, dxhat)?;
+    let m2 = b.mean_last(p)?;
+    let t = b.mul(xhat, m2)?;
+    let t = b.add(t, m1)?;
+    let t = b.sub(dxhat, t)?;
+    b.mul(rstd, t)
+}
+
+/// Gain and bias adjoints of a normalization with a per-channel affine, inputs
+/// (x, gain, bias): d gain = Σ dy ⊙ x̂, d bias = Σ dy over every leading axis.
+fn affine_adjoints(
+    b: &mut Builder,
+    xs: &[NodeId],
+    xhat: NodeId,
+    dy: NodeId,
+    needs: &[bool],
+    out: &mut Adjoints,
+) -> Result<(), GraphError> {
+    if xs.len() < 3 {
+        return Ok(());
+    }
+    if needs[1] {
+        let prod = b.mul(dy, xhat)?;
+        out[1] = Some(b.sum_to(prod, &b.shape(xs[1]))?);
+    }
+    if needs[2] {
+        out[2] = Some(b.sum_to(dy, &b.shape(xs[2]))?);
+    }
+    Ok(())
+}
+
+/// NormProject (x [.., K], w [K, M]): the first `centered` columns are
+/// LayerNorm(x) w[:, ..centered], the rest RMSNorm(x) w[:, centered..] (MATH.md §4.3,
+/// §6.2–6.3). Works on x flattened to [N, K].
+fn norm_project(
+    b: &mut Builder,
+    x: NodeId,
+    w: NodeId,
+    dy: NodeId,
+    eps: f64,
+    centered: usize,
+    needs: &[bool],
+) -> Result<(Option<NodeId>, Option<NodeId>), GraphError> {
+    let xdims = b.shape(x).dims().to_vec();
+    let (k, m) = (b.shape(w).dims()[0], b.shape(w).dims()[1]);
+    let n = b.shape(x).numel() / k;
+    let x2 = b.reshape(x, &[n, k])?;
+    let dy2 = b.reshape(dy, &[n, m])?;
+    let mut dx: Option<NodeId> = None;
+    let mut dws = Vec::new();
+    for (lo, hi, is_centered) in [(0, centered, true), (centered, m, false)] {
+        if hi == lo {
+            continue;
+        }
+        let (xhat, scale) = if is_centered { ln_stats(b, x2, eps)? } else { rms_stats(b, x2, eps)? };
+        let dy_part = b.slice(dy2, 1, lo, hi)?;
+        if needs[1] {
+            dws.push(b.matmul(xhat, dy_part, true, false)?);
+        }
+        if needs[0] {
+            let w_part = b.slice(w, 1, lo, hi)?;
+            let dxhat = b.matmul(dy_part, w_part, false, true)?;
+            let part =
+                if is_centered { ln_back(b, xhat, scale, dxhat)? } else { rms_back(b, xhat, scale, dxhat)? };
+            dx = Some(match dx {
+                Some(prev) => b.add(prev, part)?,
+                None => part,
+            });
+        }
+    }
+    let dx = dx.map(|d| b.reshape(d, &xdims)).transpose()?;
+    let dw = match dws.len() {
+        0 => None,
+        1 => Some(dws[0]),
+        _ => Some(b.op(Op::Concat { axis: 1 }, &dws)?),
+    };
+    Ok((dx, dw))
+}

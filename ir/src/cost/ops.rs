@@ -1,0 +1,182 @@
+//! The per-op cost table: FLOPs in two conventions and elements moved, for one node.
+//!
+//! Everything here is a total over the node's whole tensor (not per token); the
+//! report divides by the trunk's B·T. Every op is in the one `match` of
+//! [`op_cost`], so a new op cannot be added without deciding its cost.
+
+use crate::graph::{Graph, NodeId, Op};
+
+/// The cost of one node over its whole output tensor.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct OpCost {
+    /// FLOPs counting every op ("all ops"): contractions at 2 per multiply-accumulate,
+    /// elementwise ops at 1 per output element (transcendentals included), norms at
+    /// 3–7 per element, attention at 4·H·d_h per query and key (MATH.md §1.5).
+    pub flops: f64,
+    /// FLOPs in the papers' convention (MATH.md §5.9, §6.9): only contractions
+    /// (MatMul, the matmul part of NormProject) at 2 per multiply-accumulate and norms
+    /// at 4 per normalized element; everything else is memory-bound and counts 0.
+    pub flops_papers: f64,
+    /// Elements read from non-parameter inputs.
+    pub read: f64,
+    /// Elements written.
+    pub written: f64,
+}
+
+impl OpCost {
+    fn scaled(self, factor: f64) -> OpCost {
+        OpCost {
+            flops: self.flops * factor,
+            flops_papers: self.flops_papers * factor,
+            read: self.read * factor,
+            written: self.written * factor,
+        }
+    }
+}
+
+/// Elements a consumer of `id` really loads from memory. Parameters are excluded (the
+/// traffic model of MATH.md §2.6, §4.7, §6.9 counts activations only). Views are
+/// resolved to what they view: a slice counts at most its own elements, a concat the
+/// sum of its parts, and a broadcast depends on what it expands:
+/// - over the token axes (axes 0 and 1 of the output, `[B, T, ..]`), from a source
+///   that lacks them (a static matrix, a scalar): the source's elements, read once;
+/// - over inner axes only (the replicated embedding that creates the streams,
+///   MATH.md §0.3): every element, since the papers' traffic model reads a
+///   materialized state in every sublayer, the first one included.
+pub fn stored_elements(graph: &Graph, id: NodeId) -> usize {
+    let node = graph.node(id);
+    match &node.op {
+        Op::Param(_) => 0,
+        Op::Reshape { .. } | Op::Permute { .. } => stored_elements(graph, graph.inputs(id)[0]),
+        Op::Broadcast { .. } => {
+            let source = graph.inputs(id)[0];
+            let real = stored_elements(graph, source);
+            if real == 0 || expands_token_axes(graph.node(source).shape.dims(), node.shape.dims()) {
+                real
+            } else {
+                real * (node.shape.numel() / graph.node(source).shape.numel().max(1))
+            }
+        }
+        Op::Slice { .. } => node.shape.numel().min(stored_elements(graph, graph.inputs(id)[0])),
+        Op::Concat { .. } => graph.inputs(id).into_iter().map(|i| stored_elements(graph, i)).sum(),
+        _ => node.shape.numel(),
+    }
+}
+
+/// Whether broadcasting `source` to `out` (NumPy rules, right-aligned) expands axis 0
+/// or 1 of `out`, the batch and token axes.
+fn expands_token_axes(source: &[usize], out: &[usize]) -> bool {
+    let offset = out.len() - source.len();
+    (0..out.len().min(2)).any(|axis| out[axis] > 1 && (axis < offset || source[axis - offset] == 1))
+}
+
+/// The cost of node `id`, already multiplied by its `role.active_fraction` (MoE routed
+/// experts are computed densely by the reference but only top_k / E of that work
+/// happens in a routed implementation).
+///
+/// Traffic rules: an op reads each non-parameter input once ([`stored_elements`]) and
+/// writes its output once. Sources and views move nothing. A `Gather` reads only the
+/// rows it gathers (plus the indices). `ScatterRows` moves nothing: its producer writes
+/// straight into the destination rows (MATH.md §6.6), so the rows are counted at the
+/// producer.
+pub fn op_cost(graph: &Graph, id: NodeId) -> OpCost {
+    let node = graph.node(id);
+    let inputs = graph.inputs(id);
+    let out = node.shape.numel() as f64;
+    let in_numel = |slot: usize| graph.node(inputs[slot]).shape.numel() as f64;
+    let in_dims = |slot: usize| graph.node(inputs[slot]).shape.dims().to_vec();
+    let reads_all = || inputs.iter().map(|&i| stored_elements(graph, i) as f64).sum::<f64>();
+
+    // (flops, flops_papers, read, written)
+    let (flops, papers, read, written) = match &node.op {
+        Op::Input { .. } | Op::Param(_) | Op::Constant { .. } => (0.0, 0.0, 0.0, 0.0),
+        Op::Reshape { .. } | Op::Permute { .. } | Op::Broadcast { .. } | Op::Slice { .. } | Op::Concat { .. } => {
+            (0.0, 0.0, 0.0, 0.0)
+        }
+        Op::Unary(_) | Op::Binary(_) | Op::Affine { .. } => (out, 0.0, reads_all(), out),
+        // One add (or compare) per input element.
+        Op::Reduce { .. } => (in_numel(0), 0.0, reads_all(), out),
+        Op::MatMul { trans_a, .. } => {
+            let a = in_dims(0);
+            let k = if *trans_a { a[a.len() - 2] } else { a[a.len() - 1] } as f64;
+            let f = 2.0 * out * k;
+            (f, f, reads_all(), out)
+        }
+        Op::Gather { .. } => {
+            let table = if stored_elements(graph, inputs[0]) == 0 { 0.0 } else { out };
+            (0.0, 0.0, table + stored_elements(graph, inputs[1]) as f64, out)
+        }
+        Op::ScatterAdd { .. } => (in_numel(2), 0.0, reads_all(), out),
+        Op::ScatterRows { .. } => (0.0, 0.0, 0.0, 0.0),
+        // One comparison per candidate and selected slot.
+        Op::TopK { k, fixed } => {
+            let n = graph.node(inputs[0]).shape.last() as f64;
+            let rows = in_numel(0) / n;
+            (rows * (n - *fixed as f64) * (k - fixed) as f64, 0.0, reads_all(), out)
+        }
+        // max, subtract, exp, sum, divide.
+        Op::Softmax => (5.0 * out, 0.0, reads_all(), out),
+        // square, accumulate, scale (+ gain).
+        Op::RmsNorm { .. } => {
+            let f = if inputs.len() > 1 { 4.0 } else { 3.0 };
+            (f * out, 4.0 * out, reads_all(), out)
+        }
+        // mean, subtract, square, accumulate, scale (+ gain and bias).
+        Op::LayerNorm { .. } => {
+            let f = if inputs.len() > 1 { 7.0 } else { 5.0 };
+            (f * out, 4.0 * out, reads_all(), out)
+        }
+        Op::GroupNorm { .. } => (7.0 * out, 4.0 * out, reads_all(), out),
+        // Statistics pass over x (4·K per row, +K for the mean when some columns are
+        // centred), the projection (2·K·M per row) and the folded normalization of each
+        // output (2 per output) (MATH.md §4.3).
+        Op::NormProject { centered, .. } => {
+            let k = graph.node(inputs[0]).shape.last() as f64;
+            let m = node.shape.last() as f64;
+            let rows = out / m;
+            let stats = if *centered > 0 { 5.0 * k } else { 4.0 * k };
+            let all = rows * (stats + 2.0 * k * m + 2.0 * m);
+            let papers = rows * (4.0 * k + 2.0 * k * m);
+            (all, papers, reads_all(), out)
+        }
+        // max, exp, sum over the vocabulary, plus the target pick: ~4V per row.
+        Op::SoftmaxCrossEntropy => (4.0 * in_numel(0), 0.0, reads_all(), out),
+        Op::CausalAttention { .. } => (attention_flops(&in_dims(0)), 0.0, reads_all(), out),
+        // (1 + 4·iters)·n² per matrix (MATH.md §4.7).
+        Op::Sinkhorn { iters, .. } => ((1 + 4 * iters) as f64 * out, 0.0, reads_all(), out),
+        Op::TemporalAugment { gram_schmidt, .. } => {
+            let kernels: Vec<Vec<usize>> = (1..inputs.len()).map(in_dims).collect();
+            (temporal_augment_flops(&in_dims(0), &kernels, *gram_schmidt), 0.0, reads_all(), out)
+        }
+        // Backward ops (not in the forward graph the report costs) are estimates:
+        // attention recomputes the scores (one QK^T product) and does two more
+        // contractions of the same size per gradient.
+        Op::CausalAttentionGrad { .. } => (1.5 * attention_flops(&in_dims(0)), 0.0, reads_all(), out),
+        // The unrolled reverse sweep costs about twice the forward iteration.
+        Op::SinkhornGrad { iters, .. } => (2.0 * (1 + 4 * iters) as f64 * in_numel(0), 0.0, reads_all(), out),
+        Op::TemporalAugmentGrad { gram_schmidt, .. } => {
+            let kernels: Vec<Vec<usize>> = (1..inputs.len() - 1).map(in_dims).collect();
+            (2.0 * temporal_augment_flops(&in_dims(0), &kernels, *gram_schmidt), 0.0, reads_all(), out)
+        }
+    };
+    OpCost { flops, flops_papers: papers, read, written }.scaled(node.role.active_fraction)
+}
+
+/// Causal attention on q `[B, T, H, d_h]`: query t attends to t + 1 keys, so the mean is
+/// t̄ = (T + 1)/2 and each key costs 4·H·d_h (QK^T and PV at 2 per MAC, MATH.md §1.5).
+fn attention_flops(q: &[usize]) -> f64 {
+    let (b, t, h, dh) = (q[0] as f64, q[1] as f64, q[2] as f64, q[3] as f64);
+    4.0 * h * dh * b * t * (t + 1.0) / 2.0
+}
+
+/// xHC temporal augmentation on out `[B, T, C]` (MATH.md §6.9): causal depthwise
+/// convolutions 2·C·Σκ per token, plus Gram–Schmidt ≈ 4·C per projection over the
+/// K_r(K_r − 1)/2 pairs of the K_r = r + 1 components.
+fn temporal_augment_flops(out: &[usize], kernels: &[Vec<usize>], gram_schmidt: bool) -> f64 {
+    let tokens = (out[0] * out[1]) as f64;
+    let c = out[2] as f64;
+    let sum_kappa: usize = kernels.iter().map(|w| w[0]).sum();
+    let k_r = (kernels.len() + 1) as f64;
+    let gs = if gram_schmidt { 4.0 * c * k_r * (k_r - 1.0) / 2.0 } else { 0.0 };
+    tokens * (2.0 * c * sum_kappa as f64 + gs)
+}

@@ -1,0 +1,178 @@
+//! The device boundary of the training loop (DESIGN.md §7): a [`StepExecutor`]
+//! turns parameters and a token batch into a loss, gradients or logits. The
+//! loop, optimizers, data and checkpoints never look past this trait, so a
+//! compiled CPU or CUDA plan plugs in beside the [`ReferenceExecutor`], and a
+//! data-parallel executor can all-reduce gradients before returning them
+//! (DESIGN.md §11).
+
+use crate::params::ParamSet;
+use ir::autodiff::AutodiffError;
+use ir::exec::{ExecError, Tensor, Value};
+use ir::graph::{Graph, NodeId};
+use ir::lower::Lowered;
+use ir::Shape;
+use std::collections::HashMap;
+
+/// Errors from a step executor.
+#[derive(Debug, thiserror::Error)]
+pub enum StepError {
+    #[error("token batch has {got} ids, the model graph takes {expected} ([batch, seq_len + 1])")]
+    TokenCount { got: usize, expected: usize },
+    #[error("the graph produced no {what}")]
+    MissingOutput { what: &'static str },
+    #[error(transparent)]
+    Exec(#[from] ExecError),
+    #[error(transparent)]
+    Autodiff(#[from] AutodiffError),
+}
+
+/// What the training loop and the sampler need from a device.
+pub trait StepExecutor {
+    /// Device name for messages (`reference`, ...).
+    fn device(&self) -> &'static str;
+
+    /// The token batch shape `[batch, seq_len + 1]` this executor was built for.
+    fn token_shape(&self) -> [usize; 2];
+
+    /// Training loss and its gradient for every parameter, in [`ParamSet`] order.
+    fn loss_and_grads(
+        &mut self,
+        params: &ParamSet,
+        tokens: &[i32],
+    ) -> Result<(f32, Vec<Vec<f32>>), StepError>;
+
+    /// Loss only (validation).
+    fn loss(&mut self, params: &ParamSet, tokens: &[i32]) -> Result<f32, StepError>;
+
+    /// The main head's logits `[batch, seq_len, vocab]`, row-major.
+    fn logits(&mut self, params: &ParamSet, tokens: &[i32]) -> Result<Vec<f32>, StepError>;
+}
+
+/// The devices a model can run on. Only the reference interpreter exists so far;
+/// compiled CPU and CUDA plans are further implementations of [`StepExecutor`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Device {
+    Reference,
+}
+
+impl Device {
+    /// The executor for a lowered model graph on this device.
+    pub fn executor(self, lowered: Lowered) -> Box<dyn StepExecutor> {
+        match self {
+            Device::Reference => Box::new(ReferenceExecutor::from_lowered(lowered)),
+        }
+    }
+}
+
+/// Runs the unfused graph on the reference interpreter (`ir::exec`) in f32.
+#[derive(Debug)]
+pub struct ReferenceExecutor {
+    graph: Graph,
+    tokens: NodeId,
+    loss: NodeId,
+    logits: NodeId,
+    /// Gradient nodes, appended by autodiff on the first training step (a
+    /// sampling-only executor never differentiates).
+    grads: Option<Vec<NodeId>>,
+    token_shape: [usize; 2],
+}
+
+impl ReferenceExecutor {
+    /// An executor for a model graph: `tokens` is its i32 `[batch, seq_len + 1]`
+    /// input, `loss` the scalar training loss, `logits` the main head's output.
+    pub fn new(graph: Graph, tokens: NodeId, loss: NodeId, logits: NodeId) -> Self {
+        let dims = graph.node(tokens).shape.dims().to_vec();
+        let token_shape = [dims.first().copied().unwrap_or(1), dims.get(1).copied().unwrap_or(1)];
+        ReferenceExecutor { graph, tokens, loss, logits, grads: None, token_shape }
+    }
+
+    /// An executor for the output of `ir::lower::lower`.
+    pub fn from_lowered(lowered: Lowered) -> Self {
+        ReferenceExecutor::new(lowered.graph, lowered.tokens, lowered.loss, lowered.logits)
+    }
+
+    fn sources(&self, params: &ParamSet, tokens: &[i32]) -> Result<HashMap<NodeId, Value<f32>>, StepError> {
+        let expected = self.token_shape[0] * self.token_shape[1];
+        if tokens.len() != expected {
+            return Err(StepError::TokenCount { got: tokens.len(), expected });
+        }
+        let mut sources = HashMap::with_capacity(params.len() + 1);
+        for p in params.iter() {
+            sources.insert(p.node, Value::Float(Tensor::new(p.shape.clone(), p.value.clone())));
+        }
+        sources.insert(self.tokens, Value::Int(Tensor::new(Shape::new(self.token_shape), tokens.to_vec())));
+        Ok(sources)
+    }
+
+    fn run(
+        &self,
+        params: &ParamSet,
+        tokens: &[i32],
+        outputs: &[NodeId],
+    ) -> Result<HashMap<NodeId, Value<f32>>, StepError> {
+        let sources = self.sources(params, tokens)?;
+        Ok(ir::exec::run::<f32>(&self.graph, &sources, outputs)?)
+    }
+}
+
+fn float_output(
+    values: &mut HashMap<NodeId, Value<f32>>,
+    node: NodeId,
+    what: &'static str,
+) -> Result<Vec<f32>, StepError> {
+    match values.remove(&node) {
+        Some(Value::Float(t)) => Ok(t.data),
+        _ => Err(StepError::MissingOutput { what }),
+    }
+}
+
+impl StepExecutor for ReferenceExecutor {
+    fn device(&self) -> &'static str {
+        "reference"
+    }
+
+    fn token_shape(&self) -> [usize; 2] {
+        self.token_shape
+    }
+
+    fn loss_and_grads(
+        &mut self,
+        params: &ParamSet,
+        tokens: &[i32],
+    ) -> Result<(f32, Vec<Vec<f32>>), StepError> {
+        let grads = match &self.grads {
+            Some(g) => g.clone(),
+            None => {
+                let wrt: Vec<NodeId> = params.iter().map(|p| p.node).collect();
+                let g = ir::autodiff::grad(&mut self.graph, self.loss, &wrt)?;
+                self.grads = Some(g.clone());
+                g
+            }
+        };
+        let mut outputs = vec![self.loss];
+        outputs.extend(&grads);
+        let mut values = self.run(params, tokens, &outputs)?;
+        let loss = float_output(&mut values, self.loss, "loss")?;
+        let loss = *loss.first().ok_or(StepError::MissingOutput { what: "loss" })?;
+        let mut out = Vec::with_capacity(grads.len());
+        for &g in &grads {
+            // Several parameters may share one zero-gradient node: clone rather than remove.
+            match values.get(&g) {
+                Some(Value::Float(t)) => out.push(t.data.clone()),
+                _ => return Err(StepError::MissingOutput { what: "gradient" }),
+            }
+        }
+        Ok((loss, out))
+    }
+
+    fn loss(&mut self, params: &ParamSet, tokens: &[i32]) -> Result<f32, StepError> {
+        let mut values = self.run(params, tokens, &[self.loss])?;
+        let loss = float_output(&mut values, self.loss, "loss")?;
+        loss.first().copied().ok_or(StepError::MissingOutput { what: "loss" })
+    }
+
+    fn logits(&mut self, params: &ParamSet, tokens: &[i32]) -> Result<Vec<f32>, StepError> {
+        let mut values = self.run(params, tokens, &[self.logits])?;
+        float_output(&mut values, self.logits, "logits")
+    }
+}

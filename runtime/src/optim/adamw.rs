@@ -1,0 +1,38 @@
+//! AdamW with decoupled weight decay (Loshchilov & Hutter; the PyTorch `AdamW` rule):
+//!
+//! ```text
+//! p ← p·(1 − lr·wd)
+//! m ← β1·m + (1 − β1)·g;   v ← β2·v + (1 − β2)·g²
+//! p ← p − lr · (m / (1 − β1^t)) / (sqrt(v / (1 − β2^t)) + eps)
+//! ```
+//! `t` is the 1-based step count. Weight decay is 0 for groups without decay
+//! (gains, biases, embeddings, static connection parameters: MATH.md §1.2).
+
+/// Hyper-parameters of one AdamW update, already scaled by schedule and muP.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWStep {
+    pub lr: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
+    /// 1-based step count for bias correction.
+    pub t: u64,
+}
+
+/// Applies one AdamW update to `param` in place, updating the moments `m`, `v`.
+pub fn adamw_update(param: &mut [f32], grad: &[f32], m: &mut [f32], v: &mut [f32], h: &AdamWStep) {
+    let t = h.t.max(1) as i32;
+    let bc1 = 1.0 - h.beta1.powi(t);
+    let bc2 = 1.0 - h.beta2.powi(t);
+    let decay = (1.0 - h.lr * h.weight_decay) as f32;
+    let (b1, b2) = (h.beta1 as f32, h.beta2 as f32);
+    let step = (h.lr / bc1) as f32;
+    let inv_sqrt_bc2 = (1.0 / bc2.sqrt()) as f32;
+    let eps = h.eps as f32;
+    for (((p, &g), m), v) in param.iter_mut().zip(grad).zip(m.iter_mut()).zip(v.iter_mut()) {
+        *m = b1 * *m + (1.0 - b1) * g;
+        *v = b2 * *v + (1.0 - b2) * g * g;
+        *p = *p * decay - step * *m / (v.sqrt() * inv_sqrt_bc2 + eps);
+    }
+}

@@ -1,0 +1,193 @@
+//! Optimizers: AdamW with parameter groups, Muon for hidden matrices, muP LR
+//! scaling, gradient clipping and LR schedules (DESIGN.md §7, MATH.md §8, §10).
+//!
+//! Routing (MATH.md §8.2 DECISION): with `OptimizerSpec::Muon`, parameters whose
+//! class is `muon_eligible()` and whose rank is >= 2 get Muon; everything else
+//! gets AdamW with the spec's `adamw` settings. Weight decay applies only where
+//! `ParamClass::weight_decay()` says so.
+//!
+//! muP (MATH.md §8.1): with `Parametrization::MuP`, AdamW's LR for `Hidden`
+//! parameters is divided by the width multiplier w = d_model / base_width, and
+//! their weight decay multiplied by w, so lr·wd stays width-invariant (the
+//! DECISION there). Muon's LR is not rescaled: its shape scale already adapts
+//! the update to the matrix dimensions.
+
+pub mod adamw;
+pub mod clip;
+pub mod muon;
+pub mod schedule;
+
+use crate::params::ParamSet;
+use adamw::{adamw_update, AdamWStep};
+use ir::graph::ParamClass;
+use ir::spec::{AdamWSpec, ModelSpec, MuonSpec, OptimizerSpec, Parametrization};
+use muon::{muon_update, MuonStep};
+
+/// How one parameter is updated.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Rule {
+    /// AdamW with LR = peak · schedule · `lr_scale` and this effective weight decay.
+    AdamW { lr_scale: f64, weight_decay: f64 },
+    /// Muon (MATH.md §8.2) with the spec's Muon settings.
+    Muon,
+}
+
+/// Optimizer state of one parameter, with its update rule.
+#[derive(Debug, Clone, PartialEq)]
+enum ParamState {
+    AdamW {
+        lr_scale: f64,
+        weight_decay: f64,
+        m: Vec<f32>,
+        v: Vec<f32>,
+    },
+    /// `hyper.lr` is the peak Muon LR; the schedule multiplies it per step.
+    Muon {
+        hyper: MuonStep,
+        momentum: Vec<f32>,
+    },
+}
+
+/// The optimizer for a whole [`ParamSet`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Optimizer {
+    adamw: AdamWSpec,
+    names: Vec<String>,
+    dims: Vec<Vec<usize>>,
+    state: Vec<ParamState>,
+    steps: u64,
+}
+
+/// The muP width multiplier w = d_model / base_width, or 1 under standard parametrization.
+pub fn width_multiplier(spec: &ModelSpec) -> f64 {
+    match &spec.parametrization {
+        Parametrization::Standard => 1.0,
+        Parametrization::MuP(m) => spec.d_model as f64 / m.base_width.max(1) as f64,
+    }
+}
+
+impl Optimizer {
+    /// Groups `params` by class and optimizer choice, with zeroed state.
+    pub fn new(spec: &ModelSpec, params: &ParamSet) -> Optimizer {
+        let (adamw, muon) = match &spec.train.optimizer {
+            OptimizerSpec::AdamW(a) => (a.clone(), None),
+            OptimizerSpec::Muon(m) => (m.adamw.clone(), Some(m.clone())),
+        };
+        let mup = matches!(spec.parametrization, Parametrization::MuP(_));
+        let w = width_multiplier(spec);
+        let muon_hyper = muon.map(|m: MuonSpec| MuonStep {
+            lr: m.lr,
+            momentum: m.momentum,
+            nesterov: m.nesterov,
+            ns_steps: m.ns_steps,
+            scale: m.scale,
+            weight_decay: m.weight_decay,
+        });
+        let mut state = Vec::with_capacity(params.len());
+        for p in params.iter() {
+            let n = p.value.len();
+            match muon_hyper {
+                Some(hyper) if p.class.muon_eligible() && p.shape.rank() >= 2 => {
+                    state.push(ParamState::Muon { hyper, momentum: vec![0.0; n] });
+                    continue;
+                }
+                _ => {}
+            }
+            let wd = if p.class.weight_decay() { adamw.weight_decay } else { 0.0 };
+            let (lr_scale, weight_decay) =
+                if mup && p.class == ParamClass::Hidden { (1.0 / w, wd * w) } else { (1.0, wd) };
+            state.push(ParamState::AdamW { lr_scale, weight_decay, m: vec![0.0; n], v: vec![0.0; n] });
+        }
+        Optimizer {
+            adamw,
+            names: params.iter().map(|p| p.name.clone()).collect(),
+            dims: params.iter().map(|p| p.shape.dims().to_vec()).collect(),
+            state,
+            steps: 0,
+        }
+    }
+
+    /// The update rule of each parameter, in [`ParamSet`] order.
+    pub fn rules(&self) -> Vec<Rule> {
+        self.state
+            .iter()
+            .map(|st| match st {
+                ParamState::AdamW { lr_scale, weight_decay, .. } => {
+                    Rule::AdamW { lr_scale: *lr_scale, weight_decay: *weight_decay }
+                }
+                ParamState::Muon { .. } => Rule::Muon,
+            })
+            .collect()
+    }
+
+    /// Optimizer steps taken so far (AdamW's bias correction uses this + 1).
+    pub fn steps_taken(&self) -> u64 {
+        self.steps
+    }
+
+    /// Restores the step count (checkpoint resume).
+    pub fn set_steps_taken(&mut self, steps: u64) {
+        self.steps = steps;
+    }
+
+    /// One update of every parameter with `grads` (same order as `params`) at
+    /// `lr_mult` times the peak learning rates.
+    pub fn step(&mut self, params: &mut ParamSet, grads: &[Vec<f32>], lr_mult: f64) {
+        self.steps += 1;
+        for (i, grad) in grads.iter().enumerate() {
+            let p = &mut params[i];
+            match &mut self.state[i] {
+                ParamState::AdamW { lr_scale, weight_decay, m, v } => {
+                    let h = AdamWStep {
+                        lr: self.adamw.lr * lr_mult * *lr_scale,
+                        beta1: self.adamw.betas.0,
+                        beta2: self.adamw.betas.1,
+                        eps: self.adamw.eps,
+                        weight_decay: *weight_decay,
+                        t: self.steps,
+                    };
+                    adamw_update(&mut p.value, grad, m, v, &h);
+                }
+                ParamState::Muon { hyper, momentum } => {
+                    let h = MuonStep { lr: hyper.lr * lr_mult, ..*hyper };
+                    muon_update(&mut p.value, grad, momentum, &self.dims[i], &h);
+                }
+            }
+        }
+    }
+
+    /// State tensors with their checkpoint names (`opt.<param>.m`, `opt.<param>.v`,
+    /// `opt.<param>.momentum`) and shapes.
+    pub fn state_tensors(&self) -> Vec<(String, &[usize], &[f32])> {
+        let mut out = Vec::new();
+        for ((name, dims), st) in self.names.iter().zip(&self.dims).zip(&self.state) {
+            match st {
+                ParamState::AdamW { m, v, .. } => {
+                    out.push((format!("opt.{name}.m"), dims.as_slice(), m.as_slice()));
+                    out.push((format!("opt.{name}.v"), dims.as_slice(), v.as_slice()));
+                }
+                ParamState::Muon { momentum, .. } => {
+                    out.push((format!("opt.{name}.momentum"), dims.as_slice(), momentum.as_slice()));
+                }
+            }
+        }
+        out
+    }
+
+    /// Mutable state tensors under the names of [`Optimizer::state_tensors`].
+    pub fn state_tensors_mut(&mut self) -> Vec<(String, &[usize], &mut Vec<f32>)> {
+        let mut out = Vec::new();
+        for ((name, dims), st) in self.names.iter().zip(&self.dims).zip(&mut self.state) {
+            match st {
+                ParamState::AdamW { m, v, .. } => {
+                    out.push((format!("opt.{name}.m"), dims.as_slice(), m));
+                    out.push((format!("opt.{name}.v"), dims.as_slice(), v));
+                }
+                ParamState::Muon { momentum, .. } => {
+                    out.push((format!("opt.{name}.momentum"), dims.as_slice(), momentum));
+                }
+            }
+        }
+        out
+    }
+}
