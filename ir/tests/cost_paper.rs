@@ -3,9 +3,7 @@
 //! graph; the formulas here are independent of the counting code.
 
 use ir::cost::{cost_report, count_spec, paper_figures};
-use ir::spec::{
-    FfnSpec, GhcSpec, MhcSpec, ModelSpec, ResidualSpec, SwiGluSpec, TrainSpec, XhcSpec,
-};
+use ir::spec::{FfnSpec, GhcSpec, MhcSpec, ModelSpec, ResidualSpec, SwiGluSpec, TrainSpec, XhcSpec};
 
 fn backbone(d: usize, layers: usize, heads: usize, hidden: usize, vocab: usize, seq_len: usize) -> ModelSpec {
     ModelSpec {
@@ -124,7 +122,12 @@ fn mhc_traffic_is_34c_at_n4_and_130c_at_n16() {
 
 fn xhc(c: usize) -> ModelSpec {
     ModelSpec {
-        residual: ResidualSpec::Xhc(XhcSpec { n: 16, k: 4, conv_kernels: vec![4, 8, 12], ..XhcSpec::default() }),
+        residual: ResidualSpec::Xhc(XhcSpec {
+            n: 16,
+            k: 4,
+            conv_kernels: vec![4, 8, 12],
+            ..XhcSpec::default()
+        }),
         ..backbone(c, 2, 16, 2 * c, 256, 16)
     }
 }

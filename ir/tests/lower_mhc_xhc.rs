@@ -8,7 +8,9 @@ use exec_util::{assert_close, Rng};
 use ir::exec::{self, Tensor, Value};
 use ir::graph::{Graph, Init, NodeId, Op, Region};
 use ir::lower::lower;
-use ir::spec::{AugSublayers, Flash, MhcSpec, ModelSpec, ResidualSpec, Router, XhcSpec};
+use ir::spec::{
+    AugSublayers, Flash, MhcSpec, ModelSpec, MupSpec, Parametrization, ResidualSpec, Router, XhcSpec,
+};
 use std::collections::{BTreeMap, HashMap};
 
 const B: usize = 2;
@@ -106,6 +108,10 @@ fn mhc_and_xhc_variants_lower_and_check() {
                 variants.push(("xhc", ResidualSpec::Xhc(cfg)));
             }
         }
+        // No routing (m_f = k), no fixed streams, no augmentation.
+        variants.push(("xhc", ResidualSpec::Xhc(XhcSpec { fixed: 4, ..xhc(flash) })));
+        variants.push(("xhc", ResidualSpec::Xhc(XhcSpec { n: 4, k: 2, fixed: 0, ..xhc(flash) })));
+        variants.push(("xhc", ResidualSpec::Xhc(XhcSpec { conv_kernels: vec![], ..xhc(flash) })));
     }
     for (name, residual) in variants {
         for layers in [1, 2, 3] {
@@ -120,6 +126,71 @@ fn mhc_and_xhc_variants_lower_and_check() {
             // Every trunk sublayer has connection machinery.
             assert_eq!(traffic(&g, 16).len(), 2 * layers, "{what}");
         }
+    }
+}
+
+#[test]
+fn mup_folds_one_over_width_into_the_gates() {
+    // w = 64 / 16 = 4: alpha_eff = alpha / 4 on every gate (MATH.md §8.1), and the
+    // router logits (no gate) get the 1/w multiplier directly.
+    let mup = |residual| {
+        let mut s = spec(64, residual);
+        s.parametrization = Parametrization::MuP(MupSpec { base_width: 16, ..MupSpec::default() });
+        let g = lowered(&s);
+        g.node_ids()
+            .into_iter()
+            .filter(|&id| {
+                let node = g.node(id);
+                node.role.region == Region::Connection
+                    && matches!(node.op, Op::Affine { mul, add } if mul == 0.25 && add == 0.0)
+            })
+            .count()
+    };
+    // mHC: one per sublayer (the per-column gate vector).
+    assert_eq!(mup(mhc(4)), 4);
+    // xHC: alpha_pre, alpha_res, alpha_post and the router, per sublayer.
+    assert_eq!(mup(ResidualSpec::Xhc(xhc(Flash::None))), 16);
+    let standard = lowered(&spec(64, mhc(4)));
+    assert!(!standard
+        .node_ids()
+        .into_iter()
+        .any(|id| matches!(standard.node(id).op, Op::Affine { mul, .. } if mul == 0.25)));
+}
+
+fn init_of(graph: &Graph, name: &str) -> Init {
+    match &graph.node(graph.param_by_name(name).unwrap_or_else(|| panic!("no param {name}"))).op {
+        Op::Param(p) => p.init.clone(),
+        _ => unreachable!(),
+    }
+}
+
+#[test]
+fn inits_follow_sections_4_4_and_6_7() {
+    let g = lowered(&spec(16, mhc(4)));
+    // blocks.1.ffn is sublayer 3: home stream 3 mod 4.
+    let Init::Values(b) = init_of(&g, "blocks.1.ffn.conn.bias") else { panic!("mHC bias") };
+    assert_eq!(&b[..4], &[-3.0, -3.0, -3.0, 3.0]);
+    assert_eq!(&b[4..8], &[0.0; 4]);
+    assert_eq!(&b[8..12], &[3.0, -3.0, -3.0, -3.0]);
+    assert_eq!(init_of(&g, "blocks.1.ffn.conn.phi"), Init::Zeros);
+    assert_eq!(init_of(&g, "blocks.1.ffn.conn.alpha"), Init::Constant(0.01));
+
+    let g = lowered(&spec(16, ResidualSpec::Xhc(xhc(Flash::None))));
+    let logit = |q: f64| (q / (1.0 - q)).ln();
+    // Sublayer 3: home is fixed stream 3 mod 2 = 1; the others share 5% leakage.
+    let Init::Values(b) = init_of(&g, "blocks.1.ffn.conn.b_pre") else { panic!("b_pre") };
+    assert_eq!(b.len(), 16);
+    assert!((b[1] - logit(0.95)).abs() < 1e-12);
+    let leak: f64 =
+        b.iter().enumerate().filter(|&(i, _)| i != 1).map(|(_, &v)| 1.0 / (1.0 + (-v).exp())).sum();
+    assert!((leak - 0.05).abs() < 1e-12, "{leak}");
+    let Init::Values(b) = init_of(&g, "blocks.1.ffn.conn.b_res") else { panic!("b_res") };
+    assert_eq!(&b[..5], &[3.0, -3.0, -3.0, -3.0, -3.0]);
+    let Init::Values(b) = init_of(&g, "blocks.1.ffn.conn.b_post") else { panic!("b_post") };
+    assert_eq!(&b[..8], &[0.0, -3.0, -3.0, -3.0, 0.0, -3.0, -3.0, -3.0]);
+    assert_eq!(init_of(&g, "blocks.1.ffn.conn.router"), Init::Normal { std: (1.0f64 / 256.0).sqrt() });
+    for name in ["pre", "res", "post"] {
+        assert_eq!(init_of(&g, &format!("blocks.1.ffn.conn.{name}")), Init::Zeros);
     }
 }
 
@@ -201,6 +272,24 @@ fn xhc_flash_traffic_is_51c_per_sublayer() {
     // MATH.md §6.9: xHC-Flash 36C + 15C, including conv and correction traffic.
     within(read, 36.0, 0.01, "Flash read");
     within(write, 15.0, 0.01, "Flash write");
+}
+
+#[test]
+fn xhc_flash_4sub_traffic_follows_eq_37() {
+    let c = 8192;
+    let g = lowered(&spec(c, ResidualSpec::Xhc(xhc(Flash::TwoBlock))));
+    let per = traffic(&g, c);
+    let read = per.values().map(|v| v.0).sum::<f64>();
+    let write = per.values().map(|v| v.1).sum::<f64>();
+    // Per window of 4 sublayers (k = 4): generation 16C; one dense pass 16C read, 4C
+    // written; gather 4C + 4C; per sublayer the active maps read kC, the write reads
+    // K_r C and writes kC, the update reads 2kC and writes kC (plus mixing kC + kC at the
+    // last MLP, conv C + 3C on MLPs), and sublayers 2..4 form their input by Eq. 37,
+    // reading (1 + k)C and writing C. Reads 36 + 13 + 22 + 18 + 26 = 115C, writes
+    // 8 + 8 + 12 + 9 + 16 = 53C: 42C per sublayer. The paper's 40C (§6.9) charges each
+    // input correction 2C + C instead of the (1 + k)C + C of Eq. 37 as written.
+    within(read, 115.0, 0.01, "Flash-4sub read per window");
+    within(write, 53.0, 0.01, "Flash-4sub write per window");
 }
 
 #[test]

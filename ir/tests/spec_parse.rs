@@ -51,7 +51,19 @@ fn wrong_value_type_carries_line_and_column() {
     match parse_spec(text, "bad.ron") {
         Err(SpecLoadError::Syntax { line, col, message, .. }) => {
             assert_eq!((line, col), (2, 10));
+            assert!(message.starts_with("in `vocab`: "), "{message}");
             assert!(message.contains("integer"), "{message}");
+        }
+        other => panic!("expected a type error, got {other:?}"),
+    }
+}
+
+#[test]
+fn type_error_in_a_variant_names_the_nested_field() {
+    match parse_spec("Model(residual: Ghc(m: 2, n: 4.5))", "bad.ron") {
+        Err(SpecLoadError::Syntax { line, message, .. }) => {
+            assert_eq!(line, 1);
+            assert!(message.starts_with("in `residual.n`: "), "{message}");
         }
         other => panic!("expected a type error, got {other:?}"),
     }
@@ -240,4 +252,42 @@ fn to_ron_is_readable() {
     assert!(text.contains("kv_heads: 3,"), "options are written without Some(..):\n{text}");
     assert!(text.contains("residual: Xhc("), "variant newtypes are unwrapped:\n{text}");
     assert!(text.lines().count() > 20, "pretty-printed one field per line:\n{text}");
+}
+
+/// The example in DESIGN.md §3, verbatim: the documented syntax must stay valid.
+#[test]
+fn design_doc_example_loads() {
+    let text = r#"
+Model(
+  name: "vwn-r4",
+  vocab: 256, d_model: 256, layers: 4, heads: 4, kv_heads: 4,
+  ffn: SwiGlu(hidden: 704),        // or Moe(experts: 8, top_k: 2, shared: 1, hidden: 256)
+  residual: Ghc(m: 4, n: 16, dynamic: true),
+  // Residual | Hc(n: 4, dynamic: true) | Fc(m: 4) | Mhc(n: 4, sinkhorn_iters: 20)
+  // | Xhc(n: 16, k: 4, fixed: 2, conv_kernels: [4, 8, 12], gram_schmidt: true, flash: None)
+  mtp: (depth: 1, lambda: 0.3),
+  parametrization: Standard,       // or MuP(base_width: 128)
+  train: (
+    data: Synthetic(Default), seq_len: 128, batch: 8, steps: 500,
+    optimizer: AdamW(lr: 3e-3, betas: (0.9, 0.95), weight_decay: 0.1),
+    schedule: Cosine(warmup: 50), seed: 0,
+  ),
+)
+"#;
+    let spec = ModelSpec::from_ron_str(text).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!((spec.d_model, spec.kv_heads, spec.mtp.depth), (256, Some(4), 1));
+    assert!(matches!(spec.ffn, FfnSpec::SwiGlu(ref s) if s.hidden == Some(704)));
+    for alternative in [
+        "Hc(n: 4, dynamic: true)",
+        "Fc(m: 4)",
+        "Mhc(n: 4, sinkhorn_iters: 20)",
+        "Xhc(n: 16, k: 4, fixed: 2, conv_kernels: [4, 8, 12], gram_schmidt: true, flash: None)",
+    ] {
+        let text = text.replace("Ghc(m: 4, n: 16, dynamic: true)", alternative);
+        ModelSpec::from_ron_str(&text).unwrap_or_else(|e| panic!("{alternative}: {e}"));
+    }
+    let moe = text.replace("SwiGlu(hidden: 704)", "Moe(experts: 8, top_k: 2, shared: 1, hidden: 256)");
+    ModelSpec::from_ron_str(&moe).unwrap_or_else(|e| panic!("{e}"));
+    let mup = text.replace("parametrization: Standard", "parametrization: MuP(base_width: 128)");
+    ModelSpec::from_ron_str(&mup).unwrap_or_else(|e| panic!("{e}"));
 }

@@ -155,7 +155,8 @@ impl Checkpoint {
         if version != FORMAT_VERSION {
             return Err(CheckpointError::Version { path: path.to_path_buf(), found: version });
         }
-        let spec = ir::spec::parse_spec(&field("spec")?, "header `spec`").map_err(|e| corrupt(e.to_string()))?;
+        let spec =
+            ir::spec::parse_spec(&field("spec")?, "header `spec`").map_err(|e| corrupt(e.to_string()))?;
         let step = field("step")?.parse::<u64>().map_err(|e| corrupt(format!("header `step`: {e}")))?;
         let words: Vec<u64> = field("data_rng")?
             .split_whitespace()
@@ -197,6 +198,14 @@ impl Checkpoint {
             differences.push("spec_hash".into());
         }
         Err(CheckpointError::SpecMismatch { path: self.path.clone(), differences })
+    }
+
+    /// Every tensor (parameters and optimizer state) as `(name, shape, values)`, sorted by name.
+    pub fn tensors(&self) -> Vec<(&str, &[usize], &[f32])> {
+        let mut all: Vec<(&str, &[usize], &[f32])> =
+            self.tensors.iter().map(|(n, (s, v))| (n.as_str(), s.as_slice(), v.as_slice())).collect();
+        all.sort_by(|a, b| a.0.cmp(b.0));
+        all
     }
 
     fn take(&self, name: &str, dims: &[usize]) -> Result<&[f32], CheckpointError> {

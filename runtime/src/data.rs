@@ -8,6 +8,9 @@
 //! the batches an uninterrupted run would. Validation windows come from a fresh
 //! `data.validation` stream at every evaluation, so every evaluation of a run
 //! scores the same windows and the numbers are comparable.
+//!
+//! A `Text(path)` is read as raw bytes; a relative path is relative to the
+//! working directory, like every other path on the command line.
 
 use crate::rng::Rng;
 use ir::spec::{DataSpec, SyntheticCorpus};

@@ -29,6 +29,10 @@ pub struct ParamSet {
 pub enum ParamError {
     #[error("two parameters are named `{name}`; checkpoint names must be unique")]
     DuplicateName { name: String },
+    #[error(
+        "parameter `{name}`: names starting with `opt.` are reserved for optimizer state in checkpoints"
+    )]
+    ReservedName { name: String },
     #[error("parameter `{name}` has dtype {dtype}; trainable parameters must be f32")]
     NotF32 { name: String, dtype: String },
 }
@@ -42,6 +46,9 @@ impl ParamSet {
             let Op::Param(info) = &node.op else { continue };
             if params.iter().any(|p| p.name == info.name) {
                 return Err(ParamError::DuplicateName { name: info.name.clone() });
+            }
+            if info.name.starts_with("opt.") {
+                return Err(ParamError::ReservedName { name: info.name.clone() });
             }
             if node.dtype != ir::DType::F32 {
                 return Err(ParamError::NotF32 { name: info.name.clone(), dtype: node.dtype.name().into() });

@@ -9,8 +9,8 @@
 use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::executor::{Device, StepError, StepExecutor};
 use crate::params::{ParamError, ParamSet};
-use std::path::Path;
 use crate::rng::Rng;
+use std::path::Path;
 
 /// Sampling knobs.
 #[derive(Debug, Clone, PartialEq)]

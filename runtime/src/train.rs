@@ -152,7 +152,6 @@ pub fn train(
         let (loss, mut grads) =
             exec.loss_and_grads(&params, &tokens).map_err(|source| TrainError::Step { step, source })?;
         if !loss.is_finite() {
-            progress.finish();
             return Err(TrainError::NonFinite { step, what: "training loss", value: loss });
         }
         let grad_norm = match spec.train.clip {
@@ -176,7 +175,6 @@ pub fn train(
             let v = validation_loss(spec, exec, &params, corpus, batch, window)
                 .map_err(|source| TrainError::Step { step, source })?;
             if !v.is_finite() {
-                progress.finish();
                 return Err(TrainError::NonFinite { step, what: "validation loss", value: v });
             }
             record["val_loss"] = serde_json::json!(v);
@@ -199,7 +197,7 @@ pub fn train(
             )?;
         }
     }
-    progress.finish();
+    drop(progress);
     let final_checkpoint = out.join("final.safetensors");
     let steps = optimizer.steps_taken();
     let state = TrainState { step: steps, data_rng: sampler.state() };
@@ -281,11 +279,13 @@ impl ProgressLine {
         }
         let _ = err.flush();
     }
+}
 
-    fn finish(&mut self) {
+impl Drop for ProgressLine {
+    /// Ends an in-place line, however the loop exits, so later messages start on a fresh line.
+    fn drop(&mut self) {
         if self.open {
             let _ = writeln!(std::io::stderr());
-            self.open = false;
         }
     }
 }

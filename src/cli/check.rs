@@ -46,7 +46,8 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             return Ok(fail(&args, &problems));
         }
         Err(err) => {
-            let problem = Problem { path: String::new(), message: format!("cannot lower the spec: {err}"), at: None };
+            let problem =
+                Problem { path: String::new(), message: format!("cannot lower the spec: {err}"), at: None };
             return Ok(fail(&args, &[problem]));
         }
     };
@@ -67,7 +68,11 @@ fn load_problems(err: SpecLoadError) -> Vec<Problem> {
     match err {
         SpecLoadError::Io { .. } => vec![Problem { path: String::new(), message: err.to_string(), at: None }],
         SpecLoadError::Syntax { path, line, col, message } => {
-            vec![Problem { path: String::new(), message: format!("{path}:{line}:{col}: {message}"), at: Some((line, col)) }]
+            vec![Problem {
+                path: String::new(),
+                message: format!("{path}:{line}:{col}: {message}"),
+                at: Some((line, col)),
+            }]
         }
         SpecLoadError::UnknownNames { names, .. } => names
             .into_iter()
@@ -173,12 +178,15 @@ fn table(path: &Path, r: &CostReport) -> String {
     let d = r.d_model as f64;
     let t = &r.traffic_per_sublayer;
     let paper = |x: Option<f64>| x.map(|v| format!("{v:.2}")).unwrap_or_else(|| "-".into());
-    line(format!("{:<30}{:>16}{:>16}{:>12}{:>10}", "per sublayer, units of D", "this", "residual", "overhead", "paper"));
+    line(format!(
+        "{:<30}{:>16}{:>16}{:>12}{:>10}",
+        "per sublayer, units of D", "this", "residual", "overhead", "paper"
+    ));
     line(format!(
         "  {:<28}{:>16.2}{:>16.2}{:>12}{:>10}",
         "connection FLOPs (papers')",
         r.connection_flops_per_sublayer_d,
-        0.0,
+        b.connection_flops / d,
         "",
         paper(r.paper.connection_flops_per_sublayer_d)
     ));
@@ -219,7 +227,7 @@ fn table(path: &Path, r: &CostReport) -> String {
         "  {:<28}{:>16}{:>16}{:>12}{:>10}",
         "connection params / block",
         grouped(r.connection_params_per_block.round() as u64),
-        "0",
+        grouped(b.connection_params_per_block.round() as u64),
         "",
         r.paper.connection_params_per_block.map(|v| grouped(v.round() as u64)).unwrap_or_else(|| "-".into())
     ));
@@ -229,14 +237,15 @@ fn table(path: &Path, r: &CostReport) -> String {
 /// 1234567 -> "1,234,567".
 fn grouped(x: u64) -> String {
     let digits = x.to_string();
-    let mut out = String::new();
-    for (i, ch) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i) % 3 == 0 {
-            out.push(',');
-        }
-        out.push(ch);
+    let mut groups = Vec::new();
+    let mut end = digits.len();
+    while end > 3 {
+        groups.push(&digits[end - 3..end]);
+        end -= 3;
     }
-    out
+    groups.push(&digits[..end]);
+    groups.reverse();
+    groups.join(",")
 }
 
 /// 12_345_678 -> "12.35 M".

@@ -186,7 +186,14 @@ impl GraphCounts {
                 }
             }
         }
-        GraphCounts { tokens, params, flops, flops_by_region: by_region, activation_bytes: activation, sublayers: subs }
+        GraphCounts {
+            tokens,
+            params,
+            flops,
+            flops_by_region: by_region,
+            activation_bytes: activation,
+            sublayers: subs,
+        }
     }
 
     /// Mean of a per-sublayer figure over the trunk's sublayers.
@@ -263,8 +270,12 @@ pub struct Baseline {
     pub flops_forward: u64,
     pub traffic_read: f64,
     pub traffic_write: f64,
+    /// Connection FLOPs per sublayer, papers' convention (0: the add is not counted).
+    pub connection_flops: f64,
     /// Connection FLOPs per sublayer, all ops (the residual add: D).
     pub connection_flops_all_ops: f64,
+    /// Connection parameters per block.
+    pub connection_params_per_block: f64,
     pub activation_bytes_per_token: u64,
 }
 
@@ -331,7 +342,12 @@ pub fn cost_report(spec: &ModelSpec) -> Result<CostReport, LowerError> {
         connection_flops_per_sublayer: connection_flops,
         connection_flops_per_sublayer_d: connection_flops / d,
         connection_flops_per_sublayer_all_ops: counts.connection_flops_per_sublayer_all_ops(),
-        traffic_per_sublayer: Traffic { read, write, total: read + write, bytes: (read + write) * d * state_bytes },
+        traffic_per_sublayer: Traffic {
+            read,
+            write,
+            total: read + write,
+            bytes: (read + write) * d * state_bytes,
+        },
         activation_bytes_per_token: counts.activation_bytes.round() as u64,
         overhead_vs_residual: Overhead {
             params: ratio(counts.params.total as f64, base.params.total as f64),
@@ -344,7 +360,9 @@ pub fn cost_report(spec: &ModelSpec) -> Result<CostReport, LowerError> {
             flops_forward: base.flops.round() as u64,
             traffic_read: base_read,
             traffic_write: base_write,
+            connection_flops: base.connection_flops_per_sublayer(),
             connection_flops_all_ops: base.connection_flops_per_sublayer_all_ops(),
+            connection_params_per_block: base.connection_params_per_block(),
             activation_bytes_per_token: base.activation_bytes.round() as u64,
         },
         paper: paper_figures(spec),

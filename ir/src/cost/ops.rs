@@ -90,9 +90,11 @@ pub fn op_cost(graph: &Graph, id: NodeId) -> OpCost {
     // (flops, flops_papers, read, written)
     let (flops, papers, read, written) = match &node.op {
         Op::Input { .. } | Op::Param(_) | Op::Constant { .. } => (0.0, 0.0, 0.0, 0.0),
-        Op::Reshape { .. } | Op::Permute { .. } | Op::Broadcast { .. } | Op::Slice { .. } | Op::Concat { .. } => {
-            (0.0, 0.0, 0.0, 0.0)
-        }
+        Op::Reshape { .. }
+        | Op::Permute { .. }
+        | Op::Broadcast { .. }
+        | Op::Slice { .. }
+        | Op::Concat { .. } => (0.0, 0.0, 0.0, 0.0),
         Op::Unary(_) | Op::Binary(_) | Op::Affine { .. } => (out, 0.0, reads_all(), out),
         // One add (or compare) per input element.
         Op::Reduce { .. } => (in_numel(0), 0.0, reads_all(), out),

@@ -45,7 +45,10 @@ pub fn paper_figures(spec: &ModelSpec) -> PaperFigures {
                     GenNorm::LayerNorm => 2.0 * d,
                     GenNorm::RmsNorm => d,
                 };
-                (2.0 * n * (n + 1.0) + 3.0 * n + 2.0 * n * (n + 2.0) + 4.0 * n, norm + d * (n + 2.0) + n * (n + 2.0) + 2.0)
+                (
+                    2.0 * n * (n + 1.0) + 3.0 * n + 2.0 * n * (n + 2.0) + 4.0 * n,
+                    norm + d * (n + 2.0) + n * (n + 2.0) + 2.0,
+                )
             } else {
                 (2.0 * n * (n + 1.0) + 3.0 * n, n * (n + 2.0))
             };
@@ -60,7 +63,10 @@ pub fn paper_figures(spec: &ModelSpec) -> PaperFigures {
         ResidualSpec::Fc(fc) => {
             let m = fc.m as f64;
             let (flops, params) = if fc.dynamic {
-                (4.0 * m + 1.0 + 2.0 * (2.0 * m + 1.0), d / m + (d / m) * (2.0 * m + 1.0) + m * (2.0 * m + 1.0) + 2.0)
+                (
+                    4.0 * m + 1.0 + 2.0 * (2.0 * m + 1.0),
+                    d / m + (d / m) * (2.0 * m + 1.0) + m * (2.0 * m + 1.0) + 2.0,
+                )
             } else {
                 (4.0 * m + 1.0, m * (2.0 * m + 1.0))
             };

@@ -288,9 +288,7 @@ pub(crate) fn eval_op<T: Float>(
             let kernels = (1..inputs.len()).map(float).collect::<Result<Vec<_>, _>>()?;
             Value::Float(connection::temporal_augment(float(0)?, &kernels, *gram_schmidt, *eps_rel))
         }
-        // Backward-only ops appended to `Op` by autodiff; while there are none this
-        // arm matches nothing.
-        #[allow(unreachable_patterns)]
+        // Backward-only ops appended to `Op` by autodiff.
         _ => return backward_ops::eval(cx, inputs, out_shape),
     };
     Ok(value)

@@ -103,7 +103,7 @@ pub(crate) trait Scheme {
 
 /// Lowers a spec into its forward training graph for a `batch x seq_len` step.
 pub fn lower(spec: &ModelSpec, batch: usize, seq_len: usize) -> Result<Lowered, LowerError> {
-    // VALIDATE_HOOK
+    spec.validate().map_err(LowerError::Invalid)?;
     if spec.tie_embeddings {
         if let crate::spec::ResidualSpec::Ghc(g) = &spec.residual {
             if g.embed_mode == crate::spec::EmbedMode::Full && g.n != g.m {

@@ -64,7 +64,7 @@ pub(crate) fn unknown_names(root: &Node) -> Vec<UnknownName> {
 /// characters and at most max(2, len/3) otherwise (`nn` -> `n`, `lrr` -> `lr`,
 /// `n_heads` -> `heads`); failing that, a valid name that appears as a whole
 /// `_`-separated part of the given one or vice versa (`vocab_size` -> `vocab`).
-pub fn suggest<'k>(given: &str, valid: &[&'k str]) -> Option<&'k str> {
+pub(crate) fn suggest<'k>(given: &str, valid: &[&'k str]) -> Option<&'k str> {
     let g = given.to_lowercase();
     let limit = if g.chars().count() <= 2 { 1 } else { (g.chars().count() / 3).max(2) };
     let by_distance: Vec<(usize, &'k str)> =
@@ -100,7 +100,7 @@ fn contains_parts(outer: &str, inner: &str) -> bool {
 }
 
 /// Levenshtein edit distance over characters (insert, delete, substitute; each costs 1).
-pub fn levenshtein(a: &str, b: &str) -> usize {
+pub(crate) fn levenshtein(a: &str, b: &str) -> usize {
     let b: Vec<char> = b.chars().collect();
     let mut row: Vec<usize> = (0..=b.len()).collect();
     for (i, ca) in a.chars().enumerate() {

@@ -81,17 +81,22 @@ pub fn load_spec(path: &Path) -> Result<ModelSpec, SpecLoadError> {
 pub fn parse_spec(text: &str, path: &str) -> Result<ModelSpec, SpecLoadError> {
     // The tree reader covers the RON that specs use; on anything it cannot read,
     // `ron`'s own error (below) is the one to show.
-    if let Ok(tree) = ron_tree::parse(text) {
-        let names = unknown_names(&tree);
+    let tree = ron_tree::parse(text).ok();
+    if let Some(tree) = &tree {
+        let names = unknown_names(tree);
         if !names.is_empty() {
             return Err(SpecLoadError::UnknownNames { path: path.to_string(), names });
         }
     }
-    ron_options().from_str(text).map_err(|e: ron::error::SpannedError| SpecLoadError::Syntax {
-        path: path.to_string(),
-        line: e.position.line,
-        col: e.position.col,
-        message: e.code.to_string(),
+    ron_options().from_str(text).map_err(|e: ron::error::SpannedError| {
+        let (line, col) = (e.position.line, e.position.col);
+        // `ron` says what it expected but not for which field; the tree knows.
+        let field = tree.as_ref().and_then(|t| ron_tree::field_at(t, ron_tree::Pos { line, col }));
+        let message = match field {
+            Some(field) => format!("in `{field}`: {}", e.code),
+            None => e.code.to_string(),
+        };
+        SpecLoadError::Syntax { path: path.to_string(), line, col, message }
     })
 }
 

@@ -65,6 +65,42 @@ pub(crate) fn parse(text: &str) -> Result<Node, SyntaxError> {
     Ok(node)
 }
 
+/// The path (`residual.n`) of the innermost field whose value starts at or before
+/// `pos`: the field a typed-parse error at `pos` is about.
+pub(crate) fn field_at(root: &Node, pos: Pos) -> Option<String> {
+    fn visit(node: &Node, path: &str, pos: Pos, best: &mut Option<(Pos, String)>) {
+        let children: Vec<(&Node, String, Option<Pos>)> = match node {
+            Node::Struct { fields, .. } => fields
+                .iter()
+                .map(|f| {
+                    let p = if path.is_empty() { f.key.clone() } else { format!("{path}.{}", f.key) };
+                    (&f.value, p, Some(f.value_pos))
+                })
+                .collect(),
+            Node::Tuple { items, .. } | Node::List(items) => {
+                items.iter().map(|n| (n, path.to_string(), None)).collect()
+            }
+            Node::Map(entries) => entries.iter().map(|(_, v)| (v, path.to_string(), None)).collect(),
+            Node::Ident(_) | Node::Scalar => Vec::new(),
+        };
+        for (child, child_path, start) in children {
+            if let Some(start) = start {
+                let key = (start.line, start.col);
+                if key > (pos.line, pos.col) {
+                    continue;
+                }
+                if best.as_ref().is_none_or(|(b, _)| key >= (b.line, b.col)) {
+                    *best = Some((start, child_path.clone()));
+                }
+            }
+            visit(child, &child_path, pos, best);
+        }
+    }
+    let mut best = None;
+    visit(root, "", pos, &mut best);
+    best.map(|(_, path)| path)
+}
+
 /// Nesting deeper than this is refused rather than risking the stack.
 const MAX_DEPTH: usize = 128;
 
@@ -464,6 +500,15 @@ mod tests {
         assert!(matches!(&field(&root, "b").value, Node::List(items) if items.len() == 2));
         assert!(matches!(&field(&root, "c").value, Node::Tuple { name: None, items } if items.is_empty()));
         assert!(matches!(&field(&root, "d").value, Node::Map(entries) if entries.len() == 1));
+    }
+
+    #[test]
+    fn finds_the_field_at_a_position() {
+        let root = parse("(\n  a: 1,\n  b: X(c: [1, 2], d: 3),\n)").unwrap();
+        assert_eq!(field_at(&root, Pos { line: 2, col: 6 }).as_deref(), Some("a"));
+        assert_eq!(field_at(&root, Pos { line: 3, col: 21 }).as_deref(), Some("b.c"));
+        assert_eq!(field_at(&root, Pos { line: 3, col: 28 }).as_deref(), Some("b.d"));
+        assert_eq!(field_at(&root, Pos { line: 1, col: 1 }), None);
     }
 
     #[test]

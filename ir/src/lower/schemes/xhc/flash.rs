@@ -94,7 +94,7 @@ impl Xhc {
             }
         }
         let block = first / 2;
-        if cx.module.is_none() && block % 2 == 0 && block + 1 < cx.spec.layers {
+        if cx.module.is_none() && block.is_multiple_of(2) && block + 1 < cx.spec.layers {
             self.open_window(cx, state, first, attn, ffn)
         } else {
             self.flash_block(cx, state, first, attn, ffn)

@@ -1,0 +1,370 @@
+//! Typed scalar expressions of the kernel IR, with operator overloading so
+//! kernels read like the math they implement.
+
+use std::ops::{Add, Div, Mul, Neg, Rem, Sub};
+
+use ir::DType;
+
+/// Scalar types of expressions and variables. Index arithmetic is `I64`;
+/// `Bf16` buffers load and store as `F32` (see [`crate::kernel::Param`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Ty {
+    F32,
+    F64,
+    I32,
+    I64,
+    Bool,
+}
+
+impl Ty {
+    /// Whether this is a floating-point type.
+    pub fn is_float(self) -> bool {
+        matches!(self, Ty::F32 | Ty::F64)
+    }
+
+    /// Whether this is an integer type.
+    pub fn is_int(self) -> bool {
+        matches!(self, Ty::I32 | Ty::I64)
+    }
+
+    /// The arithmetic type of values loaded from a buffer of `dtype`.
+    pub fn of_storage(dtype: DType) -> Ty {
+        match dtype {
+            DType::F32 | DType::Bf16 => Ty::F32,
+            DType::F64 => Ty::F64,
+            DType::I32 => Ty::I32,
+        }
+    }
+
+    /// Short lowercase name, used in error messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            Ty::F32 => "f32",
+            Ty::F64 => "f64",
+            Ty::I32 => "i32",
+            Ty::I64 => "i64",
+            Ty::Bool => "bool",
+        }
+    }
+}
+
+impl std::fmt::Display for Ty {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A buffer that can be indexed: a kernel parameter or a local array.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Buf {
+    Param { name: String, dtype: DType },
+    Local { name: String, ty: Ty },
+}
+
+impl Buf {
+    /// The buffer's name in the generated code.
+    pub fn name(&self) -> &str {
+        match self {
+            Buf::Param { name, .. } | Buf::Local { name, .. } => name,
+        }
+    }
+
+    /// The type of loaded values and of values stored into it.
+    pub fn elem_ty(&self) -> Ty {
+        match self {
+            Buf::Param { dtype, .. } => Ty::of_storage(*dtype),
+            Buf::Local { ty, .. } => *ty,
+        }
+    }
+
+    /// `self[index]` as an expression.
+    pub fn at(&self, index: impl Into<Expr>) -> Expr {
+        Expr::Load { src: self.clone(), index: Box::new(index.into()) }
+    }
+}
+
+/// Unary operators.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum UnOp {
+    Neg,
+    /// Logical not of a `Bool`.
+    Not,
+}
+
+/// Binary arithmetic and logical operators; both operands have the same type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BinOp {
+    Add,
+    Sub,
+    Mul,
+    Div,
+    /// Integer remainder.
+    Rem,
+    /// Logical and of two `Bool`s.
+    And,
+    /// Logical or of two `Bool`s.
+    Or,
+}
+
+/// Comparisons; both operands have the same type, the result is `Bool`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CmpOp {
+    Lt,
+    Le,
+    Gt,
+    Ge,
+    Eq,
+    Ne,
+}
+
+/// Math functions of float arguments, printed per type (`expf` / `exp`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum MathFn {
+    Exp,
+    Log,
+    Tanh,
+    Sqrt,
+    /// `1 / sqrt(x)`, printed as a division in both dialects so C and CUDA
+    /// results agree (CUDA's `rsqrtf` is not correctly rounded).
+    Rsqrt,
+    Abs,
+    Sin,
+    Cos,
+    Pow,
+    Max,
+    Min,
+}
+
+impl MathFn {
+    /// Number of arguments.
+    pub fn arity(self) -> usize {
+        match self {
+            MathFn::Pow | MathFn::Max | MathFn::Min => 2,
+            _ => 1,
+        }
+    }
+}
+
+/// A typed scalar expression.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Expr {
+    F32(f32),
+    F64(f64),
+    I32(i32),
+    I64(i64),
+    Bool(bool),
+    /// A variable declared by `Let`, `Var`, `For` or `BlockReduce`.
+    Var { name: String, ty: Ty },
+    /// The grid index of the current item (`I64`).
+    Item,
+    /// The lane within the block of a block-per-item kernel (`I64`).
+    Lane,
+    Load { src: Buf, index: Box<Expr> },
+    Unary { op: UnOp, arg: Box<Expr> },
+    Binary { op: BinOp, lhs: Box<Expr>, rhs: Box<Expr> },
+    Cmp { op: CmpOp, lhs: Box<Expr>, rhs: Box<Expr> },
+    Select { cond: Box<Expr>, then: Box<Expr>, else_: Box<Expr> },
+    Cast { ty: Ty, arg: Box<Expr> },
+    Call { f: MathFn, args: Vec<Expr> },
+}
+
+/// An `f32` literal.
+pub fn f32(v: f32) -> Expr {
+    Expr::F32(v)
+}
+
+/// An `f64` literal.
+pub fn f64(v: f64) -> Expr {
+    Expr::F64(v)
+}
+
+/// An `i32` literal.
+pub fn i32(v: i32) -> Expr {
+    Expr::I32(v)
+}
+
+/// An `i64` literal (index arithmetic).
+pub fn i64(v: i64) -> Expr {
+    Expr::I64(v)
+}
+
+/// The grid index of the current item.
+pub fn item() -> Expr {
+    Expr::Item
+}
+
+/// The lane of a block-per-item kernel.
+pub fn lane() -> Expr {
+    Expr::Lane
+}
+
+/// `cond ? then : else_`.
+pub fn select(cond: impl Into<Expr>, then: impl Into<Expr>, else_: impl Into<Expr>) -> Expr {
+    Expr::Select { cond: Box::new(cond.into()), then: Box::new(then.into()), else_: Box::new(else_.into()) }
+}
+
+impl Expr {
+    /// The expression's type. For ill-typed expressions (caught by
+    /// [`crate::kernel::Kernel::validate`]) this is the type of the first operand.
+    pub fn ty(&self) -> Ty {
+        match self {
+            Expr::F32(_) => Ty::F32,
+            Expr::F64(_) => Ty::F64,
+            Expr::I32(_) => Ty::I32,
+            Expr::I64(_) | Expr::Item | Expr::Lane => Ty::I64,
+            Expr::Bool(_) | Expr::Cmp { .. } => Ty::Bool,
+            Expr::Var { ty, .. } | Expr::Cast { ty, .. } => *ty,
+            Expr::Load { src, .. } => src.elem_ty(),
+            Expr::Unary { arg, .. } => arg.ty(),
+            Expr::Binary { lhs, .. } => lhs.ty(),
+            Expr::Select { then, .. } => then.ty(),
+            Expr::Call { args, .. } => args.first().map_or(Ty::F32, Expr::ty),
+        }
+    }
+
+    fn call(f: MathFn, args: Vec<Expr>) -> Expr {
+        Expr::Call { f, args }
+    }
+
+    fn cmp(self, op: CmpOp, rhs: impl Into<Expr>) -> Expr {
+        Expr::Cmp { op, lhs: Box::new(self), rhs: Box::new(rhs.into()) }
+    }
+
+    pub fn exp(self) -> Expr {
+        Expr::call(MathFn::Exp, vec![self])
+    }
+    pub fn log(self) -> Expr {
+        Expr::call(MathFn::Log, vec![self])
+    }
+    pub fn tanh(self) -> Expr {
+        Expr::call(MathFn::Tanh, vec![self])
+    }
+    pub fn sqrt(self) -> Expr {
+        Expr::call(MathFn::Sqrt, vec![self])
+    }
+    pub fn rsqrt(self) -> Expr {
+        Expr::call(MathFn::Rsqrt, vec![self])
+    }
+    pub fn abs(self) -> Expr {
+        Expr::call(MathFn::Abs, vec![self])
+    }
+    pub fn sin(self) -> Expr {
+        Expr::call(MathFn::Sin, vec![self])
+    }
+    pub fn cos(self) -> Expr {
+        Expr::call(MathFn::Cos, vec![self])
+    }
+    pub fn pow(self, e: impl Into<Expr>) -> Expr {
+        Expr::call(MathFn::Pow, vec![self, e.into()])
+    }
+    /// `fmax`: the non-NaN operand if one is NaN.
+    pub fn max(self, o: impl Into<Expr>) -> Expr {
+        Expr::call(MathFn::Max, vec![self, o.into()])
+    }
+    /// `fmin`: the non-NaN operand if one is NaN.
+    pub fn min(self, o: impl Into<Expr>) -> Expr {
+        Expr::call(MathFn::Min, vec![self, o.into()])
+    }
+    pub fn lt(self, o: impl Into<Expr>) -> Expr {
+        self.cmp(CmpOp::Lt, o)
+    }
+    pub fn le(self, o: impl Into<Expr>) -> Expr {
+        self.cmp(CmpOp::Le, o)
+    }
+    pub fn gt(self, o: impl Into<Expr>) -> Expr {
+        self.cmp(CmpOp::Gt, o)
+    }
+    pub fn ge(self, o: impl Into<Expr>) -> Expr {
+        self.cmp(CmpOp::Ge, o)
+    }
+    pub fn eq_(self, o: impl Into<Expr>) -> Expr {
+        self.cmp(CmpOp::Eq, o)
+    }
+    pub fn ne_(self, o: impl Into<Expr>) -> Expr {
+        self.cmp(CmpOp::Ne, o)
+    }
+    /// Logical and of two `Bool`s.
+    pub fn and(self, o: impl Into<Expr>) -> Expr {
+        Expr::Binary { op: BinOp::And, lhs: Box::new(self), rhs: Box::new(o.into()) }
+    }
+    /// Logical or of two `Bool`s.
+    pub fn or(self, o: impl Into<Expr>) -> Expr {
+        Expr::Binary { op: BinOp::Or, lhs: Box::new(self), rhs: Box::new(o.into()) }
+    }
+    /// Logical not of a `Bool`.
+    pub fn not(self) -> Expr {
+        Expr::Unary { op: UnOp::Not, arg: Box::new(self) }
+    }
+    /// Numeric conversion (C cast semantics).
+    pub fn cast(self, ty: Ty) -> Expr {
+        Expr::Cast { ty, arg: Box::new(self) }
+    }
+}
+
+impl From<f32> for Expr {
+    fn from(v: f32) -> Expr {
+        Expr::F32(v)
+    }
+}
+impl From<f64> for Expr {
+    fn from(v: f64) -> Expr {
+        Expr::F64(v)
+    }
+}
+impl From<i32> for Expr {
+    fn from(v: i32) -> Expr {
+        Expr::I32(v)
+    }
+}
+impl From<i64> for Expr {
+    fn from(v: i64) -> Expr {
+        Expr::I64(v)
+    }
+}
+impl From<bool> for Expr {
+    fn from(v: bool) -> Expr {
+        Expr::Bool(v)
+    }
+}
+impl From<&Expr> for Expr {
+    fn from(e: &Expr) -> Expr {
+        e.clone()
+    }
+}
+
+macro_rules! binop {
+    ($trait:ident, $method:ident, $op:expr) => {
+        impl<T: Into<Expr>> $trait<T> for Expr {
+            type Output = Expr;
+            fn $method(self, rhs: T) -> Expr {
+                Expr::Binary { op: $op, lhs: Box::new(self), rhs: Box::new(rhs.into()) }
+            }
+        }
+        impl<T: Into<Expr>> $trait<T> for &Expr {
+            type Output = Expr;
+            fn $method(self, rhs: T) -> Expr {
+                self.clone().$method(rhs)
+            }
+        }
+    };
+}
+
+binop!(Add, add, BinOp::Add);
+binop!(Sub, sub, BinOp::Sub);
+binop!(Mul, mul, BinOp::Mul);
+binop!(Div, div, BinOp::Div);
+binop!(Rem, rem, BinOp::Rem);
+
+impl Neg for Expr {
+    type Output = Expr;
+    fn neg(self) -> Expr {
+        Expr::Unary { op: UnOp::Neg, arg: Box::new(self) }
+    }
+}
+
+impl Neg for &Expr {
+    type Output = Expr;
+    fn neg(self) -> Expr {
+        -self.clone()
+    }
+}

@@ -1,0 +1,192 @@
+//! The kernel IR: a small structured AST with concrete sizes (DESIGN.md §6).
+//!
+//! A [`Kernel`] is a list of typed buffer parameters, a 1-D launch [`Grid`] and
+//! a body of [`Stmt`]s. The body describes the work of **one item** of the
+//! grid (a token, a row or an element); the renderers in [`crate::render`]
+//! wrap it in the dialect's iteration scheme (a `[start, end)` loop in C, one
+//! thread or one block per item in CUDA). Sizes are compile-time constants
+//! because a Plan is compiled for its shapes.
+//!
+//! Expressions are self-typed ([`Expr::ty`]) so the printer can pick literal
+//! suffixes and math functions by type (`expf` for f32, `exp` for f64);
+//! [`Kernel::validate`] checks the whole kernel (scopes, types, access modes,
+//! grid-specific constructs) before anything is rendered.
+//!
+//! Kernels are usually written with [`KernelBuilder`]:
+//!
+//! ```
+//! use codegen::kernel::{f32, item, Access, Grid, KernelBuilder};
+//! use ir::DType;
+//!
+//! let mut k = KernelBuilder::new("scale", Grid::thread_per_item(1024));
+//! let x = k.param("x", DType::F32, Access::Read, 1024);
+//! let y = k.param("y", DType::F32, Access::Write, 1024);
+//! let v = k.let_("v", x.at(item()) * f32(2.0));
+//! k.store(&y, item(), v);
+//! let kernel = k.finish();
+//! assert!(kernel.validate().is_ok());
+//! ```
+
+mod builder;
+mod expr;
+mod validate;
+
+pub use builder::{Block, KernelBuilder};
+pub use expr::{f32, f64, i32, i64, item, lane, select, BinOp, Buf, CmpOp, Expr, MathFn, Ty, UnOp};
+pub use validate::KernelError;
+
+use ir::DType;
+
+/// How a kernel uses a buffer parameter. Renderers mark read-only buffers
+/// `const`; validation rejects loads from write-only and stores to read-only
+/// buffers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Access {
+    Read,
+    Write,
+    ReadWrite,
+}
+
+impl Access {
+    /// Whether loads from the buffer are allowed.
+    pub fn readable(self) -> bool {
+        matches!(self, Access::Read | Access::ReadWrite)
+    }
+
+    /// Whether stores to the buffer are allowed.
+    pub fn writable(self) -> bool {
+        matches!(self, Access::Write | Access::ReadWrite)
+    }
+}
+
+/// One buffer parameter. Buffers never alias (the memory planner guarantees
+/// it), which is why the renderers mark them `restrict`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Param {
+    pub name: String,
+    /// Storage type. `Bf16` is storage only: loads widen to f32 and stores
+    /// round to nearest even (MATH.md §6.12 keeps arithmetic in f32).
+    pub dtype: DType,
+    pub access: Access,
+    /// Length in elements; the runtime allocates and checks it.
+    pub len: usize,
+}
+
+impl Param {
+    /// The buffer handle used to load from and store to this parameter.
+    pub fn buf(&self) -> Buf {
+        Buf::Param { name: self.name.clone(), dtype: self.dtype }
+    }
+}
+
+/// The 1-D launch grid over `n` items.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Grid {
+    /// Items are independent; each item is processed by one thread. In C each
+    /// runtime thread runs the items of its `[start, end)` range; in CUDA one
+    /// GPU thread per item, `block` threads per block, with a bounds guard.
+    ThreadPerItem { n: usize, block: u32 },
+    /// Each item is processed by a cooperating block of `threads` lanes that
+    /// may use [`Stmt::Barrier`] and [`Stmt::BlockReduce`]. In CUDA one block
+    /// per item; in C the body is split at barriers into serial loops over the
+    /// lanes (loop fission, DESIGN.md §6), so the same index math runs on CPU.
+    BlockPerItem { n: usize, threads: u32 },
+}
+
+impl Grid {
+    /// Default CUDA block size of thread-per-item kernels.
+    pub const DEFAULT_BLOCK: u32 = 256;
+
+    /// A thread-per-item grid with the default block size.
+    pub fn thread_per_item(n: usize) -> Grid {
+        Grid::ThreadPerItem { n, block: Self::DEFAULT_BLOCK }
+    }
+
+    /// A block-per-item grid with `threads` lanes per item (a power of two in
+    /// 32..=1024, so the block reduction tree is exact).
+    pub fn block_per_item(n: usize, threads: u32) -> Grid {
+        Grid::BlockPerItem { n, threads }
+    }
+
+    /// Number of items.
+    pub fn items(&self) -> usize {
+        match *self {
+            Grid::ThreadPerItem { n, .. } | Grid::BlockPerItem { n, .. } => n,
+        }
+    }
+
+    /// CUDA threads per block.
+    pub fn block_threads(&self) -> u32 {
+        match *self {
+            Grid::ThreadPerItem { block, .. } => block,
+            Grid::BlockPerItem { threads, .. } => threads,
+        }
+    }
+
+    /// Whether this is a block-per-item grid (lanes, barriers, block reductions).
+    pub fn is_block(&self) -> bool {
+        matches!(self, Grid::BlockPerItem { .. })
+    }
+}
+
+/// A block-wide reduction operator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    Sum,
+    Max,
+}
+
+/// A statement of the body of one item.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Stmt {
+    /// Immutable scalar: `const T var = expr;`.
+    Let { var: String, ty: Ty, expr: Expr },
+    /// Mutable scalar: `T var = init;`, updated with [`Stmt::Assign`].
+    Var { var: String, ty: Ty, init: Expr },
+    /// `var = value;` for a variable declared with [`Stmt::Var`].
+    Assign { var: String, value: Expr },
+    /// Per-item scratch array with a compile-time length: `T var[len];`.
+    LocalArray { var: String, ty: Ty, len: usize },
+    /// `target[index] = value;`
+    Store { target: Buf, index: Expr, value: Expr },
+    /// `target[index] += value;`
+    AccumStore { target: Buf, index: Expr, value: Expr },
+    /// `for (int64_t var = start; var < end; var += step)`; `unroll` asks the
+    /// compiler to unroll it (small stream/segment axes, DESIGN.md §5).
+    For { var: String, start: Expr, end: Expr, step: i64, unroll: bool, body: Vec<Stmt> },
+    If { cond: Expr, then: Vec<Stmt>, else_: Vec<Stmt> },
+    Comment(String),
+    /// Block-per-item only, top level only: every lane contributes `value`,
+    /// every lane gets the reduction in the new immutable `var`.
+    BlockReduce { var: String, op: ReduceOp, value: Expr },
+    /// Block-per-item only, top level only: all lanes finish the statements
+    /// before it before any lane starts the statements after it.
+    Barrier,
+}
+
+/// One kernel: the unit the renderers print and the runtime launches.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Kernel {
+    /// Identifier; the rendered function is `widen_<name>`.
+    pub name: String,
+    pub params: Vec<Param>,
+    pub grid: Grid,
+    pub body: Vec<Stmt>,
+}
+
+impl Kernel {
+    /// The name of the generated function.
+    pub fn symbol(&self) -> String {
+        format!("widen_{}", self.name)
+    }
+
+    /// The name of the generated uniform-ABI wrapper (see [`crate::cc`]).
+    pub fn entry_symbol(&self) -> String {
+        format!("widen_{}_entry", self.name)
+    }
+
+    /// Checks names, scopes, types, access modes and grid-specific constructs.
+    pub fn validate(&self) -> Result<(), KernelError> {
+        validate::validate(self)
+    }
+}

@@ -1,0 +1,167 @@
+//! `widen check`: the built binary on every spec in `specs/`, and on broken specs.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn widen_check(spec: &Path, json: bool) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_widen"));
+    cmd.arg("check").arg(spec);
+    if json {
+        cmd.arg("--json");
+    }
+    cmd.output().expect("the widen binary runs")
+}
+
+fn parse(out: &Output) -> Value {
+    let text = String::from_utf8(out.stdout.clone()).expect("utf-8 stdout");
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("stdout is not one JSON object ({e}):\n{text}"))
+}
+
+fn specs() -> Vec<PathBuf> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("specs");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .expect("specs/ exists")
+        .map(|e| e.expect("dir entry").path())
+        .filter(|p| p.extension().is_some_and(|e| e == "ron"))
+        .collect();
+    files.sort();
+    files
+}
+
+/// A spec file in the temp dir, removed when dropped.
+struct TempSpec(PathBuf);
+
+impl TempSpec {
+    fn new(tag: &str, text: &str) -> TempSpec {
+        let path = std::env::temp_dir().join(format!("widen-cli-check-{}-{tag}.ron", std::process::id()));
+        std::fs::write(&path, text).expect("temp dir is writable");
+        TempSpec(path)
+    }
+}
+
+impl Drop for TempSpec {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+fn uint(v: &Value, key: &str) -> u64 {
+    v[key].as_u64().unwrap_or_else(|| panic!("{key} is not an unsigned integer: {v}"))
+}
+
+fn float(v: &Value, key: &str) -> f64 {
+    v[key].as_f64().unwrap_or_else(|| panic!("{key} is not a number: {v}"))
+}
+
+#[test]
+fn every_spec_gives_a_complete_json_report() {
+    let files = specs();
+    assert!(!files.is_empty());
+    for file in files {
+        let out = widen_check(&file, true);
+        assert!(out.status.success(), "{}: {}", file.display(), String::from_utf8_lossy(&out.stderr));
+        let r = parse(&out);
+        let ctx = file.display().to_string();
+        assert_eq!(r["valid"], Value::Bool(true), "{ctx}");
+        assert!(r["name"].is_string(), "{ctx}");
+
+        let p = &r["params"];
+        let buckets: u64 = ["embedding", "backbone", "connection", "mtp"].iter().map(|k| uint(p, k)).sum();
+        assert_eq!(uint(p, "total"), buckets, "{ctx}: buckets add up");
+        assert!(uint(p, "backbone") > 0, "{ctx}");
+
+        let f = &r["flops_per_token"];
+        assert!(uint(f, "forward") > 0, "{ctx}");
+        assert_eq!(uint(f, "train"), 3 * uint(f, "forward"), "{ctx}");
+
+        assert!(float(&r, "connection_flops_per_sublayer") >= 0.0, "{ctx}");
+        let t = &r["traffic_per_sublayer"];
+        // Every scheme moves at least the plain residual's 2D read and 1D write.
+        assert!(float(t, "read") >= 2.0 - 1e-9 && float(t, "write") >= 1.0 - 1e-9, "{ctx}: {t}");
+        assert!(uint(&r, "activation_bytes_per_token") > 0, "{ctx}");
+
+        let o = &r["overhead_vs_residual"];
+        for key in ["params", "flops", "traffic"] {
+            assert!(o[key].is_f64(), "{ctx}: overhead {key}");
+        }
+        if r["scheme"] == "Residual" {
+            assert_eq!(float(o, "params"), 0.0, "{ctx}");
+            assert_eq!(float(t, "read"), 2.0, "{ctx}");
+        } else {
+            assert!(float(o, "traffic") > 0.0, "{ctx}: a wider state costs traffic");
+        }
+    }
+}
+
+#[test]
+fn invalid_spec_reports_every_error_path_and_fails() {
+    let spec = TempSpec::new(
+        "invalid",
+        "Model(name: \"bad\", d_model: 64, heads: 4, residual: Xhc(n: 4, k: 5), train: (seq_len: 1))\n",
+    );
+    let out = widen_check(&spec.0, true);
+    assert!(!out.status.success());
+    let r = parse(&out);
+    assert_eq!(r["valid"], Value::Bool(false));
+    let paths: Vec<&str> =
+        r["errors"].as_array().expect("errors list").iter().map(|e| e["path"].as_str().unwrap()).collect();
+    assert!(paths.contains(&"residual.k"), "{paths:?}");
+    assert!(paths.contains(&"train.seq_len"), "{paths:?}");
+    for e in r["errors"].as_array().unwrap() {
+        assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()), "{e}");
+    }
+
+    // Without --json: one `error: path: message` line per problem, on stderr.
+    let out = widen_check(&spec.0, false);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.lines().any(|l| l.starts_with("error: residual.k: ")), "{stderr}");
+    assert!(stderr.lines().any(|l| l.starts_with("error: train.seq_len: ")), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+#[test]
+fn unreadable_and_malformed_files_are_clear_errors() {
+    let missing = std::env::temp_dir().join(format!("widen-cli-check-{}-missing.ron", std::process::id()));
+    let syntax = TempSpec::new("syntax", "Model(name: \"x\", d_model: 64,, )\n");
+    for (path, what) in [(missing.as_path(), "missing"), (syntax.0.as_path(), "syntax")] {
+        let out = widen_check(path, true);
+        assert!(!out.status.success(), "{what}");
+        let r = parse(&out);
+        assert_eq!(r["valid"], Value::Bool(false), "{what}");
+        let errors = r["errors"].as_array().expect("errors list");
+        assert_eq!(errors.len(), 1, "{what}: {r}");
+        assert_eq!(errors[0]["path"], "", "{what}");
+
+        let out = widen_check(path, false);
+        assert!(!out.status.success(), "{what}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.starts_with("error: "), "{what}: {stderr}");
+        assert!(!stderr.contains("panicked") && !stderr.contains("backtrace"), "{what}: {stderr}");
+    }
+    // The syntax error carries its position.
+    let r = parse(&widen_check(&syntax.0, true));
+    assert_eq!(r["errors"][0]["line"], 1);
+    assert!(r["errors"][0]["col"].as_u64().is_some_and(|c| c > 1));
+}
+
+#[test]
+fn table_shows_the_figures_of_the_json_report() {
+    let file = Path::new(env!("CARGO_MANIFEST_DIR")).join("specs").join("residual.ron");
+    let out = widen_check(&file, false);
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    let r = parse(&widen_check(&file, true));
+    let total = uint(&r["params"], "total");
+    // Thousands separators, as the table prints counts.
+    let digits = total.to_string();
+    let head = digits.len() % 3;
+    let mut parts: Vec<&str> = if head > 0 { vec![&digits[..head]] } else { Vec::new() };
+    parts.extend(digits.as_bytes()[head..].chunks(3).map(|c| std::str::from_utf8(c).unwrap()));
+    let grouped = parts.join(",");
+    assert!(text.contains(&grouped), "total {grouped} missing:\n{text}");
+    let read = text.lines().find(|l| l.trim_start().starts_with("traffic read ")).expect("traffic row");
+    assert!(read.split_whitespace().any(|w| w == "2.00"), "{read}");
+}
