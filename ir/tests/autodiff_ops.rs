@@ -522,3 +522,26 @@ fn backward_nodes_keep_the_forward_sublayer() {
     let tanh_grad = c.g.node(gx).role;
     assert_eq!((tanh_grad.sublayer, tanh_grad.mtp), (Some(3), Some(1)));
 }
+
+/// The backward ops' shape rule: the output gradient must have the forward output's
+/// type, `wrt` must name a forward operand, and the result is shaped like that operand.
+#[test]
+fn backward_op_shape_rules() {
+    let mut c = Case::new(250);
+    let q = c.param(&[1, 3, 2, 4], -1.0, 1.0);
+    let k = c.param(&[1, 3, 1, 4], -1.0, 1.0);
+    let dk = c.add(Op::CausalAttentionGrad { scale: 0.5, rope_base: None, wrt: 1 }, &[q, k, k, q]);
+    assert_eq!(c.g.node(dk).shape, Shape::new([1, 3, 1, 4]));
+    let bad_dout = c.g.add(Op::CausalAttentionGrad { scale: 0.5, rope_base: None, wrt: 0 }, &[q, k, k, k]);
+    assert!(bad_dout.unwrap_err().to_string().contains("causal_attention_grad"));
+    let bad_wrt = c.g.add(Op::CausalAttentionGrad { scale: 0.5, rope_base: None, wrt: 3 }, &[q, k, k, q]);
+    assert!(bad_wrt.unwrap_err().to_string().contains("wrt 3"));
+
+    let out = c.param(&[2, 5, 3], -1.0, 1.0);
+    let w = c.param(&[2, 3], -1.0, 1.0);
+    let dy = c.param(&[2, 5, 1, 3], -1.0, 1.0);
+    let op = |wrt| Op::TemporalAugmentGrad { gram_schmidt: true, eps_rel: 1e-6, wrt };
+    let dw = c.add(op(1), &[out, w, dy]);
+    assert_eq!(c.g.node(dw).shape, Shape::new([2, 3]));
+    assert!(c.g.add(op(1), &[out, w, out]).is_err());
+}

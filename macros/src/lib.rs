@@ -1,6 +1,6 @@
 //! `#[derive(VirtualWidth)]`: a model spec written as Rust attributes (DESIGN.md §1, §3).
 //!
-//! ```ignore
+//! ```text
 //! #[derive(VirtualWidth)]
 //! #[widen(name = "tiny-vwn", vocab = 256, d_model = 256, layers = 4, heads = 4)]
 //! #[widen(residual = ghc(m = 4, r = 4), mtp(depth = 1, lambda = 0.3))]

@@ -145,7 +145,7 @@ fn muon_runs_learn_the_synthetic_corpus() {
 fn sampling_from_a_checkpoint_is_seeded() {
     use runtime::sample::{sample_checkpoint, SampleError, SampleOptions};
     let out = temp_dir("sample");
-    let report = train_spec(&tiny_spec(2), Device::Reference, &opts(&out, None)).unwrap();
+    let report = train_spec(&tiny_spec(3), Device::Reference, &opts(&out, None)).unwrap();
     let ckpt = &report.final_checkpoint;
     let sample = |temperature: f64, top_k: Option<usize>, seed: u64| {
         let o = SampleOptions { tokens: 12, temperature, top_k, seed };

@@ -120,7 +120,7 @@ fn fail(args: &Args, problems: &[Problem]) -> ExitCode {
 fn table(path: &Path, r: &CostReport) -> String {
     let mut out = String::new();
     let mut line = |s: String| {
-        out.push_str(&s);
+        out.push_str(s.trim_end());
         out.push('\n');
     };
     line(format!("{}: {} is valid", path.display(), r.name));
@@ -230,6 +230,12 @@ fn table(path: &Path, r: &CostReport) -> String {
         grouped(b.connection_params_per_block.round() as u64),
         "",
         r.paper.connection_params_per_block.map(|v| grouped(v.round() as u64)).unwrap_or_else(|| "-".into())
+    ));
+    line(String::new());
+    line(format!(
+        "papers' = contractions at 2 FLOPs per MAC and norms at 4 per element (MATH.md §5.9); \
+         paper = closed form of {}",
+        r.paper.source
     ));
     out
 }

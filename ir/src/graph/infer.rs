@@ -42,12 +42,12 @@ fn int(op: &Op, inputs: &[Typed], slot: usize) -> Result<(), GraphError> {
 
 fn same_dtype(op: &Op, inputs: &[Typed]) -> Result<DType, GraphError> {
     let first = float(op, inputs, 0)?;
-    for slot in 1..inputs.len() {
-        if inputs[slot].1 != first {
+    for (slot, &(_, dtype)) in inputs.iter().enumerate().skip(1) {
+        if dtype != first {
             return Err(GraphError::DType {
                 op: op.name().into(),
                 slot,
-                got: inputs[slot].1,
+                got: dtype,
                 expected: first.name().into(),
             });
         }
@@ -248,7 +248,7 @@ pub(super) fn infer(op: &Op, inputs: &[Typed]) -> Result<(Shape, DType), GraphEr
                 last_axis_param(op, x, p, if slot == 1 { "gain" } else { "bias" })?;
             }
             if let Op::GroupNorm { groups, .. } = op {
-                if *groups == 0 || x.last() % groups != 0 {
+                if *groups == 0 || !x.last().is_multiple_of(*groups) {
                     return Err(invalid(op, format!("{} channels do not split into {groups} groups", x.last())));
                 }
             }

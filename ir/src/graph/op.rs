@@ -261,7 +261,10 @@ impl Op {
 
     /// Heavy ops that are kernels of their own (DESIGN.md §5).
     pub fn is_heavy(&self) -> bool {
-        matches!(self, Op::MatMul { .. } | Op::CausalAttention { .. } | Op::SoftmaxCrossEntropy)
+        matches!(
+            self,
+            Op::MatMul { .. } | Op::CausalAttention { .. } | Op::CausalAttentionGrad { .. } | Op::SoftmaxCrossEntropy
+        )
     }
 
     /// Sources have no inputs.

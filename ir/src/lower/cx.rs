@@ -50,7 +50,7 @@ impl Cx {
     /// Stable parameter-name prefix of a sublayer: `blocks.{i}.attn|ffn` in the trunk,
     /// `mtp.{k}.block.attn|ffn` in MTP module k.
     pub fn sublayer_prefix(&self, sublayer: usize) -> String {
-        let kind = if sublayer % 2 == 0 { "attn" } else { "ffn" };
+        let kind = if sublayer.is_multiple_of(2) { "attn" } else { "ffn" };
         match self.module {
             None => format!("blocks.{}.{kind}", sublayer / 2),
             Some(k) => format!("mtp.{k}.block.{kind}"),

@@ -245,7 +245,7 @@ impl Xhc {
 
         let alpha = self.alpha(cx, &format!("{prefix}.alpha_post"))?;
         // Column 0 (the raw output) 0, so 2 sigmoid = 1; conv components -3 (§6.7 DECISION).
-        let init = (0..k * kr).map(|i| if i.is_multiple_of(kr) { 0.0 } else { -3.0 }).collect();
+        let init = (0..k * kr).map(|i| if i % kr == 0 { 0.0 } else { -3.0 }).collect();
         let bias =
             cx.param(&format!("{prefix}.b_post"), &[k, kr], Init::Values(init), ParamClass::ConnectionStatic);
         let h = cx.slice(proj, 2, post_at, post_at + k * kr)?;
@@ -304,6 +304,8 @@ pub(super) struct Step {
 }
 
 impl Xhc {
+    /// Runs one sublayer of a window on the active state `x_act` with branch input `u`,
+    /// generating H_res only when the sublayer mixes.
     #[allow(clippy::too_many_arguments)]
     fn step(
         &self,

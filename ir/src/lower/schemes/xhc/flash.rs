@@ -9,9 +9,9 @@
 //! from the active state that sublayer sees (X_act^(0) for the first attention, X_act^(A)
 //! after it, ...), available without a full-state read.
 //!
-//! A Flash-4sub window opens on an even trunk block that has a successor. The remainder
-//! block of an odd depth and every MTP module (one block each) fall back to Flash
-//! (MATH.md §10: "block2 requires an even number of blocks, or a fallback").
+//! A Flash-4sub window opens on every even trunk block (validation requires an even
+//! number of blocks, MATH.md §10). MTP modules hold one block each and fall back to
+//! Flash.
 
 use super::{label, Routing, Xhc};
 use crate::graph::{GraphError, NodeId, Op};
@@ -79,7 +79,7 @@ impl Xhc {
     }
 
     /// xHC-Flash-4sub (MATH.md §6.11): opens a window on its first block and closes it on
-    /// the next, or runs xHC-Flash where no window fits.
+    /// the next; runs xHC-Flash in MTP modules.
     pub(super) fn flash_two_block(
         &mut self,
         cx: &mut Cx,
@@ -93,8 +93,7 @@ impl Xhc {
                 return self.close_window(cx, window, attn, ffn);
             }
         }
-        let block = first / 2;
-        if cx.module.is_none() && block.is_multiple_of(2) && block + 1 < cx.spec.layers {
+        if cx.module.is_none() && (first / 2) % 2 == 0 {
             self.open_window(cx, state, first, attn, ffn)
         } else {
             self.flash_block(cx, state, first, attn, ffn)

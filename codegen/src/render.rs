@@ -1,0 +1,636 @@
+//! One C-family printer with two dialects (DESIGN.md §6).
+//!
+//! All kernels of a Plan become one translation unit. The output is stable
+//! (no hashes, no addresses, fixed four-space indentation, one statement per
+//! line) so it can be snapshot-tested and diffed.
+//!
+//! - **C**: each kernel is `void widen_<name>(<buffers>, int64_t start, int64_t end)`
+//!   whose body runs the items `[start, end)` the runtime hands one thread,
+//!   plus a uniform-ABI wrapper `void widen_<name>_entry(void** args, int64_t start, int64_t end)`
+//!   (see [`crate::cc`]). Block-per-item kernels are lowered by loop fission:
+//!   the top-level body is cut at barriers and block reductions into serial
+//!   loops over the lanes, lane-local values that live across a cut become
+//!   per-lane arrays, and reductions replay the CUDA tree order exactly.
+//! - **CUDA**: `extern "C" __global__` kernels with one thread (thread-per-item)
+//!   or one block (block-per-item) per item and a bounds guard. No CUDA headers
+//!   are included; the few bf16 helpers needed are emitted.
+//!
+//! Float literals are printed with Rust's shortest round-trip `{:e}` form
+//! (`1.5e-3f`), so every constant in the source is bit-exact; infinities and
+//! NaNs go through `WIDEN_INF_*` / `WIDEN_NAN_*` macros. `rsqrt` is printed
+//! as `1.0f / sqrtf(x)` in both dialects so C and CUDA results stay close.
+
+use std::collections::HashSet;
+use std::fmt::Write as _;
+
+use ir::DType;
+
+use crate::kernel::{
+    Access, BinOp, Buf, CmpOp, Expr, Grid, Kernel, KernelError, MathFn, Param, ReduceOp, Stmt, Ty, UnOp,
+};
+
+/// The output language of the printer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Dialect {
+    /// C11 for the system C compiler (CPU device).
+    C,
+    /// CUDA C++ for NVRTC (GPU device).
+    Cuda,
+}
+
+/// Renders all `kernels` into one C translation unit.
+pub fn render_c(kernels: &[Kernel]) -> Result<String, KernelError> {
+    render_module(kernels, Dialect::C)
+}
+
+/// Renders all `kernels` into one CUDA translation unit.
+pub fn render_cuda(kernels: &[Kernel]) -> Result<String, KernelError> {
+    render_module(kernels, Dialect::Cuda)
+}
+
+/// Validates every kernel and renders them into one translation unit.
+pub fn render_module(kernels: &[Kernel], dialect: Dialect) -> Result<String, KernelError> {
+    let mut names = HashSet::new();
+    for k in kernels {
+        k.validate()?;
+        if !names.insert(k.name.as_str()) {
+            return Err(KernelError::DuplicateKernel { name: k.name.clone() });
+        }
+    }
+    let mut p = Printer { out: String::new(), indent: 0, dialect, promoted: HashSet::new() };
+    p.prelude(kernels);
+    for k in kernels {
+        p.out.push('\n');
+        p.kernel(k);
+    }
+    Ok(p.out)
+}
+
+const C_PRELUDE: &str = "#include <math.h>
+#include <stdint.h>
+
+#define WIDEN_INF_F32 ((float)INFINITY)
+#define WIDEN_NAN_F32 ((float)NAN)
+#define WIDEN_INF_F64 ((double)INFINITY)
+#define WIDEN_NAN_F64 ((double)NAN)
+";
+
+const CUDA_PRELUDE: &str = "#define WIDEN_INF_F32 __int_as_float(0x7f800000)
+#define WIDEN_NAN_F32 __int_as_float(0x7fc00000)
+#define WIDEN_INF_F64 __longlong_as_double(0x7ff0000000000000LL)
+#define WIDEN_NAN_F64 __longlong_as_double(0x7ff8000000000000LL)
+";
+
+/// bf16 <-> f32 with round-to-nearest-even; NaNs stay (quiet) NaNs.
+const C_BF16: &str = "
+static inline float widen_bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)h << 16;
+    return v.f;
+}
+
+static inline uint16_t widen_f32_to_bf16(float f) {
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) {
+        return (uint16_t)((v.u >> 16) | 0x40u);
+    }
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+";
+
+const CUDA_BF16: &str = "
+static __device__ __forceinline__ float widen_bf16_to_f32(unsigned short h) {
+    return __uint_as_float((unsigned int)h << 16);
+}
+
+static __device__ __forceinline__ unsigned short widen_f32_to_bf16(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        return (unsigned short)((u >> 16) | 0x40u);
+    }
+    return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+";
+
+/// C operator precedence (lower binds tighter); used to print minimal parentheses.
+const ATOM: u8 = 0;
+const UNARY: u8 = 2;
+
+struct Printer {
+    out: String,
+    indent: usize,
+    dialect: Dialect,
+    /// C block-per-item kernels: lane-local names stored as per-lane arrays.
+    promoted: HashSet<String>,
+}
+
+impl Printer {
+    fn line(&mut self, text: &str) {
+        for _ in 0..self.indent {
+            self.out.push_str("    ");
+        }
+        self.out.push_str(text);
+        self.out.push('\n');
+    }
+
+    fn open(&mut self, text: &str) {
+        self.line(text);
+        self.indent += 1;
+    }
+
+    fn close(&mut self) {
+        self.indent -= 1;
+        self.line("}");
+    }
+
+    fn cuda(&self) -> bool {
+        self.dialect == Dialect::Cuda
+    }
+
+    fn prelude(&mut self, kernels: &[Kernel]) {
+        let dialect = if self.cuda() { "CUDA" } else { "C" };
+        let _ = writeln!(self.out, "/* widen: {} kernel(s), {dialect} dialect. Generated; do not edit. */", kernels.len());
+        self.out.push_str(if self.cuda() { CUDA_PRELUDE } else { C_PRELUDE });
+        if kernels.iter().any(|k| k.params.iter().any(|p| p.dtype == DType::Bf16)) {
+            self.out.push_str(if self.cuda() { CUDA_BF16 } else { C_BF16 });
+        }
+    }
+
+    fn ty(&self, t: Ty) -> &'static str {
+        match (t, self.dialect) {
+            (Ty::F32, _) => "float",
+            (Ty::F64, _) => "double",
+            (Ty::I32, Dialect::C) => "int32_t",
+            (Ty::I32, Dialect::Cuda) => "int",
+            (Ty::I64, Dialect::C) => "int64_t",
+            (Ty::I64, Dialect::Cuda) => "long long",
+            (Ty::Bool, Dialect::C) => "_Bool",
+            (Ty::Bool, Dialect::Cuda) => "bool",
+        }
+    }
+
+    fn storage(&self, d: DType) -> &'static str {
+        match (d, self.dialect) {
+            (DType::Bf16, Dialect::C) => "uint16_t",
+            (DType::Bf16, Dialect::Cuda) => "unsigned short",
+            (d, _) => self.ty(Ty::of_storage(d)),
+        }
+    }
+
+    fn param_decl(&self, p: &Param) -> String {
+        let konst = if p.access == Access::Read { "const " } else { "" };
+        let restrict = if self.cuda() { "__restrict__" } else { "restrict" };
+        format!("{konst}{}* {restrict} {}", self.storage(p.dtype), p.name)
+    }
+
+    fn kernel(&mut self, k: &Kernel) {
+        let grid = match k.grid {
+            Grid::ThreadPerItem { n, block } => format!("{n} items, one thread per item (CUDA block {block})"),
+            Grid::BlockPerItem { n, threads } => format!("{n} items, one block of {threads} lanes per item"),
+        };
+        self.line(&format!("/* {}: {grid} */", k.name));
+        let mut params: Vec<String> = k.params.iter().map(|p| self.param_decl(p)).collect();
+        if self.cuda() {
+            self.cuda_kernel(k, &params.join(", "));
+        } else {
+            params.push("int64_t start".into());
+            params.push("int64_t end".into());
+            self.c_kernel(k, &params.join(", "));
+            self.out.push('\n');
+            self.c_entry(k);
+        }
+    }
+
+    fn c_kernel(&mut self, k: &Kernel, params: &str) {
+        self.open(&format!("void {}({params}) {{", k.symbol()));
+        self.open("for (int64_t item = start; item < end; ++item) {");
+        match k.grid {
+            Grid::ThreadPerItem { .. } => self.stmts(&k.body),
+            Grid::BlockPerItem { threads, .. } => self.c_fission(&k.body, threads),
+        }
+        self.close();
+        self.close();
+    }
+
+    fn c_entry(&mut self, k: &Kernel) {
+        self.open(&format!("void {}(void** args, int64_t start, int64_t end) {{", k.entry_symbol()));
+        let args: Vec<String> = k
+            .params
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let konst = if p.access == Access::Read { "const " } else { "" };
+                format!("({konst}{}*)args[{i}]", self.storage(p.dtype))
+            })
+            .chain(["start".to_string(), "end".to_string()])
+            .collect();
+        self.line(&format!("{}({});", k.symbol(), args.join(", ")));
+        self.close();
+    }
+
+    fn cuda_kernel(&mut self, k: &Kernel, params: &str) {
+        let threads = k.grid.block_threads();
+        self.open(&format!("extern \"C\" __global__ void __launch_bounds__({threads}) {}({params}) {{", k.symbol()));
+        match k.grid {
+            Grid::ThreadPerItem { n, .. } => {
+                self.line("const long long item = (long long)blockIdx.x * blockDim.x + threadIdx.x;");
+                self.line(&format!("if (item >= {n}) return;"));
+            }
+            Grid::BlockPerItem { n, .. } => {
+                for t in reduction_types(&k.body) {
+                    self.line(&format!("__shared__ {} widen_red_{}[{threads}];", self.ty(t), t.name()));
+                }
+                self.line("const long long item = blockIdx.x;");
+                self.line("const long long lane = threadIdx.x;");
+                self.line(&format!("if (item >= {n}) return;"));
+            }
+        }
+        for s in &k.body {
+            match s {
+                Stmt::Barrier => self.line("__syncthreads();"),
+                Stmt::BlockReduce { var, op, value } => {
+                    let t = value.ty();
+                    let red = format!("widen_red_{}", t.name());
+                    let v = self.expr(value).0;
+                    self.line(&format!("{red}[lane] = {v};"));
+                    self.line("__syncthreads();");
+                    self.open(&format!("for (int widen_s = {}; widen_s > 0; widen_s >>= 1) {{", threads / 2));
+                    self.open("if (lane < widen_s) {");
+                    let combined = self.combine(*op, t, &format!("{red}[lane]"), &format!("{red}[lane + widen_s]"));
+                    self.line(&format!("{red}[lane] = {combined};"));
+                    self.close();
+                    self.line("__syncthreads();");
+                    self.close();
+                    self.line(&format!("const {} {var} = {red}[0];", self.ty(t)));
+                    self.line("__syncthreads();");
+                }
+                s => self.stmt(s),
+            }
+        }
+        self.close();
+    }
+
+    fn combine(&self, op: ReduceOp, t: Ty, a: &str, b: &str) -> String {
+        match op {
+            ReduceOp::Sum => format!("{a} + {b}"),
+            ReduceOp::Max => format!("{}({a}, {b})", math_name(MathFn::Max, t)),
+        }
+    }
+
+    /// Loop fission of a block-per-item body for C (DESIGN.md §6).
+    fn c_fission(&mut self, body: &[Stmt], threads: u32) {
+        let mut segments: Vec<(&[Stmt], Option<&Stmt>)> = Vec::new();
+        let mut begin = 0;
+        for (i, s) in body.iter().enumerate() {
+            if matches!(s, Stmt::Barrier | Stmt::BlockReduce { .. }) {
+                segments.push((&body[begin..i], Some(s)));
+                begin = i + 1;
+            }
+        }
+        segments.push((&body[begin..], None));
+
+        // Lane-local declarations referenced after the cut that ends their segment.
+        let mut promoted = Vec::new();
+        for (i, (seg, _)) in segments.iter().enumerate() {
+            let mut later = HashSet::new();
+            for (rest, cut) in &segments[i + 1..] {
+                collect_refs(rest, &mut later);
+                if let Some(Stmt::BlockReduce { value, .. }) = cut {
+                    expr_refs(value, &mut later);
+                }
+            }
+            for s in *seg {
+                match s {
+                    Stmt::Let { var, ty, .. } | Stmt::Var { var, ty, .. } if later.contains(var) => {
+                        promoted.push(format!("{} {var}[{threads}];", self.ty(*ty)));
+                        self.promoted.insert(var.clone());
+                    }
+                    Stmt::LocalArray { var, ty, len } if later.contains(var) => {
+                        promoted.push(format!("{} {var}[{threads}][{len}];", self.ty(*ty)));
+                        self.promoted.insert(var.clone());
+                    }
+                    _ => {}
+                }
+            }
+        }
+        for t in reduction_types(body) {
+            promoted.push(format!("{} widen_red_{}[{threads}];", self.ty(t), t.name()));
+        }
+        for decl in &promoted {
+            self.line(decl);
+        }
+
+        for (seg, cut) in segments {
+            let reduce = match cut {
+                Some(Stmt::BlockReduce { var, op, value }) => Some((var, *op, value)),
+                _ => None,
+            };
+            if !seg.is_empty() || reduce.is_some() {
+                self.open(&format!("for (int64_t lane = 0; lane < {threads}; ++lane) {{"));
+                self.stmts(seg);
+                if let Some((_, _, value)) = reduce {
+                    let v = self.expr(value).0;
+                    self.line(&format!("widen_red_{}[lane] = {v};", value.ty().name()));
+                }
+                self.close();
+            }
+            match cut {
+                Some(Stmt::Barrier) => self.line("/* barrier */"),
+                Some(Stmt::BlockReduce { var, op, value }) => {
+                    let t = value.ty();
+                    let red = format!("widen_red_{}", t.name());
+                    self.open(&format!("for (int64_t widen_s = {}; widen_s > 0; widen_s >>= 1) {{", threads / 2));
+                    self.open("for (int64_t lane = 0; lane < widen_s; ++lane) {");
+                    let combined = self.combine(*op, t, &format!("{red}[lane]"), &format!("{red}[lane + widen_s]"));
+                    self.line(&format!("{red}[lane] = {combined};"));
+                    self.close();
+                    self.close();
+                    self.line(&format!("const {} {var} = {red}[0];", self.ty(t)));
+                }
+                _ => {}
+            }
+        }
+        self.promoted.clear();
+    }
+
+    fn stmts(&mut self, stmts: &[Stmt]) {
+        for s in stmts {
+            self.stmt(s);
+        }
+    }
+
+    fn place(&self, var: &str) -> String {
+        if self.promoted.contains(var) {
+            format!("{var}[lane]")
+        } else {
+            var.to_string()
+        }
+    }
+
+    fn element(&mut self, buf: &Buf, index: &Expr) -> String {
+        let i = self.expr(index).0;
+        format!("{}[{i}]", self.place(buf.name()))
+    }
+
+    fn stmt(&mut self, s: &Stmt) {
+        match s {
+            Stmt::Let { var, ty, expr } | Stmt::Var { var, ty, init: expr } => {
+                let e = self.expr(expr).0;
+                if self.promoted.contains(var) {
+                    self.line(&format!("{var}[lane] = {e};"));
+                } else {
+                    let konst = if matches!(s, Stmt::Let { .. }) { "const " } else { "" };
+                    self.line(&format!("{konst}{} {var} = {e};", self.ty(*ty)));
+                }
+            }
+            Stmt::Assign { var, value } => {
+                let e = self.expr(value).0;
+                self.line(&format!("{} = {e};", self.place(var)));
+            }
+            Stmt::LocalArray { var, ty, len } => {
+                if !self.promoted.contains(var) {
+                    self.line(&format!("{} {var}[{len}];", self.ty(*ty)));
+                }
+            }
+            Stmt::Store { target, index, value } => {
+                let dst = self.element(target, index);
+                let v = self.expr(value).0;
+                if is_bf16(target) {
+                    self.line(&format!("{dst} = widen_f32_to_bf16({v});"));
+                } else {
+                    self.line(&format!("{dst} = {v};"));
+                }
+            }
+            Stmt::AccumStore { target, index, value } => {
+                let dst = self.element(target, index);
+                if is_bf16(target) {
+                    let v = self.wrap(value, 4);
+                    self.line(&format!("{dst} = widen_f32_to_bf16(widen_bf16_to_f32({dst}) + {v});"));
+                } else {
+                    let v = self.expr(value).0;
+                    self.line(&format!("{dst} += {v};"));
+                }
+            }
+            Stmt::For { var, start, end, step, unroll, body } => {
+                if *unroll {
+                    self.line(if self.cuda() { "#pragma unroll" } else { "#pragma GCC unroll 64" });
+                }
+                let (s, e) = (self.expr(start).0, self.wrap(end, 6));
+                let inc = if *step == 1 { format!("++{var}") } else { format!("{var} += {step}") };
+                self.open(&format!("for ({} {var} = {s}; {var} < {e}; {inc}) {{", self.ty(Ty::I64)));
+                self.stmts(body);
+                self.close();
+            }
+            Stmt::If { cond, then, else_ } => {
+                let c = self.expr(cond).0;
+                self.open(&format!("if ({c}) {{"));
+                self.stmts(then);
+                if !else_.is_empty() {
+                    self.indent -= 1;
+                    self.open("} else {");
+                    self.stmts(else_);
+                }
+                self.close();
+            }
+            Stmt::Comment(text) => {
+                let text = text.replace("*/", "* /").replace(['\n', '\r'], " ");
+                self.line(&format!("/* {text} */"));
+            }
+            // Only reachable at the top level of block kernels, handled by
+            // `cuda_kernel` and `c_fission`; validation guarantees it.
+            Stmt::BlockReduce { .. } | Stmt::Barrier => {}
+        }
+    }
+
+    /// `e` printed so it can appear as an operand of an operator of
+    /// precedence `prec` (parenthesized when it binds less tightly).
+    fn wrap(&mut self, e: &Expr, prec: u8) -> String {
+        let (s, p) = self.expr(e);
+        if p >= prec {
+            format!("({s})")
+        } else {
+            s
+        }
+    }
+
+    /// Prints an expression and returns it with its C precedence.
+    fn expr(&mut self, e: &Expr) -> (String, u8) {
+        match e {
+            Expr::F32(v) => float_lit(f64::from(*v), format!("{v:e}f"), "F32"),
+            Expr::F64(v) => float_lit(*v, format!("{v:e}"), "F64"),
+            Expr::I32(v) if *v == i32::MIN => ("(-2147483647 - 1)".into(), ATOM),
+            Expr::I64(v) if *v == i64::MIN => ("(-9223372036854775807LL - 1)".into(), ATOM),
+            Expr::I32(v) => (v.to_string(), if *v < 0 { UNARY } else { ATOM }),
+            Expr::I64(v) => {
+                let s = if i32::try_from(*v).is_ok() { v.to_string() } else { format!("{v}LL") };
+                (s, if *v < 0 { UNARY } else { ATOM })
+            }
+            Expr::Bool(b) => ((if *b { "1" } else { "0" }).into(), ATOM),
+            Expr::Var { name, .. } => (self.place(name), ATOM),
+            Expr::Item => ("item".into(), ATOM),
+            Expr::Lane => ("lane".into(), ATOM),
+            Expr::Load { src, index } => {
+                let el = self.element(src, index);
+                if is_bf16(src) {
+                    (format!("widen_bf16_to_f32({el})"), ATOM)
+                } else {
+                    (el, ATOM)
+                }
+            }
+            Expr::Unary { op, arg } => {
+                let a = self.wrap(arg, UNARY);
+                let sym = if *op == UnOp::Neg { "-" } else { "!" };
+                (format!("{sym}{a}"), UNARY)
+            }
+            Expr::Binary { op, lhs, rhs } => {
+                let (sym, prec) = match op {
+                    BinOp::Mul => ("*", 3),
+                    BinOp::Div => ("/", 3),
+                    BinOp::Rem => ("%", 3),
+                    BinOp::Add => ("+", 4),
+                    BinOp::Sub => ("-", 4),
+                    BinOp::And => ("&&", 11),
+                    BinOp::Or => ("||", 12),
+                };
+                // Two int literals would be computed in `int`: force 64 bits.
+                let l = match (&**lhs, &**rhs) {
+                    (Expr::I64(a), Expr::I64(_)) if *a != i64::MIN => format!("{a}LL"),
+                    _ => self.wrap(lhs, prec + 1),
+                };
+                let r = self.wrap(rhs, prec);
+                (format!("{l} {sym} {r}"), prec)
+            }
+            Expr::Cmp { op, lhs, rhs } => {
+                let (sym, prec) = match op {
+                    CmpOp::Lt => ("<", 6),
+                    CmpOp::Le => ("<=", 6),
+                    CmpOp::Gt => (">", 6),
+                    CmpOp::Ge => (">=", 6),
+                    CmpOp::Eq => ("==", 7),
+                    CmpOp::Ne => ("!=", 7),
+                };
+                let (l, r) = (self.wrap(lhs, prec + 1), self.wrap(rhs, prec));
+                (format!("{l} {sym} {r}"), prec)
+            }
+            Expr::Select { cond, then, else_ } => {
+                let c = self.wrap(cond, 13);
+                let t = self.wrap(then, 13);
+                let f = self.wrap(else_, 14);
+                (format!("{c} ? {t} : {f}"), 13)
+            }
+            Expr::Cast { ty, arg } => {
+                let a = self.wrap(arg, UNARY + 1);
+                (format!("({}){a}", self.ty(*ty)), UNARY)
+            }
+            Expr::Call { f, args } => {
+                let t = e.ty();
+                let a: Vec<String> = args.iter().map(|a| self.expr(a).0).collect();
+                if *f == MathFn::Rsqrt {
+                    let one = if t == Ty::F32 { "1.0f" } else { "1.0" };
+                    return (format!("{one} / {}({})", math_name(MathFn::Sqrt, t), a[0]), 3);
+                }
+                (format!("{}({})", math_name(*f, t), a.join(", ")), ATOM)
+            }
+        }
+    }
+
+}
+
+/// A finite literal as printed, or the dialect's macro for inf/nan (`kind` is `F32`/`F64`).
+fn float_lit(v: f64, finite: String, kind: &str) -> (String, u8) {
+    let s = if v.is_nan() {
+        format!("WIDEN_NAN_{kind}")
+    } else if v.is_infinite() {
+        let sign = if v < 0.0 { "-" } else { "" };
+        format!("{sign}WIDEN_INF_{kind}")
+    } else {
+        finite
+    };
+    let prec = if s.starts_with('-') { UNARY } else { ATOM };
+    (s, prec)
+}
+
+fn math_name(f: MathFn, t: Ty) -> String {
+    let base = match f {
+        MathFn::Exp => "exp",
+        MathFn::Log => "log",
+        MathFn::Tanh => "tanh",
+        MathFn::Sqrt | MathFn::Rsqrt => "sqrt",
+        MathFn::Abs => "fabs",
+        MathFn::Sin => "sin",
+        MathFn::Cos => "cos",
+        MathFn::Pow => "pow",
+        MathFn::Max => "fmax",
+        MathFn::Min => "fmin",
+    };
+    if t == Ty::F32 {
+        format!("{base}f")
+    } else {
+        base.to_string()
+    }
+}
+
+fn is_bf16(b: &Buf) -> bool {
+    matches!(b, Buf::Param { dtype: DType::Bf16, .. })
+}
+
+/// The value types of the block reductions of a body, in a fixed order.
+fn reduction_types(body: &[Stmt]) -> Vec<Ty> {
+    let used: HashSet<Ty> =
+        body.iter().filter_map(|s| if let Stmt::BlockReduce { value, .. } = s { Some(value.ty()) } else { None }).collect();
+    [Ty::F32, Ty::F64].into_iter().filter(|t| used.contains(t)).collect()
+}
+
+fn collect_refs(stmts: &[Stmt], out: &mut HashSet<String>) {
+    for s in stmts {
+        match s {
+            Stmt::Let { expr, .. } | Stmt::Var { init: expr, .. } => expr_refs(expr, out),
+            Stmt::Assign { var, value } => {
+                out.insert(var.clone());
+                expr_refs(value, out);
+            }
+            Stmt::Store { target, index, value } | Stmt::AccumStore { target, index, value } => {
+                out.insert(target.name().to_string());
+                expr_refs(index, out);
+                expr_refs(value, out);
+            }
+            Stmt::For { start, end, body, .. } => {
+                expr_refs(start, out);
+                expr_refs(end, out);
+                collect_refs(body, out);
+            }
+            Stmt::If { cond, then, else_ } => {
+                expr_refs(cond, out);
+                collect_refs(then, out);
+                collect_refs(else_, out);
+            }
+            Stmt::BlockReduce { value, .. } => expr_refs(value, out),
+            Stmt::LocalArray { .. } | Stmt::Comment(_) | Stmt::Barrier => {}
+        }
+    }
+}
+
+fn expr_refs(e: &Expr, out: &mut HashSet<String>) {
+    match e {
+        Expr::Var { name, .. } => {
+            out.insert(name.clone());
+        }
+        Expr::Load { src, index } => {
+            out.insert(src.name().to_string());
+            expr_refs(index, out);
+        }
+        Expr::Unary { arg, .. } | Expr::Cast { arg, .. } => expr_refs(arg, out),
+        Expr::Binary { lhs, rhs, .. } | Expr::Cmp { lhs, rhs, .. } => {
+            expr_refs(lhs, out);
+            expr_refs(rhs, out);
+        }
+        Expr::Select { cond, then, else_ } => {
+            expr_refs(cond, out);
+            expr_refs(then, out);
+            expr_refs(else_, out);
+        }
+        Expr::Call { args, .. } => args.iter().for_each(|a| expr_refs(a, out)),
+        Expr::F32(_) | Expr::F64(_) | Expr::I32(_) | Expr::I64(_) | Expr::Bool(_) | Expr::Item | Expr::Lane => {}
+    }
+}
