@@ -150,7 +150,11 @@ impl Printer {
 
     fn prelude(&mut self, kernels: &[Kernel]) {
         let dialect = if self.cuda() { "CUDA" } else { "C" };
-        let _ = writeln!(self.out, "/* widen: {} kernel(s), {dialect} dialect. Generated; do not edit. */", kernels.len());
+        let _ = writeln!(
+            self.out,
+            "/* widen: {} kernel(s), {dialect} dialect. Generated; do not edit. */",
+            kernels.len()
+        );
         self.out.push_str(if self.cuda() { CUDA_PRELUDE } else { C_PRELUDE });
         if kernels.iter().any(|k| k.params.iter().any(|p| p.dtype == DType::Bf16)) {
             self.out.push_str(if self.cuda() { CUDA_BF16 } else { C_BF16 });
@@ -186,7 +190,9 @@ impl Printer {
 
     fn kernel(&mut self, k: &Kernel) {
         let grid = match k.grid {
-            Grid::ThreadPerItem { n, block } => format!("{n} items, one thread per item (CUDA block {block})"),
+            Grid::ThreadPerItem { n, block } => {
+                format!("{n} items, one thread per item (CUDA block {block})")
+            }
             Grid::BlockPerItem { n, threads } => format!("{n} items, one block of {threads} lanes per item"),
         };
         self.line(&format!("/* {}: {grid} */", k.name));
@@ -231,7 +237,10 @@ impl Printer {
 
     fn cuda_kernel(&mut self, k: &Kernel, params: &str) {
         let threads = k.grid.block_threads();
-        self.open(&format!("extern \"C\" __global__ void __launch_bounds__({threads}) {}({params}) {{", k.symbol()));
+        self.open(&format!(
+            "extern \"C\" __global__ void __launch_bounds__({threads}) {}({params}) {{",
+            k.symbol()
+        ));
         match k.grid {
             Grid::ThreadPerItem { n, .. } => {
                 self.line("const long long item = (long long)blockIdx.x * blockDim.x + threadIdx.x;");
@@ -257,7 +266,8 @@ impl Printer {
                     self.line("__syncthreads();");
                     self.open(&format!("for (int widen_s = {}; widen_s > 0; widen_s >>= 1) {{", threads / 2));
                     self.open("if (lane < widen_s) {");
-                    let combined = self.combine(*op, t, &format!("{red}[lane]"), &format!("{red}[lane + widen_s]"));
+                    let combined =
+                        self.combine(*op, t, &format!("{red}[lane]"), &format!("{red}[lane + widen_s]"));
                     self.line(&format!("{red}[lane] = {combined};"));
                     self.close();
                     self.line("__syncthreads();");
@@ -340,9 +350,13 @@ impl Printer {
                 Some(Stmt::BlockReduce { var, op, value }) => {
                     let t = value.ty();
                     let red = format!("widen_red_{}", t.name());
-                    self.open(&format!("for (int64_t widen_s = {}; widen_s > 0; widen_s >>= 1) {{", threads / 2));
+                    self.open(&format!(
+                        "for (int64_t widen_s = {}; widen_s > 0; widen_s >>= 1) {{",
+                        threads / 2
+                    ));
                     self.open("for (int64_t lane = 0; lane < widen_s; ++lane) {");
-                    let combined = self.combine(*op, t, &format!("{red}[lane]"), &format!("{red}[lane + widen_s]"));
+                    let combined =
+                        self.combine(*op, t, &format!("{red}[lane]"), &format!("{red}[lane + widen_s]"));
                     self.line(&format!("{red}[lane] = {combined};"));
                     self.close();
                     self.close();
@@ -534,7 +548,6 @@ impl Printer {
             }
         }
     }
-
 }
 
 /// A finite literal as printed, or the dialect's macro for inf/nan (`kind` is `F32`/`F64`).
@@ -577,8 +590,10 @@ fn is_bf16(b: &Buf) -> bool {
 
 /// The value types of the block reductions of a body, in a fixed order.
 fn reduction_types(body: &[Stmt]) -> Vec<Ty> {
-    let used: HashSet<Ty> =
-        body.iter().filter_map(|s| if let Stmt::BlockReduce { value, .. } = s { Some(value.ty()) } else { None }).collect();
+    let used: HashSet<Ty> = body
+        .iter()
+        .filter_map(|s| if let Stmt::BlockReduce { value, .. } = s { Some(value.ty()) } else { None })
+        .collect();
     [Ty::F32, Ty::F64].into_iter().filter(|t| used.contains(t)).collect()
 }
 
@@ -631,6 +646,12 @@ fn expr_refs(e: &Expr, out: &mut HashSet<String>) {
             expr_refs(else_, out);
         }
         Expr::Call { args, .. } => args.iter().for_each(|a| expr_refs(a, out)),
-        Expr::F32(_) | Expr::F64(_) | Expr::I32(_) | Expr::I64(_) | Expr::Bool(_) | Expr::Item | Expr::Lane => {}
+        Expr::F32(_)
+        | Expr::F64(_)
+        | Expr::I32(_)
+        | Expr::I64(_)
+        | Expr::Bool(_)
+        | Expr::Item
+        | Expr::Lane => {}
     }
 }

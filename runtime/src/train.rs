@@ -170,7 +170,7 @@ pub fn train(
             "grad_norm": grad_norm,
             "tokens_per_s": tokens_per_s,
         });
-        let evaluate = step % spec.train.eval_every.max(1) as u64 == 0 || step == total as u64;
+        let evaluate = step.is_multiple_of(spec.train.eval_every.max(1) as u64) || step == total as u64;
         if evaluate {
             let v = validation_loss(spec, exec, &params, corpus, batch, window)
                 .map_err(|source| TrainError::Step { step, source })?;
@@ -186,7 +186,7 @@ pub fn train(
         progress.show(step, loss, peak_lr * lr_mult, tokens_per_s, evaluate.then_some(val_loss).flatten());
 
         let every = spec.train.checkpoint_every as u64;
-        if every > 0 && step % every == 0 {
+        if every > 0 && step.is_multiple_of(every) {
             let state = TrainState { step, data_rng: sampler.state() };
             checkpoint::save(
                 &out.join(format!("ckpt-{step}.safetensors")),
@@ -274,7 +274,7 @@ impl ProgressLine {
                 let _ = writeln!(err);
             }
             self.open = val.is_empty();
-        } else if step % every.max(1) as u64 == 0 || !val.is_empty() || step == self.total as u64 {
+        } else if step.is_multiple_of(every.max(1) as u64) || !val.is_empty() || step == self.total as u64 {
             let _ = writeln!(err, "{line}");
         }
         let _ = err.flush();

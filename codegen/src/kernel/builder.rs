@@ -75,7 +75,11 @@ impl Block {
 
     /// `target[index] += value;`
     pub fn accum(&mut self, target: &Buf, index: impl Into<Expr>, value: impl Into<Expr>) {
-        self.stmts.push(Stmt::AccumStore { target: target.clone(), index: index.into(), value: value.into() });
+        self.stmts.push(Stmt::AccumStore {
+            target: target.clone(),
+            index: index.into(),
+            value: value.into(),
+        });
     }
 
     /// A serial loop `for (int64_t name = start; name < end; ++name)`.

@@ -1,7 +1,7 @@
 //! Typed scalar expressions of the kernel IR, with operator overloading so
 //! kernels read like the math they implement.
 
-use std::ops::{Add, Div, Mul, Neg, Rem, Sub};
+use std::ops::{Add, Div, Mul, Neg, Not, Rem, Sub};
 
 use ir::DType;
 
@@ -154,18 +154,45 @@ pub enum Expr {
     I64(i64),
     Bool(bool),
     /// A variable declared by `Let`, `Var`, `For` or `BlockReduce`.
-    Var { name: String, ty: Ty },
+    Var {
+        name: String,
+        ty: Ty,
+    },
     /// The grid index of the current item (`I64`).
     Item,
     /// The lane within the block of a block-per-item kernel (`I64`).
     Lane,
-    Load { src: Buf, index: Box<Expr> },
-    Unary { op: UnOp, arg: Box<Expr> },
-    Binary { op: BinOp, lhs: Box<Expr>, rhs: Box<Expr> },
-    Cmp { op: CmpOp, lhs: Box<Expr>, rhs: Box<Expr> },
-    Select { cond: Box<Expr>, then: Box<Expr>, else_: Box<Expr> },
-    Cast { ty: Ty, arg: Box<Expr> },
-    Call { f: MathFn, args: Vec<Expr> },
+    Load {
+        src: Buf,
+        index: Box<Expr>,
+    },
+    Unary {
+        op: UnOp,
+        arg: Box<Expr>,
+    },
+    Binary {
+        op: BinOp,
+        lhs: Box<Expr>,
+        rhs: Box<Expr>,
+    },
+    Cmp {
+        op: CmpOp,
+        lhs: Box<Expr>,
+        rhs: Box<Expr>,
+    },
+    Select {
+        cond: Box<Expr>,
+        then: Box<Expr>,
+        else_: Box<Expr>,
+    },
+    Cast {
+        ty: Ty,
+        arg: Box<Expr>,
+    },
+    Call {
+        f: MathFn,
+        args: Vec<Expr>,
+    },
 }
 
 /// An `f32` literal.
@@ -291,10 +318,6 @@ impl Expr {
     pub fn or(self, o: impl Into<Expr>) -> Expr {
         Expr::Binary { op: BinOp::Or, lhs: Box::new(self), rhs: Box::new(o.into()) }
     }
-    /// Logical not of a `Bool`.
-    pub fn not(self) -> Expr {
-        Expr::Unary { op: UnOp::Not, arg: Box::new(self) }
-    }
     /// Numeric conversion (C cast semantics).
     pub fn cast(self, ty: Ty) -> Expr {
         Expr::Cast { ty, arg: Box::new(self) }
@@ -366,5 +389,13 @@ impl Neg for &Expr {
     type Output = Expr;
     fn neg(self) -> Expr {
         -self.clone()
+    }
+}
+
+/// Logical not of a `Bool`.
+impl Not for Expr {
+    type Output = Expr;
+    fn not(self) -> Expr {
+        Expr::Unary { op: UnOp::Not, arg: Box::new(self) }
     }
 }

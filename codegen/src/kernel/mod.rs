@@ -140,25 +140,63 @@ pub enum ReduceOp {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Stmt {
     /// Immutable scalar: `const T var = expr;`.
-    Let { var: String, ty: Ty, expr: Expr },
+    Let {
+        var: String,
+        ty: Ty,
+        expr: Expr,
+    },
     /// Mutable scalar: `T var = init;`, updated with [`Stmt::Assign`].
-    Var { var: String, ty: Ty, init: Expr },
+    Var {
+        var: String,
+        ty: Ty,
+        init: Expr,
+    },
     /// `var = value;` for a variable declared with [`Stmt::Var`].
-    Assign { var: String, value: Expr },
+    Assign {
+        var: String,
+        value: Expr,
+    },
     /// Per-item scratch array with a compile-time length: `T var[len];`.
-    LocalArray { var: String, ty: Ty, len: usize },
+    LocalArray {
+        var: String,
+        ty: Ty,
+        len: usize,
+    },
     /// `target[index] = value;`
-    Store { target: Buf, index: Expr, value: Expr },
+    Store {
+        target: Buf,
+        index: Expr,
+        value: Expr,
+    },
     /// `target[index] += value;`
-    AccumStore { target: Buf, index: Expr, value: Expr },
+    AccumStore {
+        target: Buf,
+        index: Expr,
+        value: Expr,
+    },
     /// `for (int64_t var = start; var < end; var += step)`; `unroll` asks the
     /// compiler to unroll it (small stream/segment axes, DESIGN.md §5).
-    For { var: String, start: Expr, end: Expr, step: i64, unroll: bool, body: Vec<Stmt> },
-    If { cond: Expr, then: Vec<Stmt>, else_: Vec<Stmt> },
+    For {
+        var: String,
+        start: Expr,
+        end: Expr,
+        step: i64,
+        unroll: bool,
+        body: Vec<Stmt>,
+    },
+    If {
+        cond: Expr,
+        then: Vec<Stmt>,
+        else_: Vec<Stmt>,
+    },
     Comment(String),
     /// Block-per-item only, top level only: every lane contributes `value`,
     /// every lane gets the reduction in the new immutable `var`.
-    BlockReduce { var: String, op: ReduceOp, value: Expr },
+    BlockReduce {
+        var: String,
+        op: ReduceOp,
+        value: Expr,
+    },
     /// Block-per-item only, top level only: all lanes finish the statements
     /// before it before any lane starts the statements after it.
     Barrier,

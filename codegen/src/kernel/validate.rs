@@ -37,11 +37,54 @@ pub enum KernelError {
 /// Names the renderers use themselves, plus C and CUDA keywords likely to
 /// come out of a naming scheme.
 const RESERVED: &[&str] = &[
-    "item", "lane", "start", "end", "args", "auto", "break", "case", "char", "const", "continue",
-    "default", "do", "double", "else", "enum", "extern", "float", "for", "goto", "if", "inline", "int",
-    "long", "register", "restrict", "return", "short", "signed", "sizeof", "static", "struct", "switch",
-    "typedef", "union", "unsigned", "void", "volatile", "while", "bool", "true", "false", "class",
-    "new", "delete", "this", "template", "namespace",
+    "item",
+    "lane",
+    "start",
+    "end",
+    "args",
+    "auto",
+    "break",
+    "case",
+    "char",
+    "const",
+    "continue",
+    "default",
+    "do",
+    "double",
+    "else",
+    "enum",
+    "extern",
+    "float",
+    "for",
+    "goto",
+    "if",
+    "inline",
+    "int",
+    "long",
+    "register",
+    "restrict",
+    "return",
+    "short",
+    "signed",
+    "sizeof",
+    "static",
+    "struct",
+    "switch",
+    "typedef",
+    "union",
+    "unsigned",
+    "void",
+    "volatile",
+    "while",
+    "bool",
+    "true",
+    "false",
+    "class",
+    "new",
+    "delete",
+    "this",
+    "template",
+    "namespace",
 ];
 
 fn check_name(kernel: &str, name: &str) -> Result<(), KernelError> {
@@ -176,7 +219,11 @@ impl Checker<'_> {
                     BinOp::And | BinOp::Or => t == Ty::Bool,
                 };
                 if !ok {
-                    return Err(self.type_err(&format!("operands of {op:?}"), "a type the operator accepts", t));
+                    return Err(self.type_err(
+                        &format!("operands of {op:?}"),
+                        "a type the operator accepts",
+                        t,
+                    ));
                 }
                 t
             }
@@ -232,7 +279,9 @@ impl Checker<'_> {
                 self.declare(var, Sym::Scalar { ty: *ty, mutable: true })
             }
             Stmt::Assign { var, value } => match self.lookup(var) {
-                Some(Sym::Scalar { ty, mutable: true }) => self.expect(value, ty, &format!("assignment to `{var}`")),
+                Some(Sym::Scalar { ty, mutable: true }) => {
+                    self.expect(value, ty, &format!("assignment to `{var}`"))
+                }
                 Some(_) => Err(KernelError::Access {
                     kernel: self.name(),
                     name: var.clone(),
@@ -305,7 +354,9 @@ pub(super) fn validate(k: &Kernel) -> Result<(), KernelError> {
         Grid::ThreadPerItem { block, .. } if block == 0 || block > 1024 || block % 32 != 0 => {
             return grid_err(format!("block size {block} must be a multiple of 32 in 32..=1024"));
         }
-        Grid::BlockPerItem { threads, .. } if !(32..=1024).contains(&threads) || !threads.is_power_of_two() => {
+        Grid::BlockPerItem { threads, .. }
+            if !(32..=1024).contains(&threads) || !threads.is_power_of_two() =>
+        {
             return grid_err(format!("{threads} threads per item must be a power of two in 32..=1024"));
         }
         _ => {}

@@ -93,7 +93,7 @@ impl Xhc {
                 return self.close_window(cx, window, attn, ffn);
             }
         }
-        if cx.module.is_none() && (first / 2) % 2 == 0 {
+        if cx.module.is_none() && (first / 2).is_multiple_of(2) {
             self.open_window(cx, state, first, attn, ffn)
         } else {
             self.flash_block(cx, state, first, attn, ffn)

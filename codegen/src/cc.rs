@@ -1,0 +1,279 @@
+//! The system C compiler driver (DESIGN.md §6, CPU device).
+//!
+//! All kernels of a Plan are one C translation unit, compiled once with
+//! `cc -O2 -fPIC -shared -ffp-contract=off -std=c11` (`CC` overrides the
+//! compiler; never `-ffast-math`, and no FMA contraction, so results stay
+//! close to the reference executor) into a shared object that is cached under
+//! [`default_cache_dir`] by a SHA-256 of (source, compiler `--version`,
+//! flags), written atomically (compile to a temporary name, then rename) and
+//! loaded with `libloading`.
+//!
+//! # The entry ABI
+//!
+//! Every kernel `k` gets a generated wrapper
+//!
+//! ```c
+//! void widen_k_entry(void** args, int64_t start, int64_t end);
+//! ```
+//!
+//! where `args[i]` points to the buffer of the kernel's `i`-th parameter (in
+//! declaration order, with the parameter's element type and at least `len`
+//! elements) and the call processes the items `[start, end)` of the grid.
+//! One function-pointer type ([`EntryFn`]) thus calls any kernel; the runtime
+//! splits `[0, n)` across its threads.
+
+use std::ffi::c_void;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use sha2::{Digest, Sha256};
+use thiserror::Error;
+
+use crate::kernel::{Kernel, KernelError};
+use crate::render::render_c;
+
+/// Flags passed to the compiler before the source file.
+pub const FLAGS: &[&str] = &["-O2", "-fPIC", "-shared", "-ffp-contract=off", "-std=c11"];
+
+/// The uniform entry point of every compiled kernel (see the module docs).
+pub type EntryFn = unsafe extern "C" fn(args: *const *mut c_void, start: i64, end: i64);
+
+/// Failures of compiling or loading a C module.
+#[derive(Debug, Error)]
+pub enum CcError {
+    #[error("the C compiler `{compiler}` could not be run (set CC to a working compiler): {source}")]
+    CompilerNotFound { compiler: String, source: std::io::Error },
+    #[error("the C compiler `{compiler}` failed on {}:\n{stderr}", file.display())]
+    Compile { compiler: String, file: PathBuf, stderr: String },
+    #[error("cannot load {}: {source}", file.display())]
+    Load { file: PathBuf, source: libloading::Error },
+    #[error("symbol `{symbol}` is missing from {}: {source}", file.display())]
+    Symbol { file: PathBuf, symbol: String, source: libloading::Error },
+    #[error("kernel `{kernel}` is not part of {}", file.display())]
+    UnknownKernel { kernel: String, file: PathBuf },
+    #[error("{}: {source}", path.display())]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error(transparent)]
+    Kernel(#[from] KernelError),
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> CcError + '_ {
+    move |source| CcError::Io { path: path.to_path_buf(), source }
+}
+
+/// Where compiled modules are cached: `$WIDEN_CACHE_DIR`, else
+/// `$XDG_CACHE_HOME/widen`, else `~/.cache/widen`, else a folder in the
+/// system temporary directory.
+pub fn default_cache_dir() -> PathBuf {
+    let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
+    if let Some(dir) = var("WIDEN_CACHE_DIR") {
+        dir
+    } else if let Some(xdg) = var("XDG_CACHE_HOME") {
+        xdg.join("widen")
+    } else if let Some(home) = var("HOME") {
+        home.join(".cache").join("widen")
+    } else {
+        std::env::temp_dir().join("widen-cache")
+    }
+}
+
+/// A resolved C compiler plus the cache it writes to.
+#[derive(Debug, Clone)]
+pub struct Compiler {
+    /// Program and leading arguments (`CC` may be e.g. `ccache gcc`).
+    command: Vec<String>,
+    version: String,
+    cache_dir: PathBuf,
+}
+
+impl Compiler {
+    /// The compiler named by `CC` (default `cc`) with [`default_cache_dir`].
+    pub fn from_env() -> Result<Compiler, CcError> {
+        let cc = std::env::var("CC").ok().filter(|v| !v.trim().is_empty()).unwrap_or_else(|| "cc".into());
+        Compiler::new(&cc, default_cache_dir())
+    }
+
+    /// `cc` is a command line (program and arguments, split on whitespace);
+    /// runs `cc --version` once, since its output is part of the cache key.
+    pub fn new(cc: &str, cache_dir: PathBuf) -> Result<Compiler, CcError> {
+        let command: Vec<String> = cc.split_whitespace().map(String::from).collect();
+        let Some((program, args)) = command.split_first() else {
+            let source = std::io::Error::new(std::io::ErrorKind::InvalidInput, "empty compiler command");
+            return Err(CcError::CompilerNotFound { compiler: cc.into(), source });
+        };
+        let out = Command::new(program)
+            .args(args)
+            .arg("--version")
+            .output()
+            .map_err(|source| CcError::CompilerNotFound { compiler: cc.into(), source })?;
+        if !out.status.success() {
+            let msg = format!("`{cc} --version` failed: {}", String::from_utf8_lossy(&out.stderr).trim());
+            let source = std::io::Error::other(msg);
+            return Err(CcError::CompilerNotFound { compiler: cc.into(), source });
+        }
+        let version = String::from_utf8_lossy(&out.stdout).into_owned();
+        Ok(Compiler { command, version, cache_dir })
+    }
+
+    /// The `--version` output that keys the cache.
+    pub fn version(&self) -> &str {
+        &self.version
+    }
+
+    /// The folder holding cached sources and shared objects.
+    pub fn cache_dir(&self) -> &Path {
+        &self.cache_dir
+    }
+
+    fn key(&self, source: &str) -> String {
+        let mut h = Sha256::new();
+        let mut part = |s: &str| {
+            h.update((s.len() as u64).to_le_bytes());
+            h.update(s.as_bytes());
+        };
+        part("widen-cc/1");
+        self.command.iter().for_each(|c| part(c));
+        part(&self.version);
+        FLAGS.iter().for_each(|f| part(f));
+        part(source);
+        h.finalize()[..16].iter().fold(String::new(), |mut s, b| {
+            let _ = write!(s, "{b:02x}");
+            s
+        })
+    }
+
+    /// Renders `kernels` as one C module and compiles it (or loads the cached build).
+    pub fn compile_kernels(&self, kernels: &[Kernel]) -> Result<Library, CcError> {
+        let source = render_c(kernels)?;
+        let mut lib = self.compile_source(&source)?;
+        lib.kernels = Some(kernels.iter().map(|k| (k.name.clone(), k.params.len())).collect());
+        Ok(lib)
+    }
+
+    /// Compiles C source into a shared object in the cache (or reuses the
+    /// cached one with the same key) and loads it.
+    pub fn compile_source(&self, source: &str) -> Result<Library, CcError> {
+        let key = self.key(source);
+        let so = self.cache_dir.join(format!("widen-{key}.so"));
+        let cached = so.is_file();
+        if !cached {
+            std::fs::create_dir_all(&self.cache_dir).map_err(io_err(&self.cache_dir))?;
+            let c = self.cache_dir.join(format!("widen-{key}.c"));
+            write_atomic(&c, source.as_bytes())?;
+            let tmp = temp_name(&so);
+            let (program, args) = self.command.split_first().expect("Compiler::new rejects empty commands");
+            let out = Command::new(program)
+                .args(args)
+                .args(FLAGS)
+                .arg("-o")
+                .arg(&tmp)
+                .arg(&c)
+                .arg("-lm")
+                .output()
+                .map_err(|source| CcError::CompilerNotFound { compiler: self.command.join(" "), source })?;
+            if !out.status.success() {
+                let _ = std::fs::remove_file(&tmp);
+                let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+                return Err(CcError::Compile { compiler: self.command.join(" "), file: c, stderr });
+            }
+            std::fs::rename(&tmp, &so).map_err(io_err(&so))?;
+        }
+        // SAFETY: the library is our own generated C: it has no initializers
+        // with side effects.
+        let lib = unsafe { libloading::Library::new(&so) }
+            .map_err(|source| CcError::Load { file: so.clone(), source })?;
+        Ok(Library { lib: Arc::new(lib), path: so, cached, kernels: None })
+    }
+}
+
+/// A unique sibling name for atomic writes.
+fn temp_name(path: &Path) -> PathBuf {
+    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    let name = path.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned());
+    path.with_file_name(format!(".{name}.{}.{nanos}.tmp", std::process::id()))
+}
+
+fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CcError> {
+    let tmp = temp_name(path);
+    std::fs::write(&tmp, bytes).map_err(io_err(&tmp))?;
+    std::fs::rename(&tmp, path).map_err(io_err(path))
+}
+
+/// A loaded C module.
+#[derive(Debug)]
+pub struct Library {
+    lib: Arc<libloading::Library>,
+    path: PathBuf,
+    cached: bool,
+    /// Kernel names and parameter counts, when compiled from kernels.
+    kernels: Option<Vec<(String, usize)>>,
+}
+
+impl Library {
+    /// The shared object's path in the cache.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Whether the shared object came from the cache (no compiler run).
+    pub fn from_cache(&self) -> bool {
+        self.cached
+    }
+
+    /// The entry point of kernel `name` (`widen_<name>_entry`).
+    pub fn entry(&self, name: &str) -> Result<Entry, CcError> {
+        let arity = match &self.kernels {
+            Some(ks) => match ks.iter().find(|(k, _)| k == name) {
+                Some((_, n)) => Some(*n),
+                None => return Err(CcError::UnknownKernel { kernel: name.into(), file: self.path.clone() }),
+            },
+            None => None,
+        };
+        let symbol = format!("widen_{name}_entry");
+        // SAFETY: every `widen_*_entry` the renderer emits has the `EntryFn` signature.
+        let f = unsafe { self.lib.get::<EntryFn>(symbol.as_bytes()) }
+            .map(|s| *s)
+            .map_err(|source| CcError::Symbol { file: self.path.clone(), symbol, source })?;
+        Ok(Entry { f, arity, _lib: Arc::clone(&self.lib) })
+    }
+}
+
+/// A kernel's entry point; it keeps its library loaded, so it can be stored
+/// and shared across threads independently of the [`Library`].
+#[derive(Debug, Clone)]
+pub struct Entry {
+    f: EntryFn,
+    arity: Option<usize>,
+    _lib: Arc<libloading::Library>,
+}
+
+impl Entry {
+    /// The raw function pointer (valid while this `Entry` lives).
+    pub fn as_fn(&self) -> EntryFn {
+        self.f
+    }
+
+    /// The kernel's parameter count, when known.
+    pub fn arity(&self) -> Option<usize> {
+        self.arity
+    }
+
+    /// Runs the items `[start, end)`.
+    ///
+    /// # Safety
+    /// `args` must hold one pointer per kernel parameter, in order, each to a
+    /// live buffer of the parameter's element type and length; buffers written
+    /// by the kernel must not alias any other argument, and concurrent calls
+    /// must use disjoint item ranges that write disjoint elements;
+    /// `0 <= start <= end <= n`.
+    pub unsafe fn call(&self, args: &[*mut c_void], start: i64, end: i64) {
+        debug_assert!(
+            !matches!(self.arity, Some(n) if n != args.len()),
+            "argument count differs from the kernel's"
+        );
+        (self.f)(args.as_ptr(), start, end)
+    }
+}

@@ -1,0 +1,225 @@
+//! The C path end to end: render, compile with the system compiler, load,
+//! run through the entry ABI, compare with plain Rust.
+
+mod common;
+
+use std::ffi::c_void;
+use std::path::PathBuf;
+
+use codegen::cc::{CcError, Compiler, Library};
+use codegen::kernel::{f32, f64, i64, item, Access, Grid, KernelBuilder, Ty};
+use ir::DType;
+
+/// A fresh cache folder per test, so tests do not share compiled objects;
+/// removed when the test ends.
+struct TempCache(PathBuf);
+
+impl TempCache {
+    fn new(name: &str) -> TempCache {
+        let dir = std::env::temp_dir().join(format!("widen-codegen-test-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        TempCache(dir)
+    }
+
+    fn compiler(&self) -> Compiler {
+        let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+        Compiler::new(&cc, self.0.clone()).expect("a C compiler is installed")
+    }
+}
+
+impl Drop for TempCache {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn ptr<T>(v: &mut [T]) -> *mut c_void {
+    v.as_mut_ptr().cast()
+}
+
+/// Runs `name` over `[0, n)` split into two ranges, as two runtime threads would.
+fn run(lib: &Library, name: &str, n: usize, args: &[*mut c_void]) {
+    let entry = lib.entry(name).expect("entry exists");
+    assert_eq!(entry.arity(), Some(args.len()));
+    let mid = (n / 2) as i64;
+    // SAFETY: every pointer is a live buffer of the parameter's type and length.
+    unsafe {
+        entry.call(args, 0, mid);
+        entry.call(args, mid, n as i64);
+    }
+}
+
+fn assert_close(got: &[f32], want: &[f32], tol: f32, what: &str) {
+    assert_eq!(got.len(), want.len());
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!((g - w).abs() <= tol * (1.0 + w.abs()), "{what}[{i}]: got {g}, want {w}");
+    }
+}
+
+#[test]
+fn module_of_kernels_matches_rust() {
+    use common::*;
+    let lib = TempCache::new("module").compiler().compile_kernels(&all()).expect("module compiles");
+    assert!(!lib.from_cache());
+
+    let (x, g) = (data(ROWS * D, 1, 2.0), data(D, 2, 1.0));
+    let mut y = vec![0.0f32; ROWS * D];
+    run(&lib, "rmsnorm", ROWS, &[x.as_ptr() as *mut c_void, g.as_ptr() as *mut c_void, ptr(&mut y)]);
+    assert_close(&y, &rmsnorm_ref(&x, &g), 1e-6, "rmsnorm");
+
+    let (a, b) = (data(N, 3, 6.0), data(N, 4, 40.0));
+    let mut out = vec![0.0f32; N];
+    run(&lib, "silu_mul", N, &[a.as_ptr() as *mut c_void, b.as_ptr() as *mut c_void, ptr(&mut out)]);
+    assert_close(&out, &silu_mul_ref(&a, &b), 1e-6, "silu_mul");
+    assert!(out.contains(&100.0), "the clamp branch is exercised");
+
+    let (h, m) = (data(TOKENS * S * C, 5, 1.0), data(S * S, 6, 1.0));
+    let mut mixed = vec![0.0f32; TOKENS * S * C];
+    run(&lib, "stream_mix", TOKENS, &[h.as_ptr() as *mut c_void, m.as_ptr() as *mut c_void, ptr(&mut mixed)]);
+    // Same summation order as the kernel: exact.
+    assert_eq!(mixed, stream_mix_ref(&h, &m));
+
+    let sx = data(SM_ROWS * SM_D, 7, 5.0);
+    let mut sy = vec![0.0f32; SM_ROWS * SM_D];
+    let mut centered = vec![0.0f32; SM_ROWS * LANES as usize];
+    run(&lib, "softmax", SM_ROWS, &[sx.as_ptr() as *mut c_void, ptr(&mut sy), ptr(&mut centered)]);
+    let (want_y, want_c) = softmax_ref(&sx);
+    assert_close(&sy, &want_y, 1e-6, "softmax");
+    assert_eq!(centered, want_c);
+    for r in 0..SM_ROWS {
+        let s: f32 = sy[r * SM_D..(r + 1) * SM_D].iter().sum();
+        assert!((s - 1.0).abs() < 1e-5, "row {r} sums to {s}");
+    }
+}
+
+#[test]
+fn bf16_storage_rounds_to_nearest_even() {
+    use common::*;
+    let lib = TempCache::new("bf16").compiler().compile_kernels(&[bf16_convert()]).expect("compiles");
+    let mut xf = data(BF_N, 8, 3.0);
+    // Ties and specials: exactly halfway values round to even, NaN stays NaN.
+    xf[0] = f32::from_bits(0x3f80_8000); // tie, even below
+    xf[1] = f32::from_bits(0x3f81_8000); // tie, odd below: rounds up
+    xf[2] = f32::NAN;
+    xf[3] = f32::INFINITY;
+    xf[4] = f32::from_bits(0x7f7f_ffff); // max finite rounds to inf
+    let xb: Vec<u16> = data(BF_N, 9, 3.0).into_iter().map(to_bf16).collect();
+    let mut yf = vec![0.0f32; BF_N];
+    let mut yb = vec![0u16; BF_N];
+    run(
+        &lib,
+        "bf16_convert",
+        BF_N,
+        &[xb.as_ptr() as *mut c_void, xf.as_ptr() as *mut c_void, ptr(&mut yf), ptr(&mut yb)],
+    );
+    for i in 0..BF_N {
+        assert_eq!(yf[i].to_bits(), (from_bf16(xb[i]) * 2.0).to_bits(), "yf[{i}]");
+        let want = to_bf16(from_bf16(to_bf16(xf[i])) + 1.0);
+        if xf[i].is_nan() {
+            assert!(from_bf16(yb[i]).is_nan(), "yb[{i}] stays NaN");
+        } else {
+            assert_eq!(yb[i], want, "yb[{i}] from {}", xf[i]);
+        }
+    }
+    assert_eq!(to_bf16(xf[0]), 0x3f80);
+    assert_eq!(to_bf16(xf[1]), 0x3f82);
+}
+
+#[test]
+fn float_literals_round_trip_exactly() {
+    let f32s = [
+        0.1f32,
+        -0.0,
+        1e-45,
+        f32::MIN_POSITIVE,
+        f32::MAX,
+        f32::MIN,
+        16777217.0,
+        std::f32::consts::PI,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+    ];
+    let f64s = [0.1f64, 1e-300, 5e-324, f64::MAX, -std::f64::consts::E, f64::INFINITY];
+    let mut k = KernelBuilder::new("literals", Grid::thread_per_item(1));
+    let o32 = k.param("o32", DType::F32, Access::Write, f32s.len() + 1);
+    let o64 = k.param("o64", DType::F64, Access::Write, f64s.len() + 2);
+    for (i, v) in f32s.iter().enumerate() {
+        k.store(&o32, item() + i as i64, f32(*v));
+    }
+    k.store(&o32, item() + f32s.len() as i64, f32(f32::NAN));
+    for (i, v) in f64s.iter().enumerate() {
+        k.store(&o64, item() + i as i64, f64(*v));
+    }
+    k.store(&o64, item() + f64s.len() as i64, f64(f64::NAN));
+    // A product of two literals that fit in `int` must still be computed in 64 bits.
+    k.store(&o64, item() + (f64s.len() as i64 + 1), (i64(100_000) * i64(100_000)).cast(Ty::F64));
+    let lib = TempCache::new("literals").compiler().compile_kernels(&[k.finish()]).expect("compiles");
+    let mut g32 = vec![0.0f32; f32s.len() + 1];
+    let mut g64 = vec![0.0f64; f64s.len() + 2];
+    run(&lib, "literals", 1, &[ptr(&mut g32), ptr(&mut g64)]);
+    for (g, w) in g32.iter().zip(&f32s) {
+        assert_eq!(g.to_bits(), w.to_bits(), "f32 literal {w:e}");
+    }
+    for (g, w) in g64.iter().zip(&f64s) {
+        assert_eq!(g.to_bits(), w.to_bits(), "f64 literal {w:e}");
+    }
+    assert!(g32[f32s.len()].is_nan() && g64[f64s.len()].is_nan());
+    assert_eq!(g64[f64s.len() + 1], 1e10);
+}
+
+#[test]
+fn second_compile_hits_the_cache() {
+    let tmp = TempCache::new("cache");
+    let cc = tmp.compiler();
+    let first = cc.compile_kernels(&[common::rmsnorm()]).expect("compiles");
+    let stamp = std::fs::metadata(first.path()).and_then(|m| m.modified()).expect("object exists");
+    assert!(!first.from_cache());
+    assert!(first.path().starts_with(cc.cache_dir()));
+    let source = first.path().with_extension("c");
+    assert!(std::fs::read_to_string(&source).expect("source kept").contains("widen_rmsnorm_entry"));
+
+    let second = cc.compile_kernels(&[common::rmsnorm()]).expect("compiles");
+    assert!(second.from_cache());
+    assert_eq!(second.path(), first.path());
+    assert_eq!(std::fs::metadata(second.path()).and_then(|m| m.modified()).unwrap(), stamp, "not rebuilt");
+
+    // A different module gets a different object.
+    let other = cc.compile_kernels(&[common::silu_mul()]).expect("compiles");
+    assert!(!other.from_cache());
+    assert_ne!(other.path(), first.path());
+    // No temporary files are left behind.
+    let leftovers: Vec<_> = std::fs::read_dir(cc.cache_dir())
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".tmp"))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+}
+
+#[test]
+fn compile_error_reports_the_compiler_message_and_file() {
+    let tmp = TempCache::new("error");
+    let cc = tmp.compiler();
+    let err = cc.compile_source("void widen_broken_entry(void) { return 1 +; }\n").unwrap_err();
+    let CcError::Compile { file, stderr, .. } = &err else { panic!("expected a compile error, got {err}") };
+    assert!(file.is_file(), "the failing source is kept at {}", file.display());
+    assert!(stderr.contains("error"), "compiler stderr: {stderr}");
+    let msg = err.to_string();
+    assert!(msg.contains(&*file.to_string_lossy()) && msg.contains(stderr.trim()), "{msg}");
+    // Nothing was cached.
+    let objects = std::fs::read_dir(cc.cache_dir())
+        .unwrap()
+        .filter(|e| e.as_ref().is_ok_and(|e| e.path().extension().is_some_and(|x| x == "so")));
+    assert_eq!(objects.count(), 0);
+}
+
+#[test]
+fn missing_compiler_and_unknown_kernel_are_typed_errors() {
+    let err = Compiler::new("widen-no-such-compiler", TempCache::new("missing").0.clone()).unwrap_err();
+    assert!(matches!(err, CcError::CompilerNotFound { .. }), "{err}");
+    assert!(err.to_string().contains("widen-no-such-compiler"));
+
+    let lib = TempCache::new("unknown").compiler().compile_kernels(&[common::silu_mul()]).expect("compiles");
+    let err = lib.entry("rmsnorm").unwrap_err();
+    assert!(matches!(err, CcError::UnknownKernel { .. }), "{err}");
+}
