@@ -10,4 +10,5 @@
 pub mod cc;
 pub mod kernel;
 pub mod nvrtc;
+pub mod plan;
 pub mod render;

@@ -13,7 +13,7 @@
 //!   per-lane arrays, and reductions replay the CUDA tree order exactly.
 //! - **CUDA**: `extern "C" __global__` kernels with one thread (thread-per-item)
 //!   or one block (block-per-item) per item and a bounds guard. No CUDA headers
-//!   are included; the few bf16 helpers needed are emitted.
+//!   are included; the two bf16 conversion functions are emitted instead.
 //!
 //! Float literals are printed with Rust's shortest round-trip `{:e}` form
 //! (`1.5e-3f`), so every constant in the source is bit-exact; infinities and
@@ -332,14 +332,14 @@ impl Printer {
         }
 
         for (seg, cut) in segments {
-            let reduce = match cut {
-                Some(Stmt::BlockReduce { var, op, value }) => Some((var, *op, value)),
+            let reduced = match cut {
+                Some(Stmt::BlockReduce { value, .. }) => Some(value),
                 _ => None,
             };
-            if !seg.is_empty() || reduce.is_some() {
+            if !seg.is_empty() || reduced.is_some() {
                 self.open(&format!("for (int64_t lane = 0; lane < {threads}; ++lane) {{"));
                 self.stmts(seg);
-                if let Some((_, _, value)) = reduce {
+                if let Some(value) = reduced {
                     let v = self.expr(value).0;
                     self.line(&format!("widen_red_{}[lane] = {v};", value.ty().name()));
                 }

@@ -3,7 +3,7 @@
 mod common;
 
 use codegen::kernel::{
-    f32, f64, i32, i64, item, lane, Access, Expr, Grid, KernelBuilder, KernelError, ReduceOp, Ty,
+    f32, f64, i32, i64, item, lane, Access, Expr, Grid, KernelBuilder, KernelError, MathFn, ReduceOp, Ty,
 };
 use codegen::render::{render_module, Dialect};
 use ir::DType;
@@ -35,6 +35,8 @@ fn type_mismatches_are_reported() {
     assert!(matches!(k.validate(), Err(KernelError::Type { .. })));
     let k = kernel(|k, _, y| k.store(y, item(), i64(3).exp().cast(Ty::F32)));
     assert!(matches!(k.validate(), Err(KernelError::Type { got: Ty::I64, .. })), "math on floats only");
+    let k = kernel(|k, x, y| k.store(y, item(), Expr::Call { f: MathFn::Max, args: vec![x.at(item())] }));
+    assert!(matches!(k.validate(), Err(KernelError::Arity { expected: 2, got: 1, .. })));
 }
 
 #[test]
@@ -112,4 +114,12 @@ fn modules_reject_duplicate_kernels_and_invalid_kernels() {
     assert_eq!(err, KernelError::DuplicateKernel { name: "rmsnorm".into() });
     let bad = kernel(|k, x, _| k.store(x, item(), f32(0.0)));
     assert!(render_module(&[bad], Dialect::Cuda).is_err());
+}
+
+#[test]
+fn grid_launch_shapes() {
+    assert_eq!(Grid::ThreadPerItem { n: 1000, block: 256 }.cuda_blocks(), 4);
+    assert_eq!(Grid::ThreadPerItem { n: 1024, block: 256 }.cuda_blocks(), 4);
+    assert_eq!(Grid::block_per_item(7, 64).cuda_blocks(), 7);
+    assert_eq!(Grid::block_per_item(7, 64).block_threads(), 64);
 }

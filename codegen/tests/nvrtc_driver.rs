@@ -66,7 +66,7 @@ ptxas info    : Function properties for widen_a
 ptxas         .     24 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads
 ptxas info    : Used 40 registers, used 1 barriers, 512 bytes smem, 368 bytes cmem[0]
 ptxas info    : Compile time = 17.455 ms
-ptxas info    : Function properties for helper
+ptxas info    : Function properties for widen_device_fn
     64 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads
 ptxas info    : Compiling entry function 'widen_b' for 'sm_90'
 ptxas info    : Function properties for widen_b

@@ -123,6 +123,14 @@ impl Grid {
         }
     }
 
+    /// CUDA blocks to launch: `ceil(n / block)` thread-per-item, `n` block-per-item.
+    pub fn cuda_blocks(&self) -> usize {
+        match *self {
+            Grid::ThreadPerItem { n, block } => n.div_ceil(block as usize),
+            Grid::BlockPerItem { n, .. } => n,
+        }
+    }
+
     /// Whether this is a block-per-item grid (lanes, barriers, block reductions).
     pub fn is_block(&self) -> bool {
         matches!(self, Grid::BlockPerItem { .. })

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 
 use thiserror::Error;
 
-use super::{BinOp, Buf, Expr, Grid, Kernel, Stmt, Ty, UnOp};
+use super::{BinOp, Buf, Expr, Grid, Kernel, MathFn, Stmt, Ty, UnOp};
 
 /// Why a kernel (or a module of kernels) cannot be rendered.
 #[derive(Debug, Clone, PartialEq, Error)]
@@ -28,6 +28,8 @@ pub enum KernelError {
     Grid { kernel: String, reason: String },
     #[error("kernel `{kernel}`: loop `{var}` has step {step}; the step must be positive")]
     Step { kernel: String, var: String, step: i64 },
+    #[error("kernel `{kernel}`: {f:?} takes {expected} argument(s), got {got}")]
+    Arity { kernel: String, f: MathFn, expected: usize, got: usize },
     #[error("kernel `{kernel}`: local array `{name}` has length 0")]
     EmptyArray { kernel: String, name: String },
     #[error("two kernels of one module are named `{name}`")]
@@ -244,8 +246,8 @@ impl Checker<'_> {
             }
             Expr::Call { f, args } => {
                 if args.len() != f.arity() {
-                    let at = format!("{f:?} with {} arguments", args.len());
-                    return Err(self.type_err(&at, format!("{} arguments", f.arity()), Ty::F32));
+                    let (expected, got) = (f.arity(), args.len());
+                    return Err(KernelError::Arity { kernel: self.name(), f: *f, expected, got });
                 }
                 let t = self.expr(&args[0])?;
                 if !t.is_float() {

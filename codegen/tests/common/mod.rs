@@ -131,7 +131,7 @@ pub fn bf16_convert() -> Kernel {
     k.finish()
 }
 
-/// bf16 round-to-nearest-even (NaN stays NaN), the rule the helpers implement.
+/// bf16 round-to-nearest-even (NaN stays NaN), the rule the emitted conversions implement.
 pub fn to_bf16(x: f32) -> u16 {
     let u = x.to_bits();
     if x.is_nan() {

@@ -1,0 +1,94 @@
+//! The compiled Plan: kernels + launch list + buffer plan (DESIGN.md §2, §7).
+//!
+//! A Plan is what a device executes for one training step (forward, backward
+//! and, when included, the optimizer). It is produced by `codegen::compile`
+//! from a differentiated graph and consumed by the runtime's devices; it holds
+//! no data, only sizes and offsets, so the same Plan runs on the Cpu device and
+//! (through the CUDA dialect of the same kernels) on the Cuda device.
+
+use crate::kernel::Kernel;
+use ir::DType;
+
+/// Index into [`Plan::buffers`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BufferId(pub usize);
+
+/// What a buffer holds, and therefore how long it lives.
+#[derive(Debug, Clone, PartialEq)]
+pub enum BufferRole {
+    /// A trainable parameter (persistent across steps), by its stable graph name.
+    Param { name: String },
+    /// The gradient of a parameter (persistent; written every step).
+    Grad { name: String },
+    /// Per-step data fed by the runtime (the `tokens` window), by its graph input name.
+    Input { name: String },
+    /// A named graph output read back by the runtime (`loss`, `logits`, ...).
+    Output { name: String },
+    /// A constant filled once at load time (the graph's `Constant` nodes).
+    Constant { value: f64 },
+    /// A transient value placed in the shared arena at `offset` elements
+    /// (liveness-based reuse: two scratch buffers alive at once never overlap).
+    Scratch { offset: usize },
+}
+
+/// One buffer of the Plan.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BufferDecl {
+    pub id: BufferId,
+    /// Length in elements.
+    pub len: usize,
+    pub dtype: DType,
+    pub role: BufferRole,
+    /// The graph node whose value this buffer holds (`%index` in dumps), if any.
+    pub node: Option<usize>,
+}
+
+/// A dense (batched) matrix product handed to a library GEMM (CPU: the `gemm` crate;
+/// GPU: cuBLAS). Row-major operands; `c[b] (=|+=) op(a[b]) @ op(b[b])` for each batch
+/// index, where a zero batch stride broadcasts an operand.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Gemm {
+    pub a: BufferId,
+    pub b: BufferId,
+    pub c: BufferId,
+    pub batch: usize,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub trans_a: bool,
+    pub trans_b: bool,
+    /// Elements between consecutive batch entries (0 = broadcast).
+    pub stride_a: usize,
+    pub stride_b: usize,
+    pub stride_c: usize,
+    /// Accumulate into c instead of overwriting it.
+    pub accumulate: bool,
+}
+
+/// One entry of the launch list, executed in order on one stream.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Step {
+    /// Launch `kernels[kernel]` over its grid with `args` bound to its params in order.
+    Kernel { kernel: usize, args: Vec<BufferId> },
+    /// A library matrix product.
+    Gemm(Gemm),
+    /// Set a buffer to zero (accumulation targets).
+    Zero { buffer: BufferId },
+}
+
+/// A compiled training step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    pub kernels: Vec<Kernel>,
+    pub steps: Vec<Step>,
+    pub buffers: Vec<BufferDecl>,
+    /// Size of the shared scratch arena, per dtype, in elements (f32 arena first).
+    pub arena_len: usize,
+}
+
+impl Plan {
+    /// The buffer holding a named role, e.g. the `loss` output or the `blocks.0.attn.wq` param.
+    pub fn find(&self, role: &BufferRole) -> Option<BufferId> {
+        self.buffers.iter().find(|b| &b.role == role).map(|b| b.id)
+    }
+}
