@@ -20,6 +20,8 @@ enum Command {
     Train(cli::train::Args),
     /// Generate text from a checkpoint.
     Sample(cli::sample::Args),
+    /// Measure training throughput against the plain-residual baseline.
+    Bench(cli::bench::Args),
 }
 
 fn main() -> ExitCode {
@@ -28,6 +30,7 @@ fn main() -> ExitCode {
         Command::Check(args) => cli::check::run(args),
         Command::Train(args) => cli::train::run(args),
         Command::Sample(args) => cli::sample::run(args),
+        Command::Bench(args) => cli::bench::run(args),
     };
     match result {
         Ok(code) => code,

@@ -11,6 +11,7 @@ pub mod dtype;
 pub mod exec;
 pub mod graph;
 pub mod lower;
+pub mod passes;
 pub mod shape;
 pub mod spec;
 

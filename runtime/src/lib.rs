@@ -4,11 +4,13 @@
 //! - [`optim`]: AdamW, Muon, muP LR scaling, clipping, schedules (MATH.md §8).
 //! - [`data`]: byte-level corpora, train/validation split, batch sampling.
 //! - [`checkpoint`]: safetensors checkpoints with resume state.
+//! - [`device`]: devices that execute a compiled Plan (the Cpu device).
 //! - [`executor`]: the device boundary ([`executor::StepExecutor`]) and the reference executor.
 //! - [`train`]: the training loop; [`sample`]: text generation.
 
 pub mod checkpoint;
 pub mod data;
+pub mod device;
 pub mod executor;
 pub mod init;
 pub mod optim;

@@ -22,8 +22,9 @@ use ir::exec::{run, Value};
 use ir::graph::{Graph, NodeId, Op, Region};
 use ir::lower::lower;
 use ir::spec::{
-    AugSublayers, FcSpec, FfnSpec, Flash, GateAct, GenNorm, GhcSpec, HcSpec, MhcSpec, ModelSpec, MoeSpec,
-    MtpSpec, ResidualSpec, Router, XhcSpec,
+    AugSublayers, Collapse, EmbedMode, FcSpec, FfnSpec, Flash, GateAct, GenNorm, GhcSpec, HcSpec,
+    MhcBiasInit, MhcSpec, ModelSpec, MoeSpec, MtpSpec, MupSpec, Parametrization, ProjInit, ResidualSpec,
+    Router, XhcSpec,
 };
 use runtime::rng::Rng;
 use std::collections::HashMap;
@@ -99,10 +100,10 @@ fn loss_and_routing(
     (l, routes)
 }
 
-/// Checks d loss / d θ for every element of every parameter of `spec` and returns the
+/// Checks d loss / d θ for every element of every parameter of `spec` and prints the
 /// worst |autodiff - central difference|. Every parameter must move the loss, except
 /// those named in `inert`, which must not move it at all.
-fn check(spec: &ModelSpec, seed: u64, inert: &[&str]) -> f64 {
+fn check(spec: &ModelSpec, seed: u64, inert: &[&str]) {
     let name = &spec.name;
     let mut lowered = lower(spec, B, T).unwrap_or_else(|e| panic!("{name}: {e}"));
     let params = lowered.graph.params();
@@ -175,7 +176,6 @@ fn check(spec: &ModelSpec, seed: u64, inert: &[&str]) -> f64 {
         failures.iter().take(12).cloned().collect::<Vec<_>>().join("\n")
     );
     assert!(largest > 1e-3, "{name}: every gradient is near zero (largest {largest:e})");
-    worst
 }
 
 fn hc(dynamic: bool) -> ResidualSpec {
@@ -247,6 +247,35 @@ fn mhc() {
     check(&tiny_spec("mhc", ResidualSpec::Mhc(MhcSpec { n: 4, ..MhcSpec::default() })), 7, &[]);
 }
 
+/// The factorized over-width embedding E_base W_expand with U tied to E_base (MATH.md §5.2).
+#[test]
+fn ghc_expand_embedding_tied() {
+    let residual =
+        ResidualSpec::Ghc(GhcSpec { m: 2, n: 4, embed_mode: EmbedMode::Expand, ..GhcSpec::default() });
+    check(&ModelSpec { tie_embeddings: true, ..tiny_spec("ghc-expand-tied", residual) }, 22, &[]);
+}
+
+/// muP forward multipliers on the readout and the dynamic generators (MATH.md §8.1).
+#[test]
+fn ghc_mup() {
+    let parametrization = Parametrization::MuP(MupSpec { base_width: 4, ..MupSpec::default() });
+    check(&ModelSpec { parametrization, ..tiny_spec("ghc-mup", ghc(2, 4, true)) }, 23, &[]);
+}
+
+/// mHC with the other init conventions, a read floor and a mean collapse (MATH.md §4.4).
+#[test]
+fn mhc_zero_bias_xavier_mean() {
+    let residual = ResidualSpec::Mhc(MhcSpec {
+        n: 3,
+        bias_init: MhcBiasInit::Zero,
+        proj_init: ProjInit::Xavier,
+        collapse: Collapse::Mean,
+        pre_eps: 0.01,
+        ..MhcSpec::default()
+    });
+    check(&tiny_spec("mhc-zero-xavier-mean", residual), 24, &[]);
+}
+
 #[test]
 fn ghc_static_2_4() {
     check(&tiny_spec("ghc-static-2x4", ghc(2, 4, false)), 8, &[]);
@@ -283,6 +312,16 @@ fn xhc_softmax_router_without_gram_schmidt() {
     let cfg =
         XhcSpec { router: Router::Softmax, gram_schmidt: Some(false), ..xhc(Flash::None, AugSublayers::Mlp) };
     check(&xhc_spec("xhc-softmax-nogs", cfg), 14, &FIRST_RES);
+}
+
+/// Every active stream routed: TopK picks 2 of 4 (MATH.md §6.2).
+#[test]
+fn xhc_without_fixed_streams() {
+    check(
+        &xhc_spec("xhc-unfixed", XhcSpec { fixed: 0, ..xhc(Flash::None, AugSublayers::Mlp) }),
+        25,
+        &FIRST_RES,
+    );
 }
 
 #[test]

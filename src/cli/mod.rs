@@ -1,5 +1,6 @@
 //! One module per subcommand.
 
+pub mod bench;
 pub mod check;
 pub mod sample;
 pub mod train;

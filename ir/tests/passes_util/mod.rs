@@ -1,0 +1,58 @@
+//! Shared fixtures of the pass tests: every spec in `specs/`, lowered at a small size
+//! and differentiated with respect to every parameter.
+#![allow(dead_code)]
+
+use ir::autodiff::grad;
+use ir::lower::{lower, Lowered};
+use ir::spec::{load_spec, FfnSpec, ModelSpec};
+use ir::graph::NodeId;
+use std::path::PathBuf;
+
+pub fn spec_files() -> Vec<PathBuf> {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../specs");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .map(|e| e.expect("directory entry").path())
+        .filter(|p| p.extension().is_some_and(|x| x == "ron"))
+        .collect();
+    files.sort();
+    assert!(!files.is_empty(), "no specs in {}", dir.display());
+    files
+}
+
+pub fn load(path: &std::path::Path) -> ModelSpec {
+    load_spec(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+pub fn name(path: &std::path::Path) -> String {
+    path.file_stem().expect("file name").to_string_lossy().into_owned()
+}
+
+/// The spec at test size: narrow, small vocabulary, short FFN.
+pub fn shrink(mut spec: ModelSpec) -> ModelSpec {
+    spec.vocab = 11;
+    spec.d_model = 16;
+    spec.heads = 2;
+    spec.kv_heads = None;
+    spec.head_dim = None;
+    spec.ffn = match spec.ffn {
+        FfnSpec::SwiGlu(mut s) => {
+            s.hidden = Some(6);
+            FfnSpec::SwiGlu(s)
+        }
+        FfnSpec::Moe(mut m) => {
+            m.hidden = 4;
+            FfnSpec::Moe(m)
+        }
+    };
+    spec
+}
+
+/// The forward graph of `spec` plus its backward pass; returns the lowered graph and
+/// (parameter, gradient) pairs.
+pub fn training_graph(spec: &ModelSpec, batch: usize, seq: usize) -> (Lowered, Vec<(NodeId, NodeId)>) {
+    let mut lowered = lower(spec, batch, seq).unwrap_or_else(|e| panic!("{}: {e}", spec.name));
+    let params = lowered.graph.params();
+    let grads = grad(&mut lowered.graph, lowered.loss, &params).unwrap_or_else(|e| panic!("autodiff: {e}"));
+    (lowered, params.into_iter().zip(grads).collect())
+}

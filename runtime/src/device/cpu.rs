@@ -1,0 +1,568 @@
+//! The Cpu device: executes a [`Plan`] in host memory (DESIGN.md §6, §7).
+//!
+//! Loading a Plan
+//! - allocates one vector per persistent buffer (parameters, gradients,
+//!   inputs, outputs and constants, the latter filled with their value) and
+//!   one arena per element type for the scratch buffers, placed at the
+//!   offsets the memory planner chose;
+//! - compiles all kernels as one C module with the system compiler (cached by
+//!   content hash, see [`codegen::cc`]) and resolves their entry points;
+//! - checks every step against the buffers it binds (see *Safety* below), so
+//!   a malformed Plan is an error at load time, never memory corruption later.
+//!
+//! [`CpuDevice::run`] then executes the launch list in order: kernel steps
+//! split their grid's items into contiguous ranges run on a persistent thread
+//! pool, GEMM steps go through the `gemm` crate, zero steps clear a buffer.
+//!
+//! # Safety
+//!
+//! Kernels are called through raw pointers (the `void** args` ABI of
+//! [`codegen::cc`]). The invariants that make those calls sound are:
+//! 1. every pointer addresses a live allocation of the parameter's element type
+//!    holding at least the parameter's `len` elements: checked at load time
+//!    (dtype and length of every bound buffer, arena extents), and storage is
+//!    never resized after loading;
+//! 2. a buffer a kernel writes does not overlap any other argument of the same
+//!    launch: checked at load time (identical persistent buffers or
+//!    intersecting arena ranges are rejected);
+//! 3. items are independent: the item ranges handed to different threads write
+//!    disjoint elements. This is the contract of the kernel IR's grids (an
+//!    item owns its outputs; reductions over items are two-phase, DESIGN.md §5)
+//!    that the code generator upholds; it cannot be checked here.
+
+use super::pool::Pool;
+use codegen::cc::{CcError, Compiler, Entry};
+use codegen::kernel::{Access, Expr, Grid, Kernel, Stmt};
+use codegen::plan::{BufferDecl, BufferId, BufferRole, Gemm, Plan, Step};
+use ir::DType;
+use std::ffi::c_void;
+
+/// Errors loading or running a Plan on the Cpu device.
+#[derive(Debug, thiserror::Error)]
+pub enum CpuError {
+    #[error(transparent)]
+    Cc(#[from] CcError),
+    #[error("plan buffer #{index} declares id {id}; buffer ids must equal their position")]
+    BufferId { index: usize, id: usize },
+    #[error("step {step} refers to buffer #{id}, but the plan has {count} buffers")]
+    UnknownBuffer { step: usize, id: usize, count: usize },
+    #[error("buffer #{id} ({role}): {dtype} constants are not supported")]
+    ConstantDType { id: usize, role: String, dtype: DType },
+    #[error("step {step} launches kernel {kernel}, but the plan has {count} kernels")]
+    UnknownKernel { step: usize, kernel: usize, count: usize },
+    #[error("step {step} binds {got} buffers to kernel `{kernel}`, which has {expected} parameters")]
+    Arity { step: usize, kernel: String, got: usize, expected: usize },
+    #[error(
+        "step {step}: kernel `{kernel}` parameter `{param}` needs {want_len} x {want_dtype}, \
+         buffer #{id} holds {len} x {dtype}"
+    )]
+    ParamMismatch {
+        step: usize,
+        kernel: String,
+        param: String,
+        id: usize,
+        want_dtype: DType,
+        want_len: usize,
+        dtype: DType,
+        len: usize,
+    },
+    #[error(
+        "step {step}: buffer #{written} is written by `{kernel}` but overlaps its argument buffer #{other}"
+    )]
+    Aliased { step: usize, kernel: String, written: usize, other: usize },
+    #[error("step {step}: GEMM {what}")]
+    Gemm { step: usize, what: String },
+    #[error("buffer #{id} does not exist: the plan has {count} buffers")]
+    NoSuchBuffer { id: usize, count: usize },
+    #[error("buffer #{id} holds {dtype}, not {want}")]
+    WrongDType { id: usize, dtype: DType, want: DType },
+    #[error("buffer #{id} holds {len} elements, got {got}")]
+    WrongLength { id: usize, len: usize, got: usize },
+}
+
+/// How the device runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CpuOptions {
+    /// Threads per kernel launch and per GEMM (at least 1).
+    pub threads: usize,
+}
+
+impl Default for CpuOptions {
+    /// All available cores.
+    fn default() -> Self {
+        CpuOptions { threads: std::thread::available_parallelism().map_or(1, |n| n.get()) }
+    }
+}
+
+/// Host storage of one element type. `Bf16` is kept as raw bits (the
+/// kernels convert on load and store, MATH.md §6.12).
+#[derive(Debug, Clone, PartialEq)]
+enum HostVec {
+    F32(Vec<f32>),
+    F64(Vec<f64>),
+    Bf16(Vec<u16>),
+    I32(Vec<i32>),
+}
+
+impl HostVec {
+    fn zeros(dtype: DType, len: usize) -> HostVec {
+        match dtype {
+            DType::F32 => HostVec::F32(vec![0.0; len]),
+            DType::F64 => HostVec::F64(vec![0.0; len]),
+            DType::Bf16 => HostVec::Bf16(vec![0; len]),
+            DType::I32 => HostVec::I32(vec![0; len]),
+        }
+    }
+
+    fn base(&mut self) -> *mut c_void {
+        match self {
+            HostVec::F32(v) => v.as_mut_ptr().cast(),
+            HostVec::F64(v) => v.as_mut_ptr().cast(),
+            HostVec::Bf16(v) => v.as_mut_ptr().cast(),
+            HostVec::I32(v) => v.as_mut_ptr().cast(),
+        }
+    }
+}
+
+const DTYPES: [DType; 4] = [DType::F32, DType::F64, DType::Bf16, DType::I32];
+
+fn dtype_slot(dtype: DType) -> usize {
+    DTYPES.iter().position(|&d| d == dtype).expect("DTYPES lists every dtype")
+}
+
+/// Where a buffer's elements live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Loc {
+    /// `owned[index]`, the whole vector.
+    Owned(usize),
+    /// `arenas[dtype_slot][offset..offset + len]`.
+    Arena { slot: usize, offset: usize },
+}
+
+/// Work below which a launch stays on one thread: waking the pool costs a
+/// few microseconds, about this many simple statements.
+const MIN_WORK_PER_THREAD: u64 = 8192;
+
+/// Multiply-adds below which a GEMM runs single-threaded.
+const MIN_GEMM_PARALLEL: usize = 1 << 16;
+
+/// A loaded Plan with its buffers and compiled kernels.
+#[derive(Debug)]
+pub struct CpuDevice {
+    plan: Plan,
+    entries: Vec<Entry>,
+    /// Threads each kernel step is split over (by estimated work).
+    parts: Vec<usize>,
+    locs: Vec<Loc>,
+    owned: Vec<HostVec>,
+    arenas: Vec<HostVec>,
+    pool: Pool,
+}
+
+impl CpuDevice {
+    /// Loads `plan` with the compiler named by `CC` and all available cores.
+    pub fn new(plan: Plan) -> Result<CpuDevice, CpuError> {
+        CpuDevice::with_options(plan, &Compiler::from_env()?, CpuOptions::default())
+    }
+
+    /// Loads `plan`, compiling its kernels with `compiler`.
+    pub fn with_options(plan: Plan, compiler: &Compiler, opts: CpuOptions) -> Result<CpuDevice, CpuError> {
+        let (locs, owned, arenas) = allocate(&plan)?;
+        let threads = opts.threads.max(1);
+        let parts = check_steps(&plan, &locs, threads)?;
+        let library = compiler.compile_kernels(&plan.kernels)?;
+        let entries = plan.kernels.iter().map(|k| library.entry(&k.name)).collect::<Result<Vec<_>, _>>()?;
+        Ok(CpuDevice { plan, entries, parts, locs, owned, arenas, pool: Pool::new(threads) })
+    }
+
+    /// The loaded Plan.
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    /// Threads used per launch.
+    pub fn threads(&self) -> usize {
+        self.pool.threads()
+    }
+
+    /// How many threads step `step` is split over (1 for GEMM and zero
+    /// steps, whose parallelism is the GEMM library's).
+    pub fn step_threads(&self, step: usize) -> Option<usize> {
+        self.parts.get(step).copied()
+    }
+
+    /// The buffer holding `role`, if the Plan has one.
+    pub fn find(&self, role: &BufferRole) -> Option<BufferId> {
+        self.plan.find(role)
+    }
+
+    fn decl(&self, id: BufferId) -> Result<&BufferDecl, CpuError> {
+        let count = self.plan.buffers.len();
+        self.plan.buffers.get(id.0).ok_or(CpuError::NoSuchBuffer { id: id.0, count })
+    }
+
+    /// The storage and element range of a buffer.
+    fn storage(&self, id: BufferId) -> Result<(&HostVec, std::ops::Range<usize>), CpuError> {
+        let len = self.decl(id)?.len;
+        Ok(match self.locs[id.0] {
+            Loc::Owned(i) => (&self.owned[i], 0..len),
+            Loc::Arena { slot, offset } => (&self.arenas[slot], offset..offset + len),
+        })
+    }
+
+    fn storage_mut(&mut self, id: BufferId) -> Result<(&mut HostVec, std::ops::Range<usize>), CpuError> {
+        let len = self.decl(id)?.len;
+        Ok(match self.locs[id.0] {
+            Loc::Owned(i) => (&mut self.owned[i], 0..len),
+            Loc::Arena { slot, offset } => (&mut self.arenas[slot], offset..offset + len),
+        })
+    }
+
+    /// The current contents of an f32 buffer (a scratch buffer shows whatever
+    /// the arena holds at its offset now).
+    pub fn read_f32(&self, id: BufferId) -> Result<&[f32], CpuError> {
+        let dtype = self.decl(id)?.dtype;
+        match self.storage(id)? {
+            (HostVec::F32(v), r) => Ok(&v[r]),
+            _ => Err(CpuError::WrongDType { id: id.0, dtype, want: DType::F32 }),
+        }
+    }
+
+    /// Overwrites an f32 buffer; `data` must have the buffer's length.
+    pub fn write_f32(&mut self, id: BufferId, data: &[f32]) -> Result<(), CpuError> {
+        let dtype = self.decl(id)?.dtype;
+        match self.storage_mut(id)? {
+            (HostVec::F32(v), r) => copy_into(id, &mut v[r], data),
+            _ => Err(CpuError::WrongDType { id: id.0, dtype, want: DType::F32 }),
+        }
+    }
+
+    /// Overwrites an i32 buffer (token ids); `data` must have the buffer's length.
+    pub fn write_i32(&mut self, id: BufferId, data: &[i32]) -> Result<(), CpuError> {
+        let dtype = self.decl(id)?.dtype;
+        match self.storage_mut(id)? {
+            (HostVec::I32(v), r) => copy_into(id, &mut v[r], data),
+            _ => Err(CpuError::WrongDType { id: id.0, dtype, want: DType::I32 }),
+        }
+    }
+
+    /// The base pointer of every buffer. Valid until storage is dropped: no
+    /// vector is resized after loading.
+    fn pointers(&mut self) -> Vec<*mut c_void> {
+        let owned: Vec<*mut c_void> = self.owned.iter_mut().map(HostVec::base).collect();
+        let arenas: Vec<*mut c_void> = self.arenas.iter_mut().map(HostVec::base).collect();
+        self.plan
+            .buffers
+            .iter()
+            .zip(&self.locs)
+            .map(|(d, loc)| match *loc {
+                Loc::Owned(i) => owned[i],
+                // In bounds: `allocate` sized each arena to cover every offset + len.
+                Loc::Arena { slot, offset } => arenas[slot].wrapping_byte_add(offset * d.dtype.size_bytes()),
+            })
+            .collect()
+    }
+
+    /// Executes every step of the Plan once, in order.
+    pub fn run(&mut self) -> Result<(), CpuError> {
+        let ptrs = self.pointers();
+        let mut args: Vec<*mut c_void> = Vec::new();
+        for (index, step) in self.plan.steps.iter().enumerate() {
+            match step {
+                Step::Kernel { kernel, args: ids } => {
+                    args.clear();
+                    args.extend(ids.iter().map(|id| ptrs[id.0]));
+                    let n = self.plan.kernels[*kernel].grid.items() as i64;
+                    // SAFETY: `check_steps` verified invariants 1 and 2 of the
+                    // module docs for this step; invariant 3 is the Plan's.
+                    unsafe {
+                        self.pool.run(self.entries[*kernel].as_fn(), args.as_ptr(), n, self.parts[index])
+                    };
+                }
+                Step::Gemm(g) => {
+                    // SAFETY: `check_steps` verified the extents and dtypes of
+                    // all three operands and that `c` overlaps neither input.
+                    unsafe { run_gemm(g, &ptrs, self.pool.threads()) };
+                }
+                Step::Zero { buffer } => {
+                    let d = &self.plan.buffers[buffer.0];
+                    // SAFETY: the pointer addresses `d.len` elements of `d.dtype`
+                    // (invariant 1), and all-zero bits are zero in every dtype.
+                    unsafe {
+                        std::ptr::write_bytes(ptrs[buffer.0].cast::<u8>(), 0, d.len * d.dtype.size_bytes())
+                    };
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn copy_into<T: Copy>(id: BufferId, dst: &mut [T], src: &[T]) -> Result<(), CpuError> {
+    if dst.len() != src.len() {
+        return Err(CpuError::WrongLength { id: id.0, len: dst.len(), got: src.len() });
+    }
+    dst.copy_from_slice(src);
+    Ok(())
+}
+
+/// Storage for every buffer: owned vectors for persistent roles (constants
+/// filled), arenas sized to cover every scratch placement.
+fn allocate(plan: &Plan) -> Result<(Vec<Loc>, Vec<HostVec>, Vec<HostVec>), CpuError> {
+    let mut arena_len = [0usize; DTYPES.len()];
+    arena_len[dtype_slot(DType::F32)] = plan.arena_len;
+    let mut locs = Vec::with_capacity(plan.buffers.len());
+    let mut owned = Vec::new();
+    for (index, d) in plan.buffers.iter().enumerate() {
+        if d.id.0 != index {
+            return Err(CpuError::BufferId { index, id: d.id.0 });
+        }
+        match &d.role {
+            BufferRole::Scratch { offset } => {
+                let slot = dtype_slot(d.dtype);
+                arena_len[slot] = arena_len[slot].max(offset + d.len);
+                locs.push(Loc::Arena { slot, offset: *offset });
+            }
+            role => {
+                let v = match role {
+                    BufferRole::Constant { value } => constant(d, *value)?,
+                    _ => HostVec::zeros(d.dtype, d.len),
+                };
+                locs.push(Loc::Owned(owned.len()));
+                owned.push(v);
+            }
+        }
+    }
+    let arenas = DTYPES.iter().zip(arena_len).map(|(&dt, len)| HostVec::zeros(dt, len)).collect();
+    Ok((locs, owned, arenas))
+}
+
+/// A constant buffer filled with `value` in its storage type.
+fn constant(d: &BufferDecl, value: f64) -> Result<HostVec, CpuError> {
+    Ok(match d.dtype {
+        DType::F32 => HostVec::F32(vec![value as f32; d.len]),
+        DType::F64 => HostVec::F64(vec![value; d.len]),
+        DType::I32 if value.fract() == 0.0 && value.abs() <= f64::from(i32::MAX) => {
+            HostVec::I32(vec![value as i32; d.len])
+        }
+        dtype => return Err(CpuError::ConstantDType { id: d.id.0, role: format!("{:?}", d.role), dtype }),
+    })
+}
+
+/// The element range a buffer occupies in its storage, for overlap checks:
+/// (storage identity, start, end).
+fn extent(locs: &[Loc], plan: &Plan, id: BufferId) -> (Loc, usize, usize) {
+    let len = plan.buffers[id.0].len;
+    match locs[id.0] {
+        loc @ Loc::Owned(_) => (loc, 0, len),
+        Loc::Arena { slot, offset } => (Loc::Arena { slot, offset: 0 }, offset, offset + len),
+    }
+}
+
+fn overlaps(a: (Loc, usize, usize), b: (Loc, usize, usize)) -> bool {
+    a.0 == b.0 && a.1 < b.2 && b.1 < a.2 && a.1 < a.2 && b.1 < b.2
+}
+
+/// Checks every step against the buffers it binds (invariants 1 and 2 of the
+/// module docs) and returns, per step, the number of threads to split it over.
+fn check_steps(plan: &Plan, locs: &[Loc], threads: usize) -> Result<Vec<usize>, CpuError> {
+    let count = plan.buffers.len();
+    let mut parts = Vec::with_capacity(plan.steps.len());
+    for (step, s) in plan.steps.iter().enumerate() {
+        let known = |id: &BufferId| {
+            if id.0 < count {
+                Ok(*id)
+            } else {
+                Err(CpuError::UnknownBuffer { step, id: id.0, count })
+            }
+        };
+        match s {
+            Step::Kernel { kernel, args } => {
+                let k = plan.kernels.get(*kernel).ok_or(CpuError::UnknownKernel {
+                    step,
+                    kernel: *kernel,
+                    count: plan.kernels.len(),
+                })?;
+                check_kernel_args(plan, locs, step, k, args, known)?;
+                parts.push(split(k, threads));
+            }
+            Step::Gemm(g) => {
+                for id in [g.a, g.b, g.c] {
+                    known(&id)?;
+                }
+                check_gemm(plan, locs, step, g)?;
+                parts.push(1);
+            }
+            Step::Zero { buffer } => {
+                known(buffer)?;
+                parts.push(1);
+            }
+        }
+    }
+    Ok(parts)
+}
+
+fn check_kernel_args(
+    plan: &Plan,
+    locs: &[Loc],
+    step: usize,
+    k: &Kernel,
+    args: &[BufferId],
+    known: impl Fn(&BufferId) -> Result<BufferId, CpuError>,
+) -> Result<(), CpuError> {
+    if args.len() != k.params.len() {
+        return Err(CpuError::Arity {
+            step,
+            kernel: k.name.clone(),
+            got: args.len(),
+            expected: k.params.len(),
+        });
+    }
+    for (p, id) in k.params.iter().zip(args) {
+        let d = &plan.buffers[known(id)?.0];
+        if d.dtype != p.dtype || d.len < p.len {
+            return Err(CpuError::ParamMismatch {
+                step,
+                kernel: k.name.clone(),
+                param: p.name.clone(),
+                id: id.0,
+                want_dtype: p.dtype,
+                want_len: p.len,
+                dtype: d.dtype,
+                len: d.len,
+            });
+        }
+    }
+    for (i, (p, w)) in k.params.iter().zip(args).enumerate() {
+        if p.access == Access::Read {
+            continue;
+        }
+        for (j, o) in args.iter().enumerate() {
+            if i != j && overlaps(extent(locs, plan, *w), extent(locs, plan, *o)) {
+                return Err(CpuError::Aliased { step, kernel: k.name.clone(), written: w.0, other: o.0 });
+            }
+        }
+    }
+    Ok(())
+}
+
+fn check_gemm(plan: &Plan, locs: &[Loc], step: usize, g: &Gemm) -> Result<(), CpuError> {
+    let err = |what: String| CpuError::Gemm { step, what };
+    for (name, id, stride, size) in [
+        ("a", g.a, g.stride_a, g.m * g.k),
+        ("b", g.b, g.stride_b, g.k * g.n),
+        ("c", g.c, g.stride_c, g.m * g.n),
+    ] {
+        let d = &plan.buffers[id.0];
+        if d.dtype != DType::F32 {
+            return Err(err(format!(
+                "operand {name} (buffer #{}) is {}, only f32 is supported",
+                id.0, d.dtype
+            )));
+        }
+        let need = if g.batch == 0 { 0 } else { (g.batch - 1) * stride + size };
+        if d.len < need {
+            return Err(err(format!(
+                "operand {name} (buffer #{}) holds {} elements, {} batches of {size} with stride {stride} need {need}",
+                id.0, d.len, g.batch
+            )));
+        }
+    }
+    for (name, id) in [("a", g.a), ("b", g.b)] {
+        if overlaps(extent(locs, plan, g.c), extent(locs, plan, id)) {
+            return Err(err(format!(
+                "output c (buffer #{}) overlaps operand {name} (buffer #{})",
+                g.c.0, id.0
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Threads to split a kernel over: enough that each gets about
+/// [`MIN_WORK_PER_THREAD`] estimated work, at most one per item.
+fn split(k: &Kernel, threads: usize) -> usize {
+    let n = k.grid.items();
+    let lanes = match k.grid {
+        Grid::ThreadPerItem { .. } => 1,
+        Grid::BlockPerItem { threads, .. } => u64::from(threads),
+    };
+    let work = (n as u64).saturating_mul(lanes.saturating_mul(body_cost(&k.body)));
+    let by_work = usize::try_from(work / MIN_WORK_PER_THREAD).unwrap_or(usize::MAX).max(1);
+    by_work.min(threads).min(n.max(1))
+}
+
+/// A rough count of statements one item executes: loops multiply their body
+/// by the trip count when the bounds are literals (a guess of 16 otherwise).
+fn body_cost(stmts: &[Stmt]) -> u64 {
+    stmts
+        .iter()
+        .map(|s| match s {
+            Stmt::For { start, end, step, body, .. } => {
+                let trips = match (literal(start), literal(end)) {
+                    (Some(a), Some(b)) => ((b - a).max(0) as u64).div_ceil((*step).max(1) as u64),
+                    _ => 16,
+                };
+                trips.saturating_mul(1 + body_cost(body))
+            }
+            Stmt::If { then, else_, .. } => 1 + body_cost(then).max(body_cost(else_)),
+            _ => 1,
+        })
+        .fold(0u64, u64::saturating_add)
+}
+
+fn literal(e: &Expr) -> Option<i64> {
+    match e {
+        Expr::I64(v) => Some(*v),
+        Expr::I32(v) => Some(i64::from(*v)),
+        _ => None,
+    }
+}
+
+/// `c[b] (=|+=) op(a[b]) @ op(b[b])` for every batch entry (row-major operands).
+///
+/// # Safety
+/// `ptrs` holds the base pointer of every buffer; `check_gemm` has verified
+/// that the three buffers are f32, long enough for every batch entry, and
+/// that `c` overlaps neither input.
+unsafe fn run_gemm(g: &Gemm, ptrs: &[*mut c_void], threads: usize) {
+    let (a, b, c) = (ptrs[g.a.0] as *const f32, ptrs[g.b.0] as *const f32, ptrs[g.c.0] as *mut f32);
+    // Row and column strides of op(a) [m, k] and op(b) [k, n].
+    let (a_rs, a_cs) = if g.trans_a { (1, g.m) } else { (g.k, 1) };
+    let (b_rs, b_cs) = if g.trans_b { (1, g.k) } else { (g.n, 1) };
+    let parallelism = if threads > 1 && g.m * g.n * g.k >= MIN_GEMM_PARALLEL {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    };
+    for i in 0..g.batch {
+        let dst = c.add(i * g.stride_c);
+        if g.k == 0 {
+            if !g.accumulate {
+                std::ptr::write_bytes(dst, 0, g.m * g.n);
+            }
+            continue;
+        }
+        gemm::gemm(
+            g.m,
+            g.n,
+            g.k,
+            dst,
+            1,
+            g.n as isize,
+            g.accumulate,
+            a.add(i * g.stride_a),
+            a_cs as isize,
+            a_rs as isize,
+            b.add(i * g.stride_b),
+            b_cs as isize,
+            b_rs as isize,
+            if g.accumulate { 1.0f32 } else { 0.0 },
+            1.0f32,
+            false,
+            false,
+            false,
+            parallelism,
+        );
+    }
+}

@@ -1,0 +1,949 @@
+//! The Cuda device: executes a [`Plan`] on an NVIDIA GPU through `cudarc`
+//! (DESIGN.md §6, §7).
+//!
+//! Loading a Plan
+//! - checks that the CUDA driver library can be loaded *before* `cudarc`
+//!   touches it (`cudarc` panics when it cannot find `libcuda`); without one,
+//!   [`CudaDevice::new`] returns [`CudaError::NoCudaDriver`];
+//! - renders all kernels as one CUDA translation unit
+//!   ([`codegen::render::render_cuda`]), compiles it with our NVRTC driver
+//!   ([`codegen::nvrtc::compile`]) for the device's own architecture
+//!   (`sm_90` on an H100/H200) and loads the CUBIN, falling back to the PTX
+//!   (JIT-compiled by the driver) if the CUBIN is rejected;
+//! - allocates every buffer once: one allocation per persistent buffer
+//!   (parameters, gradients, inputs, outputs, constants filled with their
+//!   value) and one arena per element type for the scratch buffers, placed at
+//!   the offsets the memory planner chose (in elements of the buffer's own
+//!   type, as on the Cpu device). Everything stays resident across steps;
+//! - checks every step against the buffers it binds (arity, element type and
+//!   length of kernel arguments; extents of the three GEMM operands), so a
+//!   malformed Plan is an error at load time, never an out-of-bounds access on
+//!   the GPU, and precomputes every launch.
+//!
+//! [`CudaDevice::run`] then issues the launch list in order on one stream:
+//! kernels with the launch configuration of their [`Grid`]
+//! ([`launch_config`]), GEMM steps as cuBLAS `sgemm` strided-batched calls
+//! ([`column_major_gemm`]), zero steps as `cuMemsetD8Async`.
+//!
+//! # Row-major GEMMs on column-major cuBLAS
+//!
+//! A row-major `[r, c]` matrix is, byte for byte, its column-major transpose
+//! `[c, r]` with leading dimension `c`. So the Plan's row-major
+//! `C = op(A) · op(B)` is computed as the column-major `Cᵀ = op(B)ᵀ · op(A)ᵀ`:
+//! the operands swap places, each keeps its own transpose flag, and
+//! `(m, n)` swap. A zero batch stride broadcasts an operand (cuBLAS accepts
+//! it for A and B); a zero stride of C with several batch entries would make
+//! the batch entries race on one output, so it is issued as one call per
+//! entry, in order, exactly the Plan's sequential semantics.
+//!
+//! # Precision
+//!
+//! The Plan is f32 end to end. cuBLAS runs `sgemm` in its default math mode
+//! (true fp32, no TF32) so parity against the reference executor stays at
+//! fp32 rounding level (METHOD.md: far under 1e-3 relative).
+//!
+//! # bf16 plans (MATH.md §6.12), design only
+//!
+//! A bf16 Plan differs from the f32 one in buffer types, not in structure:
+//! - **bf16 storage**: the residual state (the `[B, T, s, d]` stream and the
+//!   sublayer inputs/outputs carried in it), the activations saved for the
+//!   backward pass, and the operands of width-sized matrix products (weights
+//!   get a bf16 shadow copy written by the optimizer step; the f32 master copy
+//!   stays the parameter buffer).
+//! - **f32 everywhere else**: norms (sums of squares accumulate in f32 inside
+//!   the fused kernels: the kernel IR already widens bf16 loads to f32 and
+//!   rounds stores to nearest even), the routing coefficients and every
+//!   small-coefficient tensor (`H_pre`, `H_post`, `H_res`, xHC gates), the
+//!   Sinkhorn iterations (their row/column normalisation loses doubly
+//!   stochastic accuracy in bf16), the loss, gradients of parameters, and
+//!   optimizer state.
+//! - **GEMMs** become `cublasGemmStridedBatchedEx` with bf16 A/B, f32
+//!   accumulation (`CUBLAS_COMPUTE_32F`) and a bf16 or f32 C chosen by the
+//!   consumer; the row-major mapping of [`column_major_gemm`] is unchanged
+//!   (it is type-independent). [`CudaDevice`] would need only: bf16 arena
+//!   slot (already present), host upload/download converting f32↔bf16 with
+//!   round-to-nearest-even, and the GEMM step carrying its operand types.
+//! - Parity tolerances widen to bf16 level (1e-3 to 1e-2 relative, METHOD.md).
+
+use std::sync::Arc;
+
+use codegen::kernel::{Grid, Kernel, KernelError};
+use codegen::nvrtc::{self, NvrtcError};
+use codegen::plan::{BufferDecl, BufferId, BufferRole, Gemm, Plan, Step};
+use codegen::render::render_cuda;
+use cudarc::cublas::result::CublasError;
+use cudarc::cublas::sys::cublasOperation_t;
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{
+    result as drv, sys, CudaContext, CudaEvent, CudaFunction, CudaStream, DriverError, LaunchConfig,
+    PushKernelArg,
+};
+use cudarc::nvrtc::Ptx;
+use ir::DType;
+
+/// The driver library names the message of [`CudaError::NoCudaDriver`] names.
+pub const DRIVER_LIBRARY: &str = "libcuda.so.1";
+
+/// The cuBLAS library matching the CUDA 13 driver.
+pub const CUBLAS_LIBRARY: &str = "libcublas.so.13";
+
+/// Largest `gridDim.x` of a 1-D launch.
+const MAX_GRID_X: usize = i32::MAX as usize;
+
+/// Largest threads per block on every CUDA GPU since compute capability 2.0.
+const MAX_BLOCK_THREADS: u32 = 1024;
+
+/// Errors creating the device, loading a Plan on it or running it.
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    #[error(
+        "no CUDA driver: {DRIVER_LIBRARY} (libcuda) could not be loaded. Install the NVIDIA driver, \
+         put the folder holding {DRIVER_LIBRARY} on LD_LIBRARY_PATH, or use --device cpu"
+    )]
+    NoCudaDriver,
+    #[error(
+        "cuBLAS is not available: {CUBLAS_LIBRARY} could not be loaded. Put the folder holding it \
+         on LD_LIBRARY_PATH (the CUDA toolkit's lib64, or the pip package nvidia-cublas's lib folder)"
+    )]
+    NoCublas,
+    #[error("CUDA driver call failed while {what}: {source}")]
+    Driver { what: String, source: DriverError },
+    #[error("cuBLAS call failed while {what}: {source}")]
+    Cublas { what: String, source: CublasError },
+    #[error(transparent)]
+    Nvrtc(#[from] NvrtcError),
+    #[error(transparent)]
+    Kernel(#[from] KernelError),
+    #[error("the driver rejected the compiled module: as CUBIN ({cubin}), then as PTX ({ptx})")]
+    ModuleLoad { cubin: DriverError, ptx: DriverError },
+    #[error("plan buffer #{index} declares id {id}; buffer ids must equal their position")]
+    BufferId { index: usize, id: usize },
+    #[error("step {step} refers to buffer #{id}, but the plan has {count} buffers")]
+    UnknownBuffer { step: usize, id: usize, count: usize },
+    #[error("step {step} launches kernel {kernel}, but the plan has {count} kernels")]
+    UnknownKernel { step: usize, kernel: usize, count: usize },
+    #[error("step {step} binds {got} buffers to kernel `{kernel}`, which has {expected} parameters")]
+    Arity { step: usize, kernel: String, got: usize, expected: usize },
+    #[error(
+        "step {step}: kernel `{kernel}` parameter `{param}` needs {want_len} x {want_dtype}, \
+         buffer #{id} holds {len} x {dtype}"
+    )]
+    ParamMismatch {
+        step: usize,
+        kernel: String,
+        param: String,
+        id: usize,
+        want_dtype: DType,
+        want_len: usize,
+        dtype: DType,
+        len: usize,
+    },
+    #[error("kernel `{kernel}`: {what}")]
+    Launch { kernel: String, what: String },
+    #[error("GEMM: {what}")]
+    Gemm { what: String },
+    #[error("buffer #{id} ({role}): {dtype} constants are not supported")]
+    ConstantDType { id: usize, role: String, dtype: DType },
+    #[error("buffer #{id} does not exist: the plan has {count} buffers")]
+    NoSuchBuffer { id: usize, count: usize },
+    #[error("buffer #{id} holds {dtype}, not {want}")]
+    WrongDType { id: usize, dtype: DType, want: DType },
+    #[error("buffer #{id} holds {len} elements, got {got}")]
+    WrongLength { id: usize, len: usize, got: usize },
+}
+
+fn driver(what: impl Into<String>) -> impl FnOnce(DriverError) -> CudaError {
+    let what = what.into();
+    move |source| CudaError::Driver { what, source }
+}
+
+fn cublas(what: impl Into<String>) -> impl FnOnce(CublasError) -> CudaError {
+    let what = what.into();
+    move |source| CudaError::Cublas { what, source }
+}
+
+/// Whether the CUDA driver library can be loaded on this machine. `cudarc`
+/// panics on its first driver call when it cannot; every path into it goes
+/// through this check first.
+pub fn driver_available() -> bool {
+    // SAFETY: only tries to dlopen the library; runs no CUDA code.
+    unsafe { sys::is_culib_present() }
+}
+
+/// Whether cuBLAS can be loaded (same reason as [`driver_available`]).
+pub fn cublas_available() -> bool {
+    // SAFETY: only tries to dlopen the library.
+    unsafe { cudarc::cublas::sys::is_culib_present() }
+}
+
+/// The launch configuration of a kernel's grid, or `None` for an empty grid
+/// (CUDA rejects zero blocks; there is nothing to do).
+///
+/// - `ThreadPerItem { n, block }`: `ceil(n / block)` blocks of `block`
+///   threads; the kernel guards `item < n`.
+/// - `BlockPerItem { n, threads }`: `n` blocks of `threads` lanes; the block
+///   reduction scratch is static `__shared__` memory declared by the kernel,
+///   so no dynamic shared memory is requested.
+pub fn launch_config(grid: &Grid) -> Result<Option<LaunchConfig>, String> {
+    let threads = grid.block_threads();
+    if threads == 0 || threads > MAX_BLOCK_THREADS {
+        return Err(format!("{threads} threads per block; CUDA allows 1..={MAX_BLOCK_THREADS}"));
+    }
+    let blocks = grid.cuda_blocks();
+    if blocks == 0 {
+        return Ok(None);
+    }
+    if blocks > MAX_GRID_X {
+        return Err(format!("{blocks} blocks exceed the grid limit of {MAX_GRID_X}"));
+    }
+    Ok(Some(LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }))
+}
+
+/// One column-major cuBLAS `sgemm` strided-batched call (alpha = 1).
+///
+/// `a`/`b`/`c` name Plan buffers, each starting at element `*_offset`.
+/// `trans_*` are cuBLAS's `op` flags (`true` = `CUBLAS_OP_T`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BlasGemm {
+    pub trans_a: bool,
+    pub trans_b: bool,
+    pub m: i32,
+    pub n: i32,
+    pub k: i32,
+    pub a: BufferId,
+    pub a_offset: usize,
+    pub lda: i32,
+    pub stride_a: i64,
+    pub b: BufferId,
+    pub b_offset: usize,
+    pub ldb: i32,
+    pub stride_b: i64,
+    pub c: BufferId,
+    pub c_offset: usize,
+    pub ldc: i32,
+    pub stride_c: i64,
+    pub batch: i32,
+    /// 0 overwrites `c`, 1 accumulates into it.
+    pub beta: f32,
+}
+
+/// The cuBLAS calls computing a row-major Plan [`Gemm`] (see the module
+/// docs): operands swapped, `(m, n)` swapped, leading dimensions the row
+/// lengths of the operands as stored. Empty products (`m`, `n` or `batch`
+/// zero) need no call; `k = 0` is a call that scales `c` by beta.
+pub fn column_major_gemm(g: &Gemm) -> Result<Vec<BlasGemm>, String> {
+    if g.m == 0 || g.n == 0 || g.batch == 0 {
+        return Ok(Vec::new());
+    }
+    let int = |what: &str, v: usize| {
+        i32::try_from(v).map_err(|_| format!("{what} = {v} exceeds cuBLAS's 32-bit limit"))
+    };
+    let long = |what: &str, v: usize| i64::try_from(v).map_err(|_| format!("{what} = {v} is too large"));
+    // Row-major op(B) [k, n] is column-major op(B)ᵀ [n, k]: B stored [k, n]
+    // (row length n) needs no transpose; B stored [n, k] (row length k) does.
+    let (lda, ldb) = (if g.trans_b { g.k } else { g.n }, if g.trans_a { g.m } else { g.k });
+    let call = |batch: usize, i: usize, strides: (usize, usize, usize)| -> Result<BlasGemm, String> {
+        Ok(BlasGemm {
+            trans_a: g.trans_b,
+            trans_b: g.trans_a,
+            m: int("n", g.n)?,
+            n: int("m", g.m)?,
+            k: int("k", g.k)?,
+            a: g.b,
+            a_offset: i * g.stride_b,
+            lda: int("leading dimension of b", lda.max(1))?,
+            stride_a: long("stride_b", strides.1)?,
+            b: g.a,
+            b_offset: i * g.stride_a,
+            ldb: int("leading dimension of a", ldb.max(1))?,
+            stride_b: long("stride_a", strides.0)?,
+            c: g.c,
+            c_offset: i * g.stride_c,
+            ldc: int("n", g.n)?,
+            stride_c: long("stride_c", strides.2)?,
+            batch: int("batch", batch)?,
+            beta: if g.accumulate { 1.0 } else { 0.0 },
+        })
+    };
+    if g.stride_c == 0 && g.batch > 1 {
+        (0..g.batch).map(|i| call(1, i, (0, 0, 0))).collect()
+    } else {
+        Ok(vec![call(g.batch, 0, (g.stride_a, g.stride_b, g.stride_c))?])
+    }
+}
+
+/// Checks a GEMM's operands against the Plan's buffers: f32, and long enough
+/// for every batch entry.
+fn check_gemm(plan: &Plan, g: &Gemm) -> Result<(), String> {
+    for (name, id, stride, size) in [
+        ("a", g.a, g.stride_a, g.m * g.k),
+        ("b", g.b, g.stride_b, g.k * g.n),
+        ("c", g.c, g.stride_c, g.m * g.n),
+    ] {
+        let d = &plan.buffers[id.0];
+        if d.dtype != DType::F32 {
+            return Err(format!("operand {name} (buffer #{}) is {}, only f32 is supported", id.0, d.dtype));
+        }
+        let need = if g.batch == 0 { 0 } else { (g.batch - 1) * stride + size };
+        if d.len < need {
+            return Err(format!(
+                "operand {name} (buffer #{}) holds {} elements; {} batches of {size} with stride {stride} need {need}",
+                id.0, d.len, g.batch
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Where a buffer lives: its own allocation, or an element offset into the
+/// arena of its element type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Placement {
+    Own,
+    Arena { offset: usize },
+}
+
+/// The device memory layout of a Plan: a placement per buffer and the length
+/// (in elements) of the arena of each element type, indexed like [`DTYPES`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Layout {
+    pub placements: Vec<Placement>,
+    pub arena_len: [usize; 4],
+}
+
+/// Element types with an arena, in arena order.
+pub const DTYPES: [DType; 4] = [DType::F32, DType::F64, DType::Bf16, DType::I32];
+
+/// The arena index of an element type.
+pub fn dtype_slot(dtype: DType) -> usize {
+    match dtype {
+        DType::F32 => 0,
+        DType::F64 => 1,
+        DType::Bf16 => 2,
+        DType::I32 => 3,
+    }
+}
+
+impl Layout {
+    /// Lays out `plan`: persistent roles get their own allocation; scratch
+    /// buffers share their type's arena, which covers the Plan's
+    /// `arena_len` (f32) and every `offset + len`.
+    pub fn of(plan: &Plan) -> Result<Layout, CudaError> {
+        let mut arena_len = [0usize; 4];
+        arena_len[0] = plan.arena_len;
+        let mut placements = Vec::with_capacity(plan.buffers.len());
+        for (index, d) in plan.buffers.iter().enumerate() {
+            if d.id.0 != index {
+                return Err(CudaError::BufferId { index, id: d.id.0 });
+            }
+            placements.push(match d.role {
+                BufferRole::Scratch { offset } => {
+                    let slot = dtype_slot(d.dtype);
+                    arena_len[slot] = arena_len[slot].max(offset + d.len);
+                    Placement::Arena { offset }
+                }
+                _ => Placement::Own,
+            });
+        }
+        Ok(Layout { placements, arena_len })
+    }
+}
+
+/// One device allocation, freed on drop.
+#[derive(Debug)]
+struct Allocation {
+    ptr: sys::CUdeviceptr,
+    ctx: Arc<CudaContext>,
+}
+
+impl Allocation {
+    /// `bytes` of zeroed device memory (at least one byte: `cuMemAlloc`
+    /// rejects zero).
+    fn zeroed(ctx: &Arc<CudaContext>, stream: &CudaStream, bytes: usize) -> Result<Allocation, CudaError> {
+        let bytes = bytes.max(1);
+        // SAFETY: the context is current (bound by the caller); plain device
+        // memory, no managed memory (device README).
+        let ptr = unsafe { drv::malloc_sync(bytes) }.map_err(driver(format!("allocating {bytes} bytes")))?;
+        let a = Allocation { ptr, ctx: ctx.clone() };
+        // SAFETY: `ptr` addresses `bytes` bytes just allocated.
+        unsafe { drv::memset_d8_async(ptr, 0, bytes, stream.cu_stream()) }.map_err(driver("zeroing"))?;
+        Ok(a)
+    }
+}
+
+impl Drop for Allocation {
+    fn drop(&mut self) {
+        // The device synchronizes its stream before dropping allocations, so
+        // no queued work still uses this memory.
+        self.ctx.record_err(self.ctx.bind_to_thread());
+        // SAFETY: allocated by `malloc_sync` and freed once.
+        self.ctx.record_err(unsafe { drv::free_sync(self.ptr) });
+    }
+}
+
+/// A precomputed step of the launch list.
+#[derive(Debug)]
+enum Op {
+    Launch { kernel: usize, cfg: LaunchConfig, args: Vec<sys::CUdeviceptr> },
+    Blas(BlasCall),
+    Zero { ptr: sys::CUdeviceptr, bytes: usize },
+}
+
+/// A [`BlasGemm`] with its buffers resolved to device pointers.
+#[derive(Debug, Clone, Copy)]
+struct BlasCall {
+    g: BlasGemm,
+    a: sys::CUdeviceptr,
+    b: sys::CUdeviceptr,
+    c: sys::CUdeviceptr,
+}
+
+/// The time of one step of the launch list, and the traffic and work it
+/// must at least do (for bandwidth and FLOP-rate reports).
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepTiming {
+    /// Position in the launch list.
+    pub step: usize,
+    /// `kernel:<name>`, `gemm` or `zero`.
+    pub label: String,
+    /// Median over the repetitions, in milliseconds.
+    pub ms: f64,
+    /// Fewest bytes the step must move: each kernel argument read once if
+    /// the kernel reads it and written once if it writes it; GEMM operands
+    /// read once and the output written once (read too when accumulating).
+    pub bytes: u64,
+    /// Floating-point operations (GEMMs only: 2·m·n·k per batch entry).
+    pub flops: u64,
+}
+
+/// A loaded Plan with its device buffers and compiled kernels.
+pub struct CudaDevice {
+    plan: Plan,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    functions: Vec<CudaFunction>,
+    /// The device operations of each Plan step (none for an empty grid,
+    /// several for a GEMM split per batch entry).
+    ops: Vec<Vec<Op>>,
+    /// Base pointer of every buffer.
+    ptrs: Vec<sys::CUdeviceptr>,
+    /// Keeps the memory behind `ptrs` alive; dropped after a synchronize.
+    _memory: Vec<Allocation>,
+    /// `sm_XY` of the device.
+    arch: String,
+}
+
+impl std::fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaDevice")
+            .field("arch", &self.arch)
+            .field("kernels", &self.functions.len())
+            .field("steps", &self.ops.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// The context of GPU `ordinal`, after checking that the driver can be loaded.
+fn context(ordinal: usize) -> Result<Arc<CudaContext>, CudaError> {
+    if !driver_available() {
+        return Err(CudaError::NoCudaDriver);
+    }
+    let ctx = CudaContext::new(ordinal).map_err(driver(format!("opening GPU {ordinal}")))?;
+    // One stream and raw pointers: cudarc's per-slice event tracking (for
+    // several streams) has nothing to order.
+    // SAFETY: no cudarc slices exist on this context; all work is on one stream.
+    unsafe { ctx.disable_event_tracking() };
+    Ok(ctx)
+}
+
+/// The `sm_XY` architecture of a context's device.
+fn arch_of(ctx: &CudaContext) -> Result<String, CudaError> {
+    let (major, minor) = ctx.compute_capability().map_err(driver("reading the compute capability"))?;
+    Ok(format!("sm_{major}{minor}"))
+}
+
+/// Name and compute architecture of GPU 0, checking the driver first.
+pub fn probe() -> Result<(String, String), CudaError> {
+    let ctx = context(0)?;
+    let name = ctx.name().map_err(driver("reading the device name"))?;
+    Ok((name, arch_of(&ctx)?))
+}
+
+impl CudaDevice {
+    /// Loads `plan` on GPU 0 (see the module docs). Returns
+    /// [`CudaError::NoCudaDriver`] on a machine without the CUDA driver.
+    pub fn new(plan: Plan) -> Result<CudaDevice, CudaError> {
+        CudaDevice::on(plan, 0)
+    }
+
+    /// Loads `plan` on GPU `ordinal`.
+    pub fn on(plan: Plan, ordinal: usize) -> Result<CudaDevice, CudaError> {
+        let ctx = context(ordinal)?;
+        if !cublas_available() {
+            return Err(CudaError::NoCublas);
+        }
+        let layout = Layout::of(&plan)?;
+        check_steps(&plan)?;
+        let arch = arch_of(&ctx)?;
+        let functions = compile(&ctx, &plan.kernels, &arch)?;
+        let stream = ctx.default_stream();
+        let blas = CudaBlas::new(stream.clone()).map_err(cublas("creating the cuBLAS handle"))?;
+        let (ptrs, allocations) = allocate(&ctx, &stream, &plan, &layout)?;
+        let ops = prepare(&plan, &ptrs)?;
+        stream.synchronize().map_err(driver("filling constants"))?;
+        Ok(CudaDevice { plan, ctx, stream, blas, functions, ops, ptrs, _memory: allocations, arch })
+    }
+
+    /// The loaded Plan.
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    /// The device's architecture (`sm_90` on an H100/H200).
+    pub fn arch(&self) -> &str {
+        &self.arch
+    }
+
+    /// The buffer holding `role`, if the Plan has one.
+    pub fn find(&self, role: &BufferRole) -> Option<BufferId> {
+        self.plan.find(role)
+    }
+
+    fn decl(&self, id: BufferId) -> Result<&BufferDecl, CudaError> {
+        let count = self.plan.buffers.len();
+        self.plan.buffers.get(id.0).ok_or(CudaError::NoSuchBuffer { id: id.0, count })
+    }
+
+    fn checked(&self, id: BufferId, want: DType, got: usize) -> Result<sys::CUdeviceptr, CudaError> {
+        let d = self.decl(id)?;
+        if d.dtype != want {
+            return Err(CudaError::WrongDType { id: id.0, dtype: d.dtype, want });
+        }
+        if d.len != got {
+            return Err(CudaError::WrongLength { id: id.0, len: d.len, got });
+        }
+        Ok(self.ptrs[id.0])
+    }
+
+    fn write<T>(&mut self, id: BufferId, want: DType, data: &[T]) -> Result<(), CudaError> {
+        let ptr = self.checked(id, want, data.len())?;
+        self.ctx.bind_to_thread().map_err(driver("binding the context"))?;
+        // SAFETY: `ptr` addresses `data.len()` elements of `want` (checked);
+        // a copy from pageable host memory has read `data` when it returns.
+        unsafe { drv::memcpy_htod_async(ptr, data, self.stream.cu_stream()) }
+            .map_err(driver(format!("uploading buffer #{}", id.0)))
+    }
+
+    fn read<T: Copy + Default>(&self, id: BufferId, want: DType) -> Result<Vec<T>, CudaError> {
+        let len = self.decl(id)?.len;
+        let ptr = self.checked(id, want, len)?;
+        self.ctx.bind_to_thread().map_err(driver("binding the context"))?;
+        let mut out = vec![T::default(); len];
+        // SAFETY: `ptr` addresses `len` elements of `want`; the stream is
+        // synchronized before `out` is used.
+        unsafe { drv::memcpy_dtoh_async(&mut out, ptr, self.stream.cu_stream()) }
+            .map_err(driver(format!("downloading buffer #{}", id.0)))?;
+        self.stream.synchronize().map_err(driver(format!("downloading buffer #{}", id.0)))?;
+        Ok(out)
+    }
+
+    /// Overwrites an f32 buffer; `data` must have the buffer's length.
+    pub fn write_f32(&mut self, id: BufferId, data: &[f32]) -> Result<(), CudaError> {
+        self.write(id, DType::F32, data)
+    }
+
+    /// Overwrites an i32 buffer (token ids); `data` must have the buffer's length.
+    pub fn write_i32(&mut self, id: BufferId, data: &[i32]) -> Result<(), CudaError> {
+        self.write(id, DType::I32, data)
+    }
+
+    /// The contents of an f32 buffer after all queued work.
+    pub fn read_f32(&self, id: BufferId) -> Result<Vec<f32>, CudaError> {
+        self.read(id, DType::F32)
+    }
+
+    /// Issues every step of the Plan once, in order, on the device's stream.
+    /// Returns when the work is queued; reads synchronize.
+    pub fn run(&mut self) -> Result<(), CudaError> {
+        self.ctx.bind_to_thread().map_err(driver("binding the context"))?;
+        for i in 0..self.ops.len() {
+            self.issue(i)?;
+        }
+        Ok(())
+    }
+
+    /// Waits for all queued work.
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        self.stream.synchronize().map_err(driver("synchronizing"))
+    }
+
+    /// Issues the operations of Plan step `i`.
+    fn issue(&self, i: usize) -> Result<(), CudaError> {
+        for op in &self.ops[i] {
+            self.issue_op(op)?;
+        }
+        Ok(())
+    }
+
+    fn issue_op(&self, op: &Op) -> Result<(), CudaError> {
+        match op {
+            Op::Launch { kernel, cfg, args } => {
+                let f = &self.functions[*kernel];
+                let mut b = self.stream.launch_builder(f);
+                for a in args {
+                    b.arg(a);
+                }
+                // SAFETY: `check_steps` matched every argument's element type
+                // and length to the kernel's parameter, and the kernel's
+                // parameters are exactly these pointers (render_cuda).
+                unsafe { b.launch(*cfg) }
+                    .map_err(driver(format!("launching {}", self.plan.kernels[*kernel].symbol())))?;
+            }
+            Op::Blas(call) => self.sgemm(call)?,
+            Op::Zero { ptr, bytes } => {
+                // SAFETY: `ptr` addresses `bytes` bytes of one buffer.
+                unsafe { drv::memset_d8_async(*ptr, 0, *bytes, self.stream.cu_stream()) }
+                    .map_err(driver("zeroing a buffer"))?;
+            }
+        }
+        Ok(())
+    }
+
+    fn sgemm(&self, call: &BlasCall) -> Result<(), CudaError> {
+        let g = &call.g;
+        let op = |t: bool| if t { cublasOperation_t::CUBLAS_OP_T } else { cublasOperation_t::CUBLAS_OP_N };
+        let (alpha, beta) = (1.0f32, g.beta);
+        let f32_at = |base: sys::CUdeviceptr, offset: usize| (base + (offset * 4) as u64) as *mut f32;
+        // SAFETY: `check_gemm` verified every operand holds all batch entries
+        // at these strides; the handle runs on the device's stream.
+        unsafe {
+            cudarc::cublas::result::sgemm_strided_batched(
+                *self.blas.handle(),
+                op(g.trans_a),
+                op(g.trans_b),
+                g.m,
+                g.n,
+                g.k,
+                &alpha,
+                f32_at(call.a, g.a_offset),
+                g.lda,
+                g.stride_a,
+                f32_at(call.b, g.b_offset),
+                g.ldb,
+                g.stride_b,
+                &beta,
+                f32_at(call.c, g.c_offset),
+                g.ldc,
+                g.stride_c,
+                g.batch,
+            )
+        }
+        .map_err(cublas("sgemm_strided_batched"))
+    }
+
+    /// Times every step of the launch list: `reps` runs of the whole list
+    /// with an event pair around each step, the median per step. Run
+    /// [`CudaDevice::run`] once first so module load and cuBLAS heuristics
+    /// stay out of the numbers (METHOD.md).
+    pub fn profile(&mut self, reps: usize) -> Result<Vec<StepTiming>, CudaError> {
+        let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let new_event = || self.ctx.new_event(flags).map_err(driver("creating an event"));
+        let events: Vec<(CudaEvent, CudaEvent)> = (0..self.ops.len())
+            .map(|_| Ok((new_event()?, new_event()?)))
+            .collect::<Result<_, CudaError>>()?;
+        let mut samples = vec![Vec::with_capacity(reps); self.ops.len()];
+        for _ in 0..reps.max(1) {
+            for (i, (start, end)) in events.iter().enumerate() {
+                start.record(&self.stream).map_err(driver("recording an event"))?;
+                self.issue(i)?;
+                end.record(&self.stream).map_err(driver("recording an event"))?;
+            }
+            for (i, (start, end)) in events.iter().enumerate() {
+                samples[i].push(f64::from(start.elapsed_ms(end).map_err(driver("reading an event"))?));
+            }
+        }
+        Ok(samples
+            .into_iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let (label, bytes, flops) = step_cost(&self.plan, i);
+                StepTiming { step: i, label, ms: median(s), bytes, flops }
+            })
+            .collect())
+    }
+
+    /// Milliseconds per run of the whole launch list: the median of `reps`
+    /// timed runs after `warmup` untimed ones.
+    pub fn time_runs(&mut self, warmup: usize, reps: usize) -> Result<f64, CudaError> {
+        for _ in 0..warmup {
+            self.run()?;
+        }
+        let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let start = self.ctx.new_event(flags).map_err(driver("creating an event"))?;
+        let end = self.ctx.new_event(flags).map_err(driver("creating an event"))?;
+        let mut samples = Vec::with_capacity(reps);
+        for _ in 0..reps.max(1) {
+            start.record(&self.stream).map_err(driver("recording an event"))?;
+            self.run()?;
+            end.record(&self.stream).map_err(driver("recording an event"))?;
+            samples.push(f64::from(start.elapsed_ms(&end).map_err(driver("reading an event"))?));
+        }
+        Ok(median(samples))
+    }
+}
+
+impl Drop for CudaDevice {
+    fn drop(&mut self) {
+        // Queued work may still use the allocations dropped after this.
+        self.ctx.record_err(self.stream.synchronize());
+    }
+}
+
+fn median(mut s: Vec<f64>) -> f64 {
+    s.sort_by(f64::total_cmp);
+    s.get(s.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// Label, fewest bytes and FLOPs of step `i` (see [`StepTiming`]).
+fn step_cost(plan: &Plan, i: usize) -> (String, u64, u64) {
+    let size = |id: BufferId| plan.buffers[id.0].dtype.size_bytes() as u64;
+    match &plan.steps[i] {
+        Step::Kernel { kernel, args } => {
+            let k = &plan.kernels[*kernel];
+            let bytes = k
+                .params
+                .iter()
+                .zip(args)
+                .map(|(p, id)| {
+                    let passes = u64::from(p.access.readable()) + u64::from(p.access.writable());
+                    passes * p.len as u64 * size(*id)
+                })
+                .sum();
+            (format!("kernel:{}", k.name), bytes, 0)
+        }
+        Step::Gemm(g) => {
+            let (m, n, k, b) = (g.m as u64, g.n as u64, g.k as u64, g.batch as u64);
+            let batches = |stride: usize| if stride == 0 { 1 } else { b };
+            let c_passes = if g.accumulate { 2 } else { 1 };
+            let elems = m * k * batches(g.stride_a) + k * n * batches(g.stride_b) + c_passes * m * n * b;
+            ("gemm".into(), 4 * elems, 2 * m * n * k * b)
+        }
+        Step::Zero { buffer } => {
+            let d = &plan.buffers[buffer.0];
+            ("zero".into(), (d.len * d.dtype.size_bytes()) as u64, 0)
+        }
+    }
+}
+
+/// Device-to-device copy bandwidth in bytes/s (bytes read plus bytes
+/// written), the memory ceiling fused kernels are judged against
+/// (DESIGN.md §10, METHOD.md): the median of `reps` copies of `bytes`.
+pub fn copy_bandwidth(bytes: usize, reps: usize) -> Result<f64, CudaError> {
+    let ctx = context(0)?;
+    let stream = ctx.default_stream();
+    let src = Allocation::zeroed(&ctx, &stream, bytes)?;
+    // Random-looking contents, not zeros (METHOD.md).
+    // SAFETY: `src` holds `bytes` bytes; the pattern fills bytes / 4 words.
+    unsafe { sys::cuMemsetD32Async(src.ptr, 0x3f9d_70a4, bytes / 4, stream.cu_stream()) }
+        .result()
+        .map_err(driver("filling the copy source"))?;
+    let dst = Allocation::zeroed(&ctx, &stream, bytes)?;
+    let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let start = ctx.new_event(flags).map_err(driver("creating an event"))?;
+    let end = ctx.new_event(flags).map_err(driver("creating an event"))?;
+    let copy = || {
+        // SAFETY: both allocations hold `bytes` bytes.
+        unsafe { drv::memcpy_dtod_async(dst.ptr, src.ptr, bytes, stream.cu_stream()) }
+            .map_err(driver("copying device to device"))
+    };
+    copy()?;
+    let mut samples = Vec::with_capacity(reps);
+    for _ in 0..reps.max(1) {
+        start.record(&stream).map_err(driver("recording an event"))?;
+        copy()?;
+        end.record(&stream).map_err(driver("recording an event"))?;
+        samples.push(f64::from(start.elapsed_ms(&end).map_err(driver("reading an event"))?));
+    }
+    stream.synchronize().map_err(driver("synchronizing"))?;
+    Ok(2.0 * bytes as f64 / (median(samples) * 1e-3))
+}
+
+/// Checks every step against the Plan's kernels and buffers.
+fn check_steps(plan: &Plan) -> Result<(), CudaError> {
+    let count = plan.buffers.len();
+    for (step, s) in plan.steps.iter().enumerate() {
+        let known = |id: &BufferId| {
+            if id.0 < count {
+                Ok(())
+            } else {
+                Err(CudaError::UnknownBuffer { step, id: id.0, count })
+            }
+        };
+        match s {
+            Step::Kernel { kernel, args } => {
+                let k = plan.kernels.get(*kernel).ok_or(CudaError::UnknownKernel {
+                    step,
+                    kernel: *kernel,
+                    count: plan.kernels.len(),
+                })?;
+                check_kernel_args(plan, step, k, args, known)?;
+            }
+            Step::Gemm(g) => {
+                for id in [g.a, g.b, g.c] {
+                    known(&id)?;
+                }
+                check_gemm(plan, g)
+                    .map_err(|what| CudaError::Gemm { what: format!("step {step}: {what}") })?;
+            }
+            Step::Zero { buffer } => known(buffer)?,
+        }
+    }
+    Ok(())
+}
+
+fn check_kernel_args(
+    plan: &Plan,
+    step: usize,
+    k: &Kernel,
+    args: &[BufferId],
+    known: impl Fn(&BufferId) -> Result<(), CudaError>,
+) -> Result<(), CudaError> {
+    if args.len() != k.params.len() {
+        return Err(CudaError::Arity {
+            step,
+            kernel: k.name.clone(),
+            got: args.len(),
+            expected: k.params.len(),
+        });
+    }
+    for (p, id) in k.params.iter().zip(args) {
+        known(id)?;
+        let d = &plan.buffers[id.0];
+        if d.dtype != p.dtype || d.len < p.len {
+            return Err(CudaError::ParamMismatch {
+                step,
+                kernel: k.name.clone(),
+                param: p.name.clone(),
+                id: id.0,
+                want_dtype: p.dtype,
+                want_len: p.len,
+                dtype: d.dtype,
+                len: d.len,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Renders, compiles and loads all kernels; returns their functions in Plan order.
+fn compile(ctx: &Arc<CudaContext>, kernels: &[Kernel], arch: &str) -> Result<Vec<CudaFunction>, CudaError> {
+    if kernels.is_empty() {
+        return Ok(Vec::new());
+    }
+    let source = render_cuda(kernels)?;
+    let compiled = nvrtc::compile(&source, arch)?;
+    let module = match ctx.load_module(Ptx::from_binary(compiled.cubin)) {
+        Ok(m) => m,
+        Err(cubin) => ctx
+            .load_module(Ptx::from_src(compiled.ptx))
+            .map_err(|ptx| CudaError::ModuleLoad { cubin, ptx })?,
+    };
+    kernels
+        .iter()
+        .map(|k| module.load_function(&k.symbol()).map_err(driver(format!("loading {}", k.symbol()))))
+        .collect()
+}
+
+/// Allocates every buffer (constants filled) and returns the base pointer of each.
+fn allocate(
+    ctx: &Arc<CudaContext>,
+    stream: &CudaStream,
+    plan: &Plan,
+    layout: &Layout,
+) -> Result<(Vec<sys::CUdeviceptr>, Vec<Allocation>), CudaError> {
+    let mut allocations = Vec::new();
+    let mut arenas = [0; 4];
+    for (slot, (&dtype, &len)) in DTYPES.iter().zip(&layout.arena_len).enumerate() {
+        if len > 0 {
+            let a = Allocation::zeroed(ctx, stream, len * dtype.size_bytes())?;
+            arenas[slot] = a.ptr;
+            allocations.push(a);
+        }
+    }
+    let mut ptrs = Vec::with_capacity(plan.buffers.len());
+    for (d, placement) in plan.buffers.iter().zip(&layout.placements) {
+        let size = d.dtype.size_bytes();
+        ptrs.push(match *placement {
+            Placement::Arena { offset } => arenas[dtype_slot(d.dtype)] + (offset * size) as u64,
+            Placement::Own => {
+                let a = Allocation::zeroed(ctx, stream, d.len * size)?;
+                if let BufferRole::Constant { value } = d.role {
+                    fill(stream, d, a.ptr, value)?;
+                }
+                let ptr = a.ptr;
+                allocations.push(a);
+                ptr
+            }
+        });
+    }
+    Ok((ptrs, allocations))
+}
+
+/// Fills a constant buffer with `value` in its storage type.
+fn fill(stream: &CudaStream, d: &BufferDecl, ptr: sys::CUdeviceptr, value: f64) -> Result<(), CudaError> {
+    let s = stream.cu_stream();
+    let what = || format!("filling constant buffer #{}", d.id.0);
+    // SAFETY (all arms): `ptr` addresses `d.len` elements of `d.dtype`.
+    match d.dtype {
+        DType::F32 => unsafe { sys::cuMemsetD32Async(ptr, (value as f32).to_bits(), d.len, s) }.result(),
+        DType::I32 if value.fract() == 0.0 && value.abs() <= f64::from(i32::MAX) => {
+            unsafe { sys::cuMemsetD32Async(ptr, value as i32 as u32, d.len, s) }.result()
+        }
+        DType::F64 => {
+            let host = vec![value; d.len];
+            unsafe { drv::memcpy_htod_async(ptr, &host, s) }
+        }
+        dtype => {
+            return Err(CudaError::ConstantDType { id: d.id.0, role: format!("{:?}", d.role), dtype });
+        }
+    }
+    .map_err(driver(what()))
+}
+
+/// Precomputes the device operations of every step with resolved pointers.
+fn prepare(plan: &Plan, ptrs: &[sys::CUdeviceptr]) -> Result<Vec<Vec<Op>>, CudaError> {
+    let mut all = Vec::with_capacity(plan.steps.len());
+    for step in &plan.steps {
+        let mut ops = Vec::new();
+        match step {
+            Step::Kernel { kernel, args } => {
+                let k = &plan.kernels[*kernel];
+                let cfg = launch_config(&k.grid)
+                    .map_err(|what| CudaError::Launch { kernel: k.name.clone(), what })?;
+                if let Some(cfg) = cfg {
+                    ops.push(Op::Launch {
+                        kernel: *kernel,
+                        cfg,
+                        args: args.iter().map(|id| ptrs[id.0]).collect(),
+                    });
+                }
+            }
+            Step::Gemm(g) => {
+                for c in column_major_gemm(g).map_err(|what| CudaError::Gemm { what })? {
+                    ops.push(Op::Blas(BlasCall { g: c, a: ptrs[c.a.0], b: ptrs[c.b.0], c: ptrs[c.c.0] }));
+                }
+            }
+            Step::Zero { buffer } => {
+                let d = &plan.buffers[buffer.0];
+                ops.push(Op::Zero { ptr: ptrs[buffer.0], bytes: d.len * d.dtype.size_bytes() });
+            }
+        }
+        all.push(ops);
+    }
+    Ok(all)
+}

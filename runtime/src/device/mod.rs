@@ -1,0 +1,9 @@
+//! Devices that execute a compiled [`codegen::plan::Plan`] (DESIGN.md §7).
+//!
+//! - [`cpu`]: the Cpu device: buffers in host memory, kernels compiled by the
+//!   system C compiler and run on a persistent thread pool, matrix products
+//!   through the `gemm` crate.
+
+pub mod cpu;
+pub mod cuda;
+mod pool;

@@ -1,0 +1,326 @@
+//! The Cpu device on hand-built Plans: kernel, GEMM and zero steps against
+//! plain Rust, thread-count independence, and load-time rejection of Plans
+//! that would bind buffers unsoundly.
+
+use codegen::cc::Compiler;
+use codegen::kernel::{f32, i64, item, lane, Access, Grid, Kernel, KernelBuilder, ReduceOp};
+use codegen::plan::{BufferDecl, BufferId, BufferRole, Gemm, Plan, Step};
+use ir::DType;
+use runtime::device::cpu::{CpuDevice, CpuError, CpuOptions};
+use std::path::PathBuf;
+
+/// A cache folder per test (removed at the end), so tests never share objects.
+struct TempCache(PathBuf);
+
+impl TempCache {
+    fn new(name: &str) -> TempCache {
+        let dir = std::env::temp_dir().join(format!("widen-cpu-device-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        TempCache(dir)
+    }
+
+    fn compiler(&self) -> Compiler {
+        let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+        Compiler::new(&cc, self.0.clone()).expect("a C compiler is installed")
+    }
+}
+
+impl Drop for TempCache {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+const ROWS: usize = 256;
+const D: usize = 64;
+const F: usize = 48;
+const EPS: f32 = 1e-5;
+
+/// Deterministic values in [-scale, scale).
+fn data(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+        })
+        .collect()
+}
+
+/// `y = x * s + bias[col]`: an elementwise kernel over every element.
+fn scale_bias() -> Kernel {
+    let mut k = KernelBuilder::new("scale_bias", Grid::thread_per_item(ROWS * D));
+    let x = k.param("x", DType::F32, Access::Read, ROWS * D);
+    let s = k.param("s", DType::F32, Access::Read, 1);
+    let b = k.param("b", DType::F32, Access::Read, D);
+    let y = k.param("y", DType::F32, Access::Write, ROWS * D);
+    let col = k.let_("col", item() % i64(D as i64));
+    k.store(&y, item(), x.at(item()) * s.at(i64(0)) + b.at(col));
+    k.finish()
+}
+
+/// RMSNorm per row with one block per row: lanes stride over the row, a
+/// block reduction gives the sum of squares (loop fission in C).
+fn rmsnorm_block() -> Kernel {
+    const LANES: u32 = 32;
+    let mut k = KernelBuilder::new("rmsnorm_block", Grid::block_per_item(ROWS, LANES));
+    let x = k.param("x", DType::F32, Access::Read, ROWS * F);
+    let y = k.param("y", DType::F32, Access::Write, ROWS * F);
+    let base = k.let_("base", item() * i64(F as i64));
+    let acc = k.var("acc", f32(0.0));
+    k.for_step("j", lane(), i64(F as i64), i64::from(LANES), false, |b, j| {
+        let v = b.let_("v", x.at(&base + &j));
+        b.assign(&acc, &acc + &v * &v);
+    });
+    let ss = k.block_reduce("ss", ReduceOp::Sum, acc);
+    let r = k.let_("r", (ss / f32(F as f32) + f32(EPS)).rsqrt());
+    k.for_step("j", lane(), i64(F as i64), i64::from(LANES), false, |b, j| {
+        b.store(&y, &base + &j, x.at(&base + &j) * &r);
+    });
+    k.finish()
+}
+
+fn decl(id: usize, len: usize, dtype: DType, role: BufferRole) -> BufferDecl {
+    BufferDecl { id: BufferId(id), len, dtype, role, node: None }
+}
+
+fn input(name: &str) -> BufferRole {
+    BufferRole::Input { name: name.into() }
+}
+
+fn output(name: &str) -> BufferRole {
+    BufferRole::Output { name: name.into() }
+}
+
+/// Buffers of the test Plan, by position.
+const X: BufferId = BufferId(0);
+const SCALE: BufferId = BufferId(1);
+const BIAS: BufferId = BufferId(2);
+const W: BufferId = BufferId(3);
+const H: BufferId = BufferId(4); // scratch: scale_bias output
+const P: BufferId = BufferId(5); // scratch: h @ w
+const Y: BufferId = BufferId(6);
+const G: BufferId = BufferId(7);
+
+/// x -> h = x * 0.5 + bias -> p = h @ w -> y = rmsnorm(p); g = 0, then
+/// g += h^T @ p twice (a weight-gradient-shaped product, accumulated).
+fn test_plan() -> Plan {
+    let buffers = vec![
+        decl(0, ROWS * D, DType::F32, input("x")),
+        decl(1, 1, DType::F32, BufferRole::Constant { value: 0.5 }),
+        decl(2, D, DType::F32, BufferRole::Param { name: "bias".into() }),
+        decl(3, D * F, DType::F32, BufferRole::Param { name: "w".into() }),
+        decl(4, ROWS * D, DType::F32, BufferRole::Scratch { offset: 0 }),
+        decl(5, ROWS * F, DType::F32, BufferRole::Scratch { offset: ROWS * D }),
+        decl(6, ROWS * F, DType::F32, output("y")),
+        decl(7, D * F, DType::F32, BufferRole::Grad { name: "w".into() }),
+    ];
+    let gemm = |a, b, c, m, n, k, trans_a, accumulate| {
+        Step::Gemm(Gemm {
+            a,
+            b,
+            c,
+            batch: 1,
+            m,
+            n,
+            k,
+            trans_a,
+            trans_b: false,
+            stride_a: 0,
+            stride_b: 0,
+            stride_c: 0,
+            accumulate,
+        })
+    };
+    Plan {
+        kernels: vec![scale_bias(), rmsnorm_block()],
+        steps: vec![
+            Step::Kernel { kernel: 0, args: vec![X, SCALE, BIAS, H] },
+            gemm(H, W, P, ROWS, F, D, false, false),
+            Step::Kernel { kernel: 1, args: vec![P, Y] },
+            Step::Zero { buffer: G },
+            gemm(H, P, G, D, F, ROWS, true, true),
+            gemm(H, P, G, D, F, ROWS, true, true),
+        ],
+        buffers,
+        arena_len: ROWS * D + ROWS * F,
+    }
+}
+
+/// f64 matrix product of row-major `a` [m, k] (or its stored transpose) and `b` [k, n].
+fn matmul(a: &[f32], b: &[f32], m: usize, n: usize, k: usize, trans_a: bool, trans_b: bool) -> Vec<f64> {
+    let mut c = vec![0.0f64; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            c[i * n + j] = (0..k)
+                .map(|p| {
+                    let av = if trans_a { a[p * m + i] } else { a[i * k + p] };
+                    let bv = if trans_b { b[j * k + p] } else { b[p * n + j] };
+                    f64::from(av) * f64::from(bv)
+                })
+                .sum();
+        }
+    }
+    c
+}
+
+fn assert_close(got: &[f32], want: &[f64], rel: f64, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let scale = want.iter().fold(0.0f64, |m, v| m.max(v.abs())).max(1e-30);
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        assert!((f64::from(g) - w).abs() <= rel * scale, "{what}[{i}]: got {g}, want {w} (scale {scale})");
+    }
+}
+
+fn load(plan: Plan, cache: &TempCache, threads: usize) -> CpuDevice {
+    CpuDevice::with_options(plan, &cache.compiler(), CpuOptions { threads }).expect("plan loads")
+}
+
+fn fill(dev: &mut CpuDevice) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let (x, bias, w) = (data(ROWS * D, 1, 2.0), data(D, 2, 0.5), data(D * F, 3, 0.2));
+    dev.write_f32(X, &x).unwrap();
+    dev.write_f32(BIAS, &bias).unwrap();
+    dev.write_f32(W, &w).unwrap();
+    (x, bias, w)
+}
+
+#[test]
+fn plan_matches_rust() {
+    let cache = TempCache::new("matches");
+    let mut dev = load(test_plan(), &cache, 4);
+    let (x, bias, w) = fill(&mut dev);
+    // Stale gradient values must be cleared by the Zero step.
+    dev.write_f32(G, &vec![7.0; D * F]).unwrap();
+    dev.run().unwrap();
+
+    let h: Vec<f32> = x.iter().enumerate().map(|(i, v)| v * 0.5 + bias[i % D]).collect();
+    let h64: Vec<f64> = h.iter().map(|&v| f64::from(v)).collect();
+    assert_close(dev.read_f32(H).unwrap(), &h64, 1e-7, "h");
+    let p = matmul(&h, &w, ROWS, F, D, false, false);
+    assert_close(dev.read_f32(P).unwrap(), &p, 1e-5, "p");
+    let mut y = vec![0.0f64; ROWS * F];
+    for r in 0..ROWS {
+        let row = &p[r * F..(r + 1) * F];
+        let inv = 1.0 / (row.iter().map(|v| v * v).sum::<f64>() / F as f64 + f64::from(EPS)).sqrt();
+        for j in 0..F {
+            y[r * F + j] = row[j] * inv;
+        }
+    }
+    assert_close(dev.read_f32(Y).unwrap(), &y, 1e-5, "y");
+    let p32: Vec<f32> = dev.read_f32(P).unwrap().to_vec();
+    let g: Vec<f64> = matmul(&h, &p32, D, F, ROWS, true, false).iter().map(|v| 2.0 * v).collect();
+    assert_close(dev.read_f32(G).unwrap(), &g, 1e-5, "g");
+
+    // A second run gives the same results: Zero re-clears the accumulator.
+    let first: Vec<f32> = dev.read_f32(G).unwrap().to_vec();
+    dev.run().unwrap();
+    assert_eq!(dev.read_f32(G).unwrap(), first.as_slice());
+}
+
+#[test]
+fn threads_give_bitwise_identical_results() {
+    let cache = TempCache::new("threads");
+    let run = |threads: usize| {
+        let mut dev = load(test_plan(), &cache, threads);
+        assert_eq!(dev.threads(), threads);
+        // Both kernels are large enough to use every thread.
+        assert_eq!((dev.step_threads(0), dev.step_threads(2)), (Some(threads), Some(threads)));
+        fill(&mut dev);
+        dev.run().unwrap();
+        [H, P, Y, G].map(|b| dev.read_f32(b).unwrap().to_vec())
+    };
+    let one = run(1);
+    for threads in [2, 3, 4] {
+        let many = run(threads);
+        for (name, (a, b)) in ["h", "p", "y", "g"].iter().zip(one.iter().zip(&many)) {
+            let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(same, "{name} differs between 1 and {threads} threads");
+        }
+    }
+}
+
+/// Batched, transposed and broadcast GEMMs against a naive product.
+#[test]
+fn gemm_strides_transposes_and_broadcast() {
+    let cache = TempCache::new("gemm");
+    let (batch, m, n, k) = (3, 5, 7, 4);
+    for (trans_a, trans_b) in [(false, false), (true, false), (false, true), (true, true)] {
+        let buffers = vec![
+            decl(0, batch * m * k, DType::F32, input("a")),
+            decl(1, k * n, DType::F32, input("b")),
+            decl(2, batch * m * n, DType::F32, output("c")),
+        ];
+        let step = Gemm {
+            a: BufferId(0),
+            b: BufferId(1),
+            c: BufferId(2),
+            batch,
+            m,
+            n,
+            k,
+            trans_a,
+            trans_b,
+            stride_a: m * k,
+            stride_b: 0,
+            stride_c: m * n,
+            accumulate: true,
+        };
+        let plan = Plan { kernels: vec![], steps: vec![Step::Gemm(step)], buffers, arena_len: 0 };
+        let mut dev = load(plan, &cache, 2);
+        let (a, b, c0) = (data(batch * m * k, 4, 1.0), data(k * n, 5, 1.0), data(batch * m * n, 6, 1.0));
+        dev.write_f32(BufferId(0), &a).unwrap();
+        dev.write_f32(BufferId(1), &b).unwrap();
+        dev.write_f32(BufferId(2), &c0).unwrap();
+        dev.run().unwrap();
+        let mut want = Vec::new();
+        for i in 0..batch {
+            let prod = matmul(&a[i * m * k..(i + 1) * m * k], &b, m, n, k, trans_a, trans_b);
+            want.extend(prod.iter().zip(&c0[i * m * n..]).map(|(p, &c)| p + f64::from(c)));
+        }
+        assert_close(dev.read_f32(BufferId(2)).unwrap(), &want, 1e-6, &format!("c ({trans_a}, {trans_b})"));
+    }
+}
+
+#[test]
+fn unsound_plans_are_rejected_at_load() {
+    let cache = TempCache::new("reject");
+    let compiler = cache.compiler();
+    let opts = CpuOptions { threads: 2 };
+    let try_load = |plan: Plan| CpuDevice::with_options(plan, &compiler, opts).err();
+
+    // A buffer shorter than the kernel parameter it is bound to.
+    let mut short = test_plan();
+    short.buffers[BIAS.0].len = D - 1;
+    assert!(matches!(try_load(short), Some(CpuError::ParamMismatch { ref param, .. }) if param == "b"));
+
+    // A kernel output placed over its own input in the arena.
+    let mut aliased = test_plan();
+    aliased.buffers[Y.0].role = BufferRole::Scratch { offset: ROWS * D + 10 };
+    assert!(matches!(try_load(aliased), Some(CpuError::Aliased { step: 2, written: 6, other: 5, .. })));
+
+    // A GEMM reaching past its operand.
+    let mut past = test_plan();
+    past.buffers[W.0].len = D * F - 1;
+    assert!(matches!(try_load(past), Some(CpuError::Gemm { step: 1, .. })));
+
+    // Wrong arity and unknown buffers.
+    let mut arity = test_plan();
+    arity.steps[0] = Step::Kernel { kernel: 0, args: vec![X, SCALE, BIAS] };
+    assert!(matches!(try_load(arity), Some(CpuError::Arity { got: 3, expected: 4, .. })));
+    let mut unknown = test_plan();
+    unknown.steps[3] = Step::Zero { buffer: BufferId(99) };
+    assert!(matches!(try_load(unknown), Some(CpuError::UnknownBuffer { step: 3, id: 99, .. })));
+}
+
+#[test]
+fn host_access_checks_dtype_and_length() {
+    let cache = TempCache::new("access");
+    let mut dev = load(test_plan(), &cache, 1);
+    assert!(matches!(dev.write_f32(X, &[1.0; 3]), Err(CpuError::WrongLength { id: 0, got: 3, .. })));
+    assert!(matches!(dev.write_i32(X, &[1; ROWS * D]), Err(CpuError::WrongDType { id: 0, .. })));
+    assert!(matches!(dev.read_f32(BufferId(42)), Err(CpuError::NoSuchBuffer { id: 42, .. })));
+    // Constants are filled at load time.
+    assert_eq!(dev.read_f32(SCALE).unwrap(), &[0.5]);
+}

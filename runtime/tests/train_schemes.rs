@@ -1,0 +1,199 @@
+//! Every spec in `specs/` trains (DESIGN.md §9): shrunk to a fast size, f32 on the
+//! reference executor, on the built-in synthetic corpus, the mean loss of the last steps
+//! is clearly below the mean of the first steps. Also MoE routing and Muon on a GHC
+//! (virtual-width) model, whose hidden matrices include W_reduce and the MTP mixers.
+
+use ir::spec::{
+    load_spec, ConstantSpec, DataSpec, FfnSpec, Flash, ModelSpec, MuonSpec, OptimizerSpec, ResidualSpec,
+    ScheduleSpec, SwiGluSpec, SyntheticCorpus,
+};
+use runtime::executor::Device;
+use runtime::train::{train_spec, Progress, TrainOptions};
+use std::path::PathBuf;
+
+const STEPS: usize = 40;
+/// Steps averaged at each end of the run.
+const WINDOW: usize = 8;
+/// Required drop, in nats, from the first window's mean loss to the last window's.
+const MIN_DROP: f64 = 1.0;
+
+fn spec_path(file: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../specs").join(file)
+}
+
+/// The spec file at a size that trains in seconds: D = 32, one block (two for the
+/// two-block xHC-Flash, MATH.md §6.11), 4 windows of 32 bytes per step, a short constant
+/// schedule and no evaluation until the last step. The residual scheme, MTP, FFN kind
+/// and optimizer stay as the file says.
+fn shrunk(file: &str) -> ModelSpec {
+    let path = spec_path(file);
+    let mut spec = load_spec(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    spec.d_model = 32;
+    spec.heads = 2;
+    spec.kv_heads = None;
+    spec.head_dim = None;
+    spec.layers = match &spec.residual {
+        ResidualSpec::Xhc(x) if x.flash == Flash::TwoBlock => 2,
+        _ => 1,
+    };
+    spec.ffn = match spec.ffn {
+        FfnSpec::SwiGlu(_) => FfnSpec::SwiGlu(SwiGluSpec { hidden: Some(64) }),
+        FfnSpec::Moe(mut m) => {
+            m.hidden = 32;
+            FfnSpec::Moe(m)
+        }
+    };
+    spec.train.data = DataSpec::Synthetic(SyntheticCorpus::Default);
+    spec.train.seq_len = 32;
+    spec.train.batch = 4;
+    spec.train.steps = STEPS;
+    spec.train.eval_every = STEPS;
+    spec.train.eval_batches = 1;
+    spec.train.checkpoint_every = 0;
+    spec.train.schedule = ScheduleSpec::Constant(ConstantSpec { warmup: 4 });
+    match &mut spec.train.optimizer {
+        OptimizerSpec::AdamW(a) => a.lr = 1e-2,
+        OptimizerSpec::Muon(m) => m.adamw.lr = 1e-2,
+    }
+    spec
+}
+
+/// Trains `spec` and checks that the loss clearly goes down; returns (first, last)
+/// window means.
+fn assert_trains(spec: &ModelSpec) -> (f64, f64) {
+    let name = &spec.name;
+    let out = std::env::temp_dir().join(format!("widen-train-schemes-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    let opts = TrainOptions { out_dir: out.clone(), resume: None, progress: Progress::Silent };
+    let started = std::time::Instant::now();
+    let report = train_spec(spec, Device::Reference, &opts).unwrap_or_else(|e| panic!("{name}: {e}"));
+    std::fs::remove_dir_all(&out).expect("remove the run folder");
+    let losses: Vec<f64> = report.losses.iter().map(|&l| f64::from(l)).collect();
+    assert_eq!(losses.len(), spec.train.steps, "{name}");
+    assert!(losses.iter().all(|l| l.is_finite()), "{name}: {losses:?}");
+    let mean = |s: &[f64]| s.iter().sum::<f64>() / s.len() as f64;
+    let (first, last) = (mean(&losses[..WINDOW]), mean(&losses[losses.len() - WINDOW..]));
+    let val = report.val_loss.map(f64::from).expect("the last step evaluates");
+    println!(
+        "{name}: first {WINDOW} steps {first:.3}, last {WINDOW} steps {last:.3}, validation {val:.3} \
+         ({:.1} s)",
+        started.elapsed().as_secs_f64()
+    );
+    assert!(last < first - MIN_DROP, "{name}: loss went from {first:.3} to {last:.3}: {losses:?}");
+    // Byte-level vocabulary: ln 256 ≈ 5.55 is the uniform guess. A trained model scores
+    // held-out text well below it too.
+    assert!(val < 256f64.ln() - MIN_DROP, "{name}: validation loss {val:.3}");
+    (first, last)
+}
+
+/// Every spec file has a test below, so a new one cannot go untrained.
+const SPEC_FILES: [&str; 12] = [
+    "fc.ron",
+    "hc.ron",
+    "mhc.ron",
+    "moe.ron",
+    "mtp.ron",
+    "residual.ron",
+    "tiny.ron",
+    "vwn-1.5x.ron",
+    "vwn-r4.ron",
+    "vwn-r8.ron",
+    "xhc-flash.ron",
+    "xhc.ron",
+];
+
+#[test]
+fn every_spec_file_is_trained_here() {
+    let dir = spec_path("");
+    let mut files: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .map(|e| e.expect("directory entry").file_name().to_string_lossy().into_owned())
+        .filter(|f| f.ends_with(".ron"))
+        .collect();
+    files.sort();
+    assert_eq!(files, SPEC_FILES, "add a training test for each new spec file");
+}
+
+#[test]
+fn fc_trains() {
+    assert_trains(&shrunk("fc.ron"));
+}
+
+#[test]
+fn hc_trains() {
+    assert_trains(&shrunk("hc.ron"));
+}
+
+#[test]
+fn mhc_trains() {
+    assert_trains(&shrunk("mhc.ron"));
+}
+
+#[test]
+fn moe_trains() {
+    assert_trains(&shrunk("moe.ron"));
+}
+
+#[test]
+fn mtp_trains() {
+    assert_trains(&shrunk("mtp.ron"));
+}
+
+#[test]
+fn residual_trains() {
+    assert_trains(&shrunk("residual.ron"));
+}
+
+#[test]
+fn tiny_trains() {
+    assert_trains(&shrunk("tiny.ron"));
+}
+
+#[test]
+fn vwn_fractional_trains() {
+    assert_trains(&shrunk("vwn-1.5x.ron"));
+}
+
+#[test]
+fn vwn_r4_trains() {
+    assert_trains(&shrunk("vwn-r4.ron"));
+}
+
+#[test]
+fn vwn_r8_trains() {
+    assert_trains(&shrunk("vwn-r8.ron"));
+}
+
+#[test]
+fn xhc_flash_trains() {
+    assert_trains(&shrunk("xhc-flash.ron"));
+}
+
+#[test]
+fn xhc_flash_two_block_trains() {
+    let mut spec = shrunk("xhc-flash.ron");
+    spec.name = "xhc-flash4".into();
+    spec.layers = 2;
+    if let ResidualSpec::Xhc(x) = &mut spec.residual {
+        x.flash = Flash::TwoBlock;
+    }
+    assert_trains(&spec);
+}
+
+#[test]
+fn xhc_trains() {
+    assert_trains(&shrunk("xhc.ron"));
+}
+
+/// Muon (MATH.md §8.2) on the hidden matrices of a VWN model with an MTP module, AdamW
+/// on the rest.
+#[test]
+fn muon_trains_a_ghc_model() {
+    let mut spec = shrunk("mtp.ron");
+    spec.name = "mtp-muon".into();
+    spec.train.optimizer = OptimizerSpec::Muon(MuonSpec::default());
+    if let OptimizerSpec::Muon(m) = &mut spec.train.optimizer {
+        m.adamw.lr = 1e-2;
+    }
+    assert_trains(&spec);
+}

@@ -1,0 +1,270 @@
+//! `widen bench SPEC... [--device D] [--steps N] [--warmup N] [--json FILE]`:
+//! whole training steps (forward, backward, clipping, optimizer update) per
+//! second, each spec side by side with the plain-residual model of the same
+//! backbone (DESIGN.md §10: the overhead ratio the papers report).
+//!
+//! Every model of the run is built up front; timed steps are then interleaved
+//! (one step of each model per round) so that a noisy machine slows all of
+//! them alike, and the median step time is reported. The backbone can be
+//! overridden for every spec at once (`--d-model 256 --layers 4 --heads 4
+//! --seq-len 256 --batch 8`); the overrides are validated like the spec.
+
+use super::train::DeviceArg;
+use anyhow::Context;
+use ir::spec::{load_spec, ModelSpec, ResidualSpec};
+use runtime::data::{BatchSampler, Corpus};
+use runtime::executor::{Device, StepExecutor};
+use runtime::init::init_params;
+use runtime::optim::clip::{clip_global_norm, global_norm};
+use runtime::optim::schedule::lr_multiplier;
+use runtime::optim::Optimizer;
+use runtime::params::ParamSet;
+use serde_json::json;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// RON specs to measure.
+    #[arg(required = true)]
+    pub specs: Vec<PathBuf>,
+    /// Where to run.
+    #[arg(long, value_enum, default_value = "reference")]
+    pub device: DeviceArg,
+    /// Timed steps per model.
+    #[arg(long, default_value_t = 10)]
+    pub steps: usize,
+    /// Untimed steps per model before timing (compilation, caches, allocator).
+    #[arg(long, default_value_t = 2)]
+    pub warmup: usize,
+    /// Also write the results as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Override the backbone width D.
+    #[arg(long)]
+    pub d_model: Option<usize>,
+    /// Override the number of blocks L.
+    #[arg(long)]
+    pub layers: Option<usize>,
+    /// Override the number of query heads (key/value heads follow when they no longer divide it).
+    #[arg(long)]
+    pub heads: Option<usize>,
+    /// Override the sequence length T.
+    #[arg(long)]
+    pub seq_len: Option<usize>,
+    /// Override the batch size B.
+    #[arg(long)]
+    pub batch: Option<usize>,
+}
+
+/// One model under measurement with its training state.
+struct Model {
+    /// Spec name as given (the baseline row reuses the spec's name).
+    name: String,
+    path: PathBuf,
+    scheme: &'static str,
+    baseline: bool,
+    spec: ModelSpec,
+    exec: Box<dyn StepExecutor>,
+    params: ParamSet,
+    optimizer: Optimizer,
+    corpus: Corpus,
+    sampler: BatchSampler,
+    steps_taken: usize,
+    total_steps: usize,
+    last_loss: f32,
+    times_ms: Vec<f64>,
+}
+
+impl Model {
+    fn build(
+        name: &str,
+        path: &PathBuf,
+        spec: ModelSpec,
+        baseline: bool,
+        device: Device,
+        total_steps: usize,
+    ) -> anyhow::Result<Model> {
+        let (batch, seq_len) = (spec.train.batch, spec.train.seq_len);
+        let corpus = Corpus::load(&spec.train.data, spec.train.val_fraction, seq_len + 1)?;
+        let lowered = ir::lower::lower(&spec, batch, seq_len)?;
+        let params = init_params(&lowered.graph, spec.train.seed)?;
+        let optimizer = Optimizer::new(&spec, &params);
+        let exec = device.executor(lowered);
+        Ok(Model {
+            name: name.into(),
+            path: path.clone(),
+            scheme: spec.residual.kind_name(),
+            baseline,
+            sampler: BatchSampler::train(spec.train.seed, batch, seq_len + 1),
+            spec,
+            exec,
+            params,
+            optimizer,
+            corpus,
+            steps_taken: 0,
+            total_steps,
+            last_loss: f32::NAN,
+            times_ms: Vec::new(),
+        })
+    }
+
+    /// One full training step, as the training loop takes it; returns its wall time in ms.
+    fn step(&mut self) -> anyhow::Result<f64> {
+        let tokens = self.sampler.next_batch(self.corpus.train());
+        let started = Instant::now();
+        let (loss, mut grads) = self.exec.loss_and_grads(&self.params, &tokens)?;
+        match self.spec.train.clip {
+            Some(max) => clip_global_norm(&mut grads, max),
+            None => global_norm(&grads),
+        };
+        let lr_mult = lr_multiplier(&self.spec.train.schedule, self.steps_taken, self.total_steps);
+        self.optimizer.step(&mut self.params, &grads, lr_mult);
+        let ms = started.elapsed().as_secs_f64() * 1e3;
+        self.steps_taken += 1;
+        self.last_loss = loss;
+        Ok(ms)
+    }
+
+    fn tokens_per_step(&self) -> usize {
+        self.spec.train.batch * self.spec.train.seq_len
+    }
+}
+
+fn median(values: &[f64]) -> f64 {
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => 0.5 * (v[n / 2 - 1] + v[n / 2]),
+    }
+}
+
+/// Applies the backbone overrides; the result is validated when lowered.
+fn override_backbone(spec: &mut ModelSpec, args: &Args) {
+    if let Some(d) = args.d_model {
+        spec.d_model = d;
+        spec.head_dim = None;
+    }
+    if let Some(l) = args.layers {
+        spec.layers = l;
+    }
+    if let Some(h) = args.heads {
+        spec.heads = h;
+        spec.head_dim = None;
+        if spec.kv_heads.is_some_and(|kv| kv == 0 || h % kv != 0) {
+            spec.kv_heads = None;
+        }
+    }
+    if let Some(t) = args.seq_len {
+        spec.train.seq_len = t;
+    }
+    if let Some(b) = args.batch {
+        spec.train.batch = b;
+    }
+}
+
+pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    anyhow::ensure!(args.steps >= 1, "--steps must be at least 1");
+    let device: Device = args.device.into();
+    let total_steps = args.warmup + args.steps;
+    let mut models = Vec::new();
+    for path in &args.specs {
+        let mut spec = load_spec(path)?;
+        override_backbone(&mut spec, &args);
+        let name = spec.name.clone();
+        let plain = !matches!(spec.residual, ResidualSpec::Residual);
+        let baseline = spec.with_plain_residual();
+        let context = || format!("building {} for --device {}", path.display(), device_name(device));
+        models.push(Model::build(&name, path, spec, !plain, device, total_steps).with_context(context)?);
+        if plain {
+            models
+                .push(Model::build(&name, path, baseline, true, device, total_steps).with_context(context)?);
+        }
+    }
+    for round in 0..total_steps {
+        for m in &mut models {
+            let ms = m.step().with_context(|| format!("{} ({}) step {}", m.name, m.scheme, round + 1))?;
+            if round >= args.warmup {
+                m.times_ms.push(ms);
+            }
+        }
+    }
+    let rows = rows(&models);
+    print_table(&rows, &args, device);
+    if let Some(path) = &args.json {
+        let doc = json!({
+            "device": device_name(device),
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "threads": std::thread::available_parallelism().map_or(1, |n| n.get()),
+            "rows": rows,
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn device_name(device: Device) -> &'static str {
+    match device {
+        Device::Reference => "reference",
+    }
+}
+
+/// One JSON row per model; the overhead is against the baseline of the same spec file.
+fn rows(models: &[Model]) -> Vec<serde_json::Value> {
+    models
+        .iter()
+        .map(|m| {
+            let ms = median(&m.times_ms);
+            let base = models.iter().find(|b| b.baseline && b.path == m.path).map(|b| median(&b.times_ms));
+            let overhead = base.map(|b| (ms / b - 1.0) * 100.0);
+            json!({
+                "spec": m.name,
+                "path": m.path.display().to_string(),
+                "scheme": m.scheme,
+                "baseline": m.baseline,
+                "ms_per_step": ms,
+                "ms_min": m.times_ms.iter().copied().fold(f64::INFINITY, f64::min),
+                "tokens_per_s": m.tokens_per_step() as f64 / (ms / 1e3),
+                "overhead_pct": overhead,
+                "params": m.params.numel(),
+                "d_model": m.spec.d_model,
+                "layers": m.spec.layers,
+                "heads": m.spec.heads,
+                "seq_len": m.spec.train.seq_len,
+                "batch": m.spec.train.batch,
+                "final_loss": m.last_loss,
+                "times_ms": m.times_ms,
+            })
+        })
+        .collect()
+}
+
+fn print_table(rows: &[serde_json::Value], args: &Args, device: Device) {
+    println!(
+        "device {}, {} timed steps after {} warmup (median ms per full training step)",
+        device_name(device),
+        args.steps,
+        args.warmup
+    );
+    println!("{:<16} {:<9} {:>10} {:>11} {:>13}", "spec", "scheme", "ms/step", "tok/s", "vs residual");
+    for r in rows {
+        let overhead = match r["overhead_pct"].as_f64() {
+            _ if r["baseline"].as_bool() == Some(true) => "baseline".into(),
+            Some(o) => format!("{o:+.1}%"),
+            None => "-".into(),
+        };
+        println!(
+            "{:<16} {:<9} {:>10.2} {:>11.0} {:>13}",
+            r["spec"].as_str().unwrap_or("?"),
+            r["scheme"].as_str().unwrap_or("?"),
+            r["ms_per_step"].as_f64().unwrap_or(f64::NAN),
+            r["tokens_per_s"].as_f64().unwrap_or(f64::NAN),
+            overhead
+        );
+    }
+}
