@@ -24,6 +24,12 @@ pub enum StepError {
     Exec(#[from] ExecError),
     #[error(transparent)]
     Autodiff(#[from] AutodiffError),
+    #[error("the compiled plan has parameter `{name}`, which the parameter set lacks")]
+    UnknownParam { name: String },
+    #[error(transparent)]
+    Cpu(Box<crate::device::cpu::CpuError>),
+    #[error(transparent)]
+    Cuda(Box<crate::device::cuda::CudaError>),
 }
 
 /// What the training loop and the sampler need from a device.

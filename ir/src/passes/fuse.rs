@@ -329,7 +329,9 @@ impl<'g> Analysis<'g> {
         match op {
             Op::CausalAttention { .. } => (Class::Heavy, "attention over all earlier tokens".into()),
             Op::CausalAttentionGrad { .. } => (Class::Heavy, "attention backward over all tokens".into()),
-            Op::SoftmaxCrossEntropy => (Class::Heavy, "cross-entropy over the vocabulary, reduced to a scalar".into()),
+            Op::SoftmaxCrossEntropy => {
+                (Class::Heavy, "cross-entropy over the vocabulary, reduced to a scalar".into())
+            }
             Op::MatMul { trans_a, trans_b } => self.classify_matmul(id, *trans_a, *trans_b),
             Op::Reduce { axis, .. } if t.is_token_axis(g, inputs[0], *axis) => {
                 (Class::Reduction, format!("sums axis {axis} of {}, a token axis", dims(g, inputs[0])))
@@ -373,29 +375,29 @@ impl<'g> Analysis<'g> {
         let k = g.node(a).shape.dims()[ka];
         let shapes = format!("{}x{}", dims(g, a), dims(g, b));
         if t.is_token_axis(g, a, ka) || t.is_token_axis(g, b, kb) {
-            return (Class::Reduction, format!("matmul {shapes} contracts over tokens (weight gradient): split-K"));
+            return (Class::Reduction, format!("{shapes} contracts over tokens (weight gradient): split-K"));
         }
         let r = g.node(id).shape.rank();
         if t.is_token_axis(g, id, r - 2) || t.is_token_axis(g, id, r - 1) {
-            return (Class::Heavy, format!("matmul {shapes}: token rows against a shared matrix (GEMM)"));
+            return (Class::Heavy, format!("{shapes}: token rows against a shared matrix (GEMM)"));
         }
         let per_token = (0..r - 2).any(|axis| t.is_token_axis(g, id, axis));
         let (ta, tb) = (t.is_token_shaped(g, a), t.is_token_shaped(g, b));
         if per_token && ta && tb {
-            return (Class::Local, format!("matmul {shapes}: per-token product of per-token operands, unrolled"));
+            return (Class::Local, format!("{shapes}: per-token product of per-token operands, unrolled"));
         }
         if per_token {
             let shared = stored(g, if ta { b } else { a });
             return if k <= SMALL_CONTRACTION && shared <= SMALL_SHARED_OPERAND {
-                (Class::Local, format!("matmul {shapes}: per-token contraction of {k} with a {shared}-element shared operand, unrolled"))
+                (Class::Local, format!("{shapes}: per-token contraction of {k} with a {shared}-element shared operand, unrolled"))
             } else {
-                (Class::Heavy, format!("matmul {shapes}: per-token contraction of {k} with a {shared}-element shared operand, too large to unroll"))
+                (Class::Heavy, format!("{shapes}: per-token contraction of {k} with a {shared}-element shared operand, too large to unroll"))
             };
         }
         if stored(g, a) <= SMALL_SHARED_OPERAND && stored(g, b) <= SMALL_SHARED_OPERAND {
-            (Class::Local, format!("matmul {shapes}: small token-free product"))
+            (Class::Local, format!("{shapes}: small token-free product"))
         } else {
-            (Class::Heavy, format!("matmul {shapes}: token-free product of large operands"))
+            (Class::Heavy, format!("{shapes}: token-free product of large operands"))
         }
     }
 }
@@ -524,7 +526,9 @@ fn cluster(a: &Analysis) -> Clusters {
                 let mut producers: Vec<(usize, bool)> = a.reads[p]
                     .iter()
                     .copied()
-                    .filter(|&(q, _)| a.class[q] == Class::Local && a.backward[q] == a.backward[p] && a.grid[q] == a.grid[p])
+                    .filter(|&(q, _)| {
+                        a.class[q] == Class::Local && a.backward[q] == a.backward[p] && a.grid[q] == a.grid[p]
+                    })
                     .collect();
                 producers.sort_by_key(|&(q, _)| (cl.of[q], q));
                 for (q, stencil) in producers {
@@ -561,8 +565,13 @@ fn cluster(a: &Analysis) -> Clusters {
             }
             Class::Reduction => {
                 for &(q, _) in &a.reads[p] {
-                    let chain = a.class[q] == Class::Reduction && a.backward[q] == a.backward[p] && a.users[q] == [p];
-                    if chain && cl.of[q] != cl.of[p] && !a.roots.contains(&q) && !cl.would_cycle(a, cl.of[p], cl.of[q]) {
+                    let chain =
+                        a.class[q] == Class::Reduction && a.backward[q] == a.backward[p] && a.users[q] == [p];
+                    if chain
+                        && cl.of[q] != cl.of[p]
+                        && !a.roots.contains(&q)
+                        && !cl.would_cycle(a, cl.of[p], cl.of[q])
+                    {
                         cl.merge(cl.of[p], cl.of[q]);
                     }
                 }
@@ -584,20 +593,18 @@ pub fn fuse(graph: &Graph, roots: &[NodeId]) -> Result<FusedGraph, FuseError> {
     let mut group_at: Vec<usize> = vec![usize::MAX; n];
     let mut cluster_group: HashMap<usize, usize> = HashMap::new();
     let mut count = 1;
-    for p in 0..n {
+    for (p, slot) in group_at.iter_mut().enumerate() {
         if !a.materialized[p] {
             continue;
         }
         if a.class[p] == Class::Source {
-            group_at[p] = 0;
+            *slot = 0;
             continue;
         }
-        let c = cl.of[p];
-        let g = *cluster_group.entry(c).or_insert_with(|| {
+        *slot = *cluster_group.entry(cl.of[p]).or_insert_with(|| {
             count += 1;
             count - 1
         });
-        group_at[p] = g;
     }
     // Views join their first consumer; views no consumer reads join their input's group.
     for p in 0..n {
@@ -630,7 +637,8 @@ pub fn fuse(graph: &Graph, roots: &[NodeId]) -> Result<FusedGraph, FuseError> {
 
 fn build_group(a: &Analysis, group_at: &[usize], gi: usize, ps: &[usize]) -> FusionGroup {
     let g = a.graph;
-    let compute: Vec<usize> = ps.iter().copied().filter(|&p| a.materialized[p] && a.class[p] != Class::Source).collect();
+    let compute: Vec<usize> =
+        ps.iter().copied().filter(|&p| a.materialized[p] && a.class[p] != Class::Source).collect();
     let mut inputs: BTreeSet<usize> = BTreeSet::new();
     for &p in &compute {
         inputs.extend(a.reads[p].iter().map(|&(q, _)| q).filter(|&q| group_at[q] != gi));
@@ -638,7 +646,9 @@ fn build_group(a: &Analysis, group_at: &[usize], gi: usize, ps: &[usize]) -> Fus
     let outputs: Vec<usize> = ps
         .iter()
         .copied()
-        .filter(|&p| a.materialized[p] && (a.roots.contains(&p) || a.users[p].iter().any(|&u| group_at[u] != gi)))
+        .filter(|&p| {
+            a.materialized[p] && (a.roots.contains(&p) || a.users[p].iter().any(|&u| group_at[u] != gi))
+        })
         .collect();
     let kind = match compute.first().map(|&p| a.class[p]) {
         None => GroupKind::Source,
@@ -648,9 +658,7 @@ fn build_group(a: &Analysis, group_at: &[usize], gi: usize, ps: &[usize]) -> Fus
     };
     let tokens = match kind {
         GroupKind::Source => 0,
-        GroupKind::TokenReduction => {
-            a.reads[compute[0]].iter().map(|&(q, _)| a.grid[q]).max().unwrap_or(1)
-        }
+        GroupKind::TokenReduction => a.reads[compute[0]].iter().map(|&(q, _)| a.grid[q]).max().unwrap_or(1),
         _ => compute.iter().map(|&p| a.grid[p]).max().unwrap_or(1),
     };
     let bytes = |ps: &mut dyn Iterator<Item = usize>| -> usize {
@@ -678,7 +686,11 @@ fn build_group(a: &Analysis, group_at: &[usize], gi: usize, ps: &[usize]) -> Fus
 }
 
 /// Kahn's algorithm on the group graph, lowest group id first.
-fn execution_order(groups: &[FusionGroup], a: &Analysis, group_at: &[usize]) -> Result<Vec<GroupId>, FuseError> {
+fn execution_order(
+    groups: &[FusionGroup],
+    a: &Analysis,
+    group_at: &[usize],
+) -> Result<Vec<GroupId>, FuseError> {
     let count = groups.len();
     let mut succ: Vec<BTreeSet<usize>> = vec![BTreeSet::new(); count];
     let mut indegree = vec![0usize; count];
@@ -716,7 +728,7 @@ fn describe(fused: &mut FusedGraph, a: &Analysis, cl: &Clusters, members: &[Vec<
         match fused.groups[gid.0].kind {
             GroupKind::Heavy(id) => format!("{} n{}", g.node(id).op.name(), id.index()),
             GroupKind::TokenReduction => format!("reduction {gid}"),
-            GroupKind::Source => "graph inputs".to_string(),
+            GroupKind::Source => "sources".to_string(),
             GroupKind::TokenLocal => format!("region {gid}"),
         }
     };
@@ -747,7 +759,10 @@ fn describe(fused: &mut FusedGraph, a: &Analysis, cl: &Clusters, members: &[Vec<
                 )
             }
             GroupKind::Heavy(id) => {
-                format!("n{} {}: {}: heavy op, own kernel ({io})", id.index(), g.node(id).op.name(), a.why[a.pos[&id]])
+                // MatMul reasons start with the operand shapes: `n42 matmul [..]x[..]: ...`.
+                let why = &a.why[a.pos[&id]];
+                let sep = if why.starts_with('[') { " " } else { ": " };
+                format!("n{} {}{sep}{why}: heavy op, own kernel ({io})", id.index(), g.node(id).op.name())
             }
             GroupKind::TokenReduction => {
                 let first = compute[0];
@@ -758,7 +773,8 @@ fn describe(fused: &mut FusedGraph, a: &Analysis, cl: &Clusters, members: &[Vec<
                     extra.push_str(&format!(", {reductions} chained reductions"));
                 }
                 if epilogue > 0 {
-                    extra.push_str(&format!(", {epilogue} token-free op(s) on the result in the final phase"));
+                    extra
+                        .push_str(&format!(", {epilogue} token-free op(s) on the result in the final phase"));
                 }
                 format!(
                     "{span} {} over {} tokens: {}; two-phase (per-block partials, then a final reduction){extra} ({io})",
@@ -784,8 +800,15 @@ fn describe(fused: &mut FusedGraph, a: &Analysis, cl: &Clusters, members: &[Vec<
                         after.insert("graph outputs".to_string());
                     }
                 }
-                let phase = if compute.first().is_some_and(|&p| a.backward[p]) { "backward" } else { "forward" };
-                let list = |s: BTreeSet<String>| if s.is_empty() { "nothing".to_string() } else { s.into_iter().collect::<Vec<_>>().join(", ") };
+                let phase =
+                    if compute.first().is_some_and(|&p| a.backward[p]) { "backward" } else { "forward" };
+                let list = |s: BTreeSet<String>| {
+                    if s.is_empty() {
+                        "nothing".to_string()
+                    } else {
+                        s.into_iter().collect::<Vec<_>>().join(", ")
+                    }
+                };
                 format!(
                     "{span} fused: {phase} token-local region of {} op(s) and {views} view(s) over {} tokens between {} and {} ({io})",
                     compute.len(),
@@ -853,7 +876,8 @@ impl FusedGraph {
                 }
             }
             if let GroupKind::Heavy(h) = group.kind {
-                let compute: Vec<&NodeId> = group.nodes.iter().filter(|&&id| !graph.node(id).op.is_view()).collect();
+                let compute: Vec<&NodeId> =
+                    group.nodes.iter().filter(|&&id| !graph.node(id).op.is_view()).collect();
                 if compute != [&h] {
                     return invalid(format!("heavy {} holds more than n{}", group.id, h.index()));
                 }
@@ -865,7 +889,11 @@ impl FusedGraph {
             }
             for &o in &group.outputs {
                 if self.group_of(o) != Some(group.id) {
-                    return invalid(format!("{} lists n{} as an output it does not compute", group.id, o.index()));
+                    return invalid(format!(
+                        "{} lists n{} as an output it does not compute",
+                        group.id,
+                        o.index()
+                    ));
                 }
             }
         }
@@ -885,9 +913,14 @@ impl FusedGraph {
         }
         for group in &self.groups {
             for &i in &group.inputs {
-                let producer = self.group_of(i).ok_or(FuseError::Invalid(format!("n{} has no group", i.index())))?;
+                let producer =
+                    self.group_of(i).ok_or(FuseError::Invalid(format!("n{} has no group", i.index())))?;
                 if !self.group(producer).outputs.contains(&i) {
-                    return invalid(format!("{} reads n{}, which {producer} does not output", group.id, i.index()));
+                    return invalid(format!(
+                        "{} reads n{}, which {producer} does not output",
+                        group.id,
+                        i.index()
+                    ));
                 }
                 if at[&producer] >= at[&group.id] {
                     return invalid(format!("{} runs before its producer {producer}", group.id));

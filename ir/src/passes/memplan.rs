@@ -70,9 +70,11 @@ pub fn memplan(graph: &Graph, fused: &FusedGraph, persistent: &[NodeId]) -> Resu
     let steps = fused.order.len();
     let step_of: HashMap<_, usize> = fused.order.iter().enumerate().map(|(i, &g)| (g, i)).collect();
     let produced: HashSet<NodeId> = fused.groups.iter().flat_map(|g| g.outputs.iter().copied()).collect();
-    let mut keep: Vec<NodeId> = graph.node_ids().into_iter().filter(|&id| graph.node(id).op.is_source()).collect();
+    let mut keep: Vec<NodeId> =
+        graph.node_ids().into_iter().filter(|&id| graph.node(id).op.is_source()).collect();
+    let sources: HashSet<NodeId> = keep.iter().copied().collect();
     for &id in persistent {
-        if !produced.contains(&id) && !(graph.g.contains_node(id) && graph.node(id).op.is_source()) {
+        if !produced.contains(&id) && !sources.contains(&id) {
             return Err(MemPlanError::NotMaterialized { node: id.index() });
         }
         keep.push(id);

@@ -17,8 +17,8 @@ pub mod simplify;
 pub mod tokens;
 
 pub use fuse::{
-    connection_traffic, fuse, fused_connection_traffic, FuseError, FusedGraph, FusionGroup, GroupCost, GroupId, GroupKind,
-    TrafficError,
+    connection_traffic, fuse, fused_connection_traffic, FuseError, FusedGraph, FusionGroup, GroupCost,
+    GroupId, GroupKind, TrafficError,
 };
 pub use memplan::{memplan, MemPlanError, MemoryPlan, Slot};
 pub use simplify::{simplify, SimplifyStats};

@@ -184,7 +184,10 @@ mod tests {
     #[test]
     fn reshape_marks_every_axis_covering_a_token_axis() {
         // [B, T, n*C] -> [B, T, n, C]: only B and T stay token axes.
-        assert_eq!(reshape_flags(&[2, 8, 64], &[true, true, false], &[2, 8, 4, 16]), [true, true, false, false]);
+        assert_eq!(
+            reshape_flags(&[2, 8, 64], &[true, true, false], &[2, 8, 4, 16]),
+            [true, true, false, false]
+        );
         // [B, T, D] -> [B*T, D]: the merged axis is a token axis.
         assert_eq!(reshape_flags(&[2, 8, 16], &[true, true, false], &[16, 16]), [true, false]);
         // [B*T, D] -> [1, B*T, D]: size-1 axes carry nothing.
@@ -195,7 +198,10 @@ mod tests {
 
     #[test]
     fn broadcasting_aligns_flags_from_the_right() {
-        assert_eq!(aligned_or(4, &[&[true, true, false, false], &[false, false]]), [true, true, false, false]);
+        assert_eq!(
+            aligned_or(4, &[&[true, true, false, false], &[false, false]]),
+            [true, true, false, false]
+        );
         assert_eq!(aligned_or(2, &[&[true, true, false]]), [true, false]);
     }
 }

@@ -3,10 +3,36 @@
 #![allow(dead_code)]
 
 use ir::autodiff::grad;
+use ir::graph::NodeId;
 use ir::lower::{lower, Lowered};
 use ir::spec::{load_spec, FfnSpec, ModelSpec};
-use ir::graph::NodeId;
 use std::path::PathBuf;
+
+/// SplitMix64, so failures reproduce.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Rng(seed)
+    }
+
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [-1, 1).
+    pub fn signed(&mut self) -> f64 {
+        2.0 * (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64 - 1.0
+    }
+
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n as u64) as usize
+    }
+}
 
 pub fn spec_files() -> Vec<PathBuf> {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../specs");

@@ -81,6 +81,9 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 use ir::DType;
 
+use crate::executor::{StepError, StepExecutor};
+use crate::params::ParamSet;
+
 /// The driver library names the message of [`CudaError::NoCudaDriver`] names.
 pub const DRIVER_LIBRARY: &str = "libcuda.so.1";
 
@@ -946,4 +949,111 @@ fn prepare(plan: &Plan, ptrs: &[sys::CUdeviceptr]) -> Result<Vec<Vec<Op>>, CudaE
         all.push(ops);
     }
     Ok(all)
+}
+
+/// The [`StepExecutor`] over a [`CudaDevice`], with the interface of the
+/// Cpu device's executor ([`super::executor::CpuExecutor`]): a `tokens`
+/// input, a `loss` output, an optional `logits` output and a gradient buffer
+/// per parameter. Parameters live on the host (the optimizer runs in Rust),
+/// so they are uploaded before every run; everything else stays resident.
+#[derive(Debug)]
+pub struct CudaExecutor {
+    device: CudaDevice,
+    tokens: BufferId,
+    loss: BufferId,
+    logits: Option<BufferId>,
+    /// `(name, parameter buffer)` of every parameter of the Plan.
+    params: Vec<(String, BufferId)>,
+    token_shape: [usize; 2],
+}
+
+impl CudaExecutor {
+    /// An executor over a loaded Plan whose `tokens` input has shape
+    /// `token_shape` (`[batch, seq_len + 1]`).
+    pub fn new(device: CudaDevice, token_shape: [usize; 2]) -> Result<CudaExecutor, StepError> {
+        let plan = device.plan();
+        let output = |name: &str| plan.find(&BufferRole::Output { name: name.into() });
+        let tokens = plan
+            .find(&BufferRole::Input { name: "tokens".into() })
+            .ok_or(StepError::MissingOutput { what: "`tokens` input buffer" })?;
+        let loss = output("loss").ok_or(StepError::MissingOutput { what: "loss" })?;
+        let params = plan
+            .buffers
+            .iter()
+            .filter_map(|b| match &b.role {
+                BufferRole::Param { name } => Some((name.clone(), b.id)),
+                _ => None,
+            })
+            .collect();
+        Ok(CudaExecutor { tokens, loss, logits: output("logits"), params, token_shape, device })
+    }
+
+    /// The underlying device (profiling, direct buffer access).
+    pub fn device_mut(&mut self) -> &mut CudaDevice {
+        &mut self.device
+    }
+
+    /// Uploads parameters and tokens, then queues one run of the Plan.
+    fn run(&mut self, params: &ParamSet, tokens: &[i32]) -> Result<(), StepError> {
+        let expected = self.token_shape[0] * self.token_shape[1];
+        if tokens.len() != expected {
+            return Err(StepError::TokenCount { got: tokens.len(), expected });
+        }
+        for (name, buffer) in &self.params {
+            let p = params.get(name).ok_or_else(|| StepError::UnknownParam { name: name.clone() })?;
+            self.device.write_f32(*buffer, &p.value)?;
+        }
+        self.device.write_i32(self.tokens, tokens)?;
+        Ok(self.device.run()?)
+    }
+
+    fn read_loss(&self) -> Result<f32, StepError> {
+        let loss = self.device.read_f32(self.loss)?;
+        loss.first().copied().ok_or(StepError::MissingOutput { what: "loss" })
+    }
+}
+
+impl StepExecutor for CudaExecutor {
+    fn device(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn token_shape(&self) -> [usize; 2] {
+        self.token_shape
+    }
+
+    fn loss_and_grads(
+        &mut self,
+        params: &ParamSet,
+        tokens: &[i32],
+    ) -> Result<(f32, Vec<Vec<f32>>), StepError> {
+        self.run(params, tokens)?;
+        let loss = self.read_loss()?;
+        let mut grads = Vec::with_capacity(params.len());
+        for p in params.iter() {
+            // A parameter the loss does not reach has no gradient buffer: its gradient is zero.
+            grads.push(match self.device.find(&BufferRole::Grad { name: p.name.clone() }) {
+                Some(g) => self.device.read_f32(g)?,
+                None => vec![0.0; p.value.len()],
+            });
+        }
+        Ok((loss, grads))
+    }
+
+    fn loss(&mut self, params: &ParamSet, tokens: &[i32]) -> Result<f32, StepError> {
+        self.run(params, tokens)?;
+        self.read_loss()
+    }
+
+    fn logits(&mut self, params: &ParamSet, tokens: &[i32]) -> Result<Vec<f32>, StepError> {
+        let logits = self.logits.ok_or(StepError::MissingOutput { what: "logits" })?;
+        self.run(params, tokens)?;
+        Ok(self.device.read_f32(logits)?)
+    }
+}
+
+impl From<CudaError> for StepError {
+    fn from(e: CudaError) -> StepError {
+        StepError::Cuda(Box::new(e))
+    }
 }

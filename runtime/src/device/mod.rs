@@ -3,7 +3,10 @@
 //! - [`cpu`]: the Cpu device: buffers in host memory, kernels compiled by the
 //!   system C compiler and run on a persistent thread pool, matrix products
 //!   through the `gemm` crate.
+//! - [`executor`]: the [`crate::executor::StepExecutor`] over a Cpu device,
+//!   which the training loop uses for `--device cpu`.
 
 pub mod cpu;
 pub mod cuda;
+pub mod executor;
 mod pool;

@@ -1,0 +1,552 @@
+//! Lowering of graph nodes into kernel IR (DESIGN.md §5, §6).
+//!
+//! A *fused kernel* runs a list of nodes over a 1-D grid of `n` items. Every
+//! value the kernel produces is split the same way: item `i` owns the flat
+//! elements `[i·per, (i+1)·per)` of it, where `per = numel / n` and `n` is a
+//! product of leading dimensions (for token-shaped values `[B, T, ..]`, one item
+//! is one token). Each op computes its item's part with loops; values used only
+//! inside the kernel live in per-item local arrays, the others are written to
+//! plan buffers. An operand produced by the same kernel may therefore only be
+//! read inside the reading item's part: [`itemize`] checks that rule op by op
+//! (and picks the largest `n` that satisfies it), so a partition that groups
+//! ops which cannot share items is split into several kernels instead of being
+//! miscompiled.
+//!
+//! Views (`Reshape`, `Permute`, `Broadcast`, `Slice`, `Concat`) are index math
+//! ([`Val`]): a consumer folds the whole view chain into its loads and a view
+//! is only copied when its value must exist in memory. `Constant`s are literals.
+//!
+//! Ops that need their own grid (attention and its gradient, the loss,
+//! temporal augmentation and its gradient) are lowered by [`standalone`].
+
+mod item;
+mod standalone;
+
+pub use standalone::lower_standalone;
+
+use std::cell::Cell;
+use std::collections::{HashMap, HashSet};
+
+use ir::graph::{Graph, Node, NodeId, Op};
+use ir::DType;
+use thiserror::Error;
+
+use crate::kernel::{f32, f64, i32, i64, item, select, Access, Block, Buf, Expr, Grid, Kernel, KernelBuilder, KernelError, Ty};
+
+/// Largest total length (elements) of the per-item local arrays of one fused
+/// kernel. Larger groups are split, so per-item scratch stays on the stack (C)
+/// or in local memory (CUDA).
+pub const LOCAL_LIMIT: usize = 16 * 1024;
+
+/// A buffer argument of a launch: a graph value, or a temporary owned by the
+/// lowering of one node (indexes [`Lowering::temps`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Arg {
+    Node(NodeId),
+    Temp(usize),
+}
+
+/// One kernel launch with its buffers, in parameter order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Launch {
+    pub kernel: Kernel,
+    pub args: Vec<Arg>,
+}
+
+/// The kernels that compute some nodes, in launch order, and the temporaries
+/// (length, dtype) they share.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Lowering {
+    pub launches: Vec<Launch>,
+    pub temps: Vec<(usize, DType)>,
+}
+
+/// Why nodes could not be lowered.
+#[derive(Debug, Clone, PartialEq, Error)]
+pub enum EmitError {
+    #[error("%{node} ({op}): {message}")]
+    Unsupported { node: usize, op: &'static str, message: String },
+    #[error(transparent)]
+    Kernel(#[from] KernelError),
+}
+
+impl EmitError {
+    pub(crate) fn at(node: NodeId, op: &Op, message: impl Into<String>) -> EmitError {
+        EmitError::Unsupported { node: node.index(), op: op.name(), message: message.into() }
+    }
+}
+
+/// An `i64` index literal.
+pub(crate) fn ix(v: usize) -> Expr {
+    i64(v as i64)
+}
+
+/// A float literal of type `ty`.
+pub(crate) fn lit(ty: Ty, v: f64) -> Expr {
+    match ty {
+        Ty::F64 => f64(v),
+        Ty::I32 => i32(v as i32),
+        Ty::I64 => i64(v as i64),
+        _ => f32(v as f32),
+    }
+}
+
+/// IEEE `maximum` as the reference executor computes it: `a` when `a` is NaN or
+/// `a >= b`, else `b` (NaN in either operand propagates). `a` and `b` must be
+/// cheap (variables or loads): they are evaluated twice.
+pub(crate) fn maximum(a: Expr, b: Expr) -> Expr {
+    select(a.clone().ne_(a.clone()).or(a.clone().ge(b.clone())), a, b)
+}
+
+/// Row-major strides of `dims`.
+pub(crate) fn strides(dims: &[usize]) -> Vec<usize> {
+    ir::Shape::new(dims).strides()
+}
+
+/// Fresh variable names for one kernel (the validator forbids shadowing).
+#[derive(Debug, Default)]
+pub(crate) struct Names(Cell<usize>);
+
+impl Names {
+    pub(crate) fn fresh(&self, prefix: &str) -> String {
+        let n = self.0.get();
+        self.0.set(n + 1);
+        format!("{prefix}{n}")
+    }
+}
+
+/// How a kernel reaches the elements of a value, by global flat index.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Val {
+    /// The whole value in a kernel parameter.
+    Buffer(Buf),
+    /// The current item's part (elements `[item·per, (item+1)·per)`) in a local array.
+    Local { arr: Buf, per: usize },
+    /// Every element is `value`.
+    Const { value: f64, ty: Ty },
+    /// Element `g` (row-major over `dims`) is element `base + Σ idx_d·strides_d` of `src`.
+    Strided { src: Box<Val>, dims: Vec<usize>, strides: Vec<usize>, base: usize },
+    /// Concatenation along one axis: `[outer, total, inner]`, part `p` holds `sizes[p]` of `total`.
+    Concat { parts: Vec<Val>, sizes: Vec<usize>, inner: usize, total: usize },
+}
+
+impl Val {
+    /// The element at global flat index `g` (an `i64` expression).
+    pub(crate) fn load(&self, g: Expr) -> Expr {
+        match self {
+            Val::Buffer(b) => b.at(g),
+            Val::Local { arr, per } => arr.at(g - item() * ix(*per)),
+            Val::Const { value, ty } => lit(*ty, *value),
+            Val::Strided { src, dims, strides: st, base } => src.load(strided_index(&g, dims, st, *base)),
+            Val::Concat { parts, sizes, inner, total } => {
+                let along = if *inner == 1 { g.clone() } else { g.clone() / ix(*inner) };
+                let along = along % ix(*total);
+                let outer = g.clone() / ix(total * inner);
+                let within = g % ix(*inner);
+                let mut offsets = Vec::with_capacity(parts.len());
+                let mut off = 0;
+                for s in sizes {
+                    offsets.push(off);
+                    off += s;
+                }
+                let at = |p: usize| {
+                    let a = along.clone() - ix(offsets[p]);
+                    (outer.clone() * ix(sizes[p]) + a) * ix(*inner) + within.clone()
+                };
+                let last = parts.len() - 1;
+                let mut e = parts[last].load(at(last));
+                for p in (0..last).rev() {
+                    e = select(along.clone().lt(ix(offsets[p] + sizes[p])), parts[p].load(at(p)), e);
+                }
+                e
+            }
+        }
+    }
+
+    /// The value viewed with a new shape that broadcasts it (NumPy rules) from `from` to `to`.
+    pub(crate) fn broadcast(self, from: &[usize], to: &[usize]) -> Val {
+        if from == to {
+            return self;
+        }
+        if from.iter().product::<usize>() == 1 {
+            return match self {
+                Val::Const { .. } => self,
+                other => Val::Strided { src: Box::new(other), dims: to.to_vec(), strides: vec![0; to.len()], base: 0 },
+            };
+        }
+        let st = strides(from);
+        let lead = to.len() - from.len();
+        let bst = (0..to.len())
+            .map(|i| if i < lead || from[i - lead] == 1 { 0 } else { st[i - lead] })
+            .collect();
+        Val::Strided { src: Box::new(self), dims: to.to_vec(), strides: bst, base: 0 }
+    }
+}
+
+/// `base + Σ_d ((g / inner_d) % dims_d) · strides_d`, skipping size-1 and
+/// zero-stride axes; the identity layout is `g` itself.
+fn strided_index(g: &Expr, dims: &[usize], st: &[usize], base: usize) -> Expr {
+    if base == 0 && st == strides(dims).as_slice() {
+        return g.clone();
+    }
+    let mut acc: Option<Expr> = (base != 0).then(|| ix(base));
+    let mut inner = 1;
+    for d in (0..dims.len()).rev() {
+        if dims[d] > 1 && st[d] != 0 {
+            let q = if inner == 1 { g.clone() } else { g.clone() / ix(inner) };
+            let c = if d == 0 { q } else { q % ix(dims[d]) };
+            let term = if st[d] == 1 { c } else { c * ix(st[d]) };
+            acc = Some(match acc {
+                Some(a) => a + term,
+                None => term,
+            });
+        }
+        inner *= dims[d];
+    }
+    acc.unwrap_or_else(|| ix(0))
+}
+
+/// The view a view op makes of its operands' values.
+pub(crate) fn view_of(op: &Op, in_dims: &[&[usize]], out_dims: &[usize], ins: Vec<Val>) -> Val {
+    let mut ins = ins;
+    match op {
+        Op::Reshape { .. } => ins.swap_remove(0),
+        Op::Permute { perm } => {
+            let st = strides(in_dims[0]);
+            let pst = perm.iter().map(|&p| st[p]).collect();
+            Val::Strided { src: Box::new(ins.swap_remove(0)), dims: out_dims.to_vec(), strides: pst, base: 0 }
+        }
+        Op::Broadcast { .. } => ins.swap_remove(0).broadcast(in_dims[0], out_dims),
+        Op::Slice { axis, start, .. } => {
+            let st = strides(in_dims[0]);
+            Val::Strided {
+                src: Box::new(ins.swap_remove(0)),
+                dims: out_dims.to_vec(),
+                strides: st,
+                base: start * st[*axis],
+            }
+        }
+        Op::Concat { axis } => {
+            let sizes = in_dims.iter().map(|d| d[*axis]).collect();
+            let inner = out_dims[axis + 1..].iter().product();
+            Val::Concat { parts: ins, sizes, inner, total: out_dims[*axis] }
+        }
+        _ => unreachable!("view_of is only called for view ops"),
+    }
+}
+
+/// Where an op writes its item's part.
+#[derive(Debug, Clone)]
+pub(crate) enum Sink {
+    Local { arr: Buf, per: usize },
+    Buffer(Buf),
+}
+
+impl Sink {
+    pub(crate) fn store(&self, b: &mut Block, g: Expr, v: Expr) {
+        match self {
+            Sink::Local { arr, per } => b.store(arr, g - item() * ix(*per), v),
+            Sink::Buffer(buf) => b.store(buf, g, v),
+        }
+    }
+
+    pub(crate) fn accum(&self, b: &mut Block, g: Expr, v: Expr) {
+        match self {
+            Sink::Local { arr, per } => b.accum(arr, g - item() * ix(*per), v),
+            Sink::Buffer(buf) => b.accum(buf, g, v),
+        }
+    }
+
+    pub(crate) fn val(&self) -> Val {
+        match self {
+            Sink::Local { arr, per } => Val::Local { arr: arr.clone(), per: *per },
+            Sink::Buffer(buf) => Val::Buffer(buf.clone()),
+        }
+    }
+}
+
+/// Ops lowered by [`standalone`]: each needs a grid of its own.
+pub fn is_standalone(op: &Op) -> bool {
+    matches!(
+        op,
+        Op::CausalAttention { .. }
+            | Op::CausalAttentionGrad { .. }
+            | Op::SoftmaxCrossEntropy
+            | Op::TemporalAugment { .. }
+            | Op::TemporalAugmentGrad { .. }
+    )
+}
+
+/// The smallest `k` with `dims[..k]` multiplying to `n`.
+fn item_rank(dims: &[usize], n: usize) -> Option<usize> {
+    let mut p = 1;
+    for k in 0..=dims.len() {
+        if p == n {
+            return Some(k);
+        }
+        if k < dims.len() {
+            p *= dims[k];
+        }
+    }
+    None
+}
+
+fn numel(dims: &[usize]) -> usize {
+    dims.iter().product()
+}
+
+/// Per-item scratch an op needs besides its output (elements).
+fn op_scratch(op: &Op, dims: &[usize]) -> usize {
+    let nn = dims.last().copied().unwrap_or(1).pow(2);
+    match op {
+        Op::Sinkhorn { .. } => nn,
+        Op::SinkhornGrad { iters, .. } => nn * (2 * iters + 2),
+        _ => 0,
+    }
+}
+
+/// Whether `node`, computed in a kernel of `n` items, may read its operands
+/// that the same kernel produces (`restricted[slot]`) inside its own item, and
+/// whether its own output splits into `n` items the way the op computes it.
+fn item_ok(graph: &Graph, id: NodeId, n: usize, restricted: &[bool], materialized_view: bool) -> bool {
+    let node = graph.node(id);
+    let o = node.shape.dims();
+    let inputs = graph.inputs(id);
+    let in_dims: Vec<&[usize]> = inputs.iter().map(|&i| graph.node(i).shape.dims()).collect();
+    if !numel(o).is_multiple_of(n) {
+        return false;
+    }
+    let any_restricted = restricted.iter().any(|&r| r);
+    let view = node.op.is_view();
+    let own_rank = item_rank(o, n);
+    if !view || materialized_view {
+        let Some(k) = own_rank else { return false };
+        let rank = o.len();
+        let own = match &node.op {
+            Op::Softmax
+            | Op::RmsNorm { .. }
+            | Op::LayerNorm { .. }
+            | Op::GroupNorm { .. }
+            | Op::NormProject { .. }
+            | Op::TopK { .. } => k < rank || rank == 0,
+            Op::Sinkhorn { .. } | Op::SinkhornGrad { .. } => k + 2 <= rank,
+            Op::ScatterAdd { axis } | Op::ScatterRows { axis } => k <= *axis,
+            op => !is_standalone(op),
+        };
+        if !own {
+            return false;
+        }
+    }
+    if !any_restricted {
+        return true;
+    }
+    let Some(k) = own_rank else {
+        // Only a reshape keeps flat indices; other restricted views need item axes.
+        return matches!(node.op, Op::Reshape { .. });
+    };
+    let bcast_ok = |x: &[usize]| {
+        let lead = o.len().saturating_sub(x.len());
+        (0..k).all(|d| o[d] == 1 || (d >= lead && x[d - lead] == o[d]))
+    };
+    let per = numel(o) / n;
+    match &node.op {
+        Op::Unary(_) | Op::Affine { .. } | Op::Binary(_) | Op::Broadcast { .. } => {
+            inputs.iter().enumerate().all(|(s, _)| !restricted[s] || bcast_ok(in_dims[s]))
+        }
+        Op::Reshape { .. } => true,
+        Op::Permute { perm } => (0..k).all(|d| o[d] == 1 || perm[d] == d),
+        Op::Slice { axis, .. } | Op::Concat { axis } => *axis >= k,
+        Op::Reduce { axis, .. } => per.is_multiple_of(numel(&in_dims[0][axis + 1..]).max(1)),
+        Op::Softmax | Op::RmsNorm { .. } | Op::LayerNorm { .. } | Op::GroupNorm { .. } | Op::TopK { .. } => {
+            !restricted[1..].iter().any(|&r| r)
+        }
+        Op::NormProject { .. } => !restricted[1],
+        Op::MatMul { trans_a, .. } => {
+            let (m, nn) = (o[o.len() - 2], o[o.len() - 1]);
+            let batch = numel(&o[..o.len() - 2]);
+            let whole = per.is_multiple_of(m * nn);
+            let rows = per.is_multiple_of(nn) && (m * nn).is_multiple_of(per);
+            (0..2).all(|s| {
+                if !restricted[s] {
+                    return true;
+                }
+                let x = in_dims[s];
+                let xb = numel(&x[..x.len() - 2]);
+                if xb != batch {
+                    return false;
+                }
+                whole || (rows && s == 0 && !trans_a)
+            })
+        }
+        Op::Gather { .. } | Op::ScatterAdd { .. } | Op::ScatterRows { .. } => true,
+        Op::Sinkhorn { .. } | Op::SinkhornGrad { .. } => true,
+        _ => false,
+    }
+}
+
+/// Which values a kernel's nodes need in memory, and how nodes outside it are read.
+pub trait Residency {
+    /// Whether node `id` has a plan buffer (it is read by another step, or it is a
+    /// parameter, input, graph output or gradient).
+    fn has_buffer(&self, id: NodeId) -> bool;
+}
+
+/// The item count of a kernel computing `nodes` (in topological order), or
+/// `None` when no split into items lets every op read its in-kernel operands
+/// inside its own item (or the per-item scratch would exceed [`LOCAL_LIMIT`]).
+/// Larger counts are preferred (more parallelism).
+pub fn itemize(graph: &Graph, nodes: &[NodeId], res: &dyn Residency) -> Option<usize> {
+    if nodes.iter().any(|&id| is_standalone(&graph.node(id).op)) {
+        return None;
+    }
+    let inside: HashSet<NodeId> = nodes.iter().copied().collect();
+    let mut candidates: Vec<usize> = Vec::new();
+    for &id in nodes {
+        let node = graph.node(id);
+        if node.op.is_view() && !res.has_buffer(id) {
+            continue;
+        }
+        let mut p = 1;
+        candidates.push(1);
+        for &d in node.shape.dims() {
+            p *= d;
+            candidates.push(p);
+        }
+    }
+    candidates.sort_unstable_by(|a, b| b.cmp(a));
+    candidates.dedup();
+    'candidate: for n in candidates.into_iter().filter(|&n| n > 0) {
+        let mut local = 0;
+        let mut restricted: HashMap<NodeId, bool> = HashMap::new();
+        for &id in nodes {
+            let node = graph.node(id);
+            if matches!(node.op, Op::Constant { .. }) && !res.has_buffer(id) {
+                restricted.insert(id, false);
+                continue;
+            }
+            if node.op.is_source() {
+                continue 'candidate;
+            }
+            let slots: Vec<bool> = graph
+                .inputs(id)
+                .iter()
+                .map(|i| inside.contains(i) && restricted.get(i).copied().unwrap_or(false))
+                .collect();
+            let materialized_view = node.op.is_view() && res.has_buffer(id);
+            if !item_ok(graph, id, n, &slots, materialized_view) {
+                continue 'candidate;
+            }
+            let is_virtual_view = node.op.is_view() && !materialized_view;
+            restricted.insert(id, !is_virtual_view || slots.iter().any(|&r| r));
+            if !is_virtual_view {
+                let per = node.shape.numel() / n;
+                if !res.has_buffer(id) {
+                    local += per;
+                }
+                local += op_scratch(&node.op, node.shape.dims());
+            }
+        }
+        if local <= LOCAL_LIMIT {
+            return Some(n);
+        }
+    }
+    None
+}
+
+/// The kernel parameter name of a graph value.
+pub(crate) fn param_name(id: NodeId) -> String {
+    format!("n{}", id.index())
+}
+
+/// Reads the values a kernel does not produce: materialized nodes become buffer
+/// parameters (declared on first use), views fold over them, constants inline.
+pub(crate) struct Reader<'g> {
+    pub graph: &'g Graph,
+    pub res: &'g dyn Residency,
+    pub vals: HashMap<NodeId, Val>,
+    pub args: Vec<Arg>,
+    declared: HashMap<NodeId, Buf>,
+}
+
+impl<'g> Reader<'g> {
+    pub(crate) fn new(graph: &'g Graph, res: &'g dyn Residency) -> Self {
+        Reader { graph, res, vals: HashMap::new(), args: Vec::new(), declared: HashMap::new() }
+    }
+
+    /// Declares (once) the buffer parameter holding node `id`.
+    pub(crate) fn buffer(&mut self, k: &mut KernelBuilder, id: NodeId, access: Access) -> Buf {
+        if let Some(b) = self.declared.get(&id) {
+            return b.clone();
+        }
+        let node = self.graph.node(id);
+        let b = k.param(&param_name(id), node.dtype, access, node.shape.numel());
+        self.args.push(Arg::Node(id));
+        self.declared.insert(id, b.clone());
+        b
+    }
+
+    /// How the kernel reads node `id`.
+    pub(crate) fn read(&mut self, k: &mut KernelBuilder, id: NodeId) -> Val {
+        if let Some(v) = self.vals.get(&id) {
+            return v.clone();
+        }
+        let node: &Node = self.graph.node(id);
+        let v = match &node.op {
+            Op::Constant { value } if !self.res.has_buffer(id) => {
+                Val::Const { value: *value, ty: Ty::of_storage(node.dtype) }
+            }
+            op if op.is_view() && !self.res.has_buffer(id) => {
+                let inputs = self.graph.inputs(id);
+                let ins: Vec<Val> = inputs.iter().map(|&i| self.read(k, i)).collect();
+                let dims: Vec<&[usize]> = inputs.iter().map(|&i| self.graph.node(i).shape.dims()).collect();
+                view_of(op, &dims, node.shape.dims(), ins)
+            }
+            _ => Val::Buffer(self.buffer(k, id, Access::Read)),
+        };
+        self.vals.insert(id, v.clone());
+        v
+    }
+}
+
+/// Lowers `nodes` (topological order, none standalone) into one thread-per-item
+/// kernel of `n` items named `name`. Nodes with a buffer are written to it; the
+/// others live in per-item local arrays.
+pub fn lower_fused(
+    graph: &Graph,
+    nodes: &[NodeId],
+    n: usize,
+    res: &dyn Residency,
+    name: &str,
+) -> Result<Launch, EmitError> {
+    let mut k = KernelBuilder::new(name, Grid::thread_per_item(n));
+    let mut r = Reader::new(graph, res);
+    let names = Names::default();
+    let inside: HashSet<NodeId> = nodes.iter().copied().collect();
+    for &id in nodes {
+        let node = graph.node(id);
+        let materialize = res.has_buffer(id);
+        if !materialize && (node.op.is_view() || matches!(node.op, Op::Constant { .. })) {
+            continue; // read lazily by its consumers
+        }
+        let inputs = graph.inputs(id);
+        let ins: Vec<Val> = inputs.iter().map(|&i| r.read(&mut k, i)).collect();
+        let in_dims: Vec<&[usize]> = inputs.iter().map(|&i| graph.node(i).shape.dims()).collect();
+        let per = node.shape.numel() / n;
+        let sink = if materialize {
+            // Read back by a later op of this kernel, or accumulated into.
+            let read_back = matches!(node.op, Op::ScatterAdd { .. })
+                || graph.users(id).iter().any(|(u, _)| inside.contains(u));
+            let access = if read_back { Access::ReadWrite } else { Access::Write };
+            Sink::Buffer(r.buffer(&mut k, id, access))
+        } else {
+            let arr = k.local_array(&format!("v{}", id.index()), Ty::of_storage(node.dtype), per.max(1));
+            Sink::Local { arr, per }
+        };
+        let cx = item::ItemOp { names: &names, id, node, in_dims: &in_dims, ins: &ins, sink: &sink, per };
+        item::emit(&mut k, &cx)?;
+        r.vals.insert(id, sink.val());
+    }
+    let kernel = k.finish();
+    kernel.validate()?;
+    Ok(Launch { kernel, args: r.args })
+}

@@ -1,0 +1,249 @@
+//! `passes::fuse` on every spec's training graph and on small hand-built graphs:
+//! a valid partition, heavy ops alone, token-local regions fused, and the fused
+//! connection traffic against MATH.md §4.7 and the unfused count.
+
+mod passes_util;
+
+use ir::cost::count_spec;
+use ir::graph::{BinaryOp, Graph, Init, NodeId, Op, ParamClass, ParamInfo, Region, UnaryOp};
+use ir::passes::{fuse, fused_connection_traffic, simplify, FusedGraph, GroupKind};
+use ir::spec::ResidualSpec;
+use ir::{DType, Shape};
+use passes_util::{load, name, spec_files, training_graph};
+use std::collections::HashMap;
+
+fn fused_training_graph(path: &std::path::Path) -> (Graph, Vec<NodeId>, FusedGraph) {
+    let spec = load(path);
+    let (mut lowered, pairs) = training_graph(&spec, 2, 8);
+    let grads: Vec<NodeId> = pairs.iter().map(|&(_, g)| g).collect();
+    simplify(&mut lowered.graph, &grads);
+    let fused = fuse(&lowered.graph, &grads).unwrap_or_else(|e| panic!("{}: {e}", name(path)));
+    (lowered.graph, grads, fused)
+}
+
+#[test]
+fn every_spec_partitions_into_valid_fused_groups() {
+    for path in spec_files() {
+        let (g, grads, fused) = fused_training_graph(&path);
+        let spec = name(&path);
+        fused.check(&g).unwrap_or_else(|e| panic!("{spec}: {e}"));
+
+        // Every node in exactly one group; MatMuls and reductions never duplicated.
+        let mut seen: HashMap<NodeId, usize> = HashMap::new();
+        for group in &fused.groups {
+            for &id in &group.nodes {
+                *seen.entry(id).or_default() += 1;
+            }
+        }
+        for id in g.node_ids() {
+            assert_eq!(seen.get(&id), Some(&1), "{spec}: n{} ({})", id.index(), g.node(id).op.name());
+        }
+
+        // Groups in `order` come after every group they read from.
+        let at: HashMap<_, usize> = fused.order.iter().enumerate().map(|(i, &gid)| (gid, i)).collect();
+        assert_eq!(at.len(), fused.groups.len());
+        for group in &fused.groups {
+            for &input in &group.inputs {
+                let producer = fused.group_of(input).expect("input has a group");
+                assert!(at[&producer] < at[&group.id], "{spec}: {} runs before {producer}", group.id);
+            }
+        }
+
+        for group in &fused.groups {
+            let compute: Vec<NodeId> = group
+                .nodes
+                .iter()
+                .copied()
+                .filter(|&id| !g.node(id).op.is_view() && !g.node(id).op.is_source())
+                .collect();
+            match group.kind {
+                GroupKind::Heavy(h) => {
+                    assert_eq!(compute, [h], "{spec}: {} must hold only its heavy op", group.id);
+                    assert!(g.node(h).op.is_heavy());
+                }
+                GroupKind::TokenLocal => {
+                    // One phase and one token count per kernel.
+                    let backward: Vec<bool> =
+                        compute.iter().map(|&id| g.node(id).role.region == Region::Backward).collect();
+                    assert!(
+                        backward.iter().all(|&b| b == backward[0]),
+                        "{spec}: {} mixes forward and backward",
+                        group.id
+                    );
+                    let axes = fused.token_axes();
+                    for &id in &compute {
+                        assert_eq!(axes.extent(&g, id), group.tokens, "{spec}: {} n{}", group.id, id.index());
+                    }
+                }
+                GroupKind::TokenReduction => assert!(!compute.is_empty()),
+                GroupKind::Source => assert!(compute.is_empty()),
+            }
+        }
+        // Attention, its gradient and the loss are heavy wherever they occur.
+        for id in g.node_ids() {
+            if matches!(
+                g.node(id).op,
+                Op::CausalAttention { .. } | Op::CausalAttentionGrad { .. } | Op::SoftmaxCrossEntropy
+            ) {
+                let gid = fused.group_of(id).expect("grouped");
+                assert_eq!(fused.group(gid).kind, GroupKind::Heavy(id), "{spec}: n{}", id.index());
+            }
+        }
+        // Gradients are outputs of the groups that compute them.
+        for gr in &grads {
+            let gid = fused.group_of(*gr).expect("grouped");
+            assert!(
+                fused.group(gid).outputs.contains(gr),
+                "{spec}: gradient n{} is not an output",
+                gr.index()
+            );
+        }
+        // The partition is much coarser than the graph (the plain residual, mostly
+        // GEMMs, is the least fusible spec).
+        assert!(
+            3 * fused.groups.len() < g.node_count(),
+            "{spec}: {} groups for {} nodes",
+            fused.groups.len(),
+            g.node_count()
+        );
+        // explain() has one line per group, each with its reason.
+        let text = fused.explain();
+        assert_eq!(text.lines().count(), fused.groups.len());
+        for group in &fused.groups {
+            assert!(!group.reason.is_empty());
+            assert!(text.contains(&format!("{} ", group.id)), "{spec}: explain() misses {}", group.id);
+        }
+    }
+}
+
+#[test]
+fn temporal_augment_never_reads_its_own_group() {
+    let path = spec_files().into_iter().find(|p| name(p) == "xhc").expect("specs/xhc.ron");
+    let (g, _, fused) = fused_training_graph(&path);
+    let mut checked = 0;
+    for id in g.node_ids() {
+        let stencil: &[usize] = match g.node(id).op {
+            Op::TemporalAugment { .. } => &[0],
+            Op::TemporalAugmentGrad { wrt: 0, .. } => &[0, usize::MAX],
+            _ => continue,
+        };
+        let inputs = g.inputs(id);
+        for &slot in stencil {
+            // The values behind the operand's views: what the kernel really reads.
+            let mut stack = vec![inputs[slot.min(inputs.len() - 1)]];
+            while let Some(x) = stack.pop() {
+                if g.node(x).op.is_view() {
+                    stack.extend(g.inputs(x));
+                    continue;
+                }
+                assert_ne!(
+                    fused.group_of(x),
+                    fused.group_of(id),
+                    "n{} reads n{} at other tokens",
+                    id.index(),
+                    x.index()
+                );
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked > 0, "xhc has no temporal augmentation");
+}
+
+fn param(g: &mut Graph, name: &str, dims: &[usize]) -> NodeId {
+    let info = ParamInfo { name: name.into(), init: Init::Zeros, class: ParamClass::Hidden };
+    g.add_source(Op::Param(info), Shape::new(dims), DType::F32, None)
+}
+
+fn input(g: &mut Graph, name: &str, dims: &[usize]) -> NodeId {
+    g.add_source(Op::Input { name: name.into() }, Shape::new(dims), DType::F32, None)
+}
+
+#[test]
+fn small_per_token_contractions_fuse_and_projections_stay_heavy() {
+    let mut g = Graph::new();
+    let state = input(&mut g, "state", &[2, 8, 4, 16]);
+    let coef = input(&mut g, "coef", &[2, 8, 1, 4]);
+    let w = param(&mut g, "w", &[16, 16]);
+    let mm = |g: &mut Graph, a, b, ta| g.add(Op::MatMul { trans_a: ta, trans_b: false }, &[a, b]).unwrap();
+    let read = mm(&mut g, coef, state, false); // [2, 8, 1, 16]: per-token read
+    let u = g.add(Op::Reshape { shape: vec![2, 8, 16] }, &[read]).unwrap();
+    let a = g.add(Op::Unary(UnaryOp::Tanh), &[u]).unwrap();
+    let h = mm(&mut g, a, w, false); // token rows @ shared matrix: a GEMM
+    let s = g.add(Op::Binary(BinaryOp::Add), &[a, h]).unwrap();
+    let dw = mm(&mut g, a, s, true); // contracts over T: a weight gradient
+    g.set_output("s", s);
+    g.set_output("dw", dw);
+    let fused = fuse(&g, &[]).unwrap();
+    fused.check(&g).unwrap();
+    let kind = |id| fused.group(fused.group_of(id).unwrap()).kind;
+    assert_eq!(kind(read), GroupKind::TokenLocal);
+    assert_eq!(fused.group_of(read), fused.group_of(a), "the read and the tanh are one kernel");
+    assert_eq!(kind(h), GroupKind::Heavy(h));
+    assert_eq!(kind(dw), GroupKind::TokenReduction);
+    // `s` reads `a` and the GEMM of `a`: fusing it with `a` would make a cycle.
+    assert_ne!(fused.group_of(s), fused.group_of(a));
+    assert!(fused.group(fused.group_of(s).unwrap()).kind == GroupKind::TokenLocal);
+    let reason = &fused.group(fused.group_of(s).unwrap()).reason;
+    assert!(reason.contains("both feed and consume"), "{reason}");
+    // The region's internal value `u`/`read` never leaves the kernel; `a` does (the GEMM reads it).
+    let region = fused.group(fused.group_of(a).unwrap());
+    assert_eq!(region.outputs, vec![a]);
+    assert_eq!(region.inputs, vec![state, coef]);
+}
+
+#[test]
+fn stencil_input_comes_from_an_earlier_group() {
+    let mut g = Graph::new();
+    let x = input(&mut g, "x", &[2, 8, 16]);
+    let k = param(&mut g, "k", &[3, 16]);
+    let y = g.add(Op::Unary(UnaryOp::Tanh), &[x]).unwrap();
+    let aug = g.add(Op::TemporalAugment { gram_schmidt: false, eps_rel: 1e-6 }, &[y, k]).unwrap();
+    let z = g.add(Op::Unary(UnaryOp::Exp), &[aug]).unwrap();
+    g.set_output("z", z);
+    let fused = fuse(&g, &[]).unwrap();
+    fused.check(&g).unwrap();
+    assert_ne!(fused.group_of(y), fused.group_of(aug));
+    assert_eq!(fused.group_of(aug), fused.group_of(z));
+    assert!(fused.group(fused.group_of(aug).unwrap()).reason.contains("stencil"));
+}
+
+/// MATH.md §4.7: fused mHC reads at most (3n+1)C and writes (n+1)C per sublayer (plus
+/// the n² + 2n coefficient elements of the paper's unfused accounting).
+#[test]
+fn mhc_fused_connection_traffic_meets_the_paper_bound() {
+    let path = spec_files().into_iter().find(|p| name(p) == "mhc").expect("specs/mhc.ron");
+    let spec = load(&path);
+    let ResidualSpec::Mhc(m) = &spec.residual else { panic!("mhc.ron is not mHC") };
+    assert_eq!(m.n, 4);
+    let n = m.n as f64;
+    let coef = (n * n + 2.0 * n) / spec.d_model as f64;
+    let (read, write) = fused_connection_traffic(&spec).unwrap();
+    assert!(read <= 3.0 * n + 1.0, "fused read {read} C > (3n+1)C");
+    assert!(write <= n + 1.0 + coef, "fused write {write} C > (n+1)C + n²+2n");
+    let (unfused_read, unfused_write) = count_spec(&spec).unwrap().traffic_per_sublayer();
+    assert!(read < unfused_read && write < unfused_write);
+    // The state itself must be read and written at least once per sublayer.
+    assert!(read >= n && write >= n, "({read}, {write}) is below one pass over the state");
+}
+
+#[test]
+fn ghc_and_xhc_fused_traffic_is_below_unfused() {
+    let mut checked = 0;
+    for path in spec_files() {
+        let spec = load(&path);
+        if !matches!(spec.residual, ResidualSpec::Ghc(_) | ResidualSpec::Xhc(_)) {
+            continue;
+        }
+        let (read, write) = fused_connection_traffic(&spec).unwrap();
+        let (unfused_read, unfused_write) = count_spec(&spec).unwrap().traffic_per_sublayer();
+        assert!(
+            read < unfused_read && write < unfused_write,
+            "{}: fused ({read}, {write}) vs unfused ({unfused_read}, {unfused_write})",
+            name(&path)
+        );
+        assert!(read > 0.0 && write > 0.0, "{}: no connection group found", name(&path));
+        checked += 1;
+    }
+    assert!(checked >= 3, "expected GHC and xHC specs in specs/");
+}

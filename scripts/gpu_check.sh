@@ -1,0 +1,197 @@
+#!/usr/bin/env bash
+# GPU check (DESIGN.md §9 item 6, §10): one prepared run on a CUDA machine
+# with no Rust toolchain and no network. Results go to $OUT as JSON + logs.
+#
+# Usage
+#   1. On the build machine (x86-64, glibc <= the GPU image's), from the
+#      repository root:
+#        scripts/gpu_check.sh prepare
+#      which runs
+#        cargo build --release --bin widen
+#        cargo test --release --no-run -p widen-runtime --test cuda_device
+#      and copies target/release/widen and the cuda_device test executable
+#      into gpu-bin/ (ignored locally through .git/info/exclude, so it never
+#      shows up in commits). Carry that one folder to the GPU machine.
+#   2. On the GPU machine, from the repository root (specs/ must be there):
+#        OUT=/some/dir scripts/gpu_check.sh
+#      Budget: under 5 minutes; every section has its own timeout.
+#
+# Sections and what each needs
+#   env        nvidia-smi, the libraries found (libcuda, libcublas, libnvrtc).
+#   device     gpu-bin/cuda_device: the Cuda device on a hand-built Plan
+#              (thread-per-item and block-per-item kernels, arena scratch,
+#              constants, zero steps, every GEMM layout incl. broadcast and
+#              accumulate) against an f64 host reference, per-step profiling,
+#              and the device-to-device copy bandwidth.
+#   parity     CUDA vs reference for every spec in specs/ (forward, every
+#              gradient, 5 optimizer steps). NEEDS `widen parity`, which
+#              exists only once graph -> Plan compilation is wired into the
+#              CLI; until then the section records "unavailable".
+#   bench      `widen bench --device cuda` on a GPT-2-small backbone (D=768,
+#              L=12, 12 heads, T=1024) for residual, mhc, vwn-r4, xhc, each
+#              against its plain-residual baseline (bench pairs them itself).
+#              NEEDS `--device cuda` in `widen bench`; else "unavailable".
+#   kernels    per fused connection kernel: achieved bytes/s against the
+#              measured copy bandwidth. NEEDS `widen bench --profile-kernels`
+#              (CudaDevice::profile over a compiled Plan); else "unavailable".
+#
+# Files under $OUT (at most 8): summary.json, env.txt, cuda_device.log,
+# parity.json, bench.json, kernels.json, gpu_check.log.
+
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+BIN=gpu-bin
+
+if [[ "${1:-}" == "prepare" ]]; then
+    set -e
+    cargo build --release --bin widen
+    test_exe=$(cargo test --release --no-run -p widen-runtime --test cuda_device 2>&1 \
+        | sed -n 's/.*(\(target\/release\/deps\/cuda_device-[0-9a-f]*\)).*/\1/p' | tail -n 1)
+    [[ -n "$test_exe" && -x "$test_exe" ]] || { echo "cuda_device test executable not found" >&2; exit 1; }
+    mkdir -p "$BIN"
+    cp target/release/widen "$BIN/widen"
+    cp "$test_exe" "$BIN/cuda_device"
+    grep -qx '/gpu-bin/' .git/info/exclude 2>/dev/null || echo '/gpu-bin/' >> .git/info/exclude
+    du -sh "$BIN"
+    exit 0
+fi
+
+OUT=${OUT:?set OUT to the folder for results}
+mkdir -p "$OUT"
+LOG="$OUT/gpu_check.log"
+: > "$LOG"
+log() { echo "[$(date +%T)] $*" | tee -a "$LOG"; }
+
+# ---------------------------------------------------------------- libraries
+# libcuda comes with the driver; cuBLAS and NVRTC 13 from the CUDA toolkit or
+# the pip wheels (nvidia-cublas, nvidia-cuda-nvrtc) of the image's python.
+# The loader must see them before our processes start (codegen::nvrtc, cudarc).
+lib_dirs=()
+for d in /usr/local/nvidia/lib64 /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
+    [[ -d "$d" ]] && lib_dirs+=("$d")
+done
+py_dirs=$(python3 - <<'EOF' 2>/dev/null
+import glob, os, site
+roots = site.getsitepackages() + [site.getusersitepackages()]
+for root in roots:
+    for pat in ("nvidia/cu13/lib", "nvidia/*/lib"):
+        for d in glob.glob(os.path.join(root, pat)):
+            if glob.glob(os.path.join(d, "libcublas.so.13*")) or glob.glob(os.path.join(d, "libnvrtc.so.13*")):
+                print(d)
+EOF
+)
+while IFS= read -r d; do [[ -n "$d" ]] && lib_dirs+=("$d"); done <<< "$py_dirs"
+LD_LIBRARY_PATH="$(IFS=:; echo "${lib_dirs[*]}")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export LD_LIBRARY_PATH
+
+find_lib() {
+    local name=$1 d
+    for d in "${lib_dirs[@]}"; do
+        [[ -e "$d/$name" ]] && { echo "$d/$name"; return; }
+    done
+    ldconfig -p 2>/dev/null | awk -v n="$name" '$1 == n { print $NF; exit }'
+}
+
+# ---------------------------------------------------------------- env
+log "env"
+{
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>&1
+    echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+    for l in libcuda.so.1 libcublas.so.13 libcublasLt.so.13 libnvrtc.so.13; do
+        echo "$l: $(find_lib $l)"
+    done
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt" | tee -a "$LOG"
+
+status_device=missing
+status_parity=unavailable
+status_bench=unavailable
+status_kernels=unavailable
+
+# ---------------------------------------------------------------- device
+if [[ -x "$BIN/cuda_device" ]]; then
+    log "device: $BIN/cuda_device"
+    if timeout 120 "$BIN/cuda_device" --test-threads=1 > "$OUT/cuda_device.log" 2>&1; then
+        status_device=passed
+    else
+        status_device="failed (exit $?)"
+    fi
+    tail -n 5 "$OUT/cuda_device.log" | tee -a "$LOG"
+    # Without a driver the gpu_* tests pass vacuously; make that visible.
+    [[ -z "$(find_lib libcuda.so.1)" ]] && status_device="$status_device, but no libcuda: GPU tests skipped"
+else
+    log "device: $BIN/cuda_device missing (run 'scripts/gpu_check.sh prepare' and carry $BIN)"
+fi
+
+WIDEN="$BIN/widen"
+has_widen() { [[ -x "$WIDEN" ]]; }
+
+# ---------------------------------------------------------------- parity
+# Expected interface: `widen parity SPEC --device cuda` prints one JSON
+# object and exits non-zero when a value is out of tolerance.
+if has_widen && "$WIDEN" parity --help > /dev/null 2>&1; then
+    log "parity: every spec in specs/"
+    records=()
+    failed=0
+    for spec in specs/*.ron; do
+        record=$(timeout 60 "$WIDEN" parity "$spec" --device cuda 2>> "$LOG")
+        code=$?
+        [[ $code == 0 ]] || failed=$((failed + 1))
+        records+=("{\"spec\": \"$spec\", \"exit\": $code, \"result\": ${record:-null}}")
+    done
+    (IFS=,; echo "[${records[*]}]") > "$OUT/parity.json"
+    status_parity="ran, $failed spec(s) failed"
+else
+    log "parity: unavailable (this widen build has no 'parity' subcommand)"
+fi
+
+# ---------------------------------------------------------------- bench
+GPT2=(--d-model 768 --layers 12 --heads 12 --seq-len 1024 --batch 8)
+BENCH_SPECS=(specs/residual.ron specs/mhc.ron specs/vwn-r4.ron specs/xhc.ron)
+if has_widen && "$WIDEN" bench --help 2>/dev/null | grep -q cuda; then
+    log "bench: ${BENCH_SPECS[*]} at ${GPT2[*]}"
+    if timeout 150 "$WIDEN" bench "${BENCH_SPECS[@]}" --device cuda "${GPT2[@]}" --steps 5 --warmup 2 \
+        --json "$OUT/bench.json" >> "$LOG" 2>&1; then
+        status_bench=ran
+    else
+        status_bench="failed (exit $?)"
+    fi
+else
+    log "bench: unavailable (this widen build's bench has no --device cuda)"
+fi
+
+# ---------------------------------------------------------------- kernels
+if has_widen && "$WIDEN" bench --help 2>/dev/null | grep -q -- --profile-kernels; then
+    log "kernels: per-kernel bytes/s against the copy bandwidth"
+    if timeout 90 "$WIDEN" bench "${BENCH_SPECS[@]}" --device cuda "${GPT2[@]}" --steps 3 --warmup 1 \
+        --profile-kernels "$OUT/kernels.json" >> "$LOG" 2>&1; then
+        status_kernels=ran
+    else
+        status_kernels="failed (exit $?)"
+    fi
+else
+    log "kernels: unavailable (this widen build's bench has no --profile-kernels)"
+fi
+
+# ---------------------------------------------------------------- summary
+python3 - "$OUT" "$status_device" "$status_parity" "$status_bench" "$status_kernels" <<'EOF'
+import json, re, sys
+out, device, parity, bench, kernels = sys.argv[1:6]
+tests = {}
+try:
+    for line in open(f"{out}/cuda_device.log"):
+        m = re.match(r"test (\S+) \.\.\. (\w+)", line)
+        if m:
+            tests[m.group(1)] = m.group(2)
+except OSError:
+    pass
+summary = {
+    "device": {"status": device, "tests": tests},
+    "parity": {"status": parity, "file": "parity.json" if parity.startswith("ran") else None},
+    "bench": {"status": bench, "file": "bench.json" if bench == "ran" else None},
+    "kernels": {"status": kernels, "file": "kernels.json" if kernels == "ran" else None},
+}
+json.dump(summary, open(f"{out}/summary.json", "w"), indent=2)
+print(json.dumps(summary, indent=2))
+EOF
