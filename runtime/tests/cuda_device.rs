@@ -48,6 +48,8 @@ fn missing_driver_is_a_typed_error_naming_libcuda() {
             let msg = e.to_string();
             assert!(msg.contains("libcuda"), "{msg}");
             assert!(msg.contains("LD_LIBRARY_PATH"), "{msg}");
+            assert!(matches!(probe(), Err(CudaError::NoCudaDriver)));
+            assert!(matches!(copy_bandwidth(1 << 20, 1), Err(CudaError::NoCudaDriver)));
         }
         Ok(dev) => assert!(driver_available(), "a device without a driver: {dev:?}"),
         Err(e) => assert!(driver_available(), "with no driver the error must be NoCudaDriver, got {e}"),

@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use ir::cost::{cost_report, CostReport};
+use ir::passes::fused_connection_traffic;
 use ir::lower::LowerError;
 use ir::spec::{load_spec, SpecLoadError};
 use serde_json::{json, Value};
@@ -51,14 +52,24 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             return Ok(fail(&args, &[problem]));
         }
     };
+    // Fused-kernel traffic next to the unfused count (DESIGN.md §8): the same batch-1
+    // graph, partitioned by the fusion pass.
+    let fused = FusedTraffic {
+        this: fused_connection_traffic(&spec)?,
+        residual: fused_connection_traffic(&spec.with_plain_residual())?,
+    };
     if args.json {
         let mut value = serde_json::to_value(&report)?;
         if let Value::Object(map) = &mut value {
             map.insert("valid".into(), Value::Bool(true));
+            map.insert(
+                "fused_traffic_per_sublayer".into(),
+                json!({ "read": fused.this.0, "write": fused.this.1 }),
+            );
         }
         println!("{}", serde_json::to_string_pretty(&value)?);
     } else {
-        print!("{}", table(&args.spec, &report));
+        print!("{}", table(&args.spec, &report, &fused));
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -117,7 +128,14 @@ fn fail(args: &Args, problems: &[Problem]) -> ExitCode {
 }
 
 /// The human-readable report.
-fn table(path: &Path, r: &CostReport) -> String {
+/// Fused connection traffic per sublayer, (read, write) in units of D, for the spec
+/// and for its plain-residual baseline.
+struct FusedTraffic {
+    this: (f64, f64),
+    residual: (f64, f64),
+}
+
+fn table(path: &Path, r: &CostReport, fused: &FusedTraffic) -> String {
     let mut out = String::new();
     let mut line = |s: String| {
         out.push_str(s.trim_end());
@@ -223,6 +241,14 @@ fn table(path: &Path, r: &CostReport) -> String {
         ""
     ));
     line(format!("  {:<28}{:>16}", "traffic bytes", grouped(t.bytes.round() as u64)));
+    line(format!(
+        "  {:<28}{:>16.2}{:>16.2}{:>12}{:>10}",
+        "fused traffic read", fused.this.0, fused.residual.0, "", ""
+    ));
+    line(format!(
+        "  {:<28}{:>16.2}{:>16.2}{:>12}{:>10}",
+        "fused traffic write", fused.this.1, fused.residual.1, "", ""
+    ));
     line(format!(
         "  {:<28}{:>16}{:>16}{:>12}{:>10}",
         "connection params / block",

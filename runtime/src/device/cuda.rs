@@ -322,7 +322,7 @@ pub struct Layout {
 pub const DTYPES: [DType; 4] = [DType::F32, DType::F64, DType::Bf16, DType::I32];
 
 /// The arena index of an element type.
-pub fn dtype_slot(dtype: DType) -> usize {
+fn dtype_slot(dtype: DType) -> usize {
     match dtype {
         DType::F32 => 0,
         DType::F64 => 1,

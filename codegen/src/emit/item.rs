@@ -1,0 +1,554 @@
+//! Per-op emitters of fused kernels: the code computing one item's part of an
+//! op's output (see the module docs of [`super`]). Each follows the reference
+//! executor's arithmetic order (`ir::exec`) so results agree to rounding.
+
+use ir::graph::{BinaryOp, Node, NodeId, Op, ReduceOp, UnaryOp};
+
+use super::{ix, lit, maximum, strides, view_of, EmitError, Names, Sink, Val};
+use crate::kernel::{i64, item, select, Block, Expr, Ty};
+
+/// One op of a fused kernel: its operands as the kernel reads them, and where
+/// its item's `per` elements go.
+pub(super) struct ItemOp<'a> {
+    pub names: &'a Names,
+    pub id: NodeId,
+    pub node: &'a Node,
+    pub in_dims: &'a [&'a [usize]],
+    pub ins: &'a [Val],
+    pub sink: &'a Sink,
+    pub per: usize,
+}
+
+impl ItemOp<'_> {
+    fn ty(&self) -> Ty {
+        Ty::of_storage(self.node.dtype)
+    }
+
+    fn lit(&self, v: f64) -> Expr {
+        lit(self.ty(), v)
+    }
+
+    fn fresh(&self, p: &str) -> String {
+        self.names.fresh(p)
+    }
+
+    /// `for l in 0..per { g = item·per + l; sink[g] = f(g) }`.
+    fn pointwise(&self, b: &mut Block, f: impl FnOnce(&mut Block, Expr) -> Expr) {
+        let (per, sink) = (self.per, self.sink);
+        let (l, gn) = (self.fresh("l"), self.fresh("g"));
+        b.for_(&l, ix(0), ix(per), |b, l| {
+            let g = b.let_(&gn, item() * ix(per) + l);
+            let v = f(b, g.clone());
+            sink.store(b, g, v);
+        });
+    }
+
+    /// `for r in 0..per/len { f(global row index) }` for ops over rows of `len` output elements.
+    fn rows(&self, b: &mut Block, len: usize, f: impl FnOnce(&mut Block, Expr)) {
+        let count = self.per / len.max(1);
+        let (r, rn) = (self.fresh("r"), self.fresh("row"));
+        b.for_(&r, ix(0), ix(count), |b, r| {
+            let row = b.let_(&rn, item() * ix(count) + r);
+            f(b, row);
+        });
+    }
+
+    /// A `Var` accumulating `f(j)` over `j in 0..n` from `init` with `op`.
+    fn fold(
+        &self,
+        b: &mut Block,
+        init: Expr,
+        n: usize,
+        op: impl Fn(Expr, Expr) -> Expr,
+        f: impl Fn(&mut Block, Expr) -> Expr,
+    ) -> Expr {
+        let acc = b.var(&self.fresh("acc"), init);
+        let j = self.fresh("j");
+        let a = acc.clone();
+        b.for_(&j, ix(0), ix(n), |b, j| {
+            let v = f(b, j);
+            b.assign(&a, op(a.clone(), v));
+        });
+        acc
+    }
+}
+
+fn numel(d: &[usize]) -> usize {
+    d.iter().product()
+}
+
+/// Emits one op of a fused kernel.
+pub(super) fn emit(b: &mut Block, cx: &ItemOp) -> Result<(), EmitError> {
+    let o = cx.node.shape.dims();
+    let ty = cx.ty();
+    match &cx.node.op {
+        Op::Constant { value } => cx.pointwise(b, |_, _| lit(ty, *value)),
+        op if op.is_view() => {
+            let v = view_of(op, cx.in_dims, o, cx.ins.to_vec());
+            cx.pointwise(b, |_, g| v.load(g));
+        }
+        Op::Unary(u) => {
+            let x = cx.ins[0].clone();
+            let name = cx.fresh("x");
+            cx.pointwise(b, |b, g| {
+                let v = b.let_(&name, x.load(g));
+                unary(*u, v, ty)
+            });
+        }
+        Op::Affine { mul, add } => {
+            let x = cx.ins[0].clone();
+            let (m, a) = (cx.lit(*mul), cx.lit(*add));
+            cx.pointwise(b, |_, g| m * x.load(g) + a);
+        }
+        Op::Binary(op) => {
+            let x = cx.ins[0].clone().broadcast(cx.in_dims[0], o);
+            let y = cx.ins[1].clone().broadcast(cx.in_dims[1], o);
+            let (an, bn) = (cx.fresh("a"), cx.fresh("b"));
+            cx.pointwise(b, |b, g| {
+                let l = b.let_(&an, x.load(g.clone()));
+                let r = b.let_(&bn, y.load(g));
+                match op {
+                    BinaryOp::Add => l + r,
+                    BinaryOp::Sub => l - r,
+                    BinaryOp::Mul => l * r,
+                    BinaryOp::Div => l / r,
+                    BinaryOp::Max => maximum(l, r),
+                }
+            });
+        }
+        Op::Reduce { op, axis, .. } => reduce(b, cx, *op, *axis),
+        Op::Softmax => softmax(b, cx),
+        Op::RmsNorm { eps } => rms_norm(b, cx, *eps),
+        Op::LayerNorm { eps } => group_norm(b, cx, 1, *eps),
+        Op::GroupNorm { groups, eps } => group_norm(b, cx, *groups, *eps),
+        Op::NormProject { eps, centered } => norm_project(b, cx, *eps, *centered),
+        Op::TopK { k, fixed } => topk(b, cx, *k, *fixed),
+        Op::MatMul { trans_a, trans_b } => matmul(b, cx, *trans_a, *trans_b),
+        Op::Gather { axis } => gather(b, cx, *axis),
+        Op::ScatterAdd { axis } => scatter(b, cx, *axis, true),
+        Op::ScatterRows { axis } => scatter(b, cx, *axis, false),
+        Op::Sinkhorn { iters, eps } => sinkhorn(b, cx, *iters, *eps),
+        Op::SinkhornGrad { iters, eps } => sinkhorn_grad(b, cx, *iters, *eps),
+        op => return Err(EmitError::at(cx.id, op, "has no item emitter (it is lowered on its own grid)")),
+    }
+    Ok(())
+}
+
+/// The scalar function of a unary op (`ir::exec::elementwise::unary_fn`).
+fn unary(u: UnaryOp, x: Expr, ty: Ty) -> Expr {
+    let one = lit(ty, 1.0);
+    match u {
+        UnaryOp::Neg => -x,
+        UnaryOp::Exp => x.exp(),
+        UnaryOp::Log => x.log(),
+        UnaryOp::Tanh => x.tanh(),
+        UnaryOp::Sigmoid => one.clone() / (one + (-x).exp()),
+        UnaryOp::Silu => x.clone() * (one.clone() / (one + (-x).exp())),
+        UnaryOp::Sqrt => x.sqrt(),
+        UnaryOp::Rsqrt => x.rsqrt(),
+        UnaryOp::Recip => one / x,
+        UnaryOp::Square => x.clone() * x,
+    }
+}
+
+/// Sum, max or mean over one axis: one output element per loop step, the axis
+/// walked in order from the identity (as `ir::exec::reduce`).
+fn reduce(b: &mut Block, cx: &ItemOp, op: ReduceOp, axis: usize) {
+    let x = cx.ins[0].clone();
+    let xd = cx.in_dims[0];
+    let n = xd[axis];
+    let inner = numel(&xd[axis + 1..]);
+    let init = match op {
+        ReduceOp::Max => cx.lit(f64::NEG_INFINITY),
+        _ => cx.lit(0.0),
+    };
+    let count = cx.lit(n as f64);
+    cx.pointwise(b, |b, g| {
+        let o = b.let_(&cx.fresh("o"), g.clone() / ix(inner));
+        let w = b.let_(&cx.fresh("w"), g % ix(inner));
+        let acc = cx.fold(
+            b,
+            init,
+            n,
+            |a, v| match op {
+                ReduceOp::Max => maximum(a, v),
+                _ => a + v,
+            },
+            |b, j| b.let_(&cx.fresh("v"), x.load((o.clone() * ix(n) + j) * ix(inner) + w.clone())),
+        );
+        match op {
+            ReduceOp::Mean => acc / count,
+            _ => acc,
+        }
+    });
+}
+
+/// Softmax over the last axis: max, sum of exp(x - max), then exp(x - max) / sum
+/// recomputed (`ir::exec::reduce::softmax_row`).
+fn softmax(b: &mut Block, cx: &ItemOp) {
+    let x = cx.ins[0].clone();
+    let len = cx.node.shape.last();
+    cx.rows(b, len, |b, row| {
+        let base = b.let_(&cx.fresh("base"), row * ix(len));
+        let at = |j: Expr| x.load(base.clone() + j);
+        let m = cx.fold(b, cx.lit(f64::NEG_INFINITY), len, maximum, |b, j| b.let_(&cx.fresh("v"), at(j)));
+        let s = cx.fold(b, cx.lit(0.0), len, |a, v| a + v, |_, j| (at(j) - m.clone()).exp());
+        let inv = b.let_(&cx.fresh("inv"), cx.lit(1.0) / s);
+        let j = cx.fresh("j");
+        b.for_(&j, ix(0), ix(len), |b, j| {
+            cx.sink.store(b, base.clone() + j.clone(), (at(j) - m.clone()).exp() * inv.clone());
+        });
+    });
+}
+
+/// x · (mean x² + ε)^-1/2 ⊙ g per row (MATH.md §1.3, `ir::exec::norms::rms_norm`).
+fn rms_norm(b: &mut Block, cx: &ItemOp, eps: f64) {
+    let x = cx.ins[0].clone();
+    let gain = cx.ins.get(1).cloned();
+    let len = cx.node.shape.last();
+    cx.rows(b, len, |b, row| {
+        let base = b.let_(&cx.fresh("base"), row * ix(len));
+        let ss = cx.fold(b, cx.lit(0.0), len, |a, v| a + v, |b, j| {
+            let v = b.let_(&cx.fresh("v"), x.load(base.clone() + j));
+            v.clone() * v
+        });
+        let r = b.let_(&cx.fresh("rho"), (ss / cx.lit(len as f64) + cx.lit(eps)).rsqrt());
+        let j = cx.fresh("j");
+        b.for_(&j, ix(0), ix(len), |b, j| {
+            let mut y = x.load(base.clone() + j.clone()) * r.clone();
+            if let Some(g) = &gain {
+                y = y * g.load(j.clone());
+            }
+            cx.sink.store(b, base.clone() + j, y);
+        });
+    });
+}
+
+/// (x − mean)·(var + ε)^-1/2 per group of the last axis, then the per-channel
+/// affine (MATH.md §5.2, `ir::exec::norms::group_norm`); LayerNorm is one group.
+fn group_norm(b: &mut Block, cx: &ItemOp, groups: usize, eps: f64) {
+    let x = cx.ins[0].clone();
+    let affine = (cx.ins.len() == 3).then(|| (cx.ins[1].clone(), cx.ins[2].clone()));
+    let len = cx.node.shape.last();
+    let size = len / groups.max(1);
+    cx.rows(b, len, |b, row| {
+        let base = b.let_(&cx.fresh("base"), row * ix(len));
+        let gi = cx.fresh("grp");
+        b.for_(&gi, ix(0), ix(groups), |b, gi| {
+            let gb = b.let_(&cx.fresh("gb"), base.clone() + gi.clone() * ix(size));
+            let at = |j: Expr| x.load(gb.clone() + j);
+            let s = cx.fold(b, cx.lit(0.0), size, |a, v| a + v, |_, j| at(j));
+            let mu = b.let_(&cx.fresh("mu"), s / cx.lit(size as f64));
+            let sq = cx.fold(b, cx.lit(0.0), size, |a, v| a + v, |b, j| {
+                let d = b.let_(&cx.fresh("d"), at(j) - mu.clone());
+                d.clone() * d
+            });
+            let var = b.let_(&cx.fresh("var"), sq / cx.lit(size as f64));
+            let r = b.let_(&cx.fresh("rho"), cx.lit(1.0) / (var + cx.lit(eps)).sqrt());
+            let j = cx.fresh("j");
+            b.for_(&j, ix(0), ix(size), |b, j| {
+                let mut y = (at(j.clone()) - mu.clone()) * r.clone();
+                if let Some((g, bias)) = &affine {
+                    let c = gi.clone() * ix(size) + j.clone();
+                    y = y * g.load(c.clone()) + bias.load(c);
+                }
+                cx.sink.store(b, gb.clone() + j, y);
+            });
+        });
+    });
+}
+
+/// The projection of the normalized row computed from the row itself
+/// (MATH.md §4.3, §6.2; `ir::exec::connection::norm_project`).
+fn norm_project(b: &mut Block, cx: &ItemOp, eps: f64, centered: usize) {
+    let (x, w) = (cx.ins[0].clone(), cx.ins[1].clone());
+    let (kk, m) = (cx.in_dims[1][0], cx.in_dims[1][1]);
+    cx.rows(b, m, |b, row| {
+        let xb = b.let_(&cx.fresh("xb"), row.clone() * ix(kk));
+        let ob = b.let_(&cx.fresh("ob"), row * ix(m));
+        let at = |j: Expr| x.load(xb.clone() + j);
+        let mut centred = None;
+        if centered > 0 {
+            let s = cx.fold(b, cx.lit(0.0), kk, |a, v| a + v, |_, j| at(j));
+            let mu = b.let_(&cx.fresh("mu"), s / cx.lit(kk as f64));
+            let sq = cx.fold(b, cx.lit(0.0), kk, |a, v| a + v, |b, j| {
+                let d = b.let_(&cx.fresh("d"), at(j) - mu.clone());
+                d.clone() * d
+            });
+            let var = sq / cx.lit(kk as f64);
+            let rho = b.let_(&cx.fresh("rhoc"), cx.lit(1.0) / (var + cx.lit(eps)).sqrt());
+            centred = Some((mu, rho));
+        }
+        let mut rms = None;
+        if centered < m {
+            let ss = cx.fold(b, cx.lit(0.0), kk, |a, v| a + v, |b, j| {
+                let v = b.let_(&cx.fresh("v"), at(j));
+                v.clone() * v
+            });
+            rms = Some(b.let_(&cx.fresh("rhor"), cx.lit(1.0) / (ss / cx.lit(kk as f64) + cx.lit(eps)).sqrt()));
+        }
+        let col = cx.fresh("col");
+        b.for_(&col, ix(0), ix(m), |b, col| {
+            let dot = cx.fold(b, cx.lit(0.0), kk, |a, v| a + v, |_, i| at(i.clone()) * w.load(i * ix(m) + col.clone()));
+            let at_out = ob.clone() + col.clone();
+            match (&centred, &rms) {
+                (Some((mu, rho)), Some(rr)) => {
+                    let cs = cx.fold(b, cx.lit(0.0), kk, |a, v| a + v, |_, i| w.load(i * ix(m) + col.clone()));
+                    let head = rho.clone() * (dot.clone() - cs * mu.clone());
+                    let tail = dot * rr.clone();
+                    cx.sink.store(b, at_out, select(col.clone().lt(ix(centered)), head, tail));
+                }
+                (Some((mu, rho)), None) => {
+                    let cs = cx.fold(b, cx.lit(0.0), kk, |a, v| a + v, |_, i| w.load(i * ix(m) + col.clone()));
+                    cx.sink.store(b, at_out, rho.clone() * (dot - cs * mu.clone()));
+                }
+                (None, Some(rr)) => cx.sink.store(b, at_out, dot * rr.clone()),
+                (None, None) => {}
+            }
+        });
+    });
+}
+
+/// xHC routing (MATH.md §6.2, `ir::exec::connection::topk`): the fixed slots,
+/// then each remaining index whose rank (higher score first, NaN last, lower
+/// index first) is below k − fixed, in ascending index order.
+fn topk(b: &mut Block, cx: &ItemOp, k: usize, fixed: usize) {
+    let x = cx.ins[0].clone();
+    let n = cx.in_dims[0].last().copied().unwrap_or(1);
+    cx.rows(b, k, |b, row| {
+        let xb = b.let_(&cx.fresh("xb"), row.clone() * ix(n));
+        let ob = b.let_(&cx.fresh("ob"), row * ix(k));
+        for f in 0..fixed {
+            cx.sink.store(b, ob.clone() + ix(f), crate::kernel::i32(f as i32));
+        }
+        let cnt = b.var(&cx.fresh("cnt"), ix(0));
+        let i = cx.fresh("i");
+        b.for_(&i, ix(fixed), ix(n), |b, i| {
+            let si = b.let_(&cx.fresh("si"), x.load(xb.clone() + i.clone()));
+            let ni = b.let_(&cx.fresh("ni"), si.clone().ne_(si.clone()));
+            let rank = b.var(&cx.fresh("rank"), ix(0));
+            let j = cx.fresh("j");
+            b.for_(&j, ix(fixed), ix(n), |b, j| {
+                let sj = b.let_(&cx.fresh("sj"), x.load(xb.clone() + j.clone()));
+                let nj = b.let_(&cx.fresh("nj"), sj.clone().ne_(sj.clone()));
+                let first = j.clone().lt(i.clone());
+                let numbers = (!nj.clone()).and(!ni.clone());
+                let higher = sj.clone().gt(si.clone()).or(sj.eq_(si.clone()).and(first.clone()));
+                let before =
+                    (!nj.clone()).and(ni.clone()).or(numbers.and(higher)).or(nj.and(ni.clone()).and(first));
+                b.assign(&rank, rank.clone() + select(before, i64(1), i64(0)));
+            });
+            b.if_(rank.lt(ix(k - fixed)), |b| {
+                cx.sink.store(b, ob.clone() + ix(fixed) + cnt.clone(), i.clone().cast(Ty::I32));
+                b.assign(&cnt, cnt.clone() + i64(1));
+            });
+        });
+    });
+}
+
+/// A batched product as loops: each output element is a dot product over K of a
+/// row of op(a) and a column of op(b), batch axes broadcast.
+fn matmul(b: &mut Block, cx: &ItemOp, trans_a: bool, trans_b: bool) {
+    let o = cx.node.shape.dims();
+    let (ad, bd) = (cx.in_dims[0], cx.in_dims[1]);
+    let (m, n) = (o[o.len() - 2], o[o.len() - 1]);
+    let k = if trans_a { ad[ad.len() - 2] } else { ad[ad.len() - 1] };
+    let batch = &o[..o.len() - 2];
+    let batch_strides = |x: &[usize]| {
+        let xb = &x[..x.len() - 2];
+        let per = x[x.len() - 2] * x[x.len() - 1];
+        let st: Vec<usize> = strides(xb).into_iter().map(|s| s * per).collect();
+        let lead = batch.len() - xb.len();
+        (0..batch.len()).map(|i| if i < lead || xb[i - lead] == 1 { 0 } else { st[i - lead] }).collect::<Vec<_>>()
+    };
+    let (sa, sb) = (batch_strides(ad), batch_strides(bd));
+    let (am, ak) = if trans_a { (1, m) } else { (k, 1) };
+    let (bk, bn) = if trans_b { (1, k) } else { (n, 1) };
+    let (x, y) = (cx.ins[0].clone(), cx.ins[1].clone());
+    cx.pointwise(b, |b, g| {
+        let bi = b.let_(&cx.fresh("bi"), g.clone() / ix(m * n));
+        let mi = b.let_(&cx.fresh("mi"), (g.clone() / ix(n)) % ix(m));
+        let ni = b.let_(&cx.fresh("ni"), g % ix(n));
+        let a0 = b.let_(&cx.fresh("a0"), super::strided_index(&bi, batch, &sa, 0) + mi * ix(am));
+        let b0 = b.let_(&cx.fresh("b0"), super::strided_index(&bi, batch, &sb, 0) + ni * ix(bn));
+        cx.fold(b, cx.lit(0.0), k, |a, v| a + v, |_, j| {
+            x.load(a0.clone() + j.clone() * ix(ak)) * y.load(b0.clone() + j * ix(bk))
+        })
+    });
+}
+
+/// out[p, j, r] = x[p, idx[p, j], r] (`ir::exec::movement::gather`).
+fn gather(b: &mut Block, cx: &ItemOp, axis: usize) {
+    let xd = cx.in_dims[0];
+    let p: usize = numel(&xd[..axis]);
+    let s = xd[axis];
+    let r = numel(&xd[axis + 1..]);
+    let j = numel(cx.in_dims[1]) / p.max(1);
+    let (x, idx) = (cx.ins[0].clone(), cx.ins[1].clone());
+    cx.pointwise(b, |b, g| {
+        let pj = b.let_(&cx.fresh("pj"), g.clone() / ix(r));
+        let pi = b.let_(&cx.fresh("pi"), pj.clone() / ix(j.max(1)));
+        let row = b.let_(&cx.fresh("srow"), idx.load(pj).cast(Ty::I64));
+        x.load((pi * ix(s) + row) * ix(r) + g % ix(r))
+    });
+}
+
+/// base with src rows added at (or written over) the indexed rows
+/// (`ir::exec::movement::scatter_add` / `scatter_rows`); the item holds whole
+/// `[S, R..]` blocks, so every indexed row is its own.
+fn scatter(b: &mut Block, cx: &ItemOp, axis: usize, add: bool) {
+    let o = cx.node.shape.dims();
+    let p: usize = numel(&o[..axis]);
+    let s = o[axis];
+    let r = numel(&o[axis + 1..]);
+    let j = numel(cx.in_dims[1]) / p.max(1);
+    let q = cx.per / (s * r).max(1);
+    let (base, idx, src) = (cx.ins[0].clone(), cx.ins[1].clone(), cx.ins[2].clone());
+    cx.pointwise(b, |_, g| base.load(g));
+    let qn = cx.fresh("q");
+    b.for_(&qn, ix(0), ix(q), |b, qq| {
+        let pi = b.let_(&cx.fresh("pi"), item() * ix(q) + qq);
+        let jn = cx.fresh("j");
+        b.for_(&jn, ix(0), ix(j), |b, jj| {
+            let pj = b.let_(&cx.fresh("pj"), pi.clone() * ix(j) + jj);
+            let row = b.let_(&cx.fresh("srow"), idx.load(pj.clone()).cast(Ty::I64));
+            let en = cx.fresh("e");
+            b.for_(&en, ix(0), ix(r), |b, e| {
+                let dst = (pi.clone() * ix(s) + row.clone()) * ix(r) + e.clone();
+                let v = src.load(pj.clone() * ix(r) + e);
+                if add {
+                    cx.sink.accum(b, dst, v);
+                } else {
+                    cx.sink.store(b, dst, v);
+                }
+            });
+        });
+    });
+}
+
+/// One half-step of Sinkhorn on the local n×n matrix `m` at `mb`: divide each
+/// column (`by_column`) or row by (its sum + eps). `by_column` is an i64-valued
+/// boolean expression so one loop nest serves both directions.
+fn normalize(b: &mut Block, cx: &ItemOp, m: &crate::kernel::Buf, mb: Expr, n: usize, eps: f64, by_column: Expr) {
+    let an = cx.fresh("a");
+    b.for_(&an, ix(0), ix(n), |b, a| {
+        let at = |e: Expr| mb.clone() + select(by_column.clone(), e.clone() * ix(n) + a.clone(), a.clone() * ix(n) + e);
+        let s = cx.fold(b, cx.lit(eps), n, |x, v| x + v, |_, e| m.at(at(e)));
+        let en = cx.fresh("e");
+        b.for_(&en, ix(0), ix(n), |b, e| {
+            b.store(m, at(e.clone()), m.at(at(e)) / s.clone());
+        });
+    });
+}
+
+/// exp(x − colmax) of one n×n matrix into the local `m` (at offset 0); with
+/// `first_max`, the column max is the first strict maximum (the gradient's
+/// convention) and its row is recorded in `argmax`.
+fn exp_shifted(
+    b: &mut Block,
+    cx: &ItemOp,
+    x: &Val,
+    xb: &Expr,
+    m: &crate::kernel::Buf,
+    n: usize,
+    argmax: Option<&crate::kernel::Buf>,
+) {
+    let jn = cx.fresh("c");
+    b.for_(&jn, ix(0), ix(n), |b, j| {
+        let at = |i: Expr| x.load(xb.clone() + i * ix(n) + j.clone());
+        let cm = match argmax {
+            None => cx.fold(b, cx.lit(f64::NEG_INFINITY), n, maximum, |b, i| b.let_(&cx.fresh("v"), at(i))),
+            Some(am) => {
+                let best = b.var(&cx.fresh("best"), ix(0));
+                let i = cx.fresh("i");
+                b.for_(&i, ix(1), ix(n), |b, i| {
+                    b.if_(at(i.clone()).gt(at(best.clone())), |b| b.assign(&best, i));
+                });
+                b.store(am, j.clone(), best.clone());
+                b.let_(&cx.fresh("cm"), at(best))
+            }
+        };
+        let i = cx.fresh("i");
+        b.for_(&i, ix(0), ix(n), |b, i| {
+            b.store(m, i.clone() * ix(n) + j.clone(), (at(i) - cm.clone()).exp());
+        });
+    });
+}
+
+/// Sinkhorn-Knopp per n×n matrix (MATH.md §4.2, `ir::exec::connection::sinkhorn`).
+fn sinkhorn(b: &mut Block, cx: &ItemOp, iters: usize, eps: f64) {
+    let n = cx.node.shape.last();
+    let nn = n * n;
+    let x = cx.ins[0].clone();
+    let m = b.local_array(&cx.fresh("sk"), cx.ty(), nn.max(1));
+    cx.rows(b, nn, |b, mat| {
+        let mb = b.let_(&cx.fresh("mb"), mat * ix(nn));
+        exp_shifted(b, cx, &x, &mb, &m, n, None);
+        let it = cx.fresh("it");
+        b.for_(&it, ix(0), ix(iters), |b, _| {
+            normalize(b, cx, &m, ix(0), n, eps, crate::kernel::Expr::Bool(true));
+            normalize(b, cx, &m, ix(0), n, eps, crate::kernel::Expr::Bool(false));
+        });
+        let e = cx.fresh("e");
+        b.for_(&e, ix(0), ix(nn), |b, e| cx.sink.store(b, mb.clone() + e.clone(), m.at(e)));
+    });
+}
+
+/// The VJP of Sinkhorn per matrix, unrolled through the recomputed iteration
+/// (MATH.md §4.5, `ir::exec::backward_ops::sinkhorn_grad`).
+fn sinkhorn_grad(b: &mut Block, cx: &ItemOp, iters: usize, eps: f64) {
+    let n = cx.node.shape.last();
+    let nn = n * n;
+    let steps = 2 * iters;
+    let (x, dout) = (cx.ins[0].clone(), cx.ins[1].clone());
+    let states = b.local_array(&cx.fresh("st"), cx.ty(), (nn * (steps + 1)).max(1));
+    let g = b.local_array(&cx.fresh("gr"), cx.ty(), nn.max(1));
+    let am = b.local_array(&cx.fresh("am"), Ty::I64, n.max(1));
+    cx.rows(b, nn, |b, mat| {
+        let mb = b.let_(&cx.fresh("mb"), mat * ix(nn));
+        exp_shifted(b, cx, &x, &mb, &states, n, Some(&am));
+        let sn = cx.fresh("s");
+        b.for_(&sn, ix(0), ix(steps), |b, s| {
+            let e = cx.fresh("e");
+            b.for_(&e, ix(0), ix(nn), |b, e| {
+                b.store(&states, (s.clone() + i64(1)) * ix(nn) + e.clone(), states.at(s.clone() * ix(nn) + e));
+            });
+            let by_column = (s.clone() % i64(2)).eq_(i64(0));
+            normalize(b, cx, &states, (s + i64(1)) * ix(nn), n, eps, by_column);
+        });
+        let e = cx.fresh("e");
+        b.for_(&e, ix(0), ix(nn), |b, e| b.store(&g, e.clone(), dout.load(mb.clone() + e)));
+        let sn = cx.fresh("s");
+        b.for_(&sn, ix(0), ix(steps), |b, s| {
+            let step = b.let_(&cx.fresh("step"), ix(steps - 1) - s);
+            let by_column = b.let_(&cx.fresh("bycol"), (step.clone() % i64(2)).eq_(i64(0)));
+            let inb = b.let_(&cx.fresh("inb"), step.clone() * ix(nn));
+            let outb = b.let_(&cx.fresh("outb"), (step + i64(1)) * ix(nn));
+            let an = cx.fresh("a");
+            b.for_(&an, ix(0), ix(n), |b, a| {
+                let at = |e: Expr| select(by_column.clone(), e.clone() * ix(n) + a.clone(), a.clone() * ix(n) + e);
+                let sum = cx.fold(b, cx.lit(eps), n, |p, v| p + v, |_, e| states.at(inb.clone() + at(e)));
+                let centre = cx.fold(b, cx.lit(0.0), n, |p, v| p + v, |_, e| {
+                    g.at(at(e.clone())) * states.at(outb.clone() + at(e))
+                });
+                let en = cx.fresh("e");
+                b.for_(&en, ix(0), ix(n), |b, e| {
+                    b.store(&g, at(e.clone()), (g.at(at(e)) - centre.clone()) / sum.clone());
+                });
+            });
+        });
+        let jn = cx.fresh("c");
+        b.for_(&jn, ix(0), ix(n), |b, j| {
+            let shift = cx.fold(b, cx.lit(0.0), n, |p, v| p + v, |b, i| {
+                let at = i * ix(n) + j.clone();
+                let v = b.let_(&cx.fresh("v"), g.at(at.clone()) * states.at(at.clone()));
+                b.store(&g, at, v.clone());
+                v
+            });
+            let top = am.at(j.clone()) * ix(n) + j;
+            b.store(&g, top.clone(), g.at(top) - shift);
+        });
+        let e = cx.fresh("e");
+        b.for_(&e, ix(0), ix(nn), |b, e| cx.sink.store(b, mb.clone() + e.clone(), g.at(e)));
+    });
+}
