@@ -12,8 +12,8 @@ use codegen::kernel::{f32, i64, item, lane, Access, Grid, Kernel, KernelBuilder,
 use codegen::plan::{BufferDecl, BufferId, BufferRole, Gemm, Plan, Step};
 use ir::DType;
 use runtime::device::cuda::{
-    column_major_gemm, copy_bandwidth, driver_available, launch_config, BlasGemm, CudaDevice, CudaError,
-    Layout, Placement,
+    column_major_gemm, copy_bandwidth, driver_available, launch_config, probe, BlasGemm, CudaDevice,
+    CudaError, Layout, Placement,
 };
 
 /// Deterministic values in [-scale, scale).
@@ -448,4 +448,34 @@ fn gpu_plan_kernels_compile_for_sm_90_without_spills() {
         assert_eq!((r.spill_stores, r.spill_loads), (0, 0), "{}", k.name);
     }
     assert!(compiled.ptx.contains(".visible .entry widen_rms_rows("), "extern \"C\" names survive");
+}
+
+#[test]
+fn malformed_plans_are_rejected_before_touching_the_gpu() {
+    let with_steps = |steps: Vec<Step>| Plan { steps, ..gpu_plan() };
+    let launch =
+        |args: Vec<usize>| Step::Kernel { kernel: 0, args: args.into_iter().map(BufferId).collect() };
+    let err = |plan| CudaDevice::new(plan).expect_err("malformed plan");
+    assert!(matches!(
+        err(with_steps(vec![launch(vec![0, 1, 2])])),
+        CudaError::Arity { got: 3, expected: 4, .. }
+    ));
+    // w (D * F elements) bound where x (ROWS * D) is expected.
+    assert!(matches!(
+        err(with_steps(vec![launch(vec![3, 1, 2, 4])])),
+        CudaError::ParamMismatch { id: 3, want_len, .. } if want_len == ROWS * D
+    ));
+    assert!(matches!(
+        err(with_steps(vec![launch(vec![0, 1, 2, 42])])),
+        CudaError::UnknownBuffer { id: 42, .. }
+    ));
+    assert!(matches!(
+        err(with_steps(vec![Step::Kernel { kernel: 9, args: vec![] }])),
+        CudaError::UnknownKernel { .. }
+    ));
+    // Four batch entries of h @ w overrun q.
+    let overrun =
+        Gemm { batch: 4, ..gemm(ROWS / 3, F, D, 1, (false, false), [ROWS / 3 * D, 0, ROWS / 3 * F], false) };
+    let overrun = Gemm { a: BufferId(4), b: BufferId(3), c: BufferId(8), ..overrun };
+    assert!(matches!(err(with_steps(vec![Step::Gemm(overrun)])), CudaError::Gemm { .. }));
 }

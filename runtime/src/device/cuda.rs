@@ -84,7 +84,7 @@ use ir::DType;
 use crate::executor::{StepError, StepExecutor};
 use crate::params::ParamSet;
 
-/// The driver library names the message of [`CudaError::NoCudaDriver`] names.
+/// The driver library that [`CudaError::NoCudaDriver`] names.
 pub const DRIVER_LIBRARY: &str = "libcuda.so.1";
 
 /// The cuBLAS library matching the CUDA 13 driver.
@@ -478,20 +478,23 @@ pub fn probe() -> Result<(String, String), CudaError> {
 }
 
 impl CudaDevice {
-    /// Loads `plan` on GPU 0 (see the module docs). Returns
-    /// [`CudaError::NoCudaDriver`] on a machine without the CUDA driver.
+    /// Loads `plan` on GPU 0 (see the module docs). Returns the Plan's first
+    /// inconsistency, else [`CudaError::NoCudaDriver`] on a machine without
+    /// the CUDA driver.
     pub fn new(plan: Plan) -> Result<CudaDevice, CudaError> {
         CudaDevice::on(plan, 0)
     }
 
     /// Loads `plan` on GPU `ordinal`.
     pub fn on(plan: Plan, ordinal: usize) -> Result<CudaDevice, CudaError> {
+        // The Plan is checked first, so a malformed one is reported the same
+        // way on every machine.
+        let layout = Layout::of(&plan)?;
+        check_steps(&plan)?;
         let ctx = context(ordinal)?;
         if !cublas_available() {
             return Err(CudaError::NoCublas);
         }
-        let layout = Layout::of(&plan)?;
-        check_steps(&plan)?;
         let arch = arch_of(&ctx)?;
         let functions = compile(&ctx, &plan.kernels, &arch)?;
         let stream = ctx.default_stream();

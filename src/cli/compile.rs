@@ -1,0 +1,392 @@
+//! `widen compile SPEC -o DIR [--explain]`: everything the compiler produces
+//! for one training step of a spec, as files to read and diff (DESIGN.md §1,
+//! §4–§6):
+//!
+//! | file          | contents                                                         |
+//! |---------------|------------------------------------------------------------------|
+//! | `graph.txt`   | the differentiated, simplified graph (canonical text dump)       |
+//! | `graph.dot`   | the same graph as Graphviz DOT                                    |
+//! | `fused.txt`   | the fusion groups in execution order, each with its nodes        |
+//! | `fused.dot`   | the group graph: one box per kernel, edges are materialized values |
+//! | `fusion.txt`  | why each group is what it is (`ir::passes::fuse` explain)         |
+//! | `kernels.c`   | all kernels as one C translation unit (Cpu device)                |
+//! | `kernels.cu`  | the same kernels in the CUDA dialect                              |
+//! | `kernels.ptx` | PTX from NVRTC, when NVRTC can be loaded (otherwise a note)       |
+//! | `plan.txt`    | the launch list with buffer names and sizes, and the arena size   |
+//! | `kernels.tsv` | per step: bytes read and written, FLOPs, arithmetic intensity     |
+//!
+//! Bytes follow the fusion contract (every kernel reads each input buffer once
+//! and writes each output once: DESIGN.md §5), so they are the buffer sizes of
+//! its parameters. FLOPs count float arithmetic and math calls of the kernel
+//! IR per item, times loop trip counts and items; loops whose bounds are not
+//! compile-time literals count once and mark the row as a lower bound.
+
+use codegen::kernel::{Access, BinOp, Expr, Grid, Kernel, Stmt, Ty};
+use codegen::plan::{BufferDecl, BufferRole, Plan, Step};
+use ir::graph::Graph;
+use ir::passes::{FusedGraph, GroupKind};
+use std::collections::HashMap;
+use std::fmt::Write as _;
+
+/// The canonical node number (`%i` in dumps) of every node: its position in
+/// the deterministic topological order, as `ir::graph::dump` numbers them.
+fn numbering(graph: &Graph) -> HashMap<ir::graph::NodeId, usize> {
+    graph.topo_order().into_iter().enumerate().map(|(i, id)| (id, i)).collect()
+}
+
+fn kind_name(kind: GroupKind) -> &'static str {
+    match kind {
+        GroupKind::Source => "source",
+        GroupKind::Heavy(_) => "heavy",
+        GroupKind::TokenLocal => "token-local",
+        GroupKind::TokenReduction => "token-reduction",
+    }
+}
+
+/// `fused.txt`: every group in execution order with its cost, inputs,
+/// outputs and member nodes (the lines of `graph.txt`).
+pub fn fused_text(graph: &Graph, fused: &FusedGraph) -> String {
+    let index = numbering(graph);
+    let text = ir::graph::to_text(graph);
+    let lines: HashMap<usize, &str> = text
+        .lines()
+        .filter_map(|l| {
+            let n = l.strip_prefix('%')?.split(' ').next()?.parse().ok()?;
+            Some((n, l))
+        })
+        .collect();
+    let refs = |ids: &[ir::graph::NodeId]| {
+        ids.iter().map(|i| format!("%{}", index[i])).collect::<Vec<_>>().join(", ")
+    };
+    let mut out = String::new();
+    for &gid in &fused.order {
+        let g = fused.group(gid);
+        let _ = writeln!(
+            out,
+            "{gid} {} tokens={} nodes={} flops={:.0} read={}B written={}B",
+            kind_name(g.kind),
+            g.tokens,
+            g.nodes.len(),
+            g.cost.flops,
+            g.cost.bytes_read,
+            g.cost.bytes_written
+        );
+        let _ = writeln!(out, "  in:  {}", refs(&g.inputs));
+        let _ = writeln!(out, "  out: {}", refs(&g.outputs));
+        for id in &g.nodes {
+            let _ = writeln!(out, "    {}", lines.get(&index[id]).copied().unwrap_or("?"));
+        }
+        out.push('\n');
+    }
+    out
+}
+
+/// `fused.dot`: one box per group; an edge per materialized value from the
+/// group that writes it to each group that reads it.
+pub fn fused_dot(graph: &Graph, fused: &FusedGraph) -> String {
+    let index = numbering(graph);
+    let mut out = String::from(
+        "digraph fused {\n  rankdir=TB;\n  node [shape=box, style=filled, fontname=\"monospace\"];\n",
+    );
+    for &gid in &fused.order {
+        let g = fused.group(gid);
+        let color = match g.kind {
+            GroupKind::Source => "lightyellow",
+            GroupKind::Heavy(_) => "lightpink",
+            GroupKind::TokenLocal => "lightblue",
+            GroupKind::TokenReduction => "lightgrey",
+        };
+        let _ = writeln!(
+            out,
+            "  {gid} [label=\"{gid} {}\\n{} nodes, {} items\\n{} B in, {} B out\", fillcolor={color}];",
+            kind_name(g.kind),
+            g.nodes.len(),
+            g.tokens,
+            g.cost.bytes_read,
+            g.cost.bytes_written
+        );
+    }
+    for &gid in &fused.order {
+        for input in &fused.group(gid).inputs {
+            if let Some(from) = fused.group_of(*input) {
+                let _ = writeln!(out, "  {from} -> {gid} [label=\"%{}\"];", index[input]);
+            }
+        }
+    }
+    out.push_str("}\n");
+    out
+}
+
+fn role_text(d: &BufferDecl) -> String {
+    match &d.role {
+        BufferRole::Param { name } => format!("param {name}"),
+        BufferRole::Grad { name } => format!("grad {name}"),
+        BufferRole::Input { name } => format!("input {name}"),
+        BufferRole::Output { name } => format!("output {name}"),
+        BufferRole::Constant { value } => format!("constant {value}"),
+        BufferRole::Scratch { offset } => format!("scratch @{offset}"),
+    }
+}
+
+/// `b<id>` plus, for a buffer that holds a graph value, its node number.
+fn buffer_name(d: &BufferDecl) -> String {
+    match d.node {
+        Some(n) => format!("b{}(%{n})", d.id.0),
+        None => format!("b{}", d.id.0),
+    }
+}
+
+/// `plan.txt`: the buffers (role, type, length), then the launch list.
+pub fn plan_text(plan: &Plan) -> String {
+    let mut out = String::new();
+    let persistent: usize =
+        plan.buffers.iter().filter(|b| !matches!(b.role, BufferRole::Scratch { .. })).map(bytes).sum();
+    let _ = writeln!(
+        out,
+        "{} kernels, {} steps, {} buffers; persistent {} bytes, arena {} elements ({} bytes as f32)\n",
+        plan.kernels.len(),
+        plan.steps.len(),
+        plan.buffers.len(),
+        persistent,
+        plan.arena_len,
+        plan.arena_len * 4
+    );
+    out.push_str("buffers:\n");
+    for d in &plan.buffers {
+        let _ = writeln!(out, "  {:<14} {}[{}]  {}", buffer_name(d), d.dtype, d.len, role_text(d));
+    }
+    out.push_str("\nsteps:\n");
+    let name =
+        |id: codegen::plan::BufferId| plan.buffers.get(id.0).map_or(format!("b{}?", id.0), buffer_name);
+    for (i, step) in plan.steps.iter().enumerate() {
+        let line = match step {
+            Step::Kernel { kernel, args } => {
+                let k = &plan.kernels[*kernel];
+                let args: Vec<String> = k
+                    .params
+                    .iter()
+                    .zip(args)
+                    .map(|(p, a)| {
+                        let mode = match p.access {
+                            Access::Read => "",
+                            Access::Write => "out ",
+                            Access::ReadWrite => "inout ",
+                        };
+                        format!("{}={mode}{}", p.name, name(*a))
+                    })
+                    .collect();
+                format!("kernel {} {} ({})", k.name, grid_text(&k.grid), args.join(", "))
+            }
+            Step::Gemm(g) => format!(
+                "gemm {}{} = {}{} @ {}{}  batch={} m={} n={} k={} strides=({}, {}, {})",
+                name(g.c),
+                if g.accumulate { " +" } else { "" },
+                name(g.a),
+                if g.trans_a { "^T" } else { "" },
+                name(g.b),
+                if g.trans_b { "^T" } else { "" },
+                g.batch,
+                g.m,
+                g.n,
+                g.k,
+                g.stride_a,
+                g.stride_b,
+                g.stride_c
+            ),
+            Step::Zero { buffer } => format!("zero {}", name(*buffer)),
+        };
+        let _ = writeln!(out, "  {i:>4}  {line}");
+    }
+    out
+}
+
+fn bytes(d: &BufferDecl) -> usize {
+    d.len * d.dtype.size_bytes()
+}
+
+fn grid_text(grid: &Grid) -> String {
+    match *grid {
+        Grid::ThreadPerItem { n, .. } => format!("[{n} items]"),
+        Grid::BlockPerItem { n, threads } => format!("[{n} items x {threads} lanes]"),
+    }
+}
+
+/// FLOPs of one expression evaluation: float arithmetic and math calls.
+fn expr_flops(e: &Expr) -> u64 {
+    match e {
+        Expr::Binary { op, lhs, rhs } => {
+            let own = u64::from(
+                lhs.ty().is_float() && matches!(op, BinOp::Add | BinOp::Sub | BinOp::Mul | BinOp::Div),
+            );
+            own + expr_flops(lhs) + expr_flops(rhs)
+        }
+        Expr::Call { args, .. } => 1 + args.iter().map(expr_flops).sum::<u64>(),
+        Expr::Unary { arg, .. } | Expr::Cast { arg, .. } => expr_flops(arg),
+        Expr::Load { index, .. } => expr_flops(index),
+        Expr::Cmp { lhs, rhs, .. } => u64::from(lhs.ty().is_float()) + expr_flops(lhs) + expr_flops(rhs),
+        Expr::Select { cond, then, else_ } => expr_flops(cond) + expr_flops(then).max(expr_flops(else_)),
+        _ => 0,
+    }
+}
+
+/// Literal loop bounds; `Lane` counts as 0 (a lane-strided loop's trips are
+/// per lane, and the caller multiplies by the lanes).
+fn bound(e: &Expr) -> Option<i64> {
+    match e {
+        Expr::I64(v) => Some(*v),
+        Expr::I32(v) => Some(i64::from(*v)),
+        Expr::Lane => Some(0),
+        _ => None,
+    }
+}
+
+/// FLOPs of one execution of `stmts`, and whether every loop bound was literal.
+fn stmts_flops(stmts: &[Stmt]) -> (u64, bool) {
+    let mut exact = true;
+    let mut total = 0u64;
+    for s in stmts {
+        let f = match s {
+            Stmt::Let { expr, .. } | Stmt::Var { init: expr, .. } | Stmt::Assign { value: expr, .. } => {
+                expr_flops(expr)
+            }
+            Stmt::Store { index, value, .. } => expr_flops(index) + expr_flops(value),
+            Stmt::AccumStore { index, value, target } => {
+                expr_flops(index) + expr_flops(value) + u64::from(target.elem_ty() != Ty::I64)
+            }
+            Stmt::BlockReduce { value, .. } => expr_flops(value) + 1,
+            Stmt::For { start, end, step, body, .. } => {
+                let (inner, ok) = stmts_flops(body);
+                exact &= ok;
+                match (bound(start), bound(end)) {
+                    (Some(a), Some(b)) => {
+                        ((b - a).max(0) as u64).div_ceil((*step).max(1) as u64).saturating_mul(inner)
+                    }
+                    _ => {
+                        exact = false;
+                        inner
+                    }
+                }
+            }
+            Stmt::If { cond, then, else_ } => {
+                let ((t, t_ok), (e, e_ok)) = (stmts_flops(then), stmts_flops(else_));
+                exact &= t_ok && e_ok;
+                expr_flops(cond) + t.max(e)
+            }
+            Stmt::LocalArray { .. } | Stmt::Comment(_) | Stmt::Barrier => 0,
+        };
+        total = total.saturating_add(f);
+    }
+    (total, exact)
+}
+
+/// One row of `kernels.tsv`.
+struct CostRow {
+    step: usize,
+    kind: &'static str,
+    name: String,
+    items: usize,
+    read: usize,
+    written: usize,
+    flops: u64,
+    exact: bool,
+}
+
+fn kernel_cost(k: &Kernel) -> (usize, usize, u64, bool) {
+    let (mut read, mut written) = (0, 0);
+    for p in &k.params {
+        let b = p.len * p.dtype.size_bytes();
+        if p.access.readable() {
+            read += b;
+        }
+        if p.access.writable() {
+            written += b;
+        }
+    }
+    let lanes = match k.grid {
+        Grid::ThreadPerItem { .. } => 1,
+        Grid::BlockPerItem { threads, .. } => u64::from(threads),
+    };
+    let (per, exact) = stmts_flops(&k.body);
+    (read, written, per.saturating_mul(lanes).saturating_mul(k.grid.items() as u64), exact)
+}
+
+fn cost_rows(plan: &Plan) -> Vec<CostRow> {
+    let size = |id: codegen::plan::BufferId| plan.buffers.get(id.0).map_or(0, bytes);
+    plan.steps
+        .iter()
+        .enumerate()
+        .map(|(step, s)| match s {
+            Step::Kernel { kernel, .. } => {
+                let k = &plan.kernels[*kernel];
+                let (read, written, flops, exact) = kernel_cost(k);
+                CostRow {
+                    step,
+                    kind: "kernel",
+                    name: k.name.clone(),
+                    items: k.grid.items(),
+                    read,
+                    written,
+                    flops,
+                    exact,
+                }
+            }
+            Step::Gemm(g) => {
+                let per = |n: usize| n * 4 * g.batch;
+                let c = per(g.m * g.n);
+                let read = per(g.m * g.k).min(size(g.a)) + per(g.k * g.n).min(size(g.b));
+                CostRow {
+                    step,
+                    kind: "gemm",
+                    name: format!("{}x{}x{}", g.m, g.n, g.k),
+                    items: g.batch,
+                    read: read + if g.accumulate { c } else { 0 },
+                    written: c,
+                    flops: (2 * g.batch * g.m * g.n * g.k) as u64,
+                    exact: true,
+                }
+            }
+            Step::Zero { buffer } => CostRow {
+                step,
+                kind: "zero",
+                name: plan.buffers.get(buffer.0).map_or_else(String::new, buffer_name),
+                items: 1,
+                read: 0,
+                written: size(*buffer),
+                flops: 0,
+                exact: true,
+            },
+        })
+        .collect()
+}
+
+/// `kernels.tsv`: one row per step, then a total row.
+pub fn kernels_tsv(plan: &Plan) -> String {
+    let rows = cost_rows(plan);
+    let mut out =
+        String::from("step\tkind\tname\titems\tbytes_read\tbytes_written\tflops\tflops_per_byte\texact\n");
+    let intensity = |f: u64, r: usize, w: usize| f as f64 / (r + w).max(1) as f64;
+    for r in &rows {
+        let _ = writeln!(
+            out,
+            "{}\t{}\t{}\t{}\t{}\t{}\t{}\t{:.3}\t{}",
+            r.step,
+            r.kind,
+            r.name,
+            r.items,
+            r.read,
+            r.written,
+            r.flops,
+            intensity(r.flops, r.read, r.written),
+            r.exact
+        );
+    }
+    let (read, written) = (rows.iter().map(|r| r.read).sum(), rows.iter().map(|r| r.written).sum());
+    let flops = rows.iter().map(|r| r.flops).fold(0u64, u64::saturating_add);
+    let exact = rows.iter().all(|r| r.exact);
+    let _ = writeln!(
+        out,
+        "total\t-\t-\t-\t{read}\t{written}\t{flops}\t{:.3}\t{exact}",
+        intensity(flops, read, written)
+    );
+    out
+}
