@@ -8,6 +8,8 @@
 //!   reports per-kernel resources from the ptxas report.
 
 pub mod cc;
+pub mod compile;
+pub mod emit;
 pub mod kernel;
 pub mod nvrtc;
 pub mod plan;

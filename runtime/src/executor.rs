@@ -30,6 +30,8 @@ pub enum StepError {
     Cpu(Box<crate::device::cpu::CpuError>),
     #[error(transparent)]
     Cuda(Box<crate::device::cuda::CudaError>),
+    #[error(transparent)]
+    Compile(Box<codegen::compile::CompileError>),
 }
 
 /// What the training loop and the sampler need from a device.
@@ -54,11 +56,14 @@ pub trait StepExecutor {
     fn logits(&mut self, params: &ParamSet, tokens: &[i32]) -> Result<Vec<f32>, StepError>;
 }
 
-/// The devices a model can run on. Only the reference interpreter exists so far;
-/// compiled CPU and CUDA plans are further implementations of [`StepExecutor`].
+/// The devices a model can run on. Compiled CUDA plans are a further
+/// implementation of [`StepExecutor`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Device {
     Reference,
+    /// The fused Plan on the host: C kernels on all cores, GEMMs through `gemm`
+    /// ([`crate::device::executor::CpuExecutor`]).
+    Cpu,
 }
 
 impl Device {
@@ -66,6 +71,10 @@ impl Device {
     pub fn executor(self, lowered: Lowered) -> Box<dyn StepExecutor> {
         match self {
             Device::Reference => Box::new(ReferenceExecutor::from_lowered(lowered)),
+            Device::Cpu => Box::new(crate::device::executor::CpuExecutor::from_lowered(
+                lowered,
+                crate::device::cpu::CpuOptions::default(),
+            )),
         }
     }
 }

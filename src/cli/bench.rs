@@ -13,6 +13,8 @@ use super::train::DeviceArg;
 use anyhow::Context;
 use ir::spec::{load_spec, ModelSpec, ResidualSpec};
 use runtime::data::{BatchSampler, Corpus};
+use runtime::device::cpu::CpuOptions;
+use runtime::device::executor::CpuExecutor;
 use runtime::executor::{Device, StepExecutor};
 use runtime::init::init_params;
 use runtime::optim::clip::{clip_global_norm, global_norm};
@@ -20,7 +22,7 @@ use runtime::optim::schedule::lr_multiplier;
 use runtime::optim::Optimizer;
 use runtime::params::ParamSet;
 use serde_json::json;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
 
@@ -30,7 +32,7 @@ pub struct Args {
     #[arg(required = true)]
     pub specs: Vec<PathBuf>,
     /// Where to run.
-    #[arg(long, value_enum, default_value = "reference")]
+    #[arg(long, value_enum, default_value = "cpu")]
     pub device: DeviceArg,
     /// Timed steps per model.
     #[arg(long, default_value_t = 10)]
@@ -80,7 +82,7 @@ struct Model {
 impl Model {
     fn build(
         name: &str,
-        path: &PathBuf,
+        path: &Path,
         spec: ModelSpec,
         baseline: bool,
         device: Device,
@@ -91,10 +93,18 @@ impl Model {
         let lowered = ir::lower::lower(&spec, batch, seq_len)?;
         let params = init_params(&lowered.graph, spec.train.seed)?;
         let optimizer = Optimizer::new(&spec, &params);
-        let exec = device.executor(lowered);
+        let exec: Box<dyn StepExecutor> = match device {
+            // Compile and load the Plan now, so no timed step pays for it.
+            Device::Cpu => {
+                let mut cpu = CpuExecutor::from_lowered(lowered, CpuOptions::default());
+                cpu.load()?;
+                Box::new(cpu)
+            }
+            _ => device.executor(lowered),
+        };
         Ok(Model {
             name: name.into(),
-            path: path.clone(),
+            path: path.to_path_buf(),
             scheme: spec.residual.kind_name(),
             baseline,
             sampler: BatchSampler::train(spec.train.seed, batch, seq_len + 1),
@@ -211,6 +221,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
 fn device_name(device: Device) -> &'static str {
     match device {
         Device::Reference => "reference",
+        Device::Cpu => "cpu",
     }
 }
 

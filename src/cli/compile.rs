@@ -1,4 +1,4 @@
-//! `widen compile SPEC -o DIR [--explain]`: everything the compiler produces
+//! `widen compile SPEC -o DIR [--explain] [--batch B] [--seq-len T]`: everything the compiler produces
 //! for one training step of a spec, as files to read and diff (DESIGN.md §1,
 //! §4–§6):
 //!
@@ -11,7 +11,7 @@
 //! | `fusion.txt`  | why each group is what it is (`ir::passes::fuse` explain)         |
 //! | `kernels.c`   | all kernels as one C translation unit (Cpu device)                |
 //! | `kernels.cu`  | the same kernels in the CUDA dialect                              |
-//! | `kernels.ptx` | PTX from NVRTC, when NVRTC can be loaded (otherwise a note)       |
+//! | `kernels.ptx` | PTX from NVRTC for sm_90, when NVRTC can be loaded (otherwise `kernels.ptx.txt` says why) |
 //! | `plan.txt`    | the launch list with buffer names and sizes, and the arena size   |
 //! | `kernels.tsv` | per step: bytes read and written, FLOPs, arithmetic intensity     |
 //!
@@ -21,12 +21,17 @@
 //! IR per item, times loop trip counts and items; loops whose bounds are not
 //! compile-time literals count once and mark the row as a lower bound.
 
+use anyhow::Context;
 use codegen::kernel::{Access, BinOp, Expr, Grid, Kernel, Stmt, Ty};
 use codegen::plan::{BufferDecl, BufferRole, Plan, Step};
 use ir::graph::Graph;
 use ir::passes::{FusedGraph, GroupKind};
+use ir::spec::load_spec;
+use runtime::device::executor::TrainingGraph;
 use std::collections::HashMap;
 use std::fmt::Write as _;
+use std::path::PathBuf;
+use std::process::ExitCode;
 
 /// The canonical node number (`%i` in dumps) of every node: its position in
 /// the deterministic topological order, as `ir::graph::dump` numbers them.
@@ -67,7 +72,7 @@ pub fn fused_text(graph: &Graph, fused: &FusedGraph) -> String {
             kind_name(g.kind),
             g.tokens,
             g.nodes.len(),
-            g.cost.flops,
+            g.cost.flops + 0.0,
             g.cost.bytes_read,
             g.cost.bytes_written
         );
@@ -389,4 +394,86 @@ pub fn kernels_tsv(plan: &Plan) -> String {
         intensity(flops, read, written)
     );
     out
+}
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Path to the RON spec.
+    pub spec: PathBuf,
+    /// Output folder (created if missing).
+    #[arg(short, long)]
+    pub out: PathBuf,
+    /// Print the fusion decisions (one line per group) to stdout.
+    #[arg(long)]
+    pub explain: bool,
+    /// Compile for this batch size instead of `train.batch`.
+    #[arg(long)]
+    pub batch: Option<usize>,
+    /// Compile for this sequence length instead of `train.seq_len`.
+    #[arg(long)]
+    pub seq_len: Option<usize>,
+}
+
+/// The GPU architecture PTX is generated for (DESIGN.md §6: sm_90).
+const ARCH: &str = "sm_90";
+
+pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    let spec = load_spec(&args.spec)?;
+    let batch = args.batch.unwrap_or(spec.train.batch);
+    let seq_len = args.seq_len.unwrap_or(spec.train.seq_len);
+    let lowered = ir::lower::lower(&spec, batch, seq_len)?;
+    let training = TrainingGraph::new(lowered).context("differentiating the model graph")?;
+    let graph = &training.graph;
+    let roots: Vec<_> = training
+        .request
+        .outputs
+        .iter()
+        .map(|o| o.1)
+        .chain(training.request.grads.iter().map(|g| g.1))
+        .collect();
+    let fused = ir::passes::fuse(graph, &roots).context("fusion")?;
+    let plan = training.plan().context("compiling the plan")?;
+
+    let out = &args.out;
+    std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
+    let write = |name: &str, text: &str| {
+        let path = out.join(name);
+        std::fs::write(&path, text).with_context(|| format!("cannot write {}", path.display()))
+    };
+    write("graph.txt", &ir::graph::to_text(graph))?;
+    write("graph.dot", &ir::graph::to_dot(graph))?;
+    write("fused.txt", &fused_text(graph, &fused))?;
+    write("fused.dot", &fused_dot(graph, &fused))?;
+    write("fusion.txt", &fused.explain())?;
+    write("kernels.c", &codegen::render::render_c(&plan.kernels)?)?;
+    let cuda = codegen::render::render_cuda(&plan.kernels)?;
+    write("kernels.cu", &cuda)?;
+    let ptx_note = if codegen::nvrtc::is_available() {
+        let compiled = codegen::nvrtc::compile(&cuda, ARCH).context("NVRTC")?;
+        write("kernels.ptx", &compiled.ptx)?;
+        format!("kernels.ptx ({ARCH})")
+    } else {
+        let note = "NVRTC could not be loaded, so no PTX was generated. Put the NVRTC library \
+                    (pip package nvidia-cuda-nvrtc) on LD_LIBRARY_PATH and run again.\n";
+        write("kernels.ptx.txt", note)?;
+        "kernels.ptx.txt (NVRTC unavailable: no PTX)".into()
+    };
+    write("plan.txt", &plan_text(&plan))?;
+    write("kernels.tsv", &kernels_tsv(&plan))?;
+
+    if args.explain {
+        print!("{}", fused.explain());
+    }
+    let groups = fused.groups.iter().filter(|g| g.kind != GroupKind::Source).count();
+    eprintln!(
+        "{}: {} nodes, {} fusion groups, {} kernels, {} steps; wrote graph.{{txt,dot}}, fused.{{txt,dot}}, \
+         fusion.txt, kernels.{{c,cu}}, {ptx_note}, plan.txt, kernels.tsv to {}",
+        spec.name,
+        graph.node_count(),
+        groups,
+        plan.kernels.len(),
+        plan.steps.len(),
+        out.display()
+    );
+    Ok(ExitCode::SUCCESS)
 }

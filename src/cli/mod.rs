@@ -2,5 +2,6 @@
 
 pub mod bench;
 pub mod check;
+pub mod compile;
 pub mod sample;
 pub mod train;

@@ -1,4 +1,5 @@
-//! `widen train`: train a model from a spec on the reference executor.
+//! `widen train`: train a model from a spec on the reference executor or the
+//! Cpu device.
 
 use anyhow::Context;
 use ir::spec::{load_spec, DataSpec};
@@ -7,18 +8,21 @@ use runtime::train::{train_spec, Progress, TrainOptions};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-/// The device to run on. Compiled CPU and CUDA plans will join the reference
-/// interpreter here.
+/// The device to run on: the reference interpreter or the compiled Plan on the
+/// host.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum DeviceArg {
     /// The reference interpreter of the unfused graph (f32).
     Reference,
+    /// The fused Plan compiled to C, on every core.
+    Cpu,
 }
 
 impl From<DeviceArg> for Device {
     fn from(d: DeviceArg) -> Device {
         match d {
             DeviceArg::Reference => Device::Reference,
+            DeviceArg::Cpu => Device::Cpu,
         }
     }
 }

@@ -36,7 +36,17 @@ use crate::kernel::{f32, f64, i32, i64, item, select, Access, Block, Buf, Expr, 
 /// Largest total length (elements) of the per-item local arrays of one fused
 /// kernel. Larger groups are split, so per-item scratch stays on the stack (C)
 /// or in local memory (CUDA).
-pub const LOCAL_LIMIT: usize = 16 * 1024;
+pub const LOCAL_LIMIT: usize = 1024;
+
+/// CUDA threads per block of emitted thread-per-item kernels. Fused and
+/// standalone bodies are long; with 256-thread launch bounds ptxas caps them at
+/// 64 registers and spills, with 128 it gives them the registers they need.
+pub const BLOCK: u32 = 128;
+
+/// The thread-per-item grid of `n` items used by every emitted kernel.
+pub fn grid(n: usize) -> Grid {
+    Grid::ThreadPerItem { n, block: BLOCK }
+}
 
 /// A buffer argument of a launch: a graph value, or a temporary owned by the
 /// lowering of one node (indexes [`Lowering::temps`]).
@@ -219,12 +229,8 @@ pub(crate) fn view_of(op: &Op, in_dims: &[&[usize]], out_dims: &[usize], ins: Ve
         Op::Broadcast { .. } => ins.swap_remove(0).broadcast(in_dims[0], out_dims),
         Op::Slice { axis, start, .. } => {
             let st = strides(in_dims[0]);
-            Val::Strided {
-                src: Box::new(ins.swap_remove(0)),
-                dims: out_dims.to_vec(),
-                strides: st,
-                base: start * st[*axis],
-            }
+            let base = start * st[*axis];
+            Val::Strided { src: Box::new(ins.swap_remove(0)), dims: out_dims.to_vec(), strides: st, base }
         }
         Op::Concat { axis } => {
             let sizes = in_dims.iter().map(|d| d[*axis]).collect();
@@ -391,60 +397,87 @@ pub trait Residency {
     fn has_buffer(&self, id: NodeId) -> bool;
 }
 
+/// Whether `id`, read by a kernel of `n` items computing `inside`, holds values
+/// of that kernel (so only the reading item's part may be read): true for the
+/// kernel's own non-view nodes and for views (folded, wherever a partition lists
+/// them) of such values. `None` when a view of kernel values breaks the item split.
+fn restricted(
+    graph: &Graph,
+    id: NodeId,
+    n: usize,
+    inside: &HashSet<NodeId>,
+    memo: &mut HashMap<NodeId, Option<bool>>,
+) -> Option<bool> {
+    if let Some(&r) = memo.get(&id) {
+        return r;
+    }
+    let node = graph.node(id);
+    let r = if node.op.is_view() {
+        let mut slots = Vec::new();
+        for i in graph.inputs(id) {
+            slots.push(restricted(graph, i, n, inside, memo)?);
+        }
+        let any = slots.iter().any(|&r| r);
+        if any && !item_ok(graph, id, n, &slots, false) {
+            None
+        } else {
+            Some(any)
+        }
+    } else {
+        Some(inside.contains(&id) && !matches!(node.op, Op::Constant { .. }))
+    };
+    memo.insert(id, r);
+    r
+}
+
 /// The item count of a kernel computing `nodes` (in topological order), or
 /// `None` when no split into items lets every op read its in-kernel operands
 /// inside its own item (or the per-item scratch would exceed [`LOCAL_LIMIT`]).
 /// Larger counts are preferred (more parallelism).
 pub fn itemize(graph: &Graph, nodes: &[NodeId], res: &dyn Residency) -> Option<usize> {
-    if nodes.iter().any(|&id| is_standalone(&graph.node(id).op)) {
+    if nodes.iter().any(|&id| is_standalone(&graph.node(id).op) || graph.node(id).op.is_source()) {
         return None;
     }
     let inside: HashSet<NodeId> = nodes.iter().copied().collect();
+    // Nodes the kernel writes: every non-view, and views copied into their buffer.
+    let computed: Vec<NodeId> = nodes
+        .iter()
+        .copied()
+        .filter(|&id| !graph.node(id).op.is_view() || res.has_buffer(id))
+        .collect();
     let mut candidates: Vec<usize> = Vec::new();
-    for &id in nodes {
-        let node = graph.node(id);
-        if node.op.is_view() && !res.has_buffer(id) {
-            continue;
-        }
+    for &id in &computed {
         let mut p = 1;
         candidates.push(1);
-        for &d in node.shape.dims() {
+        for &d in graph.node(id).shape.dims() {
             p *= d;
             candidates.push(p);
         }
+    }
+    if candidates.is_empty() {
+        return Some(1); // only views, folded by their consumers: nothing to launch
     }
     candidates.sort_unstable_by(|a, b| b.cmp(a));
     candidates.dedup();
     'candidate: for n in candidates.into_iter().filter(|&n| n > 0) {
         let mut local = 0;
-        let mut restricted: HashMap<NodeId, bool> = HashMap::new();
-        for &id in nodes {
+        let mut memo: HashMap<NodeId, Option<bool>> = HashMap::new();
+        for &id in &computed {
             let node = graph.node(id);
-            if matches!(node.op, Op::Constant { .. }) && !res.has_buffer(id) {
-                restricted.insert(id, false);
-                continue;
-            }
-            if node.op.is_source() {
-                continue 'candidate;
-            }
-            let slots: Vec<bool> = graph
-                .inputs(id)
-                .iter()
-                .map(|i| inside.contains(i) && restricted.get(i).copied().unwrap_or(false))
-                .collect();
-            let materialized_view = node.op.is_view() && res.has_buffer(id);
-            if !item_ok(graph, id, n, &slots, materialized_view) {
-                continue 'candidate;
-            }
-            let is_virtual_view = node.op.is_view() && !materialized_view;
-            restricted.insert(id, !is_virtual_view || slots.iter().any(|&r| r));
-            if !is_virtual_view {
-                let per = node.shape.numel() / n;
-                if !res.has_buffer(id) {
-                    local += per;
+            let mut slots = Vec::new();
+            for i in graph.inputs(id) {
+                match restricted(graph, i, n, &inside, &mut memo) {
+                    Some(r) => slots.push(r),
+                    None => continue 'candidate,
                 }
-                local += op_scratch(&node.op, node.shape.dims());
             }
+            if !item_ok(graph, id, n, &slots, node.op.is_view()) {
+                continue 'candidate;
+            }
+            if !res.has_buffer(id) {
+                local += node.shape.numel() / n;
+            }
+            local += op_scratch(&node.op, node.shape.dims());
         }
         if local <= LOCAL_LIMIT {
             return Some(n);
@@ -459,18 +492,19 @@ pub(crate) fn param_name(id: NodeId) -> String {
 }
 
 /// Reads the values a kernel does not produce: materialized nodes become buffer
-/// parameters (declared on first use), views fold over them, constants inline.
+/// parameters (declared on first use), views always fold over them (even a view
+/// copied into a buffer for its role, so no read depends on where a partition
+/// lists the view), constants inline.
 pub(crate) struct Reader<'g> {
     pub graph: &'g Graph,
-    pub res: &'g dyn Residency,
     pub vals: HashMap<NodeId, Val>,
     pub args: Vec<Arg>,
     declared: HashMap<NodeId, Buf>,
 }
 
 impl<'g> Reader<'g> {
-    pub(crate) fn new(graph: &'g Graph, res: &'g dyn Residency) -> Self {
-        Reader { graph, res, vals: HashMap::new(), args: Vec::new(), declared: HashMap::new() }
+    pub(crate) fn new(graph: &'g Graph) -> Self {
+        Reader { graph, vals: HashMap::new(), args: Vec::new(), declared: HashMap::new() }
     }
 
     /// Declares (once) the buffer parameter holding node `id`.
@@ -492,10 +526,8 @@ impl<'g> Reader<'g> {
         }
         let node: &Node = self.graph.node(id);
         let v = match &node.op {
-            Op::Constant { value } if !self.res.has_buffer(id) => {
-                Val::Const { value: *value, ty: Ty::of_storage(node.dtype) }
-            }
-            op if op.is_view() && !self.res.has_buffer(id) => {
+            Op::Constant { value } => Val::Const { value: *value, ty: Ty::of_storage(node.dtype) },
+            op if op.is_view() => {
                 let inputs = self.graph.inputs(id);
                 let ins: Vec<Val> = inputs.iter().map(|&i| self.read(k, i)).collect();
                 let dims: Vec<&[usize]> = inputs.iter().map(|&i| self.graph.node(i).shape.dims()).collect();
@@ -508,6 +540,17 @@ impl<'g> Reader<'g> {
     }
 }
 
+/// Whether a node of `inside` reads `id`, directly or through views.
+fn reads_inside(graph: &Graph, id: NodeId, inside: &HashSet<NodeId>) -> bool {
+    graph.users(id).iter().any(|&(u, _)| {
+        if graph.node(u).op.is_view() {
+            reads_inside(graph, u, inside)
+        } else {
+            inside.contains(&u)
+        }
+    })
+}
+
 /// Lowers `nodes` (topological order, none standalone) into one thread-per-item
 /// kernel of `n` items named `name`. Nodes with a buffer are written to it; the
 /// others live in per-item local arrays.
@@ -518,8 +561,8 @@ pub fn lower_fused(
     res: &dyn Residency,
     name: &str,
 ) -> Result<Launch, EmitError> {
-    let mut k = KernelBuilder::new(name, Grid::thread_per_item(n));
-    let mut r = Reader::new(graph, res);
+    let mut k = KernelBuilder::new(name, grid(n));
+    let mut r = Reader::new(graph);
     let names = Names::default();
     let inside: HashSet<NodeId> = nodes.iter().copied().collect();
     for &id in nodes {
@@ -534,17 +577,18 @@ pub fn lower_fused(
         let per = node.shape.numel() / n;
         let sink = if materialize {
             // Read back by a later op of this kernel, or accumulated into.
-            let read_back = matches!(node.op, Op::ScatterAdd { .. })
-                || graph.users(id).iter().any(|(u, _)| inside.contains(u));
+            let read_back = matches!(node.op, Op::ScatterAdd { .. }) || reads_inside(graph, id, &inside);
             let access = if read_back { Access::ReadWrite } else { Access::Write };
             Sink::Buffer(r.buffer(&mut k, id, access))
         } else {
-            let arr = k.local_array(&format!("v{}", id.index()), Ty::of_storage(node.dtype), per.max(1));
+            let arr = k.local_array(&format!("loc{}", id.index()), Ty::of_storage(node.dtype), per.max(1));
             Sink::Local { arr, per }
         };
         let cx = item::ItemOp { names: &names, id, node, in_dims: &in_dims, ins: &ins, sink: &sink, per };
         item::emit(&mut k, &cx)?;
-        r.vals.insert(id, sink.val());
+        if !node.op.is_view() && !matches!(node.op, Op::Constant { .. }) {
+            r.vals.insert(id, sink.val());
+        }
     }
     let kernel = k.finish();
     kernel.validate()?;

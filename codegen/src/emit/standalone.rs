@@ -4,9 +4,8 @@
 //! [`Reader`], so views fold into their index math like everywhere else.
 
 use ir::graph::{Graph, NodeId, Op};
-use ir::DType;
 
-use super::{ix, lit, maximum, EmitError, Launch, Lowering, Names, Reader, Residency, Val};
+use super::{grid, ix, lit, maximum, EmitError, Launch, Lowering, Names, Reader, Val};
 use crate::kernel::{f64, i64, item, lane, select, Access, Block, Buf, Expr, Grid, KernelBuilder, ReduceOp, Ty};
 
 /// ε_abs of the Gram–Schmidt guard (MATH.md §6.5 DECISION; `ir::exec` uses the same).
@@ -16,21 +15,21 @@ const GS_EPS_ABS: f64 = 1e-20;
 const LOSS_THREADS: u32 = 256;
 
 /// Lowers one standalone op (see [`super::is_standalone`]) into its launches.
-pub fn lower_standalone(graph: &Graph, id: NodeId, res: &dyn Residency, name: &str) -> Result<Lowering, EmitError> {
+pub fn lower_standalone(graph: &Graph, id: NodeId, name: &str) -> Result<Lowering, EmitError> {
     let node = graph.node(id);
     match &node.op {
         Op::CausalAttention { scale, rope_base } => {
-            Ok(single(attention(graph, id, res, name, *scale, *rope_base)?))
+            Ok(single(attention(graph, id, name, *scale, *rope_base)?))
         }
         Op::CausalAttentionGrad { scale, rope_base, wrt } => {
-            attention_grad(graph, id, res, name, *scale, *rope_base, *wrt)
+            attention_grad(graph, id, name, *scale, *rope_base, *wrt)
         }
-        Op::SoftmaxCrossEntropy => Ok(single(cross_entropy(graph, id, res, name)?)),
+        Op::SoftmaxCrossEntropy => Ok(single(cross_entropy(graph, id, name)?)),
         Op::TemporalAugment { gram_schmidt, eps_rel } => {
-            Ok(single(temporal(graph, id, res, name, *gram_schmidt, *eps_rel, None)?))
+            Ok(single(temporal(graph, id, name, *gram_schmidt, *eps_rel, None)?))
         }
         Op::TemporalAugmentGrad { gram_schmidt, eps_rel, wrt } => {
-            Ok(single(temporal(graph, id, res, name, *gram_schmidt, *eps_rel, Some(*wrt))?))
+            Ok(single(temporal(graph, id, name, *gram_schmidt, *eps_rel, Some(*wrt))?))
         }
         op => Err(EmitError::at(id, op, "is not lowered on a grid of its own")),
     }
@@ -183,15 +182,14 @@ fn attn_setup<'a>(
 fn attention(
     graph: &Graph,
     id: NodeId,
-    res: &dyn Residency,
     name: &str,
     scale: f64,
     rope_base: Option<f64>,
 ) -> Result<Launch, EmitError> {
     let node = graph.node(id);
     let dims = node.shape.dims();
-    let mut k = KernelBuilder::new(name, Grid::thread_per_item(dims[0] * dims[1] * dims[2]));
-    let mut r = Reader::new(graph, res);
+    let mut k = KernelBuilder::new(name, grid(dims[0] * dims[1] * dims[2]));
+    let mut r = Reader::new(graph);
     let names = Names::default();
     let a = attn_setup(graph, id, &mut k, &mut r, &names, scale, rope_base);
     let out = r.buffer(&mut k, id, Access::Write);
@@ -261,7 +259,6 @@ fn row_stats(b: &mut Block, a: &Attn, dout: &Val, qr: &Buf, bi: &Expr, t: &Expr,
 fn attention_grad(
     graph: &Graph,
     id: NodeId,
-    res: &dyn Residency,
     name: &str,
     scale: f64,
     rope_base: Option<f64>,
@@ -276,8 +273,8 @@ fn attention_grad(
 
     // Kernel 1: per query row statistics.
     let stats = {
-        let mut k = KernelBuilder::new(&format!("{name}_stats"), Grid::thread_per_item(rows));
-        let mut r = Reader::new(graph, res);
+        let mut k = KernelBuilder::new(&format!("{name}_stats"), grid(rows));
+        let mut r = Reader::new(graph);
         let names = Names::default();
         let a = attn_setup(graph, id, &mut k, &mut r, &names, scale, rope_base);
         let dout = r.read(&mut k, inputs[3]);
@@ -300,8 +297,8 @@ fn attention_grad(
 
     // Kernel 2: the gradient itself.
     let items = if wrt == 0 { rows } else { kd[0] * kd[1] * kd[2] };
-    let mut k = KernelBuilder::new(name, Grid::thread_per_item(items));
-    let mut r = Reader::new(graph, res);
+    let mut k = KernelBuilder::new(name, grid(items));
+    let mut r = Reader::new(graph);
     let names = Names::default();
     let a = attn_setup(graph, id, &mut k, &mut r, &names, scale, rope_base);
     let dout = r.read(&mut k, inputs[3]);
@@ -311,13 +308,17 @@ fn attention_grad(
     let d = a.d;
     let acc = k.local_array("acc", a.ty, d.dh);
     k.for_("i", ix(0), ix(d.dh), |b, i| b.store(&acc, i, a.lit(0.0)));
-    // ds = p · (dp − centre) · scale for query row `qi` (row offset qrow) and key row krow.
+    // p for query row `qi` (row offset qrow) and key row krow, and (for dq and dk)
+    // ds = p · (dp − centre) · scale.
     let probs = |b: &mut Block, qr: &Buf, qi: &Expr, qrow: &Expr, krow: &Expr, tp: &Expr| {
         let s = a.score(b, qr, krow, tp);
         let p = b.let_(
             &names.fresh("p"),
             (s - st.at(qi.clone() * i64(3))).exp() * st.at(qi.clone() * i64(3) + i64(1)),
         );
+        if wrt == 2 {
+            return (p.clone(), p);
+        }
         let dp = sum(&names, b, a.lit(0.0), ix(0), ix(d.dh), |_, e| {
             dout.load(qrow.clone() + e.clone()) * a.v.load(krow.clone() + e)
         });
@@ -380,13 +381,13 @@ fn attention_grad(
 /// Mean softmax cross-entropy (MATH.md §1.3 "Loss"): one block whose lanes take
 /// rows lane, lane + 256, ..., each adding logsumexp − logit[target]; a block
 /// reduction sums the lanes.
-fn cross_entropy(graph: &Graph, id: NodeId, res: &dyn Residency, name: &str) -> Result<Launch, EmitError> {
+fn cross_entropy(graph: &Graph, id: NodeId, name: &str) -> Result<Launch, EmitError> {
     let inputs = graph.inputs(id);
     let v = graph.node(inputs[0]).shape.last();
     let rows = graph.node(inputs[1]).shape.numel();
     let ty = Ty::of_storage(graph.node(id).dtype);
     let mut k = KernelBuilder::new(name, Grid::block_per_item(1, LOSS_THREADS));
-    let mut r = Reader::new(graph, res);
+    let mut r = Reader::new(graph);
     let names = Names::default();
     let x = r.read(&mut k, inputs[0]);
     let targets = r.read(&mut k, inputs[1]);
@@ -456,65 +457,97 @@ struct GsArrays {
     v: Buf,
     /// u[j][i]: row j's residual before projecting on v_i, at (j·(r+1) + i)·C.
     u: Buf,
+    /// coef[j][i] and den[j][i] of each projection, at j·(r+1) + i.
+    coef: Buf,
+    den: Buf,
     dv: Buf,
     du: Buf,
 }
 
+impl GsArrays {
+    fn new(k: &mut KernelBuilder, ty: Ty, r: usize, c: usize) -> GsArrays {
+        GsArrays {
+            v: k.local_array("gv", ty, (r + 1) * c),
+            u: k.local_array("gu", ty, r * (r + 1) * c),
+            coef: k.local_array("gcoef", ty, r * (r + 1)),
+            den: k.local_array("gden", ty, r * (r + 1)),
+            dv: k.local_array("gdv", ty, (r + 1) * c),
+            du: k.local_array("gdu", ty, c),
+        }
+    }
+}
+
 /// Modified Gram–Schmidt of one token, forward record and reverse sweep
 /// (MATH.md §6.5, §6.8; `ir::exec::backward_ops::gram_schmidt_back`): writes
-/// d g_j into `dg` (rows of C at `j·C`) and d out's direct part into `direct`.
-fn gs_back(b: &mut Block, ta: &Ta, arr: &GsArrays, tok: &Expr, dy: &Val, dg: &Buf, direct: &Buf) {
+/// d g_j into `dg` (rows of C at `j·C`) and, when asked, d out's direct part
+/// into `direct`. The projections run as loops over (j, i) with the record in
+/// local arrays, which keeps the body small enough for registers.
+fn gs_back(b: &mut Block, ta: &Ta, arr: &GsArrays, tok: &Expr, dy: &Val, dg: &Buf, direct: Option<&Buf>) {
     let (c, r) = (ta.c, ta.ws.len());
     let n = ta.names;
     let ob = b.let_(&n.fresh("ob"), tok.clone() * ix(c));
     let guard = ta.guard(b, &ob);
-    let copy = |b: &mut Block, dst: &Buf, at: usize, src: &dyn Fn(Expr) -> Expr| {
-        b.for_(&n.fresh("e"), ix(0), ix(c), |b, e| b.store(dst, ix(at) + e.clone(), src(e)));
+    let copy = |b: &mut Block, dst: &Buf, at: Expr, src: &dyn Fn(Expr) -> Expr| {
+        b.for_(&n.fresh("e"), ix(0), ix(c), |b, e| b.store(dst, at.clone() + e.clone(), src(e)));
     };
-    copy(b, &arr.v, 0, &|e| ta.x.load(ob.clone() + e));
-    let urow = |j: usize, i: usize| (j * (r + 1) + i) * c;
-    let mut coef = vec![Vec::new(); r];
-    let mut den = vec![Vec::new(); r];
+    copy(b, &arr.v, ix(0), &|e| ta.x.load(ob.clone() + e));
     for j in 0..r {
-        ta.conv(b, j, tok, &arr.u, urow(j, 0));
-        for i in 0..=j {
-            let dd = ta.dot(b, |e| arr.v.at(ix(i * c) + e), |e| arr.v.at(ix(i * c) + e));
+        ta.conv(b, j, tok, &arr.u, j * (r + 1) * c);
+    }
+    let ur = |j: &Expr, i: &Expr| (j.clone() * ix(r + 1) + i.clone()) * ix(c);
+    let ci = |j: &Expr, i: &Expr| j.clone() * ix(r + 1) + i.clone();
+    b.for_(&n.fresh("j"), ix(0), ix(r), |b, j| {
+        b.for_(&n.fresh("i"), ix(0), j.clone() + i64(1), |b, i| {
+            let vi = i.clone() * ix(c);
+            let dd = ta.dot(b, |e| arr.v.at(vi.clone() + e), |e| arr.v.at(vi.clone() + e));
             let dn = b.let_(&n.fresh("den"), dd + guard.clone());
-            let du = ta.dot(b, |e| arr.u.at(ix(urow(j, i)) + e), |e| arr.v.at(ix(i * c) + e));
+            let uji = b.let_(&n.fresh("uji"), ur(&j, &i));
+            let du = ta.dot(b, |e| arr.u.at(uji.clone() + e), |e| arr.v.at(vi.clone() + e));
             let cf = b.let_(&n.fresh("coef"), du / dn.clone());
-            let next = if i == j { (j + 1) * c } else { urow(j, i + 1) };
-            let dst = if i == j { &arr.v } else { &arr.u };
-            copy(b, dst, next, &|e| arr.u.at(ix(urow(j, i)) + e.clone()) - cf.clone() * arr.v.at(ix(i * c) + e));
-            coef[j].push(cf);
-            den[j].push(dn);
-        }
-    }
-    copy(b, &arr.dv, 0, &|_| ta.lit(0.0));
-    for j in 0..r {
-        copy(b, &arr.dv, (j + 1) * c, &|e| dy.load((tok.clone() * ix(r) + ix(j)) * ix(c) + e));
-    }
+            b.store(&arr.coef, ci(&j, &i), cf.clone());
+            b.store(&arr.den, ci(&j, &i), dn);
+            let next = |e: Expr| arr.u.at(uji.clone() + e.clone()) - cf.clone() * arr.v.at(vi.clone() + e);
+            b.if_else(
+                i.clone().eq_(j.clone()),
+                |b| copy(b, &arr.v, (j.clone() + i64(1)) * ix(c), &next),
+                |b| copy(b, &arr.u, uji.clone() + ix(c), &next),
+            );
+        });
+    });
+    copy(b, &arr.dv, ix(0), &|_| ta.lit(0.0));
+    b.for_(&n.fresh("j"), ix(0), ix(r), |b, j| {
+        let at = (j.clone() + i64(1)) * ix(c);
+        copy(b, &arr.dv, at, &|e| dy.load((tok.clone() * ix(r) + j.clone()) * ix(c) + e));
+    });
     let d_guard = b.var(&n.fresh("dguard"), ta.lit(0.0));
-    for j in (0..r).rev() {
-        copy(b, &arr.du, 0, &|e| arr.dv.at(ix((j + 1) * c) + e));
-        for i in (0..=j).rev() {
-            let (cf, dn) = (&coef[j][i], &den[j][i]);
-            let dot = ta.dot(b, |e| arr.du.at(e), |e| arr.v.at(ix(i * c) + e));
+    b.for_(&n.fresh("jr"), ix(0), ix(r), |b, jr| {
+        let j = b.let_(&n.fresh("jj"), ix(r - 1) - jr);
+        copy(b, &arr.du, ix(0), &|e| arr.dv.at((j.clone() + i64(1)) * ix(c) + e));
+        b.for_(&n.fresh("ir"), ix(0), j.clone() + i64(1), |b, ir| {
+            let i = b.let_(&n.fresh("ii"), j.clone() - ir);
+            let vi = b.let_(&n.fresh("vi"), i.clone() * ix(c));
+            let uji = b.let_(&n.fresh("uji"), ur(&j, &i));
+            let cf = b.let_(&n.fresh("cf"), arr.coef.at(ci(&j, &i)));
+            let dn = b.let_(&n.fresh("dn"), arr.den.at(ci(&j, &i)));
+            let dot = ta.dot(b, |e| arr.du.at(e), |e| arr.v.at(vi.clone() + e));
             let dcoef = b.let_(&n.fresh("dcoef"), -dot);
             let ddot = b.let_(&n.fresh("ddot"), dcoef.clone() / dn.clone());
-            let dden = b.let_(&n.fresh("dden"), (-dcoef) * cf.clone() / dn.clone());
+            let dden = b.let_(&n.fresh("dden"), (-dcoef) * cf.clone() / dn);
             b.for_(&n.fresh("e"), ix(0), ix(c), |b, e| {
-                let vi = arr.v.at(ix(i * c) + e.clone());
-                let upd = ddot.clone() * arr.u.at(ix(urow(j, i)) + e.clone()) + ta.lit(2.0) * dden.clone() * vi.clone()
+                let v = arr.v.at(vi.clone() + e.clone());
+                let upd = ddot.clone() * arr.u.at(uji.clone() + e.clone()) + ta.lit(2.0) * dden.clone() * v.clone()
                     - cf.clone() * arr.du.at(e.clone());
-                b.store(&arr.dv, ix(i * c) + e.clone(), arr.dv.at(ix(i * c) + e.clone()) + upd);
-                b.store(&arr.du, e.clone(), arr.du.at(e) + ddot.clone() * vi);
+                b.store(&arr.dv, vi.clone() + e.clone(), arr.dv.at(vi.clone() + e.clone()) + upd);
+                b.store(&arr.du, e.clone(), arr.du.at(e) + ddot.clone() * v);
             });
             b.assign(&d_guard, d_guard.clone() + dden);
-        }
-        copy(b, dg, j * c, &|e| arr.du.at(e));
+        });
+        copy(b, dg, j * ix(c), &|e| arr.du.at(e));
+    });
+    if let Some(direct) = direct {
+        let scale = b.let_(&n.fresh("gscale"), ta.lit(2.0) * ta.lit(ta.eps_rel) * d_guard);
+        copy(b, direct, ix(0), &|e| arr.dv.at(e.clone()) + scale.clone() * arr.v.at(e));
     }
-    let scale = b.let_(&n.fresh("gscale"), ta.lit(2.0) * ta.lit(ta.eps_rel) * d_guard);
-    copy(b, direct, 0, &|e| arr.dv.at(e.clone()) + scale.clone() * arr.v.at(e));
 }
 
 /// TemporalAugment (MATH.md §6.5) with one item per token, or its gradient
@@ -524,7 +557,6 @@ fn gs_back(b: &mut Block, ta: &Ta, arr: &GsArrays, tok: &Expr, dy: &Val, dg: &Bu
 fn temporal(
     graph: &Graph,
     id: NodeId,
-    res: &dyn Residency,
     name: &str,
     gram_schmidt: bool,
     eps_rel: f64,
@@ -540,8 +572,8 @@ fn temporal(
         Some(j) if j > 0 => graph.node(inputs[j]).shape.dims()[0],
         _ => tokens,
     };
-    let mut k = KernelBuilder::new(name, Grid::thread_per_item(items));
-    let mut r = Reader::new(graph, res);
+    let mut k = KernelBuilder::new(name, grid(items));
+    let mut r = Reader::new(graph);
     let names = Names::default();
     let x = r.read(&mut k, inputs[0]);
     let ws: Vec<(Val, usize)> =
@@ -581,17 +613,12 @@ fn temporal(
         return finish(k, r);
     };
     let dy = dy.expect("gradient kernels read dY");
-    let arrays = gram_schmidt.then(|| GsArrays {
-        v: k.local_array("gv", ty, (rk + 1) * c),
-        u: k.local_array("gu", ty, rk * (rk + 1) * c),
-        dv: k.local_array("gdv", ty, (rk + 1) * c),
-        du: k.local_array("gdu", ty, c),
-    });
+    let arrays = gram_schmidt.then(|| GsArrays::new(&mut k, ty, rk, c));
     let dg = k.local_array("dg", ty, rk * c);
-    let direct = k.local_array("direct", ty, c);
+    let direct = (wrt == 0 && gram_schmidt).then(|| k.local_array("direct", ty, c));
     // d g_j at token `tok` into dg (and d out's direct part into `direct`).
     let token_dg = |b: &mut Block, tok: &Expr| match &arrays {
-        Some(arr) => gs_back(b, &ta, arr, tok, &dy, &dg, &direct),
+        Some(arr) => gs_back(b, &ta, arr, tok, &dy, &dg, direct.as_ref()),
         None => {
             for j in 0..rk {
                 b.for_(&names.fresh("e"), ix(0), ix(c), |b, e| {
@@ -614,7 +641,7 @@ fn temporal(
             b.for_("e", ix(0), ix(rk * c), |b, e| {
                 b.store(&all, off.clone() * ix(rk * c) + e.clone(), dg.at(e));
             });
-            if gram_schmidt {
+            if let Some(direct) = &direct {
                 b.if_(off.eq_(i64(0)), |b| {
                     b.for_("e", ix(0), ix(c), |b, e| b.store(&acc, e.clone(), direct.at(e)));
                 });
@@ -648,6 +675,5 @@ fn temporal(
         });
         k.for_("e", ix(0), ix(c), |b, e| b.store(&out, item() * ix(c) + e.clone(), acc.at(e)));
     }
-    let _ = DType::F32;
     finish(k, r)
 }

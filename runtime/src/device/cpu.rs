@@ -72,6 +72,8 @@ pub enum CpuError {
     Aliased { step: usize, kernel: String, written: usize, other: usize },
     #[error("step {step}: GEMM {what}")]
     Gemm { step: usize, what: String },
+    #[error("steps {start}..{end} are not within the plan's {count} steps")]
+    StepRange { start: usize, end: usize, count: usize },
     #[error("buffer #{id} does not exist: the plan has {count} buffers")]
     NoSuchBuffer { id: usize, count: usize },
     #[error("buffer #{id} holds {dtype}, not {want}")]
@@ -167,7 +169,7 @@ impl CpuDevice {
 
     /// Loads `plan`, compiling its kernels with `compiler`.
     pub fn with_options(plan: Plan, compiler: &Compiler, opts: CpuOptions) -> Result<CpuDevice, CpuError> {
-        let (locs, owned, arenas) = allocate(&plan)?;
+        let Storage { locs, owned, arenas } = allocate(&plan)?;
         let threads = opts.threads.max(1);
         let parts = check_steps(&plan, &locs, threads)?;
         let library = compiler.compile_kernels(&plan.kernels)?;
@@ -265,9 +267,19 @@ impl CpuDevice {
 
     /// Executes every step of the Plan once, in order.
     pub fn run(&mut self) -> Result<(), CpuError> {
+        self.run_range(0..self.plan.steps.len())
+    }
+
+    /// Executes the steps `range` of the launch list, in order (profiling one
+    /// step at a time; running a prefix to inspect intermediate buffers).
+    pub fn run_range(&mut self, range: std::ops::Range<usize>) -> Result<(), CpuError> {
+        let count = self.plan.steps.len();
+        if range.start > range.end || range.end > count {
+            return Err(CpuError::StepRange { start: range.start, end: range.end, count });
+        }
         let ptrs = self.pointers();
         let mut args: Vec<*mut c_void> = Vec::new();
-        for (index, step) in self.plan.steps.iter().enumerate() {
+        for (index, step) in self.plan.steps.iter().enumerate().take(range.end).skip(range.start) {
             match step {
                 Step::Kernel { kernel, args: ids } => {
                     args.clear();
@@ -308,7 +320,7 @@ fn copy_into<T: Copy>(id: BufferId, dst: &mut [T], src: &[T]) -> Result<(), CpuE
 
 /// Storage for every buffer: owned vectors for persistent roles (constants
 /// filled), arenas sized to cover every scratch placement.
-fn allocate(plan: &Plan) -> Result<(Vec<Loc>, Vec<HostVec>, Vec<HostVec>), CpuError> {
+fn allocate(plan: &Plan) -> Result<Storage, CpuError> {
     let mut arena_len = [0usize; DTYPES.len()];
     arena_len[dtype_slot(DType::F32)] = plan.arena_len;
     let mut locs = Vec::with_capacity(plan.buffers.len());
@@ -334,7 +346,14 @@ fn allocate(plan: &Plan) -> Result<(Vec<Loc>, Vec<HostVec>, Vec<HostVec>), CpuEr
         }
     }
     let arenas = DTYPES.iter().zip(arena_len).map(|(&dt, len)| HostVec::zeros(dt, len)).collect();
-    Ok((locs, owned, arenas))
+    Ok(Storage { locs, owned, arenas })
+}
+
+/// Where every buffer lives, and the storage itself.
+struct Storage {
+    locs: Vec<Loc>,
+    owned: Vec<HostVec>,
+    arenas: Vec<HostVec>,
 }
 
 /// A constant buffer filled with `value` in its storage type.

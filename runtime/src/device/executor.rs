@@ -4,10 +4,13 @@
 //! gradients or the logits. The optimizer stays on the host (in Rust), so the
 //! parameter buffers are refreshed before every run.
 
-use super::cpu::{CpuDevice, CpuError};
+use super::cpu::{CpuDevice, CpuError, CpuOptions};
 use crate::executor::{StepError, StepExecutor};
 use crate::params::ParamSet;
+use codegen::compile::{compile, fused_partition, CompileError, Request};
 use codegen::plan::{BufferId, BufferRole, Plan};
+use ir::graph::Graph;
+use ir::lower::Lowered;
 use std::collections::HashMap;
 
 /// The interface buffers of a training Plan, resolved by role once.
@@ -44,44 +47,114 @@ impl Interface {
     }
 }
 
+/// The differentiated and simplified training graph, and what its Plan must
+/// expose: the graph's named outputs and one gradient per parameter.
+#[derive(Debug, Clone)]
+pub struct TrainingGraph {
+    pub graph: Graph,
+    pub request: Request,
+}
+
+impl TrainingGraph {
+    /// Appends the backward pass of `loss` to the lowered graph
+    /// (`ir::autodiff`) and simplifies the result (CSE, DCE), keeping every
+    /// parameter gradient.
+    pub fn new(lowered: Lowered) -> Result<TrainingGraph, StepError> {
+        let Lowered { mut graph, loss, .. } = lowered;
+        let params = graph.params();
+        let grads = ir::autodiff::grad(&mut graph, loss, &params)?;
+        ir::passes::simplify(&mut graph, &grads);
+        let request = Request::new(&graph, params.into_iter().zip(grads).collect());
+        Ok(TrainingGraph { graph, request })
+    }
+
+    /// The Plan of one training step, partitioned by `ir::passes::fuse`
+    /// (DESIGN.md §5).
+    pub fn plan(&self) -> Result<Plan, StepError> {
+        let partition = fused_partition(&self.graph, &self.request).map_err(StepError::from)?;
+        compile(&self.graph, &partition, &self.request).map_err(StepError::from)
+    }
+}
+
+/// A loaded Plan and its interface buffers.
+#[derive(Debug)]
+struct Loaded {
+    device: CpuDevice,
+    io: Interface,
+}
+
+#[derive(Debug)]
+enum State {
+    /// Compiled on first use, as the reference executor differentiates on
+    /// first use: building an executor never fails, a missing C compiler is
+    /// reported by the first step.
+    Pending(Box<Lowered>, CpuOptions),
+    Ready(Box<Loaded>),
+}
+
 /// Runs a compiled training Plan on the Cpu device.
 #[derive(Debug)]
 pub struct CpuExecutor {
-    device: CpuDevice,
-    io: Interface,
+    state: State,
     token_shape: [usize; 2],
 }
 
 impl CpuExecutor {
+    /// An executor for the output of `ir::lower::lower`; the Plan is compiled
+    /// and loaded on the first call.
+    pub fn from_lowered(lowered: Lowered, opts: CpuOptions) -> CpuExecutor {
+        let dims = lowered.graph.node(lowered.tokens).shape.dims().to_vec();
+        let token_shape = [dims.first().copied().unwrap_or(1), dims.get(1).copied().unwrap_or(1)];
+        CpuExecutor { state: State::Pending(Box::new(lowered), opts), token_shape }
+    }
+
     /// An executor over a loaded Plan with a `tokens` input of `token_shape`
     /// (`[batch, seq_len + 1]`), a `loss` output and, for training, one
     /// gradient buffer per parameter.
     pub fn new(device: CpuDevice, token_shape: [usize; 2]) -> Result<CpuExecutor, StepError> {
         let io = Interface::of(device.plan())?;
-        Ok(CpuExecutor { device, io, token_shape })
+        Ok(CpuExecutor { state: State::Ready(Box::new(Loaded { device, io })), token_shape })
     }
 
-    /// The underlying device.
-    pub fn device_ref(&self) -> &CpuDevice {
-        &self.device
+    /// The loaded device, compiling the Plan first if needed.
+    pub fn load(&mut self) -> Result<&mut CpuDevice, StepError> {
+        Ok(&mut self.loaded()?.device)
+    }
+
+    fn loaded(&mut self) -> Result<&mut Loaded, StepError> {
+        if let State::Pending(lowered, opts) = &self.state {
+            let plan = TrainingGraph::new((**lowered).clone())?.plan()?;
+            let compiler =
+                codegen::cc::Compiler::from_env().map_err(|e| StepError::from(CpuError::from(e)))?;
+            let device = CpuDevice::with_options(plan, &compiler, *opts)?;
+            let io = Interface::of(device.plan())?;
+            self.state = State::Ready(Box::new(Loaded { device, io }));
+        }
+        match &mut self.state {
+            State::Ready(loaded) => Ok(loaded),
+            State::Pending(..) => unreachable!("the pending state was replaced above"),
+        }
     }
 
     /// Uploads parameters and tokens, then runs the Plan once.
-    fn run(&mut self, params: &ParamSet, tokens: &[i32]) -> Result<(), StepError> {
+    fn run(&mut self, params: &ParamSet, tokens: &[i32]) -> Result<&mut Loaded, StepError> {
         let expected = self.token_shape[0] * self.token_shape[1];
         if tokens.len() != expected {
             return Err(StepError::TokenCount { got: tokens.len(), expected });
         }
-        for (name, buffer, _) in &self.io.params {
+        let l = self.loaded()?;
+        for (name, buffer, _) in &l.io.params {
             let p = params.get(name).ok_or_else(|| StepError::UnknownParam { name: name.clone() })?;
-            self.device.write_f32(*buffer, &p.value)?;
+            l.device.write_f32(*buffer, &p.value)?;
         }
-        self.device.write_i32(self.io.tokens, tokens)?;
-        self.device.run()?;
-        Ok(())
+        l.device.write_i32(l.io.tokens, tokens)?;
+        l.device.run()?;
+        Ok(l)
     }
+}
 
-    fn read_loss(&self) -> Result<f32, StepError> {
+impl Loaded {
+    fn loss(&self) -> Result<f32, StepError> {
         let loss = self.device.read_f32(self.io.loss)?;
         loss.first().copied().ok_or(StepError::MissingOutput { what: "loss" })
     }
@@ -101,13 +174,13 @@ impl StepExecutor for CpuExecutor {
         params: &ParamSet,
         tokens: &[i32],
     ) -> Result<(f32, Vec<Vec<f32>>), StepError> {
-        self.run(params, tokens)?;
-        let loss = self.read_loss()?;
+        let l = self.run(params, tokens)?;
+        let loss = l.loss()?;
         let mut grads = Vec::with_capacity(params.len());
         for p in params.iter() {
             // A parameter the loss does not reach has no gradient buffer: its gradient is zero.
-            grads.push(match self.io.grads.get(&p.name) {
-                Some(&g) => self.device.read_f32(g).map_err(StepError::from)?.to_vec(),
+            grads.push(match l.io.grads.get(&p.name) {
+                Some(&g) => l.device.read_f32(g).map_err(StepError::from)?.to_vec(),
                 None => vec![0.0; p.value.len()],
             });
         }
@@ -115,19 +188,24 @@ impl StepExecutor for CpuExecutor {
     }
 
     fn loss(&mut self, params: &ParamSet, tokens: &[i32]) -> Result<f32, StepError> {
-        self.run(params, tokens)?;
-        self.read_loss()
+        self.run(params, tokens)?.loss()
     }
 
     fn logits(&mut self, params: &ParamSet, tokens: &[i32]) -> Result<Vec<f32>, StepError> {
-        let logits = self.io.logits.ok_or(StepError::MissingOutput { what: "logits" })?;
-        self.run(params, tokens)?;
-        Ok(self.device.read_f32(logits).map_err(StepError::from)?.to_vec())
+        let l = self.run(params, tokens)?;
+        let logits = l.io.logits.ok_or(StepError::MissingOutput { what: "logits" })?;
+        Ok(l.device.read_f32(logits).map_err(StepError::from)?.to_vec())
     }
 }
 
 impl From<CpuError> for StepError {
     fn from(e: CpuError) -> StepError {
         StepError::Cpu(Box::new(e))
+    }
+}
+
+impl From<CompileError> for StepError {
+    fn from(e: CompileError) -> StepError {
+        StepError::Compile(Box::new(e))
     }
 }

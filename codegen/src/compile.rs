@@ -1,0 +1,724 @@
+//! From a differentiated graph and a partition of its nodes to a [`Plan`]
+//! (DESIGN.md §2, §5, §7).
+//!
+//! A partition is a list of node groups in execution order (from
+//! [`ir::passes::fuse`] via [`fused_partition`], or [`one_op_per_group`]).
+//! [`compile`] accepts any partition that respects dependencies: each group is
+//! cut into *units* (a fused kernel of the ops that can share one item split,
+//! see [`crate::emit::itemize`], a standalone op such as attention, or a
+//! library GEMM), so a group whose ops cannot run as one kernel is split
+//! rather than miscompiled. Values crossing units get buffers: parameters,
+//! inputs, named outputs and gradients keep their roles, every other one is
+//! scratch placed in a per-dtype arena by a liveness-based first fit.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::ffi::c_void;
+
+use ir::graph::{Graph, NodeId, Op};
+use ir::DType;
+use thiserror::Error;
+
+use crate::cc::{CcError, Compiler};
+use crate::emit::{self, Arg, EmitError, Launch, Residency};
+use crate::kernel::{item, Access, Kernel, KernelBuilder};
+use crate::plan::{BufferDecl, BufferId, BufferRole, Gemm, Plan, Step};
+
+/// Node groups in execution order.
+pub type Partition = Vec<Vec<NodeId>>;
+
+/// What the Plan must expose besides parameters and the data input.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Request {
+    /// Named values read back by the runtime (`loss`, `logits`, ...).
+    pub outputs: Vec<(String, NodeId)>,
+    /// (parameter node, gradient node) pairs; the gradient buffer carries the
+    /// parameter's name.
+    pub grads: Vec<(NodeId, NodeId)>,
+}
+
+impl Request {
+    /// The graph's named outputs and the given gradients.
+    pub fn new(graph: &Graph, grads: Vec<(NodeId, NodeId)>) -> Request {
+        Request { outputs: graph.outputs().to_vec(), grads }
+    }
+
+    fn roots(&self) -> Vec<NodeId> {
+        self.outputs.iter().map(|o| o.1).chain(self.grads.iter().map(|g| g.1)).collect()
+    }
+}
+
+/// Failures of [`compile`] and of the test runner.
+#[derive(Debug, Error)]
+pub enum CompileError {
+    #[error("partition: node %{node} appears in more than one group")]
+    Duplicate { node: usize },
+    #[error("partition: node %{node} ({op}) is needed but in no group")]
+    Missing { node: usize, op: &'static str },
+    #[error("partition: node %{node} is not in the graph")]
+    Unknown { node: usize },
+    #[error("partition: %{node} reads %{input} (directly or through views), which a later group computes")]
+    Order { node: usize, input: usize },
+    #[error("gradient %{grad} is paired with %{param}, which is not a parameter")]
+    NotParam { param: usize, grad: usize },
+    #[error("node %{node} ({op}) cannot be lowered alone: {reason}")]
+    Lowering { node: usize, op: &'static str, reason: String },
+    #[error(transparent)]
+    Emit(#[from] EmitError),
+    #[error(transparent)]
+    Fuse(#[from] ir::passes::FuseError),
+    #[error(transparent)]
+    Cc(#[from] CcError),
+    #[error("buffer {id}: {message}")]
+    Buffer { id: usize, message: String },
+}
+
+/// Every non-source node, one group each, in the graph's topological order.
+pub fn one_op_per_group(graph: &Graph) -> Partition {
+    graph.topo_order().into_iter().filter(|&id| !graph.node(id).op.is_source()).map(|id| vec![id]).collect()
+}
+
+/// The partition of [`ir::passes::fuse`] (sources dropped), in its execution order.
+pub fn fused_partition(graph: &Graph, request: &Request) -> Result<Partition, CompileError> {
+    let fused = ir::passes::fuse(graph, &request.roots())?;
+    Ok(fused
+        .order
+        .iter()
+        .map(|&g| fused.group(g).nodes.iter().copied().filter(|&id| !graph.node(id).op.is_source()).collect())
+        .filter(|g: &Vec<NodeId>| !g.is_empty())
+        .collect())
+}
+
+/// How a unit of a group runs.
+#[derive(Debug, Clone)]
+enum Unit {
+    /// One thread-per-item kernel of `n` items over the nodes.
+    Fused { nodes: Vec<NodeId>, n: usize },
+    /// A node lowered on its own grid(s).
+    Standalone(NodeId),
+    /// A MatMul as a library GEMM.
+    Gemm(NodeId),
+}
+
+impl Unit {
+    fn nodes(&self) -> &[NodeId] {
+        match self {
+            Unit::Fused { nodes, .. } => nodes,
+            Unit::Standalone(id) | Unit::Gemm(id) => std::slice::from_ref(id),
+        }
+    }
+}
+
+/// A MatMul's GEMM form, when one batch stride per operand expresses it.
+fn gemm_shape(graph: &Graph, id: NodeId) -> Option<(usize, usize, usize, usize, usize, usize, usize)> {
+    let Op::MatMul { trans_a, .. } = graph.node(id).op else { return None };
+    let o = graph.node(id).shape.dims();
+    let inputs = graph.inputs(id);
+    let (ad, bd) = (graph.node(inputs[0]).shape.dims(), graph.node(inputs[1]).shape.dims());
+    let (m, n) = (o[o.len() - 2], o[o.len() - 1]);
+    let k = if trans_a { ad[ad.len() - 2] } else { ad[ad.len() - 1] };
+    let ob = &o[..o.len() - 2];
+    let batch: usize = ob.iter().product();
+    let stride = |x: &[usize]| {
+        let xb = &x[..x.len() - 2];
+        let mat = x[x.len() - 2] * x[x.len() - 1];
+        if xb.iter().product::<usize>() == 1 {
+            return Some(0);
+        }
+        let lead = ob.len() - xb.len();
+        let same = (0..ob.len()).all(|i| if i < lead { ob[i] == 1 } else { xb[i - lead] == ob[i] });
+        same.then_some(mat)
+    };
+    let (sa, sb) = (stride(ad)?, stride(bd)?);
+    Some((batch, m, n, k, sa, sb, m * n))
+}
+
+/// Strips `Reshape`s (which keep the flat layout) off a value.
+fn through_reshapes(graph: &Graph, mut id: NodeId) -> NodeId {
+    while matches!(graph.node(id).op, Op::Reshape { .. }) {
+        id = graph.inputs(id)[0];
+    }
+    id
+}
+
+/// The nodes that read `id`'s memory: non-view consumers, looking through
+/// views (every consumer folds them), plus views copied into a buffer.
+fn real_users(graph: &Graph, id: NodeId, buffered: &dyn Fn(NodeId) -> bool, out: &mut Vec<NodeId>) {
+    for (u, _) in graph.users(id) {
+        if graph.node(u).op.is_view() {
+            if buffered(u) {
+                out.push(u);
+            }
+            real_users(graph, u, buffered, out);
+        } else {
+            out.push(u);
+        }
+    }
+}
+
+/// The non-view nodes whose values a read of `id` touches (views resolved).
+fn producers(graph: &Graph, id: NodeId, out: &mut Vec<NodeId>) {
+    if graph.node(id).op.is_view() {
+        for i in graph.inputs(id) {
+            producers(graph, i, out);
+        }
+    } else {
+        out.push(id);
+    }
+}
+
+/// Residency of values for one compile: which nodes have a plan buffer.
+struct Buffered {
+    set: HashSet<NodeId>,
+}
+
+impl Residency for Buffered {
+    fn has_buffer(&self, id: NodeId) -> bool {
+        self.set.contains(&id)
+    }
+}
+
+/// Which nodes need a buffer when values live within `unit_of` (a node → unit
+/// index map) and `forced` / role nodes always have one.
+fn residency(graph: &Graph, nodes: &[NodeId], unit_of: &HashMap<NodeId, usize>, own_grid: &HashSet<NodeId>, forced: &HashSet<NodeId>) -> Buffered {
+    let mut set: HashSet<NodeId> = forced.clone();
+    for &id in graph.node_ids().iter() {
+        if matches!(graph.node(id).op, Op::Param(_) | Op::Input { .. }) {
+            set.insert(id);
+        }
+    }
+    set.extend(own_grid.iter().copied());
+    let pre = set.clone();
+    let buffered = |u: NodeId| pre.contains(&u);
+    for &id in nodes {
+        let node = graph.node(id);
+        if node.op.is_view() || matches!(node.op, Op::Constant { .. }) {
+            continue;
+        }
+        let mut users = Vec::new();
+        real_users(graph, id, &buffered, &mut users);
+        let here = unit_of.get(&id);
+        if users.iter().any(|u| own_grid.contains(u) || unit_of.get(u) != here) {
+            set.insert(id);
+        }
+    }
+    Buffered { set }
+}
+
+/// Compiles `graph` for the node groups of `partition` into a Plan.
+pub fn compile(graph: &Graph, partition: &[Vec<NodeId>], request: &Request) -> Result<Plan, CompileError> {
+    let order = graph.topo_order();
+    let pos: HashMap<NodeId, usize> = order.iter().enumerate().map(|(i, &id)| (id, i)).collect();
+    // Groups: sources dropped, members in topological order, each node once.
+    let mut groups: Vec<Vec<NodeId>> = Vec::new();
+    let mut group_of: HashMap<NodeId, usize> = HashMap::new();
+    for g in partition {
+        let mut nodes = Vec::new();
+        for &id in g {
+            if !pos.contains_key(&id) {
+                return Err(CompileError::Unknown { node: id.index() });
+            }
+            if graph.node(id).op.is_source() {
+                continue;
+            }
+            if group_of.insert(id, groups.len()).is_some() {
+                return Err(CompileError::Duplicate { node: id.index() });
+            }
+            nodes.push(id);
+        }
+        nodes.sort_by_key(|id| pos[id]);
+        if !nodes.is_empty() {
+            groups.push(nodes);
+        }
+    }
+    let roots = request.roots();
+    let mut stack = roots.clone();
+    let mut seen = HashSet::new();
+    while let Some(id) = stack.pop() {
+        if !pos.contains_key(&id) {
+            return Err(CompileError::Unknown { node: id.index() });
+        }
+        if !seen.insert(id) {
+            continue;
+        }
+        let node = graph.node(id);
+        if !node.op.is_source() && !group_of.contains_key(&id) {
+            return Err(CompileError::Missing { node: id.index(), op: node.op.name() });
+        }
+        stack.extend(graph.inputs(id));
+    }
+    for (gi, g) in groups.iter().enumerate() {
+        for &id in g {
+            let mut reads = Vec::new();
+            for input in graph.inputs(id) {
+                producers(graph, input, &mut reads);
+            }
+            if let Some(late) = reads.into_iter().find(|p| group_of.get(p).is_some_and(|&gj| gj > gi)) {
+                return Err(CompileError::Order { node: id.index(), input: late.index() });
+            }
+        }
+    }
+
+    // Roles.
+    let mut roles: BTreeMap<NodeId, Vec<BufferRole>> = BTreeMap::new();
+    for id in graph.node_ids() {
+        match &graph.node(id).op {
+            Op::Param(p) => roles.entry(id).or_default().push(BufferRole::Param { name: p.name.clone() }),
+            Op::Input { name } => roles.entry(id).or_default().push(BufferRole::Input { name: name.clone() }),
+            _ => {}
+        }
+    }
+    for (name, id) in &request.outputs {
+        roles.entry(*id).or_default().push(BufferRole::Output { name: name.clone() });
+    }
+    for &(p, g) in &request.grads {
+        let Op::Param(info) = &graph.node(p).op else {
+            return Err(CompileError::NotParam { param: p.index(), grad: g.index() });
+        };
+        roles.entry(g).or_default().push(BufferRole::Grad { name: info.name.clone() });
+    }
+
+    // GEMMs: a MatMul alone in its group (besides views) that one stride per operand expresses.
+    let mut gemms: HashSet<NodeId> = HashSet::new();
+    // Views a GEMM reads as memory: copied right before the first GEMM that reads
+    // them, wherever the partition lists them (a partition may list a view in a
+    // group that runs after one of its consumers).
+    let mut gemm_views: HashSet<NodeId> = HashSet::new();
+    let mut forced: HashSet<NodeId> = roles.keys().copied().collect();
+    for g in &groups {
+        let compute: Vec<NodeId> = g.iter().copied().filter(|&id| !graph.node(id).op.is_view()).collect();
+        if let [id] = compute[..] {
+            if gemm_shape(graph, id).is_some() {
+                gemms.insert(id);
+                for input in graph.inputs(id) {
+                    let v = through_reshapes(graph, input);
+                    forced.insert(v);
+                    if graph.node(v).op.is_view() && !roles.contains_key(&v) {
+                        gemm_views.insert(v);
+                    }
+                }
+            }
+        }
+    }
+    let own_grid: HashSet<NodeId> = groups
+        .iter()
+        .flatten()
+        .copied()
+        .filter(|&id| gemms.contains(&id) || emit::is_standalone(&graph.node(id).op))
+        .collect();
+
+    // Units: greedy maximal runs of each group that share one item split.
+    let group_unit: HashMap<NodeId, usize> = group_of.clone();
+    let all: Vec<NodeId> = groups.iter().flatten().copied().collect();
+    let trial_res = residency(graph, &all, &group_unit, &own_grid, &forced);
+    let mut units: Vec<Unit> = Vec::new();
+    for g in &groups {
+        let mut current: Vec<NodeId> = Vec::new();
+        let mut current_n = 1;
+        let flush = |current: &mut Vec<NodeId>, n: usize, units: &mut Vec<Unit>| {
+            if !current.is_empty() {
+                units.push(Unit::Fused { nodes: std::mem::take(current), n });
+            }
+        };
+        for &id in g.iter().filter(|id| !gemm_views.contains(id)) {
+            if own_grid.contains(&id) {
+                flush(&mut current, current_n, &mut units);
+                units.push(if gemms.contains(&id) { Unit::Gemm(id) } else { Unit::Standalone(id) });
+                continue;
+            }
+            if graph.node(id).op.is_view() && trial_res.has_buffer(id) {
+                // A view copied for its role: a copy kernel of its own, parallel over
+                // its elements rather than tied to the items of the ops around it.
+                flush(&mut current, current_n, &mut units);
+                let n = emit::itemize(graph, &[id], &trial_res).unwrap_or(1);
+                units.push(Unit::Fused { nodes: vec![id], n });
+                continue;
+            }
+            current.push(id);
+            if let Some(n) = emit::itemize(graph, &current, &trial_res) {
+                current_n = n;
+                continue;
+            }
+            current.pop();
+            flush(&mut current, current_n, &mut units);
+            current.push(id);
+            current_n = emit::itemize(graph, &current, &trial_res).ok_or_else(|| CompileError::Lowering {
+                node: id.index(),
+                op: graph.node(id).op.name(),
+                reason: "no item split fits its operands".into(),
+            })?;
+        }
+        flush(&mut current, current_n, &mut units);
+    }
+    let unit_of: HashMap<NodeId, usize> =
+        units.iter().enumerate().flat_map(|(u, unit)| unit.nodes().iter().map(move |&id| (id, u))).collect();
+    let res = residency(graph, &all, &unit_of, &own_grid, &forced);
+
+    // Buffers.
+    let mut b = PlanBuilder::default();
+    let mut extra: Vec<(NodeId, BufferId)> = Vec::new();
+    let mut node_ids: Vec<NodeId> = res.set.iter().copied().collect();
+    node_ids.sort_by_key(|id| pos[id]);
+    for id in node_ids {
+        let node = graph.node(id);
+        let mut rs = roles.get(&id).cloned().unwrap_or_default().into_iter();
+        let primary = rs.next().unwrap_or(match node.op {
+            Op::Constant { value } => BufferRole::Constant { value },
+            _ => BufferRole::Scratch { offset: 0 },
+        });
+        let buf = b.buffer(node.shape.numel(), node.dtype, primary, Some(id.index()));
+        b.node_buf.insert(id, buf);
+        for role in rs {
+            extra.push((id, b.buffer(node.shape.numel(), node.dtype, role, Some(id.index()))));
+        }
+    }
+
+    // Steps: constants and sources with extra roles first, then the units.
+    let mut filled: Vec<(NodeId, BufferId)> = b.node_buf.iter().map(|(&id, &buf)| (id, buf)).collect();
+    filled.sort_by_key(|(id, _)| pos[id]);
+    for (id, buf) in filled {
+        let node = graph.node(id);
+        if let Op::Constant { value } = node.op {
+            if roles.contains_key(&id) {
+                let name = b.kernel_name("fill");
+                let kernel = fill_kernel(&name, node.shape.numel(), node.dtype, value);
+                b.push_kernel(kernel, vec![buf]);
+            }
+        }
+    }
+    let mut copied = HashSet::new();
+    for &(id, dst) in &extra {
+        if graph.node(id).op.is_source() {
+            b.push_copy(graph, id, dst);
+            copied.insert(dst);
+        }
+    }
+    let mut copied_views: HashSet<NodeId> = HashSet::new();
+    for unit in &units {
+        match unit {
+            Unit::Fused { nodes, n } => {
+                if !nodes.iter().any(|&id| res.has_buffer(id)) {
+                    continue; // only views read by other units
+                }
+                let name = b.kernel_name(&unit_label(graph, nodes, &res));
+                let launch = emit::lower_fused(graph, nodes, *n, &res, &name)?;
+                b.push_launch(launch, &[]);
+            }
+            Unit::Standalone(id) => {
+                let name = b.kernel_name(graph.node(*id).op.name());
+                let lowering = emit::lower_standalone(graph, *id, &name)?;
+                let temps: Vec<BufferId> = lowering
+                    .temps
+                    .iter()
+                    .map(|&(len, dtype)| b.buffer(len, dtype, BufferRole::Scratch { offset: 0 }, None))
+                    .collect();
+                for launch in lowering.launches {
+                    b.push_launch(launch, &temps);
+                }
+            }
+            Unit::Gemm(id) => {
+                for input in graph.inputs(*id) {
+                    let v = through_reshapes(graph, input);
+                    if gemm_views.contains(&v) && copied_views.insert(v) {
+                        let n = emit::itemize(graph, &[v], &res).unwrap_or(1);
+                        let name = b.kernel_name("copy");
+                        b.push_launch(emit::lower_fused(graph, &[v], n, &res, &name)?, &[]);
+                    }
+                }
+                let (batch, m, n, k, sa, sb, sc) = gemm_shape(graph, *id).expect("checked when chosen");
+                let Op::MatMul { trans_a, trans_b } = graph.node(*id).op else { unreachable!("gemm of a MatMul") };
+                let inputs = graph.inputs(*id);
+                let a = b.node_buf[&through_reshapes(graph, inputs[0])];
+                let bb = b.node_buf[&through_reshapes(graph, inputs[1])];
+                let c = b.node_buf[id];
+                let mut gemm = Gemm { a, b: bb, c, batch, m, n, k, trans_a, trans_b, stride_a: sa, stride_b: sb, stride_c: sc, accumulate: false };
+                if batch > 1 && sb == 0 && sa == m * k && !trans_a {
+                    // Rows of every batch entry are rows of one matrix.
+                    gemm = Gemm { batch: 1, m: m * batch, stride_a: 0, stride_b: 0, stride_c: 0, ..gemm };
+                }
+                b.steps.push(Step::Gemm(gemm));
+            }
+        }
+        for &id in unit.nodes() {
+            for &(src, dst) in &extra {
+                if src == id && !copied.contains(&dst) {
+                    b.push_copy(graph, id, dst);
+                }
+            }
+        }
+    }
+    b.plan_arena();
+    Ok(Plan { kernels: b.kernels, steps: b.steps, buffers: b.buffers, arena_len: b.arena_len })
+}
+
+/// `rms_norm_mul_add`: the distinct ops a fused kernel computes, in order (at most four).
+fn unit_label(graph: &Graph, nodes: &[NodeId], res: &dyn Residency) -> String {
+    let mut names: Vec<&str> = Vec::new();
+    for &id in nodes {
+        let op = &graph.node(id).op;
+        if op.is_view() && !res.has_buffer(id) {
+            continue;
+        }
+        let name = if op.is_view() { "copy" } else { op.name() };
+        if !names.contains(&name) {
+            names.push(name);
+        }
+    }
+    if names.len() > 4 {
+        names.truncate(4);
+        names.push("etc");
+    }
+    names.join("_")
+}
+
+fn fill_kernel(name: &str, len: usize, dtype: DType, value: f64) -> Kernel {
+    let mut k = KernelBuilder::new(name, emit::grid(len));
+    let out = k.param("out", dtype, Access::Write, len);
+    k.store(&out, item(), emit::lit(crate::kernel::Ty::of_storage(dtype), value));
+    k.finish()
+}
+
+#[derive(Default)]
+struct PlanBuilder {
+    buffers: Vec<BufferDecl>,
+    node_buf: HashMap<NodeId, BufferId>,
+    kernels: Vec<Kernel>,
+    steps: Vec<Step>,
+    arena_len: usize,
+}
+
+impl PlanBuilder {
+    fn buffer(&mut self, len: usize, dtype: DType, role: BufferRole, node: Option<usize>) -> BufferId {
+        let id = BufferId(self.buffers.len());
+        self.buffers.push(BufferDecl { id, len: len.max(1), dtype, role, node });
+        id
+    }
+
+    /// `g<ordinal>_<label>`: unique, and a valid C identifier.
+    fn kernel_name(&self, label: &str) -> String {
+        format!("g{:03}_{label}", self.kernels.len())
+    }
+
+    fn push_kernel(&mut self, kernel: Kernel, args: Vec<BufferId>) {
+        self.steps.push(Step::Kernel { kernel: self.kernels.len(), args });
+        self.kernels.push(kernel);
+    }
+
+    fn push_launch(&mut self, launch: Launch, temps: &[BufferId]) {
+        let args = launch
+            .args
+            .iter()
+            .map(|a| match a {
+                Arg::Node(id) => self.node_buf[id],
+                Arg::Temp(i) => temps[*i],
+            })
+            .collect();
+        self.push_kernel(launch.kernel, args);
+    }
+
+    /// A copy of node `id`'s buffer into `dst` (a value with two roles).
+    fn push_copy(&mut self, graph: &Graph, id: NodeId, dst: BufferId) {
+        let node = graph.node(id);
+        let len = node.shape.numel().max(1);
+        let name = self.kernel_name("copy");
+        let mut k = KernelBuilder::new(&name, emit::grid(len));
+        let src = k.param("src", node.dtype, Access::Read, len);
+        let out = k.param("dst", node.dtype, Access::Write, len);
+        k.store(&out, item(), src.at(item()));
+        let src_buf = self.node_buf[&id];
+        self.push_kernel(k.finish(), vec![src_buf, dst]);
+    }
+
+    /// Places scratch buffers: each lives from the first to the last step that
+    /// touches it; per dtype, buffers are placed in order of first use at the
+    /// lowest offset not used by a buffer whose life overlaps (first fit).
+    fn plan_arena(&mut self) {
+        let mut life: HashMap<BufferId, (usize, usize)> = HashMap::new();
+        for (s, step) in self.steps.iter().enumerate() {
+            let ids: Vec<BufferId> = match step {
+                Step::Kernel { args, .. } => args.clone(),
+                Step::Gemm(g) => vec![g.a, g.b, g.c],
+                Step::Zero { buffer } => vec![*buffer],
+            };
+            for id in ids {
+                let e = life.entry(id).or_insert((s, s));
+                e.1 = s;
+            }
+        }
+        let mut scratch: Vec<BufferId> = self
+            .buffers
+            .iter()
+            .filter(|d| matches!(d.role, BufferRole::Scratch { .. }))
+            .map(|d| d.id)
+            .collect();
+        scratch.sort_by_key(|id| (life.get(id).map_or(usize::MAX, |l| l.0), id.0));
+        let mut placed: Vec<(DType, usize, usize, (usize, usize))> = Vec::new();
+        for id in scratch {
+            let (len, dtype) = (self.buffers[id.0].len, self.buffers[id.0].dtype);
+            let span = life.get(&id).copied().unwrap_or((0, 0));
+            let mut busy: Vec<(usize, usize)> = placed
+                .iter()
+                .filter(|p| p.0 == dtype && p.3 .0 <= span.1 && span.0 <= p.3 .1)
+                .map(|p| (p.1, p.1 + p.2))
+                .collect();
+            busy.sort_unstable();
+            let mut offset = 0;
+            for (lo, hi) in busy {
+                if offset + len <= lo {
+                    break;
+                }
+                offset = offset.max(hi);
+            }
+            placed.push((dtype, offset, len, span));
+            self.buffers[id.0].role = BufferRole::Scratch { offset };
+            if dtype == DType::F32 {
+                self.arena_len = self.arena_len.max(offset + len);
+            }
+        }
+    }
+}
+
+/// Host data of one buffer for [`run_on_cpu_for_tests`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum HostData {
+    F32(Vec<f32>),
+    I32(Vec<i32>),
+}
+
+impl HostData {
+    fn zeros(dtype: DType, len: usize) -> Result<HostData, String> {
+        match dtype {
+            DType::F32 => Ok(HostData::F32(vec![0.0; len])),
+            DType::I32 => Ok(HostData::I32(vec![0; len])),
+            other => Err(format!("the test runner holds f32 and i32 buffers, not {other}")),
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            HostData::F32(v) => v.len(),
+            HostData::I32(v) => v.len(),
+        }
+    }
+
+    fn ptr(&mut self, offset: usize) -> *mut c_void {
+        match self {
+            HostData::F32(v) => v[offset..].as_mut_ptr().cast(),
+            HostData::I32(v) => v[offset..].as_mut_ptr().cast(),
+        }
+    }
+
+    /// The f32 values (empty for i32 data).
+    pub fn as_f32(&self) -> &[f32] {
+        match self {
+            HostData::F32(v) => v,
+            HostData::I32(_) => &[],
+        }
+    }
+}
+
+/// Runs a Plan sequentially on the host: kernels through the system C compiler
+/// (each over its whole grid in one call), GEMMs as plain loops, scratch
+/// buffers inside per-dtype arenas laid out as the Plan says (so an arena
+/// placement error shows up as wrong values). `inputs` fill buffers before the
+/// run (parameters, the token window); constants are filled from their role.
+/// Returns every buffer's final contents (scratch buffers: their arena range).
+///
+/// This is the oracle runner of the codegen tests; the runtime's Cpu device
+/// executes Plans with threads and an optimized GEMM.
+pub fn run_on_cpu_for_tests(
+    plan: &Plan,
+    compiler: &Compiler,
+    inputs: &[(BufferId, HostData)],
+) -> Result<Vec<HostData>, CompileError> {
+    let err = |id: usize, message: String| CompileError::Buffer { id, message };
+    let lib = compiler.compile_kernels(&plan.kernels)?;
+    let mut owned: Vec<Option<HostData>> = Vec::with_capacity(plan.buffers.len());
+    let mut arena_len: HashMap<DType, usize> = HashMap::new();
+    for d in &plan.buffers {
+        match d.role {
+            BufferRole::Scratch { offset } => {
+                let e = arena_len.entry(d.dtype).or_default();
+                *e = (*e).max(offset + d.len);
+                owned.push(None);
+            }
+            BufferRole::Constant { value } => owned.push(Some(match d.dtype {
+                DType::I32 => HostData::I32(vec![value as i32; d.len]),
+                _ => HostData::F32(vec![value as f32; d.len]),
+            })),
+            _ => owned.push(Some(HostData::zeros(d.dtype, d.len).map_err(|m| err(d.id.0, m))?)),
+        }
+    }
+    let mut arenas: HashMap<DType, HostData> = HashMap::new();
+    for (&dtype, &len) in &arena_len {
+        arenas.insert(dtype, HostData::zeros(dtype, len).map_err(|m| err(usize::MAX, m))?);
+    }
+    for (id, data) in inputs {
+        let d = plan.buffers.get(id.0).ok_or_else(|| err(id.0, "no such buffer".into()))?;
+        if data.len() != d.len || HostData::zeros(d.dtype, 0).map(|z| std::mem::discriminant(&z)) != Ok(std::mem::discriminant(data)) {
+            return Err(err(id.0, format!("expected {} {} values", d.len, d.dtype)));
+        }
+        match &mut owned[id.0] {
+            Some(slot) => *slot = data.clone(),
+            None => return Err(err(id.0, "is scratch and cannot be an input".into())),
+        }
+    }
+    let mut ptrs: Vec<*mut c_void> = Vec::with_capacity(plan.buffers.len());
+    for (d, o) in plan.buffers.iter().zip(owned.iter_mut()) {
+        ptrs.push(match (o, &d.role) {
+            (Some(data), _) => data.ptr(0),
+            (None, BufferRole::Scratch { offset }) => arenas.get_mut(&d.dtype).expect("arena sized above").ptr(*offset),
+            (None, _) => unreachable!("only scratch buffers live in arenas"),
+        });
+    }
+    for step in &plan.steps {
+        match step {
+            Step::Kernel { kernel, args } => {
+                let k = &plan.kernels[*kernel];
+                let entry = lib.entry(&k.name)?;
+                let a: Vec<*mut c_void> = args.iter().map(|id| ptrs[id.0]).collect();
+                // SAFETY: every argument points to a live allocation of at least the
+                // parameter's length and element type (sizes come from the same Plan),
+                // and the call covers the whole grid on this thread only.
+                unsafe { entry.call(&a, 0, k.grid.items() as i64) };
+            }
+            Step::Gemm(g) => {
+                let (pa, pb, pc) = (ptrs[g.a.0] as *const f32, ptrs[g.b.0] as *const f32, ptrs[g.c.0] as *mut f32);
+                for bt in 0..g.batch {
+                    for i in 0..g.m {
+                        for j in 0..g.n {
+                            let mut acc = 0.0f32;
+                            for kk in 0..g.k {
+                                let ai = if g.trans_a { kk * g.m + i } else { i * g.k + kk };
+                                let bi = if g.trans_b { j * g.k + kk } else { kk * g.n + j };
+                                // SAFETY: indices stay within the operands' batch entries.
+                                acc += unsafe { *pa.add(bt * g.stride_a + ai) * *pb.add(bt * g.stride_b + bi) };
+                            }
+                            // SAFETY: as above, for the output.
+                            unsafe {
+                                let c = pc.add(bt * g.stride_c + i * g.n + j);
+                                *c = if g.accumulate { *c + acc } else { acc };
+                            }
+                        }
+                    }
+                }
+            }
+            Step::Zero { buffer } => {
+                let d = &plan.buffers[buffer.0];
+                // SAFETY: the buffer holds `len` elements of its dtype; zero bits are zero.
+                unsafe { std::ptr::write_bytes(ptrs[buffer.0].cast::<u8>(), 0, d.len * d.dtype.size_bytes()) };
+            }
+        }
+    }
+    let mut out = Vec::with_capacity(plan.buffers.len());
+    for (d, o) in plan.buffers.iter().zip(owned) {
+        out.push(match (o, &d.role) {
+            (Some(data), _) => data,
+            (None, BufferRole::Scratch { offset }) => match &arenas[&d.dtype] {
+                HostData::F32(v) => HostData::F32(v[*offset..offset + d.len].to_vec()),
+                HostData::I32(v) => HostData::I32(v[*offset..offset + d.len].to_vec()),
+            },
+            (None, _) => unreachable!("only scratch buffers live in arenas"),
+        });
+    }
+    Ok(out)
+}

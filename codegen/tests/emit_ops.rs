@@ -1,0 +1,300 @@
+//! Every op, forward and backward, lowered alone (one op per group) and inside
+//! one all-covering group (which the compiler splits where ops cannot share an
+//! item split), against the f32 reference executor. Tolerances are relative
+//! (see `emit_support::rel_err`): 1e-5 for ops whose summation order matches
+//! the reference exactly, looser where it differs (the reference's GEMM, the
+//! online softmax of attention, the loss's block reduction).
+
+mod emit_support;
+
+use codegen::compile::{one_op_per_group, Request};
+use emit_support::{check, input, one_group, param, Rng, Sources};
+use ir::graph::{BinaryOp, Graph, NodeId, Op, ReduceOp, UnaryOp};
+
+type Ints = dyn Fn(NodeId, usize) -> Vec<i32>;
+
+fn run_case(name: &str, tol: f32, noise: f32, ints: &Ints, build: impl Fn(&mut Graph) -> NodeId) {
+    let mut g = Graph::new();
+    let y = build(&mut g);
+    g.set_output("y", y);
+    let request = Request::new(&g, Vec::new());
+    let mut rng = Rng::new(name.len() as u64 * 7919 + 13);
+    let sources = Sources::random(&g, &mut rng, noise, ints);
+    check(&g, &sources, &request, &one_op_per_group(&g), tol, &format!("{name} (one op per group)"));
+    check(&g, &sources, &request, &one_group(&g), tol, &format!("{name} (one group)"));
+}
+
+fn case(name: &str, tol: f32, build: impl Fn(&mut Graph) -> NodeId) {
+    run_case(name, tol, 1.0, &|_, n| vec![0; n], build);
+}
+
+fn add(g: &mut Graph, op: Op, inputs: &[NodeId]) -> NodeId {
+    g.add(op, inputs).unwrap_or_else(|e| panic!("{e}"))
+}
+
+#[test]
+fn unary_ops() {
+    use UnaryOp::*;
+    for u in [Neg, Exp, Log, Tanh, Sigmoid, Silu, Sqrt, Rsqrt, Recip, Square] {
+        case(&format!("unary {u:?}"), 1e-5, |g| {
+            let x = param(g, "x", &[2, 3, 5]);
+            // Positive operands for log, sqrt, rsqrt and recip.
+            let pos = add(g, Op::Affine { mul: 0.5, add: 1.0 }, &[x]);
+            let arg = if matches!(u, Log | Sqrt | Rsqrt | Recip) { pos } else { x };
+            add(g, Op::Unary(u), &[arg])
+        });
+    }
+}
+
+#[test]
+fn binary_ops_with_broadcasting() {
+    use BinaryOp::*;
+    for op in [Add, Sub, Mul, Div, Max] {
+        for (a, b) in [(&[2, 3, 4][..], &[2, 3, 4][..]), (&[2, 3, 4], &[4]), (&[2, 1, 4], &[3, 1]), (&[1], &[2, 3])] {
+            case(&format!("binary {op:?} {a:?} {b:?}"), 1e-5, |g| {
+                let x = param(g, "a", a);
+                let y = param(g, "b", b);
+                let y = if op == Div { add(g, Op::Affine { mul: 0.25, add: 2.0 }, &[y]) } else { y };
+                add(g, Op::Binary(op), &[x, y])
+            });
+        }
+    }
+}
+
+#[test]
+fn reductions_over_every_axis() {
+    for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Mean] {
+        for axis in 0..3 {
+            for keepdim in [false, true] {
+                case(&format!("reduce {op:?} axis {axis} keep {keepdim}"), 1e-5, |g| {
+                    let x = param(g, "x", &[3, 4, 5]);
+                    add(g, Op::Reduce { op, axis, keepdim }, &[x])
+                });
+            }
+        }
+    }
+}
+
+#[test]
+fn views_materialized_and_folded() {
+    let views: Vec<(&str, Op)> = vec![
+        ("reshape", Op::Reshape { shape: vec![6, 4] }),
+        ("permute", Op::Permute { perm: vec![2, 0, 1] }),
+        ("broadcast", Op::Broadcast { shape: vec![2, 2, 3, 4] }),
+        ("slice", Op::Slice { axis: 1, start: 1, end: 3 }),
+    ];
+    for (name, op) in views {
+        // As an output (a copy) and folded into a consumer's index math.
+        case(&format!("{name} copy"), 0.0, |g| {
+            let x = param(g, "x", &[2, 3, 4]);
+            add(g, op.clone(), &[x])
+        });
+        case(&format!("{name} folded"), 1e-5, |g| {
+            let x = param(g, "x", &[2, 3, 4]);
+            let e = add(g, Op::Unary(UnaryOp::Exp), &[x]);
+            let v = add(g, op.clone(), &[e]);
+            add(g, Op::Unary(UnaryOp::Tanh), &[v])
+        });
+    }
+    case("concat", 1e-5, |g| {
+        let x = param(g, "x", &[2, 3, 4]);
+        let y = param(g, "y", &[2, 2, 4]);
+        let e = add(g, Op::Unary(UnaryOp::Exp), &[x]);
+        let c = add(g, Op::Concat { axis: 1 }, &[e, y, e]);
+        add(g, Op::Affine { mul: 2.0, add: -1.0 }, &[c])
+    });
+    case("constant", 0.0, |g| {
+        let x = param(g, "x", &[3, 4]);
+        let c = g.add_source(Op::Constant { value: 0.75 }, ir::Shape::new([3, 4]), ir::DType::F32, None);
+        add(g, Op::Binary(BinaryOp::Mul), &[x, c])
+    });
+}
+
+#[test]
+fn matmuls_as_gemm_and_loops() {
+    let shapes: [(&[usize], &[usize], bool, bool); 6] = [
+        (&[2, 3, 5], &[5, 4], false, false),
+        (&[2, 3, 5], &[2, 5, 4], false, false),
+        (&[2, 5, 3], &[2, 4, 5], true, true),
+        (&[4, 5], &[2, 3, 4, 6], true, false),
+        (&[2, 3, 1, 4], &[2, 3, 4, 5], false, false),
+        (&[2, 1, 3, 4], &[1, 2, 4, 5], false, false),
+    ];
+    for (a, b, ta, tb) in shapes {
+        case(&format!("matmul {a:?} {b:?} {ta} {tb}"), 1e-5, |g| {
+            let x = param(g, "a", a);
+            let y = param(g, "b", b);
+            let m = add(g, Op::MatMul { trans_a: ta, trans_b: tb }, &[x, y]);
+            add(g, Op::Unary(UnaryOp::Tanh), &[m])
+        });
+    }
+}
+
+#[test]
+fn row_ops() {
+    case("softmax", 1e-5, |g| {
+        let x = param(g, "x", &[2, 3, 7]);
+        add(g, Op::Softmax, &[x])
+    });
+    case("rms_norm gain", 1e-5, |g| {
+        let x = param(g, "x", &[2, 3, 8]);
+        let w = param(g, "w", &[8]);
+        add(g, Op::RmsNorm { eps: 1e-6 }, &[x, w])
+    });
+    case("rms_norm bare", 1e-5, |g| {
+        let x = param(g, "x", &[2, 3, 8]);
+        add(g, Op::RmsNorm { eps: 1e-6 }, &[x])
+    });
+    case("layer_norm affine", 1e-5, |g| {
+        let x = param(g, "x", &[2, 3, 8]);
+        let w = param(g, "w", &[8]);
+        let b = param(g, "b", &[8]);
+        add(g, Op::LayerNorm { eps: 1e-5 }, &[x, w, b])
+    });
+    case("layer_norm bare", 1e-5, |g| {
+        let x = param(g, "x", &[2, 3, 8]);
+        add(g, Op::LayerNorm { eps: 1e-5 }, &[x])
+    });
+    case("group_norm", 1e-5, |g| {
+        let x = param(g, "x", &[2, 3, 12]);
+        let w = param(g, "w", &[12]);
+        let b = param(g, "b", &[12]);
+        add(g, Op::GroupNorm { groups: 3, eps: 1e-5 }, &[x, w, b])
+    });
+    for centered in [0, 2, 5] {
+        case(&format!("norm_project centered {centered}"), 1e-4, |g| {
+            let x = param(g, "x", &[2, 3, 8]);
+            let w = param(g, "w", &[8, 5]);
+            add(g, Op::NormProject { eps: 1e-6, centered }, &[x, w])
+        });
+    }
+}
+
+#[test]
+fn topk_gather_scatter() {
+    // TopK output (i32) compared exactly; followed by a gather of the chosen rows.
+    case("topk", 0.0, |g| {
+        let s = param(g, "s", &[2, 3, 9]);
+        add(g, Op::TopK { k: 4, fixed: 2 }, &[s])
+    });
+    case("topk gather", 1e-5, |g| {
+        let s = param(g, "s", &[2, 3, 6]);
+        let x = param(g, "x", &[2, 3, 6, 4]);
+        let idx = add(g, Op::TopK { k: 3, fixed: 1 }, &[s]);
+        let rows = add(g, Op::Gather { axis: 2 }, &[x, idx]);
+        let e = add(g, Op::Unary(UnaryOp::Exp), &[rows]);
+        add(g, Op::ScatterRows { axis: 2 }, &[x, idx, e])
+    });
+    let ids: &Ints = &|_, n| (0..n).map(|i| ((i * 5 + 3) % 7) as i32).collect();
+    run_case("embedding gather", 1e-5, 1.0, ids, |g| {
+        let table = param(g, "table", &[7, 4]);
+        let idx = input(g, "ids", &[2, 3]);
+        add(g, Op::Gather { axis: 0 }, &[table, idx])
+    });
+    run_case("scatter_add", 1e-5, 1.0, ids, |g| {
+        let base = param(g, "base", &[7, 4]);
+        let idx = input(g, "ids", &[2, 3]);
+        let src = param(g, "src", &[2, 3, 4]);
+        add(g, Op::ScatterAdd { axis: 0 }, &[base, idx, src])
+    });
+    // Distinct indices per row for ScatterRows.
+    let distinct: &Ints = &|_, n| (0..n).map(|i| ((i % 3) * 2 + (i / 3) % 2) as i32).collect();
+    run_case("scatter_rows", 0.0, 1.0, distinct, |g| {
+        let base = param(g, "base", &[2, 6, 4]);
+        let idx = input(g, "ids", &[2, 3]);
+        let src = param(g, "src", &[2, 3, 4]);
+        add(g, Op::ScatterRows { axis: 1 }, &[base, idx, src])
+    });
+}
+
+#[test]
+fn sinkhorn_and_its_gradient() {
+    case("sinkhorn", 1e-5, |g| {
+        let x = param(g, "x", &[2, 3, 4, 4]);
+        add(g, Op::Sinkhorn { iters: 5, eps: 1e-6 }, &[x])
+    });
+    case("sinkhorn_grad", 1e-4, |g| {
+        let x = param(g, "x", &[2, 3, 4, 4]);
+        let d = param(g, "d", &[2, 3, 4, 4]);
+        add(g, Op::SinkhornGrad { iters: 5, eps: 1e-6 }, &[x, d])
+    });
+}
+
+#[test]
+fn attention_and_its_gradients() {
+    for rope in [None, Some(10000.0)] {
+        for (h, hkv) in [(2, 2), (4, 2)] {
+            let label = format!("rope {rope:?} heads {h}/{hkv}");
+            let qkv = move |g: &mut Graph| {
+                let q = param(g, "q", &[2, 5, h, 4]);
+                let k = param(g, "k", &[2, 5, hkv, 4]);
+                let v = param(g, "v", &[2, 5, hkv, 4]);
+                (q, k, v)
+            };
+            case(&format!("attention {label}"), 1e-5, |g| {
+                let (q, k, v) = qkv(g);
+                add(g, Op::CausalAttention { scale: 0.5, rope_base: rope }, &[q, k, v])
+            });
+            for wrt in 0..3 {
+                case(&format!("attention grad {wrt} {label}"), 1e-4, |g| {
+                    let (q, k, v) = qkv(g);
+                    let d = param(g, "d", &[2, 5, h, 4]);
+                    add(g, Op::CausalAttentionGrad { scale: 0.5, rope_base: rope, wrt }, &[q, k, v, d])
+                });
+            }
+        }
+    }
+}
+
+#[test]
+fn cross_entropy() {
+    let targets: &Ints = &|_, n| (0..n).map(|i| ((i * 3 + 1) % 6) as i32).collect();
+    run_case("softmax_cross_entropy", 1e-5, 1.0, targets, |g| {
+        let x = param(g, "logits", &[2, 300, 6]);
+        let t = input(g, "targets", &[2, 300]);
+        add(g, Op::SoftmaxCrossEntropy, &[x, t])
+    });
+}
+
+#[test]
+fn temporal_augment_and_its_gradients() {
+    for gs in [false, true] {
+        let build = |g: &mut Graph| {
+            let out = param(g, "out", &[2, 6, 5]);
+            let w1 = param(g, "w1", &[2, 5]);
+            let w2 = param(g, "w2", &[4, 5]);
+            (out, w1, w2)
+        };
+        case(&format!("temporal_augment gs {gs}"), 1e-5, |g| {
+            let (o, w1, w2) = build(g);
+            add(g, Op::TemporalAugment { gram_schmidt: gs, eps_rel: 1e-3 }, &[o, w1, w2])
+        });
+        for wrt in 0..3 {
+            case(&format!("temporal_augment_grad {wrt} gs {gs}"), 1e-4, |g| {
+                let (o, w1, w2) = build(g);
+                let dy = param(g, "dy", &[2, 6, 2, 5]);
+                add(g, Op::TemporalAugmentGrad { gram_schmidt: gs, eps_rel: 1e-3, wrt }, &[o, w1, w2, dy])
+            });
+        }
+    }
+}
+
+#[test]
+fn fused_rms_norm_mul_add_chain_is_one_kernel() {
+    let mut g = Graph::new();
+    let x = param(&mut g, "x", &[2, 3, 8]);
+    let w = param(&mut g, "w", &[8]);
+    let gate = param(&mut g, "gate", &[2, 3, 8]);
+    let n = add(&mut g, Op::RmsNorm { eps: 1e-6 }, &[x, w]);
+    let m = add(&mut g, Op::Binary(BinaryOp::Mul), &[n, gate]);
+    let y = add(&mut g, Op::Binary(BinaryOp::Add), &[m, x]);
+    g.set_output("y", y);
+    let request = Request::new(&g, Vec::new());
+    let sources = Sources::random(&g, &mut Rng::new(3), 1.0, &|_, n| vec![0; n]);
+    let plan = check(&g, &sources, &request, &vec![vec![n, m, y]], 1e-5, "rms_norm chain");
+    assert_eq!(plan.kernels.len(), 1, "one kernel for the chain");
+    let k = &plan.kernels[0];
+    assert_eq!(k.name, "g000_rms_norm_mul_add");
+    assert_eq!(k.grid.items(), 6, "one item per token");
+    assert_eq!(k.params.len(), 4, "x, w, gate in; y out: intermediates stay local");
+}

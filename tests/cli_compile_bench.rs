@@ -1,0 +1,123 @@
+//! `widen compile` and `widen bench` as a user runs them.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn workdir(tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("widen-cli-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn spec(file: &str) -> String {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("specs").join(file).display().to_string()
+}
+
+fn widen(dir: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_widen")).current_dir(dir).args(args).output().unwrap()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn read(dir: &Path, name: &str) -> String {
+    std::fs::read_to_string(dir.join(name)).unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+#[test]
+fn compile_writes_dumps_kernels_and_plan() {
+    let dir = workdir("compile");
+    let o = widen(&dir, &["compile", &spec("mhc.ron"), "-o", "out", "--explain"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = dir.join("out");
+
+    // The graph before fusion: canonical dump with the interface outputs, and DOT.
+    let graph = read(&out, "graph.txt");
+    assert!(graph.lines().any(|l| l.starts_with("output loss = %")), "graph.txt names the loss");
+    assert!(graph.contains("sinkhorn"), "mHC's Sinkhorn projection is in the graph");
+    assert!(read(&out, "graph.dot").starts_with("digraph widen {"));
+
+    // Fusion: every explained group appears in fused.txt and fused.dot, and
+    // --explain printed exactly fusion.txt.
+    let fusion = read(&out, "fusion.txt");
+    assert_eq!(String::from_utf8_lossy(&o.stdout), fusion);
+    let (fused, dot) = (read(&out, "fused.txt"), read(&out, "fused.dot"));
+    for line in fusion.lines() {
+        let gid = line.split(' ').next().unwrap();
+        assert!(fused.lines().any(|l| l.starts_with(&format!("{gid} "))), "{gid} missing from fused.txt");
+        assert!(dot.contains(&format!("  {gid} [label=")), "{gid} missing from fused.dot");
+    }
+    assert!(fusion.contains("token-local"), "mHC has token-local groups");
+
+    // Kernels: every kernel the plan launches is defined in both dialects.
+    let (plan, c, cu) = (read(&out, "plan.txt"), read(&out, "kernels.c"), read(&out, "kernels.cu"));
+    let launched: Vec<&str> = plan
+        .lines()
+        .filter_map(|l| {
+            l.trim_start().split_once("  kernel ").map(|(_, rest)| rest.split(' ').next().unwrap())
+        })
+        .collect();
+    assert!(!launched.is_empty(), "plan.txt lists kernel steps");
+    for k in &launched {
+        assert!(c.contains(&format!("void widen_{k}_entry(")), "kernels.c lacks {k}");
+        assert!(cu.contains(&format!(" widen_{k}(")), "kernels.cu lacks {k}");
+    }
+    assert!(out.join("kernels.ptx").exists() || out.join("kernels.ptx.txt").exists());
+
+    // The plan lists its arena and one cost row per step (plus the total).
+    let header = plan.lines().next().unwrap();
+    let steps: usize = header.split(" kernels, ").nth(1).unwrap().split(' ').next().unwrap().parse().unwrap();
+    assert!(header.contains("arena "), "{header}");
+    let tsv = read(&out, "kernels.tsv");
+    assert_eq!(tsv.lines().count(), steps + 2, "header, one row per step, total");
+    let total: Vec<&str> = tsv.lines().last().unwrap().split('\t').collect();
+    assert_eq!(total[0], "total");
+    assert!(total[6].parse::<u64>().unwrap() > 0, "the step does arithmetic");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn bench_writes_both_rows_as_json() {
+    let dir = workdir("bench");
+    let args = [
+        "bench",
+        &spec("tiny.ron"),
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--device",
+        "cpu",
+        "--d-model",
+        "32",
+        "--layers",
+        "1",
+        "--seq-len",
+        "8",
+        "--batch",
+        "2",
+        "--json",
+        "bench.json",
+    ];
+    let o = widen(&dir, &args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let doc: serde_json::Value = serde_json::from_str(&read(&dir, "bench.json")).unwrap();
+    assert_eq!(doc["device"], "cpu");
+    let rows = doc["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 2, "the spec and its plain-residual baseline");
+    assert_eq!((rows[0]["scheme"].as_str(), rows[0]["baseline"].as_bool()), (Some("Ghc"), Some(false)));
+    assert_eq!((rows[1]["scheme"].as_str(), rows[1]["baseline"].as_bool()), (Some("Residual"), Some(true)));
+    for r in rows {
+        assert_eq!(r["d_model"], 32, "backbone override applied");
+        assert_eq!(r["times_ms"].as_array().unwrap().len(), 2);
+        assert!(r["ms_per_step"].as_f64().unwrap() > 0.0);
+        assert!(r["final_loss"].as_f64().unwrap().is_finite());
+    }
+    // The baseline has fewer parameters than the widened stream.
+    assert!(rows[0]["params"].as_u64() > rows[1]["params"].as_u64());
+    let table = String::from_utf8_lossy(&o.stdout);
+    assert!(table.contains("baseline") && table.contains("Ghc"), "{table}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
