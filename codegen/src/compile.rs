@@ -179,7 +179,13 @@ impl Residency for Buffered {
 
 /// Which nodes need a buffer when values live within `unit_of` (a node → unit
 /// index map) and `forced` / role nodes always have one.
-fn residency(graph: &Graph, nodes: &[NodeId], unit_of: &HashMap<NodeId, usize>, own_grid: &HashSet<NodeId>, forced: &HashSet<NodeId>) -> Buffered {
+fn residency(
+    graph: &Graph,
+    nodes: &[NodeId],
+    unit_of: &HashMap<NodeId, usize>,
+    own_grid: &HashSet<NodeId>,
+    forced: &HashSet<NodeId>,
+) -> Buffered {
     let mut set: HashSet<NodeId> = forced.clone();
     for &id in graph.node_ids().iter() {
         if matches!(graph.node(id).op, Op::Param(_) | Op::Input { .. }) {
@@ -425,12 +431,28 @@ pub fn compile(graph: &Graph, partition: &[Vec<NodeId>], request: &Request) -> R
                     }
                 }
                 let (batch, m, n, k, sa, sb, sc) = gemm_shape(graph, *id).expect("checked when chosen");
-                let Op::MatMul { trans_a, trans_b } = graph.node(*id).op else { unreachable!("gemm of a MatMul") };
+                let Op::MatMul { trans_a, trans_b } = graph.node(*id).op else {
+                    unreachable!("gemm of a MatMul")
+                };
                 let inputs = graph.inputs(*id);
                 let a = b.node_buf[&through_reshapes(graph, inputs[0])];
                 let bb = b.node_buf[&through_reshapes(graph, inputs[1])];
                 let c = b.node_buf[id];
-                let mut gemm = Gemm { a, b: bb, c, batch, m, n, k, trans_a, trans_b, stride_a: sa, stride_b: sb, stride_c: sc, accumulate: false };
+                let mut gemm = Gemm {
+                    a,
+                    b: bb,
+                    c,
+                    batch,
+                    m,
+                    n,
+                    k,
+                    trans_a,
+                    trans_b,
+                    stride_a: sa,
+                    stride_b: sb,
+                    stride_c: sc,
+                    accumulate: false,
+                };
                 if batch > 1 && sb == 0 && sa == m * k && !trans_a {
                     // Rows of every batch entry are rows of one matrix.
                     gemm = Gemm { batch: 1, m: m * batch, stride_a: 0, stride_b: 0, stride_c: 0, ..gemm };
@@ -654,7 +676,10 @@ pub fn run_on_cpu_for_tests(
     }
     for (id, data) in inputs {
         let d = plan.buffers.get(id.0).ok_or_else(|| err(id.0, "no such buffer".into()))?;
-        if data.len() != d.len || HostData::zeros(d.dtype, 0).map(|z| std::mem::discriminant(&z)) != Ok(std::mem::discriminant(data)) {
+        if data.len() != d.len
+            || HostData::zeros(d.dtype, 0).map(|z| std::mem::discriminant(&z))
+                != Ok(std::mem::discriminant(data))
+        {
             return Err(err(id.0, format!("expected {} {} values", d.len, d.dtype)));
         }
         match &mut owned[id.0] {
@@ -666,7 +691,9 @@ pub fn run_on_cpu_for_tests(
     for (d, o) in plan.buffers.iter().zip(owned.iter_mut()) {
         ptrs.push(match (o, &d.role) {
             (Some(data), _) => data.ptr(0),
-            (None, BufferRole::Scratch { offset }) => arenas.get_mut(&d.dtype).expect("arena sized above").ptr(*offset),
+            (None, BufferRole::Scratch { offset }) => {
+                arenas.get_mut(&d.dtype).expect("arena sized above").ptr(*offset)
+            }
             (None, _) => unreachable!("only scratch buffers live in arenas"),
         });
     }
@@ -682,7 +709,8 @@ pub fn run_on_cpu_for_tests(
                 unsafe { entry.call(&a, 0, k.grid.items() as i64) };
             }
             Step::Gemm(g) => {
-                let (pa, pb, pc) = (ptrs[g.a.0] as *const f32, ptrs[g.b.0] as *const f32, ptrs[g.c.0] as *mut f32);
+                let (pa, pb, pc) =
+                    (ptrs[g.a.0] as *const f32, ptrs[g.b.0] as *const f32, ptrs[g.c.0] as *mut f32);
                 for bt in 0..g.batch {
                     for i in 0..g.m {
                         for j in 0..g.n {
@@ -691,7 +719,8 @@ pub fn run_on_cpu_for_tests(
                                 let ai = if g.trans_a { kk * g.m + i } else { i * g.k + kk };
                                 let bi = if g.trans_b { j * g.k + kk } else { kk * g.n + j };
                                 // SAFETY: indices stay within the operands' batch entries.
-                                acc += unsafe { *pa.add(bt * g.stride_a + ai) * *pb.add(bt * g.stride_b + bi) };
+                                acc +=
+                                    unsafe { *pa.add(bt * g.stride_a + ai) * *pb.add(bt * g.stride_b + bi) };
                             }
                             // SAFETY: as above, for the output.
                             unsafe {
@@ -705,7 +734,9 @@ pub fn run_on_cpu_for_tests(
             Step::Zero { buffer } => {
                 let d = &plan.buffers[buffer.0];
                 // SAFETY: the buffer holds `len` elements of its dtype; zero bits are zero.
-                unsafe { std::ptr::write_bytes(ptrs[buffer.0].cast::<u8>(), 0, d.len * d.dtype.size_bytes()) };
+                unsafe {
+                    std::ptr::write_bytes(ptrs[buffer.0].cast::<u8>(), 0, d.len * d.dtype.size_bytes())
+                };
             }
         }
     }

@@ -26,7 +26,8 @@ fn tiny_model(name: &str) -> (Graph, Request, usize) {
     let lowered = ir::lower::lower(&spec, 2, 8).unwrap_or_else(|e| panic!("{name}: {e}"));
     let mut graph = lowered.graph;
     let params = graph.params();
-    let grads = ir::autodiff::grad(&mut graph, lowered.loss, &params).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let grads =
+        ir::autodiff::grad(&mut graph, lowered.loss, &params).unwrap_or_else(|e| panic!("{name}: {e}"));
     ir::passes::simplify(&mut graph, &grads);
     let request = Request::new(&graph, params.into_iter().zip(grads).collect());
     (graph, request, vocab)
@@ -77,7 +78,11 @@ fn compiled_plans_are_deterministic() {
     let b = compile(&graph, &partition, &request).expect("compiles");
     assert_eq!(a, b);
     for k in &a.kernels {
-        assert!(k.name.starts_with('g') && k.name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'), "{}", k.name);
+        assert!(
+            k.name.starts_with('g') && k.name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'),
+            "{}",
+            k.name
+        );
     }
 }
 
@@ -96,10 +101,13 @@ fn cuda_dialect_compiles_under_nvrtc_without_spills() {
         ] {
             let plan = compile(&graph, &partition, &request).expect("compiles");
             let src = render_cuda(&plan.kernels).expect("renders");
-            let out = codegen::nvrtc::compile(&src, "sm_90").unwrap_or_else(|e| panic!("{name} {label}: {e}"));
+            let out =
+                codegen::nvrtc::compile(&src, "sm_90").unwrap_or_else(|e| panic!("{name} {label}: {e}"));
             assert!(out.warnings().is_empty(), "{name} {label}: warnings {:?}", out.warnings());
             for k in &plan.kernels {
-                let r = out.resources_of(&k.symbol()).unwrap_or_else(|| panic!("{name}: no report for {}", k.name));
+                let r = out
+                    .resources_of(&k.symbol())
+                    .unwrap_or_else(|| panic!("{name}: no report for {}", k.name));
                 assert_eq!((r.spill_stores, r.spill_loads), (0, 0), "{name} {label}: {} spills", k.name);
             }
         }

@@ -50,7 +50,9 @@ fn unary_ops() {
 fn binary_ops_with_broadcasting() {
     use BinaryOp::*;
     for op in [Add, Sub, Mul, Div, Max] {
-        for (a, b) in [(&[2, 3, 4][..], &[2, 3, 4][..]), (&[2, 3, 4], &[4]), (&[2, 1, 4], &[3, 1]), (&[1], &[2, 3])] {
+        for (a, b) in
+            [(&[2, 3, 4][..], &[2, 3, 4][..]), (&[2, 3, 4], &[4]), (&[2, 1, 4], &[3, 1]), (&[1], &[2, 3])]
+        {
             case(&format!("binary {op:?} {a:?} {b:?}"), 1e-5, |g| {
                 let x = param(g, "a", a);
                 let y = param(g, "b", b);

@@ -208,10 +208,16 @@ fn rms_norm(b: &mut Block, cx: &ItemOp, eps: f64) {
     let len = cx.node.shape.last();
     cx.rows(b, len, |b, row| {
         let base = b.let_(&cx.fresh("base"), row * ix(len));
-        let ss = cx.fold(b, cx.lit(0.0), len, |a, v| a + v, |b, j| {
-            let v = b.let_(&cx.fresh("v"), x.load(base.clone() + j));
-            v.clone() * v
-        });
+        let ss = cx.fold(
+            b,
+            cx.lit(0.0),
+            len,
+            |a, v| a + v,
+            |b, j| {
+                let v = b.let_(&cx.fresh("v"), x.load(base.clone() + j));
+                v.clone() * v
+            },
+        );
         let r = b.let_(&cx.fresh("rho"), (ss / cx.lit(len as f64) + cx.lit(eps)).rsqrt());
         let j = cx.fresh("j");
         b.for_(&j, ix(0), ix(len), |b, j| {
@@ -239,10 +245,16 @@ fn group_norm(b: &mut Block, cx: &ItemOp, groups: usize, eps: f64) {
             let at = |j: Expr| x.load(gb.clone() + j);
             let s = cx.fold(b, cx.lit(0.0), size, |a, v| a + v, |_, j| at(j));
             let mu = b.let_(&cx.fresh("mu"), s / cx.lit(size as f64));
-            let sq = cx.fold(b, cx.lit(0.0), size, |a, v| a + v, |b, j| {
-                let d = b.let_(&cx.fresh("d"), at(j) - mu.clone());
-                d.clone() * d
-            });
+            let sq = cx.fold(
+                b,
+                cx.lit(0.0),
+                size,
+                |a, v| a + v,
+                |b, j| {
+                    let d = b.let_(&cx.fresh("d"), at(j) - mu.clone());
+                    d.clone() * d
+                },
+            );
             let var = b.let_(&cx.fresh("var"), sq / cx.lit(size as f64));
             let r = b.let_(&cx.fresh("rho"), cx.lit(1.0) / (var + cx.lit(eps)).sqrt());
             let j = cx.fresh("j");
@@ -271,38 +283,59 @@ fn norm_project(b: &mut Block, cx: &ItemOp, eps: f64, centered: usize) {
         if centered > 0 {
             let s = cx.fold(b, cx.lit(0.0), kk, |a, v| a + v, |_, j| at(j));
             let mu = b.let_(&cx.fresh("mu"), s / cx.lit(kk as f64));
-            let sq = cx.fold(b, cx.lit(0.0), kk, |a, v| a + v, |b, j| {
-                let d = b.let_(&cx.fresh("d"), at(j) - mu.clone());
-                d.clone() * d
-            });
+            let sq = cx.fold(
+                b,
+                cx.lit(0.0),
+                kk,
+                |a, v| a + v,
+                |b, j| {
+                    let d = b.let_(&cx.fresh("d"), at(j) - mu.clone());
+                    d.clone() * d
+                },
+            );
             let var = sq / cx.lit(kk as f64);
             let rho = b.let_(&cx.fresh("rhoc"), cx.lit(1.0) / (var + cx.lit(eps)).sqrt());
             centred = Some((mu, rho));
         }
         let mut rms = None;
         if centered < m {
-            let ss = cx.fold(b, cx.lit(0.0), kk, |a, v| a + v, |b, j| {
-                let v = b.let_(&cx.fresh("v"), at(j));
-                v.clone() * v
-            });
-            rms = Some(b.let_(&cx.fresh("rhor"), cx.lit(1.0) / (ss / cx.lit(kk as f64) + cx.lit(eps)).sqrt()));
+            let ss = cx.fold(
+                b,
+                cx.lit(0.0),
+                kk,
+                |a, v| a + v,
+                |b, j| {
+                    let v = b.let_(&cx.fresh("v"), at(j));
+                    v.clone() * v
+                },
+            );
+            rms =
+                Some(b.let_(&cx.fresh("rhor"), cx.lit(1.0) / (ss / cx.lit(kk as f64) + cx.lit(eps)).sqrt()));
         }
         let col = cx.fresh("col");
         b.for_(&col, ix(0), ix(m), |b, col| {
-            let dot = cx.fold(b, cx.lit(0.0), kk, |a, v| a + v, |_, i| at(i.clone()) * w.load(i * ix(m) + col.clone()));
+            // Σ_i x_i w_ij and (for centred columns) Σ_i w_ij in one pass over w's column.
+            let dot = b.var(&cx.fresh("dot"), cx.lit(0.0));
+            let cs = centred.as_ref().map(|_| b.var(&cx.fresh("cs"), cx.lit(0.0)));
+            b.for_(&cx.fresh("i"), ix(0), ix(kk), |b, i| {
+                let wv = b.let_(&cx.fresh("wv"), w.load(i.clone() * ix(m) + col.clone()));
+                b.assign(&dot, dot.clone() + at(i) * wv.clone());
+                if let Some(cs) = &cs {
+                    b.assign(cs, cs.clone() + wv);
+                }
+            });
             let at_out = ob.clone() + col.clone();
-            match (&centred, &rms) {
-                (Some((mu, rho)), Some(rr)) => {
-                    let cs = cx.fold(b, cx.lit(0.0), kk, |a, v| a + v, |_, i| w.load(i * ix(m) + col.clone()));
-                    let head = rho.clone() * (dot.clone() - cs * mu.clone());
-                    let tail = dot * rr.clone();
-                    cx.sink.store(b, at_out, select(col.clone().lt(ix(centered)), head, tail));
+            let head = |cs: &Expr| {
+                let (mu, rho) = centred.as_ref().expect("centred columns have statistics");
+                rho.clone() * (dot.clone() - cs.clone() * mu.clone())
+            };
+            match (&cs, &rms) {
+                (Some(cs), Some(rr)) => {
+                    let v = select(col.clone().lt(ix(centered)), head(cs), dot.clone() * rr.clone());
+                    cx.sink.store(b, at_out, v);
                 }
-                (Some((mu, rho)), None) => {
-                    let cs = cx.fold(b, cx.lit(0.0), kk, |a, v| a + v, |_, i| w.load(i * ix(m) + col.clone()));
-                    cx.sink.store(b, at_out, rho.clone() * (dot - cs * mu.clone()));
-                }
-                (None, Some(rr)) => cx.sink.store(b, at_out, dot * rr.clone()),
+                (Some(cs), None) => cx.sink.store(b, at_out, head(cs)),
+                (None, Some(rr)) => cx.sink.store(b, at_out, dot.clone() * rr.clone()),
                 (None, None) => {}
             }
         });
@@ -359,7 +392,9 @@ fn matmul(b: &mut Block, cx: &ItemOp, trans_a: bool, trans_b: bool) {
         let per = x[x.len() - 2] * x[x.len() - 1];
         let st: Vec<usize> = strides(xb).into_iter().map(|s| s * per).collect();
         let lead = batch.len() - xb.len();
-        (0..batch.len()).map(|i| if i < lead || xb[i - lead] == 1 { 0 } else { st[i - lead] }).collect::<Vec<_>>()
+        (0..batch.len())
+            .map(|i| if i < lead || xb[i - lead] == 1 { 0 } else { st[i - lead] })
+            .collect::<Vec<_>>()
     };
     let (sa, sb) = (batch_strides(ad), batch_strides(bd));
     let (am, ak) = if trans_a { (1, m) } else { (k, 1) };
@@ -371,9 +406,13 @@ fn matmul(b: &mut Block, cx: &ItemOp, trans_a: bool, trans_b: bool) {
         let ni = b.let_(&cx.fresh("ni"), g % ix(n));
         let a0 = b.let_(&cx.fresh("a0"), super::strided_index(&bi, batch, &sa, 0) + mi * ix(am));
         let b0 = b.let_(&cx.fresh("b0"), super::strided_index(&bi, batch, &sb, 0) + ni * ix(bn));
-        cx.fold(b, cx.lit(0.0), k, |a, v| a + v, |_, j| {
-            x.load(a0.clone() + j.clone() * ix(ak)) * y.load(b0.clone() + j * ix(bk))
-        })
+        cx.fold(
+            b,
+            cx.lit(0.0),
+            k,
+            |a, v| a + v,
+            |_, j| x.load(a0.clone() + j.clone() * ix(ak)) * y.load(b0.clone() + j * ix(bk)),
+        )
     });
 }
 
@@ -429,10 +468,20 @@ fn scatter(b: &mut Block, cx: &ItemOp, axis: usize, add: bool) {
 /// One half-step of Sinkhorn on the local n×n matrix `m` at `mb`: divide each
 /// column (`by_column`) or row by (its sum + eps). `by_column` is an i64-valued
 /// boolean expression so one loop nest serves both directions.
-fn normalize(b: &mut Block, cx: &ItemOp, m: &crate::kernel::Buf, mb: Expr, n: usize, eps: f64, by_column: Expr) {
+fn normalize(
+    b: &mut Block,
+    cx: &ItemOp,
+    m: &crate::kernel::Buf,
+    mb: Expr,
+    n: usize,
+    eps: f64,
+    by_column: Expr,
+) {
     let an = cx.fresh("a");
     b.for_(&an, ix(0), ix(n), |b, a| {
-        let at = |e: Expr| mb.clone() + select(by_column.clone(), e.clone() * ix(n) + a.clone(), a.clone() * ix(n) + e);
+        let at = |e: Expr| {
+            mb.clone() + select(by_column.clone(), e.clone() * ix(n) + a.clone(), a.clone() * ix(n) + e)
+        };
         let s = cx.fold(b, cx.lit(eps), n, |x, v| x + v, |_, e| m.at(at(e)));
         let en = cx.fresh("e");
         b.for_(&en, ix(0), ix(n), |b, e| {
@@ -511,7 +560,11 @@ fn sinkhorn_grad(b: &mut Block, cx: &ItemOp, iters: usize, eps: f64) {
         b.for_(&sn, ix(0), ix(steps), |b, s| {
             let e = cx.fresh("e");
             b.for_(&e, ix(0), ix(nn), |b, e| {
-                b.store(&states, (s.clone() + i64(1)) * ix(nn) + e.clone(), states.at(s.clone() * ix(nn) + e));
+                b.store(
+                    &states,
+                    (s.clone() + i64(1)) * ix(nn) + e.clone(),
+                    states.at(s.clone() * ix(nn) + e),
+                );
             });
             let by_column = (s.clone() % i64(2)).eq_(i64(0));
             normalize(b, cx, &states, (s + i64(1)) * ix(nn), n, eps, by_column);
@@ -526,11 +579,16 @@ fn sinkhorn_grad(b: &mut Block, cx: &ItemOp, iters: usize, eps: f64) {
             let outb = b.let_(&cx.fresh("outb"), (step + i64(1)) * ix(nn));
             let an = cx.fresh("a");
             b.for_(&an, ix(0), ix(n), |b, a| {
-                let at = |e: Expr| select(by_column.clone(), e.clone() * ix(n) + a.clone(), a.clone() * ix(n) + e);
+                let at =
+                    |e: Expr| select(by_column.clone(), e.clone() * ix(n) + a.clone(), a.clone() * ix(n) + e);
                 let sum = cx.fold(b, cx.lit(eps), n, |p, v| p + v, |_, e| states.at(inb.clone() + at(e)));
-                let centre = cx.fold(b, cx.lit(0.0), n, |p, v| p + v, |_, e| {
-                    g.at(at(e.clone())) * states.at(outb.clone() + at(e))
-                });
+                let centre = cx.fold(
+                    b,
+                    cx.lit(0.0),
+                    n,
+                    |p, v| p + v,
+                    |_, e| g.at(at(e.clone())) * states.at(outb.clone() + at(e)),
+                );
                 let en = cx.fresh("e");
                 b.for_(&en, ix(0), ix(n), |b, e| {
                     b.store(&g, at(e.clone()), (g.at(at(e)) - centre.clone()) / sum.clone());
@@ -539,12 +597,18 @@ fn sinkhorn_grad(b: &mut Block, cx: &ItemOp, iters: usize, eps: f64) {
         });
         let jn = cx.fresh("c");
         b.for_(&jn, ix(0), ix(n), |b, j| {
-            let shift = cx.fold(b, cx.lit(0.0), n, |p, v| p + v, |b, i| {
-                let at = i * ix(n) + j.clone();
-                let v = b.let_(&cx.fresh("v"), g.at(at.clone()) * states.at(at.clone()));
-                b.store(&g, at, v.clone());
-                v
-            });
+            let shift = cx.fold(
+                b,
+                cx.lit(0.0),
+                n,
+                |p, v| p + v,
+                |b, i| {
+                    let at = i * ix(n) + j.clone();
+                    let v = b.let_(&cx.fresh("v"), g.at(at.clone()) * states.at(at.clone()));
+                    b.store(&g, at, v.clone());
+                    v
+                },
+            );
             let top = am.at(j.clone()) * ix(n) + j;
             b.store(&g, top.clone(), g.at(top) - shift);
         });

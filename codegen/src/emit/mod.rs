@@ -31,12 +31,14 @@ use ir::graph::{Graph, Node, NodeId, Op};
 use ir::DType;
 use thiserror::Error;
 
-use crate::kernel::{f32, f64, i32, i64, item, select, Access, Block, Buf, Expr, Grid, Kernel, KernelBuilder, KernelError, Ty};
+use crate::kernel::{
+    f32, f64, i32, i64, item, select, Access, Block, Buf, Expr, Grid, Kernel, KernelBuilder, KernelError, Ty,
+};
 
 /// Largest total length (elements) of the per-item local arrays of one fused
 /// kernel. Larger groups are split, so per-item scratch stays on the stack (C)
 /// or in local memory (CUDA).
-pub const LOCAL_LIMIT: usize = 1024;
+pub const LOCAL_LIMIT: usize = 512;
 
 /// CUDA threads per block of emitted thread-per-item kernels. Fused and
 /// standalone bodies are long; with 256-thread launch bounds ptxas caps them at
@@ -181,14 +183,18 @@ impl Val {
         if from.iter().product::<usize>() == 1 {
             return match self {
                 Val::Const { .. } => self,
-                other => Val::Strided { src: Box::new(other), dims: to.to_vec(), strides: vec![0; to.len()], base: 0 },
+                other => Val::Strided {
+                    src: Box::new(other),
+                    dims: to.to_vec(),
+                    strides: vec![0; to.len()],
+                    base: 0,
+                },
             };
         }
         let st = strides(from);
         let lead = to.len() - from.len();
-        let bst = (0..to.len())
-            .map(|i| if i < lead || from[i - lead] == 1 { 0 } else { st[i - lead] })
-            .collect();
+        let bst =
+            (0..to.len()).map(|i| if i < lead || from[i - lead] == 1 { 0 } else { st[i - lead] }).collect();
         Val::Strided { src: Box::new(self), dims: to.to_vec(), strides: bst, base: 0 }
     }
 }
@@ -440,11 +446,8 @@ pub fn itemize(graph: &Graph, nodes: &[NodeId], res: &dyn Residency) -> Option<u
     }
     let inside: HashSet<NodeId> = nodes.iter().copied().collect();
     // Nodes the kernel writes: every non-view, and views copied into their buffer.
-    let computed: Vec<NodeId> = nodes
-        .iter()
-        .copied()
-        .filter(|&id| !graph.node(id).op.is_view() || res.has_buffer(id))
-        .collect();
+    let computed: Vec<NodeId> =
+        nodes.iter().copied().filter(|&id| !graph.node(id).op.is_view() || res.has_buffer(id)).collect();
     let mut candidates: Vec<usize> = Vec::new();
     for &id in &computed {
         let mut p = 1;
@@ -479,7 +482,8 @@ pub fn itemize(graph: &Graph, nodes: &[NodeId], res: &dyn Residency) -> Option<u
             }
             local += op_scratch(&node.op, node.shape.dims());
         }
-        if local <= LOCAL_LIMIT {
+        // A single op cannot be split further: its scratch is what it needs.
+        if local <= LOCAL_LIMIT || computed.len() == 1 {
             return Some(n);
         }
     }

@@ -6,7 +6,9 @@
 use ir::graph::{Graph, NodeId, Op};
 
 use super::{grid, ix, lit, maximum, EmitError, Launch, Lowering, Names, Reader, Val};
-use crate::kernel::{f64, i64, item, lane, select, Access, Block, Buf, Expr, Grid, KernelBuilder, ReduceOp, Ty};
+use crate::kernel::{
+    f64, i64, item, lane, select, Access, Block, Buf, Expr, Grid, KernelBuilder, ReduceOp, Ty,
+};
 
 /// ε_abs of the Gram–Schmidt guard (MATH.md §6.5 DECISION; `ir::exec` uses the same).
 const GS_EPS_ABS: f64 = 1e-20;
@@ -46,7 +48,14 @@ fn finish(k: KernelBuilder, r: Reader) -> Result<Launch, EmitError> {
 }
 
 /// A `Var` accumulating `f(j)` for `j in start..end` from `init`.
-fn sum(names: &Names, b: &mut Block, init: Expr, start: Expr, end: Expr, f: impl Fn(&mut Block, Expr) -> Expr) -> Expr {
+fn sum(
+    names: &Names,
+    b: &mut Block,
+    init: Expr,
+    start: Expr,
+    end: Expr,
+    f: impl Fn(&mut Block, Expr) -> Expr,
+) -> Expr {
     let acc = b.var(&names.fresh("acc"), init);
     let a = acc.clone();
     b.for_(&names.fresh("j"), start, end, |b, j| {
@@ -224,7 +233,9 @@ fn attention(
 
 /// The softmax statistics of one query row: (max score, 1 / Σ exp, Σ_t' p·dp) with
 /// dp = ⟨dout row, v row⟩ (MATH.md §1.4), summed in key order as the reference does.
-fn row_stats(b: &mut Block, a: &Attn, dout: &Val, qr: &Buf, bi: &Expr, t: &Expr, g: &Expr, qrow: &Expr) -> [Expr; 3] {
+/// `at` = (batch, query position, kv head, query row offset).
+fn row_stats(b: &mut Block, a: &Attn, dout: &Val, qr: &Buf, at: [&Expr; 4]) -> [Expr; 3] {
+    let [bi, t, g, qrow] = at;
     let names = a.names;
     let end = t.clone() + i64(1);
     let m = b.var(&names.fresh("m"), a.lit(f64::NEG_INFINITY));
@@ -255,7 +266,6 @@ fn row_stats(b: &mut Block, a: &Attn, dout: &Val, qr: &Buf, bi: &Expr, t: &Expr,
 /// a statistics kernel per query row (max, 1/Σ, centre) into a temporary, then
 /// dq per (b, t, h) or dk / dv per (b, t', hkv) looping over the query heads
 /// of the group and the queries t ≥ t'.
-#[allow(clippy::too_many_arguments)]
 fn attention_grad(
     graph: &Graph,
     id: NodeId,
@@ -288,7 +298,7 @@ fn attention_grad(
         let qrow = k.let_("qrow", item() * ix(d.dh));
         let qr = k.local_array("qr", a.ty, d.dh);
         a.load_rotated(&mut k, &qr, &a.q, &qrow, &t);
-        let [m, inv, centre] = row_stats(&mut k, &a, &dout, &qr, &bi, &t, &g, &qrow);
+        let [m, inv, centre] = row_stats(&mut k, &a, &dout, &qr, [&bi, &t, &g, &qrow]);
         k.store(&st, item() * i64(3), m);
         k.store(&st, item() * i64(3) + i64(1), inv);
         k.store(&st, item() * i64(3) + i64(2), centre);
@@ -322,10 +332,8 @@ fn attention_grad(
         let dp = sum(&names, b, a.lit(0.0), ix(0), ix(d.dh), |_, e| {
             dout.load(qrow.clone() + e.clone()) * a.v.load(krow.clone() + e)
         });
-        let ds = b.let_(
-            &names.fresh("ds"),
-            p.clone() * (dp - st.at(qi.clone() * i64(3) + i64(2))) * a.lit(scale),
-        );
+        let ds =
+            b.let_(&names.fresh("ds"), p.clone() * (dp - st.at(qi.clone() * i64(3) + i64(2))) * a.lit(scale));
         (p, ds)
     };
     if wrt == 0 {
@@ -363,7 +371,11 @@ fn attention_grad(
                 a.load_rotated(b, &qr, &a.q, &qrow, &t);
                 let (p, ds) = probs(b, &qr, &qi, &qrow, &krow, &tp);
                 b.for_("e", ix(0), ix(d.dh), |b, e| {
-                    let add = if wrt == 1 { ds.clone() * qr.at(e.clone()) } else { p.clone() * dout.load(qrow.clone() + e.clone()) };
+                    let add = if wrt == 1 {
+                        ds.clone() * qr.at(e.clone())
+                    } else {
+                        p.clone() * dout.load(qrow.clone() + e.clone())
+                    };
                     b.store(&acc, e.clone(), acc.at(e) + add);
                 });
             });
@@ -400,7 +412,8 @@ fn cross_entropy(graph: &Graph, id: NodeId, name: &str) -> Result<Launch, EmitEr
             let xv = b.let_("xv", x.load(base.clone() + j));
             b.assign(&m, maximum(m.clone(), xv));
         });
-        let s = sum(&names, b, lit(ty, 0.0), ix(0), ix(v), |_, j| (x.load(base.clone() + j) - m.clone()).exp());
+        let s =
+            sum(&names, b, lit(ty, 0.0), ix(0), ix(v), |_, j| (x.load(base.clone() + j) - m.clone()).exp());
         let lse = b.let_("lse", m.clone() + s.log());
         let target = b.let_("target", targets.load(row).cast(Ty::I64));
         b.assign(&part, part.clone() + (lse - x.load(base + target)));
@@ -435,10 +448,14 @@ impl Ta<'_> {
     fn conv(&self, b: &mut Block, j: usize, tok: &Expr, dst: &Buf, at: usize) {
         let (w, kappa) = &self.ws[j];
         let t = b.let_(&self.names.fresh("tt"), tok.clone() % ix(self.t));
-        let end = b.let_(&self.names.fresh("taps"), select((t.clone() + i64(1)).lt(ix(*kappa)), t + i64(1), ix(*kappa)));
+        let end = b.let_(
+            &self.names.fresh("taps"),
+            select((t.clone() + i64(1)).lt(ix(*kappa)), t + i64(1), ix(*kappa)),
+        );
         b.for_(&self.names.fresh("e"), ix(0), ix(self.c), |b, e| {
             let acc = sum(self.names, b, self.lit(0.0), ix(0), end.clone(), |_, i| {
-                w.load(i.clone() * ix(self.c) + e.clone()) * self.x.load((tok.clone() - i) * ix(self.c) + e.clone())
+                w.load(i.clone() * ix(self.c) + e.clone())
+                    * self.x.load((tok.clone() - i) * ix(self.c) + e.clone())
             });
             b.store(dst, ix(at) + e, acc);
         });
@@ -535,7 +552,8 @@ fn gs_back(b: &mut Block, ta: &Ta, arr: &GsArrays, tok: &Expr, dy: &Val, dg: &Bu
             let dden = b.let_(&n.fresh("dden"), (-dcoef) * cf.clone() / dn);
             b.for_(&n.fresh("e"), ix(0), ix(c), |b, e| {
                 let v = arr.v.at(vi.clone() + e.clone());
-                let upd = ddot.clone() * arr.u.at(uji.clone() + e.clone()) + ta.lit(2.0) * dden.clone() * v.clone()
+                let upd = ddot.clone() * arr.u.at(uji.clone() + e.clone())
+                    + ta.lit(2.0) * dden.clone() * v.clone()
                     - cf.clone() * arr.du.at(e.clone());
                 b.store(&arr.dv, vi.clone() + e.clone(), arr.dv.at(vi.clone() + e.clone()) + upd);
                 b.store(&arr.du, e.clone(), arr.du.at(e) + ddot.clone() * v);
@@ -593,7 +611,8 @@ fn temporal(
             let guard = ta.guard(&mut k, &ob);
             for j in 0..rk {
                 for i in 0..=j {
-                    let v = |e: Expr| if i == 0 { ta.x.load(ob.clone() + e) } else { y.at(ix((i - 1) * c) + e) };
+                    let v =
+                        |e: Expr| if i == 0 { ta.x.load(ob.clone() + e) } else { y.at(ix((i - 1) * c) + e) };
                     let dd = ta.dot(&mut k, v, v);
                     let den = k.let_(&names.fresh("den"), dd + guard.clone());
                     let du = ta.dot(&mut k, |e| y.at(ix(j * c) + e), v);
@@ -668,7 +687,8 @@ fn temporal(
             b.if_(tt.ge(item()), |b| {
                 token_dg(b, &tok);
                 b.for_("e", ix(0), ix(c), |b, e| {
-                    let add = dg.at(ix(j * c) + e.clone()) * ta.x.load((tok.clone() - item()) * ix(c) + e.clone());
+                    let add =
+                        dg.at(ix(j * c) + e.clone()) * ta.x.load((tok.clone() - item()) * ix(c) + e.clone());
                     b.store(&acc, e.clone(), acc.at(e) + add);
                 });
             });

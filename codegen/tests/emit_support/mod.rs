@@ -60,7 +60,12 @@ pub struct Sources {
 }
 
 impl Sources {
-    pub fn random(graph: &Graph, rng: &mut Rng, noise: f32, ints: &dyn Fn(NodeId, usize) -> Vec<i32>) -> Sources {
+    pub fn random(
+        graph: &Graph,
+        rng: &mut Rng,
+        noise: f32,
+        ints: &dyn Fn(NodeId, usize) -> Vec<i32>,
+    ) -> Sources {
         let mut values = HashMap::new();
         for id in graph.node_ids() {
             let node = graph.node(id);
@@ -101,7 +106,15 @@ pub fn rel_err(got: &[f32], want: &[f32]) -> f32 {
     assert_eq!(got.len(), want.len(), "lengths differ");
     let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs())) * 1e-2 + 1e-6;
     got.iter().zip(want).fold(0.0f32, |m, (&a, &b)| {
-        let e = if a.is_nan() || b.is_nan() { if a.is_nan() && b.is_nan() { 0.0 } else { f32::INFINITY } } else { (a - b).abs() / (b.abs() + scale) };
+        let e = if a.is_nan() || b.is_nan() {
+            if a.is_nan() && b.is_nan() {
+                0.0
+            } else {
+                f32::INFINITY
+            }
+        } else {
+            (a - b).abs() / (b.abs() + scale)
+        };
         m.max(e)
     })
 }
@@ -127,14 +140,25 @@ pub fn run_plan(graph: &Graph, plan: &Plan, sources: &Sources) -> Vec<HostData> 
 
 /// Compiles for `partition`, runs, and checks every output and gradient of
 /// `request` against the reference within `tol`; returns the Plan.
-pub fn check(graph: &Graph, sources: &Sources, request: &Request, partition: &Partition, tol: f32, what: &str) -> Plan {
+pub fn check(
+    graph: &Graph,
+    sources: &Sources,
+    request: &Request,
+    partition: &Partition,
+    tol: f32,
+    what: &str,
+) -> Plan {
     let plan = compile(graph, partition, request).unwrap_or_else(|e| panic!("{what}: compile: {e}"));
     let outs = run_plan(graph, &plan, sources);
     let roots: Vec<NodeId> =
         request.outputs.iter().map(|o| o.1).chain(request.grads.iter().map(|g| g.1)).collect();
-    let want = ir::exec::run::<f32>(graph, &sources.values, &roots).unwrap_or_else(|e| panic!("{what}: reference: {e}"));
-    let mut named: Vec<(String, BufferRole, NodeId)> =
-        request.outputs.iter().map(|(n, id)| (n.clone(), BufferRole::Output { name: n.clone() }, *id)).collect();
+    let want = ir::exec::run::<f32>(graph, &sources.values, &roots)
+        .unwrap_or_else(|e| panic!("{what}: reference: {e}"));
+    let mut named: Vec<(String, BufferRole, NodeId)> = request
+        .outputs
+        .iter()
+        .map(|(n, id)| (n.clone(), BufferRole::Output { name: n.clone() }, *id))
+        .collect();
     for &(p, g) in &request.grads {
         let Op::Param(info) = &graph.node(p).op else { panic!("grads pair params") };
         named.push((format!("d {}", info.name), BufferRole::Grad { name: info.name.clone() }, g));
@@ -144,7 +168,12 @@ pub fn check(graph: &Graph, sources: &Sources, request: &Request, partition: &Pa
         match (&outs[buf.0], &want[&id]) {
             (HostData::F32(got), Value::Float(t)) => {
                 let e = rel_err(got, &t.data);
-                assert!(e <= tol, "{what}: {name}: relative error {e} > {tol}\n got {:?}\nwant {:?}", &got[..got.len().min(8)], &t.data[..t.data.len().min(8)]);
+                assert!(
+                    e <= tol,
+                    "{what}: {name}: relative error {e} > {tol}\n got {:?}\nwant {:?}",
+                    &got[..got.len().min(8)],
+                    &t.data[..t.data.len().min(8)]
+                );
             }
             (HostData::I32(got), Value::Int(t)) => assert_eq!(got, &t.data, "{what}: {name}"),
             _ => panic!("{what}: {name}: kinds differ"),
