@@ -24,6 +24,10 @@ enum Command {
     Sample(cli::sample::Args),
     /// Measure training throughput against the plain-residual baseline.
     Bench(cli::bench::Args),
+    /// Compile a spec into a standalone executable that trains the model.
+    Build(cli::build::Args),
+    /// Compare a compiled device against the reference executor.
+    Parity(cli::parity::Args),
 }
 
 fn main() -> ExitCode {
@@ -34,6 +38,8 @@ fn main() -> ExitCode {
         Command::Train(args) => cli::train::run(args),
         Command::Sample(args) => cli::sample::run(args),
         Command::Bench(args) => cli::bench::run(args),
+        Command::Build(args) => cli::build::run(args),
+        Command::Parity(args) => cli::parity::run(args),
     };
     match result {
         Ok(code) => code,

@@ -108,9 +108,44 @@ impl Unit {
     }
 }
 
+/// Multiply-adds per batch entry from which a MatMul grouped with other ops
+/// still runs as a library GEMM rather than as emitted loops (below it the
+/// per-item dot products of a fused kernel are cheaper than a separate step).
+const GEMM_MIN_MACS: usize = 1 << 15;
+
+/// The dimensions of a (batched) GEMM, as [`Gemm`] takes them.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct GemmShape {
+    batch: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+    trans_a: bool,
+    trans_b: bool,
+    stride_a: usize,
+    stride_b: usize,
+    stride_c: usize,
+}
+
+impl GemmShape {
+    /// Multiply-adds of one batch entry.
+    fn macs(&self) -> usize {
+        self.m * self.n * self.k
+    }
+}
+
+/// How a node runs as one GEMM: the MatMul whose operands it reads, and the
+/// nodes the GEMM computes on the way (a weight gradient's MatMul and partial sums).
+#[derive(Debug, Clone)]
+struct GemmForm {
+    matmul: NodeId,
+    absorbed: Vec<NodeId>,
+    shape: GemmShape,
+}
+
 /// A MatMul's GEMM form, when one batch stride per operand expresses it.
-fn gemm_shape(graph: &Graph, id: NodeId) -> Option<(usize, usize, usize, usize, usize, usize, usize)> {
-    let Op::MatMul { trans_a, .. } = graph.node(id).op else { return None };
+fn gemm_shape(graph: &Graph, id: NodeId) -> Option<GemmShape> {
+    let Op::MatMul { trans_a, trans_b } = graph.node(id).op else { return None };
     let o = graph.node(id).shape.dims();
     let inputs = graph.inputs(id);
     let (ad, bd) = (graph.node(inputs[0]).shape.dims(), graph.node(inputs[1]).shape.dims());
@@ -129,7 +164,86 @@ fn gemm_shape(graph: &Graph, id: NodeId) -> Option<(usize, usize, usize, usize, 
         same.then_some(mat)
     };
     let (sa, sb) = (stride(ad)?, stride(bd)?);
-    Some((batch, m, n, k, sa, sb, m * n))
+    let shape = GemmShape { batch, m, n, k, trans_a, trans_b, stride_a: sa, stride_b: sb, stride_c: m * n };
+    if batch > 1 && sb == 0 && sa == m * k && !trans_a {
+        // Rows of every batch entry are rows of one matrix.
+        return Some(GemmShape { batch: 1, m: m * batch, stride_a: 0, stride_b: 0, stride_c: 0, ..shape });
+    }
+    Some(shape)
+}
+
+/// A weight gradient as one GEMM: `id` sums a `MatMul{trans_a}` over all its
+/// batch axes (a chain of leading-axis sums), so `Σ_b a_bᵀ·b_b` is `aᵀ·b` with
+/// the batch axes folded into the contraction (MATH.md §1.4). The MatMul and
+/// the inner sums must feed nothing else and have no role.
+fn summed_gemm(graph: &Graph, id: NodeId, roles: &BTreeMap<NodeId, Vec<BufferRole>>) -> Option<GemmForm> {
+    let is_sum0 = |x: NodeId| {
+        matches!(graph.node(x).op, Op::Reduce { op: ir::graph::ReduceOp::Sum, axis: 0, keepdim: false })
+    };
+    if !is_sum0(id) {
+        return None;
+    }
+    let private = |x: NodeId| graph.users(x).len() == 1 && !roles.contains_key(&x);
+    let mut absorbed = Vec::new();
+    let mut x = graph.inputs(id)[0];
+    while is_sum0(x) && private(x) {
+        absorbed.push(x);
+        x = graph.inputs(x)[0];
+    }
+    if !matches!(graph.node(x).op, Op::MatMul { trans_a: true, trans_b: false }) || !private(x) {
+        return None;
+    }
+    absorbed.push(x);
+    let o = graph.node(x).shape.dims();
+    let batch_axes = o.len() - 2;
+    if absorbed.len() != batch_axes {
+        return None;
+    }
+    let inputs = graph.inputs(x);
+    let (ad, bd) = (graph.node(inputs[0]).shape.dims(), graph.node(inputs[1]).shape.dims());
+    if ad.len() != o.len()
+        || bd.len() != o.len()
+        || ad[..batch_axes] != o[..batch_axes]
+        || bd[..batch_axes] != o[..batch_axes]
+    {
+        return None;
+    }
+    let (m, n) = (o[batch_axes], o[batch_axes + 1]);
+    let k = ad[..=batch_axes].iter().product();
+    let shape =
+        GemmShape { batch: 1, m, n, k, trans_a: true, trans_b: false, stride_a: 0, stride_b: 0, stride_c: 0 };
+    Some(GemmForm { matmul: x, absorbed, shape })
+}
+
+/// What identifies the attention a `CausalAttentionGrad` differentiates: its
+/// inputs (q, k, v, dO), scale and RoPE base (as bits).
+type AttentionKey = (Vec<NodeId>, u64, Option<u64>);
+
+/// The `CausalAttentionGrad` nodes among `nodes`, by the attention they differentiate.
+fn attention_grad_siblings(
+    graph: &Graph,
+    nodes: &HashSet<NodeId>,
+) -> HashMap<AttentionKey, [Option<NodeId>; 3]> {
+    let mut out: HashMap<AttentionKey, [Option<NodeId>; 3]> = HashMap::new();
+    for &id in nodes {
+        if let Op::CausalAttentionGrad { scale, rope_base, wrt } = graph.node(id).op {
+            if wrt < 3 {
+                let key = (graph.inputs(id), scale.to_bits(), rope_base.map(f64::to_bits));
+                out.entry(key).or_default()[wrt] = Some(id);
+            }
+        }
+    }
+    out
+}
+
+/// The gradients lowered together with attention gradient `id` (itself included).
+fn attention_siblings(
+    graph: &Graph,
+    id: NodeId,
+    siblings: &HashMap<AttentionKey, [Option<NodeId>; 3]>,
+) -> Option<[Option<NodeId>; 3]> {
+    let Op::CausalAttentionGrad { scale, rope_base, .. } = graph.node(id).op else { return None };
+    siblings.get(&(graph.inputs(id), scale.to_bits(), rope_base.map(f64::to_bits))).copied()
 }
 
 /// Strips `Reshape`s (which keep the flat layout) off a value.
@@ -283,8 +397,11 @@ pub fn compile(graph: &Graph, partition: &[Vec<NodeId>], request: &Request) -> R
         roles.entry(g).or_default().push(BufferRole::Grad { name: info.name.clone() });
     }
 
-    // GEMMs: a MatMul alone in its group (besides views) that one stride per operand expresses.
-    let mut gemms: HashSet<NodeId> = HashSet::new();
+    // GEMMs: a MatMul alone in its group (besides views) that one stride per
+    // operand expresses, a large MatMul anywhere, and a weight gradient (a
+    // token-contracting MatMul under the sums over its batch axes) as one GEMM
+    // contracting over every token.
+    let mut gemms: HashMap<NodeId, GemmForm> = HashMap::new();
     // Views a GEMM reads as memory: copied right before the first GEMM that reads
     // them, wherever the partition lists them (a partition may list a view in a
     // group that runs after one of its consumers).
@@ -292,29 +409,42 @@ pub fn compile(graph: &Graph, partition: &[Vec<NodeId>], request: &Request) -> R
     let mut forced: HashSet<NodeId> = roles.keys().copied().collect();
     for g in &groups {
         let compute: Vec<NodeId> = g.iter().copied().filter(|&id| !graph.node(id).op.is_view()).collect();
-        if let [id] = compute[..] {
-            if gemm_shape(graph, id).is_some() {
-                gemms.insert(id);
-                for input in graph.inputs(id) {
+        let alone = compute.len() == 1;
+        for &id in &compute {
+            let form = summed_gemm(graph, id, &roles).or_else(|| {
+                let shape = gemm_shape(graph, id)?;
+                (alone || shape.macs() >= GEMM_MIN_MACS).then_some(GemmForm {
+                    matmul: id,
+                    absorbed: Vec::new(),
+                    shape,
+                })
+            });
+            if let Some(form) = form {
+                for input in graph.inputs(form.matmul) {
                     let v = through_reshapes(graph, input);
                     forced.insert(v);
                     if graph.node(v).op.is_view() && !roles.contains_key(&v) {
                         gemm_views.insert(v);
                     }
                 }
+                gemms.insert(id, form);
             }
         }
     }
+    // Nodes computed inside another node's GEMM: never materialized.
+    let absorbed: HashSet<NodeId> = gemms.values().flat_map(|f| f.absorbed.iter().copied()).collect();
+    gemms.retain(|id, _| !absorbed.contains(id));
     let own_grid: HashSet<NodeId> = groups
         .iter()
         .flatten()
         .copied()
-        .filter(|&id| gemms.contains(&id) || emit::is_standalone(&graph.node(id).op))
+        .filter(|&id| gemms.contains_key(&id) || emit::is_standalone(&graph.node(id).op))
         .collect();
 
     // Units: greedy maximal runs of each group that share one item split.
     let group_unit: HashMap<NodeId, usize> = group_of.clone();
     let all: Vec<NodeId> = groups.iter().flatten().copied().collect();
+    let all: Vec<NodeId> = all.into_iter().filter(|id| !absorbed.contains(id)).collect();
     let trial_res = residency(graph, &all, &group_unit, &own_grid, &forced);
     let mut units: Vec<Unit> = Vec::new();
     for g in &groups {
@@ -325,10 +455,10 @@ pub fn compile(graph: &Graph, partition: &[Vec<NodeId>], request: &Request) -> R
                 units.push(Unit::Fused { nodes: std::mem::take(current), n });
             }
         };
-        for &id in g.iter().filter(|id| !gemm_views.contains(id)) {
+        for &id in g.iter().filter(|id| !gemm_views.contains(id) && !absorbed.contains(id)) {
             if own_grid.contains(&id) {
                 flush(&mut current, current_n, &mut units);
-                units.push(if gemms.contains(&id) { Unit::Gemm(id) } else { Unit::Standalone(id) });
+                units.push(if gemms.contains_key(&id) { Unit::Gemm(id) } else { Unit::Standalone(id) });
                 continue;
             }
             if graph.node(id).op.is_view() && trial_res.has_buffer(id) {
@@ -399,6 +529,9 @@ pub fn compile(graph: &Graph, partition: &[Vec<NodeId>], request: &Request) -> R
         }
     }
     let mut copied_views: HashSet<NodeId> = HashSet::new();
+    // Attention gradients w.r.t. q, k and v of one attention share one lowering.
+    let siblings = attention_grad_siblings(graph, &own_grid);
+    let mut lowered_with_sibling: HashSet<NodeId> = HashSet::new();
     for unit in &units {
         match unit {
             Unit::Fused { nodes, n } => {
@@ -410,19 +543,30 @@ pub fn compile(graph: &Graph, partition: &[Vec<NodeId>], request: &Request) -> R
                 b.push_launch(launch, &[]);
             }
             Unit::Standalone(id) => {
+                if lowered_with_sibling.contains(id) {
+                    continue;
+                }
                 let name = b.kernel_name(graph.node(*id).op.name());
-                let lowering = emit::lower_standalone(graph, *id, &name)?;
+                let lowering = match attention_siblings(graph, *id, &siblings) {
+                    Some(outs) => {
+                        lowered_with_sibling.extend(outs.iter().flatten().copied());
+                        emit::attention_grads(graph, outs, &name)?
+                    }
+                    None => emit::lower_standalone(graph, *id, &name)?,
+                };
                 let temps: Vec<BufferId> = lowering
                     .temps
                     .iter()
                     .map(|&(len, dtype)| b.buffer(len, dtype, BufferRole::Scratch { offset: 0 }, None))
                     .collect();
-                for launch in lowering.launches {
-                    b.push_launch(launch, &temps);
+                for work in lowering.steps {
+                    b.push_work(work, &temps);
                 }
             }
             Unit::Gemm(id) => {
-                for input in graph.inputs(*id) {
+                let form = &gemms[id];
+                let inputs = graph.inputs(form.matmul);
+                for &input in &inputs {
                     let v = through_reshapes(graph, input);
                     if gemm_views.contains(&v) && copied_views.insert(v) {
                         let n = emit::itemize(graph, &[v], &res).unwrap_or(1);
@@ -430,33 +574,22 @@ pub fn compile(graph: &Graph, partition: &[Vec<NodeId>], request: &Request) -> R
                         b.push_launch(emit::lower_fused(graph, &[v], n, &res, &name)?, &[]);
                     }
                 }
-                let (batch, m, n, k, sa, sb, sc) = gemm_shape(graph, *id).expect("checked when chosen");
-                let Op::MatMul { trans_a, trans_b } = graph.node(*id).op else {
-                    unreachable!("gemm of a MatMul")
-                };
-                let inputs = graph.inputs(*id);
-                let a = b.node_buf[&through_reshapes(graph, inputs[0])];
-                let bb = b.node_buf[&through_reshapes(graph, inputs[1])];
-                let c = b.node_buf[id];
-                let mut gemm = Gemm {
-                    a,
-                    b: bb,
-                    c,
-                    batch,
-                    m,
-                    n,
-                    k,
-                    trans_a,
-                    trans_b,
-                    stride_a: sa,
-                    stride_b: sb,
-                    stride_c: sc,
+                let sh = form.shape;
+                let gemm = Gemm {
+                    a: b.node_buf[&through_reshapes(graph, inputs[0])],
+                    b: b.node_buf[&through_reshapes(graph, inputs[1])],
+                    c: b.node_buf[id],
+                    batch: sh.batch,
+                    m: sh.m,
+                    n: sh.n,
+                    k: sh.k,
+                    trans_a: sh.trans_a,
+                    trans_b: sh.trans_b,
+                    stride_a: sh.stride_a,
+                    stride_b: sh.stride_b,
+                    stride_c: sh.stride_c,
                     accumulate: false,
                 };
-                if batch > 1 && sb == 0 && sa == m * k && !trans_a {
-                    // Rows of every batch entry are rows of one matrix.
-                    gemm = Gemm { batch: 1, m: m * batch, stride_a: 0, stride_b: 0, stride_c: 0, ..gemm };
-                }
                 b.steps.push(Step::Gemm(gemm));
             }
         }
@@ -523,6 +656,34 @@ impl PlanBuilder {
     fn push_kernel(&mut self, kernel: Kernel, args: Vec<BufferId>) {
         self.steps.push(Step::Kernel { kernel: self.kernels.len(), args });
         self.kernels.push(kernel);
+    }
+
+    fn push_work(&mut self, work: emit::Work, temps: &[BufferId]) {
+        let buf = |a: Arg| match a {
+            Arg::Node(id) => self.node_buf[&id],
+            Arg::Temp(i) => temps[i],
+        };
+        match work {
+            emit::Work::Launch(launch) => self.push_launch(launch, temps),
+            emit::Work::Gemm(g) => {
+                let gemm = Gemm {
+                    a: buf(g.a),
+                    b: buf(g.b),
+                    c: buf(g.c),
+                    batch: g.batch,
+                    m: g.m,
+                    n: g.n,
+                    k: g.k,
+                    trans_a: g.trans_a,
+                    trans_b: g.trans_b,
+                    stride_a: g.stride_a,
+                    stride_b: g.stride_b,
+                    stride_c: g.stride_c,
+                    accumulate: false,
+                };
+                self.steps.push(Step::Gemm(gemm));
+            }
+        }
     }
 
     fn push_launch(&mut self, launch: Launch, temps: &[BufferId]) {

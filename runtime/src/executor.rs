@@ -36,7 +36,7 @@ pub enum StepError {
 
 /// What the training loop and the sampler need from a device.
 pub trait StepExecutor {
-    /// Device name for messages (`reference`, ...).
+    /// Device name for messages and metrics: [`Device::name`] of the device it runs on.
     fn device(&self) -> &'static str;
 
     /// The token batch shape `[batch, seq_len + 1]` this executor was built for.
@@ -56,27 +56,66 @@ pub trait StepExecutor {
     fn logits(&mut self, params: &ParamSet, tokens: &[i32]) -> Result<Vec<f32>, StepError>;
 }
 
-/// The devices a model can run on. Compiled CUDA plans are a further
-/// implementation of [`StepExecutor`].
+/// The devices a model can run on (DESIGN.md §7).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Device {
+    /// The unfused graph on the reference interpreter (`ir::exec`), in f32.
     Reference,
     /// The fused Plan on the host: C kernels on all cores, GEMMs through `gemm`
     /// ([`crate::device::executor::CpuExecutor`]).
     Cpu,
+    /// The fused Plan on GPU 0: CUDA kernels compiled by NVRTC, GEMMs through
+    /// cuBLAS ([`crate::device::cuda::CudaExecutor`]).
+    Cuda,
 }
 
 impl Device {
-    /// The executor for a lowered model graph on this device.
-    pub fn executor(self, lowered: Lowered) -> Box<dyn StepExecutor> {
+    /// The name used on the command line and in metrics (`reference`, `cpu`, `cuda`).
+    pub fn name(self) -> &'static str {
         match self {
+            Device::Reference => "reference",
+            Device::Cpu => "cpu",
+            Device::Cuda => "cuda",
+        }
+    }
+
+    /// The executor for a lowered model graph on this device.
+    ///
+    /// The reference and Cpu executors are built without touching anything
+    /// outside the process (the Cpu Plan is compiled on its first step). The
+    /// Cuda executor compiles and loads its Plan here, so a machine without
+    /// the CUDA driver gets [`crate::device::cuda::CudaError::NoCudaDriver`]
+    /// now, before any work (and never the panic `cudarc` raises when it
+    /// cannot find `libcuda`).
+    pub fn executor(self, lowered: Lowered) -> Result<Box<dyn StepExecutor>, StepError> {
+        Ok(match self {
             Device::Reference => Box::new(ReferenceExecutor::from_lowered(lowered)),
             Device::Cpu => Box::new(crate::device::executor::CpuExecutor::from_lowered(
                 lowered,
                 crate::device::cpu::CpuOptions::default(),
             )),
-        }
+            Device::Cuda => Box::new(cuda_executor(lowered)?),
+        })
     }
+}
+
+/// Differentiates, fuses and compiles `lowered` into a training Plan and
+/// loads it on GPU 0. The driver is checked first, so a machine without one
+/// fails fast instead of compiling a Plan it cannot run.
+pub fn cuda_executor(lowered: Lowered) -> Result<crate::device::cuda::CudaExecutor, StepError> {
+    use crate::device::cuda::{driver_available, CudaDevice, CudaError, CudaExecutor};
+    if !driver_available() {
+        return Err(CudaError::NoCudaDriver.into());
+    }
+    let token_shape = token_shape_of(&lowered.graph, lowered.tokens);
+    let plan = crate::device::executor::TrainingGraph::new(lowered)?.plan()?;
+    CudaExecutor::new(CudaDevice::new(plan)?, token_shape)
+}
+
+/// The `[batch, seq_len + 1]` shape of a graph's token input.
+fn token_shape_of(graph: &Graph, tokens: NodeId) -> [usize; 2] {
+    let dims = graph.node(tokens).shape.dims();
+    [dims.first().copied().unwrap_or(1), dims.get(1).copied().unwrap_or(1)]
 }
 
 /// Runs the unfused graph on the reference interpreter (`ir::exec`) in f32.
@@ -96,8 +135,7 @@ impl ReferenceExecutor {
     /// An executor for a model graph: `tokens` is its i32 `[batch, seq_len + 1]`
     /// input, `loss` the scalar training loss, `logits` the main head's output.
     pub fn new(graph: Graph, tokens: NodeId, loss: NodeId, logits: NodeId) -> Self {
-        let dims = graph.node(tokens).shape.dims().to_vec();
-        let token_shape = [dims.first().copied().unwrap_or(1), dims.get(1).copied().unwrap_or(1)];
+        let token_shape = token_shape_of(&graph, tokens);
         ReferenceExecutor { graph, tokens, loss, logits, grads: None, token_shape }
     }
 

@@ -6,7 +6,9 @@
 //! - [`checkpoint`]: safetensors checkpoints with resume state.
 //! - [`device`]: devices that execute a compiled Plan (the Cpu device).
 //! - [`executor`]: the device boundary ([`executor::StepExecutor`]) and the reference executor.
+//! - [`parity`]: a compiled device against the reference executor.
 //! - [`train`]: the training loop; [`sample`]: text generation.
+//! - [`standalone`]: `widen build`, a spec compiled into a standalone trainer binary.
 
 pub mod checkpoint;
 pub mod data;
@@ -14,7 +16,9 @@ pub mod device;
 pub mod executor;
 pub mod init;
 pub mod optim;
+pub mod parity;
 pub mod params;
 pub mod rng;
 pub mod sample;
+pub mod standalone;
 pub mod train;

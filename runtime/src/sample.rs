@@ -54,7 +54,7 @@ pub fn sample_checkpoint(
     let lowered = ir::lower::lower(spec, 1, spec.train.seq_len)?;
     let mut params = ParamSet::zeros(&lowered.graph)?;
     ckpt.restore_params(&mut params)?;
-    let mut exec = device.executor(lowered);
+    let mut exec = device.executor(lowered)?;
     generate(exec.as_mut(), &params, spec.vocab, prompt, opts)
 }
 

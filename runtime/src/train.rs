@@ -3,7 +3,7 @@
 //! optimizer step at the scheduled LR; validate every `eval_every` steps.
 //!
 //! Outputs in the run folder:
-//! - `metrics.jsonl`: one JSON object per step (`step`, `loss`, `lr`,
+//! - `metrics.jsonl`: one JSON object per step (`step`, `device`, `loss`, `lr`,
 //!   `grad_norm`, `tokens_per_s`, and `val_loss` when evaluated). A fresh run
 //!   refuses to overwrite an earlier run's metrics; a resumed run keeps the
 //!   lines up to the checkpoint's step and appends after them.
@@ -41,6 +41,8 @@ pub enum TrainError {
     ResumePastEnd { path: PathBuf, step: u64, total: usize },
     #[error("{what} is {value} at step {step}; stopping (earlier checkpoints and metrics are kept)")]
     NonFinite { step: u64, what: &'static str, value: f32 },
+    #[error("cannot set up the device")]
+    Device(#[source] StepError),
     #[error("training step {step} failed")]
     Step { step: u64, source: StepError },
     #[error(transparent)]
@@ -94,7 +96,7 @@ pub fn train_spec(spec: &ModelSpec, device: Device, opts: &TrainOptions) -> Resu
     let corpus = Corpus::load(&spec.train.data, spec.train.val_fraction, window)?;
     let lowered = ir::lower::lower(spec, spec.train.batch, spec.train.seq_len)?;
     let params = init_params(&lowered.graph, spec.train.seed)?;
-    let mut exec = device.executor(lowered);
+    let mut exec = device.executor(lowered).map_err(TrainError::Device)?;
     train(spec, exec.as_mut(), params, &corpus, opts)
 }
 
@@ -165,6 +167,7 @@ pub fn train(
 
         let mut record = serde_json::json!({
             "step": step,
+            "device": exec.device(),
             "loss": loss,
             "lr": peak_lr * lr_mult,
             "grad_norm": grad_norm,

@@ -1,4 +1,5 @@
-//! `widen bench SPEC... [--device D] [--steps N] [--warmup N] [--json FILE]`:
+//! `widen bench SPEC... [--device D] [--steps N] [--warmup N] [--json FILE]
+//! [--profile-kernels FILE]`:
 //! whole training steps (forward, backward, clipping, optimizer update) per
 //! second, each spec side by side with the plain-residual model of the same
 //! backbone (DESIGN.md §10: the overhead ratio the papers report).
@@ -8,14 +9,21 @@
 //! them alike, and the median step time is reported. The backbone can be
 //! overridden for every spec at once (`--d-model 256 --layers 4 --heads 4
 //! --seq-len 256 --batch 8`); the overrides are validated like the spec.
+//!
+//! On the Cuda device the host still runs the optimizer (as in training), so
+//! a step includes uploading parameters and reading gradients back.
+//! `--profile-kernels FILE` then times every step of each Plan on the GPU and
+//! writes, per fused kernel, the achieved bytes/s against the copy bandwidth.
 
 use super::train::DeviceArg;
 use anyhow::Context;
+use codegen::plan::{BufferRole, Step};
 use ir::spec::{load_spec, ModelSpec, ResidualSpec};
 use runtime::data::{BatchSampler, Corpus};
 use runtime::device::cpu::CpuOptions;
+use runtime::device::cuda::{copy_bandwidth, CudaExecutor};
 use runtime::device::executor::CpuExecutor;
-use runtime::executor::{Device, StepExecutor};
+use runtime::executor::{cuda_executor, Device, StepExecutor};
 use runtime::init::init_params;
 use runtime::optim::clip::{clip_global_norm, global_norm};
 use runtime::optim::schedule::lr_multiplier;
@@ -43,6 +51,18 @@ pub struct Args {
     /// Also write the results as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
+    #[command(flatten)]
+    pub backbone: Backbone,
+    /// With `--device cuda`: after the timed steps, time every step of each
+    /// model's Plan and write, per fused kernel, the achieved bytes/s against
+    /// the device-to-device copy bandwidth to this JSON file.
+    #[arg(long, value_name = "FILE")]
+    pub profile_kernels: Option<PathBuf>,
+}
+
+/// Backbone overrides applied to every spec (validated when the spec is lowered).
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct Backbone {
     /// Override the backbone width D.
     #[arg(long)]
     pub d_model: Option<usize>,
@@ -60,6 +80,47 @@ pub struct Args {
     pub batch: Option<usize>,
 }
 
+impl Backbone {
+    /// Applies the overrides; the result is validated when lowered.
+    pub fn apply(&self, spec: &mut ModelSpec) {
+        if let Some(d) = self.d_model {
+            spec.d_model = d;
+            spec.head_dim = None;
+        }
+        if let Some(l) = self.layers {
+            spec.layers = l;
+        }
+        if let Some(h) = self.heads {
+            spec.heads = h;
+            spec.head_dim = None;
+            if spec.kv_heads.is_some_and(|kv| kv == 0 || h % kv != 0) {
+                spec.kv_heads = None;
+            }
+        }
+        if let Some(t) = self.seq_len {
+            spec.train.seq_len = t;
+        }
+        if let Some(b) = self.batch {
+            spec.train.batch = b;
+        }
+    }
+}
+
+/// A model's executor; the Cuda one is kept concrete for `--profile-kernels`.
+enum Exec {
+    Any(Box<dyn StepExecutor>),
+    Cuda(Box<CudaExecutor>),
+}
+
+impl Exec {
+    fn get(&mut self) -> &mut dyn StepExecutor {
+        match self {
+            Exec::Any(e) => e.as_mut(),
+            Exec::Cuda(e) => e.as_mut(),
+        }
+    }
+}
+
 /// One model under measurement with its training state.
 struct Model {
     /// Spec name as given (the baseline row reuses the spec's name).
@@ -68,7 +129,7 @@ struct Model {
     scheme: &'static str,
     baseline: bool,
     spec: ModelSpec,
-    exec: Box<dyn StepExecutor>,
+    exec: Exec,
     params: ParamSet,
     optimizer: Optimizer,
     corpus: Corpus,
@@ -93,14 +154,15 @@ impl Model {
         let lowered = ir::lower::lower(&spec, batch, seq_len)?;
         let params = init_params(&lowered.graph, spec.train.seed)?;
         let optimizer = Optimizer::new(&spec, &params);
-        let exec: Box<dyn StepExecutor> = match device {
-            // Compile and load the Plan now, so no timed step pays for it.
+        // Compile and load the Plan now, so no timed step pays for it.
+        let exec = match device {
             Device::Cpu => {
                 let mut cpu = CpuExecutor::from_lowered(lowered, CpuOptions::default());
                 cpu.load()?;
-                Box::new(cpu)
+                Exec::Any(Box::new(cpu))
             }
-            _ => device.executor(lowered),
+            Device::Cuda => Exec::Cuda(Box::new(cuda_executor(lowered)?)),
+            Device::Reference => Exec::Any(device.executor(lowered)?),
         };
         Ok(Model {
             name: name.into(),
@@ -124,7 +186,7 @@ impl Model {
     fn step(&mut self) -> anyhow::Result<f64> {
         let tokens = self.sampler.next_batch(self.corpus.train());
         let started = Instant::now();
-        let (loss, mut grads) = self.exec.loss_and_grads(&self.params, &tokens)?;
+        let (loss, mut grads) = self.exec.get().loss_and_grads(&self.params, &tokens)?;
         match self.spec.train.clip {
             Some(max) => clip_global_norm(&mut grads, max),
             None => global_norm(&grads),
@@ -152,42 +214,22 @@ fn median(values: &[f64]) -> f64 {
     }
 }
 
-/// Applies the backbone overrides; the result is validated when lowered.
-fn override_backbone(spec: &mut ModelSpec, args: &Args) {
-    if let Some(d) = args.d_model {
-        spec.d_model = d;
-        spec.head_dim = None;
-    }
-    if let Some(l) = args.layers {
-        spec.layers = l;
-    }
-    if let Some(h) = args.heads {
-        spec.heads = h;
-        spec.head_dim = None;
-        if spec.kv_heads.is_some_and(|kv| kv == 0 || h % kv != 0) {
-            spec.kv_heads = None;
-        }
-    }
-    if let Some(t) = args.seq_len {
-        spec.train.seq_len = t;
-    }
-    if let Some(b) = args.batch {
-        spec.train.batch = b;
-    }
-}
-
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     anyhow::ensure!(args.steps >= 1, "--steps must be at least 1");
     let device: Device = args.device.into();
+    anyhow::ensure!(
+        args.profile_kernels.is_none() || device == Device::Cuda,
+        "--profile-kernels needs --device cuda (kernels are timed with CUDA events)"
+    );
     let total_steps = args.warmup + args.steps;
     let mut models = Vec::new();
     for path in &args.specs {
         let mut spec = load_spec(path)?;
-        override_backbone(&mut spec, &args);
+        args.backbone.apply(&mut spec);
         let name = spec.name.clone();
         let plain = !matches!(spec.residual, ResidualSpec::Residual);
         let baseline = spec.with_plain_residual();
-        let context = || format!("building {} for --device {}", path.display(), device_name(device));
+        let context = || format!("building {} for --device {}", path.display(), device.name());
         models.push(Model::build(&name, path, spec, !plain, device, total_steps).with_context(context)?);
         if plain {
             models
@@ -206,7 +248,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     print_table(&rows, &args, device);
     if let Some(path) = &args.json {
         let doc = json!({
-            "device": device_name(device),
+            "device": device.name(),
             "steps": args.steps,
             "warmup": args.warmup,
             "threads": std::thread::available_parallelism().map_or(1, |n| n.get()),
@@ -215,14 +257,89 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")
             .with_context(|| format!("cannot write {}", path.display()))?;
     }
+    if let Some(path) = &args.profile_kernels {
+        let doc = profile_kernels(&mut models, args.steps).context("profiling kernels")?;
+        std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")
+            .with_context(|| format!("cannot write {}", path.display()))?;
+        eprintln!("wrote per-kernel bandwidth to {}", path.display());
+    }
     Ok(ExitCode::SUCCESS)
 }
 
-fn device_name(device: Device) -> &'static str {
-    match device {
-        Device::Reference => "reference",
-        Device::Cpu => "cpu",
+/// Bytes per copy when measuring the copy bandwidth: far beyond any L2 cache
+/// (60 MiB on an H200), so the copy streams from HBM as the kernels do.
+const COPY_BYTES: usize = 1 << 30;
+
+/// A buffer of a residual connection: a parameter (or its gradient) whose
+/// name has a `.conn.` segment, as every scheme names its connection
+/// parameters (`blocks.0.attn.conn.phi`, ...).
+fn is_connection(role: &BufferRole) -> bool {
+    match role {
+        BufferRole::Param { name } | BufferRole::Grad { name } => name.contains(".conn."),
+        _ => false,
     }
+}
+
+/// Per-kernel bandwidth of every model's Plan (DESIGN.md §10): each step
+/// timed with CUDA events over `reps` runs (`CudaDevice::profile`), each
+/// kernel's fewest bytes (arguments read once, written once) over its median
+/// time, against the device-to-device copy bandwidth measured the same way
+/// (bytes read plus bytes written). Connection kernels, those binding a
+/// connection parameter or its gradient, are flagged and summed separately.
+fn profile_kernels(models: &mut [Model], reps: usize) -> anyhow::Result<serde_json::Value> {
+    let copy = copy_bandwidth(COPY_BYTES, 20).context("measuring the copy bandwidth")?;
+    let rate = |bytes: u64, ms: f64| if ms > 0.0 { Some(bytes as f64 / (ms * 1e-3)) } else { None };
+    let mut out = Vec::new();
+    for m in models.iter_mut() {
+        let Exec::Cuda(exec) = &mut m.exec else { continue };
+        let device = exec.device_mut();
+        let timings = device.profile(reps.max(1))?;
+        let plan = device.plan();
+        let mut kernels = Vec::new();
+        let (mut kernel_ms, mut gemm_ms, mut zero_ms) = (0.0, 0.0, 0.0);
+        let (mut conn_ms, mut conn_bytes) = (0.0, 0u64);
+        for t in &timings {
+            match &plan.steps[t.step] {
+                Step::Kernel { kernel, args } => {
+                    kernel_ms += t.ms;
+                    let connection = args.iter().any(|id| is_connection(&plan.buffers[id.0].role));
+                    if connection {
+                        conn_ms += t.ms;
+                        conn_bytes += t.bytes;
+                    }
+                    let bytes_per_s = rate(t.bytes, t.ms);
+                    kernels.push(json!({
+                        "step": t.step,
+                        "kernel": plan.kernels[*kernel].name,
+                        "connection": connection,
+                        "ms": t.ms,
+                        "bytes": t.bytes,
+                        "bytes_per_s": bytes_per_s,
+                        "fraction_of_copy": bytes_per_s.map(|r| r / copy),
+                    }));
+                }
+                Step::Gemm(_) => gemm_ms += t.ms,
+                Step::Zero { .. } => zero_ms += t.ms,
+            }
+        }
+        let conn_rate = rate(conn_bytes, conn_ms);
+        out.push(json!({
+            "spec": m.name,
+            "scheme": m.scheme,
+            "baseline": m.baseline,
+            "arch": device.arch(),
+            "ms": { "kernels": kernel_ms, "gemms": gemm_ms, "zeros": zero_ms },
+            "connection_kernels": {
+                "count": kernels.iter().filter(|k| k["connection"] == true).count(),
+                "ms": conn_ms,
+                "bytes": conn_bytes,
+                "bytes_per_s": conn_rate,
+                "fraction_of_copy": conn_rate.map(|r| r / copy),
+            },
+            "kernels": kernels,
+        }));
+    }
+    Ok(json!({ "copy_bytes_per_s": copy, "copy_bytes": COPY_BYTES, "reps": reps.max(1), "models": out }))
 }
 
 /// One JSON row per model; the overhead is against the baseline of the same spec file.
@@ -258,7 +375,7 @@ fn rows(models: &[Model]) -> Vec<serde_json::Value> {
 fn print_table(rows: &[serde_json::Value], args: &Args, device: Device) {
     println!(
         "device {}, {} timed steps after {} warmup (median ms per full training step)",
-        device_name(device),
+        device.name(),
         args.steps,
         args.warmup
     );

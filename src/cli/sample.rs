@@ -27,7 +27,7 @@ pub struct Args {
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Where to run.
-    #[arg(long, value_enum, default_value = "reference")]
+    #[arg(long, value_enum, default_value = "cpu")]
     pub device: DeviceArg,
 }
 

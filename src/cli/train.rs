@@ -1,5 +1,5 @@
-//! `widen train`: train a model from a spec on the reference executor or the
-//! Cpu device.
+//! `widen train`: train a model from a spec on the Cpu device (the default),
+//! the reference executor or the Cuda device (DESIGN.md §7).
 
 use anyhow::Context;
 use ir::spec::{load_spec, DataSpec};
@@ -8,14 +8,16 @@ use runtime::train::{train_spec, Progress, TrainOptions};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-/// The device to run on: the reference interpreter or the compiled Plan on the
-/// host.
+/// The device to run on: the reference interpreter, or the compiled Plan on
+/// the host or on a GPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum DeviceArg {
     /// The reference interpreter of the unfused graph (f32).
     Reference,
     /// The fused Plan compiled to C, on every core.
     Cpu,
+    /// The fused Plan compiled by NVRTC, on GPU 0 (needs the CUDA driver, cuBLAS and NVRTC).
+    Cuda,
 }
 
 impl From<DeviceArg> for Device {
@@ -23,6 +25,7 @@ impl From<DeviceArg> for Device {
         match d {
             DeviceArg::Reference => Device::Reference,
             DeviceArg::Cpu => Device::Cpu,
+            DeviceArg::Cuda => Device::Cuda,
         }
     }
 }
@@ -44,7 +47,7 @@ pub struct Args {
     #[arg(long)]
     pub resume: Option<PathBuf>,
     /// Where to run.
-    #[arg(long, value_enum, default_value = "reference")]
+    #[arg(long, value_enum, default_value = "cpu")]
     pub device: DeviceArg,
 }
 
@@ -65,13 +68,15 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         resume: args.resume,
         progress: Progress::Auto { every: (spec.train.steps / 20).max(1) },
     };
-    let report = train_spec(&spec, args.device.into(), &opts)
+    let device = Device::from(args.device);
+    let report = train_spec(&spec, device, &opts)
         .with_context(|| format!("training {} (run folder {})", args.spec.display(), out_dir.display()))?;
     let last = report.losses.last().map(|l| format!("{l:.4}")).unwrap_or_else(|| "-".into());
     let val = report.val_loss.map(|v| format!(", validation loss {v:.4}")).unwrap_or_default();
     eprintln!(
-        "trained {} steps: loss {last}{val}; checkpoint {}, metrics {}",
+        "trained {} steps on {}: loss {last}{val}; checkpoint {}, metrics {}",
         report.steps,
+        device.name(),
         report.final_checkpoint.display(),
         report.metrics.display()
     );

@@ -121,7 +121,6 @@ pub(super) fn emit(b: &mut Block, cx: &ItemOp) -> Result<(), EmitError> {
         Op::RmsNorm { eps } => rms_norm(b, cx, *eps),
         Op::LayerNorm { eps } => group_norm(b, cx, 1, *eps),
         Op::GroupNorm { groups, eps } => group_norm(b, cx, *groups, *eps),
-        Op::NormProject { eps, centered } => norm_project(b, cx, *eps, *centered),
         Op::TopK { k, fixed } => topk(b, cx, *k, *fixed),
         Op::MatMul { trans_a, trans_b } => matmul(b, cx, *trans_a, *trans_b),
         Op::Gather { axis } => gather(b, cx, *axis),
@@ -266,78 +265,6 @@ fn group_norm(b: &mut Block, cx: &ItemOp, groups: usize, eps: f64) {
                 }
                 cx.sink.store(b, gb.clone() + j, y);
             });
-        });
-    });
-}
-
-/// The projection of the normalized row computed from the row itself
-/// (MATH.md §4.3, §6.2; `ir::exec::connection::norm_project`).
-fn norm_project(b: &mut Block, cx: &ItemOp, eps: f64, centered: usize) {
-    let (x, w) = (cx.ins[0].clone(), cx.ins[1].clone());
-    let (kk, m) = (cx.in_dims[1][0], cx.in_dims[1][1]);
-    cx.rows(b, m, |b, row| {
-        let xb = b.let_(&cx.fresh("xb"), row.clone() * ix(kk));
-        let ob = b.let_(&cx.fresh("ob"), row * ix(m));
-        let at = |j: Expr| x.load(xb.clone() + j);
-        let mut centred = None;
-        if centered > 0 {
-            let s = cx.fold(b, cx.lit(0.0), kk, |a, v| a + v, |_, j| at(j));
-            let mu = b.let_(&cx.fresh("mu"), s / cx.lit(kk as f64));
-            let sq = cx.fold(
-                b,
-                cx.lit(0.0),
-                kk,
-                |a, v| a + v,
-                |b, j| {
-                    let d = b.let_(&cx.fresh("d"), at(j) - mu.clone());
-                    d.clone() * d
-                },
-            );
-            let var = sq / cx.lit(kk as f64);
-            let rho = b.let_(&cx.fresh("rhoc"), cx.lit(1.0) / (var + cx.lit(eps)).sqrt());
-            centred = Some((mu, rho));
-        }
-        let mut rms = None;
-        if centered < m {
-            let ss = cx.fold(
-                b,
-                cx.lit(0.0),
-                kk,
-                |a, v| a + v,
-                |b, j| {
-                    let v = b.let_(&cx.fresh("v"), at(j));
-                    v.clone() * v
-                },
-            );
-            rms =
-                Some(b.let_(&cx.fresh("rhor"), cx.lit(1.0) / (ss / cx.lit(kk as f64) + cx.lit(eps)).sqrt()));
-        }
-        let col = cx.fresh("col");
-        b.for_(&col, ix(0), ix(m), |b, col| {
-            // Σ_i x_i w_ij and (for centred columns) Σ_i w_ij in one pass over w's column.
-            let dot = b.var(&cx.fresh("dot"), cx.lit(0.0));
-            let cs = centred.as_ref().map(|_| b.var(&cx.fresh("cs"), cx.lit(0.0)));
-            b.for_(&cx.fresh("i"), ix(0), ix(kk), |b, i| {
-                let wv = b.let_(&cx.fresh("wv"), w.load(i.clone() * ix(m) + col.clone()));
-                b.assign(&dot, dot.clone() + at(i) * wv.clone());
-                if let Some(cs) = &cs {
-                    b.assign(cs, cs.clone() + wv);
-                }
-            });
-            let at_out = ob.clone() + col.clone();
-            let head = |cs: &Expr| {
-                let (mu, rho) = centred.as_ref().expect("centred columns have statistics");
-                rho.clone() * (dot.clone() - cs.clone() * mu.clone())
-            };
-            match (&cs, &rms) {
-                (Some(cs), Some(rr)) => {
-                    let v = select(col.clone().lt(ix(centered)), head(cs), dot.clone() * rr.clone());
-                    cx.sink.store(b, at_out, v);
-                }
-                (Some(cs), None) => cx.sink.store(b, at_out, head(cs)),
-                (None, Some(rr)) => cx.sink.store(b, at_out, dot.clone() * rr.clone()),
-                (None, None) => {}
-            }
         });
     });
 }

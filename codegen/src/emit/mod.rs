@@ -16,12 +16,15 @@
 //! ([`Val`]): a consumer folds the whole view chain into its loads and a view
 //! is only copied when its value must exist in memory. `Constant`s are literals.
 //!
-//! Ops that need their own grid (attention and its gradient, the loss,
+//! Ops that need their own grid (attention and its gradient, the loss, the
+//! norm projection of the connection coefficients,
 //! temporal augmentation and its gradient) are lowered by [`standalone`].
 
+mod attention;
 mod item;
 mod standalone;
 
+pub use attention::attention_grads;
 pub use standalone::lower_standalone;
 
 use std::cell::Cell;
@@ -65,12 +68,76 @@ pub struct Launch {
     pub args: Vec<Arg>,
 }
 
-/// The kernels that compute some nodes, in launch order, and the temporaries
+/// A library matrix product over launch buffers: the fields of
+/// [`crate::plan::Gemm`] (row-major operands, one batch stride per operand)
+/// with [`Arg`]s for buffers; it overwrites `c`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GemmCall {
+    pub a: Arg,
+    pub b: Arg,
+    pub c: Arg,
+    pub batch: usize,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub trans_a: bool,
+    pub trans_b: bool,
+    pub stride_a: usize,
+    pub stride_b: usize,
+    pub stride_c: usize,
+}
+
+/// One step of a lowering.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Work {
+    Launch(Launch),
+    Gemm(GemmCall),
+}
+
+/// The steps that compute some nodes, in order, and the temporaries
 /// (length, dtype) they share.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Lowering {
-    pub launches: Vec<Launch>,
+    pub steps: Vec<Work>,
     pub temps: Vec<(usize, DType)>,
+}
+
+/// The temporaries of one lowering.
+#[derive(Default)]
+pub(crate) struct Temps(pub(crate) Vec<(usize, DType)>);
+
+impl Temps {
+    pub(crate) fn add(&mut self, len: usize, dtype: DType) -> Arg {
+        self.0.push((len.max(1), dtype));
+        Arg::Temp(self.0.len() - 1)
+    }
+}
+
+/// A kernel under construction with its launch arguments.
+pub(crate) struct Kb<'g> {
+    pub(crate) k: KernelBuilder,
+    pub(crate) r: Reader<'g>,
+}
+
+impl<'g> Kb<'g> {
+    pub(crate) fn new(graph: &'g Graph, name: &str, items: usize) -> Kb<'g> {
+        Kb { k: KernelBuilder::new(name, grid(items)), r: Reader::new(graph) }
+    }
+
+    /// Declares a temporary as the next parameter.
+    pub(crate) fn temp(&mut self, name: &str, arg: Arg, temps: &Temps, access: Access) -> Buf {
+        let Arg::Temp(i) = arg else { unreachable!("temporaries are Arg::Temp") };
+        let (len, dtype) = temps.0[i];
+        let b = self.k.param(name, dtype, access, len);
+        self.r.args.push(arg);
+        b
+    }
+
+    pub(crate) fn finish(self) -> Result<Work, EmitError> {
+        let kernel = self.k.finish();
+        kernel.validate()?;
+        Ok(Work::Launch(Launch { kernel, args: self.r.args }))
+    }
 }
 
 /// Why nodes could not be lowered.
@@ -283,6 +350,7 @@ pub fn is_standalone(op: &Op) -> bool {
         op,
         Op::CausalAttention { .. }
             | Op::CausalAttentionGrad { .. }
+            | Op::NormProject { .. }
             | Op::SoftmaxCrossEntropy
             | Op::TemporalAugment { .. }
             | Op::TemporalAugmentGrad { .. }
@@ -339,7 +407,6 @@ fn item_ok(graph: &Graph, id: NodeId, n: usize, restricted: &[bool], materialize
             | Op::RmsNorm { .. }
             | Op::LayerNorm { .. }
             | Op::GroupNorm { .. }
-            | Op::NormProject { .. }
             | Op::TopK { .. } => k < rank || rank == 0,
             Op::Sinkhorn { .. } | Op::SinkhornGrad { .. } => k + 2 <= rank,
             Op::ScatterAdd { axis } | Op::ScatterRows { axis } => k <= *axis,
@@ -372,7 +439,6 @@ fn item_ok(graph: &Graph, id: NodeId, n: usize, restricted: &[bool], materialize
         Op::Softmax | Op::RmsNorm { .. } | Op::LayerNorm { .. } | Op::GroupNorm { .. } | Op::TopK { .. } => {
             !restricted[1..].iter().any(|&r| r)
         }
-        Op::NormProject { .. } => !restricted[1],
         Op::MatMul { trans_a, .. } => {
             let (m, nn) = (o[o.len() - 2], o[o.len() - 1]);
             let batch = numel(&o[..o.len() - 2]);

@@ -1,14 +1,14 @@
 //! Ops lowered on grids of their own (DESIGN.md §5 "heavy ops are kernels of
-//! their own"): causal attention and its gradient, the cross-entropy loss and
-//! xHC's temporal augmentation and its gradient. Operands are read through
+//! their own"): causal attention and its gradient (in [`super::attention`]),
+//! the cross-entropy loss and xHC's temporal augmentation and its gradient. Operands are read through
 //! [`Reader`], so views fold into their index math like everywhere else.
 
 use ir::graph::{Graph, NodeId, Op};
 
-use super::{grid, ix, lit, maximum, EmitError, Launch, Lowering, Names, Reader, Val};
-use crate::kernel::{
-    f64, i64, item, lane, select, Access, Block, Buf, Expr, Grid, KernelBuilder, ReduceOp, Ty,
+use super::{
+    grid, ix, lit, maximum, Arg, EmitError, GemmCall, Kb, Launch, Lowering, Names, Reader, Temps, Val, Work,
 };
+use crate::kernel::{i64, item, lane, select, Access, Block, Buf, Expr, Grid, KernelBuilder, ReduceOp, Ty};
 
 /// ε_abs of the Gram–Schmidt guard (MATH.md §6.5 DECISION; `ir::exec` uses the same).
 const GS_EPS_ABS: f64 = 1e-20;
@@ -20,13 +20,14 @@ const LOSS_THREADS: u32 = 256;
 pub fn lower_standalone(graph: &Graph, id: NodeId, name: &str) -> Result<Lowering, EmitError> {
     let node = graph.node(id);
     match &node.op {
-        Op::CausalAttention { scale, rope_base } => {
-            Ok(single(attention(graph, id, name, *scale, *rope_base)?))
-        }
-        Op::CausalAttentionGrad { scale, rope_base, wrt } => {
-            attention_grad(graph, id, name, *scale, *rope_base, *wrt)
+        Op::CausalAttention { .. } => super::attention::attention(graph, id, name),
+        Op::CausalAttentionGrad { wrt, .. } if *wrt < 3 => {
+            let mut outs = [None; 3];
+            outs[*wrt] = Some(id);
+            super::attention_grads(graph, outs, name)
         }
         Op::SoftmaxCrossEntropy => Ok(single(cross_entropy(graph, id, name)?)),
+        Op::NormProject { eps, centered } => norm_project(graph, id, name, *eps, *centered),
         Op::TemporalAugment { gram_schmidt, eps_rel } => {
             Ok(single(temporal(graph, id, name, *gram_schmidt, *eps_rel, None)?))
         }
@@ -38,7 +39,7 @@ pub fn lower_standalone(graph: &Graph, id: NodeId, name: &str) -> Result<Lowerin
 }
 
 fn single(launch: Launch) -> Lowering {
-    Lowering { launches: vec![launch], temps: Vec::new() }
+    Lowering { steps: vec![Work::Launch(launch)], temps: Vec::new() }
 }
 
 fn finish(k: KernelBuilder, r: Reader) -> Result<Launch, EmitError> {
@@ -65,329 +66,119 @@ fn sum(
     acc
 }
 
-/// Half-split RoPE (MATH.md §1.3) with the angles θ_i = base^(-2i/dh) in a
-/// per-item f64 table; angles and their sines are computed in f64 and rounded
-/// once, as the reference does.
-struct Rope {
-    theta: Buf,
-    half: usize,
-    ty: Ty,
-}
-
-impl Rope {
-    fn new(b: &mut Block, names: &Names, base: f64, dh: usize, ty: Ty) -> Rope {
-        let half = dh / 2;
-        let theta = b.local_array(&names.fresh("theta"), Ty::F64, half.max(1));
-        b.for_(&names.fresh("i"), ix(0), ix(half), |b, i| {
-            let e = (f64(-2.0) * i.clone().cast(Ty::F64)) / f64(dh as f64);
-            b.store(&theta, i, f64(base).pow(e));
-        });
-        Rope { theta, half, ty }
-    }
-
-    /// Element `i` of a row rotated to position `pos` (`sign` = -1: the inverse
-    /// rotation, which is also its VJP); `raw(j)` loads element j of the row.
-    fn rotated(&self, raw: impl Fn(Expr) -> Expr, pos: &Expr, i: &Expr, sign: f64) -> Expr {
-        let lo = i.clone().lt(ix(self.half));
-        let j = select(lo.clone(), i.clone(), i.clone() - ix(self.half));
-        let phi = pos.clone().cast(Ty::F64) * self.theta.at(j.clone());
-        let c = phi.clone().cos().cast(self.ty);
-        let s = (f64(sign) * phi.sin()).cast(self.ty);
-        let (x0, x1) = (raw(j.clone()), raw(j + ix(self.half)));
-        select(lo, x0.clone() * c.clone() - x1.clone() * s.clone(), x0 * s + x1 * c)
-    }
-}
-
-/// Sizes of an attention node: q [B, T, H, dh], k and v [B, T, Hkv, dh].
-#[derive(Clone, Copy)]
-struct Dims {
-    t: usize,
-    h: usize,
-    hkv: usize,
-    dh: usize,
-}
-
-/// Loads of q, k, v (and dout) with their row offsets.
-struct Attn<'a> {
-    names: &'a Names,
-    d: Dims,
-    ty: Ty,
-    scale: f64,
-    rope: Option<Rope>,
-    q: Val,
-    k: Val,
-    v: Val,
-}
-
-impl Attn<'_> {
-    fn lit(&self, v: f64) -> Expr {
-        lit(self.ty, v)
-    }
-
-    /// Row offset of key/value head `g` at (b, t).
-    fn kv_row(&self, b: &Expr, t: &Expr, g: &Expr) -> Expr {
-        ((b.clone() * ix(self.d.t) + t.clone()) * ix(self.d.hkv) + g.clone()) * ix(self.d.dh)
-    }
-
-    fn q_row(&self, b: &Expr, t: &Expr, h: &Expr) -> Expr {
-        ((b.clone() * ix(self.d.t) + t.clone()) * ix(self.d.h) + h.clone()) * ix(self.d.dh)
-    }
-
-    /// Fills the local `dst` with the row of `src` at `row`, rotated to `pos` when RoPE is on.
-    fn load_rotated(&self, b: &mut Block, dst: &Buf, src: &Val, row: &Expr, pos: &Expr) {
-        b.for_(&self.names.fresh("i"), ix(0), ix(self.d.dh), |b, i| {
-            let v = match &self.rope {
-                Some(rope) => rope.rotated(|j| src.load(row.clone() + j), pos, &i, 1.0),
-                None => src.load(row.clone() + i.clone()),
-            };
-            b.store(dst, i, v);
-        });
-    }
-
-    /// scale · ⟨qr, rotated k row at key position tp⟩, summed in element order.
-    fn score(&self, b: &mut Block, qr: &Buf, krow: &Expr, tp: &Expr) -> Expr {
-        let dot = sum(self.names, b, self.lit(0.0), ix(0), ix(self.d.dh), |_, i| {
-            let kv = match &self.rope {
-                Some(rope) => rope.rotated(|j| self.k.load(krow.clone() + j), tp, &i, 1.0),
-                None => self.k.load(krow.clone() + i.clone()),
-            };
-            qr.at(i) * kv
-        });
-        b.let_(&self.names.fresh("s"), dot * self.lit(self.scale))
-    }
-
-    /// Stores the local row `src` to `out` at `row`, rotated back from `pos` when RoPE is on.
-    fn store_unrotated(&self, b: &mut Block, out: &Buf, row: &Expr, src: &Buf, pos: &Expr) {
-        b.for_(&self.names.fresh("i"), ix(0), ix(self.d.dh), |b, i| {
-            let v = match &self.rope {
-                Some(rope) => rope.rotated(|j| src.at(j), pos, &i, -1.0),
-                None => src.at(i.clone()),
-            };
-            b.store(out, row.clone() + i, v);
-        });
-    }
-}
-
-fn attn_setup<'a>(
-    graph: &Graph,
-    id: NodeId,
-    k: &mut KernelBuilder,
-    r: &mut Reader,
-    names: &'a Names,
-    scale: f64,
-    rope_base: Option<f64>,
-) -> Attn<'a> {
-    let inputs = graph.inputs(id);
-    let (qd, kd) = (graph.node(inputs[0]).shape.dims(), graph.node(inputs[1]).shape.dims());
-    let d = Dims { t: qd[1], h: qd[2], hkv: kd[2], dh: qd[3] };
-    let ty = Ty::of_storage(graph.node(id).dtype);
-    let (q, kk, v) = (r.read(k, inputs[0]), r.read(k, inputs[1]), r.read(k, inputs[2]));
-    let rope = rope_base.map(|base| Rope::new(k, names, base, d.dh, ty));
-    Attn { names, d, ty, scale, rope, q, k: kk, v }
-}
-
-/// Causal attention forward (MATH.md §1.3): one item per (b, t, h) query row,
-/// one pass over the keys t' ≤ t with an online softmax.
-fn attention(
+/// A buffer holding node `id`'s value in its own layout: the node's buffer
+/// (through reshapes, its source's), or a copy into a temporary for other views
+/// and constants, which have none.
+fn memory(
     graph: &Graph,
     id: NodeId,
     name: &str,
-    scale: f64,
-    rope_base: Option<f64>,
-) -> Result<Launch, EmitError> {
-    let node = graph.node(id);
-    let dims = node.shape.dims();
-    let mut k = KernelBuilder::new(name, grid(dims[0] * dims[1] * dims[2]));
-    let mut r = Reader::new(graph);
-    let names = Names::default();
-    let a = attn_setup(graph, id, &mut k, &mut r, &names, scale, rope_base);
-    let out = r.buffer(&mut k, id, Access::Write);
-    let d = a.d;
-    let bi = k.let_("bi", item() / ix(d.t * d.h));
-    let t = k.let_("t", (item() / ix(d.h)) % ix(d.t));
-    let h = k.let_("h", item() % ix(d.h));
-    let g = k.let_("g", (h.clone() * ix(d.hkv)) / ix(d.h));
-    let qrow = k.let_("qrow", item() * ix(d.dh));
-    let qr = k.local_array("qr", a.ty, d.dh);
-    a.load_rotated(&mut k, &qr, &a.q, &qrow, &t);
-    let acc = k.local_array("acc", a.ty, d.dh);
-    k.for_("i", ix(0), ix(d.dh), |b, i| b.store(&acc, i, a.lit(0.0)));
-    let m = k.var("m", a.lit(f64::NEG_INFINITY));
-    let l = k.var("l", a.lit(0.0));
-    k.for_("tp", ix(0), t.clone() + i64(1), |b, tp| {
-        let krow = b.let_("krow", a.kv_row(&bi, &tp, &g));
-        let s = a.score(b, &qr, &krow, &tp);
-        let mnew = b.let_("mnew", maximum(m.clone(), s.clone()));
-        let corr = b.let_("corr", (m.clone() - mnew.clone()).exp());
-        let p = b.let_("p", (s - mnew.clone()).exp());
-        b.assign(&l, l.clone() * corr.clone() + p.clone());
-        b.for_("e", ix(0), ix(d.dh), |b, e| {
-            let v = acc.at(e.clone()) * corr.clone() + p.clone() * a.v.load(krow.clone() + e.clone());
-            b.store(&acc, e, v);
-        });
-        b.assign(&m, mnew);
-    });
-    k.for_("e", ix(0), ix(d.dh), |b, e| b.store(&out, qrow.clone() + e.clone(), acc.at(e) / l.clone()));
-    finish(k, r)
+    temps: &mut Temps,
+    steps: &mut Vec<Work>,
+) -> Result<Arg, EmitError> {
+    let mut v = id;
+    while matches!(graph.node(v).op, Op::Reshape { .. }) {
+        v = graph.inputs(v)[0];
+    }
+    let node = graph.node(v);
+    if !node.op.is_view() && !matches!(node.op, Op::Constant { .. }) {
+        return Ok(Arg::Node(v));
+    }
+    let len = node.shape.numel();
+    let arg = temps.add(len, node.dtype);
+    let mut kb = Kb::new(graph, &format!("{name}_copy{}", steps.len()), len);
+    let src = kb.r.read(&mut kb.k, id);
+    let dst = kb.temp("dst", arg, temps, Access::Write);
+    kb.k.store(&dst, item(), src.load(item()));
+    steps.push(kb.finish()?);
+    Ok(arg)
 }
 
-/// The softmax statistics of one query row: (max score, 1 / Σ exp, Σ_t' p·dp) with
-/// dp = ⟨dout row, v row⟩ (MATH.md §1.4), summed in key order as the reference does.
-/// `at` = (batch, query position, kv head, query row offset).
-fn row_stats(b: &mut Block, a: &Attn, dout: &Val, qr: &Buf, at: [&Expr; 4]) -> [Expr; 3] {
-    let [bi, t, g, qrow] = at;
-    let names = a.names;
-    let end = t.clone() + i64(1);
-    let m = b.var(&names.fresh("m"), a.lit(f64::NEG_INFINITY));
-    b.for_(&names.fresh("tp"), ix(0), end.clone(), |b, tp| {
-        let krow = a.kv_row(bi, &tp, g);
-        let s = a.score(b, qr, &krow, &tp);
-        b.assign(&m, maximum(m.clone(), s));
-    });
-    let total = sum(names, b, a.lit(0.0), ix(0), end.clone(), |b, tp| {
-        let krow = a.kv_row(bi, &tp, g);
-        let s = a.score(b, qr, &krow, &tp);
-        (s - m.clone()).exp()
-    });
-    let inv = b.let_(&names.fresh("inv"), a.lit(1.0) / total);
-    let centre = sum(names, b, a.lit(0.0), ix(0), end, |b, tp| {
-        let krow = b.let_(&names.fresh("krow"), a.kv_row(bi, &tp, g));
-        let s = a.score(b, qr, &krow, &tp);
-        let p = (s - m.clone()).exp() * inv.clone();
-        let dp = sum(names, b, a.lit(0.0), ix(0), ix(a.d.dh), |_, e| {
-            dout.load(qrow.clone() + e.clone()) * a.v.load(krow.clone() + e)
-        });
-        p * dp
-    });
-    [m, inv, centre]
-}
-
-/// d q, d k or d v of causal attention (MATH.md §1.4, recomputing probabilities):
-/// a statistics kernel per query row (max, 1/Σ, centre) into a temporary, then
-/// dq per (b, t, h) or dk / dv per (b, t', hkv) looping over the query heads
-/// of the group and the queries t ≥ t'.
-fn attention_grad(
+/// The projection of the normalized rows computed from the rows themselves
+/// (MATH.md §4.3, §6.2), as the reference computes it: one GEMM `x·W` over
+/// all rows, the column sums of `W` (for the centred columns), then one
+/// kernel per row with the row's statistics: `ρ_c·(dot − Σw·μ)` for the first
+/// `centered` columns (LayerNorm statistics), `ρ_r·dot` for the rest (RMS).
+fn norm_project(
     graph: &Graph,
     id: NodeId,
     name: &str,
-    scale: f64,
-    rope_base: Option<f64>,
-    wrt: usize,
+    eps: f64,
+    centered: usize,
 ) -> Result<Lowering, EmitError> {
     let inputs = graph.inputs(id);
-    let qd = graph.node(inputs[0]).shape.dims();
-    let kd = graph.node(inputs[1]).shape.dims();
-    let rows = qd[0] * qd[1] * qd[2];
-    let dtype = graph.node(id).dtype;
-    let stats_len = rows * 3;
-
-    // Kernel 1: per query row statistics.
-    let stats = {
-        let mut k = KernelBuilder::new(&format!("{name}_stats"), grid(rows));
-        let mut r = Reader::new(graph);
+    let node = graph.node(id);
+    let (kk, m) = (graph.node(inputs[1]).shape.dims()[0], graph.node(inputs[1]).shape.dims()[1]);
+    let rows = node.shape.numel() / m.max(1);
+    let ty = Ty::of_storage(node.dtype);
+    let mut temps = Temps::default();
+    let mut steps = Vec::new();
+    let x = memory(graph, inputs[0], name, &mut temps, &mut steps)?;
+    let w = memory(graph, inputs[1], name, &mut temps, &mut steps)?;
+    let dot = temps.add(rows * m, node.dtype);
+    steps.push(Work::Gemm(GemmCall {
+        a: x,
+        b: w,
+        c: dot,
+        batch: 1,
+        m: rows,
+        n: m,
+        k: kk,
+        trans_a: false,
+        trans_b: false,
+        stride_a: 0,
+        stride_b: 0,
+        stride_c: 0,
+    }));
+    let colsum = (centered > 0).then(|| temps.add(m, node.dtype));
+    if let Some(cs) = colsum {
+        // Σ_i w_ij in row order, one item per column.
+        let mut kb = Kb::new(graph, &format!("{name}_colsum"), m);
+        let wv = kb.r.read(&mut kb.k, inputs[1]);
+        let out = kb.temp("cs", cs, &temps, Access::Write);
         let names = Names::default();
-        let a = attn_setup(graph, id, &mut k, &mut r, &names, scale, rope_base);
-        let dout = r.read(&mut k, inputs[3]);
-        let st = k.param("stats", dtype, Access::Write, stats_len);
-        r.args.push(super::Arg::Temp(0));
-        let d = a.d;
-        let bi = k.let_("bi", item() / ix(d.t * d.h));
-        let t = k.let_("t", (item() / ix(d.h)) % ix(d.t));
-        let h = k.let_("h", item() % ix(d.h));
-        let g = k.let_("g", (h * ix(d.hkv)) / ix(d.h));
-        let qrow = k.let_("qrow", item() * ix(d.dh));
-        let qr = k.local_array("qr", a.ty, d.dh);
-        a.load_rotated(&mut k, &qr, &a.q, &qrow, &t);
-        let [m, inv, centre] = row_stats(&mut k, &a, &dout, &qr, [&bi, &t, &g, &qrow]);
-        k.store(&st, item() * i64(3), m);
-        k.store(&st, item() * i64(3) + i64(1), inv);
-        k.store(&st, item() * i64(3) + i64(2), centre);
-        finish(k, r)?
-    };
-
-    // Kernel 2: the gradient itself.
-    let items = if wrt == 0 { rows } else { kd[0] * kd[1] * kd[2] };
-    let mut k = KernelBuilder::new(name, grid(items));
-    let mut r = Reader::new(graph);
-    let names = Names::default();
-    let a = attn_setup(graph, id, &mut k, &mut r, &names, scale, rope_base);
-    let dout = r.read(&mut k, inputs[3]);
-    let st = k.param("stats", dtype, Access::Read, stats_len);
-    r.args.push(super::Arg::Temp(0));
-    let out = r.buffer(&mut k, id, Access::Write);
-    let d = a.d;
-    let acc = k.local_array("acc", a.ty, d.dh);
-    k.for_("i", ix(0), ix(d.dh), |b, i| b.store(&acc, i, a.lit(0.0)));
-    // p for query row `qi` (row offset qrow) and key row krow, and (for dq and dk)
-    // ds = p · (dp − centre) · scale.
-    let probs = |b: &mut Block, qr: &Buf, qi: &Expr, qrow: &Expr, krow: &Expr, tp: &Expr| {
-        let s = a.score(b, qr, krow, tp);
-        let p = b.let_(
-            &names.fresh("p"),
-            (s - st.at(qi.clone() * i64(3))).exp() * st.at(qi.clone() * i64(3) + i64(1)),
-        );
-        if wrt == 2 {
-            return (p.clone(), p);
-        }
-        let dp = sum(&names, b, a.lit(0.0), ix(0), ix(d.dh), |_, e| {
-            dout.load(qrow.clone() + e.clone()) * a.v.load(krow.clone() + e)
-        });
-        let ds =
-            b.let_(&names.fresh("ds"), p.clone() * (dp - st.at(qi.clone() * i64(3) + i64(2))) * a.lit(scale));
-        (p, ds)
-    };
-    if wrt == 0 {
-        let bi = k.let_("bi", item() / ix(d.t * d.h));
-        let t = k.let_("t", (item() / ix(d.h)) % ix(d.t));
-        let h = k.let_("h", item() % ix(d.h));
-        let g = k.let_("g", (h * ix(d.hkv)) / ix(d.h));
-        let qrow = k.let_("qrow", item() * ix(d.dh));
-        let qr = k.local_array("qr", a.ty, d.dh);
-        a.load_rotated(&mut k, &qr, &a.q, &qrow, &t);
-        k.for_("tp", ix(0), t.clone() + i64(1), |b, tp| {
-            let krow = b.let_("krow", a.kv_row(&bi, &tp, &g));
-            let (_, ds) = probs(b, &qr, &item(), &qrow, &krow, &tp);
-            b.for_("e", ix(0), ix(d.dh), |b, e| {
-                let kv = match &a.rope {
-                    Some(rope) => rope.rotated(|j| a.k.load(krow.clone() + j), &tp, &e, 1.0),
-                    None => a.k.load(krow.clone() + e.clone()),
-                };
-                b.store(&acc, e.clone(), acc.at(e) + ds.clone() * kv);
-            });
-        });
-        a.store_unrotated(&mut k, &out, &qrow, &acc, &t);
-    } else {
-        let bi = k.let_("bi", item() / ix(d.t * d.hkv));
-        let tp = k.let_("tp", (item() / ix(d.hkv)) % ix(d.t));
-        let g = k.let_("g", item() % ix(d.hkv));
-        let krow = k.let_("krow", item() * ix(d.dh));
-        let group = d.h / d.hkv;
-        let qr = k.local_array("qr", a.ty, d.dh);
-        k.for_("hh", ix(0), ix(group), |b, hh| {
-            let h = b.let_("h", g.clone() * ix(group) + hh);
-            b.for_("t", tp.clone(), ix(d.t), |b, t| {
-                let qi = b.let_("qi", (bi.clone() * ix(d.t) + t.clone()) * ix(d.h) + h.clone());
-                let qrow = b.let_("qrow", a.q_row(&bi, &t, &h));
-                a.load_rotated(b, &qr, &a.q, &qrow, &t);
-                let (p, ds) = probs(b, &qr, &qi, &qrow, &krow, &tp);
-                b.for_("e", ix(0), ix(d.dh), |b, e| {
-                    let add = if wrt == 1 {
-                        ds.clone() * qr.at(e.clone())
-                    } else {
-                        p.clone() * dout.load(qrow.clone() + e.clone())
-                    };
-                    b.store(&acc, e.clone(), acc.at(e) + add);
-                });
-            });
-        });
-        if wrt == 1 {
-            a.store_unrotated(&mut k, &out, &krow, &acc, &tp);
-        } else {
-            k.for_("e", ix(0), ix(d.dh), |b, e| b.store(&out, krow.clone() + e.clone(), acc.at(e)));
-        }
+        let s = sum(&names, &mut kb.k, lit(ty, 0.0), ix(0), ix(kk), |_, i| wv.load(i * ix(m) + item()));
+        kb.k.store(&out, item(), s);
+        steps.push(kb.finish()?);
     }
-    let grad = finish(k, r)?;
-    Ok(Lowering { launches: vec![stats, grad], temps: vec![(stats_len, dtype)] })
+    let mut kb = Kb::new(graph, &format!("{name}_rows"), rows);
+    let xv = kb.r.read(&mut kb.k, inputs[0]);
+    let d = kb.temp("dot", dot, &temps, Access::Read);
+    let cs = colsum.map(|a| kb.temp("cs", a, &temps, Access::Read));
+    let out = kb.r.buffer(&mut kb.k, id, Access::Write);
+    let names = Names::default();
+    let k = &mut kb.k;
+    let xb = k.let_("xb", item() * ix(kk));
+    let ob = k.let_("ob", item() * ix(m));
+    let at = |j: Expr| xv.load(xb.clone() + j);
+    let head = cs.as_ref().map(|_| {
+        let s = sum(&names, k, lit(ty, 0.0), ix(0), ix(kk), |_, j| at(j));
+        let mu = k.let_("mu", s / lit(ty, kk as f64));
+        let sq = sum(&names, k, lit(ty, 0.0), ix(0), ix(kk), |b, j| {
+            let dv = b.let_(&names.fresh("d"), at(j) - mu.clone());
+            dv.clone() * dv
+        });
+        let rho = k.let_("rhoc", lit(ty, 1.0) / (sq / lit(ty, kk as f64) + lit(ty, eps)).sqrt());
+        (mu, rho)
+    });
+    if let (Some((mu, rho)), Some(cs)) = (&head, &cs) {
+        k.for_("col", ix(0), ix(centered.min(m)), |b, col| {
+            let v = rho.clone() * (d.at(ob.clone() + col.clone()) - cs.at(col.clone()) * mu.clone());
+            b.store(&out, ob.clone() + col, v);
+        });
+    }
+    if centered < m {
+        let ss = sum(&names, k, lit(ty, 0.0), ix(0), ix(kk), |b, j| {
+            let v = b.let_(&names.fresh("v"), at(j));
+            v.clone() * v
+        });
+        let rho = k.let_("rhor", lit(ty, 1.0) / (ss / lit(ty, kk as f64) + lit(ty, eps)).sqrt());
+        k.for_("col", ix(centered), ix(m), |b, col| {
+            b.store(&out, ob.clone() + col.clone(), d.at(ob.clone() + col) * rho.clone());
+        });
+    }
+    steps.push(kb.finish()?);
+    Ok(Lowering { steps, temps: temps.0 })
 }
 
 /// Mean softmax cross-entropy (MATH.md §1.3 "Loss"): one block whose lanes take

@@ -36,6 +36,7 @@ use codegen::kernel::{Access, Expr, Grid, Kernel, Stmt};
 use codegen::plan::{BufferDecl, BufferId, BufferRole, Gemm, Plan, Step};
 use ir::DType;
 use std::ffi::c_void;
+use std::time::{Duration, Instant};
 
 /// Errors loading or running a Plan on the Cpu device.
 #[derive(Debug, thiserror::Error)]
@@ -159,6 +160,80 @@ pub struct CpuDevice {
     owned: Vec<HostVec>,
     arenas: Vec<HostVec>,
     pool: Pool,
+    /// Wall time per step while profiling is on (see [`CpuDevice::set_profiling`]).
+    profile: Option<StepTimes>,
+    /// Print the profile to stderr when the device is dropped (`WIDEN_PROFILE`).
+    print_profile: bool,
+}
+
+/// Accumulated wall time of every step of the launch list.
+#[derive(Debug, Clone)]
+struct StepTimes {
+    time: Vec<Duration>,
+    calls: Vec<u64>,
+    runs: u64,
+}
+
+/// Where the time of the profiled runs went, one row per step label
+/// (a kernel's name without its ordinal, `gemm MxNxK`, `zero`), slowest first.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Profile {
+    /// Complete runs of the launch list ([`CpuDevice::run`]) while profiling.
+    pub runs: u64,
+    pub rows: Vec<ProfileRow>,
+}
+
+/// The steps sharing one label.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProfileRow {
+    pub label: String,
+    /// Step executions (all runs together).
+    pub calls: u64,
+    pub seconds: f64,
+}
+
+impl Profile {
+    /// Total profiled time.
+    pub fn seconds(&self) -> f64 {
+        self.rows.iter().map(|r| r.seconds).sum()
+    }
+}
+
+impl std::fmt::Display for Profile {
+    /// The slowest 30 labels with their share, milliseconds per run and calls per run.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let total = self.seconds();
+        let runs = self.runs.max(1) as f64;
+        writeln!(f, "cpu profile: {:.2} ms per run over {} runs", total * 1e3 / runs, self.runs)?;
+        writeln!(f, "{:>6} {:>10} {:>7}  step", "share", "ms/run", "n/run")?;
+        for r in self.rows.iter().take(30) {
+            let share = if total > 0.0 { 100.0 * r.seconds / total } else { 0.0 };
+            let per = r.calls as f64 / runs;
+            writeln!(f, "{share:>5.1}% {:>10.3} {per:>7.1}  {}", r.seconds * 1e3 / runs, r.label)?;
+        }
+        Ok(())
+    }
+}
+
+/// The profile label of a step: kernel names lose their `g<ordinal>_` prefix
+/// so that the same op at every layer adds up.
+fn step_label(plan: &Plan, step: &Step) -> String {
+    match step {
+        Step::Kernel { kernel, .. } => {
+            let name = &plan.kernels[*kernel].name;
+            match name.split_once('_') {
+                Some((ord, rest)) if ord.starts_with('g') && ord[1..].bytes().all(|c| c.is_ascii_digit()) => {
+                    rest.to_string()
+                }
+                _ => name.clone(),
+            }
+        }
+        Step::Gemm(g) => {
+            let batch = if g.batch > 1 { format!("{}x ", g.batch) } else { String::new() };
+            format!("gemm {batch}{}x{}x{}", g.m, g.n, g.k)
+        }
+        Step::Zero { .. } => "zero".into(),
+    }
 }
 
 impl CpuDevice {
@@ -174,7 +249,47 @@ impl CpuDevice {
         let parts = check_steps(&plan, &locs, threads)?;
         let library = compiler.compile_kernels(&plan.kernels)?;
         let entries = plan.kernels.iter().map(|k| library.entry(&k.name)).collect::<Result<Vec<_>, _>>()?;
-        Ok(CpuDevice { plan, entries, parts, locs, owned, arenas, pool: Pool::new(threads) })
+        let print_profile = std::env::var_os("WIDEN_PROFILE").is_some_and(|v| !v.is_empty() && v != "0");
+        let mut device = CpuDevice {
+            plan,
+            entries,
+            parts,
+            locs,
+            owned,
+            arenas,
+            pool: Pool::new(threads),
+            profile: None,
+            print_profile,
+        };
+        device.set_profiling(print_profile);
+        Ok(device)
+    }
+
+    /// Turns per-step timing on (clearing what was recorded) or off. With the
+    /// environment variable `WIDEN_PROFILE=1` it is on from loading, and the
+    /// profile is printed to stderr when the device is dropped.
+    pub fn set_profiling(&mut self, on: bool) {
+        let n = self.plan.steps.len();
+        self.profile = on.then(|| StepTimes { time: vec![Duration::ZERO; n], calls: vec![0; n], runs: 0 });
+    }
+
+    /// The time recorded since profiling was turned on, by step label, slowest
+    /// first; `None` when profiling is off.
+    pub fn profile(&self) -> Option<Profile> {
+        let times = self.profile.as_ref()?;
+        let mut rows: Vec<ProfileRow> = Vec::new();
+        let mut at: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
+        for (i, step) in self.plan.steps.iter().enumerate() {
+            let label = step_label(&self.plan, step);
+            let row = *at.entry(label.clone()).or_insert_with(|| {
+                rows.push(ProfileRow { label, calls: 0, seconds: 0.0 });
+                rows.len() - 1
+            });
+            rows[row].calls += times.calls[i];
+            rows[row].seconds += times.time[i].as_secs_f64();
+        }
+        rows.sort_by(|a, b| b.seconds.total_cmp(&a.seconds));
+        Some(Profile { runs: times.runs, rows })
     }
 
     /// The loaded Plan.
@@ -279,7 +394,11 @@ impl CpuDevice {
         }
         let ptrs = self.pointers();
         let mut args: Vec<*mut c_void> = Vec::new();
+        if let Some(p) = &mut self.profile {
+            p.runs += u64::from(range.start == 0 && range.end == count);
+        }
         for (index, step) in self.plan.steps.iter().enumerate().take(range.end).skip(range.start) {
+            let started = self.profile.is_some().then(Instant::now);
             match step {
                 Step::Kernel { kernel, args: ids } => {
                     args.clear();
@@ -294,7 +413,7 @@ impl CpuDevice {
                 Step::Gemm(g) => {
                     // SAFETY: `check_steps` verified the extents and dtypes of
                     // all three operands and that `c` overlaps neither input.
-                    unsafe { run_gemm(g, &ptrs, self.pool.threads()) };
+                    unsafe { run_gemm(g, &ptrs, &self.pool) };
                 }
                 Step::Zero { buffer } => {
                     let d = &self.plan.buffers[buffer.0];
@@ -305,8 +424,22 @@ impl CpuDevice {
                     };
                 }
             }
+            if let (Some(p), Some(t)) = (&mut self.profile, started) {
+                p.time[index] += t.elapsed();
+                p.calls[index] += 1;
+            }
         }
         Ok(())
+    }
+}
+
+impl Drop for CpuDevice {
+    fn drop(&mut self) {
+        if self.print_profile {
+            if let Some(p) = self.profile() {
+                eprint!("{p}");
+            }
+        }
     }
 }
 
@@ -538,50 +671,82 @@ fn literal(e: &Expr) -> Option<i64> {
     }
 }
 
-/// `c[b] (=|+=) op(a[b]) @ op(b[b])` for every batch entry (row-major operands).
+/// `c[b] (=|+=) op(a[b]) @ op(b[b])` for every batch entry (row-major operands),
+/// split over the pool's threads: whole batch entries when there are enough of
+/// them, else bands of rows (or of columns, when they are more numerous) of
+/// every entry. Each part runs single-threaded `gemm` on its own band, which
+/// scales where the library's own threading does not on small matrices.
 ///
 /// # Safety
 /// `ptrs` holds the base pointer of every buffer; `check_gemm` has verified
 /// that the three buffers are f32, long enough for every batch entry, and
 /// that `c` overlaps neither input.
-unsafe fn run_gemm(g: &Gemm, ptrs: &[*mut c_void], threads: usize) {
-    let (a, b, c) = (ptrs[g.a.0] as *const f32, ptrs[g.b.0] as *const f32, ptrs[g.c.0] as *mut f32);
+unsafe fn run_gemm(g: &Gemm, ptrs: &[*mut c_void], pool: &Pool) {
+    // Addresses as integers so the parts can share them across threads.
+    let (a, b, c) = (ptrs[g.a.0] as usize, ptrs[g.b.0] as usize, ptrs[g.c.0] as usize);
+    let work = g.batch.saturating_mul(g.m).saturating_mul(g.n).saturating_mul(g.k);
+    let threads = if work >= MIN_GEMM_PARALLEL { pool.threads() } else { 1 };
+    let f32s = std::mem::size_of::<f32>();
     // Row and column strides of op(a) [m, k] and op(b) [k, n].
     let (a_rs, a_cs) = if g.trans_a { (1, g.m) } else { (g.k, 1) };
     let (b_rs, b_cs) = if g.trans_b { (1, g.k) } else { (g.n, 1) };
-    let parallelism = if threads > 1 && g.m * g.n * g.k >= MIN_GEMM_PARALLEL {
-        gemm::Parallelism::Rayon(threads)
-    } else {
-        gemm::Parallelism::None
-    };
-    for i in 0..g.batch {
-        let dst = c.add(i * g.stride_c);
-        if g.k == 0 {
-            if !g.accumulate {
-                std::ptr::write_bytes(dst, 0, g.m * g.n);
-            }
-            continue;
+    let by_batch = g.batch >= threads;
+    let by_rows = g.m >= g.n;
+    let count = if by_batch { g.batch } else if by_rows { g.m } else { g.n };
+    let parts = threads.min(count.max(1));
+    let part = |p: usize| {
+        let (lo, hi) = super::pool::part_range(count as i64, parts, p);
+        let (lo, hi) = (lo as usize, hi as usize);
+        let (batches, rows, cols) = if by_batch {
+            (lo..hi, 0..g.m, 0..g.n)
+        } else if by_rows {
+            (0..g.batch, lo..hi, 0..g.n)
+        } else {
+            (0..g.batch, 0..g.m, lo..hi)
+        };
+        if rows.is_empty() || cols.is_empty() {
+            return;
         }
-        gemm::gemm(
-            g.m,
-            g.n,
-            g.k,
-            dst,
-            1,
-            g.n as isize,
-            g.accumulate,
-            a.add(i * g.stride_a),
-            a_cs as isize,
-            a_rs as isize,
-            b.add(i * g.stride_b),
-            b_cs as isize,
-            b_rs as isize,
-            if g.accumulate { 1.0f32 } else { 0.0 },
-            1.0f32,
-            false,
-            false,
-            false,
-            parallelism,
-        );
-    }
+        for i in batches {
+            let pa = (a + (i * g.stride_a + rows.start * a_rs) * f32s) as *const f32;
+            let pb = (b + (i * g.stride_b + cols.start * b_cs) * f32s) as *const f32;
+            let pc = (c + (i * g.stride_c + rows.start * g.n + cols.start) * f32s) as *mut f32;
+            let (m, n) = (rows.len(), cols.len());
+            // SAFETY: the band lies inside batch entry i of each operand (see the
+            // function's contract); bands of different parts write disjoint rows
+            // or columns of c.
+            unsafe {
+                if g.k == 0 {
+                    if !g.accumulate {
+                        for r in 0..m {
+                            std::ptr::write_bytes(pc.add(r * g.n), 0, n);
+                        }
+                    }
+                    continue;
+                }
+                gemm::gemm(
+                    m,
+                    n,
+                    g.k,
+                    pc,
+                    1,
+                    g.n as isize,
+                    g.accumulate,
+                    pa,
+                    a_cs as isize,
+                    a_rs as isize,
+                    pb,
+                    b_cs as isize,
+                    b_rs as isize,
+                    if g.accumulate { 1.0f32 } else { 0.0 },
+                    1.0f32,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::None,
+                );
+            }
+        }
+    };
+    pool.run_parts(parts, &part);
 }

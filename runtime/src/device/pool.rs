@@ -12,37 +12,51 @@ use std::ffi::c_void;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
-/// One launch: the entry, its argument array and the split of `[0, n)`.
+/// The work of one launch: a function of the part index.
+type Work<'a> = dyn Fn(usize) + Sync + 'a;
+
+/// One launch: the work and how many parts it has.
 #[derive(Clone, Copy)]
 struct Job {
-    f: EntryFn,
-    args: *const *mut c_void,
-    n: i64,
+    /// Points to the caller's closure; lifetime erased (see the `Send` impl).
+    work: *const Work<'static>,
     parts: usize,
 }
 
-// SAFETY: a `Job` is only read by workers while `Pool::run` blocks its caller,
-// which keeps the argument array and every buffer it points to alive and
-// unmoved; the ranges handed out are disjoint (see `Pool::run`).
+// SAFETY: a `Job` is only read by workers while `Pool::run_parts` blocks its
+// caller, which keeps the closure (and everything it borrows) alive and
+// unmoved; the closure is `Sync`, so calling it from several threads is sound.
 unsafe impl Send for Job {}
 
 impl Job {
-    /// The items of part `i`: `[n * i / parts, n * (i + 1) / parts)`.
-    fn range(&self, i: usize) -> (i64, i64) {
-        let (n, parts) = (self.n as i128, self.parts as i128);
-        let at = |i: usize| (n * i as i128 / parts) as i64;
-        (at(i), at(i + 1))
-    }
-
     /// # Safety
-    /// The invariants of [`Pool::run`] hold for this job.
+    /// The closure behind `work` is still alive.
     unsafe fn run_part(&self, i: usize) {
-        let (start, end) = self.range(i);
-        if start < end {
-            (self.f)(self.args, start, end);
-        }
+        (*self.work)(i);
     }
 }
+
+/// The items of part `i` of `[0, n)` split into `parts`: `[n·i/parts, n·(i+1)/parts)`.
+pub(crate) fn part_range(n: i64, parts: usize, i: usize) -> (i64, i64) {
+    let (n, parts) = (i128::from(n), parts as i128);
+    let at = |i: usize| (n * i as i128 / parts) as i64;
+    (at(i), at(i + 1))
+}
+
+/// A kernel's argument array, shareable with the workers of one launch.
+#[derive(Clone, Copy)]
+struct Args(*const *mut c_void);
+
+impl Args {
+    fn get(self) -> *const *mut c_void {
+        self.0
+    }
+}
+
+// SAFETY: only used inside `Pool::run`, whose contract keeps the array and the
+// buffers alive for the launch and makes the parts write disjoint elements.
+unsafe impl Sync for Args {}
+unsafe impl Send for Args {}
 
 struct State {
     /// Incremented per launch, so a worker never runs one launch twice.
@@ -115,11 +129,31 @@ impl Pool {
     /// disjoint item ranges; `args` and the buffers stay valid until return.
     pub(crate) unsafe fn run(&self, f: EntryFn, args: *const *mut c_void, n: i64, parts: usize) {
         let parts = parts.clamp(1, self.threads());
-        let job = Job { f, args, n, parts };
+        let args = Args(args);
+        let work = move |i: usize| {
+            let (start, end) = part_range(n, parts, i);
+            if start < end {
+                // SAFETY: the caller's contract: `args` is valid for the whole grid
+                // and disjoint ranges write disjoint elements.
+                unsafe { f(args.get(), start, end) };
+            }
+        };
+        self.run_parts(parts, &work);
+    }
+
+    /// Calls `work(i)` for every `i` in `0..parts` (clamped to
+    /// `1..=threads()`), part `i` on thread `i` (the caller runs part 0), and
+    /// returns when all are done.
+    pub(crate) fn run_parts(&self, parts: usize, work: &Work<'_>) {
+        let parts = parts.clamp(1, self.threads());
         if parts == 1 {
-            job.run_part(0);
+            work(0);
             return;
         }
+        // SAFETY (lifetime erasure): this function blocks until every worker has
+        // finished its part, so the closure outlives every use of the pointer.
+        let work: *const Work<'static> = unsafe { std::mem::transmute::<&Work<'_>, &Work<'static>>(work) };
+        let job = Job { work, parts };
         {
             let mut st = self.shared.lock();
             st.epoch += 1;
@@ -127,7 +161,8 @@ impl Pool {
             st.pending = parts - 1;
         }
         self.shared.wake.notify_all();
-        job.run_part(0);
+        // SAFETY: the closure is alive for the whole call.
+        unsafe { job.run_part(0) };
         let mut st = self.shared.lock();
         while st.pending > 0 {
             st = self.shared.done.wait(st).unwrap_or_else(|e| e.into_inner());
@@ -153,8 +188,8 @@ fn worker(shared: &Shared, index: usize) {
                 _ => continue,
             }
         };
-        // SAFETY: `Pool::run` blocks until this part is counted done, which
-        // keeps the job's invariants in force; part `index` is ours alone.
+        // SAFETY: `Pool::run_parts` blocks until this part is counted done,
+        // which keeps the closure alive; part `index` is ours alone.
         unsafe { job.run_part(index) };
         let mut st = shared.lock();
         st.pending -= 1;
@@ -169,7 +204,7 @@ impl Drop for Pool {
         self.shared.lock().shutdown = true;
         self.shared.wake.notify_all();
         for w in self.workers.drain(..) {
-            // A worker cannot panic outside the C call, which cannot unwind.
+            // A worker only panics if its closure does; the pool is going away anyway.
             let _ = w.join();
         }
     }

@@ -1,0 +1,377 @@
+//! Causal attention and its gradients as library GEMMs around small row
+//! kernels (MATH.md §1.3, §1.4; DESIGN.md §5 "heavy ops are kernels of their
+//! own").
+//!
+//! The operands are first copied to head-major rows `[B, H, T, dh]` (RoPE
+//! applied, key/value heads repeated per query head), so that every (b, h) is
+//! one contiguous matrix. Then, per (b, h):
+//!
+//! - forward: `S = Q·Kᵀ` (GEMM), a row kernel turns `S` into the causal
+//!   softmax `P` (scale, max, Σ exp, masked entries 0), `O = P·V` (GEMM), and
+//!   a kernel copies `O` back to `[B, T, H, dh]`;
+//! - backward: `S = Q·Kᵀ` and `dP = dO·Vᵀ` (GEMMs), one row kernel computes
+//!   the softmax statistics once and writes both `P` and
+//!   `dS = P ⊙ (dP − rowsum(P ⊙ dP)) · scale` (FlashAttention's form, the
+//!   row sum being `rowsum(dO ⊙ O)`), then `dQ = dS·K`, `dK = dSᵀ·Q`,
+//!   `dV = Pᵀ·dO` (GEMMs) for whichever of the three gradients are wanted;
+//!   the copies back sum the query heads of each key/value head and undo
+//!   RoPE (its VJP is the inverse rotation).
+//!
+//! The GEMMs compute the full T×T score matrices; the masked half is
+//! written as zeros so it contributes nothing.
+
+use ir::graph::{Graph, NodeId, Op};
+use ir::DType;
+
+use super::{ix, lit, maximum, Arg, EmitError, GemmCall, Kb, Lowering, Names, Temps, Work};
+use crate::kernel::{f64, i64, item, Access, Block, Buf, Expr, Ty};
+
+/// Sizes and options of one attention node: q [B, T, H, dh], k and v [B, T, Hkv, dh].
+#[derive(Debug, Clone, Copy)]
+struct Dims {
+    b: usize,
+    t: usize,
+    h: usize,
+    hkv: usize,
+    dh: usize,
+    scale: f64,
+    rope: Option<f64>,
+    dtype: DType,
+}
+
+impl Dims {
+    fn of(graph: &Graph, id: NodeId) -> Result<Dims, EmitError> {
+        let node = graph.node(id);
+        let (scale, rope) = match node.op {
+            Op::CausalAttention { scale, rope_base } | Op::CausalAttentionGrad { scale, rope_base, .. } => {
+                (scale, rope_base)
+            }
+            ref op => return Err(EmitError::at(id, op, "is not attention")),
+        };
+        let inputs = graph.inputs(id);
+        let (qd, kd) = (graph.node(inputs[0]).shape.dims(), graph.node(inputs[1]).shape.dims());
+        let d = Dims { b: qd[0], t: qd[1], h: qd[2], hkv: kd[2], dh: qd[3], scale, rope, dtype: node.dtype };
+        if d.rope.is_some() && d.dh % 2 == 1 {
+            return Err(EmitError::at(id, &node.op, format!("RoPE needs an even head dim, got {}", d.dh)));
+        }
+        Ok(d)
+    }
+
+    fn ty(&self) -> Ty {
+        Ty::of_storage(self.dtype)
+    }
+
+    /// Head-major rows (b, h, t).
+    fn rows(&self) -> usize {
+        self.b * self.h * self.t
+    }
+
+    /// Elements of one head-major operand.
+    fn mat(&self) -> usize {
+        self.rows() * self.dh
+    }
+
+    /// Elements of the score matrices of every (b, h).
+    fn scores(&self) -> usize {
+        self.rows() * self.t
+    }
+
+    fn half(&self) -> usize {
+        self.dh / 2
+    }
+
+    /// `S = x·yᵀ` per (b, h) (scores or dP).
+    fn scores_gemm(&self, x: Arg, y: Arg, out: Arg) -> Work {
+        let (t, dh) = (self.t, self.dh);
+        Work::Gemm(GemmCall {
+            a: x,
+            b: y,
+            c: out,
+            batch: self.b * self.h,
+            m: t,
+            n: t,
+            k: dh,
+            trans_a: false,
+            trans_b: true,
+            stride_a: t * dh,
+            stride_b: t * dh,
+            stride_c: t * t,
+        })
+    }
+
+    /// `out = op(s)·y` per (b, h), `op` transposing the score matrix when `trans`.
+    fn rows_gemm(&self, s: Arg, y: Arg, out: Arg, trans: bool) -> Work {
+        let (t, dh) = (self.t, self.dh);
+        Work::Gemm(GemmCall {
+            a: s,
+            b: y,
+            c: out,
+            batch: self.b * self.h,
+            m: t,
+            n: dh,
+            k: t,
+            trans_a: trans,
+            trans_b: false,
+            stride_a: t * t,
+            stride_b: t * dh,
+            stride_c: t * dh,
+        })
+    }
+}
+
+/// The RoPE table `[T, dh/2]` of (cos φ, sin φ), φ = t·base^(-2i/dh), computed
+/// in f64 and rounded once as the reference does (MATH.md §1.3).
+fn rope_table(
+    graph: &Graph,
+    d: &Dims,
+    base: f64,
+    name: &str,
+    out: Arg,
+    temps: &Temps,
+) -> Result<Work, EmitError> {
+    let half = d.half();
+    let mut kb = Kb::new(graph, &format!("{name}_rope"), d.t * half);
+    let cs = kb.temp("cs", out, temps, Access::Write);
+    let k = &mut kb.k;
+    let t = k.let_("t", item() / ix(half));
+    let i = k.let_("i", item() % ix(half));
+    let theta = k.let_("theta", f64(base).pow((f64(-2.0) * i.cast(Ty::F64)) / f64(d.dh as f64)));
+    let phi = k.let_("phi", t.cast(Ty::F64) * theta);
+    k.store(&cs, item() * i64(2), phi.clone().cos().cast(d.ty()));
+    k.store(&cs, item() * i64(2) + i64(1), phi.sin().cast(d.ty()));
+    kb.finish()
+}
+
+/// Copies one row of `dh` elements from `src` (at `from`) to `dst` (at `to`),
+/// rotated by the angles of position `pos` (`inverse`: by −φ) when `cs` is set.
+#[allow(clippy::too_many_arguments)]
+fn copy_row(
+    b: &mut Block,
+    names: &Names,
+    d: &Dims,
+    cs: Option<&Buf>,
+    load: &dyn Fn(Expr) -> Expr,
+    store: &dyn Fn(&mut Block, Expr, Expr),
+    pos: &Expr,
+    inverse: bool,
+) {
+    let Some(cs) = cs else {
+        b.for_(&names.fresh("e"), ix(0), ix(d.dh), |b, e| store(b, e.clone(), load(e)));
+        return;
+    };
+    let half = d.half();
+    b.for_(&names.fresh("j"), ix(0), ix(half), |b, j| {
+        let at = b.let_(&names.fresh("at"), (pos.clone() * ix(half) + j.clone()) * i64(2));
+        let c = b.let_(&names.fresh("c"), cs.at(at.clone()));
+        let s = b.let_(&names.fresh("s"), cs.at(at + i64(1)));
+        let x0 = b.let_(&names.fresh("x0"), load(j.clone()));
+        let x1 = b.let_(&names.fresh("x1"), load(j.clone() + ix(half)));
+        let (lo, hi) = if inverse {
+            (x0.clone() * c.clone() + x1.clone() * s.clone(), x1 * c - x0 * s)
+        } else {
+            (x0.clone() * c.clone() - x1.clone() * s.clone(), x0 * s + x1 * c)
+        };
+        store(b, j.clone(), lo);
+        store(b, j + ix(half), hi);
+    });
+}
+
+/// The head-major copies: `qp`, `kp` (rotated) and `vp` (key/value heads
+/// repeated per query head), and `dop` when the gradient's dO is given
+/// (input 3). Item = head-major row (b, h, t).
+#[allow(clippy::too_many_arguments)]
+fn prepare(
+    graph: &Graph,
+    id: NodeId,
+    d: &Dims,
+    name: &str,
+    temps: &Temps,
+    cs: Option<Arg>,
+    outs: [Arg; 3],
+    dop: Option<Arg>,
+) -> Result<Work, EmitError> {
+    let mut kb = Kb::new(graph, &format!("{name}_prep"), d.rows());
+    let inputs = graph.inputs(id);
+    let names = Names::default();
+    let (q, kk, v) =
+        (kb.r.read(&mut kb.k, inputs[0]), kb.r.read(&mut kb.k, inputs[1]), kb.r.read(&mut kb.k, inputs[2]));
+    let dout = dop.map(|_| kb.r.read(&mut kb.k, inputs[3]));
+    let cs = cs.map(|a| kb.temp("cs", a, temps, Access::Read));
+    let [qa, ka, va] = outs;
+    let qp = kb.temp("qp", qa, temps, Access::Write);
+    let kp = kb.temp("kp", ka, temps, Access::Write);
+    let vp = kb.temp("vp", va, temps, Access::Write);
+    let dp = dop.map(|a| kb.temp("dop", a, temps, Access::Write));
+    let k = &mut kb.k;
+    let bh = k.let_("bh", item() / ix(d.t));
+    let t = k.let_("t", item() % ix(d.t));
+    let bi = k.let_("bi", bh.clone() / ix(d.h));
+    let h = k.let_("h", bh % ix(d.h));
+    let g = k.let_("g", (h.clone() * ix(d.hkv)) / ix(d.h));
+    let qrow = k.let_("qrow", ((bi.clone() * ix(d.t) + t.clone()) * ix(d.h) + h) * ix(d.dh));
+    let krow = k.let_("krow", ((bi * ix(d.t) + t.clone()) * ix(d.hkv) + g) * ix(d.dh));
+    let dst = k.let_("dst", item() * ix(d.dh));
+    let to = |buf: &Buf| {
+        let (buf, dst) = (buf.clone(), dst.clone());
+        move |b: &mut Block, e: Expr, v: Expr| b.store(&buf, dst.clone() + e, v)
+    };
+    copy_row(k, &names, d, cs.as_ref(), &|e| q.load(qrow.clone() + e), &to(&qp), &t, false);
+    copy_row(k, &names, d, cs.as_ref(), &|e| kk.load(krow.clone() + e), &to(&kp), &t, false);
+    copy_row(k, &names, d, None, &|e| v.load(krow.clone() + e), &to(&vp), &t, false);
+    if let (Some(dout), Some(dp)) = (dout, dp) {
+        copy_row(k, &names, d, None, &|e| dout.load(qrow.clone() + e), &to(&dp), &t, false);
+    }
+    kb.finish()
+}
+
+/// The causal softmax of one score row in place (and, with `dp`, dS into `dp`
+/// in place): item = head-major row (b, h, t), keys t' ≤ t, the rest zeroed.
+fn softmax_rows(
+    graph: &Graph,
+    d: &Dims,
+    name: &str,
+    temps: &Temps,
+    s_arg: Arg,
+    dp_arg: Option<Arg>,
+) -> Result<Work, EmitError> {
+    let mut kb = Kb::new(graph, name, d.rows());
+    let s = kb.temp("s", s_arg, temps, Access::ReadWrite);
+    let dp = dp_arg.map(|a| kb.temp("dp", a, temps, Access::ReadWrite));
+    let ty = d.ty();
+    let k = &mut kb.k;
+    let t = k.let_("t", item() % ix(d.t));
+    let base = k.let_("base", item() * ix(d.t));
+    let end = k.let_("stop", t + i64(1));
+    let scale = lit(ty, d.scale);
+    let m = k.var("m", lit(ty, f64::NEG_INFINITY));
+    k.for_("j", ix(0), end.clone(), |b, j| {
+        let x = b.let_("x", s.at(base.clone() + j) * scale.clone());
+        b.assign(&m, maximum(m.clone(), x));
+    });
+    let total = k.var("total", lit(ty, 0.0));
+    k.for_("j", ix(0), end.clone(), |b, j| {
+        let e = b.let_("e", (s.at(base.clone() + j.clone()) * scale.clone() - m.clone()).exp());
+        b.store(&s, base.clone() + j, e.clone());
+        b.assign(&total, total.clone() + e);
+    });
+    let inv = k.let_("inv", lit(ty, 1.0) / total);
+    k.for_("j", ix(0), end.clone(), |b, j| {
+        b.store(&s, base.clone() + j.clone(), s.at(base.clone() + j) * inv.clone());
+    });
+    k.for_("j", end.clone(), ix(d.t), |b, j| b.store(&s, base.clone() + j, lit(ty, 0.0)));
+    if let Some(dp) = dp {
+        let centre = k.var("centre", lit(ty, 0.0));
+        k.for_("j", ix(0), end.clone(), |b, j| {
+            let at = base.clone() + j;
+            b.assign(&centre, centre.clone() + s.at(at.clone()) * dp.at(at));
+        });
+        k.for_("j", ix(0), end.clone(), |b, j| {
+            let at = b.let_("at", base.clone() + j);
+            let ds = s.at(at.clone()) * (dp.at(at.clone()) - centre.clone()) * scale.clone();
+            b.store(&dp, at, ds);
+        });
+        k.for_("j", end, ix(d.t), |b, j| b.store(&dp, base.clone() + j, lit(ty, 0.0)));
+    }
+    kb.finish()
+}
+
+/// Writes node `out` ([B, T, heads, dh]) from the head-major `src`: item =
+/// (b, t, head); `heads = Hkv` sums the query heads of each key/value head.
+/// Rotated back by the angles of t when `cs` is set.
+fn gather_back(
+    graph: &Graph,
+    out: NodeId,
+    d: &Dims,
+    name: &str,
+    temps: &Temps,
+    src_arg: Arg,
+    cs: Option<Arg>,
+) -> Result<Work, EmitError> {
+    let heads = graph.node(out).shape.dims()[2];
+    let mut kb = Kb::new(graph, name, d.b * d.t * heads);
+    let src = kb.temp("src", src_arg, temps, Access::Read);
+    let cs = cs.map(|a| kb.temp("cs", a, temps, Access::Read));
+    let o = kb.r.buffer(&mut kb.k, out, Access::Write);
+    let names = Names::default();
+    let ty = d.ty();
+    let k = &mut kb.k;
+    let bi = k.let_("bi", item() / ix(d.t * heads));
+    let t = k.let_("t", (item() / ix(heads)) % ix(d.t));
+    let g = k.let_("g", item() % ix(heads));
+    let dst = k.let_("dst", item() * ix(d.dh));
+    let row = |h: Expr| ((bi.clone() * ix(d.h) + h) * ix(d.t) + t.clone()) * ix(d.dh);
+    let store = |b: &mut Block, e: Expr, v: Expr| b.store(&o, dst.clone() + e, v);
+    if heads == d.h {
+        let from = k.let_("from", row(g));
+        copy_row(k, &names, d, cs.as_ref(), &|e| src.at(from.clone() + e), &store, &t, true);
+        return kb.finish();
+    }
+    // Sum the query heads h with g(h) = g (MATH.md §1.3) into a local row first.
+    let acc = k.local_array("acc", ty, d.dh);
+    k.for_("e", ix(0), ix(d.dh), |b, e| b.store(&acc, e, lit(ty, 0.0)));
+    k.for_("hh", ix(0), ix(d.h), |b, hh| {
+        b.if_(((hh.clone() * ix(d.hkv)) / ix(d.h)).eq_(g.clone()), |b| {
+            let from = b.let_("from", row(hh));
+            b.for_("e", ix(0), ix(d.dh), |b, e| {
+                b.store(&acc, e.clone(), acc.at(e.clone()) + src.at(from.clone() + e));
+            });
+        });
+    });
+    copy_row(k, &names, d, cs.as_ref(), &|e| acc.at(e), &store, &t, true);
+    kb.finish()
+}
+
+/// Causal attention forward (see the module docs).
+pub(super) fn attention(graph: &Graph, id: NodeId, name: &str) -> Result<Lowering, EmitError> {
+    let d = Dims::of(graph, id)?;
+    let mut temps = Temps::default();
+    let cs = d.rope.map(|_| temps.add(d.t * d.half() * 2, d.dtype));
+    let [qp, kp, vp, op] = [0; 4].map(|_| temps.add(d.mat(), d.dtype));
+    let s = temps.add(d.scores(), d.dtype);
+    let mut steps = Vec::new();
+    if let (Some(base), Some(cs)) = (d.rope, cs) {
+        steps.push(rope_table(graph, &d, base, name, cs, &temps)?);
+    }
+    steps.push(prepare(graph, id, &d, name, &temps, cs, [qp, kp, vp], None)?);
+    steps.push(d.scores_gemm(qp, kp, s));
+    steps.push(softmax_rows(graph, &d, &format!("{name}_softmax"), &temps, s, None)?);
+    steps.push(d.rows_gemm(s, vp, op, false));
+    steps.push(gather_back(graph, id, &d, &format!("{name}_out"), &temps, op, None)?);
+    Ok(Lowering { steps, temps: temps.0 })
+}
+
+/// The gradients of one attention w.r.t. q, k and v (`outs[wrt]`, the
+/// `CausalAttentionGrad` nodes sharing q, k, v and dO; at least one present),
+/// sharing the recomputed probabilities and the softmax statistics (see the
+/// module docs).
+pub fn attention_grads(graph: &Graph, outs: [Option<NodeId>; 3], name: &str) -> Result<Lowering, EmitError> {
+    let id = outs.iter().flatten().copied().next().ok_or_else(|| EmitError::Unsupported {
+        node: usize::MAX,
+        op: "causal_attention_grad",
+        message: "no gradient requested".into(),
+    })?;
+    let d = Dims::of(graph, id)?;
+    let mut temps = Temps::default();
+    let cs = d.rope.map(|_| temps.add(d.t * d.half() * 2, d.dtype));
+    let [qp, kp, vp, dop] = [0; 4].map(|_| temps.add(d.mat(), d.dtype));
+    let (s, dp) = (temps.add(d.scores(), d.dtype), temps.add(d.scores(), d.dtype));
+    let mut steps = Vec::new();
+    if let (Some(base), Some(cs)) = (d.rope, cs) {
+        steps.push(rope_table(graph, &d, base, name, cs, &temps)?);
+    }
+    steps.push(prepare(graph, id, &d, name, &temps, cs, [qp, kp, vp], Some(dop))?);
+    steps.push(d.scores_gemm(qp, kp, s));
+    steps.push(d.scores_gemm(dop, vp, dp));
+    steps.push(softmax_rows(graph, &d, &format!("{name}_softmax"), &temps, s, Some(dp))?);
+    // dQ = dS·K, dK = dSᵀ·Q, dV = Pᵀ·dO; RoPE undone for dQ and dK.
+    let plans = [(dp, kp, false, "dq", true), (dp, qp, true, "dk", true), (s, dop, true, "dv", false)];
+    for (wrt, out) in outs.iter().enumerate() {
+        let Some(out) = *out else { continue };
+        let (x, y, trans, label, rotated) = plans[wrt];
+        let grad = temps.add(d.mat(), d.dtype);
+        steps.push(d.rows_gemm(x, y, grad, trans));
+        let cs = if rotated { cs } else { None };
+        steps.push(gather_back(graph, out, &d, &format!("{name}_{label}"), &temps, grad, cs)?);
+    }
+    Ok(Lowering { steps, temps: temps.0 })
+}

@@ -1,0 +1,225 @@
+//! Running cargo on a generated package and installing its binary.
+
+use super::BuildError;
+use std::ffi::{OsStr, OsString};
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+/// Lines of cargo's output shown when a build fails.
+const TAIL_LINES: usize = 40;
+
+/// `cargo --version`, proving the program runs.
+pub fn version(cargo: &OsStr) -> Result<String, BuildError> {
+    let shown = || cargo.to_string_lossy().into_owned();
+    let out = Command::new(cargo)
+        .arg("--version")
+        .output()
+        .map_err(|source| BuildError::CargoNotFound { cargo: shown(), source })?;
+    if !out.status.success() {
+        let message =
+            format!("`{} --version` failed: {}", shown(), String::from_utf8_lossy(&out.stderr).trim());
+        return Err(BuildError::CargoNotFound { cargo: shown(), source: std::io::Error::other(message) });
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+/// What one cargo invocation did.
+struct Run {
+    success: bool,
+    status: String,
+    /// cargo's stderr (progress and rendered diagnostics), line by line.
+    stderr: Vec<String>,
+    /// The built executable, from cargo's JSON messages.
+    executable: Option<PathBuf>,
+}
+
+/// How to run cargo.
+pub struct Invocation<'a> {
+    pub cargo: &'a OsStr,
+    pub manifest: &'a Path,
+    /// `--target-dir`, unless the environment already chooses one.
+    pub target_dir: Option<&'a Path>,
+    /// Echo cargo's progress to stderr while building.
+    pub verbose: bool,
+}
+
+/// Builds the package in release mode, offline first (everything is usually
+/// in the local registry cache already, and an offline build never waits on
+/// the network), then online if the offline resolution was what failed.
+/// Returns the executable and whether the online retry was needed.
+pub fn build(inv: &Invocation) -> Result<(PathBuf, bool), BuildError> {
+    let offline = run(inv, true)?;
+    let (done, online) = if !offline.success && mentions_offline(&offline.stderr) {
+        (run(inv, false)?, true)
+    } else {
+        (offline, false)
+    };
+    if !done.success {
+        let start = done.stderr.len().saturating_sub(TAIL_LINES);
+        return Err(BuildError::CargoFailed {
+            manifest: inv.manifest.to_path_buf(),
+            status: done.status,
+            tail: done.stderr[start..].join("\n"),
+        });
+    }
+    let exe =
+        done.executable.ok_or_else(|| BuildError::NoExecutable { manifest: inv.manifest.to_path_buf() })?;
+    Ok((exe, online))
+}
+
+/// Whether a failed offline build failed for want of the network (cargo says
+/// "offline mode" or names `--offline` in those errors).
+fn mentions_offline(stderr: &[String]) -> bool {
+    stderr.iter().any(|l| l.contains("offline"))
+}
+
+fn run(inv: &Invocation, offline: bool) -> Result<Run, BuildError> {
+    let mut cmd = Command::new(inv.cargo);
+    cmd.arg("build").arg("--release").arg("--message-format=json-render-diagnostics");
+    cmd.arg("--manifest-path").arg(inv.manifest);
+    if offline {
+        cmd.arg("--offline");
+    }
+    if let Some(dir) = inv.target_dir {
+        cmd.arg("--target-dir").arg(dir);
+    }
+    let shown = || inv.cargo.to_string_lossy().into_owned();
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|source| BuildError::CargoNotFound { cargo: shown(), source })?;
+    let stderr = child.stderr.take().map(BufReader::new);
+    let verbose = inv.verbose;
+    // stderr is drained on its own thread so neither pipe can fill up and
+    // stall cargo while the other is read.
+    let collector = std::thread::spawn(move || {
+        let mut lines = Vec::new();
+        for line in stderr.into_iter().flat_map(|r| r.lines()).map_while(Result::ok) {
+            if verbose {
+                let mut err = std::io::stderr().lock();
+                // Echoing progress is best effort: a closed stderr must not fail the build.
+                let _ = writeln!(err, "{line}");
+            }
+            lines.push(line);
+        }
+        lines
+    });
+    let mut executable = None;
+    if let Some(stdout) = child.stdout.take() {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if let Some(exe) = artifact_executable(&line) {
+                executable = Some(exe);
+            }
+        }
+    }
+    let status = child.wait().map_err(|source| BuildError::CargoNotFound { cargo: shown(), source })?;
+    let stderr = collector.join().unwrap_or_default();
+    Ok(Run { success: status.success(), status: status.to_string(), stderr, executable })
+}
+
+/// The executable of a `compiler-artifact` message for a binary target.
+fn artifact_executable(line: &str) -> Option<PathBuf> {
+    let msg: serde_json::Value = serde_json::from_str(line).ok()?;
+    if msg.get("reason")?.as_str()? != "compiler-artifact" {
+        return None;
+    }
+    let is_bin = msg.get("target")?.get("kind")?.as_array()?.iter().any(|k| k.as_str() == Some("bin"));
+    is_bin.then(|| msg.get("executable")?.as_str().map(PathBuf::from)).flatten()
+}
+
+/// The cargo to run: `$CARGO` (set by cargo for the processes it starts), else
+/// `cargo` on the `PATH`.
+pub fn default_cargo() -> OsString {
+    std::env::var_os("CARGO").filter(|v| !v.is_empty()).unwrap_or_else(|| "cargo".into())
+}
+
+/// Whether the environment already picks cargo's target folder, in which case
+/// the build uses that one instead of the cache's.
+pub fn env_target_dir() -> bool {
+    ["CARGO_TARGET_DIR", "CARGO_BUILD_TARGET_DIR"]
+        .iter()
+        .any(|k| std::env::var_os(k).is_some_and(|v| !v.is_empty()))
+}
+
+/// A sibling of `output` to copy into before renaming over it, so a failed or
+/// interrupted copy never leaves a truncated binary at `output`.
+fn staging(output: &Path) -> PathBuf {
+    let name = output.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    output.with_file_name(format!(".{name}.widen-build-{}", std::process::id()))
+}
+
+/// Checks before building that `output` can be written: not a folder, its
+/// folder exists (created if missing) and accepts a new file.
+pub fn check_output(output: &Path) -> Result<(), BuildError> {
+    let err = |source| BuildError::Output { path: output.to_path_buf(), source };
+    if output.is_dir() {
+        return Err(err(std::io::Error::other("it is a folder; give the path of the binary to write")));
+    }
+    if output.file_name().is_none() {
+        return Err(err(std::io::Error::other("it names no file")));
+    }
+    if let Some(parent) = output.parent().filter(|p| !p.as_os_str().is_empty()) {
+        if let Some(file) = parent.ancestors().find(|a| a.is_file()) {
+            let what = format!("{} is a file, not a folder", file.display());
+            return Err(err(std::io::Error::other(what)));
+        }
+        std::fs::create_dir_all(parent).map_err(err)?;
+    }
+    let probe = staging(output);
+    std::fs::File::create(&probe).map_err(err)?;
+    std::fs::remove_file(&probe).map_err(err)
+}
+
+/// Copies the built binary to `output` (atomically replacing it).
+pub fn install(binary: &Path, output: &Path) -> Result<(), BuildError> {
+    let err = |source| BuildError::Output { path: output.to_path_buf(), source };
+    let tmp = staging(output);
+    let copied = std::fs::copy(binary, &tmp).and_then(|_| std::fs::rename(&tmp, output));
+    if copied.is_err() {
+        // Nothing useful is left in a partial copy.
+        let _ = std::fs::remove_file(&tmp);
+    }
+    copied.map_err(err)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn artifact_messages_name_the_binary_only() {
+        let bin = r#"{"reason":"compiler-artifact","target":{"kind":["bin"]},"executable":"/t/release/m"}"#;
+        let lib = r#"{"reason":"compiler-artifact","target":{"kind":["lib"]},"executable":null}"#;
+        let done = r#"{"reason":"build-finished","success":true}"#;
+        assert_eq!(artifact_executable(bin), Some(PathBuf::from("/t/release/m")));
+        assert_eq!(artifact_executable(lib), None);
+        assert_eq!(artifact_executable(done), None);
+        assert_eq!(artifact_executable("not json"), None);
+    }
+
+    #[test]
+    fn offline_failures_are_recognized() {
+        let lines = |s: &[&str]| s.iter().map(|l| l.to_string()).collect::<Vec<_>>();
+        assert!(mentions_offline(&lines(&[
+            "error: no matching package named `anyhow` found",
+            "As a reminder, you're using offline mode (--offline) which can sometimes cause surprising resolution failures",
+        ])));
+        assert!(!mentions_offline(&lines(&["error[E0425]: cannot find value `x` in this scope"])));
+    }
+
+    #[test]
+    fn an_output_inside_a_file_is_refused_before_building() {
+        let dir = std::env::temp_dir().join(format!("widen-build-output-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("file");
+        std::fs::write(&file, "x").unwrap();
+        assert!(matches!(check_output(&file.join("bin")), Err(BuildError::Output { .. })));
+        assert!(matches!(check_output(&dir), Err(BuildError::Output { .. })));
+        check_output(&dir.join("sub/bin")).unwrap();
+        assert!(dir.join("sub").is_dir() && !dir.join("sub/bin").exists());
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}

@@ -1,0 +1,261 @@
+//! Standalone trainers (`widen build SPEC -o PATH`, DESIGN.md §1, §7): a spec
+//! compiled into one executable that trains the model with no spec file and no
+//! `widen` command at run time.
+//!
+//! At build time the spec is lowered, differentiated and compiled into the
+//! Plan of one training step, exactly as `widen train --device cpu` does when
+//! it starts ([`package::compile_plan`]). A small cargo package is then
+//! generated ([`package::generate`]):
+//!
+//! - `src/plan.json`: the Plan (kernel IR, launch list, buffer plan), see
+//!   [`codec`];
+//! - `src/main.rs`: code generated with `quote`: the spec (RON) and the Plan as
+//!   constants, argument parsing (`--steps`, `--data`, `--out`, `--resume`,
+//!   `--device cpu|reference|cuda`), and a call into [`crate::train::train`]
+//!   with an executor over the embedded Plan;
+//! - `Cargo.toml`, depending on this workspace's `ir`, `codegen` and `runtime`
+//!   crates by path (the source folder this crate was compiled from), and the
+//!   workspace's `Cargo.lock`, so dependencies resolve offline and at the
+//!   versions `widen train` uses.
+//!
+//! [`build`] writes the package to `<cache>/build/<hash>` (`<cache>` is
+//! [`codegen::cc::default_cache_dir`]: `$WIDEN_CACHE_DIR`, else
+//! `~/.cache/widen`), runs `cargo build --release` on it with the shared
+//! target folder `<cache>/build/target` (so the runtime and its dependencies
+//! compile once for all specs), and copies the binary to the output path.
+//!
+//! The binary runs the same code path as `widen train`: it initializes the
+//! parameters from the spec's seed, samples the same batches and runs the same
+//! Plan on the same device, so its `metrics.jsonl` carries the same losses.
+//! Kernels are C compiled by the system C compiler when the Plan is loaded on
+//! the Cpu device (DESIGN.md §6), so `--device cpu` needs `cc` (or `CC`) at run
+//! time, as `widen train` does.
+
+mod cargo;
+pub mod codec;
+mod package;
+
+pub use package::{compile_plan, generate, widen_root, Package};
+
+use crate::executor::StepError;
+use ir::spec::{ModelSpec, ScheduleSpec};
+use std::ffi::OsString;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// Failures of [`build`].
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    #[error(transparent)]
+    Lower(#[from] ir::lower::LowerError),
+    #[error("compiling the training plan")]
+    Plan(#[from] StepError),
+    #[error(transparent)]
+    Codec(#[from] codec::CodecError),
+    #[error("the embedded plan does not read back as the compiled one")]
+    PlanRoundTrip,
+    #[error(
+        "the widen sources this program was compiled from are gone ({path} is missing); \
+         standalone binaries are built against them"
+    )]
+    SourceMissing { path: PathBuf },
+    #[error("the widen source folder {path} is not valid UTF-8, which Cargo.toml cannot name")]
+    SourcePath { path: PathBuf },
+    #[error(
+        "cannot run cargo (`{cargo}`); install Rust (https://rustup.rs) or set CARGO to the cargo program"
+    )]
+    CargoNotFound { cargo: String, source: std::io::Error },
+    #[error("cargo build of {manifest} failed ({status}); the end of its output:\n{tail}")]
+    CargoFailed { manifest: PathBuf, status: String, tail: String },
+    #[error("cargo built {manifest} but reported no executable")]
+    NoExecutable { manifest: PathBuf },
+    #[error("cannot write {path}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("cannot write the binary to {path}")]
+    Output { path: PathBuf, source: std::io::Error },
+}
+
+/// How [`build`] runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BuildOptions {
+    /// Cache root: packages go to `build/<hash>`, the shared target folder to
+    /// `build/target` (unless `CARGO_TARGET_DIR` chooses another).
+    pub cache_dir: PathBuf,
+    /// The cargo program.
+    pub cargo: OsString,
+    /// Echo cargo's progress while building.
+    pub verbose: bool,
+}
+
+impl BuildOptions {
+    /// [`codegen::cc::default_cache_dir`] and `$CARGO` or `cargo`.
+    pub fn from_env() -> BuildOptions {
+        BuildOptions {
+            cache_dir: codegen::cc::default_cache_dir(),
+            cargo: cargo::default_cargo(),
+            verbose: false,
+        }
+    }
+}
+
+/// What [`build`] produced.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Built {
+    /// The installed binary (the requested output path).
+    pub output: PathBuf,
+    /// The generated package.
+    pub package_dir: PathBuf,
+    /// The package's binary in cargo's target folder.
+    pub executable: PathBuf,
+    /// Kernels and launch steps of the embedded Plan.
+    pub kernels: usize,
+    pub steps: usize,
+    /// `cargo --version`.
+    pub cargo_version: String,
+    /// Whether the offline build failed and the online retry built it.
+    pub online: bool,
+    pub elapsed: Duration,
+}
+
+/// Compiles `spec` into a standalone trainer at `output` (see the module docs).
+pub fn build(spec: &ModelSpec, output: &Path, opts: &BuildOptions) -> Result<Built, BuildError> {
+    let started = Instant::now();
+    cargo::check_output(output)?;
+    let cargo_version = cargo::version(&opts.cargo)?;
+    let package = generate(spec)?;
+    let build_dir = opts.cache_dir.join("build");
+    let package_dir = build_dir.join(&package.hash);
+    write_package(&package, &package_dir)?;
+    let target = build_dir.join("target");
+    let manifest = package_dir.join("Cargo.toml");
+    let invocation = cargo::Invocation {
+        cargo: &opts.cargo,
+        manifest: &manifest,
+        target_dir: (!cargo::env_target_dir()).then_some(target.as_path()),
+        verbose: opts.verbose,
+    };
+    let (executable, online) = cargo::build(&invocation)?;
+    cargo::install(&executable, output)?;
+    Ok(Built {
+        output: output.to_path_buf(),
+        package_dir,
+        executable,
+        kernels: package.kernels,
+        steps: package.steps,
+        cargo_version,
+        online,
+        elapsed: started.elapsed(),
+    })
+}
+
+/// Writes the package unless its folder is already complete. The folder is
+/// named by the hash of its contents and `Cargo.toml` is written last, so an
+/// existing `Cargo.toml` means the same files are there; leaving them
+/// untouched keeps their timestamps, and cargo's rebuild check, unchanged.
+fn write_package(package: &Package, dir: &Path) -> Result<(), BuildError> {
+    let manifest = Path::new("Cargo.toml");
+    if dir.join(manifest).is_file() {
+        return Ok(());
+    }
+    let mut files: Vec<&(PathBuf, String)> = package.files.iter().filter(|(p, _)| p != manifest).collect();
+    files.extend(package.files.iter().filter(|(p, _)| p == manifest));
+    for (rel, text) in files {
+        let path = dir.join(rel);
+        let io = |source| BuildError::Io { path: path.clone(), source };
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent).map_err(io)?;
+        }
+        let text = if rel.extension().is_some_and(|e| e == "rs") { rustfmt(text) } else { text.clone() };
+        std::fs::write(&path, text).map_err(io)?;
+    }
+    Ok(())
+}
+
+/// `rustfmt`-formatted source for people reading the generated package;
+/// the unformatted source (one line from `quote`) compiles the same, so it is
+/// kept when `rustfmt` is not installed or fails.
+fn rustfmt(source: &str) -> String {
+    use std::io::Write;
+    use std::process::{Command, Stdio};
+    let child = Command::new("rustfmt")
+        .args(["--edition", "2021", "--emit", "stdout"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn();
+    let Ok(mut child) = child else { return source.to_string() };
+    let fed = child.stdin.take().is_some_and(|mut stdin| stdin.write_all(source.as_bytes()).is_ok());
+    match child.wait_with_output() {
+        Ok(out) if fed && out.status.success() && !out.stdout.is_empty() => {
+            String::from_utf8(out.stdout).unwrap_or_else(|_| source.to_string())
+        }
+        _ => source.to_string(),
+    }
+}
+
+/// How [`set_steps`] changed the warmup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WarmupRescale {
+    pub steps: usize,
+    pub planned: usize,
+    pub from: usize,
+    pub to: usize,
+}
+
+impl fmt::Display for WarmupRescale {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let WarmupRescale { steps, planned, from, to } = *self;
+        write!(
+            f,
+            "--steps {steps} is shorter than the spec's warmup of {from}; warmup scaled to {to} \
+             ({from} of the planned {planned} steps)"
+        )
+    }
+}
+
+/// Sets the run to `steps` optimizer steps. A warmup that would not end before
+/// the last step keeps its fraction of the planned run instead (so a short
+/// trial run of a spec still validates), with the rule `widen train --steps`
+/// applies, so a standalone run and a `widen train` run of the same length
+/// follow the same learning-rate schedule (MATH.md §8).
+pub fn set_steps(spec: &mut ModelSpec, steps: usize) -> Option<WarmupRescale> {
+    let planned = spec.train.steps;
+    spec.train.steps = steps;
+    let warmup = match &mut spec.train.schedule {
+        ScheduleSpec::Constant(c) => &mut c.warmup,
+        ScheduleSpec::Cosine(c) => &mut c.warmup,
+        ScheduleSpec::Wsd(w) => &mut w.warmup,
+    };
+    if *warmup < steps {
+        return None;
+    }
+    let from = *warmup;
+    *warmup = (from * steps / planned.max(1)).min(steps.saturating_sub(1));
+    Some(WarmupRescale { steps, planned, from, to: *warmup })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn short_runs_keep_the_warmup_fraction() {
+        let mut spec = ModelSpec::from_ron_str(
+            "Model(name: \"w\", vocab: 256, d_model: 16, layers: 1, heads: 2, \
+             train: (steps: 300, schedule: Cosine(warmup: 30)))",
+        )
+        .unwrap();
+        let mut long = spec.clone();
+        assert_eq!(set_steps(&mut long, 100), None, "warmup 30 < 100 steps stays");
+        assert_eq!(long.train.steps, 100);
+        let w = set_steps(&mut spec, 20).unwrap();
+        assert_eq!(w, WarmupRescale { steps: 20, planned: 300, from: 30, to: 2 });
+        assert_eq!(spec.train.steps, 20);
+        assert!(matches!(spec.train.schedule, ScheduleSpec::Cosine(ref c) if c.warmup == 2));
+        assert!(spec.validate().is_ok(), "the rescaled spec validates");
+        let mut one = long.clone();
+        let w = set_steps(&mut one, 1).unwrap();
+        assert_eq!(w.to, 0, "a one-step run has no warmup");
+    }
+}

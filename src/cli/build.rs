@@ -1,0 +1,43 @@
+//! `widen build SPEC -o PATH`: compiles a spec into a standalone executable
+//! that trains the model with no spec file and no `widen` command at run time
+//! (the generator is `runtime::standalone`).
+
+use anyhow::Context;
+use ir::spec::load_spec;
+use runtime::standalone::{build, BuildOptions};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Path to the RON spec.
+    pub spec: PathBuf,
+    /// Where to write the executable.
+    #[arg(short, long)]
+    pub output: PathBuf,
+    /// Show cargo's progress while the binary builds.
+    #[arg(short, long)]
+    pub verbose: bool,
+}
+
+pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    let spec = load_spec(&args.spec)?;
+    let opts = BuildOptions { verbose: args.verbose, ..BuildOptions::from_env() };
+    eprintln!(
+        "building a standalone trainer for {} (cargo build --release in {}; the first build compiles the runtime)",
+        spec.name,
+        opts.cache_dir.join("build").display()
+    );
+    let built = build(&spec, &args.output, &opts)
+        .with_context(|| format!("building {} into {}", args.spec.display(), args.output.display()))?;
+    let online = if built.online { ", dependencies fetched online" } else { "" };
+    eprintln!(
+        "built {} in {:.1} s: {} kernels, {} launch steps embedded{online}; package {}",
+        built.output.display(),
+        built.elapsed.as_secs_f64(),
+        built.kernels,
+        built.steps,
+        built.package_dir.display()
+    );
+    Ok(ExitCode::SUCCESS)
+}

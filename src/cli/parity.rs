@@ -1,0 +1,129 @@
+//! `widen parity SPEC... [--device cpu|cuda] [--steps N] [--json FILE]`: each
+//! spec on a compiled device against the reference executor, from the same
+//! initial parameters and batches (DESIGN.md §9.4, §9.6): the loss, the
+//! validation loss, the logits, every gradient and every parameter after N
+//! optimizer steps, each held to an f32 tolerance ([`runtime::parity`]).
+//!
+//! Prints one line per spec, then every check out of tolerance; exits
+//! non-zero when any spec fails or cannot be run. The backbone can be shrunk
+//! for all specs at once (`--d-model 32 --layers 1 --seq-len 8 --batch 2`);
+//! by default each spec runs as written. The JSON file is rewritten after
+//! every spec, so a run cut short still leaves the specs it finished.
+
+use super::bench::Backbone;
+use anyhow::Context;
+use ir::spec::load_spec;
+use runtime::device::cuda::{driver_available, CudaError};
+use runtime::executor::Device;
+use runtime::parity::{compare, Tolerances};
+use serde_json::json;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+/// The compiled devices parity is measured on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum CompiledDevice {
+    /// The fused Plan compiled to C, on every core.
+    Cpu,
+    /// The fused Plan compiled by NVRTC, on GPU 0.
+    Cuda,
+}
+
+impl From<CompiledDevice> for Device {
+    fn from(d: CompiledDevice) -> Device {
+        match d {
+            CompiledDevice::Cpu => Device::Cpu,
+            CompiledDevice::Cuda => Device::Cuda,
+        }
+    }
+}
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// RON specs to check.
+    #[arg(required = true)]
+    pub specs: Vec<PathBuf>,
+    /// The device compared against the reference executor.
+    #[arg(long, value_enum, default_value = "cpu")]
+    pub device: CompiledDevice,
+    /// Optimizer steps after which parameters are compared.
+    #[arg(long, default_value_t = 5)]
+    pub steps: usize,
+    /// Also write the results as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    #[command(flatten)]
+    pub backbone: Backbone,
+}
+
+pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    let device = Device::from(args.device);
+    // Every spec would fail alike: say it once.
+    if device == Device::Cuda && !driver_available() {
+        return Err(CudaError::NoCudaDriver.into());
+    }
+    let tol = Tolerances::FP32;
+    let mut results = Vec::new();
+    let mut failed = 0;
+    for path in &args.specs {
+        let record = match check(path, device, &args, tol) {
+            Ok(report) => {
+                println!("{report}");
+                for c in report.failures() {
+                    println!("  {} {}: {:.2e} > {:.0e}", c.quantity.key(), c.name, c.err, c.tol);
+                }
+                failed += usize::from(!report.passed());
+                json!({ "path": path.display().to_string(), "report": report.to_json() })
+            }
+            Err(err) => {
+                println!("{}: error: {err:#}", path.display());
+                failed += 1;
+                json!({ "path": path.display().to_string(), "error": format!("{err:#}") })
+            }
+        };
+        results.push(record);
+        if let Some(file) = &args.json {
+            write_json(file, device, &args, &results, failed)?;
+        }
+    }
+    println!(
+        "{} of {} specs within tolerance on {}",
+        args.specs.len() - failed,
+        args.specs.len(),
+        device.name()
+    );
+    Ok(if failed == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// Builds one spec (with the backbone overrides) on `device` and compares it.
+fn check(
+    path: &Path,
+    device: Device,
+    args: &Args,
+    tol: Tolerances,
+) -> anyhow::Result<runtime::parity::ParityReport> {
+    let mut spec = load_spec(path)?;
+    args.backbone.apply(&mut spec);
+    let lowered = ir::lower::lower(&spec, spec.train.batch, spec.train.seq_len)?;
+    let mut exec =
+        device.executor(lowered).with_context(|| format!("setting up the {} device", device.name()))?;
+    Ok(compare(&spec, exec.as_mut(), args.steps, tol)?)
+}
+
+fn write_json(
+    file: &Path,
+    device: Device,
+    args: &Args,
+    results: &[serde_json::Value],
+    failed: usize,
+) -> anyhow::Result<()> {
+    let doc = json!({
+        "device": device.name(),
+        "steps": args.steps,
+        "passed": failed == 0 && results.len() == args.specs.len(),
+        "failed": failed,
+        "specs": results,
+    });
+    std::fs::write(file, serde_json::to_string_pretty(&doc)? + "\n")
+        .with_context(|| format!("cannot write {}", file.display()))
+}

@@ -1,0 +1,145 @@
+//! `widen build SPEC -o PATH` as a user runs it: the standalone binary trains
+//! with no spec file around and writes the metrics `widen train` writes.
+
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+/// A fresh folder under cargo's scratch space for integration tests.
+fn workdir(tag: &str) -> PathBuf {
+    let dir =
+        Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("widen-build-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn spec_path() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/tiny.ron")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// `widen` with its kernel and build caches in `cache`.
+fn widen(cache: &Path) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_widen"));
+    cmd.env("WIDEN_CACHE_DIR", cache);
+    cmd
+}
+
+/// The per-step records of a run, without the wall-clock throughput.
+fn metrics(run: &Path) -> Vec<Value> {
+    let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    text.lines()
+        .map(|l| {
+            let mut v: Value = serde_json::from_str(l).unwrap();
+            v.as_object_mut().unwrap().remove("tokens_per_s").expect("every step records its throughput");
+            v
+        })
+        .collect()
+}
+
+/// Slow but always run: builds a release binary. Measured on 2 shared cores:
+/// about 2.5 minutes when cargo compiles the runtime and its dependencies in
+/// release mode for the first time, a few seconds after that. The build
+/// shares the workspace's target folder (`CARGO_TARGET_DIR`), so the compiled
+/// dependencies carry over between test runs and `cargo build --release`.
+#[test]
+fn slow_built_binary_trains_like_widen_train_without_the_spec() {
+    let dir = workdir("train");
+    let cache = dir.join("cache");
+    let target =
+        Path::new(env!("CARGO_TARGET_TMPDIR")).parent().expect("target/tmp is inside the target folder");
+    let bin = dir.join("out/tiny-bin");
+    let build = |output: &Path| {
+        let o = widen(&cache)
+            .env("CARGO_TARGET_DIR", target)
+            .arg("build")
+            .arg(spec_path())
+            .arg("-o")
+            .arg(output)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+        stderr(&o)
+    };
+    let first = build(&bin);
+    assert!(first.contains("kernels") && first.contains("launch steps"), "{first}");
+
+    // No spec anywhere near the binary: an empty working folder.
+    let empty = dir.join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    let run_bin = |args: &[&str]| {
+        let o = Command::new(&bin)
+            .current_dir(&empty)
+            .env("WIDEN_CACHE_DIR", &cache)
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+        o
+    };
+    let run_widen = |args: &[&str]| {
+        let o = widen(&cache).arg("train").arg(spec_path()).args(args).output().unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+    };
+    for (device, steps) in [("cpu", "3"), ("reference", "2")] {
+        let (a, b) = (dir.join(format!("bin-{device}")), dir.join(format!("widen-{device}")));
+        run_bin(&["--steps", steps, "--device", device, "--out", a.to_str().unwrap()]);
+        run_widen(&["--steps", steps, "--device", device, "--out", b.to_str().unwrap()]);
+        let (ours, theirs) = (metrics(&a), metrics(&b));
+        assert_eq!(ours.len(), steps.parse::<usize>().unwrap(), "one record per step on {device}");
+        assert!(ours.iter().all(|r| r["loss"].is_f64() && r["device"] == device), "{ours:?}");
+        // Same init, batches and Plan: loss, lr, gradient norm and validation loss bit for bit.
+        assert_eq!(ours, theirs, "{device}: the binary's metrics differ from widen train's");
+        assert!(a.join("final.safetensors").is_file());
+    }
+
+    let help = run_bin(&["--help"]);
+    let help = String::from_utf8_lossy(&help.stdout);
+    assert!(help.contains("`tiny`") && help.contains("--steps") && help.contains("tiny-bin"), "{help}");
+    let o = Command::new(&bin).current_dir(&empty).arg("--stepz").output().unwrap();
+    assert!(!o.status.success() && stderr(&o).contains("--stepz"), "{}", stderr(&o));
+
+    // A second build of the same spec reuses the generated package (the binary
+    // itself is relinked only if the widen sources changed in between).
+    let again = dir.join("out/tiny-bin-2");
+    build(&again);
+    assert!(again.is_file());
+    let packages = std::fs::read_dir(cache.join("build")).unwrap().count();
+    assert_eq!(packages, 1, "one package folder; the target folder is the workspace's");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn build_errors_say_what_to_fix() {
+    let dir = workdir("errors");
+    let cache = dir.join("cache");
+    let build = |cmd: &mut Command, output: &Path| {
+        let o =
+            cmd.env_remove("CARGO_TARGET_DIR").arg("build").arg(spec_path()).arg("-o").arg(output).output();
+        let o = o.unwrap();
+        assert!(!o.status.success());
+        stderr(&o)
+    };
+
+    // An output path whose folder is a file: refused before anything is built.
+    std::fs::write(dir.join("file"), "not a folder").unwrap();
+    let e = build(&mut widen(&cache), &dir.join("file/tiny-bin"));
+    assert!(e.contains("cannot write the binary to") && e.contains("file is a file, not a folder"), "{e}");
+    let e = build(&mut widen(&cache), &dir);
+    assert!(e.contains("is a folder"), "{e}");
+
+    // No cargo.
+    let e = build(widen(&cache).env("CARGO", dir.join("no-such-cargo")), &dir.join("a"));
+    assert!(e.contains("cannot run cargo") && e.contains("no-such-cargo"), "{e}");
+
+    // A failing cargo build shows the end of cargo's output (here rustc
+    // rejecting a flag, before anything compiles).
+    let e = build(widen(&cache).env("RUSTFLAGS", "--no-such-rustc-flag"), &dir.join("b"));
+    assert!(e.contains("cargo build of") && e.contains("no-such-rustc-flag"), "{e}");
+    assert!(!dir.join("b").exists(), "no binary after a failed build");
+    std::fs::remove_dir_all(dir).unwrap();
+}
