@@ -215,35 +215,54 @@ fn summed_gemm(graph: &Graph, id: NodeId, roles: &BTreeMap<NodeId, Vec<BufferRol
     Some(GemmForm { matmul: x, absorbed, shape })
 }
 
-/// What identifies the attention a `CausalAttentionGrad` differentiates: its
-/// inputs (q, k, v, dO), scale and RoPE base (as bits).
-type AttentionKey = (Vec<NodeId>, u64, Option<u64>);
+/// What identifies the op a gradient node differentiates (attention or
+/// temporal augmentation): its inputs and its attributes besides `wrt`.
+type GradKey = (Vec<NodeId>, String);
 
-/// The `CausalAttentionGrad` nodes among `nodes`, by the attention they differentiate.
-fn attention_grad_siblings(
-    graph: &Graph,
-    nodes: &HashSet<NodeId>,
-) -> HashMap<AttentionKey, [Option<NodeId>; 3]> {
-    let mut out: HashMap<AttentionKey, [Option<NodeId>; 3]> = HashMap::new();
+/// The key and the `wrt` slot of a gradient node whose siblings (the other
+/// `wrt` of the same op) share one lowering, and the number of slots.
+fn grad_key(graph: &Graph, id: NodeId) -> Option<(GradKey, usize, usize)> {
+    let inputs = graph.inputs(id);
+    let (attrs, wrt, slots) = match graph.node(id).op {
+        Op::CausalAttentionGrad { scale, rope_base, wrt } => {
+            (format!("attention {scale:?} {rope_base:?}"), wrt, 3)
+        }
+        Op::TemporalAugmentGrad { gram_schmidt, eps_rel, wrt } => {
+            (format!("temporal {gram_schmidt} {eps_rel:?}"), wrt, inputs.len() - 1)
+        }
+        _ => return None,
+    };
+    (wrt < slots).then_some(((inputs, attrs), wrt, slots))
+}
+
+/// The sibling gradient nodes among `nodes`, by the op they differentiate.
+fn grad_siblings(graph: &Graph, nodes: &HashSet<NodeId>) -> HashMap<GradKey, Vec<Option<NodeId>>> {
+    let mut out: HashMap<GradKey, Vec<Option<NodeId>>> = HashMap::new();
     for &id in nodes {
-        if let Op::CausalAttentionGrad { scale, rope_base, wrt } = graph.node(id).op {
-            if wrt < 3 {
-                let key = (graph.inputs(id), scale.to_bits(), rope_base.map(f64::to_bits));
-                out.entry(key).or_default()[wrt] = Some(id);
-            }
+        if let Some((key, wrt, slots)) = grad_key(graph, id) {
+            out.entry(key).or_insert_with(|| vec![None; slots])[wrt] = Some(id);
         }
     }
     out
 }
 
-/// The gradients lowered together with attention gradient `id` (itself included).
-fn attention_siblings(
+/// The gradient nodes lowered together (by `wrt`) and their lowering.
+type SiblingLowering = (Vec<Option<NodeId>>, emit::Lowering);
+
+/// Lowers gradient node `id` together with its siblings; `None` for other nodes.
+fn lower_siblings(
     graph: &Graph,
     id: NodeId,
-    siblings: &HashMap<AttentionKey, [Option<NodeId>; 3]>,
-) -> Option<[Option<NodeId>; 3]> {
-    let Op::CausalAttentionGrad { scale, rope_base, .. } = graph.node(id).op else { return None };
-    siblings.get(&(graph.inputs(id), scale.to_bits(), rope_base.map(f64::to_bits))).copied()
+    siblings: &HashMap<GradKey, Vec<Option<NodeId>>>,
+    name: &str,
+) -> Option<Result<SiblingLowering, emit::EmitError>> {
+    let (key, _, _) = grad_key(graph, id)?;
+    let outs = siblings.get(&key)?.clone();
+    let lowering = match graph.node(id).op {
+        Op::CausalAttentionGrad { .. } => emit::attention_grads(graph, [outs[0], outs[1], outs[2]], name),
+        _ => emit::temporal_grads(graph, &outs, name),
+    };
+    Some(lowering.map(|l| (outs, l)))
 }
 
 /// Strips `Reshape`s (which keep the flat layout) off a value.
@@ -529,8 +548,9 @@ pub fn compile(graph: &Graph, partition: &[Vec<NodeId>], request: &Request) -> R
         }
     }
     let mut copied_views: HashSet<NodeId> = HashSet::new();
-    // Attention gradients w.r.t. q, k and v of one attention share one lowering.
-    let siblings = attention_grad_siblings(graph, &own_grid);
+    // The gradients of one attention (or temporal augmentation) w.r.t. each of
+    // its operands share one lowering, which computes what they share once.
+    let siblings = grad_siblings(graph, &own_grid);
     let mut lowered_with_sibling: HashSet<NodeId> = HashSet::new();
     for unit in &units {
         match unit {
@@ -547,10 +567,11 @@ pub fn compile(graph: &Graph, partition: &[Vec<NodeId>], request: &Request) -> R
                     continue;
                 }
                 let name = b.kernel_name(graph.node(*id).op.name());
-                let lowering = match attention_siblings(graph, *id, &siblings) {
-                    Some(outs) => {
+                let lowering = match lower_siblings(graph, *id, &siblings, &name) {
+                    Some(lowered) => {
+                        let (outs, lowering) = lowered?;
                         lowered_with_sibling.extend(outs.iter().flatten().copied());
-                        emit::attention_grads(graph, outs, &name)?
+                        lowering
                     }
                     None => emit::lower_standalone(graph, *id, &name)?,
                 };

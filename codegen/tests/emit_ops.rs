@@ -300,3 +300,100 @@ fn fused_rms_norm_mul_add_chain_is_one_kernel() {
     assert_eq!(k.grid.items(), 6, "one item per token");
     assert_eq!(k.params.len(), 4, "x, w, gate in; y out: intermediates stay local");
 }
+
+/// Compiles `g` for both partitions, checks it against the reference, and
+/// returns the two Plans.
+fn both_partitions(g: &Graph, tol: f32, what: &str) -> [codegen::plan::Plan; 2] {
+    let request = Request::new(g, Vec::new());
+    let sources = Sources::random(g, &mut Rng::new(what.len() as u64), 1.0, &|_, n| vec![0; n]);
+    [
+        check(g, &sources, &request, &one_op_per_group(g), tol, &format!("{what} (one op per group)")),
+        check(g, &sources, &request, &one_group(g), tol, &format!("{what} (one group)")),
+    ]
+}
+
+fn gemms(plan: &codegen::plan::Plan) -> Vec<&codegen::plan::Gemm> {
+    plan.steps
+        .iter()
+        .filter_map(|s| match s {
+            codegen::plan::Step::Gemm(g) => Some(g),
+            _ => None,
+        })
+        .collect()
+}
+
+fn kernels_ending(plan: &codegen::plan::Plan, suffix: &str) -> usize {
+    plan.kernels.iter().filter(|k| k.name.ends_with(suffix)).count()
+}
+
+#[test]
+fn weight_gradient_is_one_gemm_over_every_token() {
+    let mut g = Graph::new();
+    let x = param(&mut g, "x", &[2, 3, 5, 4]);
+    let dy = param(&mut g, "dy", &[2, 3, 5, 6]);
+    let mm = add(&mut g, Op::MatMul { trans_a: true, trans_b: false }, &[x, dy]);
+    let s1 = add(&mut g, Op::Reduce { op: ReduceOp::Sum, axis: 0, keepdim: false }, &[mm]);
+    let s2 = add(&mut g, Op::Reduce { op: ReduceOp::Sum, axis: 0, keepdim: false }, &[s1]);
+    g.set_output("dw", s2);
+    for plan in both_partitions(&g, 1e-5, "weight gradient") {
+        assert!(plan.kernels.is_empty(), "no emitted loops: {:?}", plan.kernels.iter().map(|k| &k.name));
+        let [gemm] = gemms(&plan)[..] else { panic!("one GEMM, got {:?}", plan.steps) };
+        assert_eq!((gemm.batch, gemm.m, gemm.n, gemm.k, gemm.trans_a), (1, 4, 6, 30, true));
+    }
+}
+
+#[test]
+fn attention_gradients_share_one_lowering() {
+    for rope in [None, Some(10000.0)] {
+        let mut g = Graph::new();
+        let q = param(&mut g, "q", &[2, 6, 4, 4]);
+        let k = param(&mut g, "k", &[2, 6, 2, 4]);
+        let v = param(&mut g, "v", &[2, 6, 2, 4]);
+        let d = param(&mut g, "d", &[2, 6, 4, 4]);
+        for (wrt, name) in ["dq", "dk", "dv"].iter().enumerate() {
+            let op = Op::CausalAttentionGrad { scale: 0.5, rope_base: rope, wrt };
+            let grad = add(&mut g, op, &[q, k, v, d]);
+            g.set_output(name, grad);
+        }
+        for plan in both_partitions(&g, 1e-4, &format!("attention grads rope {rope:?}")) {
+            assert_eq!(kernels_ending(&plan, "_softmax"), 1, "the softmax statistics are computed once");
+            assert_eq!(kernels_ending(&plan, "_prep"), 1);
+            assert_eq!(gemms(&plan).len(), 5, "S, dP, dQ, dK, dV");
+        }
+    }
+}
+
+#[test]
+fn temporal_augment_gradients_share_one_sweep() {
+    let mut g = Graph::new();
+    let out = param(&mut g, "out", &[2, 6, 5]);
+    let w1 = param(&mut g, "w1", &[2, 5]);
+    let w2 = param(&mut g, "w2", &[4, 5]);
+    let dy = param(&mut g, "dy", &[2, 6, 2, 5]);
+    for (wrt, name) in ["dout", "dw1", "dw2"].iter().enumerate() {
+        let op = Op::TemporalAugmentGrad { gram_schmidt: true, eps_rel: 1e-3, wrt };
+        let grad = add(&mut g, op, &[out, w1, w2, dy]);
+        g.set_output(name, grad);
+    }
+    for plan in both_partitions(&g, 1e-4, "temporal augment grads") {
+        assert_eq!(kernels_ending(&plan, "_sweep"), 1, "one Gram–Schmidt reverse sweep per token");
+        assert_eq!(
+            kernels_ending(&plan, "_dout") + kernels_ending(&plan, "_dw1") + kernels_ending(&plan, "_dw2"),
+            3
+        );
+    }
+}
+
+#[test]
+fn norm_project_is_a_gemm_and_a_row_kernel() {
+    let mut g = Graph::new();
+    let x = param(&mut g, "x", &[2, 3, 12]);
+    let w = param(&mut g, "w", &[12, 5]);
+    let y = add(&mut g, Op::NormProject { eps: 1e-6, centered: 2 }, &[x, w]);
+    g.set_output("y", y);
+    for plan in both_partitions(&g, 1e-4, "norm_project gemm") {
+        let [gemm] = gemms(&plan)[..] else { panic!("one GEMM, got {:?}", plan.steps) };
+        assert_eq!((gemm.m, gemm.n, gemm.k), (6, 5, 12));
+        assert_eq!(kernels_ending(&plan, "_rows"), 1);
+    }
+}

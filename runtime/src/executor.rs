@@ -86,8 +86,9 @@ impl Device {
     /// Cuda executor compiles and loads its Plan here, so a machine without
     /// the CUDA driver gets [`crate::device::cuda::CudaError::NoCudaDriver`]
     /// now, before any work (and never the panic `cudarc` raises when it
-    /// cannot find `libcuda`).
-    pub fn executor(self, lowered: Lowered) -> Result<Box<dyn StepExecutor>, StepError> {
+    /// cannot find `libcuda`). Executors are `Send`, so several can be
+    /// built at once (Plan compilation dominates).
+    pub fn executor(self, lowered: Lowered) -> Result<Box<dyn StepExecutor + Send>, StepError> {
         Ok(match self {
             Device::Reference => Box::new(ReferenceExecutor::from_lowered(lowered)),
             Device::Cpu => Box::new(crate::device::executor::CpuExecutor::from_lowered(

@@ -283,6 +283,91 @@ fn gemm_strides_transposes_and_broadcast() {
     }
 }
 
+/// GEMMs large enough to be split over the threads, by batch entries, by
+/// row bands and by column bands (uneven parts with 3 threads), against a
+/// naive product, and bitwise equal to the single-threaded result.
+#[test]
+fn gemm_split_over_threads() {
+    let cache = TempCache::new("gemm-split");
+    // (batch, m, n, k): split by batch, by rows (m >= n), by columns (n > m).
+    for (batch, m, n, k) in [(4, 24, 24, 32), (1, 97, 40, 32), (1, 24, 101, 32)] {
+        for (trans_a, trans_b) in [(false, false), (true, true)] {
+            let buffers = vec![
+                decl(0, batch * m * k, DType::F32, input("a")),
+                decl(1, batch * k * n, DType::F32, input("b")),
+                decl(2, batch * m * n, DType::F32, output("c")),
+            ];
+            let step = Gemm {
+                a: BufferId(0),
+                b: BufferId(1),
+                c: BufferId(2),
+                batch,
+                m,
+                n,
+                k,
+                trans_a,
+                trans_b,
+                stride_a: m * k,
+                stride_b: k * n,
+                stride_c: m * n,
+                accumulate: false,
+            };
+            let (a, b) = (data(batch * m * k, 7, 1.0), data(batch * k * n, 8, 1.0));
+            let run = |threads: usize| {
+                let buffers = buffers.clone();
+                let plan =
+                    Plan { kernels: vec![], steps: vec![Step::Gemm(step.clone())], buffers, arena_len: 0 };
+                let mut dev = load(plan, &cache, threads);
+                dev.write_f32(BufferId(0), &a).unwrap();
+                dev.write_f32(BufferId(1), &b).unwrap();
+                dev.run().unwrap();
+                dev.read_f32(BufferId(2)).unwrap().to_vec()
+            };
+            let what = format!("{batch}x{m}x{n}x{k} ({trans_a}, {trans_b})");
+            let split = run(3);
+            let mut want = Vec::new();
+            for i in 0..batch {
+                let (ai, bi) = (&a[i * m * k..(i + 1) * m * k], &b[i * k * n..(i + 1) * k * n]);
+                want.extend(matmul(ai, bi, m, n, k, trans_a, trans_b));
+            }
+            assert_close(&split, &want, 1e-5, &what);
+            let one = run(1);
+            assert!(
+                one.iter().zip(&split).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{what}: 1 vs 3 threads"
+            );
+        }
+    }
+}
+
+/// The profile counts every step of every run under its label (kernel name
+/// without the ordinal, `gemm MxNxK`, `zero`) and is off by default.
+#[test]
+fn profile_counts_steps_by_label() {
+    let cache = TempCache::new("profile");
+    let mut dev = load(test_plan(), &cache, 2);
+    fill(&mut dev);
+    if std::env::var_os("WIDEN_PROFILE").is_none() {
+        assert!(dev.profile().is_none(), "profiling is off unless asked for");
+    }
+    dev.set_profiling(true);
+    dev.run().unwrap();
+    dev.run().unwrap();
+    dev.run_range(0..1).unwrap();
+    let p = dev.profile().expect("profiling is on");
+    assert_eq!(p.runs, 2, "a partial run is not a run");
+    let calls = |label: &str| p.rows.iter().find(|r| r.label == label).map(|r| r.calls);
+    assert_eq!(calls("scale_bias"), Some(3));
+    assert_eq!(calls("rmsnorm_block"), Some(2));
+    assert_eq!(calls("zero"), Some(2));
+    assert_eq!(calls(&format!("gemm {ROWS}x{F}x{D}")), Some(2));
+    assert_eq!(calls(&format!("gemm {D}x{F}x{ROWS}")), Some(4), "two steps share a label");
+    assert!(p.rows.windows(2).all(|w| w[0].seconds >= w[1].seconds), "slowest first");
+    assert!(p.to_string().contains("scale_bias"));
+    dev.set_profiling(false);
+    assert!(dev.profile().is_none());
+}
+
 #[test]
 fn unsound_plans_are_rejected_at_load() {
     let cache = TempCache::new("reject");

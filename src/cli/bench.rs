@@ -32,6 +32,8 @@ use runtime::params::ParamSet;
 use serde_json::json;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
 use std::time::Instant;
 
 #[derive(clap::Args)]
@@ -108,7 +110,7 @@ impl Backbone {
 
 /// A model's executor; the Cuda one is kept concrete for `--profile-kernels`.
 enum Exec {
-    Any(Box<dyn StepExecutor>),
+    Any(Box<dyn StepExecutor + Send>),
     Cuda(Box<CudaExecutor>),
 }
 
@@ -119,6 +121,29 @@ impl Exec {
             Exec::Cuda(e) => e.as_mut(),
         }
     }
+}
+
+/// `f` over every item on up to `workers` threads; the results in item order.
+pub fn parallel_map<T: Sync, R: Send>(
+    items: &[T],
+    workers: usize,
+    f: impl Fn(usize, &T) -> R + Sync,
+) -> Vec<R> {
+    let next = AtomicUsize::new(0);
+    let results: Mutex<Vec<Option<R>>> = Mutex::new(items.iter().map(|_| None).collect());
+    std::thread::scope(|scope| {
+        for _ in 0..workers.clamp(1, items.len().max(1)) {
+            scope.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(item) = items.get(i) else { break };
+                let r = f(i, item);
+                results.lock().unwrap_or_else(|e| e.into_inner())[i] = Some(r);
+            });
+        }
+    });
+    // Every index below `items.len()` was taken by exactly one worker, and a
+    // panicking worker re-raises its panic when the scope ends.
+    results.into_inner().unwrap_or_else(|e| e.into_inner()).into_iter().flatten().collect()
 }
 
 /// One model under measurement with its training state.
@@ -142,7 +167,6 @@ struct Model {
 
 impl Model {
     fn build(
-        name: &str,
         path: &Path,
         spec: ModelSpec,
         baseline: bool,
@@ -165,7 +189,7 @@ impl Model {
             Device::Reference => Exec::Any(device.executor(lowered)?),
         };
         Ok(Model {
-            name: name.into(),
+            name: spec.name.clone(),
             path: path.to_path_buf(),
             scheme: spec.residual.kind_name(),
             baseline,
@@ -222,20 +246,25 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         "--profile-kernels needs --device cuda (kernels are timed with CUDA events)"
     );
     let total_steps = args.warmup + args.steps;
-    let mut models = Vec::new();
+    let mut jobs = Vec::new();
     for path in &args.specs {
         let mut spec = load_spec(path)?;
         args.backbone.apply(&mut spec);
-        let name = spec.name.clone();
         let plain = !matches!(spec.residual, ResidualSpec::Residual);
         let baseline = spec.with_plain_residual();
-        let context = || format!("building {} for --device {}", path.display(), device.name());
-        models.push(Model::build(&name, path, spec, !plain, device, total_steps).with_context(context)?);
+        jobs.push((path, spec, !plain));
         if plain {
-            models
-                .push(Model::build(&name, path, baseline, true, device, total_steps).with_context(context)?);
+            jobs.push((path, baseline, true));
         }
     }
+    // Building is mostly Plan compilation (NVRTC or the C compiler), one
+    // model per core at a time.
+    let workers = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let built = parallel_map(&jobs, workers, |_, (path, spec, baseline)| {
+        Model::build(path, spec.clone(), *baseline, device, total_steps)
+            .with_context(|| format!("building {} for --device {}", path.display(), device.name()))
+    });
+    let mut models = built.into_iter().collect::<anyhow::Result<Vec<_>>>()?;
     for round in 0..total_steps {
         for m in &mut models {
             let ms = m.step().with_context(|| format!("{} ({}) step {}", m.name, m.scheme, round + 1))?;

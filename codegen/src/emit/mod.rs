@@ -25,7 +25,7 @@ mod item;
 mod standalone;
 
 pub use attention::attention_grads;
-pub use standalone::lower_standalone;
+pub use standalone::{lower_standalone, temporal_grads};
 
 use std::cell::Cell;
 use std::collections::{HashMap, HashSet};

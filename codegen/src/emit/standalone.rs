@@ -29,10 +29,15 @@ pub fn lower_standalone(graph: &Graph, id: NodeId, name: &str) -> Result<Lowerin
         Op::SoftmaxCrossEntropy => Ok(single(cross_entropy(graph, id, name)?)),
         Op::NormProject { eps, centered } => norm_project(graph, id, name, *eps, *centered),
         Op::TemporalAugment { gram_schmidt, eps_rel } => {
-            Ok(single(temporal(graph, id, name, *gram_schmidt, *eps_rel, None)?))
+            Ok(single(temporal(graph, id, name, *gram_schmidt, *eps_rel)?))
         }
-        Op::TemporalAugmentGrad { gram_schmidt, eps_rel, wrt } => {
-            Ok(single(temporal(graph, id, name, *gram_schmidt, *eps_rel, Some(*wrt))?))
+        Op::TemporalAugmentGrad { wrt, .. } => {
+            let mut outs = vec![None; graph.inputs(id).len() - 1];
+            match outs.get_mut(*wrt) {
+                Some(slot) => *slot = Some(id),
+                None => return Err(EmitError::at(id, &node.op, format!("no operand {wrt}"))),
+            }
+            temporal_grads(graph, &outs, name)
         }
         op => Err(EmitError::at(id, op, "is not lowered on a grid of its own")),
     }
@@ -359,132 +364,174 @@ fn gs_back(b: &mut Block, ta: &Ta, arr: &GsArrays, tok: &Expr, dy: &Val, dg: &Bu
     }
 }
 
-/// TemporalAugment (MATH.md §6.5) with one item per token, or its gradient
-/// (§6.8) w.r.t. `out` (one item per token, recomputing the Gram–Schmidt sweep
-/// of the κ_max tokens whose convolutions read it) or w.r.t. kernel j (one item
-/// per tap, summing over every token).
+/// TemporalAugment (MATH.md §6.5) with one item per token: the causal
+/// convolutions, then Gram–Schmidt against `out` and the earlier rows.
 fn temporal(
     graph: &Graph,
     id: NodeId,
     name: &str,
     gram_schmidt: bool,
     eps_rel: f64,
-    wrt: Option<usize>,
 ) -> Result<Launch, EmitError> {
     let inputs = graph.inputs(id);
     let xd = graph.node(inputs[0]).shape.dims();
     let (bsz, t, c) = (xd[0], xd[1], xd[2]);
-    let tokens = bsz * t;
-    let nk = if wrt.is_some() { inputs.len() - 2 } else { inputs.len() - 1 };
+    let rk = inputs.len() - 1;
     let ty = Ty::of_storage(graph.node(id).dtype);
-    let items = match wrt {
-        Some(j) if j > 0 => graph.node(inputs[j]).shape.dims()[0],
-        _ => tokens,
-    };
-    let mut k = KernelBuilder::new(name, grid(items));
+    let mut k = KernelBuilder::new(name, grid(bsz * t));
     let mut r = Reader::new(graph);
     let names = Names::default();
     let x = r.read(&mut k, inputs[0]);
     let ws: Vec<(Val, usize)> =
-        (1..=nk).map(|j| (r.read(&mut k, inputs[j]), graph.node(inputs[j]).shape.dims()[0])).collect();
-    let dy = wrt.map(|_| r.read(&mut k, inputs[nk + 1]));
+        (1..=rk).map(|j| (r.read(&mut k, inputs[j]), graph.node(inputs[j]).shape.dims()[0])).collect();
     let out = r.buffer(&mut k, id, Access::Write);
     let ta = Ta { names: &names, ty, x, ws, t, c, eps_rel };
-    let rk = nk;
-    let Some(wrt) = wrt else {
-        // Forward: convolutions, then Gram–Schmidt against out and earlier rows.
-        let y = k.local_array("y", ty, rk * c);
+    let y = k.local_array("y", ty, rk * c);
+    for j in 0..rk {
+        ta.conv(&mut k, j, &item(), &y, j * c);
+    }
+    if gram_schmidt {
+        let ob = k.let_("ob", item() * ix(c));
+        let guard = ta.guard(&mut k, &ob);
         for j in 0..rk {
-            ta.conv(&mut k, j, &item(), &y, j * c);
-        }
-        if gram_schmidt {
-            let ob = k.let_("ob", item() * ix(c));
-            let guard = ta.guard(&mut k, &ob);
-            for j in 0..rk {
-                for i in 0..=j {
-                    let v =
-                        |e: Expr| if i == 0 { ta.x.load(ob.clone() + e) } else { y.at(ix((i - 1) * c) + e) };
-                    let dd = ta.dot(&mut k, v, v);
-                    let den = k.let_(&names.fresh("den"), dd + guard.clone());
-                    let du = ta.dot(&mut k, |e| y.at(ix(j * c) + e), v);
-                    let cf = k.let_(&names.fresh("coef"), du / den);
-                    k.for_(&names.fresh("e"), ix(0), ix(c), |b, e| {
-                        let at = ix(j * c) + e.clone();
-                        b.store(&y, at.clone(), y.at(at) - cf.clone() * v(e));
-                    });
-                }
-            }
-        }
-        for j in 0..rk {
-            k.for_(&names.fresh("e"), ix(0), ix(c), |b, e| {
-                b.store(&out, (item() * ix(rk) + ix(j)) * ix(c) + e.clone(), y.at(ix(j * c) + e));
-            });
-        }
-        return finish(k, r);
-    };
-    let dy = dy.expect("gradient kernels read dY");
-    let arrays = gram_schmidt.then(|| GsArrays::new(&mut k, ty, rk, c));
-    let dg = k.local_array("dg", ty, rk * c);
-    let direct = (wrt == 0 && gram_schmidt).then(|| k.local_array("direct", ty, c));
-    // d g_j at token `tok` into dg (and d out's direct part into `direct`).
-    let token_dg = |b: &mut Block, tok: &Expr| match &arrays {
-        Some(arr) => gs_back(b, &ta, arr, tok, &dy, &dg, direct.as_ref()),
-        None => {
-            for j in 0..rk {
-                b.for_(&names.fresh("e"), ix(0), ix(c), |b, e| {
-                    b.store(&dg, ix(j * c) + e.clone(), dy.load((tok.clone() * ix(rk) + ix(j)) * ix(c) + e));
+            for i in 0..=j {
+                let v = |e: Expr| if i == 0 { ta.x.load(ob.clone() + e) } else { y.at(ix((i - 1) * c) + e) };
+                let dd = ta.dot(&mut k, v, v);
+                let den = k.let_(&names.fresh("den"), dd + guard.clone());
+                let du = ta.dot(&mut k, |e| y.at(ix(j * c) + e), v);
+                let cf = k.let_(&names.fresh("coef"), du / den);
+                k.for_(&names.fresh("e"), ix(0), ix(c), |b, e| {
+                    let at = ix(j * c) + e.clone();
+                    b.store(&y, at.clone(), y.at(at) - cf.clone() * v(e));
                 });
             }
         }
-    };
-    let acc = k.local_array("acc", ty, c);
-    k.for_("e", ix(0), ix(c), |b, e| b.store(&acc, e, ta.lit(0.0)));
-    if wrt == 0 {
-        let tt = k.let_("tt", item() % ix(t));
-        let kmax = ta.ws.iter().map(|w| w.1).max().unwrap_or(1);
-        let all = k.local_array("dgall", ty, kmax * rk * c);
-        // Offsets whose source token t + i exists; the i = 0 pass also gives the direct part.
-        let reach = k.let_("reach", select((ix(t) - tt.clone()).lt(ix(kmax)), ix(t) - tt, ix(kmax)));
-        k.for_("off", ix(0), reach.clone(), |b, off| {
-            let tok = b.let_("src", item() + off.clone());
-            token_dg(b, &tok);
-            b.for_("e", ix(0), ix(rk * c), |b, e| {
-                b.store(&all, off.clone() * ix(rk * c) + e.clone(), dg.at(e));
-            });
-            if let Some(direct) = &direct {
-                b.if_(off.eq_(i64(0)), |b| {
-                    b.for_("e", ix(0), ix(c), |b, e| b.store(&acc, e.clone(), direct.at(e)));
-                });
-            }
+    }
+    for j in 0..rk {
+        k.for_(&names.fresh("e"), ix(0), ix(c), |b, e| {
+            b.store(&out, (item() * ix(rk) + ix(j)) * ix(c) + e.clone(), y.at(ix(j * c) + e));
         });
-        for j in 0..rk {
-            let kappa = ta.ws[j].1;
-            let w = ta.ws[j].0.clone();
-            let end = select(reach.clone().lt(ix(kappa)), reach.clone(), ix(kappa));
-            k.for_(&names.fresh("i"), ix(0), end, |b, i| {
-                b.for_("e", ix(0), ix(c), |b, e| {
-                    let g = all.at(i.clone() * ix(rk * c) + ix(j * c) + e.clone());
-                    let add = w.load(i.clone() * ix(c) + e.clone()) * g;
-                    b.store(&acc, e.clone(), acc.at(e) + add);
-                });
-            });
-        }
-        k.for_("e", ix(0), ix(c), |b, e| b.store(&out, item() * ix(c) + e.clone(), acc.at(e)));
-    } else {
-        let j = wrt - 1;
-        // Item = tap i of kernel j: Σ over tokens with t ≥ i of d g_j[tok] ⊙ out[tok − i].
-        k.for_("tok", ix(0), ix(tokens), |b, tok| {
-            let tt = tok.clone() % ix(t);
-            b.if_(tt.ge(item()), |b| {
-                token_dg(b, &tok);
-                b.for_("e", ix(0), ix(c), |b, e| {
-                    let add =
-                        dg.at(ix(j * c) + e.clone()) * ta.x.load((tok.clone() - item()) * ix(c) + e.clone());
-                    b.store(&acc, e.clone(), acc.at(e) + add);
-                });
-            });
-        });
-        k.for_("e", ix(0), ix(c), |b, e| b.store(&out, item() * ix(c) + e.clone(), acc.at(e)));
     }
     finish(k, r)
+}
+
+/// The gradients of one TemporalAugment (MATH.md §6.8) w.r.t. `out`
+/// (`outs[0]`) and the kernels (`outs[j]`), whichever are present: the
+/// TemporalAugmentGrad nodes sharing their inputs. With Gram–Schmidt, a first
+/// kernel runs each token's reverse sweep once (one item per token) into
+/// d g `[tokens, r, C]` and d out's direct part `[tokens, C]`; without it d g
+/// is dY itself. Then d out (one item per token) adds the transposed
+/// convolutions, and d w_j (one item per (tap, channel)) sums over tokens.
+pub fn temporal_grads(graph: &Graph, outs: &[Option<NodeId>], name: &str) -> Result<Lowering, EmitError> {
+    let id = outs.iter().flatten().copied().next().ok_or_else(|| EmitError::Unsupported {
+        node: usize::MAX,
+        op: "temporal_augment_grad",
+        message: "no gradient requested".into(),
+    })?;
+    let Op::TemporalAugmentGrad { gram_schmidt, eps_rel, .. } = graph.node(id).op else {
+        return Err(EmitError::at(id, &graph.node(id).op, "is not a temporal augmentation gradient"));
+    };
+    let inputs = graph.inputs(id);
+    let xd = graph.node(inputs[0]).shape.dims();
+    let (bsz, t, c) = (xd[0], xd[1], xd[2]);
+    let tokens = bsz * t;
+    let rk = inputs.len() - 2;
+    let dtype = graph.node(id).dtype;
+    let ty = Ty::of_storage(dtype);
+    let kappa: Vec<usize> = (1..=rk).map(|j| graph.node(inputs[j]).shape.dims()[0]).collect();
+    let mut temps = Temps::default();
+    let mut steps = Vec::new();
+    // Reads d g_j[tok][e] (at (tok·r + j)·C + e) and, with Gram–Schmidt, the direct part.
+    let setup = |kb: &mut Kb| {
+        let names = Names::default();
+        let x = kb.r.read(&mut kb.k, inputs[0]);
+        let ws: Vec<(Val, usize)> =
+            (1..=rk).map(|j| (kb.r.read(&mut kb.k, inputs[j]), kappa[j - 1])).collect();
+        (names, x, ws)
+    };
+    let stored = if gram_schmidt {
+        let dg = temps.add(tokens * rk * c, dtype);
+        let direct = temps.add(tokens * c, dtype);
+        let mut kb = Kb::new(graph, &format!("{name}_sweep"), tokens);
+        let (names, x, ws) = setup(&mut kb);
+        let dy = kb.r.read(&mut kb.k, inputs[rk + 1]);
+        let dgb = kb.temp("dg", dg, &temps, Access::Write);
+        let db = kb.temp("direct", direct, &temps, Access::Write);
+        let ta = Ta { names: &names, ty, x, ws, t, c, eps_rel };
+        let arr = GsArrays::new(&mut kb.k, ty, rk, c);
+        let row = kb.k.local_array("dgrow", ty, rk * c);
+        let dir = kb.k.local_array("dir", ty, c);
+        gs_back(&mut kb.k, &ta, &arr, &item(), &dy, &row, Some(&dir));
+        kb.k.for_("e", ix(0), ix(rk * c), |b, e| b.store(&dgb, item() * ix(rk * c) + e.clone(), row.at(e)));
+        kb.k.for_("e", ix(0), ix(c), |b, e| b.store(&db, item() * ix(c) + e.clone(), dir.at(e)));
+        steps.push(kb.finish()?);
+        Some((dg, direct))
+    } else {
+        None
+    };
+    // d g and the direct part as a kernel reads them.
+    let reads = |kb: &mut Kb| -> (Val, Option<Buf>) {
+        match stored {
+            Some((dg, direct)) => {
+                let dg = Val::Buffer(kb.temp("dg", dg, &temps, Access::Read));
+                (dg, Some(kb.temp("direct", direct, &temps, Access::Read)))
+            }
+            None => (kb.r.read(&mut kb.k, inputs[rk + 1]), None),
+        }
+    };
+    if let Some(out) = outs.first().copied().flatten() {
+        let mut kb = Kb::new(graph, &format!("{name}_dout"), tokens);
+        let (names, _, ws) = setup(&mut kb);
+        let (dg, direct) = reads(&mut kb);
+        let o = kb.r.buffer(&mut kb.k, out, Access::Write);
+        let k = &mut kb.k;
+        let tt = k.let_("tt", item() % ix(t));
+        let kmax = kappa.iter().copied().max().unwrap_or(1);
+        // Source tokens t + i of the same sequence.
+        let reach = k.let_("reach", select((ix(t) - tt.clone()).lt(ix(kmax)), ix(t) - tt, ix(kmax)));
+        let acc = k.local_array("acc", ty, c);
+        k.for_("e", ix(0), ix(c), |b, e| {
+            let v = match &direct {
+                Some(d) => d.at(item() * ix(c) + e.clone()),
+                None => lit(ty, 0.0),
+            };
+            b.store(&acc, e, v);
+        });
+        for (j, (w, kj)) in ws.iter().enumerate() {
+            let end = select(reach.clone().lt(ix(*kj)), reach.clone(), ix(*kj));
+            k.for_(&names.fresh("i"), ix(0), end, |b, i| {
+                let src = b.let_(&names.fresh("src"), ((item() + i.clone()) * ix(rk) + ix(j)) * ix(c));
+                b.for_("e", ix(0), ix(c), |b, e| {
+                    let add = w.load(i.clone() * ix(c) + e.clone()) * dg.load(src.clone() + e.clone());
+                    b.store(&acc, e.clone(), acc.at(e) + add);
+                });
+            });
+        }
+        k.for_("e", ix(0), ix(c), |b, e| b.store(&o, item() * ix(c) + e.clone(), acc.at(e)));
+        steps.push(kb.finish()?);
+    }
+    for (j, out) in outs.iter().enumerate().skip(1) {
+        let Some(out) = *out else { continue };
+        let kj = kappa[j - 1];
+        let mut kb = Kb::new(graph, &format!("{name}_dw{j}"), kj * c);
+        let (names, x, _) = setup(&mut kb);
+        let (dg, _) = reads(&mut kb);
+        let o = kb.r.buffer(&mut kb.k, out, Access::Write);
+        let k = &mut kb.k;
+        let tap = k.let_("tap", item() / ix(c));
+        let e = k.let_("e", item() % ix(c));
+        // Σ over tokens with t ≥ tap of d g_j[tok] ⊙ out[tok − tap], in token order.
+        let acc = k.var("acc", lit(ty, 0.0));
+        k.for_("bi", ix(0), ix(bsz), |b, bi| {
+            b.for_("tt", tap.clone(), ix(t), |b, tt| {
+                let tok = b.let_(&names.fresh("tok"), bi.clone() * ix(t) + tt);
+                let g = dg.load((tok.clone() * ix(rk) + ix(j - 1)) * ix(c) + e.clone());
+                let v = x.load((tok - tap.clone()) * ix(c) + e.clone());
+                b.assign(&acc, acc.clone() + g * v);
+            });
+        });
+        k.store(&o, item(), acc);
+        steps.push(kb.finish()?);
+    }
+    Ok(Lowering { steps, temps: temps.0 })
 }

@@ -692,7 +692,13 @@ unsafe fn run_gemm(g: &Gemm, ptrs: &[*mut c_void], pool: &Pool) {
     let (b_rs, b_cs) = if g.trans_b { (1, g.k) } else { (g.n, 1) };
     let by_batch = g.batch >= threads;
     let by_rows = g.m >= g.n;
-    let count = if by_batch { g.batch } else if by_rows { g.m } else { g.n };
+    let count = if by_batch {
+        g.batch
+    } else if by_rows {
+        g.m
+    } else {
+        g.n
+    };
     let parts = threads.min(count.max(1));
     let part = |p: usize| {
         let (lo, hi) = super::pool::part_range(count as i64, parts, p);
