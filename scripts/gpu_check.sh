@@ -22,19 +22,22 @@
 #              (thread-per-item and block-per-item kernels, arena scratch,
 #              constants, zero steps, every GEMM layout incl. broadcast and
 #              accumulate) against an f64 host reference, per-step profiling,
-#              and the device-to-device copy bandwidth.              (60 s)
+#              and the device-to-device copy bandwidth.              (40 s)
 #   parity     `widen parity specs/*.ron --device cuda`: every spec as
 #              written, CUDA vs the reference executor from the same
 #              parameters and batches: loss, validation loss, logits, every
 #              gradient, every parameter after 5 optimizer steps, each
-#              against its fp32 tolerance.                           (100 s)
+#              against its fp32 tolerance. Specs run in parallel (Plan
+#              compilation by NVRTC dominates).                       (80 s)
 #   bench      `widen bench --device cuda` on a GPT-2-small backbone (D=768,
 #              L=12, 12 heads, T=1024, B=8) for residual, mhc, vwn-r4, xhc,
 #              each against its plain-residual baseline (bench pairs them
 #              itself); the same run then profiles every Plan step
 #              (--profile-kernels): per fused kernel, achieved bytes/s
 #              against the measured copy bandwidth, connection kernels
-#              flagged and summed.                                   (150 s)
+#              flagged and summed. The 7 models build in parallel (NVRTC:
+#              about a minute for xHC's 1400 kernels), then 1 warmup and 5
+#              timed steps each.                                     (170 s)
 #
 # Files under $OUT (at most 8): summary.json, env.txt, cuda_device.log,
 # parity.json, bench.json, kernels.json, gpu_check.log.
@@ -122,7 +125,7 @@ outcome() {
 # ---------------------------------------------------------------- device
 if [[ -x "$BIN/cuda_device" ]]; then
     log "device: $BIN/cuda_device"
-    timeout 60 "$BIN/cuda_device" --test-threads=1 > "$OUT/cuda_device.log" 2>&1
+    timeout 40 "$BIN/cuda_device" --test-threads=1 > "$OUT/cuda_device.log" 2>&1
     status_device=$(outcome $? passed)
     tail -n 5 "$OUT/cuda_device.log" | tee -a "$LOG"
     # Without a driver the gpu_* tests pass vacuously; make that visible.
@@ -137,7 +140,7 @@ if [[ -x "$WIDEN" ]]; then
     # Exits non-zero when any spec is out of tolerance or cannot run;
     # parity.json is rewritten after every spec, so a timeout keeps the rest.
     log "parity: every spec in specs/"
-    timeout 100 "$WIDEN" parity specs/*.ron --device cuda --steps 5 --json "$OUT/parity.json" 2>&1 \
+    timeout 80 "$WIDEN" parity specs/*.ron --device cuda --steps 5 --json "$OUT/parity.json" 2>&1 \
         | tee -a "$LOG"
     status_parity=$(outcome "${PIPESTATUS[0]}" passed)
 
@@ -145,7 +148,7 @@ if [[ -x "$WIDEN" ]]; then
     GPT2=(--d-model 768 --layers 12 --heads 12 --seq-len 1024 --batch 8)
     BENCH_SPECS=(specs/residual.ron specs/mhc.ron specs/vwn-r4.ron specs/xhc.ron)
     log "bench: ${BENCH_SPECS[*]} at ${GPT2[*]}, then per-kernel bandwidth"
-    timeout 150 "$WIDEN" bench "${BENCH_SPECS[@]}" --device cuda "${GPT2[@]}" --steps 5 --warmup 2 \
+    timeout 170 "$WIDEN" bench "${BENCH_SPECS[@]}" --device cuda "${GPT2[@]}" --steps 5 --warmup 1 \
         --json "$OUT/bench.json" --profile-kernels "$OUT/kernels.json" 2>&1 | tee -a "$LOG"
     code=${PIPESTATUS[0]}
     # bench.json is written before profiling starts: each file has its own status.

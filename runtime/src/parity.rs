@@ -322,3 +322,45 @@ pub fn compare(
         checks,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_are_relative_to_the_largest_reference_magnitude() {
+        assert_eq!(max_abs_diff(&[1.0, -2.0], &[1.5, -2.0]), 0.5);
+        assert_eq!(rel_err(&[1.0, -2.0], &[1.5, -4.0]), 0.5);
+        assert_eq!(rel_err(&[0.0, 0.0], &[0.0, 0.0]), 0.0);
+    }
+
+    #[test]
+    fn a_nan_anywhere_fails_the_check() {
+        for got in [[f32::NAN, 1.0], [1.0, f32::NAN]] {
+            let err = rel_err(&got, &[1.0, 1.0]);
+            assert!(err.is_nan());
+            let c = Check { quantity: Quantity::Grad, name: "w".into(), err, tol: 1.0 };
+            assert!(!c.passed());
+        }
+    }
+
+    #[test]
+    fn the_worst_check_counts_nan_as_largest() {
+        let check = |name: &str, err| Check { quantity: Quantity::Grad, name: name.into(), err, tol: 1e-4 };
+        let report = ParityReport {
+            spec: "s".into(),
+            device: "cpu",
+            steps: 0,
+            loss: 1.0,
+            reference_loss: 1.0,
+            lr: 1e-3,
+            tolerances: Tolerances::FP32,
+            checks: vec![check("a", 1e-6), check("b", f64::NAN), check("c", 1e-2)],
+        };
+        assert_eq!(report.worst(Quantity::Grad).map(|c| c.name.as_str()), Some("b"));
+        let failed: Vec<_> = report.failures().map(|c| c.name.as_str()).collect();
+        assert_eq!(failed, ["b", "c"]);
+        assert!(!report.passed());
+        assert_eq!(report.to_json()["grads"].as_array().map(Vec::len), Some(3));
+    }
+}
