@@ -2,13 +2,11 @@
 //! Virtual Width Network (MATH.md §5, m = 4 segments, n = 16 slots, so r = 4)
 //! with one MTP module (MATH.md §7). The attributes are checked at compile time
 //! by the same validation as a RON spec; this program prints the spec as RON,
-//! lowers it and trains it for a few steps on the reference executor.
+//! lowers it and trains it for a few steps on the Cpu device (`Tiny::train`).
 //!
 //! Run with `cargo run --release --example derive_tiny`.
 
-use widen::runtime::executor::Device;
-use widen::runtime::train::{train_spec, Progress, TrainOptions};
-use widen::VirtualWidth;
+use widen::{Device, Train, VirtualWidth};
 
 #[derive(VirtualWidth)]
 #[widen(name = "derive-tiny", vocab = 256, d_model = 64, layers = 2, heads = 4)]
@@ -29,8 +27,7 @@ fn main() -> anyhow::Result<()> {
     );
 
     let out_dir = std::env::temp_dir().join(format!("widen-derive-tiny-{}", std::process::id()));
-    let opts = TrainOptions { out_dir: out_dir.clone(), resume: None, progress: Progress::Silent };
-    let report = train_spec(&spec, Device::Reference, &opts)?;
+    let report = Tiny::train(Device::Cpu, &out_dir)?;
     for (step, loss) in report.losses.iter().enumerate() {
         println!("step {:>2}: loss {loss:.4}", step + 1);
     }

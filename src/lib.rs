@@ -33,3 +33,28 @@ pub use runtime;
 pub use ir::spec::VirtualWidth;
 /// The derive, in the macro namespace under the trait's name (as serde does).
 pub use macros::VirtualWidth;
+
+pub use runtime::executor::Device;
+
+/// Training from Rust in one line, for every [`VirtualWidth`] type:
+/// `Tiny::train(Device::Cpu, "runs/tiny")?` compiles the model for the device, trains
+/// it with the spec's `train` section and saves metrics and checkpoints in the folder
+/// (the same pipeline and files as `widen train`, DESIGN.md §1).
+pub trait Train: VirtualWidth {
+    /// Trains with progress lines on stderr; returns the losses and the checkpoint path.
+    fn train(
+        device: Device,
+        out_dir: impl Into<std::path::PathBuf>,
+    ) -> Result<runtime::train::TrainReport, runtime::train::TrainError> {
+        let spec = Self::spec();
+        let every = (spec.train.steps / 20).max(1);
+        let opts = runtime::train::TrainOptions {
+            out_dir: out_dir.into(),
+            resume: None,
+            progress: runtime::train::Progress::Auto { every },
+        };
+        runtime::train::train_spec(&spec, device, &opts)
+    }
+}
+
+impl<T: VirtualWidth> Train for T {}

@@ -58,9 +58,14 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     }
     if let Some(steps) = args.steps {
         anyhow::ensure!(steps >= 1, "--steps must be at least 1");
-        let planned = spec.train.steps;
-        spec.train.steps = steps;
-        rescale_warmup(&mut spec, planned);
+        // Same rule as standalone binaries, so both follow one schedule for one --steps.
+        if let Some(w) = runtime::standalone::set_steps(&mut spec, steps) {
+            eprintln!(
+                "note: --steps {} is shorter than the spec's warmup of {}; warmup scaled to {} \
+                 (its fraction of the planned {} steps)",
+                w.steps, w.from, w.to, w.planned
+            );
+        }
     }
     let out_dir = args.out.unwrap_or_else(|| PathBuf::from("runs").join(&spec.name));
     let opts = TrainOptions {
@@ -83,25 +88,3 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Keeps the spec's warmup the same fraction of the run when `--steps` changes the
-/// step budget, so a short trial run (`--steps 10`) of a spec planned for 300 steps
-/// still validates (warmup must stay below the step count). Prints what it changed.
-fn rescale_warmup(spec: &mut ir::spec::ModelSpec, planned_steps: usize) {
-    use ir::spec::ScheduleSpec;
-    let steps = spec.train.steps;
-    let warmup = match &mut spec.train.schedule {
-        ScheduleSpec::Constant(c) => &mut c.warmup,
-        ScheduleSpec::Cosine(c) => &mut c.warmup,
-        ScheduleSpec::Wsd(w) => &mut w.warmup,
-    };
-    if *warmup < steps {
-        return;
-    }
-    let scaled = (*warmup * steps / planned_steps.max(1)).min(steps - 1);
-    eprintln!(
-        "note: --steps {steps} is shorter than the spec's warmup of {}; warmup scaled to {scaled} \
-         ({} of the planned {planned_steps} steps)",
-        *warmup, *warmup
-    );
-    *warmup = scaled;
-}

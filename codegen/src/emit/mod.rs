@@ -664,3 +664,56 @@ pub fn lower_fused(
     kernel.validate()?;
     Ok(Launch { kernel, args: r.args })
 }
+
+/// Widest block of adjacent output columns one item of
+/// [`lower_column_reduce`] accumulates: one 64-byte cache line of f32.
+const COLUMN_BLOCK: usize = 16;
+
+/// A sum or mean over a non-innermost axis (a token reduction such as a bias
+/// or gain gradient, MATH.md §1.4) as its own kernel: each item owns a block
+/// of up to [`COLUMN_BLOCK`] adjacent output columns and walks the reduced
+/// axis once, adding each input row's block into per-column accumulators.
+/// Every load is then contiguous and the accumulators vectorize across
+/// columns, while each output is still summed over the axis in order from
+/// zero (as `ir::exec::reduce`), so the result is bitwise the generic
+/// one-output-per-step lowering's. `None` when the node is not such a
+/// reduction (other ops, `Max`, innermost axes, no column block over 1).
+pub fn lower_column_reduce(graph: &Graph, id: NodeId, name: &str) -> Result<Option<Launch>, EmitError> {
+    let node = graph.node(id);
+    let Op::Reduce { op, axis, .. } = node.op else { return Ok(None) };
+    if !matches!(op, ir::graph::ReduceOp::Sum | ir::graph::ReduceOp::Mean) {
+        return Ok(None);
+    }
+    let input = graph.inputs(id)[0];
+    let xd = graph.node(input).shape.dims();
+    let (outer, n, inner) = (numel(&xd[..axis]), xd[axis], numel(&xd[axis + 1..]));
+    let width = (1..=COLUMN_BLOCK.min(inner)).rev().find(|w| inner.is_multiple_of(*w)).unwrap_or(1);
+    if width < 2 || n < 2 {
+        return Ok(None);
+    }
+    let blocks = inner / width;
+    let ty = Ty::of_storage(node.dtype);
+    let mut k = KernelBuilder::new(name, grid(outer * blocks));
+    let mut r = Reader::new(graph);
+    let x = r.read(&mut k, input);
+    let out = r.buffer(&mut k, id, Access::Write);
+    let acc = k.local_array("acc", ty, width);
+    let o = k.let_("o", item() / ix(blocks));
+    let c0 = k.let_("c0", item() % ix(blocks) * ix(width));
+    let zero = acc.clone();
+    k.for_("w0", ix(0), ix(width), |b, w| b.store(&zero, w, lit(ty, 0.0)));
+    let (row_o, row_c0, sum) = (o.clone(), c0.clone(), acc.clone());
+    k.for_("j", ix(0), ix(n), |b, j| {
+        let base = b.let_("base", (row_o * ix(n) + j) * ix(inner) + row_c0);
+        b.for_("w1", ix(0), ix(width), |b, w| b.accum(&sum, w.clone(), x.load(base + w)));
+    });
+    let count = lit(ty, n as f64);
+    k.for_("w2", ix(0), ix(width), |b, w| {
+        let v = acc.at(w.clone());
+        let v = if op == ir::graph::ReduceOp::Mean { v / count } else { v };
+        b.store(&out, o * ix(inner) + c0 + w, v);
+    });
+    let kernel = k.finish();
+    kernel.validate()?;
+    Ok(Some(Launch { kernel, args: r.args }))
+}
