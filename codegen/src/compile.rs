@@ -190,13 +190,29 @@ fn summed_gemm(graph: &Graph, id: NodeId, roles: &BTreeMap<NodeId, Vec<BufferRol
         absorbed.push(x);
         x = graph.inputs(x)[0];
     }
+    // The sums may reduce a reshape of the MatMul that merges its batch axes
+    // (e.g. `[B, T, m, n]` viewed as `[B·T, m·n]`): same flat layout, the
+    // summed leading elements are still exactly the batch entries.
+    let summed = absorbed.len() + 1;
+    let reshaped = matches!(graph.node(x).op, Op::Reshape { .. }) && private(x);
+    let view_dims = graph.node(x).shape.dims().to_vec();
+    if reshaped {
+        absorbed.push(x);
+        x = graph.inputs(x)[0];
+    }
     if !matches!(graph.node(x).op, Op::MatMul { trans_a: true, trans_b: false }) || !private(x) {
         return None;
     }
     absorbed.push(x);
     let o = graph.node(x).shape.dims();
     let batch_axes = o.len() - 2;
-    if absorbed.len() != batch_axes {
+    let batch_ok = if reshaped {
+        view_dims.len() > summed
+            && view_dims[..summed].iter().product::<usize>() == o[..batch_axes].iter().product::<usize>()
+    } else {
+        summed == batch_axes
+    };
+    if !batch_ok {
         return None;
     }
     let inputs = graph.inputs(x);
@@ -559,7 +575,13 @@ pub fn compile(graph: &Graph, partition: &[Vec<NodeId>], request: &Request) -> R
                     continue; // only views read by other units
                 }
                 let name = b.kernel_name(&unit_label(graph, nodes, &res));
-                let launch = emit::lower_fused(graph, nodes, *n, &res, &name)?;
+                let launch = match lone_reduce(graph, nodes, &res) {
+                    Some(id) => match emit::lower_column_reduce(graph, id, &name)? {
+                        Some(launch) => launch,
+                        None => emit::lower_fused(graph, nodes, *n, &res, &name)?,
+                    },
+                    None => emit::lower_fused(graph, nodes, *n, &res, &name)?,
+                };
                 b.push_launch(launch, &[]);
             }
             Unit::Standalone(id) => {
@@ -624,6 +646,18 @@ pub fn compile(graph: &Graph, partition: &[Vec<NodeId>], request: &Request) -> R
     }
     b.plan_arena();
     Ok(Plan { kernels: b.kernels, steps: b.steps, buffers: b.buffers, arena_len: b.arena_len })
+}
+
+/// The only node a fused unit computes when that node is a `Reduce` (the
+/// unit's other nodes are views folded into its read): such a unit may run as
+/// a column-blocked reduction ([`emit::lower_column_reduce`]).
+fn lone_reduce(graph: &Graph, nodes: &[NodeId], res: &dyn Residency) -> Option<NodeId> {
+    let mut computed = nodes.iter().copied().filter(|&id| {
+        let op = &graph.node(id).op;
+        res.has_buffer(id) || !(op.is_view() || matches!(op, Op::Constant { .. }))
+    });
+    let id = computed.next()?;
+    (computed.next().is_none() && matches!(graph.node(id).op, Op::Reduce { .. })).then_some(id)
 }
 
 /// `rms_norm_mul_add`: the distinct ops a fused kernel computes, in order (at most four).

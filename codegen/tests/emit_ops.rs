@@ -397,3 +397,59 @@ fn norm_project_is_a_gemm_and_a_row_kernel() {
         assert_eq!(kernels_ending(&plan, "_rows"), 1);
     }
 }
+
+#[test]
+fn weight_gradient_through_a_token_merging_reshape_is_one_gemm() {
+    // Σ over tokens of per-token aᵀ·b, summed as a `[tokens, m·n]` view.
+    let mut g = Graph::new();
+    let x = param(&mut g, "x", &[2, 3, 5, 4]);
+    let dy = param(&mut g, "dy", &[2, 3, 5, 6]);
+    let mm = add(&mut g, Op::MatMul { trans_a: true, trans_b: false }, &[x, dy]);
+    let flat = add(&mut g, Op::Reshape { shape: vec![6, 24] }, &[mm]);
+    let s = add(&mut g, Op::Reduce { op: ReduceOp::Sum, axis: 0, keepdim: false }, &[flat]);
+    g.set_output("dw", s);
+    for plan in both_partitions(&g, 1e-5, "reshaped weight gradient") {
+        assert!(plan.kernels.is_empty(), "no emitted loops: {:?}", plan.kernels.iter().map(|k| &k.name));
+        let [gemm] = gemms(&plan)[..] else { panic!("one GEMM, got {:?}", plan.steps) };
+        assert_eq!((gemm.batch, gemm.m, gemm.n, gemm.k, gemm.trans_a), (1, 4, 6, 30, true));
+    }
+}
+
+#[test]
+fn lone_reductions_are_blocked_and_exact() {
+    // (input dims, axis, items of the blocked kernel): a token reduction over
+    // 16-column blocks, and a row reduction over blocks of 8 rows.
+    let cases: [(&[usize], usize, usize); 2] = [(&[64, 48], 0, 3), (&[16, 32], 1, 2)];
+    for (dims, axis, items) in cases {
+        for op in [ReduceOp::Sum, ReduceOp::Mean] {
+            let mut g = Graph::new();
+            let x = param(&mut g, "x", dims);
+            let y = add(&mut g, Op::Reduce { op, axis, keepdim: false }, &[x]);
+            g.set_output("y", y);
+            // Same summation order as the reference: no rounding difference at all.
+            for plan in both_partitions(&g, 0.0, &format!("blocked {op:?} {dims:?} axis {axis}")) {
+                let [k] = &plan.kernels[..] else { panic!("one kernel, got {}", plan.kernels.len()) };
+                assert_eq!(k.grid.items(), items, "{op:?} {dims:?} axis {axis}");
+            }
+        }
+    }
+}
+
+#[test]
+fn per_token_matmul_rows_match_the_reference() {
+    // Small per-token products fused with a row op (emitted loops, not GEMMs):
+    // a softmax over the product's rows gives items of whole rows, one over
+    // each flattened `[m·n]` batch entry items of whole entries (op(b) staged
+    // transposed for `trans_b`).
+    for tb in [false, true] {
+        for whole_entries in [false, true] {
+            case(&format!("per-token matmul trans_b {tb} whole entries {whole_entries}"), 1e-5, |g| {
+                let x = param(g, "a", &[6, 4, 5]);
+                let y = param(g, "b", if tb { &[6, 3, 5] } else { &[6, 5, 3] });
+                let m = add(g, Op::MatMul { trans_a: false, trans_b: tb }, &[x, y]);
+                let rows = if whole_entries { add(g, Op::Reshape { shape: vec![6, 12] }, &[m]) } else { m };
+                add(g, Op::Softmax, &[rows])
+            });
+        }
+    }
+}

@@ -16,8 +16,9 @@ fn check_snapshot(name: &str, actual: &str) {
         std::fs::write(&path, actual).expect("write snapshot");
         return;
     }
-    let expected = std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("missing snapshot {} ({e}); run with WIDEN_UPDATE_SNAPSHOTS=1", path.display()));
+    let expected = std::fs::read_to_string(&path).unwrap_or_else(|e| {
+        panic!("missing snapshot {} ({e}); run with WIDEN_UPDATE_SNAPSHOTS=1", path.display())
+    });
     if expected != actual {
         let first_diff = expected
             .lines()
@@ -31,7 +32,15 @@ fn check_snapshot(name: &str, actual: &str) {
 }
 
 fn small(residual: ResidualSpec) -> ModelSpec {
-    ModelSpec { name: "snapshot".into(), vocab: 16, d_model: 8, layers: 1, heads: 2, residual, ..ModelSpec::default() }
+    ModelSpec {
+        name: "snapshot".into(),
+        vocab: 16,
+        d_model: 8,
+        layers: 1,
+        heads: 2,
+        residual,
+        ..ModelSpec::default()
+    }
 }
 
 #[test]

@@ -11,8 +11,8 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use ir::cost::{cost_report, CostReport};
-use ir::passes::fused_connection_traffic;
 use ir::lower::LowerError;
+use ir::passes::fused_connection_traffic;
 use ir::spec::{load_spec, SpecLoadError};
 use serde_json::{json, Value};
 

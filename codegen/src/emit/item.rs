@@ -306,6 +306,12 @@ fn topk(b: &mut Block, cx: &ItemOp, k: usize, fixed: usize) {
     });
 }
 
+/// Widest output row [`matmul`] accumulates in a per-item array.
+const ROW_ACC_LIMIT: usize = 1024;
+
+/// Largest `K·N` of op(b) that [`matmul`] stages transposed per batch entry.
+const STAGE_LIMIT: usize = 4096;
+
 /// A batched product as loops: each output element is a dot product over K of a
 /// row of op(a) and a column of op(b), batch axes broadcast.
 fn matmul(b: &mut Block, cx: &ItemOp, trans_a: bool, trans_b: bool) {
@@ -327,6 +333,62 @@ fn matmul(b: &mut Block, cx: &ItemOp, trans_a: bool, trans_b: bool) {
     let (am, ak) = if trans_a { (1, m) } else { (k, 1) };
     let (bk, bn) = if trans_b { (1, k) } else { (n, 1) };
     let (x, y) = (cx.ins[0].clone(), cx.ins[1].clone());
+    if (2..=ROW_ACC_LIMIT).contains(&n) && cx.per.is_multiple_of(n) {
+        // The item holds whole output rows: accumulate a row at a time, the
+        // contraction outermost and the row's columns innermost, so the column
+        // loop is independent across iterations and vectorizable. Each output
+        // is still summed over K in order from zero, so results are bitwise
+        // those of the dot-product form.
+        let acc = b.local_array(&cx.fresh("racc"), cx.ty(), n);
+        let row_body =
+            |b: &mut Block, row: Expr, mi: Expr, a_base: Expr, rhs: &Val, b0: Expr, bk: usize, bn: usize| {
+                let a0 = b.let_(&cx.fresh("a0"), a_base + mi * ix(am));
+                let zero = cx.lit(0.0);
+                b.for_(&cx.fresh("z"), ix(0), ix(n), |b, ni| b.store(&acc, ni, zero));
+                b.for_(&cx.fresh("j"), ix(0), ix(k), |b, j| {
+                    let av = b.let_(&cx.fresh("av"), x.load(a0 + j.clone() * ix(ak)));
+                    let bj = b.let_(&cx.fresh("bj"), b0 + j * ix(bk));
+                    b.for_(&cx.fresh("c"), ix(0), ix(n), |b, ni| {
+                        b.accum(&acc, ni.clone(), av * rhs.load(bj + ni * ix(bn)));
+                    });
+                });
+                b.for_(&cx.fresh("c"), ix(0), ix(n), |b, ni| {
+                    cx.sink.store(b, row * ix(n) + ni.clone(), acc.at(ni));
+                });
+            };
+        let entries = cx.per / (m * n);
+        if trans_b && cx.per.is_multiple_of(m * n) && k * n <= STAGE_LIMIT {
+            // The item holds whole batch entries: stage each entry's op(b)
+            // transposed (`[K, N]`, row-major) so the column loop reads it
+            // contiguously.
+            let stage = Val::Buffer(b.local_array(&cx.fresh("bt"), cx.ty(), k * n));
+            let Val::Buffer(bt) = &stage else { unreachable!("constructed as a buffer") };
+            b.for_(&cx.fresh("e"), ix(0), ix(entries), |b, e| {
+                let bi = b.let_(&cx.fresh("bi"), item() * ix(entries) + e);
+                let sb0 = b.let_(&cx.fresh("sb"), super::strided_index(&bi, batch, &sb, 0));
+                b.for_(&cx.fresh("c"), ix(0), ix(n), |b, ni| {
+                    b.for_(&cx.fresh("j"), ix(0), ix(k), |b, j| {
+                        let v = y.load(sb0 + ni.clone() * ix(k) + j.clone());
+                        b.store(bt, j * ix(n) + ni, v);
+                    });
+                });
+                let a_base = b.let_(&cx.fresh("sa"), super::strided_index(&bi, batch, &sa, 0));
+                b.for_(&cx.fresh("mi"), ix(0), ix(m), |b, mi| {
+                    let row = b.let_(&cx.fresh("row"), bi * ix(m) + mi.clone());
+                    row_body(b, row, mi, a_base, &stage, ix(0), n, 1);
+                });
+            });
+            return;
+        }
+        cx.rows(b, n, |b, row| {
+            let bi = b.let_(&cx.fresh("bi"), row.clone() / ix(m));
+            let mi = b.let_(&cx.fresh("mi"), row.clone() % ix(m));
+            let a_base = super::strided_index(&bi, batch, &sa, 0);
+            let b0 = b.let_(&cx.fresh("b0"), super::strided_index(&bi, batch, &sb, 0));
+            row_body(b, row, mi, a_base, &y, b0, bk, bn);
+        });
+        return;
+    }
     cx.pointwise(b, |b, g| {
         let bi = b.let_(&cx.fresh("bi"), g.clone() / ix(m * n));
         let mi = b.let_(&cx.fresh("mi"), (g.clone() / ix(n)) % ix(m));

@@ -669,15 +669,19 @@ pub fn lower_fused(
 /// [`lower_column_reduce`] accumulates: one 64-byte cache line of f32.
 const COLUMN_BLOCK: usize = 16;
 
+/// Rows one item of [`lower_column_reduce`] sums together over an innermost axis.
+const ROW_BLOCK: usize = 8;
+
 /// A sum or mean over a non-innermost axis (a token reduction such as a bias
 /// or gain gradient, MATH.md §1.4) as its own kernel: each item owns a block
 /// of up to [`COLUMN_BLOCK`] adjacent output columns and walks the reduced
 /// axis once, adding each input row's block into per-column accumulators.
 /// Every load is then contiguous and the accumulators vectorize across
-/// columns, while each output is still summed over the axis in order from
+/// columns (over the innermost axis an item owns up to [`ROW_BLOCK`] rows
+/// and interleaves their independent sums), while each output is still summed over the axis in order from
 /// zero (as `ir::exec::reduce`), so the result is bitwise the generic
 /// one-output-per-step lowering's. `None` when the node is not such a
-/// reduction (other ops, `Max`, innermost axes, no column block over 1).
+/// reduction (other ops, `Max`, no block over 1).
 pub fn lower_column_reduce(graph: &Graph, id: NodeId, name: &str) -> Result<Option<Launch>, EmitError> {
     let node = graph.node(id);
     let Op::Reduce { op, axis, .. } = node.op else { return Ok(None) };
@@ -687,31 +691,47 @@ pub fn lower_column_reduce(graph: &Graph, id: NodeId, name: &str) -> Result<Opti
     let input = graph.inputs(id)[0];
     let xd = graph.node(input).shape.dims();
     let (outer, n, inner) = (numel(&xd[..axis]), xd[axis], numel(&xd[axis + 1..]));
-    let width = (1..=COLUMN_BLOCK.min(inner)).rev().find(|w| inner.is_multiple_of(*w)).unwrap_or(1);
+    // Over the innermost axis the block is one of adjacent rows instead: the
+    // loads are strided, but the block's sums are independent chains, so the
+    // adds overlap rather than wait on each other.
+    let rows = inner == 1;
+    let span = if rows { outer } else { inner };
+    let limit = if rows { ROW_BLOCK } else { COLUMN_BLOCK };
+    let width = (1..=limit.min(span)).rev().find(|w| span.is_multiple_of(*w)).unwrap_or(1);
     if width < 2 || n < 2 {
         return Ok(None);
     }
-    let blocks = inner / width;
     let ty = Ty::of_storage(node.dtype);
-    let mut k = KernelBuilder::new(name, grid(outer * blocks));
+    let items = if rows { outer / width } else { outer * (inner / width) };
+    let mut k = KernelBuilder::new(name, grid(items));
     let mut r = Reader::new(graph);
     let x = r.read(&mut k, input);
     let out = r.buffer(&mut k, id, Access::Write);
     let acc = k.local_array("acc", ty, width);
-    let o = k.let_("o", item() / ix(blocks));
-    let c0 = k.let_("c0", item() % ix(blocks) * ix(width));
+    // Lane w sums the inputs `row_start(j) + w·lane` into output `first + w`,
+    // where row_start(j) = (o·n + j)·inner + c for the block's outer index o
+    // and first column c.
+    let (first, o, c, lane) = if rows {
+        let o0 = k.let_("o0", item() * ix(width));
+        (o0.clone(), o0, ix(0), n)
+    } else {
+        let blocks = inner / width;
+        let o = k.let_("o", item() / ix(blocks));
+        let c0 = k.let_("c0", item() % ix(blocks) * ix(width));
+        (k.let_("first", o.clone() * ix(inner) + c0.clone()), o, c0, 1)
+    };
     let zero = acc.clone();
     k.for_("w0", ix(0), ix(width), |b, w| b.store(&zero, w, lit(ty, 0.0)));
-    let (row_o, row_c0, sum) = (o.clone(), c0.clone(), acc.clone());
+    let sum = acc.clone();
     k.for_("j", ix(0), ix(n), |b, j| {
-        let base = b.let_("base", (row_o * ix(n) + j) * ix(inner) + row_c0);
-        b.for_("w1", ix(0), ix(width), |b, w| b.accum(&sum, w.clone(), x.load(base + w)));
+        let base = b.let_("base", (o * ix(n) + j) * ix(inner) + c);
+        b.for_("w1", ix(0), ix(width), |b, w| b.accum(&sum, w.clone(), x.load(base + w * ix(lane))));
     });
     let count = lit(ty, n as f64);
     k.for_("w2", ix(0), ix(width), |b, w| {
         let v = acc.at(w.clone());
         let v = if op == ir::graph::ReduceOp::Mean { v / count } else { v };
-        b.store(&out, o * ix(inner) + c0 + w, v);
+        b.store(&out, first + w, v);
     });
     let kernel = k.finish();
     kernel.validate()?;

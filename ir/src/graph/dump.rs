@@ -53,7 +53,9 @@ fn attrs(op: &Op) -> String {
             None => format!("scale={scale}"),
         },
         Op::Sinkhorn { iters, eps } => format!("iters={iters} eps={eps:e}"),
-        Op::TemporalAugment { gram_schmidt, eps_rel } => format!("gram_schmidt={gram_schmidt} eps_rel={eps_rel:e}"),
+        Op::TemporalAugment { gram_schmidt, eps_rel } => {
+            format!("gram_schmidt={gram_schmidt} eps_rel={eps_rel:e}")
+        }
         Op::CausalAttentionGrad { scale, rope_base, wrt } => match rope_base {
             Some(b) => format!("scale={scale} rope={b} wrt={wrt}"),
             None => format!("scale={scale} wrt={wrt}"),
@@ -106,7 +108,9 @@ pub fn to_text(g: &Graph) -> String {
 /// Graphviz DOT, with nodes colored by region.
 pub fn to_dot(g: &Graph) -> String {
     let (order, index) = numbering(g);
-    let mut out = String::from("digraph widen {\n  rankdir=TB;\n  node [shape=box, style=filled, fontname=\"monospace\"];\n");
+    let mut out = String::from(
+        "digraph widen {\n  rankdir=TB;\n  node [shape=box, style=filled, fontname=\"monospace\"];\n",
+    );
     for &id in &order {
         let node = g.node(id);
         let color = match node.role.region {

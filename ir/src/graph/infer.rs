@@ -19,7 +19,12 @@ fn invalid(op: &Op, message: impl Into<String>) -> GraphError {
 }
 
 fn mismatch(op: &Op, detail: impl Into<String>, lhs: &Shape, rhs: &Shape) -> GraphError {
-    GraphError::ShapeMismatch { op: op.name().into(), detail: detail.into(), lhs: lhs.clone(), rhs: rhs.clone() }
+    GraphError::ShapeMismatch {
+        op: op.name().into(),
+        detail: detail.into(),
+        lhs: lhs.clone(),
+        rhs: rhs.clone(),
+    }
 }
 
 fn float(op: &Op, inputs: &[Typed], slot: usize) -> Result<DType, GraphError> {
@@ -147,7 +152,9 @@ pub(super) fn infer(op: &Op, inputs: &[Typed]) -> Result<(Shape, DType), GraphEr
             arity(op, inputs, &[1])?;
             let x = inputs[0].0;
             let mut seen = vec![false; x.rank()];
-            if perm.len() != x.rank() || perm.iter().any(|&p| p >= x.rank() || std::mem::replace(&mut seen[p], true)) {
+            if perm.len() != x.rank()
+                || perm.iter().any(|&p| p >= x.rank() || std::mem::replace(&mut seen[p], true))
+            {
                 return Err(invalid(op, format!("{perm:?} is not a permutation of the axes of {x}")));
             }
             Ok((Shape(perm.iter().map(|&p| x.0[p]).collect()), inputs[0].1))
@@ -165,7 +172,10 @@ pub(super) fn infer(op: &Op, inputs: &[Typed]) -> Result<(Shape, DType), GraphEr
             arity(op, inputs, &[1])?;
             let x = inputs[0].0;
             if *axis >= x.rank() || start >= end || *end > x.0[*axis] {
-                return Err(invalid(op, format!("slice {start}..{end} on axis {axis} is out of range for {x}")));
+                return Err(invalid(
+                    op,
+                    format!("slice {start}..{end} on axis {axis} is out of range for {x}"),
+                ));
             }
             let mut dims = x.0.clone();
             dims[*axis] = end - start;
@@ -183,7 +193,12 @@ pub(super) fn infer(op: &Op, inputs: &[Typed]) -> Result<(Shape, DType), GraphEr
             dims[*axis] = 0;
             for (slot, (s, dt)) in inputs.iter().enumerate() {
                 if *dt != inputs[0].1 {
-                    return Err(GraphError::DType { op: op.name().into(), slot, got: *dt, expected: inputs[0].1.name().into() });
+                    return Err(GraphError::DType {
+                        op: op.name().into(),
+                        slot,
+                        got: *dt,
+                        expected: inputs[0].1.name().into(),
+                    });
                 }
                 let same_rank = s.rank() == first.rank();
                 if !same_rank || (0..first.rank()).any(|i| i != *axis && s.0[i] != first.0[i]) {
@@ -209,7 +224,12 @@ pub(super) fn infer(op: &Op, inputs: &[Typed]) -> Result<(Shape, DType), GraphEr
             int(op, inputs, 1)?;
             let (base, idx, src) = (inputs[0].0, inputs[1].0, inputs[2].0);
             if *axis >= base.rank() || idx.rank() < *axis || idx.0[..*axis] != base.0[..*axis] {
-                return Err(mismatch(op, format!("index must share the {axis} leading dims of base"), base, idx));
+                return Err(mismatch(
+                    op,
+                    format!("index must share the {axis} leading dims of base"),
+                    base,
+                    idx,
+                ));
             }
             let mut expected = idx.0.clone();
             expected.extend_from_slice(&base.0[axis + 1..]);
@@ -217,7 +237,12 @@ pub(super) fn infer(op: &Op, inputs: &[Typed]) -> Result<(Shape, DType), GraphEr
                 return Err(mismatch(op, format!("src must be {}", Shape(expected)), base, src));
             }
             if inputs[2].1 != inputs[0].1 {
-                return Err(GraphError::DType { op: op.name().into(), slot: 2, got: inputs[2].1, expected: inputs[0].1.name().into() });
+                return Err(GraphError::DType {
+                    op: op.name().into(),
+                    slot: 2,
+                    got: inputs[2].1,
+                    expected: inputs[0].1.name().into(),
+                });
             }
             Ok((base.clone(), float(op, inputs, 0)?))
         }
@@ -249,7 +274,10 @@ pub(super) fn infer(op: &Op, inputs: &[Typed]) -> Result<(Shape, DType), GraphEr
             }
             if let Op::GroupNorm { groups, .. } = op {
                 if *groups == 0 || !x.last().is_multiple_of(*groups) {
-                    return Err(invalid(op, format!("{} channels do not split into {groups} groups", x.last())));
+                    return Err(invalid(
+                        op,
+                        format!("{} channels do not split into {groups} groups", x.last()),
+                    ));
                 }
             }
             Ok((x.clone(), dt))
@@ -274,7 +302,12 @@ pub(super) fn infer(op: &Op, inputs: &[Typed]) -> Result<(Shape, DType), GraphEr
             int(op, inputs, 1)?;
             let (logits, targets) = (inputs[0].0, inputs[1].0);
             if logits.rank() == 0 || logits.0[..logits.rank() - 1] != targets.0[..] {
-                return Err(mismatch(op, "targets must be the logits' shape without the class axis", logits, targets));
+                return Err(mismatch(
+                    op,
+                    "targets must be the logits' shape without the class axis",
+                    logits,
+                    targets,
+                ));
             }
             Ok((Shape::scalar(), inputs[0].1))
         }
@@ -301,7 +334,11 @@ pub(super) fn infer(op: &Op, inputs: &[Typed]) -> Result<(Shape, DType), GraphEr
         }
         Op::TemporalAugment { .. } => {
             if inputs.len() < 2 {
-                return Err(GraphError::Arity { op: op.name().into(), expected: ">= 2".into(), got: inputs.len() });
+                return Err(GraphError::Arity {
+                    op: op.name().into(),
+                    expected: ">= 2".into(),
+                    got: inputs.len(),
+                });
             }
             let dt = same_dtype(op, inputs)?;
             let out = inputs[0].0;
@@ -326,7 +363,11 @@ pub(super) fn infer(op: &Op, inputs: &[Typed]) -> Result<(Shape, DType), GraphEr
         }
         Op::TemporalAugmentGrad { gram_schmidt, eps_rel, wrt } => {
             if inputs.len() < 3 {
-                return Err(GraphError::Arity { op: op.name().into(), expected: ">= 3".into(), got: inputs.len() });
+                return Err(GraphError::Arity {
+                    op: op.name().into(),
+                    expected: ">= 3".into(),
+                    got: inputs.len(),
+                });
             }
             let forward = Op::TemporalAugment { gram_schmidt: *gram_schmidt, eps_rel: *eps_rel };
             grad_of(op, &forward, inputs, *wrt, inputs.len() - 1)

@@ -241,9 +241,7 @@ impl Graph {
 
     /// The parameter with a given name.
     pub fn param_by_name(&self, name: &str) -> Option<NodeId> {
-        self.g
-            .node_indices()
-            .find(|&id| matches!(&self.g[id].op, Op::Param(p) if p.name == name))
+        self.g.node_indices().find(|&id| matches!(&self.g[id].op, Op::Param(p) if p.name == name))
     }
 
     /// Re-checks every node's shape and dtype against its inputs.

@@ -47,9 +47,13 @@ pub enum Init {
     Ones,
     Constant(f64),
     /// N(0, std^2).
-    Normal { std: f64 },
+    Normal {
+        std: f64,
+    },
     /// U(-bound, bound).
-    Uniform { bound: f64 },
+    Uniform {
+        bound: f64,
+    },
     /// Rectangular identity: 1 where row == col (e.g. W_reduce = [I_D | 0], MATH.md §5.6).
     Eye,
     /// Explicit row-major values (small static connection matrices: GHC A/B, mHC b).
@@ -263,7 +267,10 @@ impl Op {
     pub fn is_heavy(&self) -> bool {
         matches!(
             self,
-            Op::MatMul { .. } | Op::CausalAttention { .. } | Op::CausalAttentionGrad { .. } | Op::SoftmaxCrossEntropy
+            Op::MatMul { .. }
+                | Op::CausalAttention { .. }
+                | Op::CausalAttentionGrad { .. }
+                | Op::SoftmaxCrossEntropy
         )
     }
 

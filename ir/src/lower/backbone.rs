@@ -29,7 +29,8 @@ pub(super) fn attention(cx: &mut Cx, u: NodeId, prefix: &str, out_mult: f64) -> 
     let wk = cx.param(&format!("{prefix}.wk"), &[d, hkv * dh], Init::Normal { std }, ParamClass::Hidden);
     let wv = cx.param(&format!("{prefix}.wv"), &[d, hkv * dh], Init::Normal { std }, ParamClass::Hidden);
     let wo_std = out_proj_std(cx, out_mult);
-    let wo = cx.param(&format!("{prefix}.wo"), &[h * dh, d], Init::Normal { std: wo_std }, ParamClass::Hidden);
+    let wo =
+        cx.param(&format!("{prefix}.wo"), &[h * dh, d], Init::Normal { std: wo_std }, ParamClass::Hidden);
 
     let a = cx.rms_norm(u, Some(gain))?;
     let q = cx.matmul(a, wq)?;
@@ -68,7 +69,8 @@ fn swiglu(cx: &mut Cx, x: NodeId, prefix: &str, hidden: usize, out_mult: f64) ->
     let w1 = cx.param(&format!("{prefix}.w1"), &[d, hidden], Init::Normal { std }, ParamClass::Hidden);
     let w3 = cx.param(&format!("{prefix}.w3"), &[d, hidden], Init::Normal { std }, ParamClass::Hidden);
     let w2_std = out_proj_std(cx, out_mult);
-    let w2 = cx.param(&format!("{prefix}.w2"), &[hidden, d], Init::Normal { std: w2_std }, ParamClass::Hidden);
+    let w2 =
+        cx.param(&format!("{prefix}.w2"), &[hidden, d], Init::Normal { std: w2_std }, ParamClass::Hidden);
     let gate = cx.matmul(x, w1)?;
     let gate = cx.unary(UnaryOp::Silu, gate)?;
     let up = cx.matmul(x, w3)?;
@@ -108,11 +110,17 @@ fn moe(
 
     let saved = cx.g.role();
     cx.set_role(saved.active_fraction(m.top_k as f64 / e as f64));
-    let w1 = cx.param(&format!("{prefix}.experts.w1"), &[e, d, hidden], Init::Normal { std }, ParamClass::Hidden);
-    let w3 = cx.param(&format!("{prefix}.experts.w3"), &[e, d, hidden], Init::Normal { std }, ParamClass::Hidden);
+    let w1 =
+        cx.param(&format!("{prefix}.experts.w1"), &[e, d, hidden], Init::Normal { std }, ParamClass::Hidden);
+    let w3 =
+        cx.param(&format!("{prefix}.experts.w3"), &[e, d, hidden], Init::Normal { std }, ParamClass::Hidden);
     let w2_std = out_proj_std(cx, out_mult);
-    let w2 =
-        cx.param(&format!("{prefix}.experts.w2"), &[e, hidden, d], Init::Normal { std: w2_std }, ParamClass::Hidden);
+    let w2 = cx.param(
+        &format!("{prefix}.experts.w2"),
+        &[e, hidden, d],
+        Init::Normal { std: w2_std },
+        ParamClass::Hidden,
+    );
     let flat = cx.reshape(x, &[1, b * t, d])?;
     let gate = cx.matmul(flat, w1)?;
     let gate = cx.unary(UnaryOp::Silu, gate)?;

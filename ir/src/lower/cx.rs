@@ -2,7 +2,9 @@
 //! scheme code short. Every builder infers shapes through `Graph::add`, so a
 //! mistake in a scheme surfaces as a `GraphError` naming the op and both shapes.
 
-use crate::graph::{BinaryOp, Graph, GraphError, Init, NodeId, Op, ParamClass, ParamInfo, Region, Role, UnaryOp};
+use crate::graph::{
+    BinaryOp, Graph, GraphError, Init, NodeId, Op, ParamClass, ParamInfo, Region, Role, UnaryOp,
+};
 use crate::spec::{ModelSpec, Parametrization};
 use crate::{DType, Shape};
 
@@ -118,7 +120,13 @@ impl Cx {
         self.g.add(Op::MatMul { trans_a: false, trans_b: false }, &[a, b])
     }
 
-    pub fn matmul_t(&mut self, a: NodeId, b: NodeId, trans_a: bool, trans_b: bool) -> Result<NodeId, GraphError> {
+    pub fn matmul_t(
+        &mut self,
+        a: NodeId,
+        b: NodeId,
+        trans_a: bool,
+        trans_b: bool,
+    ) -> Result<NodeId, GraphError> {
         self.g.add(Op::MatMul { trans_a, trans_b }, &[a, b])
     }
 

@@ -175,7 +175,12 @@ pub fn lower(spec: &ModelSpec, batch: usize, seq_len: usize) -> Result<Lowered, 
 
 /// One transformer block through the scheme: sublayers `first` and `first + 1`
 /// (MTP modules continue the numbering after 2L, see [`Cx::sublayer_prefix`]).
-fn lower_block(cx: &mut Cx, scheme: &mut dyn Scheme, state: NodeId, block: usize) -> Result<NodeId, GraphError> {
+fn lower_block(
+    cx: &mut Cx,
+    scheme: &mut dyn Scheme,
+    state: NodeId,
+    block: usize,
+) -> Result<NodeId, GraphError> {
     let first = 2 * block + cx.mtp_sublayer_offset();
     let out_mult = scheme.out_proj_std_mult();
     let mut attn = |cx: &mut Cx, u: NodeId| {
