@@ -7,6 +7,7 @@ use codegen::kernel::{f32, i64, item, lane, Access, Grid, Kernel, KernelBuilder,
 use codegen::plan::{BufferDecl, BufferId, BufferRole, Gemm, Plan, Step};
 use ir::DType;
 use runtime::device::cpu::{CpuDevice, CpuError, CpuOptions};
+use runtime::device::plan_check::PlanError;
 use std::path::PathBuf;
 
 /// A cache folder per test (removed at the end), so tests never share objects.
@@ -378,25 +379,33 @@ fn unsound_plans_are_rejected_at_load() {
     // A buffer shorter than the kernel parameter it is bound to.
     let mut short = test_plan();
     short.buffers[BIAS.0].len = D - 1;
-    assert!(matches!(try_load(short), Some(CpuError::ParamMismatch { ref param, .. }) if param == "b"));
+    assert!(
+        matches!(try_load(short), Some(CpuError::Plan(PlanError::ParamMismatch { ref param, .. })) if param == "b")
+    );
 
     // A kernel output placed over its own input in the arena.
     let mut aliased = test_plan();
     aliased.buffers[Y.0].role = BufferRole::Scratch { offset: ROWS * D + 10 };
-    assert!(matches!(try_load(aliased), Some(CpuError::Aliased { step: 2, written: 6, other: 5, .. })));
+    assert!(matches!(
+        try_load(aliased),
+        Some(CpuError::Plan(PlanError::Aliased { step: 2, written: 6, other: 5, .. }))
+    ));
 
     // A GEMM reaching past its operand.
     let mut past = test_plan();
     past.buffers[W.0].len = D * F - 1;
-    assert!(matches!(try_load(past), Some(CpuError::Gemm { step: 1, .. })));
+    assert!(matches!(try_load(past), Some(CpuError::Plan(PlanError::Gemm { step: 1, .. }))));
 
     // Wrong arity and unknown buffers.
     let mut arity = test_plan();
     arity.steps[0] = Step::Kernel { kernel: 0, args: vec![X, SCALE, BIAS] };
-    assert!(matches!(try_load(arity), Some(CpuError::Arity { got: 3, expected: 4, .. })));
+    assert!(matches!(try_load(arity), Some(CpuError::Plan(PlanError::Arity { got: 3, expected: 4, .. }))));
     let mut unknown = test_plan();
     unknown.steps[3] = Step::Zero { buffer: BufferId(99) };
-    assert!(matches!(try_load(unknown), Some(CpuError::UnknownBuffer { step: 3, id: 99, .. })));
+    assert!(matches!(
+        try_load(unknown),
+        Some(CpuError::Plan(PlanError::UnknownBuffer { step: 3, id: 99, .. }))
+    ));
 }
 
 #[test]

@@ -15,6 +15,7 @@ use runtime::device::cuda::{
     column_major_gemm, copy_bandwidth, driver_available, launch_config, probe, BlasGemm, CudaDevice,
     CudaError, Layout, Placement,
 };
+use runtime::device::plan_check::PlanError;
 
 /// Deterministic values in [-scale, scale).
 fn data(n: usize, seed: u64, scale: f32) -> Vec<f32> {
@@ -264,7 +265,7 @@ fn buffer_ids_must_match_positions() {
         buffers: vec![decl(0, 1, DType::F32, scratch(0)), decl(2, 1, DType::F32, scratch(1))],
         arena_len: 2,
     };
-    assert!(matches!(Layout::of(&plan), Err(CudaError::BufferId { index: 1, id: 2 })));
+    assert!(matches!(Layout::of(&plan), Err(CudaError::Plan(PlanError::BufferId { index: 1, id: 2 }))));
 }
 
 // ---------------------------------------------------------------- on a GPU
@@ -458,24 +459,24 @@ fn malformed_plans_are_rejected_before_touching_the_gpu() {
     let err = |plan| CudaDevice::new(plan).expect_err("malformed plan");
     assert!(matches!(
         err(with_steps(vec![launch(vec![0, 1, 2])])),
-        CudaError::Arity { got: 3, expected: 4, .. }
+        CudaError::Plan(PlanError::Arity { got: 3, expected: 4, .. })
     ));
     // w (D * F elements) bound where x (ROWS * D) is expected.
     assert!(matches!(
         err(with_steps(vec![launch(vec![3, 1, 2, 4])])),
-        CudaError::ParamMismatch { id: 3, want_len, .. } if want_len == ROWS * D
+        CudaError::Plan(PlanError::ParamMismatch { id: 3, want_len, .. }) if want_len == ROWS * D
     ));
     assert!(matches!(
         err(with_steps(vec![launch(vec![0, 1, 2, 42])])),
-        CudaError::UnknownBuffer { id: 42, .. }
+        CudaError::Plan(PlanError::UnknownBuffer { id: 42, .. })
     ));
     assert!(matches!(
         err(with_steps(vec![Step::Kernel { kernel: 9, args: vec![] }])),
-        CudaError::UnknownKernel { .. }
+        CudaError::Plan(PlanError::UnknownKernel { .. })
     ));
     // Four batch entries of h @ w overrun q.
     let overrun =
         Gemm { batch: 4, ..gemm(ROWS / 3, F, D, 1, (false, false), [ROWS / 3 * D, 0, ROWS / 3 * F], false) };
     let overrun = Gemm { a: BufferId(4), b: BufferId(3), c: BufferId(8), ..overrun };
-    assert!(matches!(err(with_steps(vec![Step::Gemm(overrun)])), CudaError::Gemm { .. }));
+    assert!(matches!(err(with_steps(vec![Step::Gemm(overrun)])), CudaError::Plan(PlanError::Gemm { .. })));
 }

@@ -7,7 +7,8 @@
 //!   offsets the memory planner chose;
 //! - compiles all kernels as one C module with the system compiler (cached by
 //!   content hash, see [`codegen::cc`]) and resolves their entry points;
-//! - checks every step against the buffers it binds (see *Safety* below), so
+//! - checks every step against the buffers it binds (see *Safety* below and
+//!   [`super::plan_check`], shared with the Cuda device), so
 //!   a malformed Plan is an error at load time, never memory corruption later.
 //!
 //! [`CpuDevice::run`] then executes the launch list in order: kernel steps
@@ -30,9 +31,10 @@
 //!    item owns its outputs; reductions over items are two-phase, DESIGN.md §5)
 //!    that the code generator upholds; it cannot be checked here.
 
+use super::plan_check::{self, PlanError};
 use super::pool::Pool;
 use codegen::cc::{CcError, Compiler, Entry};
-use codegen::kernel::{Access, Expr, Grid, Kernel, Stmt};
+use codegen::kernel::{Expr, Grid, Kernel, Stmt};
 use codegen::plan::{BufferDecl, BufferId, BufferRole, Gemm, Plan, Step};
 use ir::DType;
 use std::ffi::c_void;
@@ -43,36 +45,8 @@ use std::time::{Duration, Instant};
 pub enum CpuError {
     #[error(transparent)]
     Cc(#[from] CcError),
-    #[error("plan buffer #{index} declares id {id}; buffer ids must equal their position")]
-    BufferId { index: usize, id: usize },
-    #[error("step {step} refers to buffer #{id}, but the plan has {count} buffers")]
-    UnknownBuffer { step: usize, id: usize, count: usize },
-    #[error("buffer #{id} ({role}): {dtype} constants are not supported")]
-    ConstantDType { id: usize, role: String, dtype: DType },
-    #[error("step {step} launches kernel {kernel}, but the plan has {count} kernels")]
-    UnknownKernel { step: usize, kernel: usize, count: usize },
-    #[error("step {step} binds {got} buffers to kernel `{kernel}`, which has {expected} parameters")]
-    Arity { step: usize, kernel: String, got: usize, expected: usize },
-    #[error(
-        "step {step}: kernel `{kernel}` parameter `{param}` needs {want_len} x {want_dtype}, \
-         buffer #{id} holds {len} x {dtype}"
-    )]
-    ParamMismatch {
-        step: usize,
-        kernel: String,
-        param: String,
-        id: usize,
-        want_dtype: DType,
-        want_len: usize,
-        dtype: DType,
-        len: usize,
-    },
-    #[error(
-        "step {step}: buffer #{written} is written by `{kernel}` but overlaps its argument buffer #{other}"
-    )]
-    Aliased { step: usize, kernel: String, written: usize, other: usize },
-    #[error("step {step}: GEMM {what}")]
-    Gemm { step: usize, what: String },
+    #[error(transparent)]
+    Plan(#[from] PlanError),
     #[error("steps {start}..{end} are not within the plan's {count} steps")]
     StepRange { start: usize, end: usize, count: usize },
     #[error("buffer #{id} does not exist: the plan has {count} buffers")]
@@ -244,9 +218,18 @@ impl CpuDevice {
 
     /// Loads `plan`, compiling its kernels with `compiler`.
     pub fn with_options(plan: Plan, compiler: &Compiler, opts: CpuOptions) -> Result<CpuDevice, CpuError> {
+        plan_check::check_buffer_ids(&plan)?;
+        plan_check::check_steps(&plan)?;
         let Storage { locs, owned, arenas } = allocate(&plan)?;
         let threads = opts.threads.max(1);
-        let parts = check_steps(&plan, &locs, threads)?;
+        let parts = plan
+            .steps
+            .iter()
+            .map(|s| match s {
+                Step::Kernel { kernel, .. } => split(&plan.kernels[*kernel], threads),
+                Step::Gemm(_) | Step::Zero { .. } => 1,
+            })
+            .collect();
         let library = compiler.compile_kernels(&plan.kernels)?;
         let entries = plan.kernels.iter().map(|k| library.entry(&k.name)).collect::<Result<Vec<_>, _>>()?;
         let print_profile = std::env::var_os("WIDEN_PROFILE").is_some_and(|v| !v.is_empty() && v != "0");
@@ -458,10 +441,7 @@ fn allocate(plan: &Plan) -> Result<Storage, CpuError> {
     arena_len[dtype_slot(DType::F32)] = plan.arena_len;
     let mut locs = Vec::with_capacity(plan.buffers.len());
     let mut owned = Vec::new();
-    for (index, d) in plan.buffers.iter().enumerate() {
-        if d.id.0 != index {
-            return Err(CpuError::BufferId { index, id: d.id.0 });
-        }
+    for d in &plan.buffers {
         match &d.role {
             BufferRole::Scratch { offset } => {
                 let slot = dtype_slot(d.dtype);
@@ -497,138 +477,10 @@ fn constant(d: &BufferDecl, value: f64) -> Result<HostVec, CpuError> {
         DType::I32 if value.fract() == 0.0 && value.abs() <= f64::from(i32::MAX) => {
             HostVec::I32(vec![value as i32; d.len])
         }
-        dtype => return Err(CpuError::ConstantDType { id: d.id.0, role: format!("{:?}", d.role), dtype }),
+        dtype => {
+            return Err(PlanError::ConstantDType { id: d.id.0, role: format!("{:?}", d.role), dtype }.into())
+        }
     })
-}
-
-/// The element range a buffer occupies in its storage, for overlap checks:
-/// (storage identity, start, end).
-fn extent(locs: &[Loc], plan: &Plan, id: BufferId) -> (Loc, usize, usize) {
-    let len = plan.buffers[id.0].len;
-    match locs[id.0] {
-        loc @ Loc::Owned(_) => (loc, 0, len),
-        Loc::Arena { slot, offset } => (Loc::Arena { slot, offset: 0 }, offset, offset + len),
-    }
-}
-
-fn overlaps(a: (Loc, usize, usize), b: (Loc, usize, usize)) -> bool {
-    a.0 == b.0 && a.1 < b.2 && b.1 < a.2 && a.1 < a.2 && b.1 < b.2
-}
-
-/// Checks every step against the buffers it binds (invariants 1 and 2 of the
-/// module docs) and returns, per step, the number of threads to split it over.
-fn check_steps(plan: &Plan, locs: &[Loc], threads: usize) -> Result<Vec<usize>, CpuError> {
-    let count = plan.buffers.len();
-    let mut parts = Vec::with_capacity(plan.steps.len());
-    for (step, s) in plan.steps.iter().enumerate() {
-        let known = |id: &BufferId| {
-            if id.0 < count {
-                Ok(*id)
-            } else {
-                Err(CpuError::UnknownBuffer { step, id: id.0, count })
-            }
-        };
-        match s {
-            Step::Kernel { kernel, args } => {
-                let k = plan.kernels.get(*kernel).ok_or(CpuError::UnknownKernel {
-                    step,
-                    kernel: *kernel,
-                    count: plan.kernels.len(),
-                })?;
-                check_kernel_args(plan, locs, step, k, args, known)?;
-                parts.push(split(k, threads));
-            }
-            Step::Gemm(g) => {
-                for id in [g.a, g.b, g.c] {
-                    known(&id)?;
-                }
-                check_gemm(plan, locs, step, g)?;
-                parts.push(1);
-            }
-            Step::Zero { buffer } => {
-                known(buffer)?;
-                parts.push(1);
-            }
-        }
-    }
-    Ok(parts)
-}
-
-fn check_kernel_args(
-    plan: &Plan,
-    locs: &[Loc],
-    step: usize,
-    k: &Kernel,
-    args: &[BufferId],
-    known: impl Fn(&BufferId) -> Result<BufferId, CpuError>,
-) -> Result<(), CpuError> {
-    if args.len() != k.params.len() {
-        return Err(CpuError::Arity {
-            step,
-            kernel: k.name.clone(),
-            got: args.len(),
-            expected: k.params.len(),
-        });
-    }
-    for (p, id) in k.params.iter().zip(args) {
-        let d = &plan.buffers[known(id)?.0];
-        if d.dtype != p.dtype || d.len < p.len {
-            return Err(CpuError::ParamMismatch {
-                step,
-                kernel: k.name.clone(),
-                param: p.name.clone(),
-                id: id.0,
-                want_dtype: p.dtype,
-                want_len: p.len,
-                dtype: d.dtype,
-                len: d.len,
-            });
-        }
-    }
-    for (i, (p, w)) in k.params.iter().zip(args).enumerate() {
-        if p.access == Access::Read {
-            continue;
-        }
-        for (j, o) in args.iter().enumerate() {
-            if i != j && overlaps(extent(locs, plan, *w), extent(locs, plan, *o)) {
-                return Err(CpuError::Aliased { step, kernel: k.name.clone(), written: w.0, other: o.0 });
-            }
-        }
-    }
-    Ok(())
-}
-
-fn check_gemm(plan: &Plan, locs: &[Loc], step: usize, g: &Gemm) -> Result<(), CpuError> {
-    let err = |what: String| CpuError::Gemm { step, what };
-    for (name, id, stride, size) in [
-        ("a", g.a, g.stride_a, g.m * g.k),
-        ("b", g.b, g.stride_b, g.k * g.n),
-        ("c", g.c, g.stride_c, g.m * g.n),
-    ] {
-        let d = &plan.buffers[id.0];
-        if d.dtype != DType::F32 {
-            return Err(err(format!(
-                "operand {name} (buffer #{}) is {}, only f32 is supported",
-                id.0, d.dtype
-            )));
-        }
-        let need = if g.batch == 0 { 0 } else { (g.batch - 1) * stride + size };
-        if d.len < need {
-            return Err(err(format!(
-                "operand {name} (buffer #{}) holds {} elements, {} batches of {size} with stride {stride} need {need}",
-                id.0, d.len, g.batch
-            )));
-        }
-    }
-    for (name, id) in [("a", g.a), ("b", g.b)] {
-        if overlaps(extent(locs, plan, g.c), extent(locs, plan, id)) {
-            return Err(err(format!(
-                "output c (buffer #{}) overlaps operand {name} (buffer #{})",
-                g.c.0, id.0
-            )));
-        }
-    }
-    Ok(())
 }
 
 /// Threads to split a kernel over: enough that each gets about

@@ -15,8 +15,8 @@
 //!   value) and one arena per element type for the scratch buffers, placed at
 //!   the offsets the memory planner chose (in elements of the buffer's own
 //!   type, as on the Cpu device). Everything stays resident across steps;
-//! - checks every step against the buffers it binds (arity, element type and
-//!   length of kernel arguments; extents of the three GEMM operands), so a
+//! - checks every step against the buffers it binds
+//!   ([`super::plan_check`], shared with the Cpu device), so a
 //!   malformed Plan is an error at load time, never an out-of-bounds access on
 //!   the GPU, and precomputes every launch.
 //!
@@ -81,6 +81,8 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 use ir::DType;
 
+use super::executor::{first_loss, Interface};
+use super::plan_check::{self, PlanError};
 use crate::executor::{StepError, StepExecutor};
 use crate::params::ParamSet;
 
@@ -119,34 +121,12 @@ pub enum CudaError {
     Kernel(#[from] KernelError),
     #[error("the driver rejected the compiled module: as CUBIN ({cubin}), then as PTX ({ptx})")]
     ModuleLoad { cubin: DriverError, ptx: DriverError },
-    #[error("plan buffer #{index} declares id {id}; buffer ids must equal their position")]
-    BufferId { index: usize, id: usize },
-    #[error("step {step} refers to buffer #{id}, but the plan has {count} buffers")]
-    UnknownBuffer { step: usize, id: usize, count: usize },
-    #[error("step {step} launches kernel {kernel}, but the plan has {count} kernels")]
-    UnknownKernel { step: usize, kernel: usize, count: usize },
-    #[error("step {step} binds {got} buffers to kernel `{kernel}`, which has {expected} parameters")]
-    Arity { step: usize, kernel: String, got: usize, expected: usize },
-    #[error(
-        "step {step}: kernel `{kernel}` parameter `{param}` needs {want_len} x {want_dtype}, \
-         buffer #{id} holds {len} x {dtype}"
-    )]
-    ParamMismatch {
-        step: usize,
-        kernel: String,
-        param: String,
-        id: usize,
-        want_dtype: DType,
-        want_len: usize,
-        dtype: DType,
-        len: usize,
-    },
+    #[error(transparent)]
+    Plan(#[from] PlanError),
     #[error("kernel `{kernel}`: {what}")]
     Launch { kernel: String, what: String },
     #[error("GEMM: {what}")]
     Gemm { what: String },
-    #[error("buffer #{id} ({role}): {dtype} constants are not supported")]
-    ConstantDType { id: usize, role: String, dtype: DType },
     #[error("buffer #{id} does not exist: the plan has {count} buffers")]
     NoSuchBuffer { id: usize, count: usize },
     #[error("buffer #{id} holds {dtype}, not {want}")]
@@ -279,29 +259,6 @@ pub fn column_major_gemm(g: &Gemm) -> Result<Vec<BlasGemm>, String> {
     }
 }
 
-/// Checks a GEMM's operands against the Plan's buffers: f32, and long enough
-/// for every batch entry.
-fn check_gemm(plan: &Plan, g: &Gemm) -> Result<(), String> {
-    for (name, id, stride, size) in [
-        ("a", g.a, g.stride_a, g.m * g.k),
-        ("b", g.b, g.stride_b, g.k * g.n),
-        ("c", g.c, g.stride_c, g.m * g.n),
-    ] {
-        let d = &plan.buffers[id.0];
-        if d.dtype != DType::F32 {
-            return Err(format!("operand {name} (buffer #{}) is {}, only f32 is supported", id.0, d.dtype));
-        }
-        let need = if g.batch == 0 { 0 } else { (g.batch - 1) * stride + size };
-        if d.len < need {
-            return Err(format!(
-                "operand {name} (buffer #{}) holds {} elements; {} batches of {size} with stride {stride} need {need}",
-                id.0, d.len, g.batch
-            ));
-        }
-    }
-    Ok(())
-}
-
 /// Where a buffer lives: its own allocation, or an element offset into the
 /// arena of its element type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -338,11 +295,9 @@ impl Layout {
     pub fn of(plan: &Plan) -> Result<Layout, CudaError> {
         let mut arena_len = [0usize; 4];
         arena_len[0] = plan.arena_len;
+        plan_check::check_buffer_ids(plan)?;
         let mut placements = Vec::with_capacity(plan.buffers.len());
-        for (index, d) in plan.buffers.iter().enumerate() {
-            if d.id.0 != index {
-                return Err(CudaError::BufferId { index, id: d.id.0 });
-            }
+        for d in &plan.buffers {
             placements.push(match d.role {
                 BufferRole::Scratch { offset } => {
                     let slot = dtype_slot(d.dtype);
@@ -490,7 +445,7 @@ impl CudaDevice {
         // The Plan is checked first, so a malformed one is reported the same
         // way on every machine.
         let layout = Layout::of(&plan)?;
-        check_steps(&plan)?;
+        plan_check::check_steps(&plan)?;
         let ctx = context(ordinal)?;
         if !cublas_available() {
             return Err(CudaError::NoCublas);
@@ -604,7 +559,7 @@ impl CudaDevice {
                 for a in args {
                     b.arg(a);
                 }
-                // SAFETY: `check_steps` matched every argument's element type
+                // SAFETY: `plan_check::check_steps` matched every argument's element type
                 // and length to the kernel's parameter, and the kernel's
                 // parameters are exactly these pointers (render_cuda).
                 unsafe { b.launch(*cfg) }
@@ -625,7 +580,7 @@ impl CudaDevice {
         let op = |t: bool| if t { cublasOperation_t::CUBLAS_OP_T } else { cublasOperation_t::CUBLAS_OP_N };
         let (alpha, beta) = (1.0f32, g.beta);
         let f32_at = |base: sys::CUdeviceptr, offset: usize| (base + (offset * 4) as u64) as *mut f32;
-        // SAFETY: `check_gemm` verified every operand holds all batch entries
+        // SAFETY: `plan_check::check_steps` verified every operand holds all batch entries
         // at these strides; the handle runs on the device's stream.
         unsafe {
             cudarc::cublas::result::sgemm_strided_batched(
@@ -779,73 +734,6 @@ pub fn copy_bandwidth(bytes: usize, reps: usize) -> Result<f64, CudaError> {
     Ok(2.0 * bytes as f64 / (median(samples) * 1e-3))
 }
 
-/// Checks every step against the Plan's kernels and buffers.
-fn check_steps(plan: &Plan) -> Result<(), CudaError> {
-    let count = plan.buffers.len();
-    for (step, s) in plan.steps.iter().enumerate() {
-        let known = |id: &BufferId| {
-            if id.0 < count {
-                Ok(())
-            } else {
-                Err(CudaError::UnknownBuffer { step, id: id.0, count })
-            }
-        };
-        match s {
-            Step::Kernel { kernel, args } => {
-                let k = plan.kernels.get(*kernel).ok_or(CudaError::UnknownKernel {
-                    step,
-                    kernel: *kernel,
-                    count: plan.kernels.len(),
-                })?;
-                check_kernel_args(plan, step, k, args, known)?;
-            }
-            Step::Gemm(g) => {
-                for id in [g.a, g.b, g.c] {
-                    known(&id)?;
-                }
-                check_gemm(plan, g)
-                    .map_err(|what| CudaError::Gemm { what: format!("step {step}: {what}") })?;
-            }
-            Step::Zero { buffer } => known(buffer)?,
-        }
-    }
-    Ok(())
-}
-
-fn check_kernel_args(
-    plan: &Plan,
-    step: usize,
-    k: &Kernel,
-    args: &[BufferId],
-    known: impl Fn(&BufferId) -> Result<(), CudaError>,
-) -> Result<(), CudaError> {
-    if args.len() != k.params.len() {
-        return Err(CudaError::Arity {
-            step,
-            kernel: k.name.clone(),
-            got: args.len(),
-            expected: k.params.len(),
-        });
-    }
-    for (p, id) in k.params.iter().zip(args) {
-        known(id)?;
-        let d = &plan.buffers[id.0];
-        if d.dtype != p.dtype || d.len < p.len {
-            return Err(CudaError::ParamMismatch {
-                step,
-                kernel: k.name.clone(),
-                param: p.name.clone(),
-                id: id.0,
-                want_dtype: p.dtype,
-                want_len: p.len,
-                dtype: d.dtype,
-                len: d.len,
-            });
-        }
-    }
-    Ok(())
-}
-
 /// Renders, compiles and loads all kernels; returns their functions in Plan order.
 fn compile(ctx: &Arc<CudaContext>, kernels: &[Kernel], arch: &str) -> Result<Vec<CudaFunction>, CudaError> {
     if kernels.is_empty() {
@@ -915,7 +803,7 @@ fn fill(stream: &CudaStream, d: &BufferDecl, ptr: sys::CUdeviceptr, value: f64) 
             unsafe { drv::memcpy_htod_async(ptr, &host, s) }
         }
         dtype => {
-            return Err(CudaError::ConstantDType { id: d.id.0, role: format!("{:?}", d.role), dtype });
+            return Err(PlanError::ConstantDType { id: d.id.0, role: format!("{:?}", d.role), dtype }.into());
         }
     }
     .map_err(driver(what()))
@@ -962,11 +850,7 @@ fn prepare(plan: &Plan, ptrs: &[sys::CUdeviceptr]) -> Result<Vec<Vec<Op>>, CudaE
 #[derive(Debug)]
 pub struct CudaExecutor {
     device: CudaDevice,
-    tokens: BufferId,
-    loss: BufferId,
-    logits: Option<BufferId>,
-    /// `(name, parameter buffer)` of every parameter of the Plan.
-    params: Vec<(String, BufferId)>,
+    io: Interface,
     token_shape: [usize; 2],
 }
 
@@ -974,21 +858,8 @@ impl CudaExecutor {
     /// An executor over a loaded Plan whose `tokens` input has shape
     /// `token_shape` (`[batch, seq_len + 1]`).
     pub fn new(device: CudaDevice, token_shape: [usize; 2]) -> Result<CudaExecutor, StepError> {
-        let plan = device.plan();
-        let output = |name: &str| plan.find(&BufferRole::Output { name: name.into() });
-        let tokens = plan
-            .find(&BufferRole::Input { name: "tokens".into() })
-            .ok_or(StepError::MissingOutput { what: "`tokens` input buffer" })?;
-        let loss = output("loss").ok_or(StepError::MissingOutput { what: "loss" })?;
-        let params = plan
-            .buffers
-            .iter()
-            .filter_map(|b| match &b.role {
-                BufferRole::Param { name } => Some((name.clone(), b.id)),
-                _ => None,
-            })
-            .collect();
-        Ok(CudaExecutor { tokens, loss, logits: output("logits"), params, token_shape, device })
+        let io = Interface::of(device.plan())?;
+        Ok(CudaExecutor { device, io, token_shape })
     }
 
     /// The underlying device (profiling, direct buffer access).
@@ -1002,17 +873,16 @@ impl CudaExecutor {
         if tokens.len() != expected {
             return Err(StepError::TokenCount { got: tokens.len(), expected });
         }
-        for (name, buffer) in &self.params {
+        for (name, buffer, _) in &self.io.params {
             let p = params.get(name).ok_or_else(|| StepError::UnknownParam { name: name.clone() })?;
             self.device.write_f32(*buffer, &p.value)?;
         }
-        self.device.write_i32(self.tokens, tokens)?;
+        self.device.write_i32(self.io.tokens, tokens)?;
         Ok(self.device.run()?)
     }
 
     fn read_loss(&self) -> Result<f32, StepError> {
-        let loss = self.device.read_f32(self.loss)?;
-        loss.first().copied().ok_or(StepError::MissingOutput { what: "loss" })
+        first_loss(&self.device.read_f32(self.io.loss)?)
     }
 }
 
@@ -1031,16 +901,8 @@ impl StepExecutor for CudaExecutor {
         tokens: &[i32],
     ) -> Result<(f32, Vec<Vec<f32>>), StepError> {
         self.run(params, tokens)?;
-        let loss = self.read_loss()?;
-        let mut grads = Vec::with_capacity(params.len());
-        for p in params.iter() {
-            // A parameter the loss does not reach has no gradient buffer: its gradient is zero.
-            grads.push(match self.device.find(&BufferRole::Grad { name: p.name.clone() }) {
-                Some(g) => self.device.read_f32(g)?,
-                None => vec![0.0; p.value.len()],
-            });
-        }
-        Ok((loss, grads))
+        let grads = self.io.grads(params, |g| Ok(self.device.read_f32(g)?))?;
+        Ok((self.read_loss()?, grads))
     }
 
     fn loss(&mut self, params: &ParamSet, tokens: &[i32]) -> Result<f32, StepError> {
@@ -1049,7 +911,7 @@ impl StepExecutor for CudaExecutor {
     }
 
     fn logits(&mut self, params: &ParamSet, tokens: &[i32]) -> Result<Vec<f32>, StepError> {
-        let logits = self.logits.ok_or(StepError::MissingOutput { what: "logits" })?;
+        let logits = self.io.logits.ok_or(StepError::MissingOutput { what: "logits" })?;
         self.run(params, tokens)?;
         Ok(self.device.read_f32(logits)?)
     }

@@ -13,20 +13,21 @@ use ir::graph::Graph;
 use ir::lower::Lowered;
 use std::collections::HashMap;
 
-/// The interface buffers of a training Plan, resolved by role once.
+/// The interface buffers of a training Plan, resolved by role once; shared
+/// by the Cpu and Cuda executors.
 #[derive(Debug)]
-struct Interface {
-    tokens: BufferId,
-    loss: BufferId,
-    logits: Option<BufferId>,
+pub(super) struct Interface {
+    pub(super) tokens: BufferId,
+    pub(super) loss: BufferId,
+    pub(super) logits: Option<BufferId>,
     /// `(name, parameter buffer, gradient buffer)` of every parameter of the Plan.
-    params: Vec<(String, BufferId, Option<BufferId>)>,
+    pub(super) params: Vec<(String, BufferId, Option<BufferId>)>,
     /// Gradient buffer by parameter name.
-    grads: HashMap<String, BufferId>,
+    pub(super) grads: HashMap<String, BufferId>,
 }
 
 impl Interface {
-    fn of(plan: &Plan) -> Result<Interface, StepError> {
+    pub(super) fn of(plan: &Plan) -> Result<Interface, StepError> {
         let output = |name: &str| plan.find(&BufferRole::Output { name: name.into() });
         let tokens = plan
             .find(&BufferRole::Input { name: "tokens".into() })
@@ -45,6 +46,28 @@ impl Interface {
         let grads = params.iter().filter_map(|(n, _, g)| g.map(|g| (n.clone(), g))).collect();
         Ok(Interface { tokens, loss, logits: output("logits"), params, grads })
     }
+
+    /// The gradient of every parameter of `params`, in its order, read by
+    /// `read`. A parameter the loss does not reach has no gradient buffer:
+    /// its gradient is zero.
+    pub(super) fn grads(
+        &self,
+        params: &ParamSet,
+        mut read: impl FnMut(BufferId) -> Result<Vec<f32>, StepError>,
+    ) -> Result<Vec<Vec<f32>>, StepError> {
+        params
+            .iter()
+            .map(|p| match self.grads.get(&p.name) {
+                Some(&g) => read(g),
+                None => Ok(vec![0.0; p.value.len()]),
+            })
+            .collect()
+    }
+}
+
+/// The loss value of a run: the single element of the `loss` buffer.
+pub(super) fn first_loss(loss: &[f32]) -> Result<f32, StepError> {
+    loss.first().copied().ok_or(StepError::MissingOutput { what: "loss" })
 }
 
 /// The differentiated and simplified training graph, and what its Plan must
@@ -155,8 +178,7 @@ impl CpuExecutor {
 
 impl Loaded {
     fn loss(&self) -> Result<f32, StepError> {
-        let loss = self.device.read_f32(self.io.loss)?;
-        loss.first().copied().ok_or(StepError::MissingOutput { what: "loss" })
+        first_loss(self.device.read_f32(self.io.loss)?)
     }
 }
 
@@ -175,16 +197,8 @@ impl StepExecutor for CpuExecutor {
         tokens: &[i32],
     ) -> Result<(f32, Vec<Vec<f32>>), StepError> {
         let l = self.run(params, tokens)?;
-        let loss = l.loss()?;
-        let mut grads = Vec::with_capacity(params.len());
-        for p in params.iter() {
-            // A parameter the loss does not reach has no gradient buffer: its gradient is zero.
-            grads.push(match l.io.grads.get(&p.name) {
-                Some(&g) => l.device.read_f32(g).map_err(StepError::from)?.to_vec(),
-                None => vec![0.0; p.value.len()],
-            });
-        }
-        Ok((loss, grads))
+        let grads = l.io.grads(params, |g| Ok(l.device.read_f32(g)?.to_vec()))?;
+        Ok((l.loss()?, grads))
     }
 
     fn loss(&mut self, params: &ParamSet, tokens: &[i32]) -> Result<f32, StepError> {

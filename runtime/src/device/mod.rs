@@ -5,8 +5,10 @@
 //!   through the `gemm` crate.
 //! - [`executor`]: the [`crate::executor::StepExecutor`] over a Cpu device,
 //!   which the training loop uses for `--device cpu`.
+//! - [`plan_check`]: the load-time checks of a Plan both devices share.
 
 pub mod cpu;
 pub mod cuda;
 pub mod executor;
+pub mod plan_check;
 mod pool;

@@ -1,0 +1,192 @@
+//! Load-time checks of a [`Plan`] shared by every device (DESIGN.md §7).
+//!
+//! Both devices store a Plan's buffers the same way: one allocation per
+//! persistent buffer and one arena per element type, in which a scratch
+//! buffer starts at its planned offset (in elements of its own type). So
+//! whether a step binds its buffers soundly is a property of the Plan alone,
+//! and is checked here once, before a device allocates or compiles anything:
+//! a malformed Plan is an error at load time, never an out-of-bounds access
+//! or a kernel racing on its own input later.
+
+use codegen::kernel::{Access, Kernel};
+use codegen::plan::{BufferId, BufferRole, Gemm, Plan, Step};
+use ir::DType;
+
+/// Why a Plan cannot be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum PlanError {
+    #[error("plan buffer #{index} declares id {id}; buffer ids must equal their position")]
+    BufferId { index: usize, id: usize },
+    #[error("step {step} refers to buffer #{id}, but the plan has {count} buffers")]
+    UnknownBuffer { step: usize, id: usize, count: usize },
+    #[error("step {step} launches kernel {kernel}, but the plan has {count} kernels")]
+    UnknownKernel { step: usize, kernel: usize, count: usize },
+    #[error("step {step} binds {got} buffers to kernel `{kernel}`, which has {expected} parameters")]
+    Arity { step: usize, kernel: String, got: usize, expected: usize },
+    #[error(
+        "step {step}: kernel `{kernel}` parameter `{param}` needs {want_len} x {want_dtype}, \
+         buffer #{id} holds {len} x {dtype}"
+    )]
+    ParamMismatch {
+        step: usize,
+        kernel: String,
+        param: String,
+        id: usize,
+        want_dtype: DType,
+        want_len: usize,
+        dtype: DType,
+        len: usize,
+    },
+    #[error(
+        "step {step}: buffer #{written} is written by `{kernel}` but overlaps its argument buffer #{other}"
+    )]
+    Aliased { step: usize, kernel: String, written: usize, other: usize },
+    #[error("step {step}: GEMM {what}")]
+    Gemm { step: usize, what: String },
+    #[error("buffer #{id} ({role}): {dtype} constants are not supported")]
+    ConstantDType { id: usize, role: String, dtype: DType },
+}
+
+/// Checks that every buffer's id equals its position, which both devices
+/// rely on to index their storage by id.
+pub fn check_buffer_ids(plan: &Plan) -> Result<(), PlanError> {
+    match plan.buffers.iter().enumerate().find(|(index, d)| d.id.0 != *index) {
+        Some((index, d)) => Err(PlanError::BufferId { index, id: d.id.0 }),
+        None => Ok(()),
+    }
+}
+
+/// Checks every step against the buffers it binds: buffers and kernels
+/// exist; a kernel gets one buffer per parameter, of the parameter's element
+/// type and at least its length; a buffer a kernel writes overlaps none of
+/// its other arguments; GEMM operands are f32 and long enough for every
+/// batch entry, and the output overlaps neither input.
+pub fn check_steps(plan: &Plan) -> Result<(), PlanError> {
+    let count = plan.buffers.len();
+    for (step, s) in plan.steps.iter().enumerate() {
+        let known = |id: &BufferId| {
+            if id.0 < count {
+                Ok(())
+            } else {
+                Err(PlanError::UnknownBuffer { step, id: id.0, count })
+            }
+        };
+        match s {
+            Step::Kernel { kernel, args } => {
+                let k = plan.kernels.get(*kernel).ok_or(PlanError::UnknownKernel {
+                    step,
+                    kernel: *kernel,
+                    count: plan.kernels.len(),
+                })?;
+                check_kernel_args(plan, step, k, args, known)?;
+            }
+            Step::Gemm(g) => {
+                for id in [g.a, g.b, g.c] {
+                    known(&id)?;
+                }
+                check_gemm(plan, step, g)?;
+            }
+            Step::Zero { buffer } => known(buffer)?,
+        }
+    }
+    Ok(())
+}
+
+fn check_kernel_args(
+    plan: &Plan,
+    step: usize,
+    k: &Kernel,
+    args: &[BufferId],
+    known: impl Fn(&BufferId) -> Result<(), PlanError>,
+) -> Result<(), PlanError> {
+    if args.len() != k.params.len() {
+        return Err(PlanError::Arity {
+            step,
+            kernel: k.name.clone(),
+            got: args.len(),
+            expected: k.params.len(),
+        });
+    }
+    for (p, id) in k.params.iter().zip(args) {
+        known(id)?;
+        let d = &plan.buffers[id.0];
+        if d.dtype != p.dtype || d.len < p.len {
+            return Err(PlanError::ParamMismatch {
+                step,
+                kernel: k.name.clone(),
+                param: p.name.clone(),
+                id: id.0,
+                want_dtype: p.dtype,
+                want_len: p.len,
+                dtype: d.dtype,
+                len: d.len,
+            });
+        }
+    }
+    for (i, (p, w)) in k.params.iter().zip(args).enumerate() {
+        if p.access == Access::Read {
+            continue;
+        }
+        for (j, o) in args.iter().enumerate() {
+            if i != j && overlaps(extent(plan, *w), extent(plan, *o)) {
+                return Err(PlanError::Aliased { step, kernel: k.name.clone(), written: w.0, other: o.0 });
+            }
+        }
+    }
+    Ok(())
+}
+
+fn check_gemm(plan: &Plan, step: usize, g: &Gemm) -> Result<(), PlanError> {
+    let err = |what: String| PlanError::Gemm { step, what };
+    for (name, id, stride, size) in [
+        ("a", g.a, g.stride_a, g.m * g.k),
+        ("b", g.b, g.stride_b, g.k * g.n),
+        ("c", g.c, g.stride_c, g.m * g.n),
+    ] {
+        let d = &plan.buffers[id.0];
+        if d.dtype != DType::F32 {
+            return Err(err(format!(
+                "operand {name} (buffer #{}) is {}, only f32 is supported",
+                id.0, d.dtype
+            )));
+        }
+        let need = if g.batch == 0 { 0 } else { (g.batch - 1) * stride + size };
+        if d.len < need {
+            return Err(err(format!(
+                "operand {name} (buffer #{}) holds {} elements, {} batches of {size} with stride {stride} need {need}",
+                id.0, d.len, g.batch
+            )));
+        }
+    }
+    for (name, id) in [("a", g.a), ("b", g.b)] {
+        if overlaps(extent(plan, g.c), extent(plan, id)) {
+            return Err(err(format!(
+                "output c (buffer #{}) overlaps operand {name} (buffer #{})",
+                g.c.0, id.0
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The storage a buffer lives in: its own allocation, or the arena of its
+/// element type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Storage {
+    Own(usize),
+    Arena(DType),
+}
+
+/// The element range a buffer occupies in its storage: (storage, start, end).
+fn extent(plan: &Plan, id: BufferId) -> (Storage, usize, usize) {
+    let d = &plan.buffers[id.0];
+    match d.role {
+        BufferRole::Scratch { offset } => (Storage::Arena(d.dtype), offset, offset + d.len),
+        _ => (Storage::Own(id.0), 0, d.len),
+    }
+}
+
+/// Whether two non-empty ranges of the same storage intersect.
+fn overlaps(a: (Storage, usize, usize), b: (Storage, usize, usize)) -> bool {
+    a.0 == b.0 && a.1 < b.2 && b.1 < a.2 && a.1 < a.2 && b.1 < b.2
+}
