@@ -6,10 +6,7 @@
 //! Tolerances and what is compared: [`runtime::parity`] (f32 rounding
 //! level, [`Tolerances::FP32`]).
 
-use ir::spec::{
-    load_spec, ConstantSpec, DataSpec, FfnSpec, Flash, ModelSpec, ResidualSpec, ScheduleSpec, SwiGluSpec,
-    SyntheticCorpus,
-};
+use ir::spec::{ConstantSpec, ModelSpec, ScheduleSpec};
 use runtime::data::{BatchSampler, Corpus};
 use runtime::device::cpu::CpuOptions;
 use runtime::device::executor::CpuExecutor;
@@ -18,32 +15,16 @@ use runtime::init::init_params;
 use runtime::parity::{compare, Quantity, Tolerances};
 use std::path::PathBuf;
 
+mod spec_fixture;
+use spec_fixture::{shrunk_spec, Shrink};
+
 const OPT_STEPS: usize = 5;
 
 /// The spec at parity-test size: D = 32, one block (two for two-block
 /// xHC-Flash), 2 windows of 8 tokens.
 fn shrunk(file: &str) -> ModelSpec {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../specs").join(file);
-    let mut spec = load_spec(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    spec.d_model = 32;
-    spec.heads = 2;
-    spec.kv_heads = None;
-    spec.head_dim = None;
-    // Two blocks where a scheme shares decisions across a block pair (MATH.md §6.11).
-    spec.layers = match &spec.residual {
-        ResidualSpec::Xhc(x) if x.flash == Flash::TwoBlock => 2,
-        _ => 1,
-    };
-    spec.ffn = match spec.ffn {
-        FfnSpec::SwiGlu(_) => FfnSpec::SwiGlu(SwiGluSpec { hidden: Some(48) }),
-        FfnSpec::Moe(mut m) => {
-            m.hidden = 16;
-            FfnSpec::Moe(m)
-        }
-    };
-    spec.train.data = DataSpec::Synthetic(SyntheticCorpus::Default);
-    spec.train.seq_len = 8;
-    spec.train.batch = 2;
+    let sizes = Shrink { ffn_hidden: 48, moe_hidden: 16, seq_len: 8, batch: 2 };
+    let mut spec = shrunk_spec(file, &sizes);
     spec.train.schedule = ScheduleSpec::Constant(ConstantSpec { warmup: 0 });
     spec
 }

@@ -3,13 +3,13 @@
 //! is clearly below the mean of the first steps. Also MoE routing and Muon on a GHC
 //! (virtual-width) model, whose hidden matrices include W_reduce and the MTP mixers.
 
-use ir::spec::{
-    load_spec, ConstantSpec, DataSpec, FfnSpec, Flash, ModelSpec, MuonSpec, OptimizerSpec, ResidualSpec,
-    ScheduleSpec, SwiGluSpec, SyntheticCorpus,
-};
+use ir::spec::{ConstantSpec, Flash, ModelSpec, MuonSpec, OptimizerSpec, ResidualSpec, ScheduleSpec};
 use runtime::executor::Device;
 use runtime::train::{train_spec, Progress, TrainOptions};
 use std::path::PathBuf;
+
+mod spec_fixture;
+use spec_fixture::{shrunk_spec, Shrink};
 
 const STEPS: usize = 40;
 /// Steps averaged at each end of the run.
@@ -26,26 +26,8 @@ fn spec_path(file: &str) -> PathBuf {
 /// schedule and no evaluation until the last step. The residual scheme, MTP, FFN kind
 /// and optimizer stay as the file says.
 fn shrunk(file: &str) -> ModelSpec {
-    let path = spec_path(file);
-    let mut spec = load_spec(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    spec.d_model = 32;
-    spec.heads = 2;
-    spec.kv_heads = None;
-    spec.head_dim = None;
-    spec.layers = match &spec.residual {
-        ResidualSpec::Xhc(x) if x.flash == Flash::TwoBlock => 2,
-        _ => 1,
-    };
-    spec.ffn = match spec.ffn {
-        FfnSpec::SwiGlu(_) => FfnSpec::SwiGlu(SwiGluSpec { hidden: Some(64) }),
-        FfnSpec::Moe(mut m) => {
-            m.hidden = 32;
-            FfnSpec::Moe(m)
-        }
-    };
-    spec.train.data = DataSpec::Synthetic(SyntheticCorpus::Default);
-    spec.train.seq_len = 32;
-    spec.train.batch = 4;
+    let sizes = Shrink { ffn_hidden: 64, moe_hidden: 32, seq_len: 32, batch: 4 };
+    let mut spec = shrunk_spec(file, &sizes);
     spec.train.steps = STEPS;
     spec.train.eval_every = STEPS;
     spec.train.eval_batches = 1;
