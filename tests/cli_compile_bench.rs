@@ -52,16 +52,24 @@ fn compile_writes_dumps_kernels_and_plan() {
     assert!(fusion.contains("token-local"), "mHC has token-local groups");
 
     // Kernels: every kernel the plan launches is defined in both dialects.
+    // kernels.c holds the Cpu Plan's kernels (plan.txt), kernels.cu the GPU Plan's
+    // (plan.cuda.txt), which may split wide rows into more kernels.
     let (plan, c, cu) = (read(&out, "plan.txt"), read(&out, "kernels.c"), read(&out, "kernels.cu"));
-    let launched: Vec<&str> = plan
-        .lines()
-        .filter_map(|l| {
-            l.trim_start().split_once("  kernel ").map(|(_, rest)| rest.split(' ').next().unwrap())
-        })
-        .collect();
-    assert!(!launched.is_empty(), "plan.txt lists kernel steps");
+    let launched_by = |plan: &str| -> Vec<String> {
+        plan.lines()
+            .filter_map(|l| {
+                l.trim_start()
+                    .split_once("  kernel ")
+                    .map(|(_, rest)| rest.split(' ').next().unwrap().to_string())
+            })
+            .collect()
+    };
+    let (launched, launched_cuda) = (launched_by(&plan), launched_by(&read(&out, "plan.cuda.txt")));
+    assert!(!launched.is_empty() && !launched_cuda.is_empty(), "both plans list kernel steps");
     for k in &launched {
         assert!(c.contains(&format!("void widen_{k}_entry(")), "kernels.c lacks {k}");
+    }
+    for k in &launched_cuda {
         assert!(cu.contains(&format!(" widen_{k}(")), "kernels.cu lacks {k}");
     }
     assert!(out.join("kernels.ptx").exists() || out.join("kernels.ptx.txt").exists());

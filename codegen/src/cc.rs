@@ -36,7 +36,7 @@ use crate::kernel::{Kernel, KernelError};
 use crate::render::render_c;
 
 /// Flags passed to the compiler before the source file.
-pub const FLAGS: &[&str] = &["-O2", "-fPIC", "-shared", "-ffp-contract=off", "-std=c11"];
+pub const FLAGS: &[&str] = &["-O2", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-std=c11"];
 
 /// The uniform entry point of every compiled kernel (see the module docs).
 pub type EntryFn = unsafe extern "C" fn(args: *const *mut c_void, start: i64, end: i64);

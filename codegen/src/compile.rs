@@ -19,6 +19,7 @@ use ir::DType;
 use thiserror::Error;
 
 use crate::cc::{CcError, Compiler};
+pub use crate::emit::Target;
 use crate::emit::{self, Arg, EmitError, Launch, Residency};
 use crate::kernel::{item, Access, Kernel, KernelBuilder};
 use crate::plan::{BufferDecl, BufferId, BufferRole, Gemm, Plan, Step};
@@ -34,12 +35,19 @@ pub struct Request {
     /// (parameter node, gradient node) pairs; the gradient buffer carries the
     /// parameter's name.
     pub grads: Vec<(NodeId, NodeId)>,
+    /// The device the kernels are sized for (per-item scratch of fused kernels).
+    pub target: Target,
 }
 
 impl Request {
     /// The graph's named outputs and the given gradients.
     pub fn new(graph: &Graph, grads: Vec<(NodeId, NodeId)>) -> Request {
-        Request { outputs: graph.outputs().to_vec(), grads }
+        Request { outputs: graph.outputs().to_vec(), grads, target: Target::Cpu }
+    }
+
+    /// The same request with kernels sized for `target`.
+    pub fn for_target(self, target: Target) -> Request {
+        Request { target, ..self }
     }
 
     fn roots(&self) -> Vec<NodeId> {
@@ -500,22 +508,24 @@ pub fn compile(graph: &Graph, partition: &[Vec<NodeId>], request: &Request) -> R
                 // A view copied for its role: a copy kernel of its own, parallel over
                 // its elements rather than tied to the items of the ops around it.
                 flush(&mut current, current_n, &mut units);
-                let n = emit::itemize(graph, &[id], &trial_res).unwrap_or(1);
+                let n = emit::itemize(graph, &[id], &trial_res, request.target).unwrap_or(1);
                 units.push(Unit::Fused { nodes: vec![id], n });
                 continue;
             }
             current.push(id);
-            if let Some(n) = emit::itemize(graph, &current, &trial_res) {
+            if let Some(n) = emit::itemize(graph, &current, &trial_res, request.target) {
                 current_n = n;
                 continue;
             }
             current.pop();
             flush(&mut current, current_n, &mut units);
             current.push(id);
-            current_n = emit::itemize(graph, &current, &trial_res).ok_or_else(|| CompileError::Lowering {
-                node: id.index(),
-                op: graph.node(id).op.name(),
-                reason: "no item split fits its operands".into(),
+            current_n = emit::itemize(graph, &current, &trial_res, request.target).ok_or_else(|| {
+                CompileError::Lowering {
+                    node: id.index(),
+                    op: graph.node(id).op.name(),
+                    reason: "no item split fits its operands".into(),
+                }
             })?;
         }
         flush(&mut current, current_n, &mut units);
@@ -612,15 +622,19 @@ pub fn compile(graph: &Graph, partition: &[Vec<NodeId>], request: &Request) -> R
                 for &input in &inputs {
                     let v = through_reshapes(graph, input);
                     if gemm_views.contains(&v) && copied_views.insert(v) {
-                        let n = emit::itemize(graph, &[v], &res).unwrap_or(1);
+                        let n = emit::itemize(graph, &[v], &res, request.target).unwrap_or(1);
                         let name = b.kernel_name("copy");
                         b.push_launch(emit::lower_fused(graph, &[v], n, &res, &name)?, &[]);
                     }
                 }
                 let sh = form.shape;
+                let (ga, gb) = b.gemm_operands(
+                    b.node_buf[&through_reshapes(graph, inputs[0])],
+                    b.node_buf[&through_reshapes(graph, inputs[1])],
+                );
                 let gemm = Gemm {
-                    a: b.node_buf[&through_reshapes(graph, inputs[0])],
-                    b: b.node_buf[&through_reshapes(graph, inputs[1])],
+                    a: ga,
+                    b: gb,
                     c: b.node_buf[id],
                     batch: sh.batch,
                     m: sh.m,
@@ -709,6 +723,7 @@ impl PlanBuilder {
     }
 
     fn push_kernel(&mut self, kernel: Kernel, args: Vec<BufferId>) {
+        let kernel = crate::kernel::simplify_indices(kernel);
         self.steps.push(Step::Kernel { kernel: self.kernels.len(), args });
         self.kernels.push(kernel);
     }
@@ -721,10 +736,12 @@ impl PlanBuilder {
         match work {
             emit::Work::Launch(launch) => self.push_launch(launch, temps),
             emit::Work::Gemm(g) => {
+                let (a, b, c) = (buf(g.a), buf(g.b), buf(g.c));
+                let (a, b) = self.gemm_operands(a, b);
                 let gemm = Gemm {
-                    a: buf(g.a),
-                    b: buf(g.b),
-                    c: buf(g.c),
+                    a,
+                    b,
+                    c,
                     batch: g.batch,
                     m: g.m,
                     n: g.n,
@@ -751,6 +768,32 @@ impl PlanBuilder {
             })
             .collect();
         self.push_kernel(launch.kernel, args);
+    }
+
+    /// GEMM operands of one element type: a GEMM runs on two f32 or two bf16 inputs
+    /// (cuBLAS GemmEx takes one input type), so when a bf16 operand meets an f32 one
+    /// (the backward of a bf16 projection, MATH.md §6.12) the bf16 one is widened, exactly,
+    /// into an f32 scratch copy first.
+    fn gemm_operands(&mut self, a: BufferId, b: BufferId) -> (BufferId, BufferId) {
+        let (da, db) = (self.buffers[a.0].dtype, self.buffers[b.0].dtype);
+        match (da, db) {
+            (DType::Bf16, DType::F32) => (self.push_widen(a), b),
+            (DType::F32, DType::Bf16) => (a, self.push_widen(b)),
+            _ => (a, b),
+        }
+    }
+
+    /// An f32 scratch copy of bf16 buffer `src` (the kernel's load widens each value).
+    fn push_widen(&mut self, src: BufferId) -> BufferId {
+        let len = self.buffers[src.0].len;
+        let dst = self.buffer(len, DType::F32, BufferRole::Scratch { offset: 0 }, None);
+        let name = self.kernel_name("widen");
+        let mut k = KernelBuilder::new(&name, emit::grid(len));
+        let from = k.param("src", DType::Bf16, Access::Read, len);
+        let out = k.param("dst", DType::F32, Access::Write, len);
+        k.store(&out, item(), from.at(item()));
+        self.push_kernel(k.finish(), vec![src, dst]);
+        dst
     }
 
     /// A copy of node `id`'s buffer into `dst` (a value with two roles).

@@ -57,12 +57,16 @@ pub fn render_module(kernels: &[Kernel], dialect: Dialect) -> Result<String, Ker
             return Err(KernelError::DuplicateKernel { name: k.name.clone() });
         }
     }
-    let mut p = Printer { out: String::new(), indent: 0, dialect, promoted: HashSet::new() };
-    p.prelude(kernels);
+    let mut p =
+        Printer { out: String::new(), indent: 0, dialect, promoted: HashSet::new(), rounds_bf16: false };
     for k in kernels {
         p.out.push('\n');
         p.kernel(k);
     }
+    // The prelude goes first but depends on what the kernels print (bf16 rounding).
+    let body = std::mem::take(&mut p.out);
+    p.prelude(kernels);
+    p.out.push_str(&body);
     Ok(p.out)
 }
 
@@ -81,7 +85,8 @@ const CUDA_PRELUDE: &str = "#define WIDEN_INF_F32 __int_as_float(0x7f800000)
 #define WIDEN_NAN_F64 __longlong_as_double(0x7ff8000000000000LL)
 ";
 
-/// bf16 <-> f32 with round-to-nearest-even; NaNs stay (quiet) NaNs.
+/// bf16 <-> f32 with round-to-nearest-even; NaNs stay (quiet) NaNs. `widen_round_bf16`
+/// below is the in-register cast to bf16 of mixed precision (MATH.md §6.12).
 const C_BF16: &str = "
 static inline float widen_bf16_to_f32(uint16_t h) {
     union { uint32_t u; float f; } v;
@@ -99,6 +104,13 @@ static inline uint16_t widen_f32_to_bf16(float f) {
 }
 ";
 
+/// The in-register cast to bf16 (`MathFn::RoundBf16`), emitted only where a kernel uses it.
+const C_ROUND_BF16: &str = "
+static inline float widen_round_bf16(float f) {
+    return widen_bf16_to_f32(widen_f32_to_bf16(f));
+}
+";
+
 const CUDA_BF16: &str = "
 static __device__ __forceinline__ float widen_bf16_to_f32(unsigned short h) {
     return __uint_as_float((unsigned int)h << 16);
@@ -113,6 +125,12 @@ static __device__ __forceinline__ unsigned short widen_f32_to_bf16(float f) {
 }
 ";
 
+const CUDA_ROUND_BF16: &str = "
+static __device__ __forceinline__ float widen_round_bf16(float f) {
+    return widen_bf16_to_f32(widen_f32_to_bf16(f));
+}
+";
+
 /// C operator precedence (lower binds tighter); used to print minimal parentheses.
 const ATOM: u8 = 0;
 const UNARY: u8 = 2;
@@ -123,6 +141,8 @@ struct Printer {
     dialect: Dialect,
     /// C block-per-item kernels: lane-local names stored as per-lane arrays.
     promoted: HashSet<String>,
+    /// Whether a printed expression rounds to bf16, so the prelude needs the conversions.
+    rounds_bf16: bool,
 }
 
 impl Printer {
@@ -156,8 +176,11 @@ impl Printer {
             kernels.len()
         );
         self.out.push_str(if self.cuda() { CUDA_PRELUDE } else { C_PRELUDE });
-        if kernels.iter().any(|k| k.params.iter().any(|p| p.dtype == DType::Bf16)) {
+        if self.rounds_bf16 || kernels.iter().any(|k| k.params.iter().any(|p| p.dtype == DType::Bf16)) {
             self.out.push_str(if self.cuda() { CUDA_BF16 } else { C_BF16 });
+        }
+        if self.rounds_bf16 {
+            self.out.push_str(if self.cuda() { CUDA_ROUND_BF16 } else { C_ROUND_BF16 });
         }
     }
 
@@ -540,6 +563,7 @@ impl Printer {
             Expr::Call { f, args } => {
                 let t = e.ty();
                 let a: Vec<String> = args.iter().map(|a| self.expr(a).0).collect();
+                self.rounds_bf16 |= *f == MathFn::RoundBf16;
                 if *f == MathFn::Rsqrt {
                     let one = if t == Ty::F32 { "1.0f" } else { "1.0" };
                     return (format!("{one} / {}({})", math_name(MathFn::Sqrt, t), a[0]), 3);
@@ -576,6 +600,8 @@ fn math_name(f: MathFn, t: Ty) -> String {
         MathFn::Pow => "pow",
         MathFn::Max => "fmax",
         MathFn::Min => "fmin",
+        // f32 only, defined with the bf16 conversions (no per-type suffix).
+        MathFn::RoundBf16 => return "widen_round_bf16".to_string(),
     };
     if t == Ty::F32 {
         format!("{base}f")

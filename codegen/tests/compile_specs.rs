@@ -9,7 +9,7 @@ mod emit_support;
 
 use std::path::Path;
 
-use codegen::compile::{compile, fused_partition, one_op_per_group, Request};
+use codegen::compile::{compile, fused_partition, one_op_per_group, Request, Target};
 use codegen::render::render_cuda;
 use emit_support::{check, Rng, Sources};
 use ir::graph::Graph;
@@ -18,9 +18,14 @@ const SPECS: [&str; 4] = ["residual", "mhc", "vwn-r4", "xhc"];
 
 /// The spec at test size, lowered, with loss gradients for every parameter.
 fn tiny_model(name: &str) -> (Graph, Request, usize) {
+    model_of_width(name, 16)
+}
+
+/// The spec with `d_model`, one layer, seq 8, batch 2.
+fn model_of_width(name: &str, d_model: usize) -> (Graph, Request, usize) {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../specs").join(format!("{name}.ron"));
     let mut spec = ir::spec::load_spec(&path).unwrap_or_else(|e| panic!("{name}: {e}"));
-    spec.d_model = 16;
+    spec.d_model = d_model;
     spec.layers = 1;
     let vocab = spec.vocab;
     let lowered = ir::lower::lower(&spec, 2, 8).unwrap_or_else(|e| panic!("{name}: {e}"));
@@ -58,6 +63,23 @@ fn specs_match_the_reference_fused() {
             unfused.kernels.len()
         );
     }
+}
+
+/// xHC at d_model 64 has a 16·64 = 1024-float state per token: the Cpu target
+/// keeps its LayerNorm and gradient in one kernel per group, the Cuda target
+/// (512 floats of per-thread scratch) splits them. Both must match the reference.
+#[test]
+fn per_target_scratch_limits_split_wide_rows_and_match_the_reference() {
+    let (graph, request, vocab) = model_of_width("xhc", 64);
+    let src = token_sources(&graph, vocab);
+    let partition = fused_partition(&graph, &request).expect("fuses");
+    let mut kernels = Vec::new();
+    for target in [Target::Cpu, Target::Cuda] {
+        let request = request.clone().for_target(target);
+        let plan = check(&graph, &src, &request, &partition, 2e-4, &format!("xhc d64 {target:?}"));
+        kernels.push(plan.kernels.len());
+    }
+    assert!(kernels[0] < kernels[1], "the Cuda target splits more: {kernels:?} kernels (Cpu, Cuda)");
 }
 
 /// Random token windows: a fresh generator per draw position keeps the values
@@ -99,6 +121,7 @@ fn cuda_dialect_compiles_under_nvrtc_without_spills() {
             ("one op", one_op_per_group(&graph)),
             ("fused", fused_partition(&graph, &request).expect("fuses")),
         ] {
+            let request = request.clone().for_target(Target::Cuda);
             let plan = compile(&graph, &partition, &request).expect("compiles");
             let src = render_cuda(&plan.kernels).expect("renders");
             let out =

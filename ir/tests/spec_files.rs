@@ -62,7 +62,7 @@ fn specs_are_small_enough_for_cpu_and_use_their_scheme() {
             "residual" => "Residual",
             "hc" => "Hc",
             "fc" => "Fc",
-            "mhc" => "Mhc",
+            "mhc" | "mhc-bf16" => "Mhc",
             "xhc" | "xhc-flash" => "Xhc",
             _ => "Ghc",
         };

@@ -109,7 +109,8 @@ pub fn cuda_executor(lowered: Lowered) -> Result<crate::device::cuda::CudaExecut
         return Err(CudaError::NoCudaDriver.into());
     }
     let token_shape = token_shape_of(&lowered.graph, lowered.tokens);
-    let plan = crate::device::executor::TrainingGraph::new(lowered)?.plan()?;
+    let plan =
+        crate::device::executor::TrainingGraph::new(lowered)?.plan_for(codegen::compile::Target::Cuda)?;
     CudaExecutor::new(CudaDevice::new(plan)?, token_shape)
 }
 

@@ -4,7 +4,7 @@
 //! five optimizer steps on each.
 //!
 //! Tolerances and what is compared: [`runtime::parity`] (f32 rounding
-//! level, [`Tolerances::FP32`]).
+//! level, [`Tolerances::FP32`]; bf16 specs [`Tolerances::BF16`]).
 
 use ir::spec::{ConstantSpec, ModelSpec, ScheduleSpec};
 use runtime::data::{BatchSampler, Corpus};
@@ -35,8 +35,8 @@ fn check_spec(file: &str) {
     let lowered = ir::lower::lower(&spec, batch, seq).unwrap_or_else(|e| panic!("{file}: lower: {e}"));
     let params = init_params(&lowered.graph, spec.train.seed).expect("init");
     let mut cpu = CpuExecutor::from_lowered(lowered, CpuOptions { threads: 2 });
-    let report =
-        compare(&spec, &mut cpu, OPT_STEPS, Tolerances::FP32).unwrap_or_else(|e| panic!("{file}: {e}"));
+    let report = compare(&spec, &mut cpu, OPT_STEPS, Tolerances::for_spec(&spec))
+        .unwrap_or_else(|e| panic!("{file}: {e}"));
     let failures: Vec<String> = report
         .failures()
         .map(|c| format!("{} {}: {:.2e} > {:.0e}", c.quantity.key(), c.name, c.err, c.tol))
@@ -76,6 +76,7 @@ parity! {
     fc => "fc.ron",
     hc => "hc.ron",
     mhc => "mhc.ron",
+    mhc_bf16 => "mhc-bf16.ron",
     moe => "moe.ron",
     mtp => "mtp.ron",
     residual => "residual.ron",

@@ -69,9 +69,10 @@ fn assert_trains(spec: &ModelSpec) -> (f64, f64) {
 }
 
 /// Every spec file has a test below, so a new one cannot go untrained.
-const SPEC_FILES: [&str; 12] = [
+const SPEC_FILES: [&str; 13] = [
     "fc.ron",
     "hc.ron",
+    "mhc-bf16.ron",
     "mhc.ron",
     "moe.ron",
     "mtp.ron",
@@ -109,6 +110,11 @@ fn hc_trains() {
 #[test]
 fn mhc_trains() {
     assert_trains(&shrunk("mhc.ron"));
+}
+
+#[test]
+fn mhc_bf16_trains() {
+    assert_trains(&shrunk("mhc-bf16.ron"));
 }
 
 #[test]

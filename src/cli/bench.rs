@@ -22,7 +22,7 @@ use ir::spec::{load_spec, ModelSpec, ResidualSpec};
 use runtime::data::{BatchSampler, Corpus};
 use runtime::device::cpu::CpuOptions;
 use runtime::device::cuda::{copy_bandwidth, CudaExecutor};
-use runtime::device::executor::CpuExecutor;
+use runtime::device::executor::{CpuExecutor, TrainingGraph};
 use runtime::executor::{cuda_executor, Device, StepExecutor};
 use runtime::init::init_params;
 use runtime::optim::clip::{clip_global_norm, global_norm};
@@ -163,6 +163,9 @@ struct Model {
     total_steps: usize,
     last_loss: f32,
     times_ms: Vec<f64>,
+    /// Arithmetic of one training step, counted from the Cpu Plan (the same
+    /// graph on every device): the floor of the overhead at equal efficiency.
+    flops: u64,
 }
 
 impl Model {
@@ -176,6 +179,7 @@ impl Model {
         let (batch, seq_len) = (spec.train.batch, spec.train.seq_len);
         let corpus = Corpus::load(&spec.train.data, spec.train.val_fraction, seq_len + 1)?;
         let lowered = ir::lower::lower(&spec, batch, seq_len)?;
+        let flops = super::compile::plan_flops(&TrainingGraph::new(lowered.clone())?.plan()?);
         let params = init_params(&lowered.graph, spec.train.seed)?;
         let optimizer = Optimizer::new(&spec, &params);
         // Compile and load the Plan now, so no timed step pays for it.
@@ -203,6 +207,7 @@ impl Model {
             total_steps,
             last_loss: f32::NAN,
             times_ms: Vec::new(),
+            flops,
         })
     }
 
@@ -379,6 +384,8 @@ fn rows(models: &[Model]) -> Vec<serde_json::Value> {
             let ms = median(&m.times_ms);
             let base = models.iter().find(|b| b.baseline && b.path == m.path).map(|b| median(&b.times_ms));
             let overhead = base.map(|b| (ms / b - 1.0) * 100.0);
+            let base_flops = models.iter().find(|b| b.baseline && b.path == m.path).map(|b| b.flops);
+            let flop_overhead = base_flops.map(|b| (m.flops as f64 / b.max(1) as f64 - 1.0) * 100.0);
             json!({
                 "spec": m.name,
                 "path": m.path.display().to_string(),
@@ -388,6 +395,8 @@ fn rows(models: &[Model]) -> Vec<serde_json::Value> {
                 "ms_min": m.times_ms.iter().copied().fold(f64::INFINITY, f64::min),
                 "tokens_per_s": m.tokens_per_step() as f64 / (ms / 1e3),
                 "overhead_pct": overhead,
+                "gflop_per_step": m.flops as f64 / 1e9,
+                "flop_overhead_pct": flop_overhead,
                 "params": m.params.numel(),
                 "d_model": m.spec.d_model,
                 "layers": m.spec.layers,
@@ -408,20 +417,26 @@ fn print_table(rows: &[serde_json::Value], args: &Args, device: Device) {
         args.steps,
         args.warmup
     );
-    println!("{:<16} {:<9} {:>10} {:>11} {:>13}", "spec", "scheme", "ms/step", "tok/s", "vs residual");
+    println!(
+        "{:<16} {:<9} {:>10} {:>11} {:>13} {:>10} {:>11}",
+        "spec", "scheme", "ms/step", "tok/s", "vs residual", "GFLOP", "FLOP ratio"
+    );
+    let pct = |r: &serde_json::Value, key: &str| match r[key].as_f64() {
+        _ if r["baseline"].as_bool() == Some(true) => "baseline".into(),
+        Some(o) => format!("{o:+.1}%"),
+        None => "-".into(),
+    };
     for r in rows {
-        let overhead = match r["overhead_pct"].as_f64() {
-            _ if r["baseline"].as_bool() == Some(true) => "baseline".into(),
-            Some(o) => format!("{o:+.1}%"),
-            None => "-".into(),
-        };
         println!(
-            "{:<16} {:<9} {:>10.2} {:>11.0} {:>13}",
+            "{:<16} {:<9} {:>10.2} {:>11.0} {:>13} {:>10.1} {:>11}",
             r["spec"].as_str().unwrap_or("?"),
             r["scheme"].as_str().unwrap_or("?"),
             r["ms_per_step"].as_f64().unwrap_or(f64::NAN),
             r["tokens_per_s"].as_f64().unwrap_or(f64::NAN),
-            overhead
+            pct(r, "overhead_pct"),
+            r["gflop_per_step"].as_f64().unwrap_or(f64::NAN),
+            pct(r, "flop_overhead_pct"),
         );
     }
+    println!("(FLOP ratio: the step's arithmetic against the baseline's, counted from the Plan; the overhead's floor at equal efficiency)");
 }

@@ -364,6 +364,11 @@ fn cost_rows(plan: &Plan) -> Vec<CostRow> {
         .collect()
 }
 
+/// Floating-point operations of one run of `plan` (kernels and GEMMs, as in `kernels.tsv`).
+pub fn plan_flops(plan: &Plan) -> u64 {
+    cost_rows(plan).iter().map(|r| r.flops).fold(0, u64::saturating_add)
+}
+
 /// `kernels.tsv`: one row per step, then a total row.
 pub fn kernels_tsv(plan: &Plan) -> String {
     let rows = cost_rows(plan);
@@ -446,7 +451,11 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     write("fused.dot", &fused_dot(graph, &fused))?;
     write("fusion.txt", &fused.explain())?;
     write("kernels.c", &codegen::render::render_c(&plan.kernels)?)?;
-    let cuda = codegen::render::render_cuda(&plan.kernels)?;
+    // The GPU's Plan differs only in how wide rows split into kernels
+    // (`codegen::compile::Target::local_limit`): plan.cuda.txt lists it, plan.txt and kernels.tsv
+    // describe the Cpu one.
+    let cuda_plan = training.plan_for(codegen::compile::Target::Cuda).context("compiling the GPU plan")?;
+    let cuda = codegen::render::render_cuda(&cuda_plan.kernels)?;
     write("kernels.cu", &cuda)?;
     let ptx_note = if codegen::nvrtc::is_available() {
         let compiled = codegen::nvrtc::compile(&cuda, ARCH).context("NVRTC")?;
@@ -459,6 +468,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         "kernels.ptx.txt (NVRTC unavailable: no PTX)".into()
     };
     write("plan.txt", &plan_text(&plan))?;
+    write("plan.cuda.txt", &plan_text(&cuda_plan))?;
     write("kernels.tsv", &kernels_tsv(&plan))?;
 
     if args.explain {
@@ -467,7 +477,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let groups = fused.groups.iter().filter(|g| g.kind != GroupKind::Source).count();
     eprintln!(
         "{}: {} nodes, {} fusion groups, {} kernels, {} steps; wrote graph.{{txt,dot}}, fused.{{txt,dot}}, \
-         fusion.txt, kernels.{{c,cu}}, {ptx_note}, plan.txt, kernels.tsv to {}",
+         fusion.txt, kernels.{{c,cu}}, {ptx_note}, plan.txt, plan.cuda.txt, kernels.tsv to {}",
         spec.name,
         graph.node_count(),
         groups,

@@ -71,10 +71,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         Device::Cuda => std::thread::available_parallelism().map_or(1, |n| n.get()),
         _ => 1,
     };
-    let tol = Tolerances::FP32;
     let records: Mutex<Vec<Option<Value>>> = Mutex::new(vec![None; args.specs.len()]);
     let outcomes = parallel_map(&args.specs, workers, |i, path| {
-        let (record, passed) = match check(path, device, &args, tol) {
+        let (record, passed) = match check(path, device, &args) {
             Ok(report) => {
                 let mut lines = report.to_string();
                 for c in report.failures() {
@@ -105,18 +104,14 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
 }
 
 /// Builds one spec (with the backbone overrides) on `device` and compares it.
-fn check(
-    path: &Path,
-    device: Device,
-    args: &Args,
-    tol: Tolerances,
-) -> anyhow::Result<runtime::parity::ParityReport> {
+fn check(path: &Path, device: Device, args: &Args) -> anyhow::Result<runtime::parity::ParityReport> {
     let mut spec = load_spec(path)?;
     args.backbone.apply(&mut spec);
     let lowered = ir::lower::lower(&spec, spec.train.batch, spec.train.seq_len)?;
     let mut exec =
         device.executor(lowered).with_context(|| format!("setting up the {} device", device.name()))?;
-    Ok(compare(&spec, exec.as_mut(), args.steps, tol)?)
+    // Each spec is held to the tolerances of its precision (f32, or bf16 mixed precision).
+    Ok(compare(&spec, exec.as_mut(), args.steps, Tolerances::for_spec(&spec))?)
 }
 
 /// Writes the finished specs (in command-line order) and whether all passed.

@@ -1,6 +1,7 @@
 //! Per-op emitters of fused kernels: the code computing one item's part of an
 //! op's output (see the module docs of [`super`]). Each follows the reference
-//! executor's arithmetic order (`ir::exec`) so results agree to rounding.
+//! executor's arithmetic (`ir::exec`) so results agree to rounding; long
+//! reductions split into interleaved partial sums ([`ItemOp::fold`]).
 
 use ir::graph::{BinaryOp, Node, NodeId, Op, ReduceOp, UnaryOp};
 
@@ -54,6 +55,14 @@ impl ItemOp<'_> {
     }
 
     /// A `Var` accumulating `f(j)` over `j in 0..n` from `init` with `op`.
+    ///
+    /// Long folds run as [`FOLD_LANES`] interleaved partial folds (lane `w` takes
+    /// `j ≡ w mod FOLD_LANES`), combined pairwise and then into `init`: a serial
+    /// chain of dependent float adds over a 4096-wide row costs one add latency per
+    /// element (xHC's LayerNorm over N·C, MATH.md §6.2), while independent lanes
+    /// pipeline and vectorize without `-ffast-math`. The order is fixed, so results
+    /// stay deterministic and thread-count independent; they differ from the
+    /// reference executor's in-order fold by rounding only.
     fn fold(
         &self,
         b: &mut Block,
@@ -63,6 +72,27 @@ impl ItemOp<'_> {
         f: impl Fn(&mut Block, Expr) -> Expr,
     ) -> Expr {
         let acc = b.var(&self.fresh("acc"), init);
+        if n >= 4 * FOLD_LANES && n.is_multiple_of(FOLD_LANES) {
+            let lanes = b.local_array(&self.fresh("lane"), self.ty(), FOLD_LANES);
+            let (w0, jb, w) = (self.fresh("w"), self.fresh("jb"), self.fresh("w"));
+            b.for_unrolled(&w0, ix(0), ix(FOLD_LANES), |b, w0| {
+                let v = f(b, w0.clone());
+                b.store(&lanes, w0, v);
+            });
+            b.for_(&jb, ix(1), ix(n / FOLD_LANES), |b, jb| {
+                b.for_unrolled(&w, ix(0), ix(FOLD_LANES), |b, w| {
+                    let v = f(b, jb * ix(FOLD_LANES) + w.clone());
+                    b.store(&lanes, w.clone(), op(lanes.at(w), v));
+                });
+            });
+            let mut level: Vec<Expr> = (0..FOLD_LANES).map(|w| lanes.at(ix(w))).collect();
+            while level.len() > 1 {
+                level = level.chunks(2).map(|p| op(p[0].clone(), p[1].clone())).collect();
+            }
+            let combined = level.pop().expect("FOLD_LANES > 0");
+            b.assign(&acc, op(acc.clone(), combined));
+            return acc;
+        }
         let j = self.fresh("j");
         let a = acc.clone();
         b.for_(&j, ix(0), ix(n), |b, j| {
@@ -72,6 +102,10 @@ impl ItemOp<'_> {
         acc
     }
 }
+
+/// Partial folds of a long reduction (see [`ItemOp::fold`]): 8 f32 lanes fill one
+/// AVX register and hide the add latency.
+const FOLD_LANES: usize = 8;
 
 fn numel(d: &[usize]) -> usize {
     d.iter().product()
@@ -128,6 +162,7 @@ pub(super) fn emit(b: &mut Block, cx: &ItemOp) -> Result<(), EmitError> {
         Op::ScatterRows { axis } => scatter(b, cx, *axis, false),
         Op::Sinkhorn { iters, eps } => sinkhorn(b, cx, *iters, *eps),
         Op::SinkhornGrad { iters, eps } => sinkhorn_grad(b, cx, *iters, *eps),
+        Op::Cast { to } => cast(b, cx, *to),
         op => return Err(EmitError::at(cx.id, op, "has no item emitter (it is lowered on its own grid)")),
     }
     Ok(())
@@ -151,7 +186,8 @@ fn unary(u: UnaryOp, x: Expr, ty: Ty) -> Expr {
 }
 
 /// Sum, max or mean over one axis: one output element per loop step, the axis
-/// walked in order from the identity (as `ir::exec::reduce`).
+/// folded from the identity (as `ir::exec::reduce`; long axes in partial folds,
+/// see [`ItemOp::fold`]).
 fn reduce(b: &mut Block, cx: &ItemOp, op: ReduceOp, axis: usize) {
     let x = cx.ins[0].clone();
     let xd = cx.in_dims[0];
@@ -309,6 +345,9 @@ fn topk(b: &mut Block, cx: &ItemOp, k: usize, fixed: usize) {
 /// Widest output row [`matmul`] accumulates in a per-item array.
 const ROW_ACC_LIMIT: usize = 1024;
 
+/// Contraction steps [`matmul`]'s row form adds into the row accumulator at once.
+const ROW_K_GROUP: usize = 4;
+
 /// Largest `K·N` of op(b) that [`matmul`] stages transposed per batch entry.
 const STAGE_LIMIT: usize = 4096;
 
@@ -336,20 +375,40 @@ fn matmul(b: &mut Block, cx: &ItemOp, trans_a: bool, trans_b: bool) {
     if (2..=ROW_ACC_LIMIT).contains(&n) && cx.per.is_multiple_of(n) {
         // The item holds whole output rows: accumulate a row at a time, the
         // contraction outermost and the row's columns innermost, so the column
-        // loop is independent across iterations and vectorizable. Each output
-        // is still summed over K in order from zero, so results are bitwise
-        // those of the dot-product form.
+        // loop is independent across iterations and vectorizable.
         let acc = b.local_array(&cx.fresh("racc"), cx.ty(), n);
         let row_body =
             |b: &mut Block, row: Expr, mi: Expr, a_base: Expr, rhs: &Val, b0: Expr, bk: usize, bn: usize| {
                 let a0 = b.let_(&cx.fresh("a0"), a_base + mi * ix(am));
                 let zero = cx.lit(0.0);
                 b.for_(&cx.fresh("z"), ix(0), ix(n), |b, ni| b.store(&acc, ni, zero));
-                b.for_(&cx.fresh("j"), ix(0), ix(k), |b, j| {
-                    let av = b.let_(&cx.fresh("av"), x.load(a0 + j.clone() * ix(ak)));
-                    let bj = b.let_(&cx.fresh("bj"), b0 + j * ix(bk));
+                // Contraction steps in groups of `ROW_K_GROUP`: the row accumulator
+                // (a stack array the compiler keeps in memory) is loaded and stored
+                // once per group instead of once per step, which was a
+                // store-to-load chain on narrow rows (n = 16 in VWN, MATH.md §5.3).
+                let group = if k.is_multiple_of(ROW_K_GROUP) { ROW_K_GROUP } else { 1 };
+                b.for_(&cx.fresh("j"), ix(0), ix(k / group), |b, jg| {
+                    let mut taps = Vec::with_capacity(group);
+                    for u in 0..group {
+                        let j = jg.clone() * ix(group) + ix(u);
+                        let av = b.let_(&cx.fresh("av"), x.load(a0.clone() + j.clone() * ix(ak)));
+                        let bj = b.let_(&cx.fresh("bj"), b0.clone() + j * ix(bk));
+                        taps.push((av, bj));
+                    }
                     b.for_(&cx.fresh("c"), ix(0), ix(n), |b, ni| {
-                        b.accum(&acc, ni.clone(), av * rhs.load(bj + ni * ix(bn)));
+                        let mut terms: Vec<Expr> = taps
+                            .iter()
+                            .map(|(av, bj)| av.clone() * rhs.load(bj.clone() + ni.clone() * ix(bn)))
+                            .collect();
+                        while terms.len() > 1 {
+                            terms = terms
+                                .chunks(2)
+                                .map(
+                                    |p| if p.len() == 2 { p[0].clone() + p[1].clone() } else { p[0].clone() },
+                                )
+                                .collect();
+                        }
+                        b.accum(&acc, ni, terms.pop().expect("group >= 1"));
                     });
                 });
                 b.for_(&cx.fresh("c"), ix(0), ix(n), |b, ni| {
@@ -454,9 +513,12 @@ fn scatter(b: &mut Block, cx: &ItemOp, axis: usize, add: bool) {
     });
 }
 
-/// One half-step of Sinkhorn on the local n×n matrix `m` at `mb`: divide each
-/// column (`by_column`) or row by (its sum + eps). `by_column` is an i64-valued
-/// boolean expression so one loop nest serves both directions.
+/// One Sinkhorn half-step on the n×n matrix at `mb` of `m`: every column
+/// (`by_column`) or every row divided by its sum plus `eps` (MATH.md §4.2). The
+/// direction is a compile-time choice, so the indices are static, and each line
+/// multiplies by one reciprocal instead of dividing n times: n× fewer divisions,
+/// the slowest scalar op of the per-token Sinkhorn loops, for ≤ 1 ulp more
+/// rounding per element than the reference executor's division.
 fn normalize(
     b: &mut Block,
     cx: &ItemOp,
@@ -464,19 +526,27 @@ fn normalize(
     mb: Expr,
     n: usize,
     eps: f64,
-    by_column: Expr,
+    by_column: bool,
 ) {
     let an = cx.fresh("a");
     b.for_(&an, ix(0), ix(n), |b, a| {
-        let at = |e: Expr| {
-            mb.clone() + select(by_column.clone(), e.clone() * ix(n) + a.clone(), a.clone() * ix(n) + e)
-        };
+        let at = |e: Expr| mb.clone() + line_index(by_column, n, &a, e);
         let s = cx.fold(b, cx.lit(eps), n, |x, v| x + v, |_, e| m.at(at(e)));
+        let inv = b.let_(&cx.fresh("inv"), cx.lit(1.0) / s);
         let en = cx.fresh("e");
         b.for_(&en, ix(0), ix(n), |b, e| {
-            b.store(m, at(e.clone()), m.at(at(e)) / s.clone());
+            b.store(m, at(e.clone()), m.at(at(e)) * inv.clone());
         });
     });
+}
+
+/// Flat index of element `e` of column `a` (`by_column`) or row `a` of an n×n matrix.
+fn line_index(by_column: bool, n: usize, a: &Expr, e: Expr) -> Expr {
+    if by_column {
+        e * ix(n) + a.clone()
+    } else {
+        a.clone() * ix(n) + e
+    }
 }
 
 /// exp(x − colmax) of one n×n matrix into the local `m` (at offset 0); with
@@ -524,8 +594,8 @@ fn sinkhorn(b: &mut Block, cx: &ItemOp, iters: usize, eps: f64) {
         exp_shifted(b, cx, &x, &mb, &m, n, None);
         let it = cx.fresh("it");
         b.for_(&it, ix(0), ix(iters), |b, _| {
-            normalize(b, cx, &m, ix(0), n, eps, crate::kernel::Expr::Bool(true));
-            normalize(b, cx, &m, ix(0), n, eps, crate::kernel::Expr::Bool(false));
+            normalize(b, cx, &m, ix(0), n, eps, true);
+            normalize(b, cx, &m, ix(0), n, eps, false);
         });
         let e = cx.fresh("e");
         b.for_(&e, ix(0), ix(nn), |b, e| cx.sink.store(b, mb.clone() + e.clone(), m.at(e)));
@@ -545,44 +615,50 @@ fn sinkhorn_grad(b: &mut Block, cx: &ItemOp, iters: usize, eps: f64) {
     cx.rows(b, nn, |b, mat| {
         let mb = b.let_(&cx.fresh("mb"), mat * ix(nn));
         exp_shifted(b, cx, &x, &mb, &states, n, Some(&am));
-        let sn = cx.fresh("s");
-        b.for_(&sn, ix(0), ix(steps), |b, s| {
-            let e = cx.fresh("e");
-            b.for_(&e, ix(0), ix(nn), |b, e| {
-                b.store(
-                    &states,
-                    (s.clone() + i64(1)) * ix(nn) + e.clone(),
-                    states.at(s.clone() * ix(nn) + e),
-                );
-            });
-            let by_column = (s.clone() % i64(2)).eq_(i64(0));
-            normalize(b, cx, &states, (s + i64(1)) * ix(nn), n, eps, by_column);
+        // Half-steps alternate columns (even steps) and rows (odd steps); the
+        // loops run over whole iterations so each direction is static.
+        let itn = cx.fresh("it");
+        b.for_(&itn, ix(0), ix(iters), |b, it| {
+            for (half, by_column) in [(0, true), (1, false)] {
+                let s = b.let_(&cx.fresh("s"), it.clone() * i64(2) + i64(half));
+                let e = cx.fresh("e");
+                b.for_(&e, ix(0), ix(nn), |b, e| {
+                    b.store(
+                        &states,
+                        (s.clone() + i64(1)) * ix(nn) + e.clone(),
+                        states.at(s.clone() * ix(nn) + e),
+                    );
+                });
+                normalize(b, cx, &states, (s + i64(1)) * ix(nn), n, eps, by_column);
+            }
         });
         let e = cx.fresh("e");
         b.for_(&e, ix(0), ix(nn), |b, e| b.store(&g, e.clone(), dout.load(mb.clone() + e)));
-        let sn = cx.fresh("s");
-        b.for_(&sn, ix(0), ix(steps), |b, s| {
-            let step = b.let_(&cx.fresh("step"), ix(steps - 1) - s);
-            let by_column = b.let_(&cx.fresh("bycol"), (step.clone() % i64(2)).eq_(i64(0)));
-            let inb = b.let_(&cx.fresh("inb"), step.clone() * ix(nn));
-            let outb = b.let_(&cx.fresh("outb"), (step + i64(1)) * ix(nn));
-            let an = cx.fresh("a");
-            b.for_(&an, ix(0), ix(n), |b, a| {
-                let at =
-                    |e: Expr| select(by_column.clone(), e.clone() * ix(n) + a.clone(), a.clone() * ix(n) + e);
-                let sum = cx.fold(b, cx.lit(eps), n, |p, v| p + v, |_, e| states.at(inb.clone() + at(e)));
-                let centre = cx.fold(
-                    b,
-                    cx.lit(0.0),
-                    n,
-                    |p, v| p + v,
-                    |_, e| g.at(at(e.clone())) * states.at(outb.clone() + at(e)),
-                );
-                let en = cx.fresh("e");
-                b.for_(&en, ix(0), ix(n), |b, e| {
-                    b.store(&g, at(e.clone()), (g.at(at(e)) - centre.clone()) / sum.clone());
+        let itn = cx.fresh("it");
+        b.for_(&itn, ix(0), ix(iters), |b, it| {
+            // Reverse order: the row half-step (odd) of each iteration, then its column half-step.
+            for (half, by_column) in [(1, false), (0, true)] {
+                let step = b.let_(&cx.fresh("step"), (ix(iters - 1) - it.clone()) * i64(2) + i64(half));
+                let inb = b.let_(&cx.fresh("inb"), step.clone() * ix(nn));
+                let outb = b.let_(&cx.fresh("outb"), (step + i64(1)) * ix(nn));
+                let an = cx.fresh("a");
+                b.for_(&an, ix(0), ix(n), |b, a| {
+                    let at = |e: Expr| line_index(by_column, n, &a, e);
+                    let sum = cx.fold(b, cx.lit(eps), n, |p, v| p + v, |_, e| states.at(inb.clone() + at(e)));
+                    let inv = b.let_(&cx.fresh("inv"), cx.lit(1.0) / sum);
+                    let centre = cx.fold(
+                        b,
+                        cx.lit(0.0),
+                        n,
+                        |p, v| p + v,
+                        |_, e| g.at(at(e.clone())) * states.at(outb.clone() + at(e)),
+                    );
+                    let en = cx.fresh("e");
+                    b.for_(&en, ix(0), ix(n), |b, e| {
+                        b.store(&g, at(e.clone()), (g.at(at(e)) - centre.clone()) * inv.clone());
+                    });
                 });
-            });
+            }
         });
         let jn = cx.fresh("c");
         b.for_(&jn, ix(0), ix(n), |b, j| {
@@ -603,5 +679,22 @@ fn sinkhorn_grad(b: &mut Block, cx: &ItemOp, iters: usize, eps: f64) {
         });
         let e = cx.fresh("e");
         b.for_(&e, ix(0), ix(nn), |b, e| cx.sink.store(b, mb.clone() + e.clone(), g.at(e)));
+    });
+}
+
+/// `Cast` (MATH.md §6.12): a cast to bf16 rounds in registers, since its value may stay in
+/// a local array of the kernel rather than pass through a bf16 store; a cast to f32 or f64
+/// converts the loaded value (widening a bf16 value is exact).
+fn cast(b: &mut Block, cx: &ItemOp, to: ir::DType) {
+    let x = cx.ins[0].clone();
+    let ty = cx.ty();
+    cx.pointwise(b, |_, g| {
+        let v = x.load(g);
+        let v = if v.ty() == ty { v } else { v.cast(ty) };
+        if to == ir::DType::Bf16 {
+            v.round_bf16()
+        } else {
+            v
+        }
     });
 }

@@ -38,10 +38,32 @@ use crate::kernel::{
     f32, f64, i32, i64, item, select, Access, Block, Buf, Expr, Grid, Kernel, KernelBuilder, KernelError, Ty,
 };
 
-/// Largest total length (elements) of the per-item local arrays of one fused
-/// kernel. Larger groups are split, so per-item scratch stays on the stack (C)
-/// or in local memory (CUDA).
-pub const LOCAL_LIMIT: usize = 512;
+/// Where a Plan's kernels run: it bounds the per-item scratch of fused kernels.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum Target {
+    /// C on CPU threads: one item's local arrays live on the worker's stack and stay
+    /// in its L2 cache.
+    #[default]
+    Cpu,
+    /// CUDA, one thread per item: local arrays live in per-thread local memory.
+    Cuda,
+}
+
+impl Target {
+    /// Largest total length (elements) of the per-item local arrays of one fused
+    /// kernel; larger groups are split into several kernels. On the CPU 16384
+    /// floats (64 KiB) hold a token's whole xHC state (N·C = 16·256 at the bench
+    /// width) several times over, so a LayerNorm over it and its gradient
+    /// (MATH.md §6.2) run in one pass instead of one kernel per op, each re-reading
+    /// the state from memory. On the GPU 512 keeps a thread's scratch small enough
+    /// for registers and L1.
+    pub fn local_limit(self) -> usize {
+        match self {
+            Target::Cpu => 16384,
+            Target::Cuda => 512,
+        }
+    }
+}
 
 /// CUDA threads per block of emitted thread-per-item kernels. Fused and
 /// standalone bodies are long; with 256-thread launch bounds ptxas caps them at
@@ -504,9 +526,10 @@ fn restricted(
 
 /// The item count of a kernel computing `nodes` (in topological order), or
 /// `None` when no split into items lets every op read its in-kernel operands
-/// inside its own item (or the per-item scratch would exceed [`LOCAL_LIMIT`]).
+/// inside its own item (or the per-item scratch would exceed the target's
+/// [`Target::local_limit`]).
 /// Larger counts are preferred (more parallelism).
-pub fn itemize(graph: &Graph, nodes: &[NodeId], res: &dyn Residency) -> Option<usize> {
+pub fn itemize(graph: &Graph, nodes: &[NodeId], res: &dyn Residency, target: Target) -> Option<usize> {
     if nodes.iter().any(|&id| is_standalone(&graph.node(id).op) || graph.node(id).op.is_source()) {
         return None;
     }
@@ -549,7 +572,7 @@ pub fn itemize(graph: &Graph, nodes: &[NodeId], res: &dyn Residency) -> Option<u
             local += op_scratch(&node.op, node.shape.dims());
         }
         // A single op cannot be split further: its scratch is what it needs.
-        if local <= LOCAL_LIMIT || computed.len() == 1 {
+        if local <= target.local_limit() || computed.len() == 1 {
             return Some(n);
         }
     }

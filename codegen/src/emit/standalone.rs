@@ -71,6 +71,102 @@ fn sum(
     acc
 }
 
+/// Interleaved partial sums of long reductions, as the fused row ops fold
+/// them: 8 f32 lanes fill one AVX register.
+const LANES: usize = 8;
+
+/// `Σ_{j < n} f(j)` for a static `n`. Long sums run as [`LANES`] interleaved
+/// partial sums (lane `w` takes `j ≡ w mod LANES`) combined pairwise: a
+/// serial chain of dependent float adds costs one add latency per element
+/// (`-ffp-contract=off` and no fast-math, so the C compiler keeps the order),
+/// while independent lanes pipeline and vectorize. The order is fixed, so
+/// results do not depend on the thread count; they differ from the reference
+/// executor's in-order sums by rounding only.
+fn total(names: &Names, b: &mut Block, ty: Ty, n: usize, f: impl Fn(&mut Block, Expr) -> Expr) -> Expr {
+    if n < 4 * LANES || !n.is_multiple_of(LANES) {
+        return sum(names, b, lit(ty, 0.0), ix(0), ix(n), f);
+    }
+    let lanes = b.local_array(&names.fresh("lane"), ty, LANES);
+    b.for_unrolled(&names.fresh("w"), ix(0), ix(LANES), |b, w| {
+        let v = f(b, w.clone());
+        b.store(&lanes, w, v);
+    });
+    b.for_(&names.fresh("jb"), ix(1), ix(n / LANES), |b, jb| {
+        let base = b.let_(&names.fresh("jo"), jb * ix(LANES));
+        b.for_unrolled(&names.fresh("w"), ix(0), ix(LANES), |b, w| {
+            let v = f(b, base.clone() + w.clone());
+            b.store(&lanes, w.clone(), lanes.at(w) + v);
+        });
+    });
+    let mut level: Vec<Expr> = (0..LANES).map(|w| lanes.at(ix(w))).collect();
+    while level.len() > 1 {
+        level = level.chunks(2).map(|p| p[0].clone() + p[1].clone()).collect();
+    }
+    let combined = level.pop().expect("LANES > 0");
+    b.let_(&names.fresh("sum"), combined)
+}
+
+/// One row of `c` contiguous elements of a value, with the row's start
+/// computed once: element loads inside the hot loops are then `start + e`
+/// instead of a view's per-element div/mod chain.
+struct Row {
+    src: RowSrc,
+    start: Expr,
+}
+
+enum RowSrc {
+    /// The row lies contiguously in this buffer from `start`.
+    Buffer(Buf),
+    /// Any other value: `start` is the row's global flat index.
+    Val(Val),
+}
+
+impl Row {
+    /// Row `row` of `v` viewed as `[rows, c]`.
+    fn of(names: &Names, b: &mut Block, v: &Val, row: Expr, c: usize) -> Row {
+        let flat = |b: &mut Block, v: &Val| {
+            let start = b.let_(&names.fresh("rs"), row.clone() * ix(c));
+            Row { src: RowSrc::Val(v.clone()), start }
+        };
+        match v {
+            Val::Buffer(buf) => {
+                let start = b.let_(&names.fresh("rs"), row.clone() * ix(c));
+                Row { src: RowSrc::Buffer(buf.clone()), start }
+            }
+            Val::Strided { src, dims, strides, base }
+                if matches!(**src, Val::Buffer(_))
+                    && dims.last() == Some(&c)
+                    && (c == 1 || strides.last() == Some(&1)) =>
+            {
+                let Val::Buffer(buf) = &**src else { return flat(b, v) };
+                // Element (row, e) of the view is at base + e + Σ_d ((row / inner_d) % dims_d)·strides_d
+                // over the outer axes, inner_d counting rows (the innermost axis is the row itself).
+                let mut start = ix(*base);
+                let mut inner = 1;
+                for d in (0..dims.len() - 1).rev() {
+                    if dims[d] > 1 && strides[d] != 0 {
+                        let q = if inner == 1 { row.clone() } else { row.clone() / ix(inner) };
+                        let i = if d == 0 { q } else { q % ix(dims[d]) };
+                        start = start + i * ix(strides[d]);
+                    }
+                    inner *= dims[d];
+                }
+                let start = b.let_(&names.fresh("rs"), start);
+                Row { src: RowSrc::Buffer(buf.clone()), start }
+            }
+            _ => flat(b, v),
+        }
+    }
+
+    /// Element `e` of the row.
+    fn at(&self, e: Expr) -> Expr {
+        match &self.src {
+            RowSrc::Buffer(buf) => buf.at(self.start.clone() + e),
+            RowSrc::Val(v) => v.load(self.start.clone() + e),
+        }
+    }
+}
+
 /// A buffer holding node `id`'s value in its own layout: the node's buffer
 /// (through reshapes, its source's), or a copy into a temporary for other views
 /// and constants, which have none.
@@ -153,14 +249,13 @@ fn norm_project(
     let out = kb.r.buffer(&mut kb.k, id, Access::Write);
     let names = Names::default();
     let k = &mut kb.k;
-    let xb = k.let_("xb", item() * ix(kk));
+    let xr = Row::of(&names, k, &xv, item(), kk);
     let ob = k.let_("ob", item() * ix(m));
-    let at = |j: Expr| xv.load(xb.clone() + j);
     let head = cs.as_ref().map(|_| {
-        let s = sum(&names, k, lit(ty, 0.0), ix(0), ix(kk), |_, j| at(j));
+        let s = total(&names, k, ty, kk, |_, j| xr.at(j));
         let mu = k.let_("mu", s / lit(ty, kk as f64));
-        let sq = sum(&names, k, lit(ty, 0.0), ix(0), ix(kk), |b, j| {
-            let dv = b.let_(&names.fresh("d"), at(j) - mu.clone());
+        let sq = total(&names, k, ty, kk, |b, j| {
+            let dv = b.let_(&names.fresh("d"), xr.at(j) - mu.clone());
             dv.clone() * dv
         });
         let rho = k.let_("rhoc", lit(ty, 1.0) / (sq / lit(ty, kk as f64) + lit(ty, eps)).sqrt());
@@ -173,8 +268,8 @@ fn norm_project(
         });
     }
     if centered < m {
-        let ss = sum(&names, k, lit(ty, 0.0), ix(0), ix(kk), |b, j| {
-            let v = b.let_(&names.fresh("v"), at(j));
+        let ss = total(&names, k, ty, kk, |b, j| {
+            let v = b.let_(&names.fresh("v"), xr.at(j));
             v.clone() * v
         });
         let rho = k.let_("rhor", lit(ty, 1.0) / (ss / lit(ty, kk as f64) + lit(ty, eps)).sqrt());
@@ -219,6 +314,9 @@ fn cross_entropy(graph: &Graph, id: NodeId, name: &str) -> Result<Launch, EmitEr
     finish(k, r)
 }
 
+/// Tokens per partial sum of the kernel gradients (see [`temporal_grads`]).
+const DW_BLOCK: usize = 64;
+
 /// Temporal augmentation state shared by the forward and gradient kernels.
 struct Ta<'a> {
     names: &'a Names,
@@ -236,31 +334,45 @@ impl Ta<'_> {
     }
 
     fn dot(&self, b: &mut Block, u: impl Fn(Expr) -> Expr, v: impl Fn(Expr) -> Expr) -> Expr {
-        sum(self.names, b, self.lit(0.0), ix(0), ix(self.c), |_, e| u(e.clone()) * v(e))
+        total(self.names, b, self.ty, self.c, |_, e| u(e.clone()) * v(e))
     }
 
-    /// The causal depthwise convolution g_j at token `tok` into the local `dst`
-    /// (MATH.md §6.5): Σ_{i < κ_j, i ≤ t} w_j[i] ⊙ x[tok − i].
-    fn conv(&self, b: &mut Block, j: usize, tok: &Expr, dst: &Buf, at: usize) {
-        let (w, kappa) = &self.ws[j];
-        let t = b.let_(&self.names.fresh("tt"), tok.clone() % ix(self.t));
-        let end = b.let_(
-            &self.names.fresh("taps"),
-            select((t.clone() + i64(1)).lt(ix(*kappa)), t + i64(1), ix(*kappa)),
-        );
-        b.for_(&self.names.fresh("e"), ix(0), ix(self.c), |b, e| {
-            let acc = sum(self.names, b, self.lit(0.0), ix(0), end.clone(), |_, i| {
-                w.load(i.clone() * ix(self.c) + e.clone())
-                    * self.x.load((tok.clone() - i) * ix(self.c) + e.clone())
+    /// Row `row` (`[rows, C]`) of a value.
+    fn row(&self, b: &mut Block, v: &Val, row: Expr) -> Row {
+        Row::of(self.names, b, v, row, self.c)
+    }
+
+    /// The causal depthwise convolutions g_j at token `tok` into the local
+    /// `dst`, g_j at `at[j]` (MATH.md §6.5): Σ_{i < κ_j, i ≤ t} w_j[i] ⊙ x[tok − i].
+    /// Tap by tap over contiguous channels, so the channel loop vectorizes;
+    /// every channel still adds its taps in order from 0.
+    fn convs(&self, b: &mut Block, tok: &Expr, dst: &Buf, at: &[usize]) {
+        let n = self.names;
+        let t = b.let_(&n.fresh("tt"), tok.clone() % ix(self.t));
+        for (j, (w, kappa)) in self.ws.iter().enumerate() {
+            let end = b.let_(
+                &n.fresh("taps"),
+                select((t.clone() + i64(1)).lt(ix(*kappa)), t.clone() + i64(1), ix(*kappa)),
+            );
+            b.for_(&n.fresh("e"), ix(0), ix(self.c), |b, e| b.store(dst, ix(at[j]) + e, self.lit(0.0)));
+            b.for_(&n.fresh("i"), ix(0), end, |b, i| {
+                let wr = self.row(b, w, i.clone());
+                let xr = self.row(b, &self.x, tok.clone() - i);
+                b.for_(&n.fresh("e"), ix(0), ix(self.c), |b, e| {
+                    let d = ix(at[j]) + e.clone();
+                    b.store(dst, d.clone(), dst.at(d) + wr.at(e.clone()) * xr.at(e));
+                });
             });
-            b.store(dst, ix(at) + e, acc);
-        });
+        }
     }
 
-    /// guard = ε_rel·⟨out, out⟩ + ε_abs for the token whose `out` row starts at `ob`.
-    fn guard(&self, b: &mut Block, ob: &Expr) -> Expr {
-        let sq = self.dot(b, |e| self.x.load(ob.clone() + e), |e| self.x.load(ob.clone() + e));
-        b.let_(&self.names.fresh("guard"), self.lit(self.eps_rel) * sq + self.lit(GS_EPS_ABS))
+    /// (⟨out, out⟩, guard = ε_rel·⟨out, out⟩ + ε_abs) for the token's `out` row.
+    fn guard(&self, b: &mut Block, o: &Row) -> (Expr, Expr) {
+        let sq = self.dot(b, |e| o.at(e), |e| o.at(e));
+        let sq = b.let_(&self.names.fresh("oo"), sq);
+        let guard =
+            b.let_(&self.names.fresh("guard"), self.lit(self.eps_rel) * sq.clone() + self.lit(GS_EPS_ABS));
+        (sq, guard)
     }
 }
 
@@ -268,6 +380,8 @@ impl Ta<'_> {
 struct GsArrays {
     /// v_0 = out, v_1..v_r: (r + 1) rows of C.
     v: Buf,
+    /// ⟨v_i, v_i⟩, computed once per row.
+    norm: Buf,
     /// u[j][i]: row j's residual before projecting on v_i, at (j·(r+1) + i)·C.
     u: Buf,
     /// coef[j][i] and den[j][i] of each projection, at j·(r+1) + i.
@@ -281,6 +395,7 @@ impl GsArrays {
     fn new(k: &mut KernelBuilder, ty: Ty, r: usize, c: usize) -> GsArrays {
         GsArrays {
             v: k.local_array("gv", ty, (r + 1) * c),
+            norm: k.local_array("gnorm", ty, r + 1),
             u: k.local_array("gu", ty, r * (r + 1) * c),
             coef: k.local_array("gcoef", ty, r * (r + 1)),
             den: k.local_array("gden", ty, r * (r + 1)),
@@ -292,28 +407,36 @@ impl GsArrays {
 
 /// Modified Gram–Schmidt of one token, forward record and reverse sweep
 /// (MATH.md §6.5, §6.8; `ir::exec::backward_ops::gram_schmidt_back`): writes
-/// d g_j into `dg` (rows of C at `j·C`) and, when asked, d out's direct part
-/// into `direct`. The projections run as loops over (j, i) with the record in
-/// local arrays, which keeps the body small enough for registers.
-fn gs_back(b: &mut Block, ta: &Ta, arr: &GsArrays, tok: &Expr, dy: &Val, dg: &Buf, direct: Option<&Buf>) {
+/// d g_j into `dg` (rows of C from `dg_at + j·C`) and, when asked, d out's
+/// direct part into `direct` (C from its offset). The projections run as
+/// loops over (j, i) with the record in local arrays, which keeps the body
+/// small enough for registers.
+fn gs_back(
+    b: &mut Block,
+    ta: &Ta,
+    arr: &GsArrays,
+    tok: &Expr,
+    dy: &Val,
+    dg: (&Buf, &Expr),
+    direct: Option<(&Buf, &Expr)>,
+) {
     let (c, r) = (ta.c, ta.ws.len());
     let n = ta.names;
-    let ob = b.let_(&n.fresh("ob"), tok.clone() * ix(c));
-    let guard = ta.guard(b, &ob);
+    let o = ta.row(b, &ta.x, tok.clone());
+    let (sq, guard) = ta.guard(b, &o);
     let copy = |b: &mut Block, dst: &Buf, at: Expr, src: &dyn Fn(Expr) -> Expr| {
         b.for_(&n.fresh("e"), ix(0), ix(c), |b, e| b.store(dst, at.clone() + e.clone(), src(e)));
     };
-    copy(b, &arr.v, ix(0), &|e| ta.x.load(ob.clone() + e));
-    for j in 0..r {
-        ta.conv(b, j, tok, &arr.u, j * (r + 1) * c);
-    }
+    copy(b, &arr.v, ix(0), &|e| o.at(e));
+    b.store(&arr.norm, ix(0), sq);
+    let at: Vec<usize> = (0..r).map(|j| j * (r + 1) * c).collect();
+    ta.convs(b, tok, &arr.u, &at);
     let ur = |j: &Expr, i: &Expr| (j.clone() * ix(r + 1) + i.clone()) * ix(c);
     let ci = |j: &Expr, i: &Expr| j.clone() * ix(r + 1) + i.clone();
     b.for_(&n.fresh("j"), ix(0), ix(r), |b, j| {
         b.for_(&n.fresh("i"), ix(0), j.clone() + i64(1), |b, i| {
-            let vi = i.clone() * ix(c);
-            let dd = ta.dot(b, |e| arr.v.at(vi.clone() + e), |e| arr.v.at(vi.clone() + e));
-            let dn = b.let_(&n.fresh("den"), dd + guard.clone());
+            let vi = b.let_(&n.fresh("vi"), i.clone() * ix(c));
+            let dn = b.let_(&n.fresh("den"), arr.norm.at(i.clone()) + guard.clone());
             let uji = b.let_(&n.fresh("uji"), ur(&j, &i));
             let du = ta.dot(b, |e| arr.u.at(uji.clone() + e), |e| arr.v.at(vi.clone() + e));
             let cf = b.let_(&n.fresh("coef"), du / dn.clone());
@@ -322,7 +445,12 @@ fn gs_back(b: &mut Block, ta: &Ta, arr: &GsArrays, tok: &Expr, dy: &Val, dg: &Bu
             let next = |e: Expr| arr.u.at(uji.clone() + e.clone()) - cf.clone() * arr.v.at(vi.clone() + e);
             b.if_else(
                 i.clone().eq_(j.clone()),
-                |b| copy(b, &arr.v, (j.clone() + i64(1)) * ix(c), &next),
+                |b| {
+                    let vn = b.let_(&n.fresh("vn"), (j.clone() + i64(1)) * ix(c));
+                    copy(b, &arr.v, vn.clone(), &next);
+                    let nn = ta.dot(b, |e| arr.v.at(vn.clone() + e), |e| arr.v.at(vn.clone() + e));
+                    b.store(&arr.norm, j.clone() + i64(1), nn);
+                },
                 |b| copy(b, &arr.u, uji.clone() + ix(c), &next),
             );
         });
@@ -330,7 +458,8 @@ fn gs_back(b: &mut Block, ta: &Ta, arr: &GsArrays, tok: &Expr, dy: &Val, dg: &Bu
     copy(b, &arr.dv, ix(0), &|_| ta.lit(0.0));
     b.for_(&n.fresh("j"), ix(0), ix(r), |b, j| {
         let at = (j.clone() + i64(1)) * ix(c);
-        copy(b, &arr.dv, at, &|e| dy.load((tok.clone() * ix(r) + j.clone()) * ix(c) + e));
+        let d = ta.row(b, dy, tok.clone() * ix(r) + j);
+        copy(b, &arr.dv, at, &|e| d.at(e));
     });
     let d_guard = b.var(&n.fresh("dguard"), ta.lit(0.0));
     b.for_(&n.fresh("jr"), ix(0), ix(r), |b, jr| {
@@ -356,16 +485,19 @@ fn gs_back(b: &mut Block, ta: &Ta, arr: &GsArrays, tok: &Expr, dy: &Val, dg: &Bu
             });
             b.assign(&d_guard, d_guard.clone() + dden);
         });
-        copy(b, dg, j * ix(c), &|e| arr.du.at(e));
+        copy(b, dg.0, dg.1.clone() + j * ix(c), &|e| arr.du.at(e));
     });
-    if let Some(direct) = direct {
+    if let Some((direct, at)) = direct {
         let scale = b.let_(&n.fresh("gscale"), ta.lit(2.0) * ta.lit(ta.eps_rel) * d_guard);
-        copy(b, direct, ix(0), &|e| arr.dv.at(e.clone()) + scale.clone() * arr.v.at(e));
+        copy(b, direct, at.clone(), &|e| arr.dv.at(e.clone()) + scale.clone() * arr.v.at(e));
     }
 }
 
 /// TemporalAugment (MATH.md §6.5) with one item per token: the causal
-/// convolutions, then Gram–Schmidt against `out` and the earlier rows.
+/// convolutions, then Gram–Schmidt against `out` and the earlier rows. The
+/// projections run column by column (every later row on v_i, then on
+/// v_{i+1}), which computes the same values as row by row and lets each
+/// ⟨v_i, v_i⟩ be computed once.
 fn temporal(
     graph: &Graph,
     id: NodeId,
@@ -387,19 +519,18 @@ fn temporal(
     let out = r.buffer(&mut k, id, Access::Write);
     let ta = Ta { names: &names, ty, x, ws, t, c, eps_rel };
     let y = k.local_array("y", ty, rk * c);
-    for j in 0..rk {
-        ta.conv(&mut k, j, &item(), &y, j * c);
-    }
+    let at: Vec<usize> = (0..rk).map(|j| j * c).collect();
+    ta.convs(&mut k, &item(), &y, &at);
     if gram_schmidt {
-        let ob = k.let_("ob", item() * ix(c));
-        let guard = ta.guard(&mut k, &ob);
-        for j in 0..rk {
-            for i in 0..=j {
-                let v = |e: Expr| if i == 0 { ta.x.load(ob.clone() + e) } else { y.at(ix((i - 1) * c) + e) };
-                let dd = ta.dot(&mut k, v, v);
-                let den = k.let_(&names.fresh("den"), dd + guard.clone());
+        let o = ta.row(&mut k, &ta.x, item());
+        let (sq, guard) = ta.guard(&mut k, &o);
+        for i in 0..rk {
+            let v = |e: Expr| if i == 0 { o.at(e) } else { y.at(ix((i - 1) * c) + e) };
+            let vv = if i == 0 { sq.clone() } else { ta.dot(&mut k, v, v) };
+            let den = k.let_(&names.fresh("den"), vv + guard.clone());
+            for j in i..rk {
                 let du = ta.dot(&mut k, |e| y.at(ix(j * c) + e), v);
-                let cf = k.let_(&names.fresh("coef"), du / den);
+                let cf = k.let_(&names.fresh("coef"), du / den.clone());
                 k.for_(&names.fresh("e"), ix(0), ix(c), |b, e| {
                     let at = ix(j * c) + e.clone();
                     b.store(&y, at.clone(), y.at(at) - cf.clone() * v(e));
@@ -407,11 +538,8 @@ fn temporal(
             }
         }
     }
-    for j in 0..rk {
-        k.for_(&names.fresh("e"), ix(0), ix(c), |b, e| {
-            b.store(&out, (item() * ix(rk) + ix(j)) * ix(c) + e.clone(), y.at(ix(j * c) + e));
-        });
-    }
+    let ob = k.let_("ob", item() * ix(rk * c));
+    k.for_("e", ix(0), ix(rk * c), |b, e| b.store(&out, ob.clone() + e.clone(), y.at(e)));
     finish(k, r)
 }
 
@@ -421,7 +549,10 @@ fn temporal(
 /// kernel runs each token's reverse sweep once (one item per token) into
 /// d g `[tokens, r, C]` and d out's direct part `[tokens, C]`; without it d g
 /// is dY itself. Then d out (one item per token) adds the transposed
-/// convolutions, and d w_j (one item per (tap, channel)) sums over tokens.
+/// convolutions. The kernel gradients d w_j[i] = Σ_t d g_j[t] ⊙ out[t − i] are
+/// token reductions in two phases: one item per ([`DW_BLOCK`] tokens, tap
+/// row of every requested kernel) sums its tokens over contiguous channels,
+/// then one item per (tap, channel) of each kernel adds the blocks in order.
 pub fn temporal_grads(graph: &Graph, outs: &[Option<NodeId>], name: &str) -> Result<Lowering, EmitError> {
     let id = outs.iter().flatten().copied().next().ok_or_else(|| EmitError::Unsupported {
         node: usize::MAX,
@@ -441,7 +572,6 @@ pub fn temporal_grads(graph: &Graph, outs: &[Option<NodeId>], name: &str) -> Res
     let kappa: Vec<usize> = (1..=rk).map(|j| graph.node(inputs[j]).shape.dims()[0]).collect();
     let mut temps = Temps::default();
     let mut steps = Vec::new();
-    // Reads d g_j[tok][e] (at (tok·r + j)·C + e) and, with Gram–Schmidt, the direct part.
     let setup = |kb: &mut Kb| {
         let names = Names::default();
         let x = kb.r.read(&mut kb.k, inputs[0]);
@@ -449,6 +579,7 @@ pub fn temporal_grads(graph: &Graph, outs: &[Option<NodeId>], name: &str) -> Res
             (1..=rk).map(|j| (kb.r.read(&mut kb.k, inputs[j]), kappa[j - 1])).collect();
         (names, x, ws)
     };
+    // d g_j[tok][e] at (tok·r + j)·C + e and, with Gram–Schmidt, the direct part.
     let stored = if gram_schmidt {
         let dg = temps.add(tokens * rk * c, dtype);
         let direct = temps.add(tokens * c, dtype);
@@ -459,16 +590,25 @@ pub fn temporal_grads(graph: &Graph, outs: &[Option<NodeId>], name: &str) -> Res
         let db = kb.temp("direct", direct, &temps, Access::Write);
         let ta = Ta { names: &names, ty, x, ws, t, c, eps_rel };
         let arr = GsArrays::new(&mut kb.k, ty, rk, c);
-        let row = kb.k.local_array("dgrow", ty, rk * c);
-        let dir = kb.k.local_array("dir", ty, c);
-        gs_back(&mut kb.k, &ta, &arr, &item(), &dy, &row, Some(&dir));
-        kb.k.for_("e", ix(0), ix(rk * c), |b, e| b.store(&dgb, item() * ix(rk * c) + e.clone(), row.at(e)));
-        kb.k.for_("e", ix(0), ix(c), |b, e| b.store(&db, item() * ix(c) + e.clone(), dir.at(e)));
+        let dg_at = kb.k.let_("dgat", item() * ix(rk * c));
+        let direct_at = kb.k.let_("dirat", item() * ix(c));
+        gs_back(&mut kb.k, &ta, &arr, &item(), &dy, (&dgb, &dg_at), Some((&db, &direct_at)));
         steps.push(kb.finish()?);
         Some((dg, direct))
     } else {
         None
     };
+    // Tap rows (j, tap) of the requested kernel gradients, kernel by kernel.
+    let wanted: Vec<(usize, NodeId)> =
+        outs.iter().enumerate().skip(1).filter_map(|(j, o)| o.map(|o| (j, o))).collect();
+    let mut first_row = Vec::with_capacity(wanted.len());
+    let mut rows = 0;
+    for &(j, _) in &wanted {
+        first_row.push(rows);
+        rows += kappa[j - 1];
+    }
+    let blocks = tokens.div_ceil(DW_BLOCK);
+    let part = (!wanted.is_empty()).then(|| temps.add(blocks * rows * c, dtype));
     // d g and the direct part as a kernel reads them.
     let reads = |kb: &mut Kb| -> (Val, Option<Buf>) {
         match stored {
@@ -500,9 +640,10 @@ pub fn temporal_grads(graph: &Graph, outs: &[Option<NodeId>], name: &str) -> Res
         for (j, (w, kj)) in ws.iter().enumerate() {
             let end = select(reach.clone().lt(ix(*kj)), reach.clone(), ix(*kj));
             k.for_(&names.fresh("i"), ix(0), end, |b, i| {
-                let src = b.let_(&names.fresh("src"), ((item() + i.clone()) * ix(rk) + ix(j)) * ix(c));
+                let src = Row::of(&names, b, &dg, (item() + i.clone()) * ix(rk) + ix(j), c);
+                let wr = Row::of(&names, b, w, i, c);
                 b.for_("e", ix(0), ix(c), |b, e| {
-                    let add = w.load(i.clone() * ix(c) + e.clone()) * dg.load(src.clone() + e.clone());
+                    let add = wr.at(e.clone()) * src.at(e.clone());
                     b.store(&acc, e.clone(), acc.at(e) + add);
                 });
             });
@@ -510,28 +651,56 @@ pub fn temporal_grads(graph: &Graph, outs: &[Option<NodeId>], name: &str) -> Res
         k.for_("e", ix(0), ix(c), |b, e| b.store(&o, item() * ix(c) + e.clone(), acc.at(e)));
         steps.push(kb.finish()?);
     }
-    for (j, out) in outs.iter().enumerate().skip(1) {
-        let Some(out) = *out else { continue };
-        let kj = kappa[j - 1];
-        let mut kb = Kb::new(graph, &format!("{name}_dw{j}"), kj * c);
+    if let Some(part) = part {
+        let mut kb = Kb::new(graph, &format!("{name}_dwpart"), blocks * rows);
         let (names, x, _) = setup(&mut kb);
         let (dg, _) = reads(&mut kb);
-        let o = kb.r.buffer(&mut kb.k, out, Access::Write);
+        let pb = kb.temp("part", part, &temps, Access::Write);
         let k = &mut kb.k;
-        let tap = k.let_("tap", item() / ix(c));
-        let e = k.let_("e", item() % ix(c));
-        // Σ over tokens with t ≥ tap of d g_j[tok] ⊙ out[tok − tap], in token order.
-        let acc = k.var("acc", lit(ty, 0.0));
-        k.for_("bi", ix(0), ix(bsz), |b, bi| {
-            b.for_("tt", tap.clone(), ix(t), |b, tt| {
-                let tok = b.let_(&names.fresh("tok"), bi.clone() * ix(t) + tt);
-                let g = dg.load((tok.clone() * ix(rk) + ix(j - 1)) * ix(c) + e.clone());
-                let v = x.load((tok - tap.clone()) * ix(c) + e.clone());
-                b.assign(&acc, acc.clone() + g * v);
+        let blk = k.let_("blk", item() / ix(rows));
+        let row = k.let_("row", item() % ix(rows));
+        // The row's kernel (0-based) and tap: the last kernel whose first row is ≤ row.
+        let (mut jsel, mut first) = (ix(wanted[0].0 - 1), ix(0));
+        for (&(j, _), &f) in wanted.iter().zip(&first_row).skip(1) {
+            jsel = select(row.clone().lt(ix(f)), jsel, ix(j - 1));
+            first = select(row.clone().lt(ix(f)), first, ix(f));
+        }
+        let jk = k.let_("jk", jsel);
+        let tap = k.let_("tap", row - first);
+        let acc = k.local_array("acc", ty, c);
+        k.for_("e", ix(0), ix(c), |b, e| b.store(&acc, e, lit(ty, 0.0)));
+        let t0 = k.let_("t0", blk.clone() * ix(DW_BLOCK));
+        let t1 = k.let_(
+            "t1",
+            select((t0.clone() + ix(DW_BLOCK)).lt(ix(tokens)), t0.clone() + ix(DW_BLOCK), ix(tokens)),
+        );
+        k.for_("tok", t0, t1, |b, tok| {
+            b.if_((tok.clone() % ix(t)).ge(tap.clone()), |b| {
+                let g = Row::of(&names, b, &dg, tok.clone() * ix(rk) + jk.clone(), c);
+                let v = Row::of(&names, b, &x, tok - tap.clone(), c);
+                b.for_("e", ix(0), ix(c), |b, e| {
+                    b.store(&acc, e.clone(), acc.at(e.clone()) + g.at(e.clone()) * v.at(e));
+                });
             });
         });
-        k.store(&o, item(), acc);
+        let pat = k.let_("pat", item() * ix(c));
+        k.for_("e", ix(0), ix(c), |b, e| b.store(&pb, pat.clone() + e.clone(), acc.at(e)));
         steps.push(kb.finish()?);
+        for (&(j, out), &f) in wanted.iter().zip(&first_row) {
+            let kj = kappa[j - 1];
+            let mut kb = Kb::new(graph, &format!("{name}_dw{j}"), kj * c);
+            let pb = kb.temp("part", part, &temps, Access::Read);
+            let o = kb.r.buffer(&mut kb.k, out, Access::Write);
+            let k = &mut kb.k;
+            // Row f + tap of every block, in block order: item is (tap, e), so the
+            // element of block b is at b·rows·C + f·C + item.
+            let acc = k.var("acc", lit(ty, 0.0));
+            k.for_("blk", ix(0), ix(blocks), |b, blk| {
+                b.assign(&acc, acc.clone() + pb.at(blk * ix(rows * c) + ix(f * c) + item()));
+            });
+            k.store(&o, item(), acc);
+            steps.push(kb.finish()?);
+        }
     }
     Ok(Lowering { steps, temps: temps.0 })
 }

@@ -133,6 +133,11 @@ pub enum MathFn {
     Pow,
     Max,
     Min,
+    /// The nearest bf16 value of an `f32`, as an `f32` (round to nearest even, NaN stays
+    /// NaN): a cast to bf16 computed in registers (MATH.md §6.12), printed through the
+    /// renderer's `widen_f32_to_bf16` / `widen_bf16_to_f32` pair so it matches a bf16
+    /// store and `ir::dtype::round_bf16` bit for bit.
+    RoundBf16,
 }
 
 impl MathFn {
@@ -291,6 +296,10 @@ impl Expr {
     /// `fmin`: the non-NaN operand if one is NaN.
     pub fn min(self, o: impl Into<Expr>) -> Expr {
         Expr::call(MathFn::Min, vec![self, o.into()])
+    }
+    /// The nearest bf16 value, kept as `f32` ([`MathFn::RoundBf16`]).
+    pub fn round_bf16(self) -> Expr {
+        Expr::call(MathFn::RoundBf16, vec![self])
     }
     pub fn lt(self, o: impl Into<Expr>) -> Expr {
         self.cmp(CmpOp::Lt, o)

@@ -28,9 +28,9 @@ impl Builder<'_> {
         self.g.add_source(Op::Constant { value }, shape, dtype, None)
     }
 
-    /// Zeros shaped and typed like `like`.
+    /// Zeros shaped like `like`, in its compute type (adjoints are never bf16, MATH.md §6.12).
     pub fn zeros_like(&mut self, like: NodeId) -> NodeId {
-        let (shape, dtype) = (self.shape(like), self.dtype(like));
+        let (shape, dtype) = (self.shape(like), self.dtype(like).compute());
         self.constant(0.0, shape, dtype)
     }
 

@@ -29,6 +29,13 @@ pub(super) fn vjp(b: &mut Builder, y: NodeId, dy: NodeId, needs: &[bool]) -> Res
             out[1] = dr.map(|d| b.sum_to(d, &b.shape(r))).transpose()?;
         }
         Op::Affine { mul, .. } => out[0] = Some(b.affine(dy, mul, 0.0)?),
+        // Straight-through (MATH.md §6.12 DECISION): rounding to bf16 is treated as the
+        // identity, and gradients stay in the input's compute type, so the adjoint of a bf16
+        // value is f32 and a gradient is never rounded to bf16.
+        Op::Cast { .. } => {
+            let want = b.dtype(xs[0]).compute();
+            out[0] = Some(if b.dtype(dy) == want { dy } else { b.op(Op::Cast { to: want }, &[dy])? });
+        }
         Op::Reduce { op, axis, .. } => {
             let x = xs[0];
             let xshape = b.shape(x);

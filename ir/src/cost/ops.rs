@@ -96,6 +96,8 @@ pub fn op_cost(graph: &Graph, id: NodeId) -> OpCost {
         | Op::Slice { .. }
         | Op::Concat { .. } => (0.0, 0.0, 0.0, 0.0),
         Op::Unary(_) | Op::Binary(_) | Op::Affine { .. } => (out, 0.0, reads_all(), out),
+        // A precision conversion moves data but does no arithmetic (MATH.md §6.12).
+        Op::Cast { .. } => (0.0, 0.0, reads_all(), out),
         // One add (or compare) per input element.
         Op::Reduce { .. } => (in_numel(0), 0.0, reads_all(), out),
         Op::MatMul { trans_a, .. } => {

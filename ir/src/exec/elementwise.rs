@@ -3,7 +3,7 @@
 use super::movement::{broadcast_strides, StridedIter};
 use super::{Float, Tensor};
 use crate::graph::{BinaryOp, UnaryOp};
-use crate::Shape;
+use crate::{DType, Shape};
 
 /// The scalar function of a unary op.
 pub(crate) fn unary_fn<T: Float>(op: UnaryOp) -> fn(T) -> T {
@@ -35,6 +35,19 @@ pub(crate) fn binary_fn<T: Float>(op: BinaryOp) -> fn(T, T) -> T {
 pub(crate) fn unary<T: Float>(op: UnaryOp, x: &Tensor<T>) -> Tensor<T> {
     let f = unary_fn::<T>(op);
     Tensor { shape: x.shape.clone(), data: x.data.iter().map(|&v| f(v)).collect() }
+}
+
+/// Cast to `to` (MATH.md §6.12). Values of Bf16 nodes are held as their exact values in T,
+/// so a cast to Bf16 rounds each value onto the bf16 grid (in f64 directly, without a
+/// double rounding through f32) and a cast to F32 or F64 keeps the value: the executor
+/// runs F32 nodes in T, and widening a bf16 value is exact.
+pub(crate) fn cast<T: Float>(x: &Tensor<T>, to: DType) -> Tensor<T> {
+    match to {
+        DType::Bf16 => {
+            Tensor { shape: x.shape.clone(), data: x.data.iter().map(|&v| v.round_bf16()).collect() }
+        }
+        _ => x.clone(),
+    }
 }
 
 /// mul * x + add, with the constants rounded to T once.

@@ -236,6 +236,7 @@ pub(crate) fn eval_op<T: Float>(
         Op::Unary(u) => Value::Float(elementwise::unary(*u, float(0)?)),
         Op::Binary(b) => Value::Float(elementwise::binary(*b, float(0)?, float(1)?, out_shape)),
         Op::Affine { mul, add } => Value::Float(elementwise::affine(float(0)?, *mul, *add)),
+        Op::Cast { to } => Value::Float(elementwise::cast(float(0)?, *to)),
         Op::Reduce { op, axis, .. } => Value::Float(reduce::reduce(*op, float(0)?, *axis, out_shape)),
         Op::MatMul { trans_a, trans_b } => {
             Value::Float(matmul::matmul(float(0)?, float(1)?, *trans_a, *trans_b, out_shape))

@@ -42,6 +42,8 @@ pub trait Float:
     fn cos(self) -> Self;
     fn abs(self) -> Self;
     fn is_nan(self) -> bool;
+    /// The nearest bf16 value, ties to even (MATH.md §6.12; [`crate::dtype::round_bf16`]).
+    fn round_bf16(self) -> Self;
 
     fn zero() -> Self {
         Self::default()
@@ -68,7 +70,7 @@ pub trait Float:
 }
 
 macro_rules! impl_float {
-    ($t:ty) => {
+    ($t:ty, $round_bf16:path) => {
         impl Float for $t {
             fn from_f64(v: f64) -> Self {
                 v as $t
@@ -100,12 +102,15 @@ macro_rules! impl_float {
             fn is_nan(self) -> bool {
                 <$t>::is_nan(self)
             }
+            fn round_bf16(self) -> Self {
+                $round_bf16(self)
+            }
         }
     };
 }
 
-impl_float!(f32);
-impl_float!(f64);
+impl_float!(f32, crate::dtype::round_bf16);
+impl_float!(f64, crate::dtype::round_bf16_f64);
 
 /// A dense row-major tensor.
 #[derive(Debug, Clone, PartialEq)]

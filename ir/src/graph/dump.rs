@@ -24,6 +24,7 @@ fn attrs(op: &Op) -> String {
         }
         Op::Constant { value } => format!("{value}"),
         Op::Affine { mul, add } => format!("mul={mul} add={add}"),
+        Op::Cast { to } => format!("to={to}"),
         Op::Reduce { axis, keepdim, .. } => format!("axis={axis}{}", if *keepdim { " keepdim" } else { "" }),
         Op::MatMul { trans_a, trans_b } => {
             let mut s = String::new();

@@ -27,10 +27,12 @@ fn mismatch(op: &Op, detail: impl Into<String>, lhs: &Shape, rhs: &Shape) -> Gra
     }
 }
 
+/// The type arithmetic on a float operand produces: Bf16 operands are widened to F32
+/// (MATH.md §6.12: bf16 is a storage type, arithmetic is f32).
 fn float(op: &Op, inputs: &[Typed], slot: usize) -> Result<DType, GraphError> {
     let dt = inputs[slot].1;
     if dt.is_float() {
-        Ok(dt)
+        Ok(dt.compute())
     } else {
         Err(GraphError::DType { op: op.name().into(), slot, got: dt, expected: "a float type".into() })
     }
@@ -45,10 +47,12 @@ fn int(op: &Op, inputs: &[Typed], slot: usize) -> Result<(), GraphError> {
     }
 }
 
+/// The common compute type of float operands: Bf16 mixes with F32 and gives F32 (a MatMul
+/// of bf16 operands accumulates and returns f32, MATH.md §6.12); F32 and F64 do not mix.
 fn same_dtype(op: &Op, inputs: &[Typed]) -> Result<DType, GraphError> {
     let first = float(op, inputs, 0)?;
     for (slot, &(_, dtype)) in inputs.iter().enumerate().skip(1) {
-        if dtype != first {
+        if !dtype.is_float() || dtype.compute() != first {
             return Err(GraphError::DType {
                 op: op.name().into(),
                 slot,
@@ -85,7 +89,8 @@ fn grad_of(
     if wrt >= n_forward {
         return Err(invalid(op, format!("wrt {wrt} is not one of the {n_forward} forward inputs")));
     }
-    Ok((inputs[wrt].0.clone(), inputs[wrt].1))
+    // Gradients are never bf16 (MATH.md §6.12 DECISION): the adjoint of a bf16 operand is f32.
+    Ok((inputs[wrt].0.clone(), inputs[wrt].1.compute()))
 }
 
 /// Infers the output type of `op` applied to inputs of the given types.
@@ -97,6 +102,14 @@ pub(super) fn infer(op: &Op, inputs: &[Typed]) -> Result<(Shape, DType), GraphEr
         Op::Unary(_) | Op::Affine { .. } | Op::Softmax => {
             arity(op, inputs, &[1])?;
             Ok((inputs[0].0.clone(), float(op, inputs, 0)?))
+        }
+        Op::Cast { to } => {
+            arity(op, inputs, &[1])?;
+            float(op, inputs, 0)?;
+            if !to.is_float() {
+                return Err(invalid(op, format!("casts only to a float type, not {to}")));
+            }
+            Ok((inputs[0].0.clone(), *to))
         }
         Op::Binary(_) => {
             arity(op, inputs, &[2])?;
@@ -236,15 +249,20 @@ pub(super) fn infer(op: &Op, inputs: &[Typed]) -> Result<(Shape, DType), GraphEr
             if src.0 != expected {
                 return Err(mismatch(op, format!("src must be {}", Shape(expected)), base, src));
             }
-            if inputs[2].1 != inputs[0].1 {
+            let (base_dt, src_dt) = (inputs[0].1, inputs[2].1);
+            let base_compute = float(op, inputs, 0)?;
+            if !src_dt.is_float() || src_dt.compute() != base_compute {
                 return Err(GraphError::DType {
                     op: op.name().into(),
                     slot: 2,
-                    got: inputs[2].1,
-                    expected: inputs[0].1.name().into(),
+                    got: src_dt,
+                    expected: base_dt.name().into(),
                 });
             }
-            Ok((base.clone(), float(op, inputs, 0)?))
+            // Replacing rows moves data, so equal storage types are kept (a bf16 state stays
+            // bf16); accumulating is arithmetic and computes in f32 (MATH.md §6.12).
+            let keeps_storage = matches!(op, Op::ScatterRows { .. }) && base_dt == src_dt;
+            Ok((base.clone(), if keeps_storage { base_dt } else { base_compute }))
         }
         Op::TopK { k, fixed } => {
             arity(op, inputs, &[1])?;

@@ -127,6 +127,11 @@ pub enum Op {
     Binary(BinaryOp),
     /// a * x + b with constants, elementwise: (x).
     Affine { mul: f64, add: f64 },
+    /// Elementwise conversion to the float type `to`: (x). Mixed precision (MATH.md §6.12):
+    /// `Bf16` is a storage type, so a cast to Bf16 rounds each value to the nearest bf16
+    /// (ties to even, NaN stays NaN, overflow gives ±inf) and every consumer computes in
+    /// f32 on the exactly widened value; a cast of a Bf16 value to F32 is exact.
+    Cast { to: crate::DType },
     /// Reduce one axis: (x).
     Reduce { op: ReduceOp, axis: usize, keepdim: bool },
     /// Batched matrix product: (a [.., M, K], b [.., K, N]) -> [.., M, N], batch dims
@@ -220,6 +225,7 @@ impl Op {
                 BinaryOp::Max => "max",
             },
             Op::Affine { .. } => "affine",
+            Op::Cast { .. } => "cast",
             Op::Reduce { op, .. } => match op {
                 ReduceOp::Sum => "sum",
                 ReduceOp::Max => "reduce_max",

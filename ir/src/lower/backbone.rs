@@ -33,9 +33,10 @@ pub(super) fn attention(cx: &mut Cx, u: NodeId, prefix: &str, out_mult: f64) -> 
         cx.param(&format!("{prefix}.wo"), &[h * dh, d], Init::Normal { std: wo_std }, ParamClass::Hidden);
 
     let a = cx.rms_norm(u, Some(gain))?;
-    let q = cx.matmul(a, wq)?;
-    let k = cx.matmul(a, wk)?;
-    let v = cx.matmul(a, wv)?;
+    let a = cx.operand(a)?;
+    let q = cx.project(a, wq, false, false)?;
+    let k = cx.project(a, wk, false, false)?;
+    let v = cx.project(a, wv, false, false)?;
     let q = cx.reshape(q, &[b, t, h, dh])?;
     let k = cx.reshape(k, &[b, t, hkv, dh])?;
     let v = cx.reshape(v, &[b, t, hkv, dh])?;
@@ -45,7 +46,7 @@ pub(super) fn attention(cx: &mut Cx, u: NodeId, prefix: &str, out_mult: f64) -> 
     };
     let o = cx.g.add(Op::CausalAttention { scale, rope_base: Some(spec.rope_base) }, &[q, k, v])?;
     let o = cx.reshape(o, &[b, t, h * dh])?;
-    cx.matmul(o, wo)
+    cx.project(o, wo, false, false)
 }
 
 /// The FFN sublayer: SwiGLU or MoE, with its own pre-RMSNorm.
@@ -71,11 +72,12 @@ fn swiglu(cx: &mut Cx, x: NodeId, prefix: &str, hidden: usize, out_mult: f64) ->
     let w2_std = out_proj_std(cx, out_mult);
     let w2 =
         cx.param(&format!("{prefix}.w2"), &[hidden, d], Init::Normal { std: w2_std }, ParamClass::Hidden);
-    let gate = cx.matmul(x, w1)?;
+    let x = cx.operand(x)?;
+    let gate = cx.project(x, w1, false, false)?;
     let gate = cx.unary(UnaryOp::Silu, gate)?;
-    let up = cx.matmul(x, w3)?;
+    let up = cx.project(x, w3, false, false)?;
     let inner = cx.mul(gate, up)?;
-    cx.matmul(inner, w2)
+    cx.project(inner, w2, false, false)
 }
 
 /// Mixture of experts: gates from a router (softmax or sigmoid over E experts), the
@@ -121,12 +123,15 @@ fn moe(
         Init::Normal { std: w2_std },
         ParamClass::Hidden,
     );
+    // Expert matmuls are backbone projections (bf16 operands under mixed precision); the
+    // router above and the gates stay f32 (MATH.md §6.12).
     let flat = cx.reshape(x, &[1, b * t, d])?;
-    let gate = cx.matmul(flat, w1)?;
+    let flat = cx.operand(flat)?;
+    let gate = cx.project(flat, w1, false, false)?;
     let gate = cx.unary(UnaryOp::Silu, gate)?;
-    let up = cx.matmul(flat, w3)?;
+    let up = cx.project(flat, w3, false, false)?;
     let inner = cx.mul(gate, up)?;
-    let expert_out = cx.matmul(inner, w2)?; // [E, B*T, D]
+    let expert_out = cx.project(inner, w2, false, false)?; // [E, B*T, D]
     let gates = cx.reshape(gates, &[b * t, e])?;
     let gates = cx.permute(gates, &[1, 0])?;
     let gates = cx.reshape(gates, &[e, b * t, 1])?;

@@ -5,7 +5,7 @@
 use crate::graph::{
     BinaryOp, Graph, GraphError, Init, NodeId, Op, ParamClass, ParamInfo, Region, Role, UnaryOp,
 };
-use crate::spec::{ModelSpec, Parametrization};
+use crate::spec::{ModelSpec, Parametrization, Precision};
 use crate::{DType, Shape};
 
 /// Lowering state shared by the driver, the backbone and the schemes.
@@ -128,6 +128,42 @@ impl Cx {
         trans_b: bool,
     ) -> Result<NodeId, GraphError> {
         self.g.add(Op::MatMul { trans_a, trans_b }, &[a, b])
+    }
+
+    /// The value stored as residual state between sublayers: under `precision: Bf16` the
+    /// state each Write (and the embedding) produces is rounded to bf16 and every consumer
+    /// reads that bf16 value (MATH.md §6.12); under F32 it is `x` itself.
+    pub fn state(&mut self, x: NodeId) -> Result<NodeId, GraphError> {
+        self.bf16_if_mixed(x)
+    }
+
+    /// A backbone projection `a @ w` (transposes as in [`Cx::matmul_t`]). Under
+    /// `precision: Bf16` both operands are read as bf16 (the f32 master weight is rounded
+    /// per step) and the product accumulates in f32 (MATH.md §6.12). Coefficient, routing,
+    /// norm and Sinkhorn math never goes through here, so it stays f32.
+    pub fn project(
+        &mut self,
+        a: NodeId,
+        w: NodeId,
+        trans_a: bool,
+        trans_b: bool,
+    ) -> Result<NodeId, GraphError> {
+        let (a, w) = (self.bf16_if_mixed(a)?, self.bf16_if_mixed(w)?);
+        self.matmul_t(a, w, trans_a, trans_b)
+    }
+
+    /// An activation that feeds several projections, rounded once (see [`Cx::project`]).
+    pub fn operand(&mut self, x: NodeId) -> Result<NodeId, GraphError> {
+        self.bf16_if_mixed(x)
+    }
+
+    /// `x` as bf16 when the spec asks for bf16 mixed precision; `x` unchanged otherwise or
+    /// when it already is bf16, so an f32 spec's graph has no casts at all.
+    fn bf16_if_mixed(&mut self, x: NodeId) -> Result<NodeId, GraphError> {
+        if self.spec.precision != Precision::Bf16 || self.g.node(x).dtype == DType::Bf16 {
+            return Ok(x);
+        }
+        self.g.add(Op::Cast { to: DType::Bf16 }, &[x])
     }
 
     pub fn reshape(&mut self, x: NodeId, dims: &[usize]) -> Result<NodeId, GraphError> {

@@ -12,6 +12,12 @@
 //! MTP module k reads `tokens[:, k:T]` and predicts `tokens[:, k+1:]`,
 //! MATH.md §7.1), outputs `loss` (scalar), `logits` (`[B, T, V]`), `loss_main`
 //! and `loss_mtp{k}`.
+//!
+//! Mixed precision (`precision: Bf16`, MATH.md §6.12): the state the embedding and every
+//! sublayer produce passes through [`Cx::state`] here, in the shared skeleton (and in a
+//! scheme that overrides [`Scheme::block`] between its sublayers), and every backbone
+//! projection goes through [`Cx::project`]; both add a bf16 `Cast` only in bf16 mode, so
+//! an f32 spec lowers to exactly the graph it always did.
 
 mod backbone;
 mod cx;
@@ -87,6 +93,7 @@ pub(crate) trait Scheme {
         ffn: &mut Branch,
     ) -> Result<NodeId, GraphError> {
         let mid = self.sublayer(cx, state, first_sublayer, SublayerKind::Attention, attn)?;
+        let mid = cx.state(mid)?;
         self.sublayer(cx, mid, first_sublayer + 1, SublayerKind::Ffn, ffn)
     }
 
@@ -131,6 +138,7 @@ pub fn lower(spec: &ModelSpec, batch: usize, seq_len: usize) -> Result<Lowered, 
     let targets = cx.slice(tokens, 1, 1, t + 1)?;
 
     let mut state = scheme.embed(&mut cx, ids)?;
+    state = cx.state(state)?;
     for block in 0..spec.layers {
         state = lower_block(&mut cx, scheme.as_mut(), state, block)?;
     }
@@ -200,7 +208,8 @@ fn lower_block(
         y
     };
     cx.connection(first);
-    scheme.block(cx, state, first, &mut attn, &mut ffn)
+    let out = scheme.block(cx, state, first, &mut attn, &mut ffn)?;
+    cx.state(out)
 }
 
 /// The final norm and unembedding, shared by the trunk and the MTP modules (MATH.md §7.1).
@@ -239,7 +248,7 @@ impl HeadParams {
         let d = cx.spec.d_model;
         let gain = cx.param(norm_name, &[d], Init::Ones, ParamClass::Gain);
         let normed = cx.rms_norm(h, Some(gain))?;
-        let logits = cx.g.add(Op::MatMul { trans_a: false, trans_b: self.tied }, &[normed, self.unembed])?;
+        let logits = cx.project(normed, self.unembed, false, self.tied)?;
         if self.readout_mult != 1.0 {
             cx.affine(logits, self.readout_mult, 0.0)
         } else {
@@ -266,6 +275,7 @@ fn lower_mtp_module(
     let ids = cx.slice(tokens, 1, k, t)?;
     let targets = cx.slice(tokens, 1, k + 1, t + 1)?;
     let emb = scheme.embed(cx, ids)?;
+    let emb = cx.state(emb)?;
     let hidden = cx.slice(prev, 1, 0, len)?;
 
     // x'_j = W_mix^T [RMSNorm_h(h_j); RMSNorm_e(e_j)] with one W_mix shared by all slots.
@@ -290,7 +300,8 @@ fn lower_mtp_module(
         mix_init[(ds + i) * ds + i] = 0.5;
     }
     let w_mix = cx.param(&format!("{prefix}.mix"), &[2 * ds, ds], Init::Values(mix_init), ParamClass::Hidden);
-    let fused = cx.matmul(fused_in, w_mix)?;
+    let fused = cx.project(fused_in, w_mix, false, false)?;
+    let fused = cx.state(fused)?;
 
     let saved_len = cx.seq_len;
     cx.seq_len = len;

@@ -116,6 +116,7 @@ fn propagate(graph: &Graph, id: NodeId, inputs: &[&[bool]]) -> Vec<bool> {
         Op::Unary(_)
         | Op::Binary(_)
         | Op::Affine { .. }
+        | Op::Cast { .. }
         | Op::Softmax
         | Op::RmsNorm { .. }
         | Op::LayerNorm { .. }

@@ -394,9 +394,17 @@ impl CpuDevice {
                     };
                 }
                 Step::Gemm(g) => {
+                    let dtype = |id: BufferId| self.plan.buffers[id.0].dtype;
                     // SAFETY: `check_steps` verified the extents and dtypes of
-                    // all three operands and that `c` overlaps neither input.
-                    unsafe { run_gemm(g, &ptrs, &self.pool) };
+                    // all three operands and that `c` overlaps neither input;
+                    // bf16 inputs are widened into f32 copies of the same extent.
+                    unsafe {
+                        let a = widened_operand(ptrs[g.a.0], dtype(g.a), g.batch, g.stride_a, g.m * g.k);
+                        let b = widened_operand(ptrs[g.b.0], dtype(g.b), g.batch, g.stride_b, g.k * g.n);
+                        let pa = a.as_ref().map_or(ptrs[g.a.0].cast_const(), |v| v.as_ptr().cast());
+                        let pb = b.as_ref().map_or(ptrs[g.b.0].cast_const(), |v| v.as_ptr().cast());
+                        run_gemm(g, pa.cast(), pb.cast(), ptrs[g.c.0].cast(), &self.pool)
+                    };
                 }
                 Step::Zero { buffer } => {
                     let d = &self.plan.buffers[buffer.0];
@@ -523,6 +531,30 @@ fn literal(e: &Expr) -> Option<i64> {
     }
 }
 
+/// An f32 copy of a bf16 GEMM input (MATH.md §6.12: bf16 operands, f32
+/// accumulation), covering `batch` entries of `size` elements `stride` apart;
+/// `None` for an f32 input, which the GEMM reads in place. Widening is exact,
+/// so the product equals an f32 GEMM of the rounded values.
+///
+/// # Safety
+/// `ptr` addresses the buffer's elements of `dtype`, at least
+/// `(batch - 1) * stride + size` of them (`check_gemm`).
+unsafe fn widened_operand(
+    ptr: *mut c_void,
+    dtype: DType,
+    batch: usize,
+    stride: usize,
+    size: usize,
+) -> Option<Vec<f32>> {
+    if dtype != DType::Bf16 {
+        return None;
+    }
+    let len = if batch == 0 { 0 } else { (batch - 1) * stride + size };
+    // SAFETY: the caller guarantees `len` bf16 elements at `ptr`.
+    let bits = unsafe { std::slice::from_raw_parts(ptr.cast::<u16>().cast_const(), len) };
+    Some(bits.iter().map(|&h| f32::from_bits(u32::from(h) << 16)).collect())
+}
+
 /// `c[b] (=|+=) op(a[b]) @ op(b[b])` for every batch entry (row-major operands),
 /// split over the pool's threads: whole batch entries when there are enough of
 /// them, else bands of rows (or of columns, when they are more numerous) of
@@ -530,12 +562,11 @@ fn literal(e: &Expr) -> Option<i64> {
 /// scales where the library's own threading does not on small matrices.
 ///
 /// # Safety
-/// `ptrs` holds the base pointer of every buffer; `check_gemm` has verified
-/// that the three buffers are f32, long enough for every batch entry, and
-/// that `c` overlaps neither input.
-unsafe fn run_gemm(g: &Gemm, ptrs: &[*mut c_void], pool: &Pool) {
+/// `a`, `b` and `c` point to f32 data long enough for every batch entry
+/// (`check_gemm` verified the buffers), and `c` overlaps neither input.
+unsafe fn run_gemm(g: &Gemm, a: *const f32, b: *const f32, c: *mut f32, pool: &Pool) {
     // Addresses as integers so the parts can share them across threads.
-    let (a, b, c) = (ptrs[g.a.0] as usize, ptrs[g.b.0] as usize, ptrs[g.c.0] as usize);
+    let (a, b, c) = (a as usize, b as usize, c as usize);
     let work = g.batch.saturating_mul(g.m).saturating_mul(g.n).saturating_mul(g.k);
     let threads = if work >= MIN_GEMM_PARALLEL { pool.threads() } else { 1 };
     let f32s = std::mem::size_of::<f32>();

@@ -7,7 +7,7 @@
 use super::cpu::{CpuDevice, CpuError, CpuOptions};
 use crate::executor::{StepError, StepExecutor};
 use crate::params::ParamSet;
-use codegen::compile::{compile, fused_partition, CompileError, Request};
+use codegen::compile::{compile, fused_partition, CompileError, Request, Target};
 use codegen::plan::{BufferId, BufferRole, Plan};
 use ir::graph::Graph;
 use ir::lower::Lowered;
@@ -91,11 +91,17 @@ impl TrainingGraph {
         Ok(TrainingGraph { graph, request })
     }
 
-    /// The Plan of one training step, partitioned by `ir::passes::fuse`
-    /// (DESIGN.md §5).
+    /// The Plan of one training step for the Cpu device, partitioned by
+    /// `ir::passes::fuse` (DESIGN.md §5).
     pub fn plan(&self) -> Result<Plan, StepError> {
+        self.plan_for(Target::Cpu)
+    }
+
+    /// The Plan of one training step with kernels sized for `target`.
+    pub fn plan_for(&self, target: Target) -> Result<Plan, StepError> {
         let partition = fused_partition(&self.graph, &self.request).map_err(StepError::from)?;
-        compile(&self.graph, &partition, &self.request).map_err(StepError::from)
+        let request = self.request.clone().for_target(target);
+        compile(&self.graph, &partition, &request).map_err(StepError::from)
     }
 }
 

@@ -144,9 +144,11 @@ fn check_gemm(plan: &Plan, step: usize, g: &Gemm) -> Result<(), PlanError> {
         ("c", g.c, g.stride_c, g.m * g.n),
     ] {
         let d = &plan.buffers[id.0];
-        if d.dtype != DType::F32 {
+        // Inputs may be bf16 (mixed precision, MATH.md §6.12); the product is f32.
+        let input_bf16 = name != "c" && d.dtype == DType::Bf16;
+        if d.dtype != DType::F32 && !input_bf16 {
             return Err(err(format!(
-                "operand {name} (buffer #{}) is {}, only f32 is supported",
+                "operand {name} (buffer #{}) is {}, only f32 (or bf16 inputs) is supported",
                 id.0, d.dtype
             )));
         }
@@ -157,6 +159,10 @@ fn check_gemm(plan: &Plan, step: usize, g: &Gemm) -> Result<(), PlanError> {
                 id.0, d.len, g.batch
             )));
         }
+    }
+    let (da, db) = (plan.buffers[g.a.0].dtype, plan.buffers[g.b.0].dtype);
+    if da != db {
+        return Err(err(format!("operands a ({da}) and b ({db}) differ in element type")));
     }
     for (name, id) in [("a", g.a), ("b", g.b)] {
         if overlaps(extent(plan, g.c), extent(plan, id)) {

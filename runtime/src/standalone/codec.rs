@@ -396,6 +396,7 @@ enum MathFnDef {
     Pow,
     Max,
     Min,
+    RoundBf16,
 }
 
 #[derive(Serialize, Deserialize)]

@@ -209,7 +209,7 @@ impl Scheme for Ghc {
                     cx.param("embed_expand", &[d, wide], Init::Normal { std }, ParamClass::Hidden)
                 });
                 let base = lookup(cx, table, ids)?;
-                cx.matmul(base, expand)?
+                cx.project(base, expand, false, false)?
             }
         };
         cx.reshape(flat, &[b, t, self.spec.n, self.db])
@@ -278,7 +278,7 @@ impl Scheme for Ghc {
             ReduceNorm::Off => flat,
         };
         let w = self.reduce_weight(cx);
-        cx.matmul(normed, w)
+        cx.project(normed, w, false, false)
     }
 }
 

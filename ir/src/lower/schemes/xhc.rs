@@ -392,6 +392,7 @@ impl Scheme for Xhc {
         match self.cfg.flash {
             Flash::None => {
                 let mid = self.sublayer(cx, state, first_sublayer, SublayerKind::Attention, attn)?;
+                let mid = cx.state(mid)?;
                 self.sublayer(cx, mid, first_sublayer + 1, SublayerKind::Ffn, ffn)
             }
             Flash::Block => self.flash_block(cx, state, first_sublayer, attn, ffn),
