@@ -179,18 +179,26 @@ impl Model {
         let (batch, seq_len) = (spec.train.batch, spec.train.seq_len);
         let corpus = Corpus::load(&spec.train.data, spec.train.val_fraction, seq_len + 1)?;
         let lowered = ir::lower::lower(&spec, batch, seq_len)?;
-        let flops = super::compile::plan_flops(&TrainingGraph::new(lowered.clone())?.plan()?);
         let params = init_params(&lowered.graph, spec.train.seed)?;
         let optimizer = Optimizer::new(&spec, &params);
         // Compile and load the Plan now, so no timed step pays for it.
-        let exec = match device {
+        // FLOPs are counted from the Plan the device runs (the Cpu Plan for the
+        // reference executor, which runs the same graph unfused).
+        let (exec, flops) = match device {
             Device::Cpu => {
                 let mut cpu = CpuExecutor::from_lowered(lowered, CpuOptions::default());
-                cpu.load()?;
-                Exec::Any(Box::new(cpu))
+                let flops = super::compile::plan_flops(cpu.load()?.plan());
+                (Exec::Any(Box::new(cpu)), flops)
             }
-            Device::Cuda => Exec::Cuda(Box::new(cuda_executor(lowered)?)),
-            Device::Reference => Exec::Any(device.executor(lowered)?),
+            Device::Cuda => {
+                let mut cuda = cuda_executor(lowered)?;
+                let flops = super::compile::plan_flops(cuda.device_mut().plan());
+                (Exec::Cuda(Box::new(cuda)), flops)
+            }
+            Device::Reference => {
+                let flops = super::compile::plan_flops(&TrainingGraph::new(lowered.clone())?.plan()?);
+                (Exec::Any(device.executor(lowered)?), flops)
+            }
         };
         Ok(Model {
             name: spec.name.clone(),

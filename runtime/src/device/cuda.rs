@@ -38,39 +38,23 @@
 //!
 //! # Precision
 //!
-//! The Plan is f32 end to end. cuBLAS runs `sgemm` in its default math mode
+//! An f32 Plan is f32 end to end. cuBLAS runs `sgemm` in its default math mode
 //! (true fp32, no TF32) so parity against the reference executor stays at
-//! fp32 rounding level (METHOD.md: far under 1e-3 relative).
+//! fp32 rounding level.
 //!
 //! # bf16 plans (MATH.md §6.12)
 //!
-//! Implemented: bf16 buffers (2 bytes per element), kernels that widen bf16 loads
-//! and round stores, and GEMMs of two bf16 inputs as `cublasGemmStridedBatchedEx`
-//! with f32 accumulation and an f32 output ([`CudaDevice`]'s `gemm_bf16`); the
-//! Plan widens a bf16 operand that meets an f32 one beforehand, so a GEMM never
-//! mixes input types. Parameters stay f32 and the casts of weights are graph
-//! ops, so there are no bf16 shadow copies. The original design notes follow.
-//!
-//! A bf16 Plan differs from the f32 one in buffer types, not in structure:
-//! - **bf16 storage**: the residual state (the `[B, T, s, d]` stream and the
-//!   sublayer inputs/outputs carried in it), the activations saved for the
-//!   backward pass, and the operands of width-sized matrix products (weights
-//!   get a bf16 shadow copy written by the optimizer step; the f32 master copy
-//!   stays the parameter buffer).
-//! - **f32 everywhere else**: norms (sums of squares accumulate in f32 inside
-//!   the fused kernels: the kernel IR already widens bf16 loads to f32 and
-//!   rounds stores to nearest even), the routing coefficients and every
-//!   small-coefficient tensor (`H_pre`, `H_post`, `H_res`, xHC gates), the
-//!   Sinkhorn iterations (their row/column normalisation loses doubly
-//!   stochastic accuracy in bf16), the loss, gradients of parameters, and
-//!   optimizer state.
-//! - **GEMMs** become `cublasGemmStridedBatchedEx` with bf16 A/B, f32
-//!   accumulation (`CUBLAS_COMPUTE_32F`) and a bf16 or f32 C chosen by the
-//!   consumer; the row-major mapping of [`column_major_gemm`] is unchanged
-//!   (it is type-independent). [`CudaDevice`] would need only: bf16 arena
-//!   slot (already present), host upload/download converting f32↔bf16 with
-//!   round-to-nearest-even, and the GEMM step carrying its operand types.
-//! - Parity tolerances widen to bf16 level (1e-3 to 1e-2 relative, METHOD.md).
+//! A spec with `precision: Bf16` lowers to a graph whose residual state and
+//! projection operands pass through `Cast` to bf16: those buffers hold 2 bytes
+//! per element, kernels widen bf16 loads to f32 and round stores to nearest
+//! even, and a GEMM of two bf16 inputs runs as `cublasGemmStridedBatchedEx`
+//! with f32 accumulation (`CUBLAS_COMPUTE_32F`) and an f32 output
+//! ([`CudaDevice`]'s `gemm_bf16`); the Plan widens a bf16 operand that meets an
+//! f32 one beforehand, so a GEMM never mixes input types. Norm statistics,
+//! routing and mapping coefficients, Sinkhorn, the loss, parameter gradients and
+//! optimizer state stay f32. Parameters stay f32 and the casts of weights are
+//! graph ops, so there are no bf16 shadow copies. Parity tolerances widen to
+//! bf16 level (`runtime::parity::Tolerances::BF16`).
 
 use std::sync::Arc;
 
