@@ -328,9 +328,9 @@ impl Printer {
         for (i, (seg, _)) in segments.iter().enumerate() {
             let mut later = HashSet::new();
             for (rest, cut) in &segments[i + 1..] {
-                collect_refs(rest, &mut later);
+                crate::kernel::collect_refs(rest, &mut later);
                 if let Some(Stmt::BlockReduce { value, .. }) = cut {
-                    expr_refs(value, &mut later);
+                    crate::kernel::expr_refs(value, &mut later);
                 }
             }
             for s in *seg {
@@ -621,63 +621,4 @@ fn reduction_types(body: &[Stmt]) -> Vec<Ty> {
         .filter_map(|s| if let Stmt::BlockReduce { value, .. } = s { Some(value.ty()) } else { None })
         .collect();
     [Ty::F32, Ty::F64].into_iter().filter(|t| used.contains(t)).collect()
-}
-
-fn collect_refs(stmts: &[Stmt], out: &mut HashSet<String>) {
-    for s in stmts {
-        match s {
-            Stmt::Let { expr, .. } | Stmt::Var { init: expr, .. } => expr_refs(expr, out),
-            Stmt::Assign { var, value } => {
-                out.insert(var.clone());
-                expr_refs(value, out);
-            }
-            Stmt::Store { target, index, value } | Stmt::AccumStore { target, index, value } => {
-                out.insert(target.name().to_string());
-                expr_refs(index, out);
-                expr_refs(value, out);
-            }
-            Stmt::For { start, end, body, .. } => {
-                expr_refs(start, out);
-                expr_refs(end, out);
-                collect_refs(body, out);
-            }
-            Stmt::If { cond, then, else_ } => {
-                expr_refs(cond, out);
-                collect_refs(then, out);
-                collect_refs(else_, out);
-            }
-            Stmt::BlockReduce { value, .. } => expr_refs(value, out),
-            Stmt::LocalArray { .. } | Stmt::Comment(_) | Stmt::Barrier => {}
-        }
-    }
-}
-
-fn expr_refs(e: &Expr, out: &mut HashSet<String>) {
-    match e {
-        Expr::Var { name, .. } => {
-            out.insert(name.clone());
-        }
-        Expr::Load { src, index } => {
-            out.insert(src.name().to_string());
-            expr_refs(index, out);
-        }
-        Expr::Unary { arg, .. } | Expr::Cast { arg, .. } => expr_refs(arg, out),
-        Expr::Binary { lhs, rhs, .. } | Expr::Cmp { lhs, rhs, .. } => {
-            expr_refs(lhs, out);
-            expr_refs(rhs, out);
-        }
-        Expr::Select { cond, then, else_ } => {
-            expr_refs(cond, out);
-            expr_refs(then, out);
-            expr_refs(else_, out);
-        }
-        Expr::Call { args, .. } => args.iter().for_each(|a| expr_refs(a, out)),
-        Expr::F32(_)
-        | Expr::F64(_)
-        | Expr::I32(_)
-        | Expr::I64(_)
-        | Expr::Bool(_)
-        | Expr::Item
-        | Expr::Lane => {}
-    }
 }

@@ -37,6 +37,8 @@ pub use expr::{f32, f64, i32, i64, item, lane, select, BinOp, Buf, CmpOp, Expr, 
 pub use simplify::simplify_indices;
 pub use validate::KernelError;
 
+use std::collections::HashSet;
+
 use ir::DType;
 
 /// How a kernel uses a buffer parameter. Renderers mark read-only buffers
@@ -236,5 +238,66 @@ impl Kernel {
     /// Checks names, scopes, types, access modes and grid-specific constructs.
     pub fn validate(&self) -> Result<(), KernelError> {
         validate::validate(self)
+    }
+}
+
+/// Every variable and buffer name `stmts` mention (reads, writes, loop bounds).
+pub(crate) fn collect_refs(stmts: &[Stmt], out: &mut HashSet<String>) {
+    for s in stmts {
+        match s {
+            Stmt::Let { expr, .. } | Stmt::Var { init: expr, .. } => expr_refs(expr, out),
+            Stmt::Assign { var, value } => {
+                out.insert(var.clone());
+                expr_refs(value, out);
+            }
+            Stmt::Store { target, index, value } | Stmt::AccumStore { target, index, value } => {
+                out.insert(target.name().to_string());
+                expr_refs(index, out);
+                expr_refs(value, out);
+            }
+            Stmt::For { start, end, body, .. } => {
+                expr_refs(start, out);
+                expr_refs(end, out);
+                collect_refs(body, out);
+            }
+            Stmt::If { cond, then, else_ } => {
+                expr_refs(cond, out);
+                collect_refs(then, out);
+                collect_refs(else_, out);
+            }
+            Stmt::BlockReduce { value, .. } => expr_refs(value, out),
+            Stmt::LocalArray { .. } | Stmt::Comment(_) | Stmt::Barrier => {}
+        }
+    }
+}
+
+/// Every variable and buffer name `e` reads.
+pub(crate) fn expr_refs(e: &Expr, out: &mut HashSet<String>) {
+    match e {
+        Expr::Var { name, .. } => {
+            out.insert(name.clone());
+        }
+        Expr::Load { src, index } => {
+            out.insert(src.name().to_string());
+            expr_refs(index, out);
+        }
+        Expr::Unary { arg, .. } | Expr::Cast { arg, .. } => expr_refs(arg, out),
+        Expr::Binary { lhs, rhs, .. } | Expr::Cmp { lhs, rhs, .. } => {
+            expr_refs(lhs, out);
+            expr_refs(rhs, out);
+        }
+        Expr::Select { cond, then, else_ } => {
+            expr_refs(cond, out);
+            expr_refs(then, out);
+            expr_refs(else_, out);
+        }
+        Expr::Call { args, .. } => args.iter().for_each(|a| expr_refs(a, out)),
+        Expr::F32(_)
+        | Expr::F64(_)
+        | Expr::I32(_)
+        | Expr::I64(_)
+        | Expr::Bool(_)
+        | Expr::Item
+        | Expr::Lane => {}
     }
 }

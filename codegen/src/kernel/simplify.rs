@@ -785,7 +785,7 @@ impl Simplifier {
 fn drop_dead_lets(mut body: Vec<Stmt>) -> Vec<Stmt> {
     loop {
         let mut used = HashSet::new();
-        stmt_refs(&body, &mut used);
+        super::collect_refs(&body, &mut used);
         let mut removed = false;
         body = retain_lets(body, &used, &mut removed);
         if !removed {
@@ -813,53 +813,4 @@ fn retain_lets(stmts: Vec<Stmt>, used: &HashSet<String>, removed: &mut bool) -> 
             s => Some(s),
         })
         .collect()
-}
-
-fn stmt_refs(stmts: &[Stmt], out: &mut HashSet<String>) {
-    for s in stmts {
-        match s {
-            Stmt::Let { expr, .. } | Stmt::Var { init: expr, .. } => expr_refs(expr, out),
-            Stmt::Assign { var, value } => {
-                out.insert(var.clone());
-                expr_refs(value, out);
-            }
-            Stmt::Store { index, value, .. } | Stmt::AccumStore { index, value, .. } => {
-                expr_refs(index, out);
-                expr_refs(value, out);
-            }
-            Stmt::For { start, end, body, .. } => {
-                expr_refs(start, out);
-                expr_refs(end, out);
-                stmt_refs(body, out);
-            }
-            Stmt::If { cond, then, else_ } => {
-                expr_refs(cond, out);
-                stmt_refs(then, out);
-                stmt_refs(else_, out);
-            }
-            Stmt::BlockReduce { value, .. } => expr_refs(value, out),
-            Stmt::LocalArray { .. } | Stmt::Comment(_) | Stmt::Barrier => {}
-        }
-    }
-}
-
-fn expr_refs(e: &Expr, out: &mut HashSet<String>) {
-    match e {
-        Expr::Var { name, .. } => {
-            out.insert(name.clone());
-        }
-        Expr::Load { index, .. } => expr_refs(index, out),
-        Expr::Unary { arg, .. } | Expr::Cast { arg, .. } => expr_refs(arg, out),
-        Expr::Binary { lhs, rhs, .. } | Expr::Cmp { lhs, rhs, .. } => {
-            expr_refs(lhs, out);
-            expr_refs(rhs, out);
-        }
-        Expr::Select { cond, then, else_ } => {
-            expr_refs(cond, out);
-            expr_refs(then, out);
-            expr_refs(else_, out);
-        }
-        Expr::Call { args, .. } => args.iter().for_each(|a| expr_refs(a, out)),
-        _ => {}
-    }
 }
