@@ -645,6 +645,7 @@ pub fn compile(graph: &Graph, partition: &[Vec<NodeId>], request: &Request) -> R
                     stride_a: sh.stride_a,
                     stride_b: sh.stride_b,
                     stride_c: sh.stride_c,
+                    offsets: [0; 3],
                     accumulate: false,
                 };
                 b.steps.push(Step::Gemm(gemm));
@@ -751,7 +752,8 @@ impl PlanBuilder {
                     stride_a: g.stride_a,
                     stride_b: g.stride_b,
                     stride_c: g.stride_c,
-                    accumulate: false,
+                    offsets: g.offsets,
+                    accumulate: g.accumulate,
                 };
                 self.steps.push(Step::Gemm(gemm));
             }
@@ -968,8 +970,14 @@ pub fn run_on_cpu_for_tests(
                 unsafe { entry.call(&a, 0, k.grid.items() as i64) };
             }
             Step::Gemm(g) => {
-                let (pa, pb, pc) =
-                    (ptrs[g.a.0] as *const f32, ptrs[g.b.0] as *const f32, ptrs[g.c.0] as *mut f32);
+                // SAFETY: the offsets lie inside the buffers (checked by the devices' Plan check).
+                let (pa, pb, pc) = unsafe {
+                    (
+                        (ptrs[g.a.0] as *const f32).add(g.offsets[0]),
+                        (ptrs[g.b.0] as *const f32).add(g.offsets[1]),
+                        (ptrs[g.c.0] as *mut f32).add(g.offsets[2]),
+                    )
+                };
                 for bt in 0..g.batch {
                     for i in 0..g.m {
                         for j in 0..g.n {

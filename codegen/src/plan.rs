@@ -61,6 +61,9 @@ pub struct Gemm {
     pub stride_a: usize,
     pub stride_b: usize,
     pub stride_c: usize,
+    /// Elements from the start of the a, b and c buffers to batch entry 0: a
+    /// product over a sub-block of a buffer (causal attention's key prefixes).
+    pub offsets: [usize; 3],
     /// Accumulate into c instead of overwriting it.
     pub accumulate: bool,
 }

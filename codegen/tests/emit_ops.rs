@@ -358,7 +358,12 @@ fn attention_gradients_share_one_lowering() {
         for plan in both_partitions(&g, 1e-4, &format!("attention grads rope {rope:?}")) {
             assert_eq!(kernels_ending(&plan, "_softmax"), 1, "the softmax statistics are computed once");
             assert_eq!(kernels_ending(&plan, "_prep"), 1);
-            assert_eq!(gemms(&plan).len(), 5, "S, dP, dQ, dK, dV");
+            // S, dP, dQ, dK, dV, each one GEMM per causal query block (2 blocks of 3 rows at
+            // T = 6), together 3/4 of the full 6×6 products' multiply-adds.
+            let gemms = gemms(&plan);
+            assert_eq!(gemms.len(), 5 * 2, "S, dP, dQ, dK, dV per block");
+            let macs: usize = gemms.iter().map(|g| g.batch * g.m * g.n * g.k).sum();
+            assert_eq!(macs, 5 * 8 * 6 * 6 * 4 * 3 / 4, "only the key prefix of each query block");
         }
     }
 }

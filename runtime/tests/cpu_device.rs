@@ -132,6 +132,7 @@ fn test_plan() -> Plan {
             stride_a: 0,
             stride_b: 0,
             stride_c: 0,
+            offsets: [0; 3],
             accumulate,
         })
     };
@@ -266,6 +267,7 @@ fn gemm_strides_transposes_and_broadcast() {
             stride_a: m * k,
             stride_b: 0,
             stride_c: m * n,
+            offsets: [0; 3],
             accumulate: true,
         };
         let plan = Plan { kernels: vec![], steps: vec![Step::Gemm(step)], buffers, arena_len: 0 };
@@ -311,6 +313,7 @@ fn gemm_split_over_threads() {
                 stride_a: m * k,
                 stride_b: k * n,
                 stride_c: m * n,
+                offsets: [0; 3],
                 accumulate: false,
             };
             let (a, b) = (data(batch * m * k, 7, 1.0), data(batch * k * n, 8, 1.0));

@@ -115,7 +115,8 @@ fn host_blas(call: &BlasGemm, a: &[f32], b: &[f32], c: &mut [f32]) {
 fn row_major(g: &Gemm, a: &[f32], b: &[f32], c: &mut [f32]) {
     let (m, n, k) = (g.m, g.n, g.k);
     for batch in 0..g.batch {
-        let (ao, bo, co) = (batch * g.stride_a, batch * g.stride_b, batch * g.stride_c);
+        let [oa, ob, oc] = g.offsets;
+        let (ao, bo, co) = (oa + batch * g.stride_a, ob + batch * g.stride_b, oc + batch * g.stride_c);
         for i in 0..m {
             for j in 0..n {
                 let s: f64 = (0..k)
@@ -154,6 +155,7 @@ fn gemm(
         stride_a: strides[0],
         stride_b: strides[1],
         stride_c: strides[2],
+        offsets: [0; 3],
         accumulate: acc,
     }
 }
@@ -161,10 +163,16 @@ fn gemm(
 /// Every cuBLAS-visible argument is valid (leading dimensions at least the
 /// stored rows, as cuBLAS requires) and the calls reproduce the row-major product.
 fn check_mapping(g: &Gemm) {
-    let len = |stride: usize, size: usize| if g.batch == 0 { 0 } else { (g.batch - 1) * stride + size };
-    let a = data(len(g.stride_a, g.m * g.k), 11, 1.0);
-    let b = data(len(g.stride_b, g.k * g.n), 12, 1.0);
-    let c0 = data(len(g.stride_c, g.m * g.n), 13, 1.0);
+    let len = |stride: usize, size: usize, offset: usize| {
+        if g.batch == 0 {
+            0
+        } else {
+            offset + (g.batch - 1) * stride + size
+        }
+    };
+    let a = data(len(g.stride_a, g.m * g.k, g.offsets[0]), 11, 1.0);
+    let b = data(len(g.stride_b, g.k * g.n, g.offsets[1]), 12, 1.0);
+    let c0 = data(len(g.stride_c, g.m * g.n, g.offsets[2]), 13, 1.0);
     let mut want = c0.clone();
     row_major(g, &a, &b, &mut want);
     let mut got = c0;
@@ -189,6 +197,8 @@ fn column_major_mapping_matches_row_major_for_every_transpose() {
             check_mapping(&gemm(3, 5, 4, 1, trans, [0, 0, 0], acc));
             check_mapping(&gemm(3, 5, 4, 3, trans, [12, 20, 15], acc));
             check_mapping(&gemm(6, 2, 7, 2, trans, [50, 14, 13], acc));
+            // Sub-blocks of larger buffers (causal attention's key prefixes).
+            check_mapping(&Gemm { offsets: [5, 3, 7], ..gemm(3, 5, 4, 3, trans, [12, 20, 15], acc) });
         }
     }
 }
@@ -336,6 +346,7 @@ fn gpu_plan() -> Plan {
             stride_a: strides[0],
             stride_b: strides[1],
             stride_c: strides[2],
+            offsets: [0; 3],
             accumulate: acc,
         })
     };

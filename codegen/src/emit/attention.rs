@@ -17,14 +17,19 @@
 //!   the copies back sum the query heads of each key/value head and undo
 //!   RoPE (its VJP is the inverse rotation).
 //!
-//! The GEMMs compute the full T×T score matrices; the masked half is
-//! written as zeros so it contributes nothing.
+//! Causal blocks: the queries split into `nb` blocks of `tb` rows, and query
+//! block `i` only meets the key prefix `[0, (i+1)·tb)` (every later key is
+//! masked). Its scores are stored as one packed `[tb, (i+1)·tb]` matrix, the
+//! blocks of one (b, h) back to back, so every product above is one GEMM per
+//! block over packed operands at an offset: `(nb+1)/(2·nb)` of the full
+//! matrices' work (5/8 with 4 blocks). Entries above the diagonal inside a
+//! block are written as zeros so they contribute nothing.
 
 use ir::graph::{Graph, NodeId, Op};
 use ir::DType;
 
 use super::{ix, lit, maximum, Arg, EmitError, GemmCall, Kb, Lowering, Names, Temps, Work};
-use crate::kernel::{f64, i64, item, Access, Block, Buf, Expr, Ty};
+use crate::kernel::{f64, i64, item, select, Access, Block, Buf, Expr, Ty};
 
 /// Sizes and options of one attention node: q [B, T, H, dh], k and v [B, T, Hkv, dh].
 #[derive(Debug, Clone, Copy)]
@@ -71,51 +76,102 @@ impl Dims {
         self.rows() * self.dh
     }
 
-    /// Elements of the score matrices of every (b, h).
+    /// Elements of the causal score blocks of every (b, h).
     fn scores(&self) -> usize {
-        self.rows() * self.t
+        self.b * self.h * self.slab()
+    }
+
+    /// Query blocks of the causal layout: several for sequences long enough to
+    /// amortize the extra GEMM calls, a single full block otherwise.
+    fn blocks(&self) -> usize {
+        match self.t {
+            t if t >= 512 && t % 8 == 0 => 8,
+            t if t >= 64 && t % 4 == 0 => 4,
+            t if t >= 4 && t % 2 == 0 => 2,
+            _ => 1,
+        }
+    }
+
+    /// Query rows per block.
+    fn block_rows(&self) -> usize {
+        self.t / self.blocks()
+    }
+
+    /// Offset of query block `i`'s packed scores within one (b, h) entry.
+    fn block_offset(&self, i: usize) -> usize {
+        let tb = self.block_rows();
+        tb * tb * i * (i + 1) / 2
+    }
+
+    /// Score elements of one (b, h) entry: the packed blocks `[tb, (i+1)·tb]`.
+    fn slab(&self) -> usize {
+        self.block_offset(self.blocks())
     }
 
     fn half(&self) -> usize {
         self.dh / 2
     }
 
-    /// `S = x·yᵀ` per (b, h) (scores or dP).
-    fn scores_gemm(&self, x: Arg, y: Arg, out: Arg) -> Work {
-        let (t, dh) = (self.t, self.dh);
-        Work::Gemm(GemmCall {
-            a: x,
-            b: y,
-            c: out,
-            batch: self.b * self.h,
-            m: t,
-            n: t,
-            k: dh,
-            trans_a: false,
-            trans_b: true,
-            stride_a: t * dh,
-            stride_b: t * dh,
-            stride_c: t * t,
-        })
+    /// `S = x·yᵀ` per (b, h) (scores or dP): query block `i` against its key prefix.
+    fn scores_gemm(&self, x: Arg, y: Arg, out: Arg) -> Vec<Work> {
+        let (t, dh, tb) = (self.t, self.dh, self.block_rows());
+        (0..self.blocks())
+            .map(|i| {
+                Work::Gemm(GemmCall {
+                    a: x,
+                    b: y,
+                    c: out,
+                    batch: self.b * self.h,
+                    m: tb,
+                    n: (i + 1) * tb,
+                    k: dh,
+                    trans_a: false,
+                    trans_b: true,
+                    stride_a: t * dh,
+                    stride_b: t * dh,
+                    stride_c: self.slab(),
+                    offsets: [i * tb * dh, 0, self.block_offset(i)],
+                    accumulate: false,
+                })
+            })
+            .collect()
     }
 
-    /// `out = op(s)·y` per (b, h), `op` transposing the score matrix when `trans`.
-    fn rows_gemm(&self, s: Arg, y: Arg, out: Arg, trans: bool) -> Work {
-        let (t, dh) = (self.t, self.dh);
-        Work::Gemm(GemmCall {
-            a: s,
-            b: y,
-            c: out,
-            batch: self.b * self.h,
-            m: t,
-            n: dh,
-            k: t,
-            trans_a: trans,
-            trans_b: false,
-            stride_a: t * t,
-            stride_b: t * dh,
-            stride_c: t * dh,
-        })
+    /// `out = s·y` per (b, h), or `out = sᵀ·y` when `trans`, over the causal blocks of `s`.
+    /// Forward, query block `i` reads its key prefix of `y`; transposed, block `i`
+    /// adds into the output rows of that prefix, the longest (last) block first
+    /// overwriting every row.
+    fn rows_gemm(&self, s: Arg, y: Arg, out: Arg, trans: bool) -> Vec<Work> {
+        let (t, dh, tb, nb) = (self.t, self.dh, self.block_rows(), self.blocks());
+        let call = |i: usize| {
+            let keys = (i + 1) * tb;
+            let (m, k, offsets) = if trans {
+                (keys, tb, [self.block_offset(i), i * tb * dh, 0])
+            } else {
+                (tb, keys, [self.block_offset(i), 0, i * tb * dh])
+            };
+            Work::Gemm(GemmCall {
+                a: s,
+                b: y,
+                c: out,
+                batch: self.b * self.h,
+                m,
+                n: dh,
+                k,
+                trans_a: trans,
+                trans_b: false,
+                stride_a: self.slab(),
+                stride_b: t * dh,
+                stride_c: t * dh,
+                offsets,
+                accumulate: trans && i + 1 < nb,
+            })
+        };
+        if trans {
+            (0..nb).rev().map(call).collect()
+        } else {
+            (0..nb).map(call).collect()
+        }
     }
 }
 
@@ -240,7 +296,12 @@ fn softmax_rows(
     let ty = d.ty();
     let k = &mut kb.k;
     let t = k.let_("t", item() % ix(d.t));
-    let base = k.let_("base", item() * ix(d.t));
+    // Row t lies in query block qi = t / tb, packed as [tb, (qi+1)·tb] (see the module docs).
+    let tb = d.block_rows();
+    let qi = k.let_("qi", t.clone() / ix(tb));
+    let len = k.let_("len", (qi.clone() + i64(1)) * ix(tb));
+    let block = k.let_("block", qi.clone() * (qi + i64(1)) / i64(2) * ix(tb * tb));
+    let base = k.let_("base", (item() / ix(d.t)) * ix(d.slab()) + block + (t.clone() % ix(tb)) * len.clone());
     let end = k.let_("stop", t + i64(1));
     let scale = lit(ty, d.scale);
     let m = k.var("m", lit(ty, f64::NEG_INFINITY));
@@ -255,22 +316,25 @@ fn softmax_rows(
         b.assign(&total, total.clone() + e);
     });
     let inv = k.let_("inv", lit(ty, 1.0) / total);
-    k.for_("j", ix(0), end.clone(), |b, j| {
-        b.store(&s, base.clone() + j.clone(), s.at(base.clone() + j) * inv.clone());
+    // One pass over the block row: normalized up to t, zeros after (the masked keys
+    // inside the block, which the next GEMM reads).
+    k.for_("j", ix(0), len.clone(), |b, j| {
+        let at = b.let_("at", base.clone() + j.clone());
+        let p = select(j.lt(end.clone()), s.at(at.clone()) * inv.clone(), lit(ty, 0.0));
+        b.store(&s, at, p);
     });
-    k.for_("j", end.clone(), ix(d.t), |b, j| b.store(&s, base.clone() + j, lit(ty, 0.0)));
     if let Some(dp) = dp {
         let centre = k.var("centre", lit(ty, 0.0));
         k.for_("j", ix(0), end.clone(), |b, j| {
             let at = base.clone() + j;
             b.assign(&centre, centre.clone() + s.at(at.clone()) * dp.at(at));
         });
-        k.for_("j", ix(0), end.clone(), |b, j| {
+        k.for_("j", ix(0), len, |b, j| {
             let at = b.let_("at", base.clone() + j);
+            // Masked entries have p = 0, so their dS is 0 as well.
             let ds = s.at(at.clone()) * (dp.at(at.clone()) - centre.clone()) * scale.clone();
             b.store(&dp, at, ds);
         });
-        k.for_("j", end, ix(d.t), |b, j| b.store(&dp, base.clone() + j, lit(ty, 0.0)));
     }
     kb.finish()
 }
@@ -333,9 +397,9 @@ pub(super) fn attention(graph: &Graph, id: NodeId, name: &str) -> Result<Lowerin
         steps.push(rope_table(graph, &d, base, name, cs, &temps)?);
     }
     steps.push(prepare(graph, id, &d, name, &temps, cs, [qp, kp, vp], None)?);
-    steps.push(d.scores_gemm(qp, kp, s));
+    steps.extend(d.scores_gemm(qp, kp, s));
     steps.push(softmax_rows(graph, &d, &format!("{name}_softmax"), &temps, s, None)?);
-    steps.push(d.rows_gemm(s, vp, op, false));
+    steps.extend(d.rows_gemm(s, vp, op, false));
     steps.push(gather_back(graph, id, &d, &format!("{name}_out"), &temps, op, None)?);
     Ok(Lowering { steps, temps: temps.0 })
 }
@@ -360,8 +424,8 @@ pub fn attention_grads(graph: &Graph, outs: [Option<NodeId>; 3], name: &str) -> 
         steps.push(rope_table(graph, &d, base, name, cs, &temps)?);
     }
     steps.push(prepare(graph, id, &d, name, &temps, cs, [qp, kp, vp], Some(dop))?);
-    steps.push(d.scores_gemm(qp, kp, s));
-    steps.push(d.scores_gemm(dop, vp, dp));
+    steps.extend(d.scores_gemm(qp, kp, s));
+    steps.extend(d.scores_gemm(dop, vp, dp));
     steps.push(softmax_rows(graph, &d, &format!("{name}_softmax"), &temps, s, Some(dp))?);
     // dQ = dS·K, dK = dSᵀ·Q, dV = Pᵀ·dO; RoPE undone for dQ and dK.
     let plans = [(dp, kp, false, "dq", true), (dp, qp, true, "dk", true), (s, dop, true, "dv", false)];
@@ -369,7 +433,7 @@ pub fn attention_grads(graph: &Graph, outs: [Option<NodeId>; 3], name: &str) -> 
         let Some(out) = *out else { continue };
         let (x, y, trans, label, rotated) = plans[wrt];
         let grad = temps.add(d.mat(), d.dtype);
-        steps.push(d.rows_gemm(x, y, grad, trans));
+        steps.extend(d.rows_gemm(x, y, grad, trans));
         let cs = if rotated { cs } else { None };
         steps.push(gather_back(graph, out, &d, &format!("{name}_{label}"), &temps, grad, cs)?);
     }

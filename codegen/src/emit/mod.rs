@@ -92,7 +92,7 @@ pub struct Launch {
 
 /// A library matrix product over launch buffers: the fields of
 /// [`crate::plan::Gemm`] (row-major operands, one batch stride per operand)
-/// with [`Arg`]s for buffers; it overwrites `c`.
+/// with [`Arg`]s for buffers; it overwrites `c` unless `accumulate`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct GemmCall {
     pub a: Arg,
@@ -107,6 +107,10 @@ pub struct GemmCall {
     pub stride_a: usize,
     pub stride_b: usize,
     pub stride_c: usize,
+    /// Elements from the start of a, b and c to batch entry 0.
+    pub offsets: [usize; 3],
+    /// Add into c instead of overwriting it.
+    pub accumulate: bool,
 }
 
 /// One step of a lowering.

@@ -230,6 +230,8 @@ fn norm_project(
         stride_a: 0,
         stride_b: 0,
         stride_c: 0,
+        offsets: [0; 3],
+        accumulate: false,
     }));
     let colsum = (centered > 0).then(|| temps.add(m, node.dtype));
     if let Some(cs) = colsum {

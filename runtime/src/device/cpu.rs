@@ -597,9 +597,10 @@ unsafe fn run_gemm(g: &Gemm, a: *const f32, b: *const f32, c: *mut f32, pool: &P
             return;
         }
         for i in batches {
-            let pa = (a + (i * g.stride_a + rows.start * a_rs) * f32s) as *const f32;
-            let pb = (b + (i * g.stride_b + cols.start * b_cs) * f32s) as *const f32;
-            let pc = (c + (i * g.stride_c + rows.start * g.n + cols.start) * f32s) as *mut f32;
+            let [oa, ob, oc] = g.offsets;
+            let pa = (a + (oa + i * g.stride_a + rows.start * a_rs) * f32s) as *const f32;
+            let pb = (b + (ob + i * g.stride_b + cols.start * b_cs) * f32s) as *const f32;
+            let pc = (c + (oc + i * g.stride_c + rows.start * g.n + cols.start) * f32s) as *mut f32;
             let (m, n) = (rows.len(), cols.len());
             // SAFETY: the band lies inside batch entry i of each operand (see the
             // function's contract); bands of different parts write disjoint rows

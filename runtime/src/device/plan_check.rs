@@ -138,10 +138,10 @@ fn check_kernel_args(
 
 fn check_gemm(plan: &Plan, step: usize, g: &Gemm) -> Result<(), PlanError> {
     let err = |what: String| PlanError::Gemm { step, what };
-    for (name, id, stride, size) in [
-        ("a", g.a, g.stride_a, g.m * g.k),
-        ("b", g.b, g.stride_b, g.k * g.n),
-        ("c", g.c, g.stride_c, g.m * g.n),
+    for (name, id, stride, size, offset) in [
+        ("a", g.a, g.stride_a, g.m * g.k, g.offsets[0]),
+        ("b", g.b, g.stride_b, g.k * g.n, g.offsets[1]),
+        ("c", g.c, g.stride_c, g.m * g.n, g.offsets[2]),
     ] {
         let d = &plan.buffers[id.0];
         // Inputs may be bf16 (mixed precision, MATH.md §6.12); the product is f32.
@@ -152,10 +152,11 @@ fn check_gemm(plan: &Plan, step: usize, g: &Gemm) -> Result<(), PlanError> {
                 id.0, d.dtype
             )));
         }
-        let need = if g.batch == 0 { 0 } else { (g.batch - 1) * stride + size };
+        let need = if g.batch == 0 { 0 } else { offset + (g.batch - 1) * stride + size };
         if d.len < need {
             return Err(err(format!(
-                "operand {name} (buffer #{}) holds {} elements, {} batches of {size} with stride {stride} need {need}",
+                "operand {name} (buffer #{}) holds {} elements, {} batches of {size} with stride {stride} \
+                 from offset {offset} need {need}",
                 id.0, d.len, g.batch
             )));
         }

@@ -192,6 +192,7 @@ struct GemmDef {
     stride_a: usize,
     stride_b: usize,
     stride_c: usize,
+    offsets: [usize; 3],
     accumulate: bool,
 }
 
@@ -504,6 +505,7 @@ mod tests {
                     stride_a: 0,
                     stride_b: 0,
                     stride_c: 4,
+                    offsets: [0, 0, 0],
                     accumulate: true,
                 }),
             ],
