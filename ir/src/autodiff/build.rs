@@ -2,12 +2,22 @@
 //! that would be identities (a reshape to the same shape, a slice of a whole axis)
 //! add no node, so the backward graph stays as small as the rules allow.
 
-use crate::graph::{BinaryOp, Graph, GraphError, NodeId, Op, ReduceOp, UnaryOp};
+use crate::graph::{Build, Graph, GraphError, NodeId, Op, ReduceOp};
 use crate::{DType, Shape};
 
 /// A graph under construction by the backward sweep.
 pub(super) struct Builder<'a> {
     pub g: &'a mut Graph,
+}
+
+impl Build for Builder<'_> {
+    fn graph(&self) -> &Graph {
+        self.g
+    }
+
+    fn graph_mut(&mut self) -> &mut Graph {
+        self.g
+    }
 }
 
 impl Builder<'_> {
@@ -19,10 +29,6 @@ impl Builder<'_> {
         self.g.node(id).dtype
     }
 
-    pub fn op(&mut self, op: Op, inputs: &[NodeId]) -> Result<NodeId, GraphError> {
-        self.g.add(op, inputs)
-    }
-
     /// A constant of the given type.
     pub fn constant(&mut self, value: f64, shape: Shape, dtype: DType) -> NodeId {
         self.g.add_source(Op::Constant { value }, shape, dtype, None)
@@ -32,35 +38,6 @@ impl Builder<'_> {
     pub fn zeros_like(&mut self, like: NodeId) -> NodeId {
         let (shape, dtype) = (self.shape(like), self.dtype(like).compute());
         self.constant(0.0, shape, dtype)
-    }
-
-    pub fn unary(&mut self, u: UnaryOp, x: NodeId) -> Result<NodeId, GraphError> {
-        self.op(Op::Unary(u), &[x])
-    }
-
-    pub fn binary(&mut self, b: BinaryOp, x: NodeId, y: NodeId) -> Result<NodeId, GraphError> {
-        self.op(Op::Binary(b), &[x, y])
-    }
-
-    pub fn add(&mut self, x: NodeId, y: NodeId) -> Result<NodeId, GraphError> {
-        self.binary(BinaryOp::Add, x, y)
-    }
-
-    pub fn sub(&mut self, x: NodeId, y: NodeId) -> Result<NodeId, GraphError> {
-        self.binary(BinaryOp::Sub, x, y)
-    }
-
-    pub fn mul(&mut self, x: NodeId, y: NodeId) -> Result<NodeId, GraphError> {
-        self.binary(BinaryOp::Mul, x, y)
-    }
-
-    pub fn div(&mut self, x: NodeId, y: NodeId) -> Result<NodeId, GraphError> {
-        self.binary(BinaryOp::Div, x, y)
-    }
-
-    /// `mul * x + add`.
-    pub fn affine(&mut self, x: NodeId, mul: f64, add: f64) -> Result<NodeId, GraphError> {
-        self.op(Op::Affine { mul, add }, &[x])
     }
 
     /// Reduction over `axis`, keeping it as size 1 so the result broadcasts back.
@@ -80,42 +57,11 @@ impl Builder<'_> {
         self.reduce_keep(ReduceOp::Sum, x, axis)
     }
 
-    pub fn reshape(&mut self, x: NodeId, dims: &[usize]) -> Result<NodeId, GraphError> {
-        if self.shape(x).dims() == dims {
-            return Ok(x);
-        }
-        self.op(Op::Reshape { shape: dims.to_vec() }, &[x])
-    }
-
-    pub fn broadcast(&mut self, x: NodeId, dims: &[usize]) -> Result<NodeId, GraphError> {
-        if self.shape(x).dims() == dims {
-            return Ok(x);
-        }
-        self.op(Op::Broadcast { shape: dims.to_vec() }, &[x])
-    }
-
     pub fn permute(&mut self, x: NodeId, perm: &[usize]) -> Result<NodeId, GraphError> {
         if perm.iter().enumerate().all(|(i, &p)| i == p) {
             return Ok(x);
         }
         self.op(Op::Permute { perm: perm.to_vec() }, &[x])
-    }
-
-    pub fn slice(&mut self, x: NodeId, axis: usize, start: usize, end: usize) -> Result<NodeId, GraphError> {
-        if start == 0 && end == self.shape(x).dims()[axis] {
-            return Ok(x);
-        }
-        self.op(Op::Slice { axis, start, end }, &[x])
-    }
-
-    pub fn matmul(
-        &mut self,
-        a: NodeId,
-        b: NodeId,
-        trans_a: bool,
-        trans_b: bool,
-    ) -> Result<NodeId, GraphError> {
-        self.op(Op::MatMul { trans_a, trans_b }, &[a, b])
     }
 
     /// Sums `x` down to `target`, the inverse of NumPy broadcasting: leading axes

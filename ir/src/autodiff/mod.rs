@@ -10,6 +10,7 @@
 mod build;
 mod rules;
 
+use crate::graph::Build;
 use crate::graph::{Graph, GraphError, NodeId, Region, Role};
 use std::collections::{HashMap, HashSet};
 

@@ -7,6 +7,7 @@
 
 use super::build::Builder;
 use super::AutodiffError;
+use crate::graph::Build;
 use crate::graph::{BinaryOp, GraphError, NodeId, Op, ReduceOp, UnaryOp};
 
 type Adjoints = Vec<Option<NodeId>>;
@@ -54,13 +55,19 @@ pub(super) fn vjp(b: &mut Builder, y: NodeId, dy: NodeId, needs: &[bool]) -> Res
         Op::MatMul { trans_a, trans_b } => {
             let (a, c) = (xs[0], xs[1]);
             if needs[0] {
-                let da =
-                    if trans_a { b.matmul(c, dy, trans_b, true)? } else { b.matmul(dy, c, false, !trans_b)? };
+                let da = if trans_a {
+                    b.matmul_t(c, dy, trans_b, true)?
+                } else {
+                    b.matmul_t(dy, c, false, !trans_b)?
+                };
                 out[0] = Some(b.sum_to(da, &b.shape(a))?);
             }
             if needs[1] {
-                let dc =
-                    if trans_b { b.matmul(dy, a, true, trans_a)? } else { b.matmul(a, dy, !trans_a, false)? };
+                let dc = if trans_b {
+                    b.matmul_t(dy, a, true, trans_a)?
+                } else {
+                    b.matmul_t(a, dy, !trans_a, false)?
+                };
                 out[1] = Some(b.sum_to(dc, &b.shape(c))?);
             }
         }
@@ -406,11 +413,11 @@ fn norm_project(
         let (xhat, scale) = if is_centered { ln_stats(b, x2, eps)? } else { rms_stats(b, x2, eps)? };
         let dy_part = b.slice(dy2, 1, lo, hi)?;
         if needs[1] {
-            dws.push(b.matmul(xhat, dy_part, true, false)?);
+            dws.push(b.matmul_t(xhat, dy_part, true, false)?);
         }
         if needs[0] {
             let w_part = b.slice(w, 1, lo, hi)?;
-            let dxhat = b.matmul(dy_part, w_part, false, true)?;
+            let dxhat = b.matmul_t(dy_part, w_part, false, true)?;
             let part =
                 if is_centered { ln_back(b, xhat, scale, dxhat)? } else { rms_back(b, xhat, scale, dxhat)? };
             dx = Some(match dx {

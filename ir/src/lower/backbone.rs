@@ -3,6 +3,7 @@
 //! input, §2.2, §4.1, §5.3).
 
 use super::Cx;
+use crate::graph::Build;
 use crate::graph::{GraphError, Init, NodeId, Op, ParamClass, UnaryOp};
 use crate::spec::{FfnSpec, MoeGate, Parametrization};
 

@@ -2,9 +2,8 @@
 //! scheme code short. Every builder infers shapes through `Graph::add`, so a
 //! mistake in a scheme surfaces as a `GraphError` naming the op and both shapes.
 
-use crate::graph::{
-    BinaryOp, Graph, GraphError, Init, NodeId, Op, ParamClass, ParamInfo, Region, Role, UnaryOp,
-};
+pub use crate::graph::Build;
+use crate::graph::{Graph, GraphError, Init, NodeId, Op, ParamClass, ParamInfo, Region, Role};
 use crate::spec::{ModelSpec, Parametrization, Precision};
 use crate::{DType, Shape};
 
@@ -19,6 +18,16 @@ pub struct Cx {
     pub module: Option<usize>,
     /// The V x D embedding table, when the scheme has one (for tied unembeddings).
     pub embedding_table: Option<NodeId>,
+}
+
+impl Build for Cx {
+    fn graph(&self) -> &Graph {
+        &self.g
+    }
+
+    fn graph_mut(&mut self) -> &mut Graph {
+        &mut self.g
+    }
 }
 
 impl Cx {
@@ -87,47 +96,8 @@ impl Cx {
         self.g.add_source(Op::Constant { value }, Shape::new(dims), DType::F32, None)
     }
 
-    pub fn unary(&mut self, op: UnaryOp, x: NodeId) -> Result<NodeId, GraphError> {
-        self.g.add(Op::Unary(op), &[x])
-    }
-
-    pub fn binary(&mut self, op: BinaryOp, a: NodeId, b: NodeId) -> Result<NodeId, GraphError> {
-        self.g.add(Op::Binary(op), &[a, b])
-    }
-
-    pub fn add(&mut self, a: NodeId, b: NodeId) -> Result<NodeId, GraphError> {
-        self.binary(BinaryOp::Add, a, b)
-    }
-
-    pub fn sub(&mut self, a: NodeId, b: NodeId) -> Result<NodeId, GraphError> {
-        self.binary(BinaryOp::Sub, a, b)
-    }
-
-    pub fn mul(&mut self, a: NodeId, b: NodeId) -> Result<NodeId, GraphError> {
-        self.binary(BinaryOp::Mul, a, b)
-    }
-
-    pub fn div(&mut self, a: NodeId, b: NodeId) -> Result<NodeId, GraphError> {
-        self.binary(BinaryOp::Div, a, b)
-    }
-
-    /// mul * x + add.
-    pub fn affine(&mut self, x: NodeId, mul: f64, add: f64) -> Result<NodeId, GraphError> {
-        self.g.add(Op::Affine { mul, add }, &[x])
-    }
-
     pub fn matmul(&mut self, a: NodeId, b: NodeId) -> Result<NodeId, GraphError> {
-        self.g.add(Op::MatMul { trans_a: false, trans_b: false }, &[a, b])
-    }
-
-    pub fn matmul_t(
-        &mut self,
-        a: NodeId,
-        b: NodeId,
-        trans_a: bool,
-        trans_b: bool,
-    ) -> Result<NodeId, GraphError> {
-        self.g.add(Op::MatMul { trans_a, trans_b }, &[a, b])
+        self.matmul_t(a, b, false, false)
     }
 
     /// The value stored as residual state between sublayers: under `precision: Bf16` the
@@ -166,29 +136,8 @@ impl Cx {
         self.g.add(Op::Cast { to: DType::Bf16 }, &[x])
     }
 
-    pub fn reshape(&mut self, x: NodeId, dims: &[usize]) -> Result<NodeId, GraphError> {
-        if self.shape(x) == dims {
-            return Ok(x);
-        }
-        self.g.add(Op::Reshape { shape: dims.to_vec() }, &[x])
-    }
-
     pub fn permute(&mut self, x: NodeId, perm: &[usize]) -> Result<NodeId, GraphError> {
         self.g.add(Op::Permute { perm: perm.to_vec() }, &[x])
-    }
-
-    pub fn broadcast(&mut self, x: NodeId, dims: &[usize]) -> Result<NodeId, GraphError> {
-        if self.shape(x) == dims {
-            return Ok(x);
-        }
-        self.g.add(Op::Broadcast { shape: dims.to_vec() }, &[x])
-    }
-
-    pub fn slice(&mut self, x: NodeId, axis: usize, start: usize, end: usize) -> Result<NodeId, GraphError> {
-        if start == 0 && end == self.shape(x)[axis] {
-            return Ok(x);
-        }
-        self.g.add(Op::Slice { axis, start, end }, &[x])
     }
 
     pub fn concat(&mut self, xs: &[NodeId], axis: usize) -> Result<NodeId, GraphError> {

@@ -25,6 +25,7 @@ mod schemes;
 
 pub use cx::Cx;
 
+use crate::graph::Build;
 use crate::graph::{GraphError, Init, NodeId, Op, ParamClass, Region, Role};
 use crate::spec::{ConcatOrder, FieldError, ModelSpec, Parametrization};
 use crate::{DType, Shape};

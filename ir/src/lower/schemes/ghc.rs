@@ -31,6 +31,7 @@
 //!   MTP modules; block-identity init keeps the first D coordinates (§5.6 DECISION).
 
 use super::residual::{embedding_table, lookup};
+use crate::graph::Build;
 use crate::graph::{GraphError, Init, NodeId, Op, ParamClass, UnaryOp};
 use crate::lower::{Branch, Cx, Scheme, SublayerKind};
 use crate::spec::{EmbedMode, GateAct, GhcSpec, ModelSpec, Parametrization, ReduceInit, ReduceNorm};

@@ -17,6 +17,7 @@
 
 use super::ghc::{connect, generate, scale_and_offset, Mixing, WriteForm};
 use super::residual::{embedding_table, lookup};
+use crate::graph::Build;
 use crate::graph::{GraphError, Init, NodeId, Op, ParamClass};
 use crate::lower::{Branch, Cx, Scheme, SublayerKind};
 use crate::spec::{GenNorm, HcSpec, ModelSpec, OutProjStdMult};

@@ -21,6 +21,7 @@
 //!
 //! Global: `embed` `[V, C]`, replicated into the n streams (MATH.md §4.4 DECISION).
 
+use crate::graph::Build;
 use crate::graph::{GraphError, Init, NodeId, Op, ParamClass, ReduceOp, UnaryOp};
 use crate::lower::schemes::residual::{embedding_table, lookup};
 use crate::lower::{Branch, Cx, Scheme, SublayerKind};

@@ -1,6 +1,7 @@
 //! The plain pre-norm residual (MATH.md §1): one slot of width D.
 //! Read is the identity view, Carry + Write is h + y (MATH.md §0.3, first row).
 
+use crate::graph::Build;
 use crate::graph::{GraphError, Init, NodeId, Op, ParamClass};
 use crate::lower::{Branch, Cx, Scheme, SublayerKind};
 use crate::spec::ModelSpec;

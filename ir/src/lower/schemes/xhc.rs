@@ -36,6 +36,7 @@
 
 mod flash;
 
+use crate::graph::Build;
 use crate::graph::{BinaryOp, GraphError, Init, NodeId, Op, ParamClass, UnaryOp};
 use crate::lower::schemes::mhc::{collapse_streams, replicate_embedding};
 use crate::lower::{Branch, Cx, Scheme, SublayerKind};

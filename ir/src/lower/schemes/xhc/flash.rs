@@ -14,6 +14,7 @@
 //! Flash.
 
 use super::{label, Routing, Xhc};
+use crate::graph::Build;
 use crate::graph::{GraphError, NodeId, Op};
 use crate::lower::{Branch, Cx, SublayerKind};
 
