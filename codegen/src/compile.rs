@@ -737,24 +737,9 @@ impl PlanBuilder {
         match work {
             emit::Work::Launch(launch) => self.push_launch(launch, temps),
             emit::Work::Gemm(g) => {
-                let (a, b, c) = (buf(g.a), buf(g.b), buf(g.c));
-                let (a, b) = self.gemm_operands(a, b);
-                let gemm = Gemm {
-                    a,
-                    b,
-                    c,
-                    batch: g.batch,
-                    m: g.m,
-                    n: g.n,
-                    k: g.k,
-                    trans_a: g.trans_a,
-                    trans_b: g.trans_b,
-                    stride_a: g.stride_a,
-                    stride_b: g.stride_b,
-                    stride_c: g.stride_c,
-                    offsets: g.offsets,
-                    accumulate: g.accumulate,
-                };
+                let g = g.map_buffers(buf);
+                let (a, b) = self.gemm_operands(g.a, g.b);
+                let gemm = Gemm { a, b, ..g };
                 self.steps.push(Step::Gemm(gemm));
             }
         }

@@ -46,11 +46,13 @@ pub struct BufferDecl {
 /// A dense (batched) matrix product handed to a library GEMM (CPU: the `gemm` crate;
 /// GPU: cuBLAS). Row-major operands; `c[b] (=|+=) op(a[b]) @ op(b[b])` for each batch
 /// index, where a zero batch stride broadcasts an operand.
+/// The lowering builds the same product over its own buffer handles (`Gemm<emit::Arg>`)
+/// before buffers are assigned.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Gemm {
-    pub a: BufferId,
-    pub b: BufferId,
-    pub c: BufferId,
+pub struct Gemm<B = BufferId> {
+    pub a: B,
+    pub b: B,
+    pub c: B,
     pub batch: usize,
     pub m: usize,
     pub n: usize,
@@ -66,6 +68,28 @@ pub struct Gemm {
     pub offsets: [usize; 3],
     /// Accumulate into c instead of overwriting it.
     pub accumulate: bool,
+}
+
+impl<B> Gemm<B> {
+    /// The same product over other buffer handles.
+    pub fn map_buffers<C>(self, mut f: impl FnMut(B) -> C) -> Gemm<C> {
+        Gemm {
+            a: f(self.a),
+            b: f(self.b),
+            c: f(self.c),
+            batch: self.batch,
+            m: self.m,
+            n: self.n,
+            k: self.k,
+            trans_a: self.trans_a,
+            trans_b: self.trans_b,
+            stride_a: self.stride_a,
+            stride_b: self.stride_b,
+            stride_c: self.stride_c,
+            offsets: self.offsets,
+            accumulate: self.accumulate,
+        }
+    }
 }
 
 /// One entry of the launch list, executed in order on one stream.

@@ -90,28 +90,9 @@ pub struct Launch {
     pub args: Vec<Arg>,
 }
 
-/// A library matrix product over launch buffers: the fields of
-/// [`crate::plan::Gemm`] (row-major operands, one batch stride per operand)
-/// with [`Arg`]s for buffers; it overwrites `c` unless `accumulate`.
-#[derive(Debug, Clone, PartialEq)]
-pub struct GemmCall {
-    pub a: Arg,
-    pub b: Arg,
-    pub c: Arg,
-    pub batch: usize,
-    pub m: usize,
-    pub n: usize,
-    pub k: usize,
-    pub trans_a: bool,
-    pub trans_b: bool,
-    pub stride_a: usize,
-    pub stride_b: usize,
-    pub stride_c: usize,
-    /// Elements from the start of a, b and c to batch entry 0.
-    pub offsets: [usize; 3],
-    /// Add into c instead of overwriting it.
-    pub accumulate: bool,
-}
+/// A library matrix product over launch buffers: [`crate::plan::Gemm`] with
+/// [`Arg`]s for buffers.
+pub type GemmCall = crate::plan::Gemm<Arg>;
 
 /// One step of a lowering.
 #[derive(Debug, Clone, PartialEq)]
