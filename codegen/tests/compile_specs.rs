@@ -7,11 +7,9 @@
 
 mod emit_support;
 
-use std::path::Path;
-
 use codegen::compile::{compile, fused_partition, one_op_per_group, Request, Target};
 use codegen::render::render_cuda;
-use emit_support::{check, Rng, Sources};
+use emit_support::{check, spec_training_graph, Rng, Sources};
 use ir::graph::Graph;
 
 const SPECS: [&str; 4] = ["residual", "mhc", "vwn-r4", "xhc"];
@@ -23,19 +21,10 @@ fn tiny_model(name: &str) -> (Graph, Request, usize) {
 
 /// The spec with `d_model`, one layer, seq 8, batch 2.
 fn model_of_width(name: &str, d_model: usize) -> (Graph, Request, usize) {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../specs").join(format!("{name}.ron"));
-    let mut spec = ir::spec::load_spec(&path).unwrap_or_else(|e| panic!("{name}: {e}"));
-    spec.d_model = d_model;
-    spec.layers = 1;
-    let vocab = spec.vocab;
-    let lowered = ir::lower::lower(&spec, 2, 8).unwrap_or_else(|e| panic!("{name}: {e}"));
-    let mut graph = lowered.graph;
-    let params = graph.params();
-    let grads =
-        ir::autodiff::grad(&mut graph, lowered.loss, &params).unwrap_or_else(|e| panic!("{name}: {e}"));
-    ir::passes::simplify(&mut graph, &grads);
-    let request = Request::new(&graph, params.into_iter().zip(grads).collect());
-    (graph, request, vocab)
+    spec_training_graph(name, 2, 8, |spec| {
+        spec.d_model = d_model;
+        spec.layers = 1;
+    })
 }
 
 #[test]

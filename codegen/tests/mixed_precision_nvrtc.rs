@@ -3,23 +3,20 @@
 //! under NVRTC for sm_90 with no warnings and no spills, and the Plan really holds bf16
 //! buffers and rounds in registers.
 
-use std::path::Path;
+mod emit_support;
 
-use codegen::compile::{compile, fused_partition, one_op_per_group, Request};
+use codegen::compile::{compile, fused_partition, one_op_per_group, Target};
 use codegen::render::render_cuda;
+use emit_support::spec_training_graph;
 
 #[test]
 fn bf16_spec_kernels_compile_under_nvrtc() {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../specs/mhc-bf16.ron");
-    let mut spec = ir::spec::load_spec(&path).unwrap_or_else(|e| panic!("{e}"));
-    spec.d_model = 16;
-    spec.layers = 1;
-    let lowered = ir::lower::lower(&spec, 2, 8).expect("lowers");
-    let mut graph = lowered.graph;
-    let params = graph.params();
-    let grads = ir::autodiff::grad(&mut graph, lowered.loss, &params).expect("differentiates");
-    ir::passes::simplify(&mut graph, &grads);
-    let request = Request::new(&graph, params.into_iter().zip(grads).collect());
+    let (graph, request, _) = spec_training_graph("mhc-bf16", 2, 8, |spec| {
+        spec.d_model = 16;
+        spec.layers = 1;
+    });
+    // Kernels sized for the GPU, as the Cuda device compiles them.
+    let request = request.for_target(Target::Cuda);
     let partitions =
         [("one op", one_op_per_group(&graph)), ("fused", fused_partition(&graph, &request).expect("fuses"))];
     let plans: Vec<_> = partitions

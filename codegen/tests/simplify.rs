@@ -4,10 +4,11 @@
 //! chains of fused view kernels collapse to their short forms, and whole
 //! models render with far fewer integer divisions and remainders.
 
-use std::collections::HashMap;
-use std::path::Path;
+mod emit_support;
 
-use codegen::compile::{compile, fused_partition, Request};
+use std::collections::HashMap;
+
+use codegen::compile::{compile, fused_partition};
 use codegen::kernel::{
     f32, i64, item, lane, select, simplify_indices, Access, BinOp, CmpOp, Expr, Grid, Kernel, KernelBuilder,
     Stmt, UnOp,
@@ -356,16 +357,9 @@ fn div_rem_counts(c: &str) -> (usize, usize) {
 
 /// The rendered C of a spec at D = 256, four layers, four heads, 256 tokens.
 fn model_c(name: &str) -> String {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../specs").join(format!("{name}.ron"));
-    let mut spec = ir::spec::load_spec(&path).unwrap_or_else(|e| panic!("{name}: {e}"));
-    (spec.d_model, spec.layers, spec.heads) = (256, 4, 4);
-    let lowered = ir::lower::lower(&spec, 8, 256).unwrap_or_else(|e| panic!("{name}: {e}"));
-    let mut graph = lowered.graph;
-    let params = graph.params();
-    let grads =
-        ir::autodiff::grad(&mut graph, lowered.loss, &params).unwrap_or_else(|e| panic!("{name}: {e}"));
-    ir::passes::simplify(&mut graph, &grads);
-    let request = Request::new(&graph, params.into_iter().zip(grads).collect());
+    let (graph, request, _) = emit_support::spec_training_graph(name, 8, 256, |spec| {
+        (spec.d_model, spec.layers, spec.heads) = (256, 4, 4);
+    });
     let partition = fused_partition(&graph, &request).unwrap_or_else(|e| panic!("{name}: {e}"));
     let plan = compile(&graph, &partition, &request).unwrap_or_else(|e| panic!("{name}: {e}"));
     render_c(&plan.kernels).expect("renders")

@@ -187,3 +187,25 @@ pub fn check(
 pub fn one_group(graph: &Graph) -> Partition {
     vec![graph.topo_order().into_iter().filter(|&id| !graph.node(id).op.is_source()).collect()]
 }
+
+/// `specs/{name}.ron` after `edit`, lowered at `batch` × `seq_len`, differentiated
+/// and simplified, with the Request for its outputs and every parameter gradient;
+/// also its vocabulary size.
+pub fn spec_training_graph(
+    name: &str,
+    batch: usize,
+    seq_len: usize,
+    edit: impl FnOnce(&mut ir::spec::ModelSpec),
+) -> (Graph, Request, usize) {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../specs").join(format!("{name}.ron"));
+    let mut spec = ir::spec::load_spec(&path).unwrap_or_else(|e| panic!("{name}: {e}"));
+    edit(&mut spec);
+    let lowered = ir::lower::lower(&spec, batch, seq_len).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let mut graph = lowered.graph;
+    let params = graph.params();
+    let grads =
+        ir::autodiff::grad(&mut graph, lowered.loss, &params).unwrap_or_else(|e| panic!("{name}: {e}"));
+    ir::passes::simplify(&mut graph, &grads);
+    let request = Request::new(&graph, params.into_iter().zip(grads).collect());
+    (graph, request, spec.vocab)
+}
