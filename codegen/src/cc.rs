@@ -1,12 +1,16 @@
 //! The system C compiler driver (DESIGN.md §6, CPU device).
 //!
 //! All kernels of a Plan are one C translation unit, compiled once with
-//! `cc -O2 -fPIC -shared -ffp-contract=off -std=c11` (`CC` overrides the
-//! compiler; never `-ffast-math`, and no FMA contraction, so results stay
-//! close to the reference executor) into a shared object that is cached under
-//! [`default_cache_dir`] by a SHA-256 of (source, compiler `--version`,
-//! flags), written atomically (compile to a temporary name, then rename) and
-//! loaded with `libloading`.
+//! `cc -O2 -march=native -fPIC -shared -ffp-contract=off -std=c11` (`CC`
+//! overrides the compiler; never `-ffast-math`, and no FMA contraction, so
+//! results stay close to the reference executor) into a shared object that is
+//! cached under [`default_cache_dir`] by a SHA-256 of (source, compiler
+//! `--version`, flags, host CPU), written atomically (compile to a temporary
+//! name, then rename) and loaded with `libloading`. Kernels are compiled on the
+//! machine that runs them, so `-march=native` lets the compiler use its vector
+//! units (AVX-512 where present) without changing IEEE results; the host CPU in
+//! the key keeps a cache folder shared between different machines from handing
+//! one a build for the other's instruction set.
 //!
 //! # The entry ABI
 //!
@@ -37,6 +41,20 @@ use crate::render::render_c;
 
 /// Flags passed to the compiler before the source file.
 pub const FLAGS: &[&str] = &["-O2", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-std=c11"];
+
+/// What `-march=native` compiles for: the CPU model and feature flags of the
+/// first processor in `/proc/cpuinfo`, or the target architecture where that
+/// file does not exist.
+fn host_cpu() -> String {
+    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let wanted = ["model name", "flags", "Features", "CPU implementer", "CPU part"];
+    let lines: Vec<&str> = info
+        .lines()
+        .take_while(|l| !l.trim().is_empty())
+        .filter(|l| wanted.iter().any(|w| l.starts_with(w)))
+        .collect();
+    format!("{} {}", std::env::consts::ARCH, lines.join("\n"))
+}
 
 /// The uniform entry point of every compiled kernel (see the module docs).
 pub type EntryFn = unsafe extern "C" fn(args: *const *mut c_void, start: i64, end: i64);
@@ -138,6 +156,7 @@ impl Compiler {
         self.command.iter().for_each(|c| part(c));
         part(&self.version);
         FLAGS.iter().for_each(|f| part(f));
+        part(&host_cpu());
         part(source);
         h.finalize()[..16].iter().fold(String::new(), |mut s, b| {
             let _ = write!(s, "{b:02x}");
