@@ -27,7 +27,8 @@
 #              written, CUDA vs the reference executor from the same
 #              parameters and batches: loss, validation loss, logits, every
 #              gradient, every parameter after 5 optimizer steps, each
-#              against its fp32 tolerance. Specs run in parallel (Plan
+#              against its fp32 tolerance (mhc-bf16: the bf16 tolerances,
+#              cuBLAS bf16 GEMMs). Specs run in parallel (Plan
 #              compilation by NVRTC dominates).                       (80 s)
 #   bench      `widen bench --device cuda` on a GPT-2-small backbone (D=768,
 #              L=12, 12 heads, T=1024, B=8) for residual, mhc, vwn-r4, xhc,
