@@ -3,12 +3,12 @@
 //! `widen` command at run time.
 //!
 //! At build time the spec is lowered, differentiated and compiled into the
-//! Plan of one training step, exactly as `widen train --device cpu` does when
-//! it starts ([`package::compile_plan`]). A small cargo package is then
+//! Plans of one training step, exactly as `widen train --device cpu|cuda` does
+//! when it starts ([`package::compile_plans`]). A small cargo package is then
 //! generated ([`package::generate`]):
 //!
-//! - `src/plan.json`: the Plan (kernel IR, launch list, buffer plan), see
-//!   [`codec`];
+//! - `src/plan.json` and `src/plan.cuda.json`: the Cpu and the GPU-sized Plan
+//!   (kernel IR, launch list, buffer plan), see [`codec`];
 //! - `src/main.rs`: code generated with `quote`: the spec (RON) and the Plan as
 //!   constants, argument parsing (`--steps`, `--data`, `--out`, `--resume`,
 //!   `--device cpu|reference|cuda`), and a call into [`crate::train::train`]
@@ -35,7 +35,7 @@ mod cargo;
 pub mod codec;
 mod package;
 
-pub use package::{compile_plan, generate, widen_root, Package};
+pub use package::{compile_plans, generate, widen_root, Package};
 
 use crate::executor::StepError;
 use ir::spec::{ModelSpec, ScheduleSpec};

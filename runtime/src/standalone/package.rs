@@ -6,6 +6,7 @@
 
 use super::{codec, BuildError};
 use crate::device::executor::TrainingGraph;
+use codegen::compile::Target;
 use codegen::plan::Plan;
 use ir::spec::ModelSpec;
 use proc_macro2::TokenStream;
@@ -44,29 +45,35 @@ pub fn widen_root() -> Result<PathBuf, BuildError> {
     Ok(root)
 }
 
-/// Lowers `spec`, differentiates it and compiles the Plan of one training
-/// step: the same Plan `widen train --device cpu` compiles when it starts.
-pub fn compile_plan(spec: &ModelSpec) -> Result<Plan, BuildError> {
+/// Lowers `spec`, differentiates it and compiles the Plans of one training
+/// step: (Cpu, Cuda), the same Plans `widen train --device cpu|cuda` compiles
+/// when it starts (they differ only in how wide rows split into kernels).
+pub fn compile_plans(spec: &ModelSpec) -> Result<(Plan, Plan), BuildError> {
     let lowered = ir::lower::lower(spec, spec.train.batch, spec.train.seq_len)?;
-    Ok(TrainingGraph::new(lowered)?.plan()?)
+    let training = TrainingGraph::new(lowered)?;
+    Ok((training.plan_for(Target::Cpu)?, training.plan_for(Target::Cuda)?))
 }
 
 /// Generates the package of a standalone trainer for `spec`.
 pub fn generate(spec: &ModelSpec) -> Result<Package, BuildError> {
-    let plan = compile_plan(spec)?;
-    let plan_json = codec::encode_plan(&plan)?;
-    // What runs must be what was compiled: check the embedded form now, not in
+    let (plan, cuda_plan) = compile_plans(spec)?;
+    // What runs must be what was compiled: check the embedded forms now, not in
     // the user's first run.
-    let decoded = codec::decode_plan(&plan_json)?;
-    if format!("{decoded:?}") != format!("{plan:?}") {
-        return Err(BuildError::PlanRoundTrip);
-    }
+    let embed = |plan: &Plan| -> Result<String, BuildError> {
+        let json = codec::encode_plan(plan)?;
+        let decoded = codec::decode_plan(&json)?;
+        if format!("{decoded:?}") != format!("{plan:?}") {
+            return Err(BuildError::PlanRoundTrip);
+        }
+        Ok(json)
+    };
+    let (plan_json, cuda_plan_json) = (embed(&plan)?, embed(&cuda_plan)?);
     let root = widen_root()?;
     let main_rs = main_rs(spec, &plan).to_string();
     let deps = dependencies(&root)?;
 
     let mut h = Sha256::new();
-    for part in ["widen-build/1", &spec.name, &main_rs, &plan_json, &deps] {
+    for part in ["widen-build/1", &spec.name, &main_rs, &plan_json, &cuda_plan_json, &deps] {
         h.update((part.len() as u64).to_le_bytes());
         h.update(part.as_bytes());
     }
@@ -87,6 +94,7 @@ pub fn generate(spec: &ModelSpec) -> Result<Package, BuildError> {
         (PathBuf::from("Cargo.toml"), manifest),
         (PathBuf::from("src/main.rs"), main_rs),
         (PathBuf::from("src/plan.json"), plan_json),
+        (PathBuf::from("src/plan.cuda.json"), cuda_plan_json),
     ];
     // The workspace's lock file pins every dependency (the GEMM library
     // included) to the versions `widen train` runs with, and lets an offline
@@ -174,6 +182,8 @@ fn main_rs(spec: &ModelSpec, plan: &Plan) -> TokenStream {
         const SPEC_RON: &str = #spec_ron;
         /// The compiled training step: kernels, launch list and buffers.
         const PLAN_JSON: &str = include_str!("plan.json");
+        /// The same step with kernels sized for the GPU.
+        const CUDA_PLAN_JSON: &str = include_str!("plan.cuda.json");
         /// `--help`, with `{program}` standing for the binary's name.
         const USAGE: &str = #usage;
 
@@ -245,9 +255,9 @@ fn main_rs(spec: &ModelSpec, plan: &Plan) -> TokenStream {
             Ok(Some(args))
         }
 
-        /// The embedded Plan.
-        fn plan() -> anyhow::Result<codegen::plan::Plan> {
-            Ok(runtime::standalone::codec::decode_plan(PLAN_JSON)?)
+        /// An embedded Plan.
+        fn plan(json: &str) -> anyhow::Result<codegen::plan::Plan> {
+            Ok(runtime::standalone::codec::decode_plan(json)?)
         }
 
         fn run() -> anyhow::Result<()> {
@@ -272,12 +282,12 @@ fn main_rs(spec: &ModelSpec, plan: &Plan) -> TokenStream {
                 DeviceArg::Cpu => {
                     let compiler = codegen::cc::Compiler::from_env()?;
                     let options = runtime::device::cpu::CpuOptions::default();
-                    let device = runtime::device::cpu::CpuDevice::with_options(plan()?, &compiler, options)
+                    let device = runtime::device::cpu::CpuDevice::with_options(plan(PLAN_JSON)?, &compiler, options)
                         .context("loading the embedded plan on the cpu device")?;
                     Box::new(runtime::device::executor::CpuExecutor::new(device, token_shape)?)
                 }
                 DeviceArg::Cuda => {
-                    let device = runtime::device::cuda::CudaDevice::new(plan()?)
+                    let device = runtime::device::cuda::CudaDevice::new(plan(CUDA_PLAN_JSON)?)
                         .context("loading the embedded plan on the cuda device")?;
                     Box::new(runtime::device::cuda::CudaExecutor::new(device, token_shape)?)
                 }
@@ -316,6 +326,23 @@ fn main_rs(spec: &ModelSpec, plan: &Plan) -> TokenStream {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// xHC at d_model 64 has 1024-float rows per token: the GPU-sized Plan splits
+    /// them into more kernels, and the package embeds both Plans.
+    #[test]
+    fn packages_embed_the_cpu_and_the_gpu_sized_plan() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../specs/xhc.ron");
+        let mut spec = ir::spec::load_spec(&path).expect("spec");
+        (spec.d_model, spec.layers, spec.train.batch, spec.train.seq_len) = (64, 1, 2, 8);
+        let (cpu, cuda) = compile_plans(&spec).expect("compiles");
+        assert!(cpu.kernels.len() < cuda.kernels.len(), "{} vs {}", cpu.kernels.len(), cuda.kernels.len());
+        let package = generate(&spec).expect("generates");
+        let file = |name: &str| package.files.iter().find(|(p, _)| p.ends_with(name)).map(|(_, text)| text);
+        let (cpu_json, cuda_json) =
+            (file("plan.json").expect("plan.json"), file("plan.cuda.json").expect("cuda"));
+        assert_eq!(codec::decode_plan(cpu_json).expect("decodes"), cpu);
+        assert_eq!(codec::decode_plan(cuda_json).expect("decodes"), cuda);
+    }
 
     #[test]
     fn crate_names_are_valid_cargo_names() {
