@@ -1,25 +1,15 @@
 //! `widen build SPEC -o PATH` as a user runs it: the standalone binary trains
 //! with no spec file around and writes the metrics `widen train` writes.
 
+mod common;
+
+use common::stderr;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
-
-/// A fresh folder under cargo's scratch space for integration tests.
-fn workdir(tag: &str) -> PathBuf {
-    let dir =
-        Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("widen-build-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
+use std::process::Command;
 
 fn spec_path() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/tiny.ron")
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
 /// `widen` with its kernel and build caches in `cache`.
@@ -48,7 +38,7 @@ fn metrics(run: &Path) -> Vec<Value> {
 /// dependencies carry over between test runs and `cargo build --release`.
 #[test]
 fn slow_built_binary_trains_like_widen_train_without_the_spec() {
-    let dir = workdir("train");
+    let dir = common::workdir("build-train", None);
     let cache = dir.join("cache");
     let target =
         Path::new(env!("CARGO_TARGET_TMPDIR")).parent().expect("target/tmp is inside the target folder");
@@ -115,7 +105,7 @@ fn slow_built_binary_trains_like_widen_train_without_the_spec() {
 
 #[test]
 fn build_errors_say_what_to_fix() {
-    let dir = workdir("errors");
+    let dir = common::workdir("build-errors", None);
     let cache = dir.join("cache");
     let build = |cmd: &mut Command, output: &Path| {
         let o =

@@ -1,26 +1,9 @@
 //! `widen compile` and `widen bench` as a user runs them.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod common;
 
-fn workdir(tag: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("widen-cli-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-fn spec(file: &str) -> String {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("specs").join(file).display().to_string()
-}
-
-fn widen(dir: &Path, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_widen")).current_dir(dir).args(args).output().unwrap()
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
+use common::{spec_file as spec, stderr, widen};
+use std::path::Path;
 
 fn read(dir: &Path, name: &str) -> String {
     std::fs::read_to_string(dir.join(name)).unwrap_or_else(|e| panic!("{name}: {e}"))
@@ -28,7 +11,7 @@ fn read(dir: &Path, name: &str) -> String {
 
 #[test]
 fn compile_writes_dumps_kernels_and_plan() {
-    let dir = workdir("compile");
+    let dir = common::workdir("compile-compile", None);
     let o = widen(&dir, &["compile", &spec("mhc.ron"), "-o", "out", "--explain"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let out = dir.join("out");
@@ -88,7 +71,7 @@ fn compile_writes_dumps_kernels_and_plan() {
 
 #[test]
 fn bench_writes_both_rows_as_json() {
-    let dir = workdir("bench");
+    let dir = common::workdir("compile-bench", None);
     let args = [
         "bench",
         &spec("tiny.ron"),

@@ -5,8 +5,11 @@
 
 use runtime::device::cuda::driver_available;
 use runtime::params::ParamSet;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod common;
+
+use common::{spec_file, stderr, widen};
+use std::path::Path;
+use std::process::Output;
 
 /// A small spec that trains in seconds on any device, validating twice.
 const SPEC: &str = r#"Model(
@@ -17,26 +20,6 @@ const SPEC: &str = r#"Model(
             optimizer: AdamW(lr: 1e-2), schedule: Constant(warmup: 1)),
 )
 "#;
-
-fn workdir(tag: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("widen-devices-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(dir.join("spec.ron"), SPEC).unwrap();
-    dir
-}
-
-fn widen(dir: &Path, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_widen")).current_dir(dir).args(args).output().unwrap()
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-fn spec_file(name: &str) -> String {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("specs").join(name).display().to_string()
-}
 
 /// The `device` field of every line of a run's metrics.
 fn metric_devices(run: &Path) -> Vec<String> {
@@ -64,14 +47,14 @@ fn assert_clean_driver_error(o: &Output) {
 fn cuda_without_a_driver_is_a_clean_error_naming_libcuda() {
     if driver_available() {
         // A GPU machine: the same command trains on the GPU.
-        let dir = workdir("cuda-gpu");
+        let dir = common::workdir("devices-cuda-gpu", Some(SPEC));
         let o = widen(&dir, &["train", "spec.ron", "--device", "cuda", "--steps", "1", "--out", "run"]);
         assert!(o.status.success(), "{}", stderr(&o));
         assert_eq!(metric_devices(&dir.join("run")), ["cuda"]);
         std::fs::remove_dir_all(dir).unwrap();
         return;
     }
-    let dir = workdir("cuda");
+    let dir = common::workdir("devices-cuda", Some(SPEC));
     let tiny = spec_file("tiny.ron");
     let o = widen(&dir, &["train", &tiny, "--device", "cuda", "--steps", "1", "--out", "run"]);
     assert_clean_driver_error(&o);
@@ -88,7 +71,7 @@ fn cuda_without_a_driver_is_a_clean_error_naming_libcuda() {
 
 #[test]
 fn train_defaults_to_cpu_and_every_device_validates_and_samples() {
-    let dir = workdir("default");
+    let dir = common::workdir("devices-default", Some(SPEC));
     let o = widen(&dir, &["train", "spec.ron", "--out", "cpu"]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stderr(&o).contains("on cpu"), "{}", stderr(&o));
@@ -139,7 +122,7 @@ fn train_defaults_to_cpu_and_every_device_validates_and_samples() {
 
 #[test]
 fn parity_on_cpu_passes_and_lists_every_gradient() {
-    let dir = workdir("parity");
+    let dir = common::workdir("devices-parity", Some(SPEC));
     let residual = spec_file("residual.ron");
     let shrink = ["--d-model", "32", "--layers", "1", "--seq-len", "8", "--batch", "2", "--steps", "2"];
     let mut args = vec!["parity", residual.as_str(), "--device", "cpu"];

@@ -1,7 +1,8 @@
 //! `widen train` and `widen sample` as a user runs them.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod common;
+
+use common::{stderr, widen};
 
 const SPEC: &str = r#"Model(
     name: "cli-tiny",
@@ -11,25 +12,9 @@ const SPEC: &str = r#"Model(
 )
 "#;
 
-fn workdir(tag: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("widen-cli-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(dir.join("spec.ron"), SPEC).unwrap();
-    dir
-}
-
-fn widen(dir: &Path, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_widen")).current_dir(dir).args(args).output().unwrap()
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
 #[test]
 fn train_writes_the_run_folder_and_sample_continues_the_prompt() {
-    let dir = workdir("train");
+    let dir = common::workdir("train-train", Some(SPEC));
     let o = widen(&dir, &["train", "spec.ron"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let run = dir.join("runs/cli-tiny");
@@ -62,7 +47,7 @@ fn train_writes_the_run_folder_and_sample_continues_the_prompt() {
 
 #[test]
 fn data_override_errors_name_the_file() {
-    let dir = workdir("data");
+    let dir = common::workdir("train-data", Some(SPEC));
     let o = widen(&dir, &["train", "spec.ron", "--data", "absent.txt", "--out", "run"]);
     assert!(!o.status.success());
     assert!(stderr(&o).contains("absent.txt"), "{}", stderr(&o));
@@ -81,7 +66,7 @@ fn data_override_errors_name_the_file() {
 
 #[test]
 fn sampling_a_corrupt_checkpoint_names_it() {
-    let dir = workdir("corrupt");
+    let dir = common::workdir("train-corrupt", Some(SPEC));
     std::fs::write(dir.join("bad.safetensors"), b"\x08\x00\x00\x00\x00\x00\x00\x00{}").unwrap();
     let o = widen(&dir, &["sample", "bad.safetensors", "--prompt", "x"]);
     assert!(!o.status.success());
