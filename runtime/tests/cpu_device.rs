@@ -2,10 +2,13 @@
 //! plain Rust, thread-count independence, and load-time rejection of Plans
 //! that would bind buffers unsoundly.
 
+mod plan_kernels;
+
 use codegen::cc::Compiler;
 use codegen::kernel::{f32, i64, item, lane, Access, Grid, Kernel, KernelBuilder, ReduceOp};
 use codegen::plan::{BufferDecl, BufferId, BufferRole, Gemm, Plan, Step};
 use ir::DType;
+use plan_kernels::{rms_rows, scale_bias};
 use runtime::device::cpu::{CpuDevice, CpuError, CpuOptions};
 use runtime::device::plan_check::PlanError;
 use std::path::PathBuf;
@@ -48,39 +51,6 @@ fn data(n: usize, seed: u64, scale: f32) -> Vec<f32> {
             ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
         })
         .collect()
-}
-
-/// `y = x * s + bias[col]`: an elementwise kernel over every element.
-fn scale_bias() -> Kernel {
-    let mut k = KernelBuilder::new("scale_bias", Grid::thread_per_item(ROWS * D));
-    let x = k.param("x", DType::F32, Access::Read, ROWS * D);
-    let s = k.param("s", DType::F32, Access::Read, 1);
-    let b = k.param("b", DType::F32, Access::Read, D);
-    let y = k.param("y", DType::F32, Access::Write, ROWS * D);
-    let col = k.let_("col", item() % i64(D as i64));
-    k.store(&y, item(), x.at(item()) * s.at(i64(0)) + b.at(col));
-    k.finish()
-}
-
-/// RMSNorm per row with one block per row: lanes stride over the row, a
-/// block reduction gives the sum of squares (loop fission in C).
-fn rmsnorm_block() -> Kernel {
-    const LANES: u32 = 32;
-    let mut k = KernelBuilder::new("rmsnorm_block", Grid::block_per_item(ROWS, LANES));
-    let x = k.param("x", DType::F32, Access::Read, ROWS * F);
-    let y = k.param("y", DType::F32, Access::Write, ROWS * F);
-    let base = k.let_("base", item() * i64(F as i64));
-    let acc = k.var("acc", f32(0.0));
-    k.for_step("j", lane(), i64(F as i64), i64::from(LANES), false, |b, j| {
-        let v = b.let_("v", x.at(&base + &j));
-        b.assign(&acc, &acc + &v * &v);
-    });
-    let ss = k.block_reduce("ss", ReduceOp::Sum, acc);
-    let r = k.let_("r", (ss / f32(F as f32) + f32(EPS)).rsqrt());
-    k.for_step("j", lane(), i64(F as i64), i64::from(LANES), false, |b, j| {
-        b.store(&y, &base + &j, x.at(&base + &j) * &r);
-    });
-    k.finish()
 }
 
 fn decl(id: usize, len: usize, dtype: DType, role: BufferRole) -> BufferDecl {
@@ -137,7 +107,7 @@ fn test_plan() -> Plan {
         })
     };
     Plan {
-        kernels: vec![scale_bias(), rmsnorm_block()],
+        kernels: vec![scale_bias(ROWS, D, Grid::DEFAULT_BLOCK), rms_rows(ROWS, F, 32, EPS)],
         steps: vec![
             Step::Kernel { kernel: 0, args: vec![X, SCALE, BIAS, H] },
             gemm(H, W, P, ROWS, F, D, false, false),
@@ -362,7 +332,7 @@ fn profile_counts_steps_by_label() {
     assert_eq!(p.runs, 2, "a partial run is not a run");
     let calls = |label: &str| p.rows.iter().find(|r| r.label == label).map(|r| r.calls);
     assert_eq!(calls("scale_bias"), Some(3));
-    assert_eq!(calls("rmsnorm_block"), Some(2));
+    assert_eq!(calls("rms_rows"), Some(2));
     assert_eq!(calls("zero"), Some(2));
     assert_eq!(calls(&format!("gemm {ROWS}x{F}x{D}")), Some(2));
     assert_eq!(calls(&format!("gemm {D}x{F}x{ROWS}")), Some(4), "two steps share a label");

@@ -8,9 +8,12 @@
 //! against an f64 host reference; without one they return after checking
 //! that the device reports the missing driver.
 
+mod plan_kernels;
+
 use codegen::kernel::{f32, i64, item, lane, Access, Grid, Kernel, KernelBuilder, ReduceOp};
 use codegen::plan::{BufferDecl, BufferId, BufferRole, Gemm, Plan, Step};
 use ir::DType;
+use plan_kernels::{rms_rows, scale_bias};
 use runtime::device::cuda::{
     column_major_gemm, copy_bandwidth, driver_available, launch_config, probe, BlasGemm, CudaDevice,
     CudaError, Layout, Placement,
@@ -284,38 +287,6 @@ const ROWS: usize = 300;
 const D: usize = 40;
 const F: usize = 24;
 
-/// `y = x * s + bias[col]` over ROWS * D elements (not a multiple of the block).
-fn scale_bias() -> Kernel {
-    let mut k = KernelBuilder::new("scale_bias", Grid::ThreadPerItem { n: ROWS * D, block: 128 });
-    let x = k.param("x", DType::F32, Access::Read, ROWS * D);
-    let s = k.param("s", DType::F32, Access::Read, 1);
-    let b = k.param("b", DType::F32, Access::Read, D);
-    let y = k.param("y", DType::F32, Access::Write, ROWS * D);
-    let col = k.let_("col", item() % i64(D as i64));
-    k.store(&y, item(), x.at(item()) * s.at(i64(0)) + b.at(col));
-    k.finish()
-}
-
-/// Per-row RMS scaling with one block of 64 lanes per row and a block reduction.
-fn rms_rows() -> Kernel {
-    const LANES: u32 = 64;
-    let mut k = KernelBuilder::new("rms_rows", Grid::block_per_item(ROWS, LANES));
-    let x = k.param("x", DType::F32, Access::Read, ROWS * F);
-    let y = k.param("y", DType::F32, Access::Write, ROWS * F);
-    let base = k.let_("base", item() * i64(F as i64));
-    let acc = k.var("acc", f32(0.0));
-    k.for_step("j", lane(), i64(F as i64), i64::from(LANES), false, |b, j| {
-        let v = b.let_("v", x.at(&base + &j));
-        b.assign(&acc, &acc + &v * &v);
-    });
-    let ss = k.block_reduce("ss", ReduceOp::Sum, acc);
-    let r = k.let_("r", (ss / f32(F as f32) + f32(1e-5)).rsqrt());
-    k.for_step("j", lane(), i64(F as i64), i64::from(LANES), false, |b, j| {
-        b.store(&y, &base + &j, x.at(&base + &j) * &r);
-    });
-    k.finish()
-}
-
 /// x -> h = x * 0.5 + bias -> p = h @ w -> y = rms_rows(p);
 /// g = 0, g += h^T @ p twice (accumulated weight-gradient shape);
 /// q[b] = h3[b] @ w for 3 batch entries of 100 rows with w broadcast.
@@ -351,7 +322,7 @@ fn gpu_plan() -> Plan {
         })
     };
     Plan {
-        kernels: vec![scale_bias(), rms_rows()],
+        kernels: vec![scale_bias(ROWS, D, 128), rms_rows(ROWS, F, 64, 1e-5)],
         steps: vec![
             Step::Kernel { kernel: 0, args: vec![BufferId(0), BufferId(1), BufferId(2), BufferId(4)] },
             mm(4, 3, 5, (ROWS, F, D), false, false, 1, [0; 3]),

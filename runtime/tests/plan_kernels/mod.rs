@@ -1,0 +1,37 @@
+//! Hand-built kernels of the device tests' Plans, sized by each test.
+
+use codegen::kernel::{f32, i64, item, lane, Access, Grid, Kernel, KernelBuilder, ReduceOp};
+use ir::DType;
+
+/// `y = x * s + bias[col]` over `rows * d` elements, `block` threads per CUDA block.
+pub fn scale_bias(rows: usize, d: usize, block: u32) -> Kernel {
+    let mut k = KernelBuilder::new("scale_bias", Grid::ThreadPerItem { n: rows * d, block });
+    let x = k.param("x", DType::F32, Access::Read, rows * d);
+    let s = k.param("s", DType::F32, Access::Read, 1);
+    let b = k.param("b", DType::F32, Access::Read, d);
+    let y = k.param("y", DType::F32, Access::Write, rows * d);
+    let col = k.let_("col", item() % i64(d as i64));
+    k.store(&y, item(), x.at(item()) * s.at(i64(0)) + b.at(col));
+    k.finish()
+}
+
+/// RMS scaling of each of `rows` rows of `f`, one block of `lanes` lanes per row:
+/// lanes stride over the row and a block reduction gives the sum of squares
+/// (loop fission in C).
+pub fn rms_rows(rows: usize, f: usize, lanes: u32, eps: f32) -> Kernel {
+    let mut k = KernelBuilder::new("rms_rows", Grid::block_per_item(rows, lanes));
+    let x = k.param("x", DType::F32, Access::Read, rows * f);
+    let y = k.param("y", DType::F32, Access::Write, rows * f);
+    let base = k.let_("base", item() * i64(f as i64));
+    let acc = k.var("acc", f32(0.0));
+    k.for_step("j", lane(), i64(f as i64), i64::from(lanes), false, |b, j| {
+        let v = b.let_("v", x.at(&base + &j));
+        b.assign(&acc, &acc + &v * &v);
+    });
+    let ss = k.block_reduce("ss", ReduceOp::Sum, acc);
+    let r = k.let_("r", (ss / f32(f as f32) + f32(eps)).rsqrt());
+    k.for_step("j", lane(), i64(f as i64), i64::from(lanes), false, |b, j| {
+        b.store(&y, &base + &j, x.at(&base + &j) * &r);
+    });
+    k.finish()
+}
