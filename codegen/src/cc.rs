@@ -1,9 +1,10 @@
 //! The system C compiler driver (DESIGN.md §6, CPU device).
 //!
 //! All kernels of a Plan are one C translation unit, compiled once with
-//! `cc -O2 -march=native -fPIC -shared -ffp-contract=off -std=c11` (`CC`
-//! overrides the compiler; never `-ffast-math`, and no FMA contraction, so
-//! results stay close to the reference executor) into a shared object that is
+//! `cc -O2 -fPIC -shared -ffp-contract=off -std=c11 -march=native` (`CC`
+//! overrides the compiler; `-march=native` only where the compiler accepts it;
+//! never `-ffast-math`, and no FMA contraction, so results stay close to the
+//! reference executor) into a shared object that is
 //! cached under [`default_cache_dir`] by a SHA-256 of (source, compiler
 //! `--version`, flags, host CPU), written atomically (compile to a temporary
 //! name, then rename) and loaded with `libloading`. Kernels are compiled on the
@@ -40,7 +41,11 @@ use crate::kernel::{Kernel, KernelError};
 use crate::render::render_c;
 
 /// Flags passed to the compiler before the source file.
-pub const FLAGS: &[&str] = &["-O2", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-std=c11"];
+pub const FLAGS: &[&str] = &["-O2", "-fPIC", "-shared", "-ffp-contract=off", "-std=c11"];
+
+/// Added to [`FLAGS`] when the compiler accepts it (some compilers reject it on
+/// some targets): code for the vector units of the machine that runs it.
+pub const NATIVE_FLAG: &str = "-march=native";
 
 /// What `-march=native` compiles for: the CPU model and feature flags of the
 /// first processor in `/proc/cpuinfo`, or the target architecture where that
@@ -104,6 +109,8 @@ pub struct Compiler {
     /// Program and leading arguments (`CC` may be e.g. `ccache gcc`).
     command: Vec<String>,
     version: String,
+    /// [`FLAGS`], plus [`NATIVE_FLAG`] when the compiler accepts it.
+    flags: Vec<String>,
     cache_dir: PathBuf,
 }
 
@@ -133,7 +140,19 @@ impl Compiler {
             return Err(CcError::CompilerNotFound { compiler: cc.into(), source });
         }
         let version = String::from_utf8_lossy(&out.stdout).into_owned();
-        Ok(Compiler { command, version, cache_dir })
+        let native = Command::new(program)
+            .args(args)
+            .args([NATIVE_FLAG, "-fsyntax-only", "-x", "c", "-"])
+            .stdin(std::process::Stdio::null())
+            .output()
+            .is_ok_and(|o| o.status.success());
+        let flags = FLAGS.iter().copied().chain(native.then_some(NATIVE_FLAG)).map(String::from).collect();
+        Ok(Compiler { command, version, flags, cache_dir })
+    }
+
+    /// The flags every compile passes before the source file.
+    pub fn flags(&self) -> &[String] {
+        &self.flags
     }
 
     /// The `--version` output that keys the cache.
@@ -155,7 +174,7 @@ impl Compiler {
         part("widen-cc/1");
         self.command.iter().for_each(|c| part(c));
         part(&self.version);
-        FLAGS.iter().for_each(|f| part(f));
+        self.flags.iter().for_each(|f| part(f));
         part(&host_cpu());
         part(source);
         h.finalize()[..16].iter().fold(String::new(), |mut s, b| {
@@ -186,7 +205,7 @@ impl Compiler {
             let (program, args) = self.command.split_first().expect("Compiler::new rejects empty commands");
             let out = Command::new(program)
                 .args(args)
-                .args(FLAGS)
+                .args(&self.flags)
                 .arg("-o")
                 .arg(&tmp)
                 .arg(&c)

@@ -223,3 +223,27 @@ fn missing_compiler_and_unknown_kernel_are_typed_errors() {
     let err = lib.entry("rmsnorm").unwrap_err();
     assert!(matches!(err, CcError::UnknownKernel { .. }), "{err}");
 }
+
+/// `-march=native` is passed only to compilers that accept it: a compiler that
+/// rejects it still builds and runs kernels with the portable flags.
+#[cfg(unix)]
+#[test]
+fn native_tuning_is_dropped_where_the_compiler_rejects_it() {
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = TempCache::new("native");
+    std::fs::create_dir_all(&tmp.0).unwrap();
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let wrapper = tmp.0.join("no-native-cc");
+    let script = format!(
+        "#!/bin/sh\nfor a in \"$@\"; do [ \"$a\" = \"{}\" ] && {{ echo unsupported >&2; exit 1; }}; done\nexec {cc} \"$@\"\n",
+        codegen::cc::NATIVE_FLAG
+    );
+    std::fs::write(&wrapper, script).unwrap();
+    std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let picky = Compiler::new(wrapper.to_str().unwrap(), tmp.0.join("cache")).expect("wrapper runs");
+    assert_eq!(picky.flags(), codegen::cc::FLAGS, "no -march=native for a compiler that rejects it");
+    let lib = picky.compile_kernels(&[common::rmsnorm()]).expect("compiles without it");
+    assert!(lib.entry("rmsnorm").is_ok());
+    // The system compiler of this machine (gcc or clang on x86-64 or arm64 Linux) accepts it.
+    assert!(tmp.compiler().flags().iter().any(|f| f == codegen::cc::NATIVE_FLAG));
+}
