@@ -150,3 +150,38 @@ fn gradients_through_a_bf16_matmul_and_gather_are_f32() {
         .all(|id| g.node(id).dtype != DType::Bf16);
     assert!(no_bf16_adjoint, "a backward node holds a bf16 value");
 }
+
+/// Op counts of a lowered spec, casts left out.
+fn op_counts(spec: &ir::spec::ModelSpec) -> std::collections::BTreeMap<&'static str, usize> {
+    let lowered = ir::lower::lower(spec, 2, 8).expect("lowers");
+    let mut counts = std::collections::BTreeMap::new();
+    for id in lowered.graph.topo_order() {
+        let name = lowered.graph.node(id).op.name();
+        if name != "cast" {
+            *counts.entry(name).or_insert(0) += 1;
+        }
+    }
+    counts
+}
+
+/// Under bf16 every scheme lowers to the f32 graph plus casts, the xHC-Flash
+/// four-sublayer window included (its mid-window state is stored as bf16 and the
+/// window still closes over it).
+#[test]
+fn bf16_graphs_are_the_f32_graphs_plus_casts() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../specs");
+    let mut specs: Vec<ir::spec::ModelSpec> = ["residual", "mhc", "vwn-r4", "xhc", "xhc-flash", "mtp"]
+        .iter()
+        .map(|name| ir::spec::load_spec(&dir.join(format!("{name}.ron"))).expect("spec"))
+        .collect();
+    let mut two_block = specs[4].clone();
+    let ir::spec::ResidualSpec::Xhc(x) = &mut two_block.residual else { panic!("xhc-flash is xHC") };
+    x.flash = ir::spec::Flash::TwoBlock;
+    specs.push(two_block);
+    for mut spec in specs {
+        (spec.d_model, spec.layers) = (16, 2);
+        let f32_counts = op_counts(&spec);
+        spec.precision = ir::spec::Precision::Bf16;
+        assert_eq!(op_counts(&spec), f32_counts, "{}: {:?}", spec.name, spec.residual);
+    }
+}

@@ -146,6 +146,10 @@ impl Xhc {
         let s2 = self.step(cx, &routing, s1.x_act, u2, first + 1, SublayerKind::Ffn, ffn, false)?;
         let mid = cx.g.add(Op::ScatterRows { axis: 2 }, &[state, routing.idx, s2.x_act])?;
         label(cx, mid, format!("{}.state", Self::prefix(cx, first + 1)));
+        // The state between the window's blocks is stored like every residual state (bf16
+        // under mixed precision, MATH.md §6.12); casting it here, not in the driver, keeps
+        // `mid` the node the window's second block receives, so the window closes.
+        let mid = cx.state(mid)?;
         self.window = Some(Window {
             mid,
             first,
