@@ -2,13 +2,13 @@
 //! plain Rust, thread-count independence, and load-time rejection of Plans
 //! that would bind buffers unsoundly.
 
-mod plan_kernels;
+mod plan_support;
 
 use codegen::cc::Compiler;
 use codegen::kernel::{f32, i64, item, lane, Access, Grid, Kernel, KernelBuilder, ReduceOp};
 use codegen::plan::{BufferDecl, BufferId, BufferRole, Gemm, Plan, Step};
 use ir::DType;
-use plan_kernels::{rms_rows, scale_bias};
+use plan_support::{data, decl, rms_rows, scale_bias};
 use runtime::device::cpu::{CpuDevice, CpuError, CpuOptions};
 use runtime::device::plan_check::PlanError;
 use std::path::PathBuf;
@@ -39,23 +39,6 @@ const ROWS: usize = 256;
 const D: usize = 64;
 const F: usize = 48;
 const EPS: f32 = 1e-5;
-
-/// Deterministic values in [-scale, scale).
-fn data(n: usize, seed: u64, scale: f32) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-        })
-        .collect()
-}
-
-fn decl(id: usize, len: usize, dtype: DType, role: BufferRole) -> BufferDecl {
-    BufferDecl { id: BufferId(id), len, dtype, role, node: None }
-}
 
 fn input(name: &str) -> BufferRole {
     BufferRole::Input { name: name.into() }

@@ -8,34 +8,17 @@
 //! against an f64 host reference; without one they return after checking
 //! that the device reports the missing driver.
 
-mod plan_kernels;
+mod plan_support;
 
 use codegen::kernel::{f32, i64, item, lane, Access, Grid, Kernel, KernelBuilder, ReduceOp};
 use codegen::plan::{BufferDecl, BufferId, BufferRole, Gemm, Plan, Step};
 use ir::DType;
-use plan_kernels::{rms_rows, scale_bias};
+use plan_support::{data, decl, rms_rows, scale_bias};
 use runtime::device::cuda::{
     column_major_gemm, copy_bandwidth, driver_available, launch_config, probe, BlasGemm, CudaDevice,
     CudaError, Layout, Placement,
 };
 use runtime::device::plan_check::PlanError;
-
-/// Deterministic values in [-scale, scale).
-fn data(n: usize, seed: u64, scale: f32) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-        })
-        .collect()
-}
-
-fn decl(id: usize, len: usize, dtype: DType, role: BufferRole) -> BufferDecl {
-    BufferDecl { id: BufferId(id), len, dtype, role, node: None }
-}
 
 fn scratch(offset: usize) -> BufferRole {
     BufferRole::Scratch { offset }

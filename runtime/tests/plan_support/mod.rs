@@ -1,7 +1,27 @@
-//! Hand-built kernels of the device tests' Plans, sized by each test.
+//! Building blocks of the device tests' hand-built Plans: kernels sized by each
+//! test, buffer declarations and deterministic data.
 
 use codegen::kernel::{f32, i64, item, lane, Access, Grid, Kernel, KernelBuilder, ReduceOp};
+use codegen::plan::{BufferDecl, BufferId, BufferRole};
 use ir::DType;
+
+/// Deterministic values in [-scale, scale).
+pub fn data(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+        })
+        .collect()
+}
+
+/// A buffer of the Plan with no graph node.
+pub fn decl(id: usize, len: usize, dtype: DType, role: BufferRole) -> BufferDecl {
+    BufferDecl { id: BufferId(id), len, dtype, role, node: None }
+}
 
 /// `y = x * s + bias[col]` over `rows * d` elements, `block` threads per CUDA block.
 pub fn scale_bias(rows: usize, d: usize, block: u32) -> Kernel {
