@@ -111,6 +111,8 @@ pub struct Compiler {
     version: String,
     /// [`FLAGS`], plus [`NATIVE_FLAG`] when the compiler accepts it.
     flags: Vec<String>,
+    /// [`host_cpu`], read once: part of the cache key.
+    host_cpu: String,
     cache_dir: PathBuf,
 }
 
@@ -147,7 +149,7 @@ impl Compiler {
             .output()
             .is_ok_and(|o| o.status.success());
         let flags = FLAGS.iter().copied().chain(native.then_some(NATIVE_FLAG)).map(String::from).collect();
-        Ok(Compiler { command, version, flags, cache_dir })
+        Ok(Compiler { command, version, flags, host_cpu: host_cpu(), cache_dir })
     }
 
     /// The flags every compile passes before the source file.
@@ -175,7 +177,7 @@ impl Compiler {
         self.command.iter().for_each(|c| part(c));
         part(&self.version);
         self.flags.iter().for_each(|f| part(f));
-        part(&host_cpu());
+        part(&self.host_cpu);
         part(source);
         h.finalize()[..16].iter().fold(String::new(), |mut s, b| {
             let _ = write!(s, "{b:02x}");
