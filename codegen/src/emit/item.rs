@@ -1,11 +1,11 @@
 //! Per-op emitters of fused kernels: the code computing one item's part of an
 //! op's output (see the module docs of [`super`]). Each follows the reference
 //! executor's arithmetic (`ir::exec`) so results agree to rounding; long
-//! reductions split into interleaved partial sums ([`ItemOp::fold`]).
+//! reductions split into interleaved partial sums ([`super::fold`]).
 
 use ir::graph::{BinaryOp, Node, NodeId, Op, ReduceOp, UnaryOp};
 
-use super::{ix, lit, maximum, strides, view_of, EmitError, Names, Sink, Val};
+use super::{ix, lit, maximum, pairwise, strides, view_of, EmitError, Names, Sink, Val};
 use crate::kernel::{i64, item, select, Block, Expr, Ty};
 
 /// One op of a fused kernel: its operands as the kernel reads them, and where
@@ -54,15 +54,7 @@ impl ItemOp<'_> {
         });
     }
 
-    /// A `Var` accumulating `f(j)` over `j in 0..n` from `init` with `op`.
-    ///
-    /// Long folds run as [`FOLD_LANES`] interleaved partial folds (lane `w` takes
-    /// `j ≡ w mod FOLD_LANES`), combined pairwise and then into `init`: a serial
-    /// chain of dependent float adds over a 4096-wide row costs one add latency per
-    /// element (xHC's LayerNorm over N·C, MATH.md §6.2), while independent lanes
-    /// pipeline and vectorize without `-ffast-math`. The order is fixed, so results
-    /// stay deterministic and thread-count independent; they differ from the
-    /// reference executor's in-order fold by rounding only.
+    /// [`super::fold`] in this op's type and names.
     fn fold(
         &self,
         b: &mut Block,
@@ -71,41 +63,9 @@ impl ItemOp<'_> {
         op: impl Fn(Expr, Expr) -> Expr,
         f: impl Fn(&mut Block, Expr) -> Expr,
     ) -> Expr {
-        let acc = b.var(&self.fresh("acc"), init);
-        if n >= 4 * FOLD_LANES && n.is_multiple_of(FOLD_LANES) {
-            let lanes = b.local_array(&self.fresh("lane"), self.ty(), FOLD_LANES);
-            let (w0, jb, w) = (self.fresh("w"), self.fresh("jb"), self.fresh("w"));
-            b.for_unrolled(&w0, ix(0), ix(FOLD_LANES), |b, w0| {
-                let v = f(b, w0.clone());
-                b.store(&lanes, w0, v);
-            });
-            b.for_(&jb, ix(1), ix(n / FOLD_LANES), |b, jb| {
-                b.for_unrolled(&w, ix(0), ix(FOLD_LANES), |b, w| {
-                    let v = f(b, jb * ix(FOLD_LANES) + w.clone());
-                    b.store(&lanes, w.clone(), op(lanes.at(w), v));
-                });
-            });
-            let mut level: Vec<Expr> = (0..FOLD_LANES).map(|w| lanes.at(ix(w))).collect();
-            while level.len() > 1 {
-                level = level.chunks(2).map(|p| op(p[0].clone(), p[1].clone())).collect();
-            }
-            let combined = level.pop().expect("FOLD_LANES > 0");
-            b.assign(&acc, op(acc.clone(), combined));
-            return acc;
-        }
-        let j = self.fresh("j");
-        let a = acc.clone();
-        b.for_(&j, ix(0), ix(n), |b, j| {
-            let v = f(b, j);
-            b.assign(&a, op(a.clone(), v));
-        });
-        acc
+        super::fold(self.names, b, self.ty(), init, n, op, f)
     }
 }
-
-/// Partial folds of a long reduction (see [`ItemOp::fold`]): 8 f32 lanes fill one
-/// AVX register and hide the add latency.
-const FOLD_LANES: usize = 8;
 
 fn numel(d: &[usize]) -> usize {
     d.iter().product()
@@ -187,7 +147,7 @@ fn unary(u: UnaryOp, x: Expr, ty: Ty) -> Expr {
 
 /// Sum, max or mean over one axis: one output element per loop step, the axis
 /// folded from the identity (as `ir::exec::reduce`; long axes in partial folds,
-/// see [`ItemOp::fold`]).
+/// see [`super::fold`]).
 fn reduce(b: &mut Block, cx: &ItemOp, op: ReduceOp, axis: usize) {
     let x = cx.ins[0].clone();
     let xd = cx.in_dims[0];
@@ -396,19 +356,11 @@ fn matmul(b: &mut Block, cx: &ItemOp, trans_a: bool, trans_b: bool) {
                         taps.push((av, bj));
                     }
                     b.for_(&cx.fresh("c"), ix(0), ix(n), |b, ni| {
-                        let mut terms: Vec<Expr> = taps
+                        let terms: Vec<Expr> = taps
                             .iter()
                             .map(|(av, bj)| av.clone() * rhs.load(bj.clone() + ni.clone() * ix(bn)))
                             .collect();
-                        while terms.len() > 1 {
-                            terms = terms
-                                .chunks(2)
-                                .map(
-                                    |p| if p.len() == 2 { p[0].clone() + p[1].clone() } else { p[0].clone() },
-                                )
-                                .collect();
-                        }
-                        b.accum(&acc, ni, terms.pop().expect("group >= 1"));
+                        b.accum(&acc, ni, pairwise(terms, |x, y| x + y));
                     });
                 });
                 b.for_(&cx.fresh("c"), ix(0), ix(n), |b, ni| {

@@ -184,6 +184,73 @@ pub(crate) fn maximum(a: Expr, b: Expr) -> Expr {
     select(a.clone().ne_(a.clone()).or(a.clone().ge(b.clone())), a, b)
 }
 
+/// `op` over `terms` as a balanced tree (pairs first), so the combined values
+/// do not form one serial chain.
+pub(crate) fn pairwise(mut terms: Vec<Expr>, op: impl Fn(Expr, Expr) -> Expr) -> Expr {
+    assert!(!terms.is_empty(), "pairwise over no terms");
+    while terms.len() > 1 {
+        let mut next = Vec::with_capacity(terms.len().div_ceil(2));
+        let mut it = terms.into_iter();
+        while let Some(a) = it.next() {
+            next.push(match it.next() {
+                Some(b) => op(a, b),
+                None => a,
+            });
+        }
+        terms = next;
+    }
+    terms.pop().expect("one term left")
+}
+
+/// Partial folds of a long reduction (see [`fold`]): 8 f32 lanes fill one AVX
+/// register and hide the add latency.
+pub(crate) const FOLD_LANES: usize = 8;
+
+/// A `Var` accumulating `f(j)` over `j in 0..n` from `init` with `op`.
+///
+/// Long folds run as [`FOLD_LANES`] interleaved partial folds (lane `w` takes
+/// `j ≡ w mod FOLD_LANES`), combined pairwise and then into `init`: a serial
+/// chain of dependent float adds over a 4096-wide row costs one add latency per
+/// element (xHC's LayerNorm over N·C, MATH.md §6.2; `-ffp-contract=off` and no
+/// fast-math, so the C compiler keeps the order), while independent lanes
+/// pipeline and vectorize. The order is fixed, so results stay deterministic and
+/// thread-count independent; they differ from the reference executor's in-order
+/// fold by rounding only.
+pub(crate) fn fold(
+    names: &Names,
+    b: &mut Block,
+    ty: Ty,
+    init: Expr,
+    n: usize,
+    op: impl Fn(Expr, Expr) -> Expr,
+    f: impl Fn(&mut Block, Expr) -> Expr,
+) -> Expr {
+    let acc = b.var(&names.fresh("acc"), init);
+    if n >= 4 * FOLD_LANES && n.is_multiple_of(FOLD_LANES) {
+        let lanes = b.local_array(&names.fresh("lane"), ty, FOLD_LANES);
+        let (w0, jb, w) = (names.fresh("w"), names.fresh("jb"), names.fresh("w"));
+        b.for_unrolled(&w0, ix(0), ix(FOLD_LANES), |b, w0| {
+            let v = f(b, w0.clone());
+            b.store(&lanes, w0, v);
+        });
+        b.for_(&jb, ix(1), ix(n / FOLD_LANES), |b, jb| {
+            b.for_unrolled(&w, ix(0), ix(FOLD_LANES), |b, w| {
+                let v = f(b, jb * ix(FOLD_LANES) + w.clone());
+                b.store(&lanes, w.clone(), op(lanes.at(w), v));
+            });
+        });
+        let combined = pairwise((0..FOLD_LANES).map(|w| lanes.at(ix(w))).collect(), &op);
+        b.assign(&acc, op(acc.clone(), combined));
+        return acc;
+    }
+    let a = acc.clone();
+    b.for_(&names.fresh("j"), ix(0), ix(n), |b, j| {
+        let v = f(b, j);
+        b.assign(&a, op(a.clone(), v));
+    });
+    acc
+}
+
 /// Row-major strides of `dims`.
 pub(crate) fn strides(dims: &[usize]) -> Vec<usize> {
     ir::Shape::new(dims).strides()

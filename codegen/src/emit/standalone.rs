@@ -71,39 +71,10 @@ fn sum(
     acc
 }
 
-/// Interleaved partial sums of long reductions, as the fused row ops fold
-/// them: 8 f32 lanes fill one AVX register.
-const LANES: usize = 8;
-
-/// `Σ_{j < n} f(j)` for a static `n`. Long sums run as [`LANES`] interleaved
-/// partial sums (lane `w` takes `j ≡ w mod LANES`) combined pairwise: a
-/// serial chain of dependent float adds costs one add latency per element
-/// (`-ffp-contract=off` and no fast-math, so the C compiler keeps the order),
-/// while independent lanes pipeline and vectorize. The order is fixed, so
-/// results do not depend on the thread count; they differ from the reference
-/// executor's in-order sums by rounding only.
+/// `Σ_{j < n} f(j)` for a static `n`, long sums as interleaved partial sums
+/// ([`super::fold`], as the fused row ops fold them).
 fn total(names: &Names, b: &mut Block, ty: Ty, n: usize, f: impl Fn(&mut Block, Expr) -> Expr) -> Expr {
-    if n < 4 * LANES || !n.is_multiple_of(LANES) {
-        return sum(names, b, lit(ty, 0.0), ix(0), ix(n), f);
-    }
-    let lanes = b.local_array(&names.fresh("lane"), ty, LANES);
-    b.for_unrolled(&names.fresh("w"), ix(0), ix(LANES), |b, w| {
-        let v = f(b, w.clone());
-        b.store(&lanes, w, v);
-    });
-    b.for_(&names.fresh("jb"), ix(1), ix(n / LANES), |b, jb| {
-        let base = b.let_(&names.fresh("jo"), jb * ix(LANES));
-        b.for_unrolled(&names.fresh("w"), ix(0), ix(LANES), |b, w| {
-            let v = f(b, base.clone() + w.clone());
-            b.store(&lanes, w.clone(), lanes.at(w) + v);
-        });
-    });
-    let mut level: Vec<Expr> = (0..LANES).map(|w| lanes.at(ix(w))).collect();
-    while level.len() > 1 {
-        level = level.chunks(2).map(|p| p[0].clone() + p[1].clone()).collect();
-    }
-    let combined = level.pop().expect("LANES > 0");
-    b.let_(&names.fresh("sum"), combined)
+    super::fold(names, b, ty, lit(ty, 0.0), n, |x, y| x + y, f)
 }
 
 /// One row of `c` contiguous elements of a value, with the row's start
