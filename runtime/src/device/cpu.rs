@@ -13,7 +13,7 @@
 //!
 //! [`CpuDevice::run`] then executes the launch list in order: kernel steps
 //! split their grid's items into contiguous ranges run on a persistent thread
-//! pool, GEMM steps go through the `gemm` crate, zero steps clear a buffer.
+//! pool, GEMM steps go through [`sgemm`] (AVX-512 hosts) or the `gemm` crate, zero steps clear a buffer.
 //!
 //! # Safety
 //!
@@ -33,6 +33,7 @@
 
 use super::plan_check::{self, PlanError};
 use super::pool::Pool;
+use super::sgemm;
 use codegen::cc::{CcError, Compiler, Entry};
 use codegen::kernel::{Expr, Grid, Kernel, Stmt};
 use codegen::plan::{BufferDecl, BufferId, BufferRole, Gemm, Plan, Step};
@@ -558,8 +559,9 @@ unsafe fn widened_operand(
 /// `c[b] (=|+=) op(a[b]) @ op(b[b])` for every batch entry (row-major operands),
 /// split over the pool's threads: whole batch entries when there are enough of
 /// them, else bands of rows (or of columns, when they are more numerous) of
-/// every entry. Each part runs single-threaded `gemm` on its own band, which
-/// scales where the library's own threading does not on small matrices.
+/// every entry. Each part runs a single-threaded product on its own band
+/// ([`sgemm`] where the host has AVX-512, else the `gemm` crate), which
+/// scales where a library's own threading does not on small matrices.
 ///
 /// # Safety
 /// `a`, `b` and `c` point to f32 data long enough for every batch entry
@@ -612,6 +614,18 @@ unsafe fn run_gemm(g: &Gemm, a: *const f32, b: *const f32, c: *mut f32, pool: &P
                             std::ptr::write_bytes(pc.add(r * g.n), 0, n);
                         }
                     }
+                    continue;
+                }
+                if sgemm::available() {
+                    sgemm::sgemm(
+                        m,
+                        n,
+                        g.k,
+                        sgemm::Operand { ptr: pa, rows: a_rs, cols: a_cs },
+                        sgemm::Operand { ptr: pb, rows: b_rs, cols: b_cs },
+                        sgemm::Output { ptr: pc, ldc: g.n },
+                        g.accumulate,
+                    );
                     continue;
                 }
                 gemm::gemm(

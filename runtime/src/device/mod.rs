@@ -2,7 +2,7 @@
 //!
 //! - [`cpu`]: the Cpu device: buffers in host memory, kernels compiled by the
 //!   system C compiler and run on a persistent thread pool, matrix products
-//!   through the `gemm` crate.
+//!   through [`sgemm`] (AVX-512) or the `gemm` crate.
 //! - [`executor`]: the [`crate::executor::StepExecutor`] over a Cpu device,
 //!   which the training loop uses for `--device cpu`.
 //! - [`plan_check`]: the load-time checks of a Plan both devices share.
@@ -12,3 +12,4 @@ pub mod cuda;
 pub mod executor;
 pub mod plan_check;
 mod pool;
+mod sgemm;

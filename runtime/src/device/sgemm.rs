@@ -1,0 +1,368 @@
+//! Single-threaded f32 matrix product with AVX-512 (`c (=|+=) a @ b`), the
+//! Cpu device's GEMM on hosts that have it.
+//!
+//! Why its own kernel: the `gemm` crate reaches AVX-512 only on a nightly
+//! compiler, so on stable it runs 256-bit FMAs, which use half of an
+//! AVX-512 core's arithmetic (a Zen 5 core retires two 512-bit FMAs per
+//! cycle). The backbone's projections are most of a training step (DESIGN.md
+//! §6), so they decide its speed.
+//!
+//! Structure (the classic blocked scheme): for each block of `KC` contraction
+//! steps and `NC` columns, `b` is packed into column slivers of `NR` floats
+//! per step; for each block of `MC` rows, `a` is packed into row slivers of
+//! `MR` floats per step; a register-tiled micro-kernel then accumulates each
+//! `MR x NR` tile of `c` over the block's steps (the `b` sliver stays in L1,
+//! the packed `a` block in L2). Packing reads the operands through arbitrary
+//! row and column strides, so transposed operands cost nothing extra, and pads
+//! ragged edges with zeros, so the micro-kernel always runs full tiles and
+//! only the stores to `c` are masked.
+//!
+//! Each product's sum over `k` runs in order within a `KC` block, blocks
+//! added in order, one FMA per step: deterministic and independent of the
+//! thread split (threads own disjoint bands of `c`).
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::{
+    __m512, _mm512_add_ps, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_mask_loadu_ps, _mm512_mask_storeu_ps,
+    _mm512_set1_ps, _mm512_setzero_ps, _mm512_storeu_ps,
+};
+use std::cell::RefCell;
+
+/// Rows of `c` per micro-tile.
+const MR: usize = 14;
+/// Columns of `c` per micro-tile: two 16-float vectors, so a tile is 28 of
+/// the 32 vector registers.
+const NR: usize = 32;
+/// Contraction steps per packed block: a `b` sliver (`KC * NR` floats, 32 KiB)
+/// fits in L1 next to the streamed `a` sliver.
+const KC: usize = 256;
+/// Rows per packed `a` block (`MC * KC` floats, 112 KiB, stays in L2).
+const MC: usize = MR * 8;
+/// Columns per packed `b` panel (`KC * NC` floats, 1 MiB).
+const NC: usize = 1024;
+
+/// A read-only operand: element `(i, j)` is at `ptr + i * rows + j * cols`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Operand {
+    pub ptr: *const f32,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+/// A writable `c`: row `i` starts at `ptr + i * ldc`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Output {
+    pub ptr: *mut f32,
+    pub ldc: usize,
+}
+
+/// Whether this host runs [`sgemm`] (checked once).
+pub(crate) fn available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::sync::OnceLock;
+        static AVX512: OnceLock<bool> = OnceLock::new();
+        *AVX512.get_or_init(|| std::arch::is_x86_feature_detected!("avx512f"))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+thread_local! {
+    /// Packing space reused across calls on each thread: `a` block then `b`
+    /// panel, in 64-byte lines so vector loads are aligned.
+    static PACKED: RefCell<Vec<Line>> = const { RefCell::new(Vec::new()) };
+}
+
+/// One cache line of floats.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([f32; 16]);
+
+/// `c(i, j) (=|+=) sum_p a(i, p) * b(p, j)` for `i < m`, `j < n`,
+/// `p < k`, with `k >= 1`.
+///
+/// # Safety
+/// [`available`] is true; `a` addresses `m x k` elements and `b` `k x n`
+/// elements through their strides; `c` addresses `m` rows of `n` writable
+/// elements and overlaps neither operand.
+pub(crate) unsafe fn sgemm(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: Operand,
+    b: Operand,
+    c: Output,
+    accumulate: bool,
+) {
+    debug_assert!(available() && k >= 1);
+    let a_lines = MC * KC / 16;
+    let b_lines = NC.min(n.div_ceil(NR) * NR) * KC / 16;
+    PACKED.with_borrow_mut(|packed| {
+        if packed.len() < a_lines + b_lines {
+            packed.resize(a_lines + b_lines, Line([0.0; 16]));
+        }
+        let (pa, pb) = packed.split_at_mut(a_lines);
+        let (pa, pb) = (pa.as_mut_ptr().cast::<f32>(), pb.as_mut_ptr().cast::<f32>());
+        for jc in (0..n).step_by(NC) {
+            let nc = NC.min(n - jc);
+            for pc in (0..k).step_by(KC) {
+                let kc = KC.min(k - pc);
+                // SAFETY: the panel is inside b (caller) and inside the packing
+                // space (sized for NC columns rounded to NR, KC steps).
+                unsafe { pack_b(b, pc, jc, kc, nc, pb) };
+                let load_c = accumulate || pc > 0;
+                for ic in (0..m).step_by(MC) {
+                    let mc = MC.min(m - ic);
+                    // SAFETY: as for b, with the MC x KC block.
+                    unsafe { pack_a(a, ic, pc, mc, kc, pa) };
+                    for jr in (0..nc).step_by(NR) {
+                        for ir in (0..mc).step_by(MR) {
+                            // SAFETY: slivers ir / MR and jr / NR of the packed
+                            // blocks hold kc steps each; the tile's rows and
+                            // columns are clipped to c's extent.
+                            unsafe {
+                                micro_kernel(
+                                    kc,
+                                    pa.add(ir * kc),
+                                    pb.add(jr * kc),
+                                    Output { ptr: c.ptr.add((ic + ir) * c.ldc + jc + jr), ldc: c.ldc },
+                                    MR.min(mc - ir),
+                                    NR.min(nc - jr),
+                                    load_c,
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    });
+}
+
+/// Packs rows `i0..i0 + mc`, steps `p0..p0 + kc` of `a` as slivers of `MR`
+/// rows: sliver `s` holds, for each step, its `MR` rows' values (zero past
+/// row `mc`).
+///
+/// # Safety
+/// The block is inside `a`; `dst` holds `mc.div_ceil(MR) * MR * kc` floats.
+unsafe fn pack_a(a: Operand, i0: usize, p0: usize, mc: usize, kc: usize, dst: *mut f32) {
+    for s in 0..mc.div_ceil(MR) {
+        let sliver = unsafe { dst.add(s * MR * kc) };
+        let height = MR.min(mc - s * MR);
+        let first = unsafe { a.ptr.add((i0 + s * MR) * a.rows + p0 * a.cols) };
+        if a.rows == 1 {
+            // Column-major a (a transposed operand): each step's rows are
+            // contiguous.
+            for p in 0..kc {
+                let out = unsafe { sliver.add(p * MR) };
+                unsafe { std::ptr::copy_nonoverlapping(first.add(p * a.cols), out, height) };
+                for r in height..MR {
+                    unsafe { *out.add(r) = 0.0 };
+                }
+            }
+            continue;
+        }
+        for r in 0..MR {
+            if r < height {
+                let row = unsafe { first.add(r * a.rows) };
+                for p in 0..kc {
+                    unsafe { *sliver.add(p * MR + r) = *row.add(p * a.cols) };
+                }
+            } else {
+                for p in 0..kc {
+                    unsafe { *sliver.add(p * MR + r) = 0.0 };
+                }
+            }
+        }
+    }
+}
+
+/// Packs steps `p0..p0 + kc`, columns `j0..j0 + nc` of `b` as slivers of `NR`
+/// columns: sliver `s` holds, for each step, its `NR` columns' values (zero
+/// past column `nc`).
+///
+/// # Safety
+/// The panel is inside `b`; `dst` holds `nc.div_ceil(NR) * NR * kc` floats.
+unsafe fn pack_b(b: Operand, p0: usize, j0: usize, kc: usize, nc: usize, dst: *mut f32) {
+    for s in 0..nc.div_ceil(NR) {
+        let sliver = unsafe { dst.add(s * NR * kc) };
+        let width = NR.min(nc - s * NR);
+        let first = unsafe { b.ptr.add(p0 * b.rows + (j0 + s * NR) * b.cols) };
+        if b.rows == 1 {
+            // Column-major b (a transposed operand): read each column's steps
+            // contiguously; the strided writes stay inside the L1-sized sliver.
+            for j in 0..NR {
+                if j < width {
+                    let column = unsafe { first.add(j * b.cols) };
+                    for p in 0..kc {
+                        unsafe { *sliver.add(p * NR + j) = *column.add(p) };
+                    }
+                } else {
+                    for p in 0..kc {
+                        unsafe { *sliver.add(p * NR + j) = 0.0 };
+                    }
+                }
+            }
+            continue;
+        }
+        for p in 0..kc {
+            let src = unsafe { first.add(p * b.rows) };
+            let out = unsafe { sliver.add(p * NR) };
+            if b.cols == 1 {
+                unsafe { std::ptr::copy_nonoverlapping(src, out, width) };
+            } else {
+                for j in 0..width {
+                    unsafe { *out.add(j) = *src.add(j * b.cols) };
+                }
+            }
+            for j in width..NR {
+                unsafe { *out.add(j) = 0.0 };
+            }
+        }
+    }
+}
+
+/// One `MR x NR` tile: `c (=|+=) a_sliver @ b_sliver` over `kc` steps, storing
+/// only the tile's first `rows` rows and `cols` columns.
+///
+/// # Safety
+/// AVX-512F is available; the slivers hold `kc * MR` and `kc * NR` floats; `c`
+/// addresses `rows` rows of `cols` elements.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn micro_kernel(
+    kc: usize,
+    a: *const f32,
+    b: *const f32,
+    c: Output,
+    rows: usize,
+    cols: usize,
+    load_c: bool,
+) {
+    let mut acc: [[__m512; 2]; MR] = [[_mm512_setzero_ps(); 2]; MR];
+    for p in 0..kc {
+        // SAFETY: step p of each sliver is in bounds (contract).
+        let (b0, b1) = unsafe { (_mm512_loadu_ps(b.add(p * NR)), _mm512_loadu_ps(b.add(p * NR + 16))) };
+        for (r, acc_r) in acc.iter_mut().enumerate() {
+            let x = _mm512_set1_ps(unsafe { *a.add(p * MR + r) });
+            acc_r[0] = _mm512_fmadd_ps(x, b0, acc_r[0]);
+            acc_r[1] = _mm512_fmadd_ps(x, b1, acc_r[1]);
+        }
+    }
+    let masks = [column_mask(cols), column_mask(cols.saturating_sub(16))];
+    for (r, acc_r) in acc.iter().enumerate().take(rows) {
+        for (v, &value) in acc_r.iter().enumerate() {
+            // SAFETY: masked lanes stay within the tile's `cols` columns of row r.
+            unsafe {
+                let at = c.ptr.add(r * c.ldc + 16 * v);
+                let value = if load_c {
+                    _mm512_add_ps(_mm512_mask_loadu_ps(_mm512_setzero_ps(), masks[v], at), value)
+                } else {
+                    value
+                };
+                if masks[v] == u16::MAX {
+                    _mm512_storeu_ps(at, value);
+                } else {
+                    _mm512_mask_storeu_ps(at, masks[v], value);
+                }
+            }
+        }
+    }
+}
+
+/// Lanes `0..cols.min(16)` set.
+fn column_mask(cols: usize) -> u16 {
+    if cols >= 16 {
+        u16::MAX
+    } else {
+        (1u16 << cols) - 1
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn micro_kernel(
+    _kc: usize,
+    _a: *const f32,
+    _b: *const f32,
+    _c: Output,
+    _rows: usize,
+    _cols: usize,
+    _load_c: bool,
+) {
+    unreachable!("sgemm runs only where `available()` is true")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Deterministic values in [-1, 1).
+    fn values(len: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..len)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+            })
+            .collect()
+    }
+
+    /// Every shape class (ragged tiles, several KC and NC blocks, transposed
+    /// operands, padded `ldc`, accumulation) against an f64 triple loop.
+    #[test]
+    fn matches_a_triple_loop() {
+        if !available() {
+            println!("skipped: this host has no AVX-512F, the Cpu device uses the gemm crate");
+            return;
+        }
+        let shapes = [(1, 1, 1), (14, 32, 256), (15, 33, 257), (113, 70, 600), (3, 1100, 5), (200, 17, 1)];
+        for (case, &(m, n, k)) in shapes.iter().enumerate() {
+            for (trans_a, trans_b, accumulate) in
+                [(false, false, false), (true, false, true), (false, true, false), (true, true, true)]
+            {
+                let a = values(m * k, case as u64 * 7 + 1);
+                let b = values(k * n, case as u64 * 7 + 2);
+                let ldc = n + 3;
+                let mut c = values(m * ldc, case as u64 * 7 + 3);
+                let before = c.clone();
+                let (a_rows, a_cols) = if trans_a { (1, m) } else { (k, 1) };
+                let (b_rows, b_cols) = if trans_b { (1, k) } else { (n, 1) };
+                unsafe {
+                    sgemm(
+                        m,
+                        n,
+                        k,
+                        Operand { ptr: a.as_ptr(), rows: a_rows, cols: a_cols },
+                        Operand { ptr: b.as_ptr(), rows: b_rows, cols: b_cols },
+                        Output { ptr: c.as_mut_ptr(), ldc },
+                        accumulate,
+                    );
+                }
+                for i in 0..m {
+                    for j in 0..ldc {
+                        let got = c[i * ldc + j];
+                        if j >= n {
+                            assert_eq!(got, before[i * ldc + j], "padding ({i},{j}) was written");
+                            continue;
+                        }
+                        let mut want = if accumulate { f64::from(before[i * ldc + j]) } else { 0.0 };
+                        for p in 0..k {
+                            want +=
+                                f64::from(a[i * a_rows + p * a_cols]) * f64::from(b[p * b_rows + j * b_cols]);
+                        }
+                        let tol = 1e-5 * (k as f64).sqrt() + 1e-6;
+                        assert!(
+                            (f64::from(got) - want).abs() <= tol * (1.0 + want.abs()),
+                            "{m}x{n}x{k} t=({trans_a},{trans_b}) acc={accumulate} ({i},{j}): {got} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
