@@ -28,7 +28,7 @@
 use ir::graph::{Graph, NodeId, Op};
 use ir::DType;
 
-use super::{ix, lit, maximum, Arg, EmitError, GemmCall, Kb, Lowering, Names, Temps, Work};
+use super::{fold_dynamic, ix, lit, maximum, Arg, EmitError, GemmCall, Kb, Lowering, Names, Temps, Work};
 use crate::kernel::{f64, i64, item, select, Access, Block, Buf, Expr, Ty};
 
 /// Sizes and options of one attention node: q [B, T, H, dh], k and v [B, T, Hkv, dh].
@@ -304,17 +304,26 @@ fn softmax_rows(
     let base = k.let_("base", (item() / ix(d.t)) * ix(d.slab()) + block + (t.clone() % ix(tb)) * len.clone());
     let end = k.let_("stop", t + i64(1));
     let scale = lit(ty, d.scale);
-    let m = k.var("m", lit(ty, f64::NEG_INFINITY));
-    k.for_("j", ix(0), end.clone(), |b, j| {
-        let x = b.let_("x", s.at(base.clone() + j) * scale.clone());
-        b.assign(&m, maximum(m.clone(), x));
+    // Lane-split folds (see `fold_dynamic`): the max, the sum of exponentials and
+    // the centring dot product vectorize instead of chaining one add per key.
+    let names = Names::default();
+    let m = fold_dynamic(&names, k, ty, lit(ty, f64::NEG_INFINITY), end.clone(), maximum, |_, j| {
+        s.at(base.clone() + j) * scale.clone()
     });
-    let total = k.var("total", lit(ty, 0.0));
-    k.for_("j", ix(0), end.clone(), |b, j| {
-        let e = b.let_("e", (s.at(base.clone() + j.clone()) * scale.clone() - m.clone()).exp());
-        b.store(&s, base.clone() + j, e.clone());
-        b.assign(&total, total.clone() + e);
-    });
+    let total = fold_dynamic(
+        &names,
+        k,
+        ty,
+        lit(ty, 0.0),
+        end.clone(),
+        |a, b| a + b,
+        |b, j| {
+            let e =
+                b.let_(&names.fresh("e"), (s.at(base.clone() + j.clone()) * scale.clone() - m.clone()).exp());
+            b.store(&s, base.clone() + j, e.clone());
+            e
+        },
+    );
     let inv = k.let_("inv", lit(ty, 1.0) / total);
     // One pass over the block row: normalized up to t, zeros after (the masked keys
     // inside the block, which the next GEMM reads).
@@ -324,11 +333,18 @@ fn softmax_rows(
         b.store(&s, at, p);
     });
     if let Some(dp) = dp {
-        let centre = k.var("centre", lit(ty, 0.0));
-        k.for_("j", ix(0), end.clone(), |b, j| {
-            let at = base.clone() + j;
-            b.assign(&centre, centre.clone() + s.at(at.clone()) * dp.at(at));
-        });
+        let centre = fold_dynamic(
+            &names,
+            k,
+            ty,
+            lit(ty, 0.0),
+            end.clone(),
+            |a, b| a + b,
+            |_, j| {
+                let at = base.clone() + j;
+                s.at(at.clone()) * dp.at(at)
+            },
+        );
         k.for_("j", ix(0), len, |b, j| {
             let at = b.let_("at", base.clone() + j);
             // Masked entries have p = 0, so their dS is 0 as well.

@@ -251,6 +251,49 @@ pub(crate) fn fold(
     acc
 }
 
+/// [`fold`] over a run-time length `n` (causal attention rows, whose length is
+/// the query's position): every lane starts at `identity`, whole groups of
+/// [`FOLD_LANES`] go lane by lane, the tail into lane 0, then the lanes are
+/// combined pairwise. Same determinism as [`fold`].
+pub(crate) fn fold_dynamic(
+    names: &Names,
+    b: &mut Block,
+    ty: Ty,
+    identity: Expr,
+    n: Expr,
+    op: impl Fn(Expr, Expr) -> Expr,
+    f: impl Fn(&mut Block, Expr) -> Expr,
+) -> Expr {
+    let lanes = b.local_array(&names.fresh("lane"), ty, FOLD_LANES);
+    b.for_unrolled(&names.fresh("w"), ix(0), ix(FOLD_LANES), |b, w| b.store(&lanes, w, identity.clone()));
+    let groups = b.let_(&names.fresh("groups"), n.clone() / ix(FOLD_LANES));
+    let (jb, w) = (names.fresh("jb"), names.fresh("w"));
+    b.for_(&jb, ix(0), groups.clone(), |b, jb| {
+        b.for_unrolled(&w, ix(0), ix(FOLD_LANES), |b, w| {
+            let v = f(b, jb * ix(FOLD_LANES) + w.clone());
+            b.store(&lanes, w.clone(), op(lanes.at(w), v));
+        });
+    });
+    b.for_(&names.fresh("j"), groups * ix(FOLD_LANES), n, |b, j| {
+        let v = f(b, j);
+        b.store(&lanes, ix(0), op(lanes.at(ix(0)), v));
+    });
+    // Pairwise, as [`pairwise`], with each partial named: `op` may repeat its
+    // operands (a NaN-propagating max does), which nesting would multiply.
+    let mut terms: Vec<Expr> = (0..FOLD_LANES).map(|w| lanes.at(ix(w))).collect();
+    while terms.len() > 1 {
+        terms = terms
+            .chunks(2)
+            .map(|pair| match pair {
+                [x, y] => b.let_(&names.fresh("pair"), op(x.clone(), y.clone())),
+                [x] => x.clone(),
+                _ => unreachable!("chunks of two"),
+            })
+            .collect();
+    }
+    terms.pop().expect("one lane at least")
+}
+
 /// Row-major strides of `dims`.
 pub(crate) fn strides(dims: &[usize]) -> Vec<usize> {
     ir::Shape::new(dims).strides()

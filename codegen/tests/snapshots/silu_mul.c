@@ -7,11 +7,35 @@
 #define WIDEN_INF_F64 ((double)INFINITY)
 #define WIDEN_NAN_F64 ((double)NAN)
 
+static inline float widen_pow2i(int32_t k) {
+    union { int32_t i; float f; } v;
+    v.i = (k + 127) << 23;
+    return v.f;
+}
+
+static inline float widen_expf(float x) {
+    const float c = x < -104.0f ? -104.0f : x > 89.0f ? 89.0f : x == x ? x : 0.0f;
+    const float shifter = 12582912.0f;
+    const float n = (c * 1.44269504088896341f + shifter) - shifter;
+    const float r = (c - n * 6.93145751953125e-1f) - n * 1.42860682030941723212e-6f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    const int32_t k = (int32_t)n;
+    const int32_t half = k >> 1;
+    const float e = p * widen_pow2i(half) * widen_pow2i(k - half);
+    return x == x ? e : x;
+}
+
 /* silu_mul: 1000 items, one thread per item (CUDA block 256) */
 void widen_silu_mul(const float* restrict a, const float* restrict b, float* restrict out, int64_t start, int64_t end) {
     for (int64_t item = start; item < end; ++item) {
         const float av = a[item];
-        const float s = av / (1e0f + expf(-av));
+        const float s = av / (1e0f + widen_expf(-av));
         const float v = s * b[item];
         out[item] = v > 1e2f ? 1e2f : v;
     }

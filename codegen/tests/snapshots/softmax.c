@@ -7,6 +7,30 @@
 #define WIDEN_INF_F64 ((double)INFINITY)
 #define WIDEN_NAN_F64 ((double)NAN)
 
+static inline float widen_pow2i(int32_t k) {
+    union { int32_t i; float f; } v;
+    v.i = (k + 127) << 23;
+    return v.f;
+}
+
+static inline float widen_expf(float x) {
+    const float c = x < -104.0f ? -104.0f : x > 89.0f ? 89.0f : x == x ? x : 0.0f;
+    const float shifter = 12582912.0f;
+    const float n = (c * 1.44269504088896341f + shifter) - shifter;
+    const float r = (c - n * 6.93145751953125e-1f) - n * 1.42860682030941723212e-6f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    const int32_t k = (int32_t)n;
+    const int32_t half = k >> 1;
+    const float e = p * widen_pow2i(half) * widen_pow2i(k - half);
+    return x == x ? e : x;
+}
+
 /* softmax: 3 items, one block of 64 lanes per item */
 void widen_softmax(const float* restrict x, float* restrict y, float* restrict centered, int64_t start, int64_t end) {
     for (int64_t item = start; item < end; ++item) {
@@ -31,7 +55,7 @@ void widen_softmax(const float* restrict x, float* restrict y, float* restrict c
         for (int64_t lane = 0; lane < 64; ++lane) {
             float sum = 0e0f;
             for (int64_t j = lane; j < 200; j += 64) {
-                sum = sum + expf(x[base[lane] + j] - m);
+                sum = sum + widen_expf(x[base[lane] + j] - m);
             }
             widen_red_f32[lane] = sum;
         }
@@ -47,7 +71,7 @@ void widen_softmax(const float* restrict x, float* restrict y, float* restrict c
         /* barrier */
         for (int64_t lane = 0; lane < 64; ++lane) {
             for (int64_t j = lane; j < 200; j += 64) {
-                y[base[lane] + j] = expf(x[base[lane] + j] - m) / total;
+                y[base[lane] + j] = widen_expf(x[base[lane] + j] - m) / total;
             }
         }
     }

@@ -148,32 +148,33 @@ pub(crate) unsafe fn sgemm(
 ///
 /// # Safety
 /// The block is inside `a`; `dst` holds `mc.div_ceil(MR) * MR * kc` floats.
+#[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx512f"))]
 unsafe fn pack_a(a: Operand, i0: usize, p0: usize, mc: usize, kc: usize, dst: *mut f32) {
     for s in 0..mc.div_ceil(MR) {
         let sliver = unsafe { dst.add(s * MR * kc) };
         let height = MR.min(mc - s * MR);
         let first = unsafe { a.ptr.add((i0 + s * MR) * a.rows + p0 * a.cols) };
-        if a.rows == 1 {
+        if height == MR && a.rows == 1 {
             // Column-major a (a transposed operand): each step's rows are
-            // contiguous.
+            // contiguous; fixed-size copies compile to vector moves.
+            for p in 0..kc {
+                unsafe { copy_row::<MR>(first.add(p * a.cols), sliver.add(p * MR)) };
+            }
+        } else if height == MR {
+            // Row-major a: all MR rows advance together, so every write is
+            // sequential and each row is a read stream the prefetcher follows.
             for p in 0..kc {
                 let out = unsafe { sliver.add(p * MR) };
-                unsafe { std::ptr::copy_nonoverlapping(first.add(p * a.cols), out, height) };
-                for r in height..MR {
-                    unsafe { *out.add(r) = 0.0 };
+                for r in 0..MR {
+                    unsafe { *out.add(r) = *first.add(r * a.rows + p * a.cols) };
                 }
             }
-            continue;
-        }
-        for r in 0..MR {
-            if r < height {
-                let row = unsafe { first.add(r * a.rows) };
-                for p in 0..kc {
-                    unsafe { *sliver.add(p * MR + r) = *row.add(p * a.cols) };
-                }
-            } else {
-                for p in 0..kc {
-                    unsafe { *sliver.add(p * MR + r) = 0.0 };
+        } else {
+            for p in 0..kc {
+                let out = unsafe { sliver.add(p * MR) };
+                for r in 0..MR {
+                    let v = if r < height { unsafe { *first.add(r * a.rows + p * a.cols) } } else { 0.0 };
+                    unsafe { *out.add(r) = v };
                 }
             }
         }
@@ -186,43 +187,60 @@ unsafe fn pack_a(a: Operand, i0: usize, p0: usize, mc: usize, kc: usize, dst: *m
 ///
 /// # Safety
 /// The panel is inside `b`; `dst` holds `nc.div_ceil(NR) * NR * kc` floats.
+#[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx512f"))]
 unsafe fn pack_b(b: Operand, p0: usize, j0: usize, kc: usize, nc: usize, dst: *mut f32) {
     for s in 0..nc.div_ceil(NR) {
         let sliver = unsafe { dst.add(s * NR * kc) };
         let width = NR.min(nc - s * NR);
         let first = unsafe { b.ptr.add(p0 * b.rows + (j0 + s * NR) * b.cols) };
-        if b.rows == 1 {
+        if width == NR && b.cols == 1 {
+            // Row-major b: each step's columns are contiguous.
+            for p in 0..kc {
+                unsafe { copy_row::<NR>(first.add(p * b.rows), sliver.add(p * NR)) };
+            }
+        } else if width == NR && b.rows == 1 {
             // Column-major b (a transposed operand): read each column's steps
             // contiguously; the strided writes stay inside the L1-sized sliver.
             for j in 0..NR {
-                if j < width {
-                    let column = unsafe { first.add(j * b.cols) };
-                    for p in 0..kc {
-                        unsafe { *sliver.add(p * NR + j) = *column.add(p) };
-                    }
-                } else {
-                    for p in 0..kc {
-                        unsafe { *sliver.add(p * NR + j) = 0.0 };
-                    }
+                let column = unsafe { first.add(j * b.cols) };
+                for p in 0..kc {
+                    unsafe { *sliver.add(p * NR + j) = *column.add(p) };
                 }
             }
-            continue;
-        }
-        for p in 0..kc {
-            let src = unsafe { first.add(p * b.rows) };
-            let out = unsafe { sliver.add(p * NR) };
-            if b.cols == 1 {
-                unsafe { std::ptr::copy_nonoverlapping(src, out, width) };
-            } else {
-                for j in 0..width {
-                    unsafe { *out.add(j) = *src.add(j * b.cols) };
+        } else {
+            for p in 0..kc {
+                let out = unsafe { sliver.add(p * NR) };
+                for j in 0..NR {
+                    let v = if j < width { unsafe { *first.add(p * b.rows + j * b.cols) } } else { 0.0 };
+                    unsafe { *out.add(j) = v };
                 }
-            }
-            for j in width..NR {
-                unsafe { *out.add(j) = 0.0 };
             }
         }
     }
+}
+
+/// Copies `N` contiguous floats with 16-lane vector moves (a plain copy of a
+/// short run becomes a `memmove` call).
+///
+/// # Safety
+/// AVX-512F is available; `src` and `dst` hold `N` floats.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn copy_row<const N: usize>(src: *const f32, dst: *mut f32) {
+    for v in 0..N.div_ceil(16) {
+        let mask = column_mask(N - 16 * v);
+        // SAFETY: masked lanes stay within the N floats.
+        unsafe {
+            let x = _mm512_mask_loadu_ps(_mm512_setzero_ps(), mask, src.add(16 * v));
+            _mm512_mask_storeu_ps(dst.add(16 * v), mask, x);
+        }
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn copy_row<const N: usize>(src: *const f32, dst: *mut f32) {
+    unsafe { std::ptr::copy_nonoverlapping(src, dst, N) };
 }
 
 /// One `MR x NR` tile: `c (=|+=) a_sliver @ b_sliver` over `kc` steps, storing
