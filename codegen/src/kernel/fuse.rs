@@ -1,0 +1,368 @@
+//! Loop fusion and scalar replacement inside one item's body.
+//!
+//! The item emitter (DESIGN.md §5) writes one loop per graph op of a fused
+//! region, each storing its result to a per-item local array that the next
+//! op's loop reads back: a VWN connection backward over a 1024-wide over-width
+//! row runs a dozen such passes, with a dozen 4 KiB arrays that no longer fit
+//! the L1 cache together. This pass
+//! 1. merges consecutive elementwise loops over the same range when that
+//!    cannot change any value read (see [`can_merge`]), and then
+//! 2. turns a local array that is written and read only at the loop variable
+//!    of one loop, read after it is written, into a scalar of that loop.
+//!
+//! Both rewrites keep every float operation and its operands as they were
+//! (only where intermediate values live changes), so results are bit for bit
+//! those of the unfused body.
+
+use std::collections::HashSet;
+
+use super::{collect_refs, expr_refs, BinOp, Buf, Expr, Kernel, Stmt};
+
+/// Applies both rewrites to a thread-per-item kernel (block-per-item kernels
+/// split their bodies at barriers and keep their shape).
+pub fn fuse_loops(mut kernel: Kernel) -> Kernel {
+    if kernel.grid.is_block() {
+        return kernel;
+    }
+    let body = merge_loops(std::mem::take(&mut kernel.body));
+    let mut taken = HashSet::new();
+    collect_refs(&body, &mut taken);
+    kernel.params.iter().for_each(|p| {
+        taken.insert(p.name.clone());
+    });
+    kernel.body = scalarize(body, &mut taken);
+    kernel
+}
+
+/// A loop `for (v = 0; v < n; ++v)` whose body only binds `Let`s and stores
+/// (no nested control flow, no accumulation): the shape the item emitter gives
+/// elementwise ops.
+fn elementwise_len(s: &Stmt) -> Option<i64> {
+    let Stmt::For { start, end, step: 1, unroll: false, body, .. } = s else { return None };
+    let zero = matches!(start, Expr::I64(0) | Expr::I32(0));
+    let simple = body.iter().all(|s| matches!(s, Stmt::Let { .. } | Stmt::Store { .. } | Stmt::Comment(_)));
+    match end {
+        Expr::I64(n) if zero && simple => Some(*n),
+        Expr::I32(n) if zero && simple => Some(i64::from(*n)),
+        _ => None,
+    }
+}
+
+fn merge_loops(stmts: Vec<Stmt>) -> Vec<Stmt> {
+    let mut out: Vec<Stmt> = Vec::with_capacity(stmts.len());
+    // Index in `out` of the last loop still open to merging.
+    let mut open: Option<usize> = None;
+    for s in stmts {
+        let s = match s {
+            Stmt::For { var, start, end, step, unroll, body } => {
+                Stmt::For { var, start, end, step, unroll, body: merge_loops(body) }
+            }
+            Stmt::If { cond, then, else_ } => {
+                Stmt::If { cond, then: merge_loops(then), else_: merge_loops(else_) }
+            }
+            s => s,
+        };
+        if let (Stmt::LocalArray { .. }, Some(at)) = (&s, open) {
+            // A declaration has no effect: hoist it above the open loop.
+            out.insert(at, s);
+            open = Some(at + 1);
+            continue;
+        }
+        match (elementwise_len(&s), open) {
+            (Some(n), Some(at)) if elementwise_len(&out[at]) == Some(n) && can_merge(&out[at], &s) => {
+                let Stmt::For { var: v2, body: b2, .. } = s else { unreachable!("an elementwise loop") };
+                let Stmt::For { var: v1, body: b1, .. } = &mut out[at] else {
+                    unreachable!("an elementwise loop")
+                };
+                let v1 = v1.clone();
+                b1.extend(b2.into_iter().map(|st| rename_stmt(st, &v2, &v1)));
+            }
+            (Some(_), _) => {
+                out.push(s);
+                open = Some(out.len() - 1);
+            }
+            (None, _) => {
+                out.push(s);
+                open = None;
+            }
+        }
+    }
+    out
+}
+
+/// One buffer access of an elementwise loop body: the buffer, the index with
+/// the body's `Let`s substituted, and whether it writes.
+struct Access {
+    buf: String,
+    index: Expr,
+    write: bool,
+}
+
+fn accesses(body: &[Stmt]) -> Vec<Access> {
+    let mut lets: Vec<(String, Expr)> = Vec::new();
+    let mut out = Vec::new();
+    for s in body {
+        match s {
+            Stmt::Let { var, expr, .. } => {
+                loads(expr, &lets, &mut out);
+                lets.push((var.clone(), inline(expr, &lets)));
+            }
+            Stmt::Store { target, index, value } => {
+                loads(index, &lets, &mut out);
+                loads(value, &lets, &mut out);
+                out.push(Access { buf: target.name().to_string(), index: inline(index, &lets), write: true });
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+fn loads(e: &Expr, lets: &[(String, Expr)], out: &mut Vec<Access>) {
+    visit(e, &mut |e| {
+        if let Expr::Load { src, index } = e {
+            out.push(Access { buf: src.name().to_string(), index: inline(index, lets), write: false });
+        }
+    });
+}
+
+/// Whether running the second loop's body right after the first's, iteration
+/// by iteration, reads and writes the same values as running all of the first
+/// loop and then all of the second: no buffer is written by both, and a buffer
+/// written by one and read by the other is only ever accessed, by both, at one
+/// index `x + v` that is injective in the loop variable `v`, so iteration `i`
+/// of either loop touches only what iteration `i` of the other does.
+fn can_merge(first: &Stmt, second: &Stmt) -> bool {
+    let (Stmt::For { var: v1, body: b1, .. }, Stmt::For { var: v2, body: b2, .. }) = (first, second) else {
+        return false;
+    };
+    let a1 = accesses(b1);
+    let a2: Vec<Access> =
+        accesses(b2).into_iter().map(|a| Access { index: rename(&a.index, v2, v1), ..a }).collect();
+    let written = |acc: &[Access]| -> HashSet<String> {
+        acc.iter().filter(|a| a.write).map(|a| a.buf.clone()).collect()
+    };
+    let (w1, w2) = (written(&a1), written(&a2));
+    if w1.intersection(&w2).next().is_some() {
+        return false;
+    }
+    let shared = |w: &HashSet<String>, other: &[Access]| -> Vec<String> {
+        other.iter().filter(|a| w.contains(&a.buf)).map(|a| a.buf.clone()).collect()
+    };
+    let conflicts: HashSet<String> = shared(&w1, &a2).into_iter().chain(shared(&w2, &a1)).collect();
+    conflicts.iter().all(|buf| {
+        let mut indices = a1.iter().chain(&a2).filter(|a| &a.buf == buf).map(|a| &a.index);
+        let first = indices.next().expect("a conflicting buffer is accessed");
+        injective_in(first, v1) && indices.all(|i| i == first)
+    })
+}
+
+/// `e` is `v`, or `x + v`, `v + x` or `e' - x` with `e'` of that form and `x`
+/// free of `v`.
+fn injective_in(e: &Expr, v: &str) -> bool {
+    match e {
+        Expr::Var { name, .. } => name == v,
+        Expr::Binary { op: BinOp::Add, lhs, rhs } => {
+            (injective_in(lhs, v) && !mentions(rhs, v)) || (injective_in(rhs, v) && !mentions(lhs, v))
+        }
+        Expr::Binary { op: BinOp::Sub, lhs, rhs } => injective_in(lhs, v) && !mentions(rhs, v),
+        _ => false,
+    }
+}
+
+fn mentions(e: &Expr, v: &str) -> bool {
+    let mut refs = HashSet::new();
+    expr_refs(e, &mut refs);
+    refs.contains(v)
+}
+
+/// Replaces every array that lives in one loop (see the module docs) with a
+/// scalar `Let`, in this block and the blocks nested in it.
+fn scalarize(stmts: Vec<Stmt>, taken: &mut HashSet<String>) -> Vec<Stmt> {
+    let mut stmts: Vec<Stmt> = stmts
+        .into_iter()
+        .map(|s| match s {
+            Stmt::For { var, start, end, step, unroll, body } => {
+                Stmt::For { var, start, end, step, unroll, body: scalarize(body, taken) }
+            }
+            Stmt::If { cond, then, else_ } => {
+                Stmt::If { cond, then: scalarize(then, taken), else_: scalarize(else_, taken) }
+            }
+            s => s,
+        })
+        .collect();
+    let arrays: Vec<String> = stmts
+        .iter()
+        .filter_map(|s| if let Stmt::LocalArray { var, .. } = s { Some(var.clone()) } else { None })
+        .collect();
+    for array in arrays {
+        let users: Vec<usize> = (0..stmts.len())
+            .filter(|&i| !matches!(&stmts[i], Stmt::LocalArray { var, .. } if *var == array))
+            .filter(|&i| {
+                let mut refs = HashSet::new();
+                collect_refs(std::slice::from_ref(&stmts[i]), &mut refs);
+                refs.contains(&array)
+            })
+            .collect();
+        let [user] = users[..] else { continue };
+        let Stmt::For { var, body, .. } = &mut stmts[user] else { continue };
+        let scalar = fresh(taken, &format!("{array}_v"));
+        if let Some(new_body) = scalarize_in(body, &array, var, &scalar) {
+            *body = new_body;
+            stmts.retain(|s| !matches!(s, Stmt::LocalArray { var, .. } if *var == array));
+        }
+    }
+    stmts
+}
+
+/// The loop body with `array[v]` kept in the scalar `scalar`, if the body
+/// stores `array[v]` exactly once at its top level and reads `array` only at
+/// `v` after that store.
+fn scalarize_in(body: &[Stmt], array: &str, v: &str, scalar: &str) -> Option<Vec<Stmt>> {
+    let at_v = |index: &Expr| matches!(index, Expr::Var { name, .. } if name == v);
+    let mut stored = false;
+    let mut out = Vec::with_capacity(body.len());
+    for s in body {
+        match s {
+            Stmt::Store { target: Buf::Local { name, ty }, index, value } if name == array => {
+                if stored || !at_v(index) || !reads_only_at(value, array, v) {
+                    return None;
+                }
+                stored = true;
+                out.push(Stmt::Let { var: scalar.to_string(), ty: *ty, expr: value.clone() });
+            }
+            Stmt::Let { var, ty, expr } => {
+                if !reads_only_at(expr, array, v) || (!stored && reads(expr, array)) {
+                    return None;
+                }
+                out.push(Stmt::Let { var: var.clone(), ty: *ty, expr: replace_loads(expr, array, scalar) });
+            }
+            Stmt::Store { target, index, value } => {
+                let ok = |e: &Expr| reads_only_at(e, array, v) && (stored || !reads(e, array));
+                if !ok(index) || !ok(value) {
+                    return None;
+                }
+                out.push(Stmt::Store {
+                    target: target.clone(),
+                    index: replace_loads(index, array, scalar),
+                    value: replace_loads(value, array, scalar),
+                });
+            }
+            Stmt::Comment(_) => out.push(s.clone()),
+            _ => {
+                let mut refs = HashSet::new();
+                collect_refs(std::slice::from_ref(s), &mut refs);
+                if refs.contains(array) {
+                    return None;
+                }
+                out.push(s.clone());
+            }
+        }
+    }
+    stored.then_some(out)
+}
+
+fn reads(e: &Expr, array: &str) -> bool {
+    let mut found = false;
+    visit(e, &mut |e| found |= matches!(e, Expr::Load { src, .. } if src.name() == array));
+    found
+}
+
+/// Every load of `array` in `e` is at index `v`.
+fn reads_only_at(e: &Expr, array: &str, v: &str) -> bool {
+    let mut ok = true;
+    visit(e, &mut |e| {
+        if let Expr::Load { src, index } = e {
+            if src.name() == array {
+                ok &= matches!(index.as_ref(), Expr::Var { name, .. } if name == v);
+            }
+        }
+    });
+    ok
+}
+
+fn fresh(taken: &mut HashSet<String>, base: &str) -> String {
+    let mut name = base.to_string();
+    let mut n = 0;
+    while taken.contains(&name) {
+        n += 1;
+        name = format!("{base}{n}");
+    }
+    taken.insert(name.clone());
+    name
+}
+
+/// Calls `f` on `e` and every sub-expression.
+fn visit(e: &Expr, f: &mut impl FnMut(&Expr)) {
+    f(e);
+    match e {
+        Expr::Load { index, .. } => visit(index, f),
+        Expr::Unary { arg, .. } | Expr::Cast { arg, .. } => visit(arg, f),
+        Expr::Binary { lhs, rhs, .. } | Expr::Cmp { lhs, rhs, .. } => {
+            visit(lhs, f);
+            visit(rhs, f);
+        }
+        Expr::Select { cond, then, else_ } => {
+            visit(cond, f);
+            visit(then, f);
+            visit(else_, f);
+        }
+        Expr::Call { args, .. } => args.iter().for_each(|a| visit(a, f)),
+        _ => {}
+    }
+}
+
+/// `e` with every sub-expression `x` replaced by `f(x)` where that is `Some`
+/// (outermost first).
+fn rewrite(e: &Expr, f: &impl Fn(&Expr) -> Option<Expr>) -> Expr {
+    if let Some(r) = f(e) {
+        return r;
+    }
+    let b = |x: &Expr| Box::new(rewrite(x, f));
+    match e {
+        Expr::Load { src, index } => Expr::Load { src: src.clone(), index: b(index) },
+        Expr::Unary { op, arg } => Expr::Unary { op: *op, arg: b(arg) },
+        Expr::Cast { ty, arg } => Expr::Cast { ty: *ty, arg: b(arg) },
+        Expr::Binary { op, lhs, rhs } => Expr::Binary { op: *op, lhs: b(lhs), rhs: b(rhs) },
+        Expr::Cmp { op, lhs, rhs } => Expr::Cmp { op: *op, lhs: b(lhs), rhs: b(rhs) },
+        Expr::Select { cond, then, else_ } => Expr::Select { cond: b(cond), then: b(then), else_: b(else_) },
+        Expr::Call { f: func, args } => {
+            Expr::Call { f: *func, args: args.iter().map(|a| rewrite(a, f)).collect() }
+        }
+        other => other.clone(),
+    }
+}
+
+/// `e` with the earlier `Let`s of the same body substituted.
+fn inline(e: &Expr, lets: &[(String, Expr)]) -> Expr {
+    rewrite(e, &|x| match x {
+        Expr::Var { name, .. } => lets.iter().rev().find(|(n, _)| n == name).map(|(_, d)| d.clone()),
+        _ => None,
+    })
+}
+
+fn rename(e: &Expr, from: &str, to: &str) -> Expr {
+    rewrite(e, &|x| match x {
+        Expr::Var { name, ty } if name == from => Some(Expr::Var { name: to.to_string(), ty: *ty }),
+        _ => None,
+    })
+}
+
+fn replace_loads(e: &Expr, array: &str, scalar: &str) -> Expr {
+    rewrite(e, &|x| match x {
+        Expr::Load { src, .. } if src.name() == array => {
+            Some(Expr::Var { name: scalar.to_string(), ty: src.elem_ty() })
+        }
+        _ => None,
+    })
+}
+
+fn rename_stmt(s: Stmt, from: &str, to: &str) -> Stmt {
+    match s {
+        Stmt::Let { var, ty, expr } => Stmt::Let { var, ty, expr: rename(&expr, from, to) },
+        Stmt::Store { target, index, value } => {
+            Stmt::Store { target, index: rename(&index, from, to), value: rename(&value, from, to) }
+        }
+        other => other,
+    }
+}
