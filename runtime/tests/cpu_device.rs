@@ -5,8 +5,8 @@
 mod plan_support;
 
 use codegen::cc::Compiler;
-use codegen::kernel::{f32, i64, item, lane, Access, Grid, Kernel, KernelBuilder, ReduceOp};
-use codegen::plan::{BufferDecl, BufferId, BufferRole, Gemm, Plan, Step};
+use codegen::kernel::Grid;
+use codegen::plan::{BufferId, BufferRole, Gemm, Plan, Step};
 use ir::DType;
 use plan_support::{data, decl, rms_rows, scale_bias};
 use runtime::device::cpu::{CpuDevice, CpuError, CpuOptions};
