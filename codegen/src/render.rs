@@ -64,6 +64,7 @@ pub fn render_module(kernels: &[Kernel], dialect: Dialect) -> Result<String, Ker
         promoted: HashSet::new(),
         rounds_bf16: false,
         uses_expf: false,
+        uses_tanhf: false,
     };
     for k in kernels {
         p.out.push('\n');
@@ -154,6 +155,23 @@ static inline float widen_expf(float x) {
 }
 ";
 
+/// f32 `tanh` for the C dialect, vectorizable like [`C_EXPF`] (tanh gates
+/// the dynamic HC and GHC coefficients, MATH.md §2.3, §5.5): the Cephes odd
+/// polynomial below |x| = 0.625, `1 - 2 / (exp(2|x|) + 1)` above it (which
+/// reaches exactly 1 once the exponential overflows), the sign restored with
+/// `copysignf` so -0 stays -0 and NaN stays NaN. Within 2 ulp of a correctly
+/// rounded `tanhf` (`codegen/tests/cc_driver.rs`).
+const C_TANHF: &str = "
+static inline float widen_tanhf(float x) {
+    const float a = fabsf(x);
+    const float z = a * a;
+    const float small = ((((-5.70498872745e-3f * z + 2.06390887954e-2f) * z - 5.37397155531e-2f) * z
+        + 1.33314422036e-1f) * z - 3.33332819422e-1f) * z * a + a;
+    const float big = 1.0f - 2.0f / (widen_expf(2.0f * a) + 1.0f);
+    return copysignf(a < 0.625f ? small : big, x);
+}
+";
+
 const CUDA_BF16: &str = "
 static __device__ __forceinline__ float widen_bf16_to_f32(unsigned short h) {
     return __uint_as_float((unsigned int)h << 16);
@@ -188,6 +206,8 @@ struct Printer {
     rounds_bf16: bool,
     /// Whether a C kernel calls `widen_expf`, so the prelude defines it.
     uses_expf: bool,
+    /// Whether a C kernel calls `widen_tanhf` (which calls `widen_expf`).
+    uses_tanhf: bool,
 }
 
 impl Printer {
@@ -227,8 +247,11 @@ impl Printer {
         if self.rounds_bf16 {
             self.out.push_str(if self.cuda() { CUDA_ROUND_BF16 } else { C_ROUND_BF16 });
         }
-        if self.uses_expf {
+        if self.uses_expf || self.uses_tanhf {
             self.out.push_str(C_EXPF);
+        }
+        if self.uses_tanhf {
+            self.out.push_str(C_TANHF);
         }
     }
 
@@ -615,6 +638,10 @@ impl Printer {
                 if *f == MathFn::Exp && t == Ty::F32 && !self.cuda() {
                     self.uses_expf = true;
                     return (format!("widen_expf({})", a[0]), ATOM);
+                }
+                if *f == MathFn::Tanh && t == Ty::F32 && !self.cuda() {
+                    self.uses_tanhf = true;
+                    return (format!("widen_tanhf({})", a[0]), ATOM);
                 }
                 if *f == MathFn::Rsqrt {
                     let one = if t == Ty::F32 { "1.0f" } else { "1.0" };

@@ -138,6 +138,39 @@ fn c_exp_is_within_one_ulp_of_rust_exp() {
     assert!(worst <= 1);
 }
 
+/// The C dialect's `widen_tanhf` against Rust's `f32::tanh`: within 2 ulp over
+/// a sweep of 2^21 bit patterns of each sign up to |x| = 11 (where tanh is 1
+/// in f32), signed zeros, infinities and NaN exact.
+#[test]
+fn c_tanh_is_within_two_ulp_of_rust_tanh() {
+    const HALF: usize = 1 << 21;
+    let specials = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0.0, -0.0, 0.625, -0.625, 50.0, -50.0, 1e-30];
+    let n = 2 * HALF + specials.len();
+    let mut k = KernelBuilder::new("tanh_sweep", Grid::thread_per_item(n));
+    let x = k.param("x", DType::F32, Access::Read, n);
+    let y = k.param("y", DType::F32, Access::Write, n);
+    k.store(&y, item(), x.at(item()).tanh());
+    let lib = TempCache::new("tanhf").compiler().compile_kernels(&[k.finish()]).expect("compiles");
+    let top = u64::from(11.0f32.to_bits());
+    let mut xs: Vec<f32> = (0..HALF).map(|i| f32::from_bits((i as u64 * top / HALF as u64) as u32)).collect();
+    let negated: Vec<f32> = xs.iter().map(|x| -x).collect();
+    xs.extend(negated);
+    xs.extend(specials);
+    let mut ys = vec![0.0f32; n];
+    run(&lib, "tanh_sweep", n, &[xs.as_ptr() as *mut c_void, ptr(&mut ys)]);
+    for (&x, &y) in xs.iter().zip(&ys) {
+        let want = x.tanh();
+        if want.is_nan() {
+            assert!(y.is_nan(), "tanh({x}) = {y}, want NaN");
+        } else if want == 0.0 || want.abs() == 1.0 {
+            assert_eq!(y.to_bits(), want.to_bits(), "tanh({x}) = {y}, want {want}");
+        } else {
+            let ulps = y.to_bits().abs_diff(want.to_bits());
+            assert!(ulps <= 2, "tanh({x}) = {y}, want {want} ({ulps} ulp)");
+        }
+    }
+}
+
 #[test]
 fn bf16_storage_rounds_to_nearest_even() {
     use common::*;

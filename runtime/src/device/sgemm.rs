@@ -116,17 +116,34 @@ pub(crate) unsafe fn sgemm(
                 let load_c = accumulate || pc > 0;
                 for ic in (0..m).step_by(MC) {
                     let mc = MC.min(m - ic);
-                    // SAFETY: as for b, with the MC x KC block.
-                    unsafe { pack_a(a, ic, pc, mc, kc, pa) };
+                    // A column-major a (a transposed operand, as in weight
+                    // gradients) already holds each step's MR rows together:
+                    // its whole slivers are read in place and only a ragged
+                    // last one is packed (with its zero padding).
+                    let in_place = if a.rows == 1 { mc / MR * MR } else { 0 };
+                    // SAFETY: as for b, with the rows of the MC x KC block
+                    // from `in_place` on.
+                    unsafe { pack_a(a, ic + in_place, pc, mc - in_place, kc, pa) };
                     for jr in (0..nc).step_by(NR) {
                         for ir in (0..mc).step_by(MR) {
-                            // SAFETY: slivers ir / MR and jr / NR of the packed
-                            // blocks hold kc steps each; the tile's rows and
-                            // columns are clipped to c's extent.
+                            let sliver = if ir < in_place {
+                                // SAFETY: rows ic + ir.. of a, step pc.
+                                Operand {
+                                    ptr: unsafe { a.ptr.add(ic + ir + pc * a.cols) },
+                                    rows: 1,
+                                    cols: a.cols,
+                                }
+                            } else {
+                                // SAFETY: sliver (ir - in_place) / MR of the packing.
+                                Operand { ptr: unsafe { pa.add((ir - in_place) * kc) }, rows: 1, cols: MR }
+                            };
+                            // SAFETY: both slivers hold kc steps of MR rows and
+                            // NR columns; the tile's rows and columns are
+                            // clipped to c's extent.
                             unsafe {
                                 micro_kernel(
                                     kc,
-                                    pa.add(ir * kc),
+                                    sliver,
                                     pb.add(jr * kc),
                                     Output { ptr: c.ptr.add((ic + ir) * c.ldc + jc + jr), ldc: c.ldc },
                                     MR.min(mc - ir),
@@ -244,16 +261,18 @@ unsafe fn copy_row<const N: usize>(src: *const f32, dst: *mut f32) {
 }
 
 /// One `MR x NR` tile: `c (=|+=) a_sliver @ b_sliver` over `kc` steps, storing
-/// only the tile's first `rows` rows and `cols` columns.
+/// only the tile's first `rows` rows and `cols` columns. Step `p` of the `a`
+/// sliver is the `MR` contiguous floats at `a.ptr + p * a.cols` (packed, or a
+/// column-major operand in place).
 ///
 /// # Safety
-/// AVX-512F is available; the slivers hold `kc * MR` and `kc * NR` floats; `c`
-/// addresses `rows` rows of `cols` elements.
+/// AVX-512F is available; the `a` sliver holds `kc` steps, the `b` sliver
+/// `kc * NR` floats; `c` addresses `rows` rows of `cols` elements.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn micro_kernel(
     kc: usize,
-    a: *const f32,
+    a: Operand,
     b: *const f32,
     c: Output,
     rows: usize,
@@ -265,7 +284,7 @@ unsafe fn micro_kernel(
         // SAFETY: step p of each sliver is in bounds (contract).
         let (b0, b1) = unsafe { (_mm512_loadu_ps(b.add(p * NR)), _mm512_loadu_ps(b.add(p * NR + 16))) };
         for (r, acc_r) in acc.iter_mut().enumerate() {
-            let x = _mm512_set1_ps(unsafe { *a.add(p * MR + r) });
+            let x = _mm512_set1_ps(unsafe { *a.ptr.add(p * a.cols + r) });
             acc_r[0] = _mm512_fmadd_ps(x, b0, acc_r[0]);
             acc_r[1] = _mm512_fmadd_ps(x, b1, acc_r[1]);
         }
@@ -303,7 +322,7 @@ fn column_mask(cols: usize) -> u16 {
 #[cfg(not(target_arch = "x86_64"))]
 unsafe fn micro_kernel(
     _kc: usize,
-    _a: *const f32,
+    _a: Operand,
     _b: *const f32,
     _c: Output,
     _rows: usize,
