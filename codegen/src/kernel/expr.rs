@@ -236,6 +236,51 @@ pub fn select(cond: impl Into<Expr>, then: impl Into<Expr>, else_: impl Into<Exp
 }
 
 impl Expr {
+    /// Calls `f` on this expression and every sub-expression, parents first
+    /// (load indices included).
+    pub(crate) fn visit(&self, f: &mut impl FnMut(&Expr)) {
+        f(self);
+        match self {
+            Expr::Load { index, .. } => index.visit(f),
+            Expr::Unary { arg, .. } | Expr::Cast { arg, .. } => arg.visit(f),
+            Expr::Binary { lhs, rhs, .. } | Expr::Cmp { lhs, rhs, .. } => {
+                lhs.visit(f);
+                rhs.visit(f);
+            }
+            Expr::Select { cond, then, else_ } => {
+                cond.visit(f);
+                then.visit(f);
+                else_.visit(f);
+            }
+            Expr::Call { args, .. } => args.iter().for_each(|a| a.visit(f)),
+            _ => {}
+        }
+    }
+
+    /// This expression with every sub-expression `x` for which `f(x)` is
+    /// `Some` replaced by it, outermost first (a replaced sub-expression is
+    /// not searched further).
+    pub(crate) fn rewrite(&self, f: &impl Fn(&Expr) -> Option<Expr>) -> Expr {
+        if let Some(r) = f(self) {
+            return r;
+        }
+        let b = |x: &Expr| Box::new(x.rewrite(f));
+        match self {
+            Expr::Load { src, index } => Expr::Load { src: src.clone(), index: b(index) },
+            Expr::Unary { op, arg } => Expr::Unary { op: *op, arg: b(arg) },
+            Expr::Cast { ty, arg } => Expr::Cast { ty: *ty, arg: b(arg) },
+            Expr::Binary { op, lhs, rhs } => Expr::Binary { op: *op, lhs: b(lhs), rhs: b(rhs) },
+            Expr::Cmp { op, lhs, rhs } => Expr::Cmp { op: *op, lhs: b(lhs), rhs: b(rhs) },
+            Expr::Select { cond, then, else_ } => {
+                Expr::Select { cond: b(cond), then: b(then), else_: b(else_) }
+            }
+            Expr::Call { f: func, args } => {
+                Expr::Call { f: *func, args: args.iter().map(|a| a.rewrite(f)).collect() }
+            }
+            other => other.clone(),
+        }
+    }
+
     /// The expression's type. For ill-typed expressions (caught by
     /// [`crate::kernel::Kernel::validate`]) this is the type of the first operand.
     pub fn ty(&self) -> Ty {

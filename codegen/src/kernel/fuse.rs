@@ -119,7 +119,7 @@ fn accesses(body: &[Stmt]) -> Vec<Access> {
 }
 
 fn loads(e: &Expr, lets: &[(String, Expr)], out: &mut Vec<Access>) {
-    visit(e, &mut |e| {
+    e.visit(&mut |e| {
         if let Expr::Load { src, index } = e {
             out.push(Access { buf: src.name().to_string(), index: inline(index, lets), write: false });
         }
@@ -264,14 +264,14 @@ fn scalarize_in(body: &[Stmt], array: &str, v: &str, scalar: &str) -> Option<Vec
 
 fn reads(e: &Expr, array: &str) -> bool {
     let mut found = false;
-    visit(e, &mut |e| found |= matches!(e, Expr::Load { src, .. } if src.name() == array));
+    e.visit(&mut |e| found |= matches!(e, Expr::Load { src, .. } if src.name() == array));
     found
 }
 
 /// Every load of `array` in `e` is at index `v`.
 fn reads_only_at(e: &Expr, array: &str, v: &str) -> bool {
     let mut ok = true;
-    visit(e, &mut |e| {
+    e.visit(&mut |e| {
         if let Expr::Load { src, index } = e {
             if src.name() == array {
                 ok &= matches!(index.as_ref(), Expr::Var { name, .. } if name == v);
@@ -292,64 +292,23 @@ fn fresh(taken: &mut HashSet<String>, base: &str) -> String {
     name
 }
 
-/// Calls `f` on `e` and every sub-expression.
-fn visit(e: &Expr, f: &mut impl FnMut(&Expr)) {
-    f(e);
-    match e {
-        Expr::Load { index, .. } => visit(index, f),
-        Expr::Unary { arg, .. } | Expr::Cast { arg, .. } => visit(arg, f),
-        Expr::Binary { lhs, rhs, .. } | Expr::Cmp { lhs, rhs, .. } => {
-            visit(lhs, f);
-            visit(rhs, f);
-        }
-        Expr::Select { cond, then, else_ } => {
-            visit(cond, f);
-            visit(then, f);
-            visit(else_, f);
-        }
-        Expr::Call { args, .. } => args.iter().for_each(|a| visit(a, f)),
-        _ => {}
-    }
-}
-
-/// `e` with every sub-expression `x` replaced by `f(x)` where that is `Some`
-/// (outermost first).
-fn rewrite(e: &Expr, f: &impl Fn(&Expr) -> Option<Expr>) -> Expr {
-    if let Some(r) = f(e) {
-        return r;
-    }
-    let b = |x: &Expr| Box::new(rewrite(x, f));
-    match e {
-        Expr::Load { src, index } => Expr::Load { src: src.clone(), index: b(index) },
-        Expr::Unary { op, arg } => Expr::Unary { op: *op, arg: b(arg) },
-        Expr::Cast { ty, arg } => Expr::Cast { ty: *ty, arg: b(arg) },
-        Expr::Binary { op, lhs, rhs } => Expr::Binary { op: *op, lhs: b(lhs), rhs: b(rhs) },
-        Expr::Cmp { op, lhs, rhs } => Expr::Cmp { op: *op, lhs: b(lhs), rhs: b(rhs) },
-        Expr::Select { cond, then, else_ } => Expr::Select { cond: b(cond), then: b(then), else_: b(else_) },
-        Expr::Call { f: func, args } => {
-            Expr::Call { f: *func, args: args.iter().map(|a| rewrite(a, f)).collect() }
-        }
-        other => other.clone(),
-    }
-}
-
 /// `e` with the earlier `Let`s of the same body substituted.
 fn inline(e: &Expr, lets: &[(String, Expr)]) -> Expr {
-    rewrite(e, &|x| match x {
+    e.rewrite(&|x| match x {
         Expr::Var { name, .. } => lets.iter().rev().find(|(n, _)| n == name).map(|(_, d)| d.clone()),
         _ => None,
     })
 }
 
 fn rename(e: &Expr, from: &str, to: &str) -> Expr {
-    rewrite(e, &|x| match x {
+    e.rewrite(&|x| match x {
         Expr::Var { name, ty } if name == from => Some(Expr::Var { name: to.to_string(), ty: *ty }),
         _ => None,
     })
 }
 
 fn replace_loads(e: &Expr, array: &str, scalar: &str) -> Expr {
-    rewrite(e, &|x| match x {
+    e.rewrite(&|x| match x {
         Expr::Load { src, .. } if src.name() == array => {
             Some(Expr::Var { name: scalar.to_string(), ty: src.elem_ty() })
         }

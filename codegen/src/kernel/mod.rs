@@ -275,31 +275,13 @@ pub(crate) fn collect_refs(stmts: &[Stmt], out: &mut HashSet<String>) {
 
 /// Every variable and buffer name `e` reads.
 pub(crate) fn expr_refs(e: &Expr, out: &mut HashSet<String>) {
-    match e {
+    e.visit(&mut |x| match x {
         Expr::Var { name, .. } => {
             out.insert(name.clone());
         }
-        Expr::Load { src, index } => {
+        Expr::Load { src, .. } => {
             out.insert(src.name().to_string());
-            expr_refs(index, out);
         }
-        Expr::Unary { arg, .. } | Expr::Cast { arg, .. } => expr_refs(arg, out),
-        Expr::Binary { lhs, rhs, .. } | Expr::Cmp { lhs, rhs, .. } => {
-            expr_refs(lhs, out);
-            expr_refs(rhs, out);
-        }
-        Expr::Select { cond, then, else_ } => {
-            expr_refs(cond, out);
-            expr_refs(then, out);
-            expr_refs(else_, out);
-        }
-        Expr::Call { args, .. } => args.iter().for_each(|a| expr_refs(a, out)),
-        Expr::F32(_)
-        | Expr::F64(_)
-        | Expr::I32(_)
-        | Expr::I64(_)
-        | Expr::Bool(_)
-        | Expr::Item
-        | Expr::Lane => {}
-    }
+        _ => {}
+    });
 }

@@ -222,21 +222,11 @@ fn cost(e: &Expr) -> u32 {
 
 /// `e` with every `Var { name }` outside load indices replaced by `def`.
 fn substitute(e: &Expr, name: &str, def: &Expr) -> Expr {
-    let sub = |x: &Expr| Box::new(substitute(x, name, def));
-    match e {
-        Expr::Var { name: n, .. } if n == name => def.clone(),
-        Expr::Unary { op, arg } => Expr::Unary { op: *op, arg: sub(arg) },
-        Expr::Binary { op, lhs, rhs } => Expr::Binary { op: *op, lhs: sub(lhs), rhs: sub(rhs) },
-        Expr::Cmp { op, lhs, rhs } => Expr::Cmp { op: *op, lhs: sub(lhs), rhs: sub(rhs) },
-        Expr::Select { cond, then, else_ } => {
-            Expr::Select { cond: sub(cond), then: sub(then), else_: sub(else_) }
-        }
-        Expr::Cast { ty, arg } => Expr::Cast { ty: *ty, arg: sub(arg) },
-        Expr::Call { f, args } => {
-            Expr::Call { f: *f, args: args.iter().map(|a| substitute(a, name, def)).collect() }
-        }
-        _ => e.clone(),
-    }
+    e.rewrite(&|x| match x {
+        Expr::Var { name: n, .. } if n == name => Some(def.clone()),
+        Expr::Load { .. } => Some(x.clone()),
+        _ => None,
+    })
 }
 
 /// Names of the variables referenced by `e` outside load indices, in order.
