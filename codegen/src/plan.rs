@@ -43,8 +43,8 @@ pub struct BufferDecl {
     pub node: Option<usize>,
 }
 
-/// A dense (batched) matrix product handed to a library GEMM (CPU: the `gemm` crate;
-/// GPU: cuBLAS). Row-major operands; `c[b] (=|+=) op(a[b]) @ op(b[b])` for each batch
+/// A dense (batched) matrix product handed to the device's GEMM (CPU: the runtime's
+/// AVX-512 kernel or the `gemm` crate; GPU: cuBLAS). Row-major operands; `c[b] (=|+=) op(a[b]) @ op(b[b])` for each batch
 /// index, where a zero batch stride broadcasts an operand.
 /// The lowering builds the same product over its own buffer handles (`Gemm<emit::Arg>`)
 /// before buffers are assigned.
