@@ -13,7 +13,7 @@
 //!
 //! [`CpuDevice::run`] then executes the launch list in order: kernel steps
 //! split their grid's items into contiguous ranges run on a persistent thread
-//! pool, GEMM steps go through [`sgemm`] (AVX-512 hosts) or the `gemm`
+//! pool, GEMM steps go through the AVX-512 kernel of `sgemm.rs` or the `gemm`
 //! crate, zero steps clear a buffer.
 //!
 //! # Safety

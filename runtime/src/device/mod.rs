@@ -2,7 +2,7 @@
 //!
 //! - [`cpu`]: the Cpu device: buffers in host memory, kernels compiled by the
 //!   system C compiler and run on a persistent thread pool, matrix products
-//!   through [`sgemm`] (AVX-512) or the `gemm` crate.
+//!   through the AVX-512 kernel of `sgemm.rs` or the `gemm` crate.
 //! - [`executor`]: the [`crate::executor::StepExecutor`] over a Cpu device,
 //!   which the training loop uses for `--device cpu`.
 //! - [`plan_check`]: the load-time checks of a Plan both devices share.
