@@ -177,16 +177,9 @@ unsafe fn pack_a(a: Operand, i0: usize, p0: usize, mc: usize, kc: usize, dst: *m
             for p in 0..kc {
                 unsafe { copy_row::<MR>(first.add(p * a.cols), sliver.add(p * MR)) };
             }
-        } else if height == MR {
-            // Row-major a: all MR rows advance together, so every write is
-            // sequential and each row is a read stream the prefetcher follows.
-            for p in 0..kc {
-                let out = unsafe { sliver.add(p * MR) };
-                for r in 0..MR {
-                    unsafe { *out.add(r) = *first.add(r * a.rows + p * a.cols) };
-                }
-            }
         } else {
+            // All MR rows advance together, so every write is sequential and
+            // each row is a read stream the prefetcher follows.
             for p in 0..kc {
                 let out = unsafe { sliver.add(p * MR) };
                 for r in 0..MR {
