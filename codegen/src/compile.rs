@@ -724,7 +724,8 @@ impl PlanBuilder {
     }
 
     fn push_kernel(&mut self, kernel: Kernel, args: Vec<BufferId>) {
-        let kernel = crate::kernel::fuse_loops(crate::kernel::simplify_indices(kernel));
+        let kernel =
+            crate::kernel::split_loops(crate::kernel::fuse_loops(crate::kernel::simplify_indices(kernel)));
         self.steps.push(Step::Kernel { kernel: self.kernels.len(), args });
         self.kernels.push(kernel);
     }

@@ -333,6 +333,23 @@ fn view_chains_collapse_to_short_forms() {
     assert_eq!(index, l);
 }
 
+#[test]
+fn offsets_below_a_range_start_are_shared_out_by_range() {
+    // `i - 4` with `i ∈ [4, 20)` is in `[0, 16)`: its remainder by 16 is
+    // itself and its quotient 0, though the constant's own residue is 12.
+    let mut k = KernelBuilder::new("shifted", Grid::thread_per_item(2048));
+    let out = k.param("out", DType::F32, Access::Write, 1 << 20);
+    k.for_("i", i64(4), i64(20), |b, i| {
+        let x = item() * 16 + i - 4;
+        b.store(&out, x.clone() % 16 * 2048 + x / 16, f32(0.0));
+    });
+    let kernel = simplify_indices(k.finish());
+    let Stmt::For { body, .. } = &kernel.body[0] else { panic!("{:?}", kernel.body) };
+    let Some(Stmt::Store { index, .. }) = body.last() else { panic!("{body:?}") };
+    let i = Expr::Var { name: "i".into(), ty: codegen::kernel::Ty::I64 };
+    assert_eq!(*index, i * 2048i64 + item() - 8192i64);
+}
+
 /// Integer divisions and remainders by literals in rendered C: (all,
 /// by a non-power of two). Float divisions have float literals.
 fn div_rem_counts(c: &str) -> (usize, usize) {

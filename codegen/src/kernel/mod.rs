@@ -31,12 +31,14 @@ mod builder;
 mod expr;
 mod fuse;
 mod simplify;
+mod split;
 mod validate;
 
 pub use builder::{Block, KernelBuilder};
 pub use expr::{f32, f64, i32, i64, item, lane, select, BinOp, Buf, CmpOp, Expr, MathFn, Ty, UnOp};
 pub use fuse::fuse_loops;
 pub use simplify::simplify_indices;
+pub use split::split_loops;
 pub use validate::KernelError;
 
 use std::collections::HashSet;

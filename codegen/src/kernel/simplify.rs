@@ -594,6 +594,20 @@ impl Simplifier {
         }
     }
 
+    /// `x = c1·q + r` with `r ∈ [0, c1)`, if the ranges allow it. The
+    /// constant is shared out by `r`'s range rather than by its own residue,
+    /// so that `(i + 12) % 16` is not produced for `i - 4` with `i ∈ [4, 20)`.
+    fn split_fitting(&self, x: &Lin, c1: i64) -> Option<(Lin, Lin)> {
+        let (mut q, mut r) = x.split(c1);
+        let (lo, hi) = self.lin_range(&r)?;
+        let shift = lo.div_euclid(c1);
+        let moved = shift.checked_mul(c1)?;
+        r.c = r.c.checked_sub(moved)?;
+        q.c = q.c.checked_add(shift)?;
+        let (lo, hi) = (lo.checked_sub(moved)?, hi.checked_sub(moved)?);
+        (lo >= 0 && hi < c1).then_some((q, r))
+    }
+
     /// `x / c` for `c > 0`.
     fn div(&self, x: Lin, c: i64) -> Option<Lin> {
         if c == 1 {
@@ -611,8 +625,7 @@ impl Simplifier {
         }
         // x ≥ 0 and x = c1·q + r with r ∈ [0, c1): x / c = q / (c / c1).
         for c1 in x.split_candidates(c) {
-            let (q, r) = x.split(c1);
-            if self.lin_range(&r).is_some_and(|(a, b)| a >= 0 && b < c1) {
+            if let Some((q, _)) = self.split_fitting(&x, c1) {
                 return if c1 == c { Some(q) } else { self.div(q, c / c1) };
             }
         }
@@ -653,8 +666,7 @@ impl Simplifier {
         }
         // x ≥ 0 and x = c1·q + r with r ∈ [0, c1): x % c = c1·(q % (c / c1)) + r.
         for c1 in x.split_candidates(c) {
-            let (q, r) = x.split(c1);
-            if self.lin_range(&r).is_some_and(|(a, b)| a >= 0 && b < c1) {
+            if let Some((q, r)) = self.split_fitting(&x, c1) {
                 return if c1 == c { Some(r) } else { self.rem(q, c / c1)?.scale(c1)?.plus(&r, 1) };
             }
         }
