@@ -10,8 +10,9 @@
 //! Structure (the classic blocked scheme): for each block of `KC` contraction
 //! steps and `NC` columns, `b` is packed into column slivers of `NR` floats
 //! per step; for each block of `MC` rows, `a` is packed into row slivers of
-//! `MR` floats per step; a register-tiled micro-kernel then accumulates each
-//! `MR x NR` tile of `c` over the block's steps (the `b` sliver stays in L1,
+//! `MR` floats per step (or read in place where packing would not pay); a
+//! register-tiled micro-kernel then accumulates each `MR x NR` tile of `c`
+//! over the block's steps (the `b` sliver stays in L1,
 //! the packed `a` block in L2). Packing reads the operands through arbitrary
 //! row and column strides, so transposed operands cost nothing extra, and pads
 //! ragged edges with zeros, so the micro-kernel always runs full tiles and
@@ -100,6 +101,19 @@ pub(crate) unsafe fn sgemm(
     debug_assert!(available() && k >= 1);
     let a_lines = MC * KC / 16;
     let b_lines = NC.min(n.div_ceil(NR) * NR) * KC / 16;
+    // Whole `MR`-row slivers of `a` are read in place, unpacked, when that
+    // costs no locality: a column-major `a` (a transposed operand, as in
+    // weight gradients) already holds each step's rows together, and a
+    // row-major `a` is read once anyway when one column sliver covers `n`
+    // (each packed value would be used once). Only a ragged last sliver is
+    // packed, with its zero padding.
+    let in_place_strides = if a.rows == 1 {
+        Some((1, a.cols))
+    } else if a.cols == 1 && n <= NR {
+        Some((a.rows, 1))
+    } else {
+        None
+    };
     PACKED.with_borrow_mut(|packed| {
         if packed.len() < a_lines + b_lines {
             packed.resize(a_lines + b_lines, Line([0.0; 16]));
@@ -116,40 +130,39 @@ pub(crate) unsafe fn sgemm(
                 let load_c = accumulate || pc > 0;
                 for ic in (0..m).step_by(MC) {
                     let mc = MC.min(m - ic);
-                    // A column-major a (a transposed operand, as in weight
-                    // gradients) already holds each step's MR rows together:
-                    // its whole slivers are read in place and only a ragged
-                    // last one is packed (with its zero padding).
-                    let in_place = if a.rows == 1 { mc / MR * MR } else { 0 };
-                    // SAFETY: as for b, with the rows of the MC x KC block
-                    // from `in_place` on.
+                    let in_place = if in_place_strides.is_some() { mc / MR * MR } else { 0 };
+                    // SAFETY: as for b, with the rows of the block from
+                    // `in_place` on.
                     unsafe { pack_a(a, ic + in_place, pc, mc - in_place, kc, pa) };
                     for jr in (0..nc).step_by(NR) {
                         for ir in (0..mc).step_by(MR) {
-                            let sliver = if ir < in_place {
-                                // SAFETY: rows ic + ir.. of a, step pc.
-                                Operand {
-                                    ptr: unsafe { a.ptr.add(ic + ir + pc * a.cols) },
-                                    rows: 1,
-                                    cols: a.cols,
-                                }
-                            } else {
+                            let sliver = match in_place_strides {
+                                // SAFETY: rows ic + ir.., step pc of a.
+                                Some((rs, cs)) if ir < in_place => Sliver {
+                                    ptr: unsafe { a.ptr.add((ic + ir) * a.rows + pc * a.cols) },
+                                    row: rs,
+                                    step: cs,
+                                },
                                 // SAFETY: sliver (ir - in_place) / MR of the packing.
-                                Operand { ptr: unsafe { pa.add((ir - in_place) * kc) }, rows: 1, cols: MR }
+                                _ => {
+                                    Sliver { ptr: unsafe { pa.add((ir - in_place) * kc) }, row: 1, step: MR }
+                                }
                             };
+                            let tile =
+                                Output { ptr: unsafe { c.ptr.add((ic + ir) * c.ldc + jc + jr) }, ldc: c.ldc };
+                            let (rows, cols) = (MR.min(mc - ir), NR.min(nc - jr));
+                            let b_sliver = unsafe { pb.add(jr * kc) };
                             // SAFETY: both slivers hold kc steps of MR rows and
                             // NR columns; the tile's rows and columns are
-                            // clipped to c's extent.
+                            // clipped to c's extent. Rows one apart (packed,
+                            // column-major) get constant offsets; only a
+                            // row-major a pays for a row stride.
                             unsafe {
-                                micro_kernel(
-                                    kc,
-                                    sliver,
-                                    pb.add(jr * kc),
-                                    Output { ptr: c.ptr.add((ic + ir) * c.ldc + jc + jr), ldc: c.ldc },
-                                    MR.min(mc - ir),
-                                    NR.min(nc - jr),
-                                    load_c,
-                                );
+                                if sliver.row == 1 {
+                                    micro_kernel::<true>(kc, sliver, b_sliver, tile, rows, cols, load_c);
+                                } else {
+                                    micro_kernel::<false>(kc, sliver, b_sliver, tile, rows, cols, load_c);
+                                }
                             }
                         }
                     }
@@ -157,6 +170,15 @@ pub(crate) unsafe fn sgemm(
             }
         }
     });
+}
+
+/// The `a` values of one micro-tile: row `r` of step `p` at
+/// `ptr + r * row + p * step` (packed: `row = 1`, `step = MR`).
+#[derive(Clone, Copy)]
+struct Sliver {
+    ptr: *const f32,
+    row: usize,
+    step: usize,
 }
 
 /// Packs rows `i0..i0 + mc`, steps `p0..p0 + kc` of `a` as slivers of `MR`
@@ -253,19 +275,18 @@ unsafe fn copy_row<const N: usize>(src: *const f32, dst: *mut f32) {
     unsafe { std::ptr::copy_nonoverlapping(src, dst, N) };
 }
 
-/// One `MR x NR` tile: `c (=|+=) a_sliver @ b_sliver` over `kc` steps, storing
-/// only the tile's first `rows` rows and `cols` columns. Step `p` of the `a`
-/// sliver is the `MR` contiguous floats at `a.ptr + p * a.cols` (packed, or a
-/// column-major operand in place).
+/// One `MR x NR` tile: `c (=|+=) a_sliver @ b_sliver` over `kc` steps,
+/// storing only the tile's first `rows` rows and `cols` columns.
 ///
 /// # Safety
-/// AVX-512F is available; the `a` sliver holds `kc` steps, the `b` sliver
-/// `kc * NR` floats; `c` addresses `rows` rows of `cols` elements.
+/// AVX-512F is available; the `a` sliver holds `kc` steps of `MR` rows, the
+/// `b` sliver `kc * NR` floats; `c` addresses `rows` rows of `cols`
+/// elements.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn micro_kernel(
+unsafe fn micro_kernel<const UNIT_ROWS: bool>(
     kc: usize,
-    a: Operand,
+    a: Sliver,
     b: *const f32,
     c: Output,
     rows: usize,
@@ -276,8 +297,10 @@ unsafe fn micro_kernel(
     for p in 0..kc {
         // SAFETY: step p of each sliver is in bounds (contract).
         let (b0, b1) = unsafe { (_mm512_loadu_ps(b.add(p * NR)), _mm512_loadu_ps(b.add(p * NR + 16))) };
+        let step = unsafe { a.ptr.add(p * a.step) };
         for (r, acc_r) in acc.iter_mut().enumerate() {
-            let x = _mm512_set1_ps(unsafe { *a.ptr.add(p * a.cols + r) });
+            let at = if UNIT_ROWS { r } else { r * a.row };
+            let x = _mm512_set1_ps(unsafe { *step.add(at) });
             acc_r[0] = _mm512_fmadd_ps(x, b0, acc_r[0]);
             acc_r[1] = _mm512_fmadd_ps(x, b1, acc_r[1]);
         }
@@ -313,9 +336,9 @@ fn column_mask(cols: usize) -> u16 {
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn micro_kernel(
+unsafe fn micro_kernel<const UNIT_ROWS: bool>(
     _kc: usize,
-    _a: Operand,
+    _a: Sliver,
     _b: *const f32,
     _c: Output,
     _rows: usize,
@@ -350,7 +373,19 @@ mod tests {
             println!("skipped: this host has no AVX-512F, the Cpu device uses the gemm crate");
             return;
         }
-        let shapes = [(1, 1, 1), (14, 32, 256), (15, 33, 257), (113, 70, 600), (3, 1100, 5), (200, 17, 1)];
+        // Row-major a is read in place when n <= NR: several row blocks, a
+        // ragged last sliver, a single column.
+        let shapes = [
+            (1, 1, 1),
+            (14, 32, 256),
+            (15, 33, 257),
+            (113, 70, 600),
+            (3, 1100, 5),
+            (200, 17, 1),
+            (61, 16, 300),
+            (57, 5, 513),
+            (500, 9, 40),
+        ];
         for (case, &(m, n, k)) in shapes.iter().enumerate() {
             for (trans_a, trans_b, accumulate) in
                 [(false, false, false), (true, false, true), (false, true, false), (true, true, true)]
