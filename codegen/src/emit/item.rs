@@ -308,6 +308,13 @@ const ROW_ACC_LIMIT: usize = 1024;
 /// Contraction steps [`matmul`]'s row form adds into the row accumulator at once.
 const ROW_K_GROUP: usize = 4;
 
+/// Shortest contraction [`matmul`] computes as lane-split dot products.
+const DOT_MIN_K: usize = 32;
+
+/// Output rows narrower than this (one 512-bit vector of f32) take
+/// [`matmul`]'s dot-product form when both operands are contiguous along K.
+const DOT_MAX_N: usize = 16;
+
 /// Largest `K·N` of op(b) that [`matmul`] stages transposed per batch entry.
 const STAGE_LIMIT: usize = 4096;
 
@@ -332,7 +339,13 @@ fn matmul(b: &mut Block, cx: &ItemOp, trans_a: bool, trans_b: bool) {
     let (am, ak) = if trans_a { (1, m) } else { (k, 1) };
     let (bk, bn) = if trans_b { (1, k) } else { (n, 1) };
     let (x, y) = (cx.ins[0].clone(), cx.ins[1].clone());
-    if (2..=ROW_ACC_LIMIT).contains(&n) && cx.per.is_multiple_of(n) {
+    // Both operands contiguous along K with a long K and a narrow output row
+    // (mHC's `4 x 4` stream Gram products over C, MATH.md §4.5): one lane-split
+    // dot product per output element vectorizes over K, while the row form
+    // would vectorize over fewer than one vector's worth of columns after
+    // staging op(b) transposed element by element.
+    let dot_form = ak == 1 && bk == 1 && k >= DOT_MIN_K && n < DOT_MAX_N;
+    if !dot_form && (2..=ROW_ACC_LIMIT).contains(&n) && cx.per.is_multiple_of(n) {
         // The item holds whole output rows: accumulate a row at a time, the
         // contraction outermost and the row's columns innermost, so the column
         // loop is independent across iterations and vectorizable.

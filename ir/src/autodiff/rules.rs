@@ -174,7 +174,7 @@ pub(super) fn vjp(b: &mut Builder, y: NodeId, dy: NodeId, needs: &[bool]) -> Res
             affine_adjoints(b, &xs, xhat, dy, needs, &mut out)?;
         }
         Op::NormProject { eps, centered } => {
-            let (dx, dw) = norm_project(b, xs[0], xs[1], dy, eps, centered, needs)?;
+            let (dx, dw) = norm_project(b, xs[0], xs[1], y, dy, eps, centered, needs)?;
             out[0] = dx;
             out[1] = dw;
         }
@@ -387,13 +387,28 @@ fn affine_adjoints(
     Ok(())
 }
 
-/// NormProject (x [.., K], w [K, M]): the first `centered` columns are
+/// NormProject (x [.., K], w [K, M], y = x̂ w): the first `centered` columns are
 /// LayerNorm(x) w[:, ..centered], the rest RMSNorm(x) w[:, centered..] (MATH.md §4.3,
 /// §6.2–6.3). Works on x flattened to [N, K].
+///
+/// The normalized x̂ is never formed: with s the per-row scale (LayerNorm's 1/σ,
+/// RMSNorm's 1/rms) and dŷ = s ⊙ dy, both parts share one product each way,
+/// - dw = xᵀ dŷ, less `1 ⊗ Σ_t s_t μ_t dy_t` on the centred columns (x̂ = s (x − μ)), and
+/// - dx = dŷ wᵀ − s mean_K(dx̂) − (x − μ) s² mean_K(x̂ ⊙ dx̂) − x ρ² mean_K(x̂' ⊙ dx̂'),
+///
+/// where the row means come from M-wide dot products instead of K-wide passes:
+/// mean_K(dx̂) = dy · Σ_K w / K and mean_K(x̂ ⊙ dx̂) = dy · y / K (x̂ w = y). At the
+/// xHC state width (K = N·C = 4096, M = 2N) that turns two `[N, K]` normalized
+/// copies, two dx̂ products and two norm VJPs over K into one `K = 32` product,
+/// one weight product over x and one elementwise pass (MATH.md §6.9's traffic).
+/// The centred term keeps `x − μ` (not `x s² − μ s²`) so a large mean does not
+/// cancel.
+#[allow(clippy::too_many_arguments)]
 fn norm_project(
     b: &mut Builder,
     x: NodeId,
     w: NodeId,
+    y: NodeId,
     dy: NodeId,
     eps: f64,
     centered: usize,
@@ -404,33 +419,80 @@ fn norm_project(
     let n = b.shape(x).numel() / k;
     let x2 = b.reshape(x, &[n, k])?;
     let dy2 = b.reshape(dy, &[n, m])?;
-    let mut dx: Option<NodeId> = None;
-    let mut dws = Vec::new();
-    for (lo, hi, is_centered) in [(0, centered, true), (centered, m, false)] {
-        if hi == lo {
-            continue;
-        }
-        let (xhat, scale) = if is_centered { ln_stats(b, x2, eps)? } else { rms_stats(b, x2, eps)? };
+    let y2 = b.reshape(y, &[n, m])?;
+    // Per part: columns, row scale s, LayerNorm's row mean μ.
+    let mut parts: Vec<(usize, usize, NodeId, Option<NodeId>)> = Vec::new();
+    if centered > 0 {
+        let mu = b.mean_last(x2)?;
+        let c = b.sub(x2, mu)?;
+        let c2 = b.unary(UnaryOp::Square, c)?;
+        let var = b.mean_last(c2)?;
+        let var = b.affine(var, 1.0, eps)?;
+        parts.push((0, centered, b.unary(UnaryOp::Rsqrt, var)?, Some(mu)));
+    }
+    if centered < m {
+        let x_sq = b.unary(UnaryOp::Square, x2)?;
+        let ms = b.mean_last(x_sq)?;
+        let ms = b.affine(ms, 1.0, eps)?;
+        parts.push((centered, m, b.unary(UnaryOp::Rsqrt, ms)?, None));
+    }
+    let mut scaled = Vec::with_capacity(parts.len());
+    for &(lo, hi, scale, _) in &parts {
         let dy_part = b.slice(dy2, 1, lo, hi)?;
-        if needs[1] {
-            dws.push(b.matmul_t(xhat, dy_part, true, false)?);
-        }
-        if needs[0] {
-            let w_part = b.slice(w, 1, lo, hi)?;
-            let dxhat = b.matmul_t(dy_part, w_part, false, true)?;
-            let part =
-                if is_centered { ln_back(b, xhat, scale, dxhat)? } else { rms_back(b, xhat, scale, dxhat)? };
-            dx = Some(match dx {
-                Some(prev) => b.add(prev, part)?,
-                None => part,
+        scaled.push(b.mul(dy_part, scale)?);
+    }
+    let dy_hat = if scaled.len() == 1 { scaled[0] } else { b.op(Op::Concat { axis: 1 }, &scaled)? };
+    let mut dw = None;
+    if needs[1] {
+        let full = b.matmul_t(x2, dy_hat, true, false)?;
+        let mut cols = Vec::with_capacity(parts.len());
+        for (i, &(lo, hi, _, mu)) in parts.iter().enumerate() {
+            let block = b.slice(full, 1, lo, hi)?;
+            cols.push(match mu {
+                Some(mu) => {
+                    let shifted = b.mul(scaled[i], mu)?;
+                    let correction = b.sum_to(shifted, &crate::shape::Shape::new(vec![1, hi - lo]))?;
+                    b.sub(block, correction)?
+                }
+                None => block,
             });
         }
+        dw = Some(if cols.len() == 1 { cols[0] } else { b.op(Op::Concat { axis: 1 }, &cols)? });
     }
-    let dx = dx.map(|d| b.reshape(d, &xdims)).transpose()?;
-    let dw = match dws.len() {
-        0 => None,
-        1 => Some(dws[0]),
-        _ => Some(b.op(Op::Concat { axis: 1 }, &dws)?),
-    };
+    let mut dx = None;
+    if needs[0] {
+        let mut acc = b.matmul_t(dy_hat, w, false, true)?;
+        for &(lo, hi, scale, mu) in &parts {
+            let width = (hi - lo) as f64 / k as f64;
+            let dy_part = b.slice(dy2, 1, lo, hi)?;
+            let y_part = b.slice(y2, 1, lo, hi)?;
+            // mean_K(x̂ ⊙ dx̂) = dy · y / K, times s².
+            let dot = b.mul(dy_part, y_part)?;
+            let dot = b.mean_last(dot)?;
+            let dot = b.affine(dot, width, 0.0)?;
+            let s2 = b.mul(scale, scale)?;
+            let coef = b.mul(dot, s2)?;
+            match mu {
+                Some(mu) => {
+                    // s · mean_K(dx̂) = s · dy · Σ_K w / K.
+                    let w_part = b.slice(w, 1, lo, hi)?;
+                    let w_sum = b.sum_to(w_part, &crate::shape::Shape::new(vec![1, hi - lo]))?;
+                    let mean = b.mul(dy_part, w_sum)?;
+                    let mean = b.mean_last(mean)?;
+                    let mean = b.affine(mean, width, 0.0)?;
+                    let mean = b.mul(mean, scale)?;
+                    let centred = b.sub(x2, mu)?;
+                    let term = b.mul(centred, coef)?;
+                    acc = b.sub(acc, term)?;
+                    acc = b.sub(acc, mean)?;
+                }
+                None => {
+                    let term = b.mul(x2, coef)?;
+                    acc = b.sub(acc, term)?;
+                }
+            }
+        }
+        dx = Some(b.reshape(acc, &xdims)?);
+    }
     Ok((dx, dw))
 }
