@@ -308,12 +308,13 @@ const ROW_ACC_LIMIT: usize = 1024;
 /// Contraction steps [`matmul`]'s row form adds into the row accumulator at once.
 const ROW_K_GROUP: usize = 4;
 
-/// Shortest contraction [`matmul`] computes as lane-split dot products.
-const DOT_MIN_K: usize = 32;
+/// Shortest contraction [`matmul`] computes as dot products: the length from
+/// which [`super::fold`] splits a fold into lanes.
+const DOT_MIN_K: usize = 4 * super::FOLD_LANES;
 
-/// Output rows narrower than this (one 512-bit vector of f32) take
-/// [`matmul`]'s dot-product form when both operands are contiguous along K.
-const DOT_MAX_N: usize = 16;
+/// f32 lanes of the widest vectors the C compiler is expected to use (AVX-512),
+/// for [`matmul`]'s choice between its row and dot-product forms.
+const VECTOR_LANES: usize = 16;
 
 /// Largest `K·N` of op(b) that [`matmul`] stages transposed per batch entry.
 const STAGE_LIMIT: usize = 4096;
@@ -339,12 +340,19 @@ fn matmul(b: &mut Block, cx: &ItemOp, trans_a: bool, trans_b: bool) {
     let (am, ak) = if trans_a { (1, m) } else { (k, 1) };
     let (bk, bn) = if trans_b { (1, k) } else { (n, 1) };
     let (x, y) = (cx.ins[0].clone(), cx.ins[1].clone());
-    // Both operands contiguous along K with a long K and a narrow output row
-    // (mHC's `4 x 4` stream Gram products over C, MATH.md §4.5): one lane-split
-    // dot product per output element vectorizes over K, while the row form
-    // would vectorize over fewer than one vector's worth of columns after
-    // staging op(b) transposed element by element.
-    let dot_form = ak == 1 && bk == 1 && k >= DOT_MIN_K && n < DOT_MAX_N;
+    // Both operands contiguous along K (op(b) = a transposed row-major b, as in
+    // mHC's `4 x 4` stream Gram products over C, MATH.md §4.5, or xHC's
+    // one-row projections, §6.4): one lane-split dot product per output
+    // element vectorizes over K. The row form vectorizes over N instead, but
+    // must first stage op(b) transposed element by element, which only pays
+    // when many rows reuse it and N fills vectors; compare the two by their
+    // vector operations per batch entry.
+    let staged = if trans_b { k * n } else { 0 };
+    let row_cost = staged + m * k * n.div_ceil(VECTOR_LANES);
+    // A lane-split fold: K / FOLD_LANES vector steps, then about FOLD_LANES
+    // operations to combine its lanes.
+    let dot_cost = m * n * (k.div_ceil(super::FOLD_LANES) + super::FOLD_LANES);
+    let dot_form = ak == 1 && bk == 1 && k >= DOT_MIN_K && dot_cost < row_cost;
     if !dot_form && (2..=ROW_ACC_LIMIT).contains(&n) && cx.per.is_multiple_of(n) {
         // The item holds whole output rows: accumulate a row at a time, the
         // contraction outermost and the row's columns innermost, so the column
