@@ -607,14 +607,7 @@ pub fn compile(graph: &Graph, partition: &[Vec<NodeId>], request: &Request) -> R
                     }
                     None => emit::lower_standalone(graph, *id, &name)?,
                 };
-                let temps: Vec<BufferId> = lowering
-                    .temps
-                    .iter()
-                    .map(|&(len, dtype)| b.buffer(len, dtype, BufferRole::Scratch { offset: 0 }, None))
-                    .collect();
-                for work in lowering.steps {
-                    b.push_work(work, &temps);
-                }
+                b.push_lowering(lowering);
             }
             Unit::Gemm(id) => {
                 let form = &gemms[id];
@@ -702,6 +695,24 @@ fn fill_kernel(name: &str, len: usize, dtype: DType, value: f64) -> Kernel {
     k.finish()
 }
 
+/// The temporary a launch computes from nothing (its only parameter, written),
+/// if no other step of the lowering writes that temporary.
+fn table_output(launch: &Launch, steps: &[emit::Work]) -> Option<usize> {
+    let ([param], [Arg::Temp(t)]) = (launch.kernel.params.as_slice(), launch.args.as_slice()) else {
+        return None;
+    };
+    if param.access != Access::Write {
+        return None;
+    }
+    let writes_t = |work: &emit::Work| match work {
+        emit::Work::Launch(l) => {
+            l.args.iter().zip(&l.kernel.params).any(|(a, p)| *a == Arg::Temp(*t) && p.access.writable())
+        }
+        emit::Work::Gemm(g) => g.c == Arg::Temp(*t),
+    };
+    (steps.iter().filter(|w| writes_t(w)).count() == 1).then_some(*t)
+}
+
 #[derive(Default)]
 struct PlanBuilder {
     buffers: Vec<BufferDecl>,
@@ -709,6 +720,9 @@ struct PlanBuilder {
     kernels: Vec<Kernel>,
     steps: Vec<Step>,
     arena_len: usize,
+    /// Tables computed so far (see [`PlanBuilder::push_lowering`]): the
+    /// launch's kernel, unnamed, and the buffer holding its output.
+    tables: Vec<(Kernel, BufferId)>,
 }
 
 impl PlanBuilder {
@@ -728,6 +742,47 @@ impl PlanBuilder {
             crate::kernel::split_loops(crate::kernel::fuse_loops(crate::kernel::simplify_indices(kernel)));
         self.steps.push(Step::Kernel { kernel: self.kernels.len(), args });
         self.kernels.push(kernel);
+    }
+
+    /// Pushes a lowering's steps with fresh scratch buffers for its
+    /// temporaries, except that a table (a launch that reads nothing and
+    /// writes only a temporary no other step of the lowering writes, such as
+    /// attention's RoPE angles, MATH.md §1.3) is computed once per Plan: a
+    /// later identical launch reuses the first one's buffer, whose life then
+    /// spans every user. Each layer's attention forward and backward would
+    /// otherwise recompute the same table in f64.
+    fn push_lowering(&mut self, lowering: emit::Lowering) {
+        let emit::Lowering { steps, temps: temp_decls } = lowering;
+        let tables: Vec<Option<(usize, Kernel)>> = steps
+            .iter()
+            .map(|work| {
+                let emit::Work::Launch(launch) = work else { return None };
+                let t = table_output(launch, &steps)?;
+                Some((t, Kernel { name: String::new(), ..launch.kernel.clone() }))
+            })
+            .collect();
+        let mut reused: Vec<Option<BufferId>> = vec![None; temp_decls.len()];
+        for (t, key) in tables.iter().flatten() {
+            if let Some((_, buf)) = self.tables.iter().find(|(k, _)| k == key) {
+                reused[*t] = Some(*buf);
+            }
+        }
+        let temps: Vec<BufferId> = temp_decls
+            .iter()
+            .zip(&reused)
+            .map(|(&(len, dtype), r)| {
+                r.unwrap_or_else(|| self.buffer(len, dtype, BufferRole::Scratch { offset: 0 }, None))
+            })
+            .collect();
+        for (work, table) in steps.into_iter().zip(tables) {
+            if let Some((t, key)) = table {
+                if reused[t].is_some() {
+                    continue;
+                }
+                self.tables.push((key, temps[t]));
+            }
+            self.push_work(work, &temps);
+        }
     }
 
     fn push_work(&mut self, work: emit::Work, temps: &[BufferId]) {

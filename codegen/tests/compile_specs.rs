@@ -71,6 +71,24 @@ fn per_target_scratch_limits_split_wide_rows_and_match_the_reference() {
     assert!(kernels[0] < kernels[1], "the Cuda target splits more: {kernels:?} kernels (Cpu, Cuda)");
 }
 
+/// Every attention of a two-layer model, forward and backward, reads one
+/// RoPE table: the Plan computes it once and keeps it for all of them, and the
+/// model still matches the reference.
+#[test]
+fn rope_table_is_computed_once_per_plan() {
+    let (graph, request, vocab) = spec_training_graph("residual", 2, 8, |spec| {
+        spec.d_model = 16;
+        spec.layers = 2;
+    });
+    let src = token_sources(&graph, vocab);
+    let partition = fused_partition(&graph, &request).expect("fuses");
+    let plan = check(&graph, &src, &request, &partition, 2e-4, "residual two layers");
+    let tables = plan.kernels.iter().filter(|k| k.name.ends_with("_rope")).count();
+    let attentions = plan.kernels.iter().filter(|k| k.name.ends_with("_prep")).count();
+    assert_eq!(tables, 1, "{:?}", plan.kernels.iter().map(|k| &k.name).collect::<Vec<_>>());
+    assert_eq!(attentions, 4, "two layers' attention forward and backward");
+}
+
 /// Random token windows: a fresh generator per draw position keeps the values
 /// deterministic without shared mutable state.
 fn token_sources(graph: &Graph, vocab: usize) -> Sources {
