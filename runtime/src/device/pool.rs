@@ -4,11 +4,15 @@
 //!
 //! A Plan launches hundreds of kernels per training step; spawning threads
 //! per launch would cost tens of microseconds each, so the workers live as
-//! long as the device and are woken per launch through a condition variable.
-//! The calling thread always runs the first range itself.
+//! long as the device. Launches follow each other within microseconds, and a
+//! sleeping thread takes longer than that to wake, so both sides first spin
+//! for a short while (a worker for the next launch, the caller for the last
+//! part to finish) and only then sleep on a condition variable. The calling
+//! thread always runs the first range itself.
 
 use codegen::cc::EntryFn;
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
@@ -71,6 +75,9 @@ struct Shared {
     state: Mutex<State>,
     wake: Condvar,
     done: Condvar,
+    /// `State::epoch` and `State::pending`, mirrored for spinning without the lock.
+    epoch: AtomicU64,
+    pending: AtomicUsize,
 }
 
 impl Shared {
@@ -78,6 +85,27 @@ impl Shared {
     /// state stays consistent: every update is a single assignment).
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// How long a thread spins before sleeping: longer than the gap between two
+/// launches of a step (a few microseconds, more after a run of single-part
+/// launches), much shorter than a scheduler tick.
+const SPIN_TIME: std::time::Duration = std::time::Duration::from_micros(100);
+
+/// Spins until `ready()` or [`SPIN_TIME`] has passed; whether it became ready.
+fn spin_until(ready: impl Fn() -> bool) -> bool {
+    let start = std::time::Instant::now();
+    loop {
+        for _ in 0..64 {
+            if ready() {
+                return true;
+            }
+            std::hint::spin_loop();
+        }
+        if start.elapsed() >= SPIN_TIME {
+            return ready();
+        }
     }
 }
 
@@ -101,6 +129,8 @@ impl Pool {
             state: Mutex::new(State { epoch: 0, job: None, pending: 0, shutdown: false }),
             wake: Condvar::new(),
             done: Condvar::new(),
+            epoch: AtomicU64::new(0),
+            pending: AtomicUsize::new(0),
         });
         let workers = (1..threads.max(1))
             .map(|index| {
@@ -159,10 +189,13 @@ impl Pool {
             st.epoch += 1;
             st.job = Some(job);
             st.pending = parts - 1;
+            self.shared.pending.store(parts - 1, Ordering::Release);
+            self.shared.epoch.store(st.epoch, Ordering::Release);
         }
         self.shared.wake.notify_all();
         // SAFETY: the closure is alive for the whole call.
         unsafe { job.run_part(0) };
+        spin_until(|| self.shared.pending.load(Ordering::Acquire) == 0);
         let mut st = self.shared.lock();
         while st.pending > 0 {
             st = self.shared.done.wait(st).unwrap_or_else(|e| e.into_inner());
@@ -175,6 +208,7 @@ fn worker(shared: &Shared, index: usize) {
     let mut seen = 0;
     loop {
         let job = {
+            spin_until(|| shared.epoch.load(Ordering::Acquire) != seen);
             let mut st = shared.lock();
             while st.epoch == seen && !st.shutdown {
                 st = shared.wake.wait(st).unwrap_or_else(|e| e.into_inner());
@@ -193,6 +227,7 @@ fn worker(shared: &Shared, index: usize) {
         unsafe { job.run_part(index) };
         let mut st = shared.lock();
         st.pending -= 1;
+        shared.pending.store(st.pending, Ordering::Release);
         if st.pending == 0 {
             shared.done.notify_one();
         }
