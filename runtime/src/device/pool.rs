@@ -69,6 +69,10 @@ struct State {
     /// Parts not yet finished by workers (the caller's part is not counted).
     pending: usize,
     shutdown: bool,
+    /// Workers asleep on `Shared::wake`, and whether the caller is asleep on
+    /// `Shared::done`: a notification (a system call) only when someone sleeps.
+    asleep: usize,
+    caller_asleep: bool,
 }
 
 struct Shared {
@@ -126,7 +130,14 @@ impl Pool {
     /// plus `threads - 1` workers); `threads` is at least 1.
     pub(crate) fn new(threads: usize) -> Pool {
         let shared = Arc::new(Shared {
-            state: Mutex::new(State { epoch: 0, job: None, pending: 0, shutdown: false }),
+            state: Mutex::new(State {
+                epoch: 0,
+                job: None,
+                pending: 0,
+                shutdown: false,
+                asleep: 0,
+                caller_asleep: false,
+            }),
             wake: Condvar::new(),
             done: Condvar::new(),
             epoch: AtomicU64::new(0),
@@ -184,21 +195,26 @@ impl Pool {
         // finished its part, so the closure outlives every use of the pointer.
         let work: *const Work<'static> = unsafe { std::mem::transmute::<&Work<'_>, &Work<'static>>(work) };
         let job = Job { work, parts };
-        {
+        let wake = {
             let mut st = self.shared.lock();
             st.epoch += 1;
             st.job = Some(job);
             st.pending = parts - 1;
             self.shared.pending.store(parts - 1, Ordering::Release);
             self.shared.epoch.store(st.epoch, Ordering::Release);
+            st.asleep > 0
+        };
+        if wake {
+            self.shared.wake.notify_all();
         }
-        self.shared.wake.notify_all();
         // SAFETY: the closure is alive for the whole call.
         unsafe { job.run_part(0) };
         spin_until(|| self.shared.pending.load(Ordering::Acquire) == 0);
         let mut st = self.shared.lock();
         while st.pending > 0 {
+            st.caller_asleep = true;
             st = self.shared.done.wait(st).unwrap_or_else(|e| e.into_inner());
+            st.caller_asleep = false;
         }
         st.job = None;
     }
@@ -211,7 +227,9 @@ fn worker(shared: &Shared, index: usize) {
             spin_until(|| shared.epoch.load(Ordering::Acquire) != seen);
             let mut st = shared.lock();
             while st.epoch == seen && !st.shutdown {
+                st.asleep += 1;
                 st = shared.wake.wait(st).unwrap_or_else(|e| e.into_inner());
+                st.asleep -= 1;
             }
             if st.shutdown {
                 return;
@@ -228,7 +246,7 @@ fn worker(shared: &Shared, index: usize) {
         let mut st = shared.lock();
         st.pending -= 1;
         shared.pending.store(st.pending, Ordering::Release);
-        if st.pending == 0 {
+        if st.pending == 0 && st.caller_asleep {
             shared.done.notify_one();
         }
     }
