@@ -16,7 +16,7 @@
 
 use std::collections::HashSet;
 
-use super::{collect_refs, expr_refs, BinOp, Buf, Expr, Kernel, Stmt};
+use super::{collect_refs, expr_refs, rewrite_stmts, BinOp, Buf, Expr, Kernel, Stmt};
 
 /// Applies both rewrites to a thread-per-item kernel (block-per-item kernels
 /// split their bodies at barriers and keep their shape).
@@ -75,7 +75,7 @@ fn merge_loops(stmts: Vec<Stmt>) -> Vec<Stmt> {
                     unreachable!("an elementwise loop")
                 };
                 let v1 = v1.clone();
-                b1.extend(b2.into_iter().map(|st| rename_stmt(st, &v2, &v1)));
+                b1.extend(rewrite_stmts(&b2, &|x| renamed(x, &v2, &v1)));
             }
             (Some(_), _) => {
                 out.push(s);
@@ -301,10 +301,15 @@ fn inline(e: &Expr, lets: &[(String, Expr)]) -> Expr {
 }
 
 fn rename(e: &Expr, from: &str, to: &str) -> Expr {
-    e.rewrite(&|x| match x {
+    e.rewrite(&|x| renamed(x, from, to))
+}
+
+/// `x` as the variable `to` if it is the variable `from`.
+fn renamed(x: &Expr, from: &str, to: &str) -> Option<Expr> {
+    match x {
         Expr::Var { name, ty } if name == from => Some(Expr::Var { name: to.to_string(), ty: *ty }),
         _ => None,
-    })
+    }
 }
 
 fn replace_loads(e: &Expr, array: &str, scalar: &str) -> Expr {
@@ -314,14 +319,4 @@ fn replace_loads(e: &Expr, array: &str, scalar: &str) -> Expr {
         }
         _ => None,
     })
-}
-
-fn rename_stmt(s: Stmt, from: &str, to: &str) -> Stmt {
-    match s {
-        Stmt::Let { var, ty, expr } => Stmt::Let { var, ty, expr: rename(&expr, from, to) },
-        Stmt::Store { target, index, value } => {
-            Stmt::Store { target, index: rename(&index, from, to), value: rename(&value, from, to) }
-        }
-        other => other,
-    }
 }

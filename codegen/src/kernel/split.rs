@@ -23,7 +23,7 @@
 
 use std::collections::{HashSet, VecDeque};
 
-use super::{collect_refs, simplify_indices, BinOp, CmpOp, Expr, Kernel, Stmt, Ty};
+use super::{collect_refs, each_expr, rewrite_stmts, simplify_indices, BinOp, CmpOp, Expr, Kernel, Stmt, Ty};
 
 /// Candidate divisors tried per loop, largest first.
 const MAX_DIVISORS: usize = 6;
@@ -276,68 +276,6 @@ fn cut(s: &Stmt, cuts: &[i64]) -> Vec<Stmt> {
             step: *step,
             unroll: *unroll,
             body: body.clone(),
-        })
-        .collect()
-}
-
-/// Every expression of `stmts` (loop bounds, conditions, indices, values).
-fn each_expr(stmts: &[Stmt], f: &mut impl FnMut(&Expr)) {
-    for s in stmts {
-        match s {
-            Stmt::Let { expr, .. } | Stmt::Var { init: expr, .. } | Stmt::Assign { value: expr, .. } => {
-                f(expr)
-            }
-            Stmt::BlockReduce { value, .. } => f(value),
-            Stmt::Store { index, value, .. } | Stmt::AccumStore { index, value, .. } => {
-                f(index);
-                f(value);
-            }
-            Stmt::For { start, end, body, .. } => {
-                f(start);
-                f(end);
-                each_expr(body, f);
-            }
-            Stmt::If { cond, then, else_ } => {
-                f(cond);
-                each_expr(then, f);
-                each_expr(else_, f);
-            }
-            Stmt::LocalArray { .. } | Stmt::Comment(_) | Stmt::Barrier => {}
-        }
-    }
-}
-
-/// `stmts` with [`Expr::rewrite`] applied to every expression.
-fn rewrite_stmts(stmts: &[Stmt], f: &impl Fn(&Expr) -> Option<Expr>) -> Vec<Stmt> {
-    stmts
-        .iter()
-        .map(|s| match s {
-            Stmt::Let { var, ty, expr } => Stmt::Let { var: var.clone(), ty: *ty, expr: expr.rewrite(f) },
-            Stmt::Var { var, ty, init } => Stmt::Var { var: var.clone(), ty: *ty, init: init.rewrite(f) },
-            Stmt::Assign { var, value } => Stmt::Assign { var: var.clone(), value: value.rewrite(f) },
-            Stmt::Store { target, index, value } => {
-                Stmt::Store { target: target.clone(), index: index.rewrite(f), value: value.rewrite(f) }
-            }
-            Stmt::AccumStore { target, index, value } => {
-                Stmt::AccumStore { target: target.clone(), index: index.rewrite(f), value: value.rewrite(f) }
-            }
-            Stmt::For { var, start, end, step, unroll, body } => Stmt::For {
-                var: var.clone(),
-                start: start.rewrite(f),
-                end: end.rewrite(f),
-                step: *step,
-                unroll: *unroll,
-                body: rewrite_stmts(body, f),
-            },
-            Stmt::If { cond, then, else_ } => Stmt::If {
-                cond: cond.rewrite(f),
-                then: rewrite_stmts(then, f),
-                else_: rewrite_stmts(else_, f),
-            },
-            Stmt::BlockReduce { var, op, value } => {
-                Stmt::BlockReduce { var: var.clone(), op: *op, value: value.rewrite(f) }
-            }
-            s @ (Stmt::LocalArray { .. } | Stmt::Comment(_) | Stmt::Barrier) => s.clone(),
         })
         .collect()
 }
