@@ -2,7 +2,7 @@
 //! (DESIGN.md §2, §5, §7).
 //!
 //! A partition is a list of node groups in execution order (from
-//! [`ir::passes::fuse`] via [`fused_partition`], or [`one_op_per_group`]).
+//! [`ir::passes::fuse()`] via [`fused_partition`], or [`one_op_per_group`]).
 //! [`compile`] accepts any partition that respects dependencies: each group is
 //! cut into *units* (a fused kernel of the ops that can share one item split,
 //! see [`crate::emit::itemize`], a standalone op such as attention, or a
@@ -85,7 +85,7 @@ pub fn one_op_per_group(graph: &Graph) -> Partition {
     graph.topo_order().into_iter().filter(|&id| !graph.node(id).op.is_source()).map(|id| vec![id]).collect()
 }
 
-/// The partition of [`ir::passes::fuse`] (sources dropped), in its execution order.
+/// The partition of [`ir::passes::fuse()`] (sources dropped), in its execution order.
 pub fn fused_partition(graph: &Graph, request: &Request) -> Result<Partition, CompileError> {
     let fused = ir::passes::fuse(graph, &request.roots())?;
     Ok(fused

@@ -10,7 +10,7 @@
 //!
 //! The attributes say what a RON spec says: keys are the RON field names, and
 //! variants are written snake_case (`residual = xhc(flash = two_block)`); see
-//! [`syntax`] for the grammar. Conveniences beyond RON: `ghc(r = ..)` for
+//! the `syntax` module for the grammar. Conveniences beyond RON: `ghc(r = ..)` for
 //! n = r * m (MATH.md §5.1), a bare boolean key means `true`, `none` clears an
 //! optional field (`clip = none`), and `name` defaults to the type's name in
 //! kebab case. Keys go on the type only; `#[widen]` on fields is rejected.

@@ -13,12 +13,12 @@
 //! miscompiled.
 //!
 //! Views (`Reshape`, `Permute`, `Broadcast`, `Slice`, `Concat`) are index math
-//! ([`Val`]): a consumer folds the whole view chain into its loads and a view
+//! (`Val`): a consumer folds the whole view chain into its loads and a view
 //! is only copied when its value must exist in memory. `Constant`s are literals.
 //!
 //! Ops that need their own grid (attention and its gradient, the loss, the
 //! norm projection of the connection coefficients,
-//! temporal augmentation and its gradient) are lowered by [`standalone`].
+//! temporal augmentation and its gradient) are lowered by the `standalone` module.
 
 mod attention;
 mod item;
@@ -461,7 +461,7 @@ impl Sink {
     }
 }
 
-/// Ops lowered by [`standalone`]: each needs a grid of its own.
+/// Ops lowered by the `standalone` module: each needs a grid of its own.
 pub fn is_standalone(op: &Op) -> bool {
     matches!(
         op,
@@ -792,10 +792,10 @@ const ROW_BLOCK: usize = 8;
 
 /// A sum or mean over a non-innermost axis (a token reduction such as a bias
 /// or gain gradient, MATH.md §1.4) as its own kernel: each item owns a block
-/// of up to [`COLUMN_BLOCK`] adjacent output columns and walks the reduced
+/// of up to `COLUMN_BLOCK` adjacent output columns and walks the reduced
 /// axis once, adding each input row's block into per-column accumulators.
 /// Every load is then contiguous and the accumulators vectorize across
-/// columns (over the innermost axis an item owns up to [`ROW_BLOCK`] rows
+/// columns (over the innermost axis an item owns up to `ROW_BLOCK` rows
 /// and interleaves their independent sums), while each output is still summed over the axis in order from
 /// zero (as `ir::exec::reduce`), so the result is bitwise the generic
 /// one-output-per-step lowering's. `None` when the node is not such a

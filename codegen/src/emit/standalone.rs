@@ -522,8 +522,8 @@ fn temporal(
 /// kernel runs each token's reverse sweep once (one item per token) into
 /// d g `[tokens, r, C]` and d out's direct part `[tokens, C]`; without it d g
 /// is dY itself. Then d out (one item per token) adds the transposed
-/// convolutions. The kernel gradients d w_j[i] = Σ_t d g_j[t] ⊙ out[t − i] are
-/// token reductions in two phases: one item per ([`DW_BLOCK`] tokens, tap
+/// convolutions. The kernel gradients `d w_j[i] = Σ_t d g_j[t] ⊙ out[t − i]` are
+/// token reductions in two phases: one item per (`DW_BLOCK` tokens, tap
 /// row of every requested kernel) sums its tokens over contiguous channels,
 /// then one item per (tap, channel) of each kernel adds the blocks in order.
 pub fn temporal_grads(graph: &Graph, outs: &[Option<NodeId>], name: &str) -> Result<Lowering, EmitError> {

@@ -139,7 +139,7 @@ pub enum Op {
     MatMul { trans_a: bool, trans_b: bool },
     /// View with a new shape of the same element count: (x).
     Reshape { shape: Vec<usize> },
-    /// Axis permutation, out.dims[i] = x.dims[perm[i]]: (x).
+    /// Axis permutation, `out.dims[i] = x.dims[perm[i]]`: (x).
     Permute { perm: Vec<usize> },
     /// NumPy broadcast to `shape`: (x).
     Broadcast { shape: Vec<usize> },
@@ -162,7 +162,7 @@ pub enum Op {
     TopK { k: usize, fixed: usize },
     /// Softmax over the last axis: (x).
     Softmax,
-    /// RMSNorm over the last axis: (x, gain [d]) or (x) without gain (MATH.md §1.3).
+    /// RMSNorm over the last axis: (x, gain `[d]`) or (x) without gain (MATH.md §1.3).
     RmsNorm { eps: f64 },
     /// LayerNorm over the last axis: (x, gain, bias) or (x) without affine.
     LayerNorm { eps: f64 },

@@ -2,10 +2,10 @@
 //!
 //! Every scheme lowers through the unified Read / Carry / Write form of
 //! MATH.md §0.3: the persistent state is a `[B, T, s, d_s]` tensor (one row per
-//! stream, stream axis next to the feature axis, MATH.md §0.2) and a [`Scheme`]
+//! stream, stream axis next to the feature axis, MATH.md §0.2) and a `Scheme`
 //! decides how it is created from the embedding, how each sublayer reads it and
 //! writes back, and how it is collapsed before the final norm. The backbone
-//! sublayers ([`backbone`]) are shared by every scheme unchanged.
+//! sublayers (the `backbone` module) are shared by every scheme unchanged.
 //!
 //! Graph interface (used by the runtime): one `Input` node `tokens`, i32
 //! `[B, T + 1]` (a window: inputs are `tokens[:, :T]`, targets `tokens[:, 1:]`;
@@ -15,7 +15,7 @@
 //!
 //! Mixed precision (`precision: Bf16`, MATH.md §6.12): the state the embedding and every
 //! sublayer produce passes through [`Cx::state`] here, in the shared skeleton (and in a
-//! scheme that overrides [`Scheme::block`] between its sublayers), and every backbone
+//! scheme that overrides `Scheme::block` between its sublayers), and every backbone
 //! projection goes through [`Cx::project`]; both add a bf16 `Cast` only in bf16 mode, so
 //! an f32 spec lowers to exactly the graph it always did.
 

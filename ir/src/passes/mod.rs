@@ -1,6 +1,6 @@
 //! Graph passes between autodiff and code generation (DESIGN.md §2, §5, §7):
-//! [`simplify`] (CSE and DCE), [`fuse`] (partition into fusion groups, one kernel
-//! each) and [`memplan`] (a liveness-based buffer arena over the groups' execution
+//! [`simplify()`] (CSE and DCE), [`fuse()`] (partition into fusion groups, one kernel
+//! each) and [`memplan()`] (a liveness-based buffer arena over the groups' execution
 //! order). Every pass is deterministic: ties are broken by topological position or
 //! node id, never by hash order.
 //!

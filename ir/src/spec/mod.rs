@@ -42,13 +42,13 @@ pub struct ModelSpec {
     pub head_dim: Option<usize>,
     /// Feed-forward sublayer.
     pub ffn: FfnSpec,
-    /// RMSNorm epsilon [> 0]; default 1e-5.
+    /// RMSNorm epsilon (> 0); default 1e-5.
     pub norm_eps: f64,
-    /// RoPE base [> 0]; default 10000 (MATH.md §1.2).
+    /// RoPE base (> 0); default 10000 (MATH.md §1.2).
     pub rope_base: f64,
     /// Tie the unembedding to the embedding (U = E^T); default false (MATH.md §10 (D)).
     pub tie_embeddings: bool,
-    /// Standard-parametrization init std [> 0]; default 0.02 (MATH.md §1.2).
+    /// Standard-parametrization init std (> 0); default 0.02 (MATH.md §1.2).
     pub init_std: f64,
     /// Depth-scale the output projections W_o, W_2 by 1/sqrt(2L) (MATH.md §1.2); default true.
     pub out_proj_depth_scaled: bool,
@@ -246,7 +246,7 @@ pub struct HcSpec {
     pub act: GateAct,
     /// Per-stream norm before the dynamic projections; default LayerNorm (the paper).
     pub gen_norm: GenNorm,
-    /// s_alpha = s_beta init [finite]; default 0.01.
+    /// s_alpha = s_beta init (finite); default 0.01.
     pub scale_init: f64,
     /// Output-projection init multiplier; default 1/sqrt(n) (MATH.md §2.4 DECISION).
     pub out_proj_std_mult: OutProjStdMult,
@@ -320,7 +320,7 @@ pub struct MhcSpec {
     pub sinkhorn_eps: f64,
     /// Added to H_pre to keep reads strictly positive [>= 0]; default 0 (paper).
     pub pre_eps: f64,
-    /// Upper bound of the write gate, H_post = post_max * sigmoid [> 0]; default 2.
+    /// Upper bound of the write gate, H_post = post_max * sigmoid (> 0); default 2.
     pub post_max: f64,
     /// alpha_pre = alpha_post = alpha_res init; default 0.01 (paper Table 5).
     pub alpha_init: f64,
@@ -386,7 +386,7 @@ pub struct GhcSpec {
     pub n: usize,
     /// Dynamic (DGHC) coefficients; default true.
     pub dynamic: bool,
-    /// Temperature tau [> 0]; default sqrt(d_b) (MATH.md §5.5).
+    /// Temperature tau (> 0); default sqrt(d_b) (MATH.md §5.5).
     pub tau: Option<f64>,
     /// S_alpha, S_beta init; default 1.
     pub s_init: f64,
@@ -552,9 +552,9 @@ pub enum Parametrization {
 pub struct MupSpec {
     /// Base width D_base the hyper-parameters were tuned at [>= 1, <= d_model]. Default 64.
     pub base_width: usize,
-    /// Readout output multiplier [> 0]; default 1.
+    /// Readout output multiplier (> 0); default 1.
     pub output_mult: f64,
-    /// Attention logit multiplier alpha_attn (logits scaled by alpha_attn / d_h) [> 0]; default 8.
+    /// Attention logit multiplier alpha_attn (logits scaled by alpha_attn / d_h) (> 0); default 8.
     pub attn_mult: f64,
     /// Zero-initialize the readout; default false.
     pub readout_zero_init: bool,
@@ -592,7 +592,7 @@ pub struct TrainSpec {
     pub optimizer: OptimizerSpec,
     /// Learning-rate schedule.
     pub schedule: ScheduleSpec,
-    /// Global gradient-norm clip [> 0], or none. Default 1.0 (MATH.md §10).
+    /// Global gradient-norm clip (> 0), or none. Default 1.0 (MATH.md §10).
     pub clip: Option<f64>,
     /// RNG seed for init and data order.
     pub seed: u64,
@@ -654,11 +654,11 @@ pub enum OptimizerSpec {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct AdamWSpec {
-    /// Peak learning rate [> 0].
+    /// Peak learning rate (> 0).
     pub lr: f64,
     /// (beta1, beta2), each in [0, 1).
     pub betas: (f64, f64),
-    /// Denominator epsilon [> 0]; default 1e-8.
+    /// Denominator epsilon (> 0); default 1e-8.
     pub eps: f64,
     /// Decoupled weight decay [>= 0]; default 0.1.
     pub weight_decay: f64,
@@ -683,7 +683,7 @@ pub enum MuonScale {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct MuonSpec {
-    /// Muon learning rate [> 0]; default 0.02.
+    /// Muon learning rate (> 0); default 0.02.
     pub lr: f64,
     /// Momentum beta [0, 1); default 0.95.
     pub momentum: f64,
