@@ -240,13 +240,15 @@ fn gemm_strides_transposes_and_broadcast() {
 }
 
 /// GEMMs large enough to be split over the threads, by batch entries, by
-/// row bands and by column bands (uneven parts with 3 threads), against a
-/// naive product, and bitwise equal to the single-threaded result.
+/// row bands, by column bands (uneven parts with 3 threads) and by chunks of
+/// a long contraction (a small output), against a naive product, and bitwise
+/// equal to the single-threaded result.
 #[test]
 fn gemm_split_over_threads() {
     let cache = TempCache::new("gemm-split");
-    // (batch, m, n, k): split by batch, by rows (m >= n), by columns (n > m).
-    for (batch, m, n, k) in [(4, 24, 24, 32), (1, 97, 40, 32), (1, 24, 101, 32)] {
+    // (batch, m, n, k): split by batch, by rows (m >= n), by columns (n > m),
+    // by the contraction (16 x 8 outputs over 9001 steps).
+    for (batch, m, n, k) in [(4, 24, 24, 32), (1, 97, 40, 32), (1, 24, 101, 32), (1, 16, 8, 9001)] {
         for (trans_a, trans_b) in [(false, false), (true, true)] {
             let buffers = vec![
                 decl(0, batch * m * k, DType::F32, input("a")),

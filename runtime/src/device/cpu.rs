@@ -560,7 +560,9 @@ unsafe fn widened_operand(
 /// `c[b] (=|+=) op(a[b]) @ op(b[b])` for every batch entry (row-major operands),
 /// split over the pool's threads: whole batch entries when there are enough of
 /// them, else bands of rows (or of columns, when they are more numerous) of
-/// every entry. Each part runs a single-threaded product on its own band
+/// every entry, or, for a small output over a long contraction (a weight
+/// gradient summed over every token and slot), fixed chunks of the
+/// contraction. Each part runs a single-threaded product on its own band
 /// ([`sgemm`] where the host has AVX-512, else the `gemm` crate), which
 /// scales where a library's own threading does not on small matrices.
 ///
@@ -568,14 +570,19 @@ unsafe fn widened_operand(
 /// `a`, `b` and `c` point to f32 data long enough for every batch entry
 /// (`check_gemm` verified the buffers), and `c` overlaps neither input.
 unsafe fn run_gemm(g: &Gemm, a: *const f32, b: *const f32, c: *mut f32, pool: &Pool) {
+    // Row and column strides of op(a) [m, k] and op(b) [k, n].
+    let (a_rs, a_cs) = if g.trans_a { (1, g.m) } else { (g.k, 1) };
+    let (b_rs, b_cs) = if g.trans_b { (1, g.k) } else { (g.n, 1) };
+    if g.batch == 1 && g.m * g.n <= SPLIT_K_MAX_OUTPUT && g.k >= SPLIT_K_MIN {
+        // SAFETY: forwarded contract.
+        unsafe { run_gemm_split_k(g, a, b, c, (a_rs, a_cs), (b_rs, b_cs), pool) };
+        return;
+    }
     // Addresses as integers so the parts can share them across threads.
     let (a, b, c) = (a as usize, b as usize, c as usize);
     let work = g.batch.saturating_mul(g.m).saturating_mul(g.n).saturating_mul(g.k);
     let threads = if work >= MIN_GEMM_PARALLEL { pool.threads() } else { 1 };
     let f32s = std::mem::size_of::<f32>();
-    // Row and column strides of op(a) [m, k] and op(b) [k, n].
-    let (a_rs, a_cs) = if g.trans_a { (1, g.m) } else { (g.k, 1) };
-    let (b_rs, b_cs) = if g.trans_b { (1, g.k) } else { (g.n, 1) };
     let by_batch = g.batch >= threads;
     let by_rows = g.m >= g.n;
     let count = if by_batch {
@@ -609,49 +616,127 @@ unsafe fn run_gemm(g: &Gemm, a: *const f32, b: *const f32, c: *mut f32, pool: &P
             // function's contract); bands of different parts write disjoint rows
             // or columns of c.
             unsafe {
-                if g.k == 0 {
-                    if !g.accumulate {
-                        for r in 0..m {
-                            std::ptr::write_bytes(pc.add(r * g.n), 0, n);
-                        }
-                    }
-                    continue;
-                }
-                if sgemm::available() {
-                    sgemm::sgemm(
-                        m,
-                        n,
-                        g.k,
-                        sgemm::Operand { ptr: pa, rows: a_rs, cols: a_cs },
-                        sgemm::Operand { ptr: pb, rows: b_rs, cols: b_cs },
-                        sgemm::Output { ptr: pc, ldc: g.n },
-                        g.accumulate,
-                    );
-                    continue;
-                }
-                gemm::gemm(
-                    m,
-                    n,
-                    g.k,
-                    pc,
-                    1,
-                    g.n as isize,
-                    g.accumulate,
-                    pa,
-                    a_cs as isize,
-                    a_rs as isize,
-                    pb,
-                    b_cs as isize,
-                    b_rs as isize,
-                    if g.accumulate { 1.0f32 } else { 0.0 },
-                    1.0f32,
-                    false,
-                    false,
-                    false,
-                    gemm::Parallelism::None,
-                );
+                product(m, n, g.k, (pa, a_rs, a_cs), (pb, b_rs, b_cs), (pc, g.n), g.accumulate);
             }
         }
     };
     pool.run_parts(parts, &part);
+}
+
+/// Outputs of at most this many elements over a contraction of at least
+/// [`SPLIT_K_MIN`] split the contraction instead of the rows: a row band of
+/// a `64 x 24` weight gradient would read every row of the 32768-row operand
+/// in part, where a contraction chunk streams a contiguous half of it.
+const SPLIT_K_MAX_OUTPUT: usize = 64 * 64;
+/// Shortest contraction split into chunks (see [`SPLIT_K_MAX_OUTPUT`]).
+const SPLIT_K_MIN: usize = 8192;
+/// Contraction chunks: a fixed count, not the thread count, so the result
+/// (the chunks' partial products added in order) does not depend on threads.
+const SPLIT_K_CHUNKS: usize = 2;
+
+/// [`run_gemm`] for one product with a small output and a long contraction:
+/// [`SPLIT_K_CHUNKS`] partial products over contiguous chunks of the
+/// contraction, spread over the threads, then `c (=|+=) p_0 + p_1 + …` in order.
+///
+/// # Safety
+/// As for [`run_gemm`], with `g.batch == 1`.
+unsafe fn run_gemm_split_k(
+    g: &Gemm,
+    a: *const f32,
+    b: *const f32,
+    c: *mut f32,
+    (a_rs, a_cs): (usize, usize),
+    (b_rs, b_cs): (usize, usize),
+    pool: &Pool,
+) {
+    let (m, n) = (g.m, g.n);
+    let mut partials = vec![0.0f32; SPLIT_K_CHUNKS * m * n];
+    let [oa, ob, oc] = g.offsets;
+    let f32s = std::mem::size_of::<f32>();
+    // Addresses as integers so the parts can share them across threads.
+    let (a, b, out) = (a as usize + oa * f32s, b as usize + ob * f32s, partials.as_mut_ptr() as usize);
+    let parts = pool.threads().min(SPLIT_K_CHUNKS);
+    let part = |t: usize| {
+        for chunk in (t..SPLIT_K_CHUNKS).step_by(parts) {
+            let (lo, hi) = super::pool::part_range(g.k as i64, SPLIT_K_CHUNKS, chunk);
+            let (lo, hi) = (lo as usize, hi as usize);
+            let pa = (a + lo * a_cs * f32s) as *const f32;
+            let pb = (b + lo * b_rs * f32s) as *const f32;
+            let pc = (out + chunk * m * n * f32s) as *mut f32;
+            // SAFETY: contraction steps lo..hi of both operands (the caller's
+            // contract); chunk `chunk` of the partials is this part's alone.
+            unsafe { product(m, n, hi - lo, (pa, a_rs, a_cs), (pb, b_rs, b_cs), (pc, n), false) };
+        }
+    };
+    pool.run_parts(parts, &part);
+    // SAFETY: c holds m x n elements from offset oc (the caller's contract).
+    let c = unsafe { std::slice::from_raw_parts_mut(c.add(oc), m * n) };
+    for (i, v) in c.iter_mut().enumerate() {
+        let mut sum = if g.accumulate { *v } else { 0.0 };
+        for chunk in partials.chunks_exact(m * n) {
+            sum += chunk[i];
+        }
+        *v = sum;
+    }
+}
+
+/// One single-threaded product `c (=|+=) op(a) @ op(b)`, `m x n` over `k`
+/// steps, with element `(i, p)` of op(a) at `a + i·a_rs + p·a_cs`, `(p, j)` of
+/// op(b) at `b + p·b_rs + j·b_cs` and row `i` of c at `c + i·ldc`.
+///
+/// # Safety
+/// The operands address those elements; `c` overlaps neither.
+unsafe fn product(
+    m: usize,
+    n: usize,
+    k: usize,
+    (pa, a_rs, a_cs): (*const f32, usize, usize),
+    (pb, b_rs, b_cs): (*const f32, usize, usize),
+    (pc, ldc): (*mut f32, usize),
+    accumulate: bool,
+) {
+    // SAFETY: forwarded contract.
+    unsafe {
+        if k == 0 {
+            if !accumulate {
+                for r in 0..m {
+                    std::ptr::write_bytes(pc.add(r * ldc), 0, n);
+                }
+            }
+            return;
+        }
+        if sgemm::available() {
+            sgemm::sgemm(
+                m,
+                n,
+                k,
+                sgemm::Operand { ptr: pa, rows: a_rs, cols: a_cs },
+                sgemm::Operand { ptr: pb, rows: b_rs, cols: b_cs },
+                sgemm::Output { ptr: pc, ldc },
+                accumulate,
+            );
+            return;
+        }
+        gemm::gemm(
+            m,
+            n,
+            k,
+            pc,
+            1,
+            ldc as isize,
+            accumulate,
+            pa,
+            a_cs as isize,
+            a_rs as isize,
+            pb,
+            b_cs as isize,
+            b_rs as isize,
+            if accumulate { 1.0f32 } else { 0.0 },
+            1.0f32,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+    }
 }
