@@ -50,9 +50,7 @@ pub fn split_loops(kernel: Kernel) -> Kernel {
         let (outer, inner) = (fresh(&taken, &format!("{var}o")), fresh(&taken, &format!("{var}i")));
         for c in divisors(&lp) {
             let body = replace_loop(&best.body, &var, &|s| strip_mine(s, c, &outer, &inner));
-            let mut k = Kernel { body, ..best.clone() };
-            k = simplify_indices(k);
-            candidates.push((k, Some(inner.clone())));
+            candidates.push((simplify_indices(Kernel { body, ..best.clone() }), Some(inner.clone())));
         }
         let cuts = thresholds(&lp, &var);
         if !cuts.is_empty() {
