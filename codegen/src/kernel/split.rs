@@ -77,11 +77,11 @@ pub fn split_loops(kernel: Kernel) -> Kernel {
 }
 
 /// The parts of a loop the rewrites need.
-struct Loop {
+struct Loop<'a> {
     start: Option<i64>,
     end: Option<i64>,
     step: i64,
-    body: Vec<Stmt>,
+    body: &'a [Stmt],
 }
 
 /// An integer literal's value.
@@ -110,10 +110,10 @@ fn loop_vars(stmts: &[Stmt], out: &mut VecDeque<String>) {
     }
 }
 
-fn find_loop(stmts: &[Stmt], name: &str) -> Option<Loop> {
+fn find_loop<'a>(stmts: &'a [Stmt], name: &str) -> Option<Loop<'a>> {
     stmts.iter().find_map(|s| match s {
         Stmt::For { var, start, end, step, body, .. } if var == name => {
-            Some(Loop { start: literal(start), end: literal(end), step: *step, body: body.clone() })
+            Some(Loop { start: literal(start), end: literal(end), step: *step, body })
         }
         Stmt::For { body, .. } => find_loop(body, name),
         Stmt::If { then, else_, .. } => find_loop(then, name).or_else(|| find_loop(else_, name)),
@@ -163,7 +163,7 @@ fn replace_in(stmts: &[Stmt], name: &str, f: &dyn Fn(&Stmt) -> Vec<Stmt>, done: 
 fn divisors(lp: &Loop) -> Vec<i64> {
     let (Some(0), Some(trips), 1) = (lp.start, lp.end, lp.step) else { return Vec::new() };
     let mut found = Vec::new();
-    each_expr(&lp.body, &mut |e| {
+    each_expr(lp.body, &mut |e| {
         e.visit(&mut |x| {
             if let Expr::Binary { op: BinOp::Div | BinOp::Rem, rhs, .. } = x {
                 if let Some(c) = literal(rhs) {
@@ -184,7 +184,7 @@ fn divisors(lp: &Loop) -> Vec<i64> {
 fn thresholds(lp: &Loop, var: &str) -> Vec<i64> {
     let (Some(start), Some(end), 1) = (lp.start, lp.end, lp.step) else { return Vec::new() };
     let mut cuts = Vec::new();
-    each_expr(&lp.body, &mut |e| {
+    each_expr(lp.body, &mut |e| {
         e.visit(&mut |x| {
             let Expr::Cmp { op, lhs, rhs } = x else { return };
             let is_var = |e: &Expr| matches!(e, Expr::Var { name, .. } if name == var);

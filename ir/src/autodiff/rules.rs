@@ -9,6 +9,7 @@ use super::build::Builder;
 use super::AutodiffError;
 use crate::graph::Build;
 use crate::graph::{BinaryOp, GraphError, NodeId, Op, ReduceOp, UnaryOp};
+use crate::shape::Shape;
 
 type Adjoints = Vec<Option<NodeId>>;
 
@@ -451,7 +452,7 @@ fn norm_project(
             cols.push(match mu {
                 Some(mu) => {
                     let shifted = b.mul(scaled[i], mu)?;
-                    let correction = b.sum_to(shifted, &crate::shape::Shape::new(vec![1, hi - lo]))?;
+                    let correction = b.sum_to(shifted, &Shape::new(vec![1, hi - lo]))?;
                     b.sub(block, correction)?
                 }
                 None => block,
@@ -476,7 +477,7 @@ fn norm_project(
                 Some(mu) => {
                     // s · mean_K(dx̂) = s · dy · Σ_K w / K.
                     let w_part = b.slice(w, 1, lo, hi)?;
-                    let w_sum = b.sum_to(w_part, &crate::shape::Shape::new(vec![1, hi - lo]))?;
+                    let w_sum = b.sum_to(w_part, &Shape::new(vec![1, hi - lo]))?;
                     let mean = b.mul(dy_part, w_sum)?;
                     let mean = b.mean_last(mean)?;
                     let mean = b.affine(mean, width, 0.0)?;

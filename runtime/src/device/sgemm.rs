@@ -107,13 +107,7 @@ pub(crate) unsafe fn sgemm(
     // row-major `a` is read once anyway when one column sliver covers `n`
     // (each packed value would be used once). Only a ragged last sliver is
     // packed, with its zero padding.
-    let in_place_strides = if a.rows == 1 {
-        Some((1, a.cols))
-    } else if a.cols == 1 && n <= NR {
-        Some((a.rows, 1))
-    } else {
-        None
-    };
+    let reads_in_place = a.rows == 1 || (a.cols == 1 && n <= NR);
     PACKED.with_borrow_mut(|packed| {
         if packed.len() < a_lines + b_lines {
             packed.resize(a_lines + b_lines, Line([0.0; 16]));
@@ -130,23 +124,18 @@ pub(crate) unsafe fn sgemm(
                 let load_c = accumulate || pc > 0;
                 for ic in (0..m).step_by(MC) {
                     let mc = MC.min(m - ic);
-                    let in_place = if in_place_strides.is_some() { mc / MR * MR } else { 0 };
+                    let in_place = if reads_in_place { mc / MR * MR } else { 0 };
                     // SAFETY: as for b, with the rows of the block from
                     // `in_place` on.
                     unsafe { pack_a(a, ic + in_place, pc, mc - in_place, kc, pa) };
                     for jr in (0..nc).step_by(NR) {
                         for ir in (0..mc).step_by(MR) {
-                            let sliver = match in_place_strides {
+                            let sliver = if ir < in_place {
                                 // SAFETY: rows ic + ir.., step pc of a.
-                                Some((rs, cs)) if ir < in_place => Sliver {
-                                    ptr: unsafe { a.ptr.add((ic + ir) * a.rows + pc * a.cols) },
-                                    row: rs,
-                                    step: cs,
-                                },
+                                Operand { ptr: unsafe { a.ptr.add((ic + ir) * a.rows + pc * a.cols) }, ..a }
+                            } else {
                                 // SAFETY: sliver (ir - in_place) / MR of the packing.
-                                _ => {
-                                    Sliver { ptr: unsafe { pa.add((ir - in_place) * kc) }, row: 1, step: MR }
-                                }
+                                Operand { ptr: unsafe { pa.add((ir - in_place) * kc) }, rows: 1, cols: MR }
                             };
                             let tile =
                                 Output { ptr: unsafe { c.ptr.add((ic + ir) * c.ldc + jc + jr) }, ldc: c.ldc };
@@ -158,7 +147,7 @@ pub(crate) unsafe fn sgemm(
                             // column-major) get constant offsets; only a
                             // row-major a pays for a row stride.
                             unsafe {
-                                if sliver.row == 1 {
+                                if sliver.rows == 1 {
                                     micro_kernel::<true>(kc, sliver, b_sliver, tile, rows, cols, load_c);
                                 } else {
                                     micro_kernel::<false>(kc, sliver, b_sliver, tile, rows, cols, load_c);
@@ -170,15 +159,6 @@ pub(crate) unsafe fn sgemm(
             }
         }
     });
-}
-
-/// The `a` values of one micro-tile: row `r` of step `p` at
-/// `ptr + r * row + p * step` (packed: `row = 1`, `step = MR`).
-#[derive(Clone, Copy)]
-struct Sliver {
-    ptr: *const f32,
-    row: usize,
-    step: usize,
 }
 
 /// Packs rows `i0..i0 + mc`, steps `p0..p0 + kc` of `a` as slivers of `MR`
@@ -276,7 +256,9 @@ unsafe fn copy_row<const N: usize>(src: *const f32, dst: *mut f32) {
 }
 
 /// One `MR x NR` tile: `c (=|+=) a_sliver @ b_sliver` over `kc` steps,
-/// storing only the tile's first `rows` rows and `cols` columns.
+/// storing only the tile's first `rows` rows and `cols` columns. Row `r` of
+/// step `p` of the `a` sliver is at `a.ptr + r * a.rows + p * a.cols` (packed:
+/// `rows = 1`, `cols = MR`).
 ///
 /// # Safety
 /// AVX-512F is available; the `a` sliver holds `kc` steps of `MR` rows, the
@@ -286,7 +268,7 @@ unsafe fn copy_row<const N: usize>(src: *const f32, dst: *mut f32) {
 #[target_feature(enable = "avx512f")]
 unsafe fn micro_kernel<const UNIT_ROWS: bool>(
     kc: usize,
-    a: Sliver,
+    a: Operand,
     b: *const f32,
     c: Output,
     rows: usize,
@@ -297,9 +279,9 @@ unsafe fn micro_kernel<const UNIT_ROWS: bool>(
     for p in 0..kc {
         // SAFETY: step p of each sliver is in bounds (contract).
         let (b0, b1) = unsafe { (_mm512_loadu_ps(b.add(p * NR)), _mm512_loadu_ps(b.add(p * NR + 16))) };
-        let step = unsafe { a.ptr.add(p * a.step) };
+        let step = unsafe { a.ptr.add(p * a.cols) };
         for (r, acc_r) in acc.iter_mut().enumerate() {
-            let at = if UNIT_ROWS { r } else { r * a.row };
+            let at = if UNIT_ROWS { r } else { r * a.rows };
             let x = _mm512_set1_ps(unsafe { *step.add(at) });
             acc_r[0] = _mm512_fmadd_ps(x, b0, acc_r[0]);
             acc_r[1] = _mm512_fmadd_ps(x, b1, acc_r[1]);
@@ -348,7 +330,7 @@ fn column_mask(cols: usize) -> u16 {
 #[cfg(not(target_arch = "x86_64"))]
 unsafe fn micro_kernel<const UNIT_ROWS: bool>(
     _kc: usize,
-    _a: Sliver,
+    _a: Operand,
     _b: *const f32,
     _c: Output,
     _rows: usize,
