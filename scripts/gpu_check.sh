@@ -14,9 +14,9 @@
 #      shows up in commits). Carry that one folder to the GPU machine.
 #   2. On the GPU machine, from the repository root (specs/ must be there):
 #        OUT=/some/dir scripts/gpu_check.sh
-#      Budget: under 5 minutes; every section has its own timeout.
+#      Budget: under 8 minutes; every section has its own timeout.
 #
-# Sections and what each needs (timeouts add up to under 5 minutes)
+# Sections and what each needs (timeouts add up to under 8 minutes)
 #   env        nvidia-smi, the libraries found (libcuda, libcublas, libnvrtc).
 #   device     gpu-bin/cuda_device: the Cuda device on a hand-built Plan
 #              (thread-per-item and block-per-item kernels, arena scratch,
@@ -37,11 +37,14 @@
 #              (--profile-kernels): per fused kernel, achieved bytes/s
 #              against the measured copy bandwidth, connection kernels
 #              flagged and summed. The 7 models build in parallel (NVRTC:
-#              about a minute for xHC's 1400 kernels), then 1 warmup and 5
-#              timed steps each.                                     (170 s)
+#              about 20 s for xHC's 97 distinct kernels), then 1 warmup and 5
+#              timed steps each.                                     (240 s)
+#   torch      benches/pytorch/bench.py --device cuda --modes eager at the
+#              same backbone (the image's PyTorch): the same schemes in
+#              fp32 with TF32 off, as widen's cuBLAS calls.          (100 s)
 #
 # Files under $OUT (at most 8): summary.json, env.txt, cuda_device.log,
-# parity.json, bench.json, kernels.json, gpu_check.log.
+# parity.json, bench.json, kernels.json, torch.json, gpu_check.log.
 
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -113,6 +116,7 @@ status_device=missing
 status_parity=missing
 status_bench=missing
 status_kernels=missing
+status_torch=missing
 
 # "passed"/"ran" for exit 0, else what the exit code means.
 outcome() {
@@ -149,7 +153,7 @@ if [[ -x "$WIDEN" ]]; then
     GPT2=(--d-model 768 --layers 12 --heads 12 --seq-len 1024 --batch 8)
     BENCH_SPECS=(specs/residual.ron specs/mhc.ron specs/vwn-r4.ron specs/xhc.ron)
     log "bench: ${BENCH_SPECS[*]} at ${GPT2[*]}, then per-kernel bandwidth"
-    timeout 170 "$WIDEN" bench "${BENCH_SPECS[@]}" --device cuda "${GPT2[@]}" --steps 5 --warmup 1 \
+    timeout 240 "$WIDEN" bench "${BENCH_SPECS[@]}" --device cuda "${GPT2[@]}" --steps 5 --warmup 1 \
         --json "$OUT/bench.json" --profile-kernels "$OUT/kernels.json" 2>&1 | tee -a "$LOG"
     code=${PIPESTATUS[0]}
     # bench.json is written before profiling starts: each file has its own status.
@@ -159,10 +163,18 @@ else
     log "parity, bench, kernels: $WIDEN missing (run 'scripts/gpu_check.sh prepare' and carry $BIN)"
 fi
 
+# ---------------------------------------------------------------- torch
+log "torch: PyTorch eager on the GPU at the bench backbone"
+timeout 100 python3 benches/pytorch/bench.py --device cuda --modes eager --schemes vwn,mhc,xhc \
+    --d-model 768 --layers 12 --heads 12 --seq-len 1024 --batch 8 --steps 5 --warmup 1 \
+    --json "$OUT/torch.json" 2>&1 | tee -a "$LOG"
+code=${PIPESTATUS[0]}
+if [[ -s "$OUT/torch.json" ]]; then status_torch=ran; else status_torch=$(outcome "$code" ran); fi
+
 # ---------------------------------------------------------------- summary
-python3 - "$OUT" "$status_device" "$status_parity" "$status_bench" "$status_kernels" <<'EOF'
+python3 - "$OUT" "$status_device" "$status_parity" "$status_bench" "$status_kernels" "$status_torch" <<'EOF'
 import json, os, re, sys
-out, device, parity, bench, kernels = sys.argv[1:6]
+out, device, parity, bench, kernels, torch_status = sys.argv[1:7]
 tests = {}
 try:
     for line in open(f"{out}/cuda_device.log"):
@@ -176,6 +188,7 @@ summary = {
     "parity": {"status": parity, "file": "parity.json" if os.path.exists(f"{out}/parity.json") else None},
     "bench": {"status": bench, "file": "bench.json" if bench == "ran" else None},
     "kernels": {"status": kernels, "file": "kernels.json" if kernels == "ran" else None},
+    "torch": {"status": torch_status, "file": "torch.json" if torch_status == "ran" else None},
 }
 try:
     doc = json.load(open(f"{out}/parity.json"))

@@ -39,6 +39,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=10, help="timed steps per model")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per model (compilation happens here)")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (fp32, TF32 off, as widen's Cuda device)")
     p.add_argument("--schemes", default=",".join(SCHEMES), help="comma list; the residual baseline is always run")
     p.add_argument("--modes", default="eager,compile", help="comma list of eager, compile")
     p.add_argument("--compile-mode", default=None, help="torch.compile mode (default, reduce-overhead, ...)")
@@ -76,7 +77,7 @@ class Runner:
     def __init__(self, scheme: str, mode: str, cfg: Config, args):
         torch.manual_seed(args.seed)
         self.scheme, self.mode = scheme, mode
-        self.model = Model(cfg, scheme)
+        self.model = Model(cfg, scheme).to(args.device)
         self.params = [p for p in self.model.parameters()]
         self.opt = torch.optim.AdamW(
             param_groups(self.model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95), eps=1e-8
@@ -189,6 +190,9 @@ def table(rows: list[dict]) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    # True fp32 matrix products on the GPU, as widen's cuBLAS sgemm calls.
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
     cfg = config_from(args)
     schemes = ["residual"] + [s for s in args.schemes.split(",") if s and s != "residual"]
     unknown = [s for s in schemes if s not in SCHEMES]
@@ -201,7 +205,10 @@ def main(argv=None) -> int:
 
     gen = torch.Generator().manual_seed(args.seed)
     n_windows = args.warmup + args.steps
-    windows = [torch.randint(0, cfg.vocab, (args.batch, args.seq_len + 1), generator=gen) for _ in range(n_windows)]
+    windows = [
+        torch.randint(0, cfg.vocab, (args.batch, args.seq_len + 1), generator=gen).to(args.device)
+        for _ in range(n_windows)
+    ]
 
     rows = []
     for mode in modes:
@@ -222,6 +229,8 @@ def main(argv=None) -> int:
             },
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
+            "device": args.device,
+            "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
             "nproc": os.cpu_count(),
             "machine": platform.processor() or platform.machine(),
             "results": rows,

@@ -723,6 +723,8 @@ struct PlanBuilder {
     /// Tables computed so far (see [`PlanBuilder::push_lowering`]): the
     /// launch's kernel, unnamed, and the buffer holding its output.
     tables: Vec<(Kernel, BufferId)>,
+    /// The index in `kernels` of each kernel structure pushed so far.
+    kernel_by_structure: HashMap<String, usize>,
 }
 
 impl PlanBuilder {
@@ -737,11 +739,24 @@ impl PlanBuilder {
         format!("g{:03}_{label}", self.kernels.len())
     }
 
+    /// Appends a launch of `kernel`, reusing an earlier kernel of the same
+    /// structure ([`Kernel::structure_key`]): a deep model's layers then share
+    /// their kernels, which keeps the C and CUDA translation units (and the
+    /// compilers' time) the size of one layer's.
     fn push_kernel(&mut self, kernel: Kernel, args: Vec<BufferId>) {
-        let kernel =
-            crate::kernel::split_loops(crate::kernel::fuse_loops(crate::kernel::simplify_indices(kernel)));
-        self.steps.push(Step::Kernel { kernel: self.kernels.len(), args });
-        self.kernels.push(kernel);
+        let key = kernel.structure_key();
+        let index = match self.kernel_by_structure.get(&key) {
+            Some(&index) => index,
+            None => {
+                let kernel = crate::kernel::split_loops(crate::kernel::fuse_loops(
+                    crate::kernel::simplify_indices(kernel),
+                ));
+                self.kernels.push(kernel);
+                self.kernel_by_structure.insert(key, self.kernels.len() - 1);
+                self.kernels.len() - 1
+            }
+        };
+        self.steps.push(Step::Kernel { kernel: index, args });
     }
 
     /// Pushes a lowering's steps with fresh scratch buffers for its

@@ -8,6 +8,7 @@
 mod emit_support;
 
 use codegen::compile::{compile, fused_partition, one_op_per_group, Request, Target};
+use codegen::plan::Step;
 use codegen::render::render_cuda;
 use emit_support::{check, spec_training_graph, Rng, Sources};
 use ir::graph::Graph;
@@ -83,10 +84,38 @@ fn rope_table_is_computed_once_per_plan() {
     let src = token_sources(&graph, vocab);
     let partition = fused_partition(&graph, &request).expect("fuses");
     let plan = check(&graph, &src, &request, &partition, 2e-4, "residual two layers");
-    let tables = plan.kernels.iter().filter(|k| k.name.ends_with("_rope")).count();
-    let attentions = plan.kernels.iter().filter(|k| k.name.ends_with("_prep")).count();
-    assert_eq!(tables, 1, "{:?}", plan.kernels.iter().map(|k| &k.name).collect::<Vec<_>>());
-    assert_eq!(attentions, 4, "two layers' attention forward and backward");
+    let launches = |suffix: &str| {
+        plan.steps
+            .iter()
+            .filter(
+                |s| matches!(s, Step::Kernel { kernel, .. } if plan.kernels[*kernel].name.ends_with(suffix)),
+            )
+            .count()
+    };
+    assert_eq!(launches("_rope"), 1, "{:?}", plan.kernels.iter().map(|k| &k.name).collect::<Vec<_>>());
+    assert_eq!(launches("_prep"), 4, "two layers' attention forward and backward");
+}
+
+/// Layers lower to kernels that differ only in the names of their buffers and
+/// variables: the Plan keeps one kernel per structure, so a deeper model has
+/// more launches but no more kernels, and still matches the reference.
+#[test]
+fn layers_share_their_kernels() {
+    let mut counts = Vec::new();
+    for layers in [2, 3] {
+        let (graph, request, vocab) = spec_training_graph("mhc", 2, 8, |spec| {
+            spec.d_model = 16;
+            spec.layers = layers;
+        });
+        let src = token_sources(&graph, vocab);
+        let partition = fused_partition(&graph, &request).expect("fuses");
+        let plan = check(&graph, &src, &request, &partition, 2e-4, &format!("mhc {layers} layers"));
+        let launches = plan.steps.iter().filter(|s| matches!(s, Step::Kernel { .. })).count();
+        counts.push((plan.kernels.len(), launches));
+    }
+    let [(kernels2, launches2), (kernels3, launches3)] = counts[..] else { unreachable!() };
+    assert_eq!(kernels2, kernels3, "kernels of 2 and 3 layers");
+    assert!(launches3 > launches2 && kernels3 < launches3 / 2, "{counts:?} (kernels, launches)");
 }
 
 /// Random token windows: a fresh generator per draw position keeps the values

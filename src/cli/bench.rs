@@ -273,18 +273,27 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     // Building is mostly Plan compilation (NVRTC or the C compiler), one
     // model per core at a time.
     let workers = std::thread::available_parallelism().map_or(1, |n| n.get());
+    // Progress goes to stderr, so a run cut short by a time limit still says
+    // how far it got.
     let built = parallel_map(&jobs, workers, |_, (path, spec, baseline)| {
-        Model::build(path, spec.clone(), *baseline, device, total_steps)
-            .with_context(|| format!("building {} for --device {}", path.display(), device.name()))
+        let started = Instant::now();
+        let model = Model::build(path, spec.clone(), *baseline, device, total_steps)
+            .with_context(|| format!("building {} for --device {}", path.display(), device.name()))?;
+        eprintln!("built {} ({}) in {:.1} s", model.name, model.scheme, started.elapsed().as_secs_f64());
+        Ok(model)
     });
     let mut models = built.into_iter().collect::<anyhow::Result<Vec<_>>>()?;
     for round in 0..total_steps {
+        let mut times = Vec::with_capacity(models.len());
         for m in &mut models {
             let ms = m.step().with_context(|| format!("{} ({}) step {}", m.name, m.scheme, round + 1))?;
             if round >= args.warmup {
                 m.times_ms.push(ms);
             }
+            times.push(format!("{} {ms:.1}", m.scheme));
         }
+        let kind = if round < args.warmup { "warmup" } else { "timed" };
+        eprintln!("{kind} round {}/{total_steps}: ms {}", round + 1, times.join(", "));
     }
     let rows = rows(&models);
     print_table(&rows, &args, device);

@@ -41,7 +41,7 @@ pub use simplify::simplify_indices;
 pub use split::split_loops;
 pub use validate::KernelError;
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use ir::DType;
 
@@ -243,6 +243,105 @@ impl Kernel {
     pub fn validate(&self) -> Result<(), KernelError> {
         validate::validate(self)
     }
+
+    /// What the kernel computes, independent of its name, of the names of its
+    /// parameters and variables, and of comments: two kernels with equal keys
+    /// do the same work on buffers bound by position, so a Plan keeps one of
+    /// them (each layer of a deep model lowers to kernels that differ only in
+    /// the graph node ids their parameters and variables are named after).
+    pub fn structure_key(&self) -> String {
+        // Every name in order of declaration gets a fresh positional one; the
+        // renaming is injective, so it keeps the computation.
+        let mut names: HashMap<String, String> = HashMap::new();
+        for p in &self.params {
+            let fresh = format!("#{}", names.len());
+            names.entry(p.name.clone()).or_insert(fresh);
+        }
+        declared_names(&self.body, &mut names);
+        let params: Vec<Param> =
+            self.params.iter().map(|p| Param { name: names[&p.name].clone(), ..p.clone() }).collect();
+        let body = renamed(&self.body, &names);
+        format!("{:?}|{params:?}|{body:?}", self.grid)
+    }
+}
+
+/// Adds every name `stmts` declare, in order, to `names` with a fresh positional name.
+fn declared_names(stmts: &[Stmt], names: &mut HashMap<String, String>) {
+    for s in stmts {
+        if let Stmt::Let { var, .. }
+        | Stmt::Var { var, .. }
+        | Stmt::LocalArray { var, .. }
+        | Stmt::BlockReduce { var, .. }
+        | Stmt::For { var, .. } = s
+        {
+            let fresh = format!("#{}", names.len());
+            names.entry(var.clone()).or_insert(fresh);
+        }
+        match s {
+            Stmt::For { body, .. } => declared_names(body, names),
+            Stmt::If { then, else_, .. } => {
+                declared_names(then, names);
+                declared_names(else_, names);
+            }
+            _ => {}
+        }
+    }
+}
+
+/// `stmts` without comments, every name (variable or buffer) replaced by its
+/// entry in `names`.
+fn renamed(stmts: &[Stmt], names: &HashMap<String, String>) -> Vec<Stmt> {
+    let name = |n: &String| names.get(n).cloned().unwrap_or_else(|| n.clone());
+    let buf = |b: &Buf| match b {
+        Buf::Param { name: n, dtype } => Buf::Param { name: name(n), dtype: *dtype },
+        Buf::Local { name: n, ty } => Buf::Local { name: name(n), ty: *ty },
+    };
+    fn expr(e: &Expr, names: &HashMap<String, String>) -> Expr {
+        let name = |n: &String| names.get(n).cloned().unwrap_or_else(|| n.clone());
+        e.rewrite(&|x| match x {
+            Expr::Var { name: n, ty } => Some(Expr::Var { name: name(n), ty: *ty }),
+            Expr::Load { src, index } => {
+                let src = match src {
+                    Buf::Param { name: n, dtype } => Buf::Param { name: name(n), dtype: *dtype },
+                    Buf::Local { name: n, ty } => Buf::Local { name: name(n), ty: *ty },
+                };
+                Some(Expr::Load { src, index: Box::new(expr(index, names)) })
+            }
+            _ => None,
+        })
+    }
+    let e = |x: &Expr| expr(x, names);
+    stmts
+        .iter()
+        .filter(|s| !matches!(s, Stmt::Comment(_)))
+        .map(|s| match s {
+            Stmt::Let { var, ty, expr } => Stmt::Let { var: name(var), ty: *ty, expr: e(expr) },
+            Stmt::Var { var, ty, init } => Stmt::Var { var: name(var), ty: *ty, init: e(init) },
+            Stmt::Assign { var, value } => Stmt::Assign { var: name(var), value: e(value) },
+            Stmt::LocalArray { var, ty, len } => Stmt::LocalArray { var: name(var), ty: *ty, len: *len },
+            Stmt::Store { target, index, value } => {
+                Stmt::Store { target: buf(target), index: e(index), value: e(value) }
+            }
+            Stmt::AccumStore { target, index, value } => {
+                Stmt::AccumStore { target: buf(target), index: e(index), value: e(value) }
+            }
+            Stmt::For { var, start, end, step, unroll, body } => Stmt::For {
+                var: name(var),
+                start: e(start),
+                end: e(end),
+                step: *step,
+                unroll: *unroll,
+                body: renamed(body, names),
+            },
+            Stmt::If { cond, then, else_ } => {
+                Stmt::If { cond: e(cond), then: renamed(then, names), else_: renamed(else_, names) }
+            }
+            Stmt::BlockReduce { var, op, value } => {
+                Stmt::BlockReduce { var: name(var), op: *op, value: e(value) }
+            }
+            Stmt::Comment(_) | Stmt::Barrier => s.clone(),
+        })
+        .collect()
 }
 
 /// Every variable and buffer name `stmts` mention (reads, writes, loop bounds).
