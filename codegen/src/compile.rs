@@ -279,11 +279,14 @@ fn lower_siblings(
     id: NodeId,
     siblings: &HashMap<GradKey, Vec<Option<NodeId>>>,
     name: &str,
+    target: Target,
 ) -> Option<Result<SiblingLowering, emit::EmitError>> {
     let (key, _, _) = grad_key(graph, id)?;
     let outs = siblings.get(&key)?.clone();
     let lowering = match graph.node(id).op {
-        Op::CausalAttentionGrad { .. } => emit::attention_grads(graph, [outs[0], outs[1], outs[2]], name),
+        Op::CausalAttentionGrad { .. } => {
+            emit::attention_grads(graph, [outs[0], outs[1], outs[2]], name, target)
+        }
         _ => emit::temporal_grads(graph, &outs, name),
     };
     Some(lowering.map(|l| (outs, l)))
@@ -512,6 +515,16 @@ pub fn compile(graph: &Graph, partition: &[Vec<NodeId>], request: &Request) -> R
                 units.push(Unit::Fused { nodes: vec![id], n });
                 continue;
             }
+            if request.target == Target::Cuda && emit::is_token_reduction(graph, id) {
+                // On the GPU a reduction over tokens is a kernel of its own, so it
+                // can run block-parallel (`emit::lower_column_reduce`) instead of
+                // taking the few items of its consumers (a scalar gain gradient
+                // would otherwise be one thread summing every token).
+                flush(&mut current, current_n, &mut units);
+                let n = emit::itemize(graph, &[id], &trial_res, request.target).unwrap_or(1);
+                units.push(Unit::Fused { nodes: vec![id], n });
+                continue;
+            }
             current.push(id);
             if let Some(n) = emit::itemize(graph, &current, &trial_res, request.target) {
                 current_n = n;
@@ -585,11 +598,18 @@ pub fn compile(graph: &Graph, partition: &[Vec<NodeId>], request: &Request) -> R
                     continue; // only views read by other units
                 }
                 let name = b.kernel_name(&unit_label(graph, nodes, &res));
-                let launch = match lone_reduce(graph, nodes, &res) {
-                    Some(id) => match emit::lower_column_reduce(graph, id, &name)? {
-                        Some(launch) => launch,
-                        None => emit::lower_fused(graph, nodes, *n, &res, &name)?,
+                let special = match lone_node(graph, nodes, &res) {
+                    Some(id) => match graph.node(id).op {
+                        Op::Reduce { .. } => emit::lower_column_reduce(graph, id, &name, request.target)?,
+                        Op::ScatterAdd { .. } if request.target == Target::Cuda => {
+                            emit::lower_scatter_columns(graph, id, &name)?
+                        }
+                        _ => None,
                     },
+                    None => None,
+                };
+                let launch = match special {
+                    Some(launch) => launch,
                     None => emit::lower_fused(graph, nodes, *n, &res, &name)?,
                 };
                 b.push_launch(launch, &[]);
@@ -599,13 +619,13 @@ pub fn compile(graph: &Graph, partition: &[Vec<NodeId>], request: &Request) -> R
                     continue;
                 }
                 let name = b.kernel_name(graph.node(*id).op.name());
-                let lowering = match lower_siblings(graph, *id, &siblings, &name) {
+                let lowering = match lower_siblings(graph, *id, &siblings, &name, request.target) {
                     Some(lowered) => {
                         let (outs, lowering) = lowered?;
                         lowered_with_sibling.extend(outs.iter().flatten().copied());
                         lowering
                     }
-                    None => emit::lower_standalone(graph, *id, &name)?,
+                    None => emit::lower_standalone(graph, *id, &name, request.target)?,
                 };
                 b.push_lowering(lowering);
             }
@@ -656,16 +676,17 @@ pub fn compile(graph: &Graph, partition: &[Vec<NodeId>], request: &Request) -> R
     Ok(Plan { kernels: b.kernels, steps: b.steps, buffers: b.buffers, arena_len: b.arena_len })
 }
 
-/// The only node a fused unit computes when that node is a `Reduce` (the
-/// unit's other nodes are views folded into its read): such a unit may run as
-/// a column-blocked reduction ([`emit::lower_column_reduce`]).
-fn lone_reduce(graph: &Graph, nodes: &[NodeId], res: &dyn Residency) -> Option<NodeId> {
+/// The only node a fused unit computes (the unit's other nodes are views and
+/// constants folded into its reads): a `Reduce` may run as a column-blocked
+/// reduction ([`emit::lower_column_reduce`]), a `ScatterAdd` on the GPU one
+/// thread per column ([`emit::lower_scatter_columns`]).
+fn lone_node(graph: &Graph, nodes: &[NodeId], res: &dyn Residency) -> Option<NodeId> {
     let mut computed = nodes.iter().copied().filter(|&id| {
         let op = &graph.node(id).op;
         res.has_buffer(id) || !(op.is_view() || matches!(op, Op::Constant { .. }))
     });
     let id = computed.next()?;
-    (computed.next().is_none() && matches!(graph.node(id).op, Op::Reduce { .. })).then_some(id)
+    computed.next().is_none().then_some(id)
 }
 
 /// `rms_norm_mul_add`: the distinct ops a fused kernel computes, in order (at most four).

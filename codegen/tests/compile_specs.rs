@@ -96,6 +96,37 @@ fn rope_table_is_computed_once_per_plan() {
     assert_eq!(launches("_prep"), 4, "two layers' attention forward and backward");
 }
 
+/// On the GPU, token reductions of parameter gradients run one block per
+/// output, the embedding gradient one thread per column and attention's
+/// softmax one block per score row (the C dialect of the same kernels runs
+/// here). At 256 tokens of width 64 all three forms are chosen, and the Plan
+/// still matches the reference.
+#[test]
+fn gpu_reductions_scatters_and_softmax_match_the_reference() {
+    for name in ["residual", "mhc"] {
+        let (graph, request, vocab) = spec_training_graph(name, 2, 128, |spec| {
+            spec.d_model = 64;
+            spec.layers = 1;
+        });
+        let request = request.for_target(Target::Cuda);
+        let src = token_sources(&graph, vocab);
+        let partition = fused_partition(&graph, &request).expect("fuses");
+        let plan = check(&graph, &src, &request, &partition, 2e-4, &format!("{name} cuda target"));
+        let block_sums =
+            plan.kernels.iter().filter(|k| k.grid.is_block() && k.name.ends_with("_sum")).count();
+        assert!(block_sums > 0, "{name}: token sums as block reductions");
+        let softmaxes: Vec<_> = plan.kernels.iter().filter(|k| k.name.ends_with("_softmax")).collect();
+        assert_eq!(softmaxes.len(), 2, "{name}: forward and backward softmax");
+        assert!(softmaxes.iter().all(|k| k.grid.is_block()), "{name}: one block per score row");
+        let scatters: Vec<_> = plan.kernels.iter().filter(|k| k.name.ends_with("_scatter_add")).collect();
+        assert!(
+            scatters.iter().any(|k| k.grid.items() == 64 && k.params.iter().any(|p| p.len == 256 * 64)),
+            "{name}: the embedding gradient ([256, 64]) one thread per column: {:?}",
+            scatters.iter().map(|k| (&k.name, k.grid)).collect::<Vec<_>>()
+        );
+    }
+}
+
 /// Layers lower to kernels that differ only in the names of their buffers and
 /// variables: the Plan keeps one kernel per structure, so a deeper model has
 /// more launches but no more kernels, and still matches the reference.

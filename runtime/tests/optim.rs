@@ -322,3 +322,67 @@ fn clipping_rescales_only_above_the_threshold() {
     assert!((norm - 0.5).abs() < 1e-7);
     assert_eq!(small, vec![vec![0.3f32, 0.4]]);
 }
+
+/// Past `PARALLEL_MIN_ELEMENTS` the step spreads parameters over threads: every
+/// parameter must still get exactly its own rule's update, as the update
+/// functions compute it one parameter at a time.
+#[test]
+fn parallel_step_matches_per_parameter_updates() {
+    let shapes: [(&str, &[usize], ParamClass); 5] = [
+        ("big", &[1100, 1024], ParamClass::Embedding),
+        ("wq", &[256, 384], ParamClass::Hidden),
+        ("gain", &[768], ParamClass::Gain),
+        ("embed", &[256, 512], ParamClass::Embedding),
+        ("phi", &[512, 24], ParamClass::ConnectionProjection),
+    ];
+    let g = graph_with(&shapes);
+    let mut params = ParamSet::zeros(&g).unwrap();
+    assert!(params.numel() >= runtime::optim::PARALLEL_MIN_ELEMENTS, "the parallel path runs");
+    for (i, p) in params.iter_mut().enumerate() {
+        let n = p.value.len();
+        p.value = gaussian(1, n, 10 + i as u64);
+    }
+    let grads: Vec<Vec<f32>> =
+        params.iter().enumerate().map(|(i, p)| gaussian(1, p.value.len(), 50 + i as u64)).collect();
+    let mut spec = ModelSpec::default();
+    let adamw = AdamWSpec { lr: 0.01, betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1 };
+    spec.train.optimizer = OptimizerSpec::Muon(MuonSpec { adamw: adamw.clone(), ..MuonSpec::default() });
+    let mut opt = Optimizer::new(&spec, &params);
+    let rules = opt.rules();
+    let mut expected: Vec<Vec<f32>> = params.iter().map(|p| p.value.clone()).collect();
+    let muon = MuonSpec::default();
+    for (i, rule) in rules.iter().enumerate() {
+        match *rule {
+            Rule::AdamW { lr_scale, weight_decay } => {
+                let n = expected[i].len();
+                let (mut m, mut v) = (vec![0.0; n], vec![0.0; n]);
+                let h = AdamWStep {
+                    lr: adamw.lr * 0.5 * lr_scale,
+                    beta1: adamw.betas.0,
+                    beta2: adamw.betas.1,
+                    eps: adamw.eps,
+                    weight_decay,
+                    t: 1,
+                };
+                adamw_update(&mut expected[i], &grads[i], &mut m, &mut v, &h);
+            }
+            Rule::Muon => {
+                let n = expected[i].len();
+                let mut momentum = vec![0.0; n];
+                let h = MuonStep {
+                    lr: muon.lr * 0.5,
+                    momentum: muon.momentum,
+                    nesterov: muon.nesterov,
+                    ns_steps: muon.ns_steps,
+                    scale: muon.scale,
+                    weight_decay: muon.weight_decay,
+                };
+                muon_update(&mut expected[i], &grads[i], &mut momentum, shapes[i].1, &h);
+            }
+        }
+    }
+    opt.step(&mut params, &grads, 0.5);
+    for (i, p) in params.iter().enumerate() {
+        assert_eq!(p.value, expected[i], "{}", p.name);
+    }
+}

@@ -28,8 +28,10 @@
 use ir::graph::{Graph, NodeId, Op};
 use ir::DType;
 
-use super::{fold_dynamic, ix, lit, maximum, Arg, EmitError, GemmCall, Kb, Lowering, Names, Temps, Work};
-use crate::kernel::{f64, i64, item, select, Access, Block, Buf, Expr, Ty};
+use super::{
+    fold_dynamic, ix, lit, maximum, Arg, EmitError, GemmCall, Kb, Lowering, Names, Target, Temps, Work,
+};
+use crate::kernel::{f64, i64, item, lane, select, Access, Block, Buf, Expr, Grid, ReduceOp, Ty};
 
 /// Sizes and options of one attention node: q [B, T, H, dh], k and v [B, T, Hkv, dh].
 #[derive(Debug, Clone, Copy)]
@@ -282,6 +284,7 @@ fn prepare(
 
 /// The causal softmax of one score row in place (and, with `dp`, dS into `dp`
 /// in place): item = head-major row (b, h, t), keys t' ≤ t, the rest zeroed.
+/// On the GPU each row is a block of lanes ([`softmax_rows_blocks`]).
 fn softmax_rows(
     graph: &Graph,
     d: &Dims,
@@ -289,7 +292,11 @@ fn softmax_rows(
     temps: &Temps,
     s_arg: Arg,
     dp_arg: Option<Arg>,
+    target: Target,
 ) -> Result<Work, EmitError> {
+    if target == Target::Cuda {
+        return softmax_rows_blocks(graph, d, name, temps, s_arg, dp_arg);
+    }
     let mut kb = Kb::new(graph, name, d.rows());
     let s = kb.temp("s", s_arg, temps, Access::ReadWrite);
     let dp = dp_arg.map(|a| kb.temp("dp", a, temps, Access::ReadWrite));
@@ -355,6 +362,80 @@ fn softmax_rows(
     kb.finish()
 }
 
+/// Lanes per score row of [`softmax_rows_blocks`].
+const SOFTMAX_LANES: u32 = 128;
+
+/// [`softmax_rows`] on the GPU: one block of [`SOFTMAX_LANES`] lanes per
+/// score row. Lane `l` handles keys `l, l + lanes, …`, so a warp's loads are
+/// contiguous, and the row maximum, the sum of exponentials and the centring
+/// dot product are block reductions. One thread per row (the C form) would
+/// walk up to T keys alone with its warp's loads T floats apart. Each lane
+/// only rereads the keys it wrote, so the passes need no barrier beyond the
+/// reductions'.
+fn softmax_rows_blocks(
+    graph: &Graph,
+    d: &Dims,
+    name: &str,
+    temps: &Temps,
+    s_arg: Arg,
+    dp_arg: Option<Arg>,
+) -> Result<Work, EmitError> {
+    let lanes = SOFTMAX_LANES;
+    let mut kb = Kb::with_grid(graph, name, Grid::block_per_item(d.rows(), lanes));
+    let s = kb.temp("s", s_arg, temps, Access::ReadWrite);
+    let dp = dp_arg.map(|a| kb.temp("dp", a, temps, Access::ReadWrite));
+    let ty = d.ty();
+    let k = &mut kb.k;
+    let t = k.let_("t", item() % ix(d.t));
+    let tb = d.block_rows();
+    let qi = k.let_("qi", t.clone() / ix(tb));
+    let len = k.let_("len", (qi.clone() + i64(1)) * ix(tb));
+    let block = k.let_("block", qi.clone() * (qi + i64(1)) / i64(2) * ix(tb * tb));
+    let base = k.let_("base", (item() / ix(d.t)) * ix(d.slab()) + block + (t.clone() % ix(tb)) * len.clone());
+    let end = k.let_("stop", t + i64(1));
+    let scale = lit(ty, d.scale);
+    let step = i64::from(lanes);
+    let keys =
+        |k: &mut crate::kernel::KernelBuilder, var: &str, stop: &Expr, f: &dyn Fn(&mut Block, Expr)| {
+            k.for_step(var, lane(), stop.clone(), step, false, |b, j| f(b, j));
+        };
+    let lane_max = k.var("lane_max", lit(ty, f64::NEG_INFINITY));
+    keys(k, "j0", &end, &|b, j| {
+        let v = b.let_("v", s.at(base.clone() + j) * scale.clone());
+        b.assign(&lane_max, maximum(lane_max.clone(), v));
+    });
+    let m = k.block_reduce("row_max", ReduceOp::Max, lane_max);
+    let lane_sum = k.var("lane_sum", lit(ty, 0.0));
+    keys(k, "j1", &end, &|b, j| {
+        let at = b.let_("at", base.clone() + j);
+        let e = b.let_("e", (s.at(at.clone()) * scale.clone() - m.clone()).exp());
+        b.store(&s, at, e.clone());
+        b.assign(&lane_sum, lane_sum.clone() + e);
+    });
+    let total = k.block_reduce("row_sum", ReduceOp::Sum, lane_sum);
+    let inv = k.let_("inv", lit(ty, 1.0) / total);
+    keys(k, "j2", &len, &|b, j| {
+        let at = b.let_("at", base.clone() + j.clone());
+        let p = select(j.lt(end.clone()), s.at(at.clone()) * inv.clone(), lit(ty, 0.0));
+        b.store(&s, at, p);
+    });
+    if let Some(dp) = dp {
+        let lane_dot = k.var("lane_dot", lit(ty, 0.0));
+        keys(k, "j3", &end, &|b, j| {
+            let at = b.let_("at", base.clone() + j);
+            b.assign(&lane_dot, lane_dot.clone() + s.at(at.clone()) * dp.at(at));
+        });
+        let centre = k.block_reduce("centre", ReduceOp::Sum, lane_dot);
+        keys(k, "j4", &len, &|b, j| {
+            let at = b.let_("at", base.clone() + j);
+            // Masked entries have p = 0, so their dS is 0 as well.
+            let ds = s.at(at.clone()) * (dp.at(at.clone()) - centre.clone()) * scale.clone();
+            b.store(&dp, at, ds);
+        });
+    }
+    kb.finish()
+}
+
 /// Writes node `out` ([B, T, heads, dh]) from the head-major `src`: item =
 /// (b, t, head); `heads = Hkv` sums the query heads of each key/value head.
 /// Rotated back by the angles of t when `cs` is set.
@@ -402,7 +483,12 @@ fn gather_back(
 }
 
 /// Causal attention forward (see the module docs).
-pub(super) fn attention(graph: &Graph, id: NodeId, name: &str) -> Result<Lowering, EmitError> {
+pub(super) fn attention(
+    graph: &Graph,
+    id: NodeId,
+    name: &str,
+    target: Target,
+) -> Result<Lowering, EmitError> {
     let d = Dims::of(graph, id)?;
     let mut temps = Temps::default();
     let cs = d.rope.map(|_| temps.add(d.t * d.half() * 2, d.dtype));
@@ -414,7 +500,7 @@ pub(super) fn attention(graph: &Graph, id: NodeId, name: &str) -> Result<Lowerin
     }
     steps.push(prepare(graph, id, &d, name, &temps, cs, [qp, kp, vp], None)?);
     steps.extend(d.scores_gemm(qp, kp, s));
-    steps.push(softmax_rows(graph, &d, &format!("{name}_softmax"), &temps, s, None)?);
+    steps.push(softmax_rows(graph, &d, &format!("{name}_softmax"), &temps, s, None, target)?);
     steps.extend(d.rows_gemm(s, vp, op, false));
     steps.push(gather_back(graph, id, &d, &format!("{name}_out"), &temps, op, None)?);
     Ok(Lowering { steps, temps: temps.0 })
@@ -424,7 +510,12 @@ pub(super) fn attention(graph: &Graph, id: NodeId, name: &str) -> Result<Lowerin
 /// `CausalAttentionGrad` nodes sharing q, k, v and dO; at least one present),
 /// sharing the recomputed probabilities and the softmax statistics (see the
 /// module docs).
-pub fn attention_grads(graph: &Graph, outs: [Option<NodeId>; 3], name: &str) -> Result<Lowering, EmitError> {
+pub fn attention_grads(
+    graph: &Graph,
+    outs: [Option<NodeId>; 3],
+    name: &str,
+    target: Target,
+) -> Result<Lowering, EmitError> {
     let id = outs.iter().flatten().copied().next().ok_or_else(|| EmitError::Unsupported {
         node: usize::MAX,
         op: "causal_attention_grad",
@@ -442,7 +533,7 @@ pub fn attention_grads(graph: &Graph, outs: [Option<NodeId>; 3], name: &str) -> 
     steps.push(prepare(graph, id, &d, name, &temps, cs, [qp, kp, vp], Some(dop))?);
     steps.extend(d.scores_gemm(qp, kp, s));
     steps.extend(d.scores_gemm(dop, vp, dp));
-    steps.push(softmax_rows(graph, &d, &format!("{name}_softmax"), &temps, s, Some(dp))?);
+    steps.push(softmax_rows(graph, &d, &format!("{name}_softmax"), &temps, s, Some(dp), target)?);
     // dQ = dS·K, dK = dSᵀ·Q, dV = Pᵀ·dO; RoPE undone for dQ and dK.
     let plans = [(dp, kp, false, "dq", true), (dp, qp, true, "dk", true), (s, dop, true, "dv", false)];
     for (wrt, out) in outs.iter().enumerate() {

@@ -35,7 +35,8 @@ use ir::DType;
 use thiserror::Error;
 
 use crate::kernel::{
-    f32, f64, i32, i64, item, select, Access, Block, Buf, Expr, Grid, Kernel, KernelBuilder, KernelError, Ty,
+    f32, f64, i32, i64, item, lane, select, Access, Block, Buf, Expr, Grid, Kernel, KernelBuilder,
+    KernelError, Ty,
 };
 
 /// Where a Plan's kernels run: it bounds the per-item scratch of fused kernels.
@@ -128,7 +129,11 @@ pub(crate) struct Kb<'g> {
 
 impl<'g> Kb<'g> {
     pub(crate) fn new(graph: &'g Graph, name: &str, items: usize) -> Kb<'g> {
-        Kb { k: KernelBuilder::new(name, grid(items)), r: Reader::new(graph) }
+        Kb::with_grid(graph, name, grid(items))
+    }
+
+    pub(crate) fn with_grid(graph: &'g Graph, name: &str, grid: Grid) -> Kb<'g> {
+        Kb { k: KernelBuilder::new(name, grid), r: Reader::new(graph) }
     }
 
     /// Declares a temporary as the next parameter.
@@ -783,6 +788,112 @@ pub fn lower_fused(
     Ok(Launch { kernel, args: r.args })
 }
 
+/// Threads a thread-per-item reduction needs to keep a GPU busy: below this a
+/// [`lower_column_reduce`] runs one block per output instead (an H200 holds
+/// 132 × 2048 resident threads; a few thousand threads leave it mostly idle).
+const GPU_THREADS_WANTED: usize = 32768;
+
+/// Fewest reduced rows for which a whole block per output pays off.
+const BLOCK_REDUCE_MIN_ROWS: usize = 256;
+
+/// Lanes of each block of [`lower_block_reduce`].
+const BLOCK_REDUCE_LANES: u32 = 256;
+
+/// Whether `id` sums (or averages) over a long outer axis, [`BLOCK_REDUCE_MIN_ROWS`]
+/// rows or more with columns inside them: a reduction over tokens, such as a
+/// parameter gradient (MATH.md §1.4), rather than a per-token norm statistic.
+pub fn is_token_reduction(graph: &Graph, id: NodeId) -> bool {
+    let Op::Reduce { op, axis, .. } = graph.node(id).op else { return false };
+    let Some(&input) = graph.inputs(id).first() else { return false };
+    let xd = graph.node(input).shape.dims();
+    matches!(op, ir::graph::ReduceOp::Sum | ir::graph::ReduceOp::Mean)
+        && axis + 1 < xd.len()
+        && xd[axis] >= BLOCK_REDUCE_MIN_ROWS
+}
+
+/// A sum or mean over an axis of `n` rows as one block per output (GPU):
+/// lane `l` adds rows `l, l + lanes, …` and a block reduction (a tree of
+/// pairwise sums) combines the lanes, so `outer · inner` blocks of
+/// [`BLOCK_REDUCE_LANES`] threads share the work where the column-blocked form
+/// would have a few dozen threads each walk thousands of rows (parameter
+/// gradients summed over tokens, MATH.md §1.4). Over the innermost axis
+/// (`inner` = 1) the lanes' loads are contiguous. The summation order is the
+/// tree's, not the sequential one: results match the reference to f32
+/// rounding, not bit for bit.
+fn lower_block_reduce(
+    graph: &Graph,
+    id: NodeId,
+    name: &str,
+    op: ir::graph::ReduceOp,
+    (outer, n, inner): (usize, usize, usize),
+) -> Result<Launch, EmitError> {
+    let node = graph.node(id);
+    let ty = Ty::of_storage(node.dtype);
+    let lanes = BLOCK_REDUCE_LANES;
+    let mut k = KernelBuilder::new(name, Grid::block_per_item(outer * inner, lanes));
+    let mut r = Reader::new(graph);
+    let x = r.read(&mut k, graph.inputs(id)[0]);
+    let out = r.buffer(&mut k, id, Access::Write);
+    let row0 = k.let_("row0", item() / ix(inner) * ix(n * inner) + item() % ix(inner));
+    let part = k.var("part", lit(ty, 0.0));
+    let sum = part.clone();
+    k.for_step("j", lane(), ix(n), i64::from(lanes), false, |b, j| {
+        b.assign(&sum, sum.clone() + x.load(row0 + j * ix(inner)));
+    });
+    let total = k.block_reduce("total", crate::kernel::ReduceOp::Sum, part);
+    let value = if op == ir::graph::ReduceOp::Mean { total / lit(ty, n as f64) } else { total };
+    k.if_(lane().eq_(i64(0)), |b| b.store(&out, item(), value));
+    let kernel = k.finish();
+    kernel.validate()?;
+    Ok(Launch { kernel, args: r.args })
+}
+
+/// Fewest columns for which [`lower_scatter_columns`] is used: fewer threads
+/// than this leave the GPU idle whichever way the scatter is split.
+const SCATTER_MIN_COLUMNS: usize = 64;
+
+/// A scatter-add (`out = base; out[p, idx[p, j], c] += src[p, j, c]`, the
+/// token embedding's gradient) as one thread per column `(p, c)` (GPU):
+/// the item model of fused kernels gives each item whole `[S, C]` blocks, so
+/// the embedding gradient of a batch would be one thread adding every token's
+/// row. Each thread copies its column of `base`, then adds the indexed rows in
+/// order of `j`, so every output is summed in the reference's order (bitwise
+/// the same) and threads never share an output. `None` for fewer than
+/// [`SCATTER_MIN_COLUMNS`] columns.
+pub fn lower_scatter_columns(graph: &Graph, id: NodeId, name: &str) -> Result<Option<Launch>, EmitError> {
+    let node = graph.node(id);
+    let Op::ScatterAdd { axis } = node.op else { return Ok(None) };
+    let o = node.shape.dims();
+    let (p, s, c) = (numel(&o[..axis]), o[axis], numel(&o[axis + 1..]));
+    let inputs = graph.inputs(id);
+    let j = graph.node(inputs[1]).shape.numel() / p.max(1);
+    if c < SCATTER_MIN_COLUMNS {
+        return Ok(None);
+    }
+    let mut k = KernelBuilder::new(name, grid(p * c));
+    let mut r = Reader::new(graph);
+    let base = r.read(&mut k, inputs[0]);
+    let idx = r.read(&mut k, inputs[1]);
+    let src = r.read(&mut k, inputs[2]);
+    let out = r.buffer(&mut k, id, Access::ReadWrite);
+    let pi = k.let_("pi", item() / ix(c));
+    let col = k.let_("col", item() % ix(c));
+    let first = k.let_("first", pi.clone() * ix(s * c) + col.clone());
+    let copy_from = first.clone();
+    k.for_("srow", ix(0), ix(s), |b, row| {
+        let at = copy_from.clone() + row * ix(c);
+        b.store(&out, at.clone(), base.load(at));
+    });
+    k.for_("t", ix(0), ix(j), |b, t| {
+        let pj = b.let_("pj", pi.clone() * ix(j) + t);
+        let row = b.let_("row", idx.load(pj.clone()).cast(Ty::I64));
+        b.accum(&out, first.clone() + row * ix(c), src.load(pj * ix(c) + col.clone()));
+    });
+    let kernel = k.finish();
+    kernel.validate()?;
+    Ok(Some(Launch { kernel, args: r.args }))
+}
+
 /// Widest block of adjacent output columns one item of
 /// [`lower_column_reduce`] accumulates: one 64-byte cache line of f32.
 const COLUMN_BLOCK: usize = 16;
@@ -800,7 +911,15 @@ const ROW_BLOCK: usize = 8;
 /// zero (as `ir::exec::reduce`), so the result is bitwise the generic
 /// one-output-per-step lowering's. `None` when the node is not such a
 /// reduction (other ops, `Max`, no block over 1).
-pub fn lower_column_reduce(graph: &Graph, id: NodeId, name: &str) -> Result<Option<Launch>, EmitError> {
+///
+/// On the GPU ([`Target::Cuda`]) a reduction whose column blocks would be too
+/// few threads to fill the device runs as [`lower_block_reduce`] instead.
+pub fn lower_column_reduce(
+    graph: &Graph,
+    id: NodeId,
+    name: &str,
+    target: Target,
+) -> Result<Option<Launch>, EmitError> {
     let node = graph.node(id);
     let Op::Reduce { op, axis, .. } = node.op else { return Ok(None) };
     if !matches!(op, ir::graph::ReduceOp::Sum | ir::graph::ReduceOp::Mean) {
@@ -816,11 +935,14 @@ pub fn lower_column_reduce(graph: &Graph, id: NodeId, name: &str) -> Result<Opti
     let span = if rows { outer } else { inner };
     let limit = if rows { ROW_BLOCK } else { COLUMN_BLOCK };
     let width = (1..=limit.min(span)).rev().find(|w| span.is_multiple_of(*w)).unwrap_or(1);
+    let items = if rows { outer / width } else { outer * (inner / width) };
+    if target == Target::Cuda && items < GPU_THREADS_WANTED && n >= BLOCK_REDUCE_MIN_ROWS {
+        return lower_block_reduce(graph, id, name, op, (outer, n, inner)).map(Some);
+    }
     if width < 2 || n < 2 {
         return Ok(None);
     }
     let ty = Ty::of_storage(node.dtype);
-    let items = if rows { outer / width } else { outer * (inner / width) };
     let mut k = KernelBuilder::new(name, grid(items));
     let mut r = Reader::new(graph);
     let x = r.read(&mut k, input);

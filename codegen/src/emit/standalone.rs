@@ -6,7 +6,8 @@
 use ir::graph::{Graph, NodeId, Op};
 
 use super::{
-    grid, ix, lit, maximum, Arg, EmitError, GemmCall, Kb, Launch, Lowering, Names, Reader, Temps, Val, Work,
+    grid, ix, lit, maximum, Arg, EmitError, GemmCall, Kb, Launch, Lowering, Names, Reader, Target, Temps,
+    Val, Work,
 };
 use crate::kernel::{i64, item, lane, select, Access, Block, Buf, Expr, Grid, KernelBuilder, ReduceOp, Ty};
 
@@ -17,14 +18,19 @@ const GS_EPS_ABS: f64 = 1e-20;
 const LOSS_THREADS: u32 = 256;
 
 /// Lowers one standalone op (see [`super::is_standalone`]) into its launches.
-pub fn lower_standalone(graph: &Graph, id: NodeId, name: &str) -> Result<Lowering, EmitError> {
+pub fn lower_standalone(
+    graph: &Graph,
+    id: NodeId,
+    name: &str,
+    target: Target,
+) -> Result<Lowering, EmitError> {
     let node = graph.node(id);
     match &node.op {
-        Op::CausalAttention { .. } => super::attention::attention(graph, id, name),
+        Op::CausalAttention { .. } => super::attention::attention(graph, id, name, target),
         Op::CausalAttentionGrad { wrt, .. } if *wrt < 3 => {
             let mut outs = [None; 3];
             outs[*wrt] = Some(id);
-            super::attention_grads(graph, outs, name)
+            super::attention_grads(graph, outs, name, target)
         }
         Op::SoftmaxCrossEntropy => Ok(single(cross_entropy(graph, id, name)?)),
         Op::NormProject { eps, centered } => norm_project(graph, id, name, *eps, *centered),

@@ -48,6 +48,11 @@ enum ParamState {
     },
 }
 
+/// Fewest parameter elements for which [`Optimizer::step`] uses several
+/// threads: below it (the test and tutorial models) starting threads costs
+/// more than the update.
+pub const PARALLEL_MIN_ELEMENTS: usize = 1 << 20;
+
 /// The optimizer for a whole [`ParamSet`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct Optimizer {
@@ -132,28 +137,68 @@ impl Optimizer {
 
     /// One update of every parameter with `grads` (same order as `params`) at
     /// `lr_mult` times the peak learning rates.
+    ///
+    /// Parameters update independently, so with more than
+    /// [`PARALLEL_MIN_ELEMENTS`] elements they are spread over the machine's
+    /// threads (largest first onto the least loaded); each parameter's update is
+    /// the same arithmetic on any thread, so results do not depend on the
+    /// thread count.
     pub fn step(&mut self, params: &mut ParamSet, grads: &[Vec<f32>], lr_mult: f64) {
         self.steps += 1;
-        for (i, grad) in grads.iter().enumerate() {
-            let p = &mut params[i];
-            match &mut self.state[i] {
-                ParamState::AdamW { lr_scale, weight_decay, m, v } => {
-                    let h = AdamWStep {
-                        lr: self.adamw.lr * lr_mult * *lr_scale,
-                        beta1: self.adamw.betas.0,
-                        beta2: self.adamw.betas.1,
-                        eps: self.adamw.eps,
-                        weight_decay: *weight_decay,
-                        t: self.steps,
-                    };
-                    adamw_update(&mut p.value, grad, m, v, &h);
-                }
-                ParamState::Muon { hyper, momentum } => {
-                    let h = MuonStep { lr: hyper.lr * lr_mult, ..*hyper };
-                    muon_update(&mut p.value, grad, momentum, &self.dims[i], &h);
-                }
+        let (adamw, steps) = (&self.adamw, self.steps);
+        let update = |value: &mut [f32], grad: &[f32], state: &mut ParamState, dims: &[usize]| match state {
+            ParamState::AdamW { lr_scale, weight_decay, m, v } => {
+                let h = AdamWStep {
+                    lr: adamw.lr * lr_mult * *lr_scale,
+                    beta1: adamw.betas.0,
+                    beta2: adamw.betas.1,
+                    eps: adamw.eps,
+                    weight_decay: *weight_decay,
+                    t: steps,
+                };
+                adamw_update(value, grad, m, v, &h);
             }
+            ParamState::Muon { hyper, momentum } => {
+                let h = MuonStep { lr: hyper.lr * lr_mult, ..*hyper };
+                muon_update(value, grad, momentum, dims, &h);
+            }
+        };
+        let mut jobs: Vec<_> = params
+            .iter_mut()
+            .zip(grads)
+            .zip(self.state.iter_mut())
+            .zip(&self.dims)
+            .map(|(((p, g), st), d)| (p.value.as_mut_slice(), g.as_slice(), st, d.as_slice()))
+            .collect();
+        let total: usize = grads.iter().map(Vec::len).sum();
+        let threads = if total < PARALLEL_MIN_ELEMENTS {
+            1
+        } else {
+            std::thread::available_parallelism().map_or(1, |n| n.get()).min(jobs.len())
+        };
+        if threads <= 1 {
+            for (value, grad, state, dims) in jobs {
+                update(value, grad, state, dims);
+            }
+            return;
         }
+        jobs.sort_by_key(|job| std::cmp::Reverse(job.1.len()));
+        let mut bins: Vec<(usize, Vec<_>)> = (0..threads).map(|_| (0, Vec::new())).collect();
+        for job in jobs {
+            let bin = bins.iter_mut().min_by_key(|(load, _)| *load).expect("at least one thread");
+            bin.0 += job.1.len();
+            bin.1.push(job);
+        }
+        let update = &update;
+        std::thread::scope(|scope| {
+            for (_, bin) in bins {
+                scope.spawn(move || {
+                    for (value, grad, state, dims) in bin {
+                        update(value, grad, state, dims);
+                    }
+                });
+            }
+        });
     }
 
     /// State tensors with their checkpoint names (`opt.<param>.m`, `opt.<param>.v`,
