@@ -282,6 +282,21 @@ fn prepare(
     kb.finish()
 }
 
+/// Where score row `item` (head-major (b, h, t)) lies in the packed scores:
+/// its stored length (the key prefix of its query block), its first element
+/// and its count of unmasked keys (t + 1). Row t lies in query block
+/// qi = t / tb, packed as [tb, (qi+1)·tb] (see the module docs).
+fn score_row(k: &mut Block, d: &Dims) -> (Expr, Expr, Expr) {
+    let t = k.let_("t", item() % ix(d.t));
+    let tb = d.block_rows();
+    let qi = k.let_("qi", t.clone() / ix(tb));
+    let len = k.let_("len", (qi.clone() + i64(1)) * ix(tb));
+    let block = k.let_("block", qi.clone() * (qi + i64(1)) / i64(2) * ix(tb * tb));
+    let base = k.let_("base", (item() / ix(d.t)) * ix(d.slab()) + block + (t.clone() % ix(tb)) * len.clone());
+    let end = k.let_("stop", t + i64(1));
+    (len, base, end)
+}
+
 /// The causal softmax of one score row in place (and, with `dp`, dS into `dp`
 /// in place): item = head-major row (b, h, t), keys t' ≤ t, the rest zeroed.
 /// On the GPU each row is a block of lanes ([`softmax_rows_blocks`]).
@@ -302,14 +317,7 @@ fn softmax_rows(
     let dp = dp_arg.map(|a| kb.temp("dp", a, temps, Access::ReadWrite));
     let ty = d.ty();
     let k = &mut kb.k;
-    let t = k.let_("t", item() % ix(d.t));
-    // Row t lies in query block qi = t / tb, packed as [tb, (qi+1)·tb] (see the module docs).
-    let tb = d.block_rows();
-    let qi = k.let_("qi", t.clone() / ix(tb));
-    let len = k.let_("len", (qi.clone() + i64(1)) * ix(tb));
-    let block = k.let_("block", qi.clone() * (qi + i64(1)) / i64(2) * ix(tb * tb));
-    let base = k.let_("base", (item() / ix(d.t)) * ix(d.slab()) + block + (t.clone() % ix(tb)) * len.clone());
-    let end = k.let_("stop", t + i64(1));
+    let (len, base, end) = score_row(k, d);
     let scale = lit(ty, d.scale);
     // Lane-split folds (see `fold_dynamic`): the max, the sum of exponentials and
     // the centring dot product vectorize instead of chaining one add per key.
@@ -386,13 +394,7 @@ fn softmax_rows_blocks(
     let dp = dp_arg.map(|a| kb.temp("dp", a, temps, Access::ReadWrite));
     let ty = d.ty();
     let k = &mut kb.k;
-    let t = k.let_("t", item() % ix(d.t));
-    let tb = d.block_rows();
-    let qi = k.let_("qi", t.clone() / ix(tb));
-    let len = k.let_("len", (qi.clone() + i64(1)) * ix(tb));
-    let block = k.let_("block", qi.clone() * (qi + i64(1)) / i64(2) * ix(tb * tb));
-    let base = k.let_("base", (item() / ix(d.t)) * ix(d.slab()) + block + (t.clone() % ix(tb)) * len.clone());
-    let end = k.let_("stop", t + i64(1));
+    let (len, base, end) = score_row(k, d);
     let scale = lit(ty, d.scale);
     let step = i64::from(lanes);
     let keys =
