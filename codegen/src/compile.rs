@@ -487,6 +487,12 @@ pub fn compile(graph: &Graph, partition: &[Vec<NodeId>], request: &Request) -> R
         .filter(|&id| gemms.contains_key(&id) || emit::is_standalone(&graph.node(id).op))
         .collect();
 
+    if request.target == Target::Cpu {
+        for g in &mut groups {
+            around_lanes_form(graph, g, &forced);
+        }
+    }
+
     // Units: greedy maximal runs of each group that share one item split.
     let group_unit: HashMap<NodeId, usize> = group_of.clone();
     let all: Vec<NodeId> = groups.iter().flatten().copied().collect();
@@ -513,6 +519,14 @@ pub fn compile(graph: &Graph, partition: &[Vec<NodeId>], request: &Request) -> R
                 flush(&mut current, current_n, &mut units);
                 let n = emit::itemize(graph, &[id], &trial_res, request.target).unwrap_or(1);
                 units.push(Unit::Fused { nodes: vec![id], n });
+                continue;
+            }
+            if request.target == Target::Cpu && emit::has_lanes_form(graph, id) {
+                // A Sinkhorn projection runs on blocks of matrices, vectorized
+                // across tokens (`emit::lower_sinkhorn_lanes`); its operands and
+                // result are a few values per token.
+                flush(&mut current, current_n, &mut units);
+                units.push(Unit::Fused { nodes: vec![id], n: 1 });
                 continue;
             }
             if request.target == Target::Cuda && emit::is_token_reduction(graph, id) {
@@ -604,6 +618,9 @@ pub fn compile(graph: &Graph, partition: &[Vec<NodeId>], request: &Request) -> R
                         Op::ScatterAdd { .. } if request.target == Target::Cuda => {
                             emit::lower_scatter_columns(graph, id, &name)?
                         }
+                        Op::Sinkhorn { .. } | Op::SinkhornGrad { .. } if request.target == Target::Cpu => {
+                            emit::lower_sinkhorn_lanes(graph, id, &name)?
+                        }
                         _ => None,
                     },
                     None => None,
@@ -674,6 +691,84 @@ pub fn compile(graph: &Graph, partition: &[Vec<NodeId>], request: &Request) -> R
     }
     b.plan_arena();
     Ok(Plan { kernels: b.kernels, steps: b.steps, buffers: b.buffers, arena_len: b.arena_len })
+}
+
+/// Orders a group around its one node with a lanes form (a Sinkhorn
+/// projection, [`emit::lower_sinkhorn_lanes`]), which becomes a kernel of its
+/// own and so cuts the group's fused kernel in two: either its ancestors run
+/// before it and every other node after, or every node that does not depend
+/// on it runs before it and its dependants after. Each cut costs the values
+/// that cross it (written by the first kernel, read by the second) and the
+/// inputs both kernels read; the cheaper one is taken. In mHC's forward the
+/// ancestors are the few coefficient logits, where the other cut would read
+/// the N·C stream state twice; in its backward the stream gradients feed both
+/// the Sinkhorn gradient and the other outputs, so everything but the logit
+/// gradient's assembly runs first (MATH.md §4.5).
+fn around_lanes_form(graph: &Graph, group: &mut Vec<NodeId>, buffered: &HashSet<NodeId>) {
+    let mut lanes = group.iter().copied().filter(|&id| emit::has_lanes_form(graph, id));
+    let (Some(pivot), None) = (lanes.next(), lanes.next()) else { return };
+    let members: HashSet<NodeId> = group.iter().copied().collect();
+    let closure = |start: NodeId, forward: bool| {
+        let mut seen: HashSet<NodeId> = HashSet::new();
+        let mut stack = vec![start];
+        while let Some(id) = stack.pop() {
+            let next: Vec<NodeId> =
+                if forward { graph.users(id).iter().map(|&(u, _)| u).collect() } else { graph.inputs(id) };
+            for v in next {
+                if members.contains(&v) && seen.insert(v) {
+                    stack.push(v);
+                }
+            }
+        }
+        seen
+    };
+    let ancestors = closure(pivot, false);
+    let dependants = closure(pivot, true);
+    // The elements of values crossing the cut (twice: a write and a read) and of
+    // outside inputs read on both sides.
+    let cost = |before: &dyn Fn(NodeId) -> bool| -> usize {
+        let reads = |side_before: bool| {
+            let mut out = HashSet::new();
+            for &id in group.iter().filter(|&&id| id != pivot && before(id) == side_before) {
+                if graph.node(id).op.is_view() && !buffered.contains(&id) {
+                    continue;
+                }
+                let mut ps = Vec::new();
+                for i in graph.inputs(id) {
+                    producers(graph, i, &mut ps);
+                }
+                out.extend(ps);
+            }
+            out
+        };
+        let (first, second) = (reads(true), reads(false));
+        let mut pivot_reads = Vec::new();
+        for i in graph.inputs(pivot) {
+            producers(graph, i, &mut pivot_reads);
+        }
+        let numel = |id: &NodeId| graph.node(*id).shape.numel();
+        let crossing: usize = second
+            .iter()
+            .chain(&pivot_reads)
+            .collect::<HashSet<_>>()
+            .into_iter()
+            .filter(|p| members.contains(p) && before(**p) && !buffered.contains(p))
+            .map(numel)
+            .sum();
+        let shared: usize = first.intersection(&second).filter(|p| !members.contains(p)).map(numel).sum();
+        2 * crossing + shared
+    };
+    let ancestors_first = |id: NodeId| ancestors.contains(&id);
+    let independents_first = |id: NodeId| !dependants.contains(&id) && id != pivot;
+    let before: &dyn Fn(NodeId) -> bool = if cost(&ancestors_first) <= cost(&independents_first) {
+        &ancestors_first
+    } else {
+        &independents_first
+    };
+    let (mut first, rest): (Vec<NodeId>, Vec<NodeId>) = group.iter().partition(|&&id| before(id));
+    first.push(pivot);
+    first.extend(rest.into_iter().filter(|&id| id != pivot));
+    *group = first;
 }
 
 /// The only node a fused unit computes (the unit's other nodes are views and

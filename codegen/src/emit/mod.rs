@@ -22,9 +22,11 @@
 
 mod attention;
 mod item;
+mod lanes;
 mod standalone;
 
 pub use attention::attention_grads;
+pub use lanes::{has_lanes_form, lower_sinkhorn_lanes};
 pub use standalone::{lower_standalone, temporal_grads};
 
 use std::cell::Cell;
@@ -211,10 +213,16 @@ pub(crate) fn pairwise(mut terms: Vec<Expr>, op: impl Fn(Expr, Expr) -> Expr) ->
 /// register and hide the add latency.
 pub(crate) const FOLD_LANES: usize = 8;
 
+/// Partial folds of a reduction that fills them at least four times: 16 f32
+/// lanes, one AVX-512 register. With 8 lanes GCC vectorizes the loop over lane
+/// groups two groups per register and shuffles every load into even and odd
+/// groups (mHC's 4×4 Gram products over C took 3.5x longer that way).
+const WIDE_FOLD_LANES: usize = 16;
+
 /// A `Var` accumulating `f(j)` over `j in 0..n` from `init` with `op`.
 ///
-/// Long folds run as [`FOLD_LANES`] interleaved partial folds (lane `w` takes
-/// `j ≡ w mod FOLD_LANES`), combined pairwise and then into `init`: a serial
+/// Long folds run as [`WIDE_FOLD_LANES`] or [`FOLD_LANES`] interleaved partial
+/// folds (lane `w` of `W` takes `j ≡ w mod W`), combined pairwise and then into `init`: a serial
 /// chain of dependent float adds over a 4096-wide row costs one add latency per
 /// element (xHC's LayerNorm over N·C, MATH.md §6.2; `-ffp-contract=off` and no
 /// fast-math, so the C compiler keeps the order), while independent lanes
@@ -231,20 +239,21 @@ pub(crate) fn fold(
     f: impl Fn(&mut Block, Expr) -> Expr,
 ) -> Expr {
     let acc = b.var(&names.fresh("acc"), init);
-    if n >= 4 * FOLD_LANES && n.is_multiple_of(FOLD_LANES) {
-        let lanes = b.local_array(&names.fresh("lane"), ty, FOLD_LANES);
+    let width = [WIDE_FOLD_LANES, FOLD_LANES].into_iter().find(|&w| n >= 4 * w && n.is_multiple_of(w));
+    if let Some(width) = width {
+        let lanes = b.local_array(&names.fresh("lane"), ty, width);
         let (w0, jb, w) = (names.fresh("w"), names.fresh("jb"), names.fresh("w"));
-        b.for_unrolled(&w0, ix(0), ix(FOLD_LANES), |b, w0| {
+        b.for_unrolled(&w0, ix(0), ix(width), |b, w0| {
             let v = f(b, w0.clone());
             b.store(&lanes, w0, v);
         });
-        b.for_(&jb, ix(1), ix(n / FOLD_LANES), |b, jb| {
-            b.for_unrolled(&w, ix(0), ix(FOLD_LANES), |b, w| {
-                let v = f(b, jb * ix(FOLD_LANES) + w.clone());
+        b.for_(&jb, ix(1), ix(n / width), |b, jb| {
+            b.for_unrolled(&w, ix(0), ix(width), |b, w| {
+                let v = f(b, jb * ix(width) + w.clone());
                 b.store(&lanes, w.clone(), op(lanes.at(w), v));
             });
         });
-        let combined = pairwise((0..FOLD_LANES).map(|w| lanes.at(ix(w))).collect(), &op);
+        let combined = pairwise((0..width).map(|w| lanes.at(ix(w))).collect(), &op);
         b.assign(&acc, op(acc.clone(), combined));
         return acc;
     }
