@@ -192,6 +192,47 @@ fn small_per_token_contractions_fuse_and_projections_stay_heavy() {
     assert_eq!(region.inputs, vec![state, coef]);
 }
 
+/// mHC's shape of a sublayer: the read's group also computes a large per-token
+/// product (`H·state`) that only the write after the sublayer's GEMM uses. It
+/// moves into the write's group (one more read of the state there, instead of
+/// writing and reading the product), while a small product of another input
+/// (also used only after the GEMM) stays: moving it would add a read of that
+/// whole input.
+#[test]
+fn large_values_read_only_later_are_computed_by_their_readers() {
+    let mut g = Graph::new();
+    let state = input(&mut g, "state", &[2, 8, 4, 16]);
+    let logits = input(&mut g, "logits", &[2, 8, 4, 4]);
+    let w = param(&mut g, "w", &[16, 16]);
+    let mm = |g: &mut Graph, a, b| g.add(Op::MatMul { trans_a: false, trans_b: false }, &[a, b]).unwrap();
+    let h = g.add(Op::Unary(UnaryOp::Tanh), &[logits]).unwrap();
+    let carry = mm(&mut g, h, state); // [2, 8, 4, 16], needed only by the write
+    let pre = g.add(Op::Slice { axis: 2, start: 0, end: 1 }, &[h]).unwrap();
+    let read = mm(&mut g, pre, state); // [2, 8, 1, 16]
+    let x = g.add(Op::Reshape { shape: vec![2, 8, 16] }, &[read]).unwrap();
+    let other = input(&mut g, "other", &[2, 8, 4, 16]);
+    let small = mm(&mut g, pre, other); // [2, 8, 1, 16] from a [2, 8, 4, 16] input
+    let x = g.add(Op::Unary(UnaryOp::Tanh), &[x]).unwrap();
+    let y = mm(&mut g, x, w); // the sublayer: a GEMM
+    let y = g.add(Op::Reshape { shape: vec![2, 8, 1, 16] }, &[y]).unwrap();
+    let y = g.add(Op::Broadcast { shape: vec![2, 8, 4, 16] }, &[y]).unwrap();
+    let out = g.add(Op::Binary(BinaryOp::Add), &[carry, y]).unwrap();
+    let spread = g.add(Op::Broadcast { shape: vec![2, 8, 4, 16] }, &[small]).unwrap();
+    let out = g.add(Op::Binary(BinaryOp::Mul), &[out, spread]).unwrap();
+    g.set_output("out", out);
+    g.set_output("h", h);
+    let fused = fuse(&g, &[]).unwrap();
+    fused.check(&g).unwrap();
+    let group = |id| fused.group_of(id).unwrap();
+    assert_eq!(group(carry), group(out), "the product is computed by the write");
+    assert_eq!(group(h), group(read), "the coefficients and the read are one kernel");
+    assert_ne!(group(h), group(out), "which feeds the GEMM the write reads");
+    assert_eq!(group(small), group(read), "a value smaller than the input it reads stays");
+    let reason = &fused.group(group(out)).reason;
+    assert!(reason.contains("computed here from its inputs"), "{reason}");
+    assert!(fused.group(group(out)).inputs.contains(&state), "the write reads the state");
+}
+
 #[test]
 fn stencil_input_comes_from_an_earlier_group() {
     let mut g = Graph::new();

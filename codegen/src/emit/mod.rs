@@ -633,11 +633,21 @@ fn restricted(
     r
 }
 
+/// Fewest elements of its widest value one item of a C kernel should own:
+/// four AVX-512 vectors, or a whole row when rows are shorter. Finer splits (one item per element) leave the item
+/// loop with per-element index arithmetic (divisions by the row widths) that
+/// the C compiler does not vectorize: mHC's stream write (`H_res·x + H_post·y`,
+/// MATH.md §4.1) ran at 18 GB/s as one item per element. Two threads need
+/// only a few items each; the GPU wants every thread it can get.
+const CPU_MIN_ITEM_ELEMENTS: usize = 64;
+
 /// The item count of a kernel computing `nodes` (in topological order), or
 /// `None` when no split into items lets every op read its in-kernel operands
 /// inside its own item (or the per-item scratch would exceed the target's
 /// [`Target::local_limit`]).
-/// Larger counts are preferred (more parallelism).
+/// Larger counts are preferred (more parallelism); on the C target, counts that
+/// give items at least [`CPU_MIN_ITEM_ELEMENTS`] of the widest value (or a whole
+/// row of it) come first.
 pub fn itemize(graph: &Graph, nodes: &[NodeId], res: &dyn Residency, target: Target) -> Option<usize> {
     if nodes.iter().any(|&id| is_standalone(&graph.node(id).op) || graph.node(id).op.is_source()) {
         return None;
@@ -660,6 +670,13 @@ pub fn itemize(graph: &Graph, nodes: &[NodeId], res: &dyn Residency, target: Tar
     }
     candidates.sort_unstable_by(|a, b| b.cmp(a));
     candidates.dedup();
+    if target == Target::Cpu {
+        // Whole rows first (stable: larger counts still first within each kind).
+        let widest = computed.iter().map(|&id| &graph.node(id).shape).max_by_key(|s| s.numel());
+        let (numel, row) = widest.map_or((1, 1), |s| (s.numel(), s.last()));
+        let least = CPU_MIN_ITEM_ELEMENTS.min(row);
+        candidates.sort_by_key(|&n| n > 0 && numel / n.max(1) < least);
+    }
     'candidate: for n in candidates.into_iter().filter(|&n| n > 0) {
         let mut local = 0;
         let mut memo: HashMap<NodeId, Option<bool>> = HashMap::new();

@@ -582,12 +582,78 @@ fn cluster(a: &Analysis) -> Clusters {
     cl
 }
 
+/// Moves token-local nodes into the group of their consumers where that moves
+/// fewer bytes: a node whose every user sits in one later token-local group
+/// (same phase, same tokens), computed there from its inputs instead of written
+/// by its own group and read back. It pays when the inputs the later group does
+/// not read already are smaller than the value written and read: mHC's
+/// `H_res·x` (MATH.md §4.1, n·C per token) fused into the stream read is
+/// written, then read after the sublayer by the stream write; computed in the
+/// write instead, it costs one more read of x (n·C) and the n² coefficients,
+/// and saves the write and the read of n·C. Only values the first group keeps
+/// in memory anyway (its outputs or outside inputs) may be read by the moved
+/// node, so no new value is materialized. Nodes are visited last first, so
+/// chains move one node at a time.
+fn sink(a: &Analysis, cl: &mut Clusters) {
+    let g = a.graph;
+    let bytes = |q: usize| {
+        let node = g.node(a.order[q]);
+        node.shape.numel() * node.dtype.size_bytes()
+    };
+    for p in (0..a.order.len()).rev() {
+        if a.class[p] != Class::Local || a.roots.contains(&p) || a.users[p].is_empty() {
+            continue;
+        }
+        let home = cl.of[p];
+        let target = cl.of[a.users[p][0]];
+        let same =
+            |u: usize| a.class[u] == Class::Local && a.backward[u] == a.backward[p] && a.grid[u] == a.grid[p];
+        if target == home
+            || cl.reduction[target]
+            || !a.users[p].iter().all(|&u| cl.of[u] == target && same(u))
+        {
+            continue;
+        }
+        let stencil_user = a.users[p].iter().any(|&u| a.reads[u].iter().any(|&(q, st)| q == p && st));
+        if stencil_user || a.reads[p].iter().any(|&(q, st)| st && cl.of[q] == target) {
+            continue;
+        }
+        // Every input must stay readable: produced outside `home`, or kept in
+        // memory by `home` for a reader outside it.
+        let kept = |q: usize| {
+            cl.of[q] != home || a.roots.contains(&q) || a.users[q].iter().any(|&u| cl.of[u] != home)
+        };
+        if !a.reads[p].iter().all(|&(q, _)| kept(q)) {
+            continue;
+        }
+        let target_reads = |q: usize| {
+            cl.of[q] == target || cl.members[target].iter().any(|&m| a.reads[m].iter().any(|r| r.0 == q))
+        };
+        let extra: usize =
+            a.reads[p].iter().filter(|&&(q, _)| !target_reads(q)).map(|&(q, _)| bytes(q)).sum();
+        if extra >= 2 * bytes(p) {
+            continue;
+        }
+        cl.members[home].retain(|&m| m != p);
+        cl.members[target].push(p);
+        cl.members[target].sort_unstable();
+        cl.of[p] = target;
+        cl.notes[target].push(format!(
+            "{} computed here from its inputs rather than in the group that reads them ({} bytes more read, {} bytes less written and read)",
+            node_name(a, p),
+            extra,
+            2 * bytes(p)
+        ));
+    }
+}
+
 /// Partitions `graph` into fusion groups. `roots` are the values needed besides the
 /// graph's named outputs (e.g. parameter gradients); they are always group outputs.
 pub fn fuse(graph: &Graph, roots: &[NodeId]) -> Result<FusedGraph, FuseError> {
     let a = Analysis::new(graph, roots)?;
     let n = a.order.len();
-    let cl = cluster(&a);
+    let mut cl = cluster(&a);
+    sink(&a, &mut cl);
 
     // Group ids: the source group first, then clusters by their first member.
     let mut group_at: Vec<usize> = vec![usize::MAX; n];
