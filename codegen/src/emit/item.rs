@@ -312,6 +312,22 @@ const ROW_K_GROUP: usize = 4;
 /// which [`super::fold`] splits a fold into lanes.
 const DOT_MIN_K: usize = 4 * super::FOLD_LANES;
 
+/// Contraction steps [`matmul`]'s row form adds into its accumulator at once:
+/// [`ROW_K_GROUP`], or more on rows of few vectors, up to
+/// [`ROW_GROUP_PRODUCTS`] vector products per update, so the chain of
+/// accumulator updates through memory stays short (a 16-wide row over K = 64
+/// was 16 dependent updates; grouped by 16 it is 4). 1 when K has no such factor.
+fn row_k_group(k: usize, n: usize) -> usize {
+    let vectors = n.div_ceil(VECTOR_LANES);
+    [16, 8, ROW_K_GROUP]
+        .into_iter()
+        .find(|&g| k.is_multiple_of(g) && (g == ROW_K_GROUP || g * vectors <= ROW_GROUP_PRODUCTS))
+        .unwrap_or(1)
+}
+
+/// Most vector products one update of [`matmul`]'s row accumulator sums.
+const ROW_GROUP_PRODUCTS: usize = 16;
+
 /// f32 lanes of the widest vectors the C compiler is expected to use (AVX-512),
 /// for [`matmul`]'s choice between its row and dot-product forms.
 const VECTOR_LANES: usize = 16;
@@ -363,11 +379,12 @@ fn matmul(b: &mut Block, cx: &ItemOp, trans_a: bool, trans_b: bool) {
                 let a0 = b.let_(&cx.fresh("a0"), a_base + mi * ix(am));
                 let zero = cx.lit(0.0);
                 b.for_(&cx.fresh("z"), ix(0), ix(n), |b, ni| b.store(&acc, ni, zero));
-                // Contraction steps in groups of `ROW_K_GROUP`: the row accumulator
-                // (a stack array the compiler keeps in memory) is loaded and stored
-                // once per group instead of once per step, which was a
-                // store-to-load chain on narrow rows (n = 16 in VWN, MATH.md §5.3).
-                let group = if k.is_multiple_of(ROW_K_GROUP) { ROW_K_GROUP } else { 1 };
+                // Contraction steps in groups: the row accumulator (a stack array
+                // the compiler keeps in memory) is loaded and stored once per group
+                // instead of once per step, which was a store-to-load chain on
+                // narrow rows (n = 16 in VWN, MATH.md §5.3). Rows of one vector
+                // take the widest group ([`row_k_group`]).
+                let group = row_k_group(k, n);
                 b.for_(&cx.fresh("j"), ix(0), ix(k / group), |b, jg| {
                     let mut taps = Vec::with_capacity(group);
                     for u in 0..group {

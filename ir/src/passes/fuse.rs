@@ -583,25 +583,29 @@ fn cluster(a: &Analysis) -> Clusters {
 }
 
 /// Moves token-local nodes into the group of their consumers where that moves
-/// fewer bytes: a node whose every user sits in one later token-local group
-/// (same phase, same tokens), computed there from its inputs instead of written
-/// by its own group and read back. It pays when the inputs the later group does
-/// not read already are smaller than the value written and read: mHC's
-/// `H_res·x` (MATH.md §4.1, n·C per token) fused into the stream read is
-/// written, then read after the sublayer by the stream write; computed in the
-/// write instead, it costs one more read of x (n·C) and the n² coefficients,
-/// and saves the write and the read of n·C. Only values the first group keeps
-/// in memory anyway (its outputs or outside inputs) may be read by the moved
-/// node, so no new value is materialized. Nodes are visited last first, so
-/// chains move one node at a time.
+/// fewer bytes: a value whose every user sits in one later token-local group
+/// (same phase, same tokens) is computed there, together with the nodes of its
+/// group that only it needs (its exclusive cone), instead of being written by
+/// its own group and read back. It pays when what the later group must read
+/// in addition (the cone's inputs it does not read already, plus any value of
+/// the first group that now has to be written for it) is smaller than the
+/// values no longer written and read.
+///
+/// mHC's `H_res·x` (MATH.md §4.1, n·C per token), fused into the stream read,
+/// was written and then read after the sublayer by the stream write; computed
+/// in the write, it costs one more read of x and saves the write and the read
+/// of n·C. In the backward, the norm-projection's `x · s` term of dx (§4.5, a
+/// per-token scalar s) is computed by the kernel that sums dx's terms, which
+/// reads x already. Nodes are visited last first; no FLOP is duplicated.
 fn sink(a: &Analysis, cl: &mut Clusters) {
     let g = a.graph;
     let bytes = |q: usize| {
         let node = g.node(a.order[q]);
         node.shape.numel() * node.dtype.size_bytes()
     };
+    let movable = |p: usize| a.class[p] == Class::Local && !a.roots.contains(&p) && !a.users[p].is_empty();
     for p in (0..a.order.len()).rev() {
-        if a.class[p] != Class::Local || a.roots.contains(&p) || a.users[p].is_empty() {
+        if !movable(p) {
             continue;
         }
         let home = cl.of[p];
@@ -614,35 +618,71 @@ fn sink(a: &Analysis, cl: &mut Clusters) {
         {
             continue;
         }
-        let stencil_user = a.users[p].iter().any(|&u| a.reads[u].iter().any(|&(q, st)| q == p && st));
-        if stencil_user || a.reads[p].iter().any(|&(q, st)| st && cl.of[q] == target) {
-            continue;
+        // The cone: p and the nodes of `home` whose users are all in the cone
+        // or in `target`.
+        let mut cone: Vec<usize> = vec![p];
+        loop {
+            let mut grown = false;
+            for i in 0..cone.len() {
+                for &(q, _) in &a.reads[cone[i]] {
+                    let joins = cl.of[q] == home
+                        && movable(q)
+                        && same(q)
+                        && !cone.contains(&q)
+                        && a.users[q].iter().all(|u| cone.contains(u) || cl.of[*u] == target);
+                    if joins {
+                        cone.push(q);
+                        grown = true;
+                    }
+                }
+            }
+            if !grown {
+                break;
+            }
         }
-        // Every input must stay readable: produced outside `home`, or kept in
-        // memory by `home` for a reader outside it.
-        let kept = |q: usize| {
-            cl.of[q] != home || a.roots.contains(&q) || a.users[q].iter().any(|&u| cl.of[u] != home)
-        };
-        if !a.reads[p].iter().all(|&(q, _)| kept(q)) {
+        let stencil = cone.iter().any(|&m| {
+            a.reads[m].iter().any(|&(q, st)| st && (cl.of[q] == target || cone.contains(&q)))
+                || a.users[m].iter().any(|&u| a.reads[u].iter().any(|&(q, st)| q == m && st))
+        });
+        if stencil {
             continue;
         }
         let target_reads = |q: usize| {
             cl.of[q] == target || cl.members[target].iter().any(|&m| a.reads[m].iter().any(|r| r.0 == q))
         };
-        let extra: usize =
-            a.reads[p].iter().filter(|&&(q, _)| !target_reads(q)).map(|&(q, _)| bytes(q)).sum();
-        if extra >= 2 * bytes(p) {
+        // A value of `home` that nothing outside it reads lives in registers
+        // there; the cone reading it makes it a write and a read.
+        let kept = |q: usize| {
+            cl.of[q] != home || a.roots.contains(&q) || a.users[q].iter().any(|&u| cl.of[u] != home)
+        };
+        let inputs: BTreeSet<usize> =
+            cone.iter().flat_map(|&m| a.reads[m].iter().map(|r| r.0)).filter(|q| !cone.contains(q)).collect();
+        let extra: usize = inputs
+            .iter()
+            .map(|&q| match (target_reads(q), kept(q)) {
+                (true, _) => 0,
+                (false, true) => bytes(q),
+                (false, false) => 2 * bytes(q),
+            })
+            .sum();
+        let saved: usize = cone
+            .iter()
+            .filter(|&&m| a.users[m].iter().any(|&u| cl.of[u] == target))
+            .map(|&m| 2 * bytes(m))
+            .sum();
+        if extra >= saved {
             continue;
         }
-        cl.members[home].retain(|&m| m != p);
-        cl.members[target].push(p);
+        for &m in &cone {
+            cl.members[home].retain(|&x| x != m);
+            cl.members[target].push(m);
+            cl.of[m] = target;
+        }
         cl.members[target].sort_unstable();
-        cl.of[p] = target;
+        let names: Vec<String> = cone.iter().rev().map(|&m| node_name(a, m)).collect();
         cl.notes[target].push(format!(
-            "{} computed here from its inputs rather than in the group that reads them ({} bytes more read, {} bytes less written and read)",
-            node_name(a, p),
-            extra,
-            2 * bytes(p)
+            "{} computed here from its inputs rather than in the group that reads them ({extra} bytes more read or written, {saved} bytes less written and read)",
+            names.join(", ")
         ));
     }
 }
