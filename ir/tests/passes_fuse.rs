@@ -197,7 +197,8 @@ fn small_per_token_contractions_fuse_and_projections_stay_heavy() {
 /// moves into the write's group (one more read of the state there, instead of
 /// writing and reading the product), while a small product of another input
 /// (also used only after the GEMM) stays: moving it would add a read of that
-/// whole input.
+/// whole input. The state scaled by a per-token mean of the coefficients moves
+/// with the mean, which nothing else reads.
 #[test]
 fn large_values_read_only_later_are_computed_by_their_readers() {
     let mut g = Graph::new();
@@ -219,12 +220,21 @@ fn large_values_read_only_later_are_computed_by_their_readers() {
     let out = g.add(Op::Binary(BinaryOp::Add), &[carry, y]).unwrap();
     let spread = g.add(Op::Broadcast { shape: vec![2, 8, 4, 16] }, &[small]).unwrap();
     let out = g.add(Op::Binary(BinaryOp::Mul), &[out, spread]).unwrap();
+    // `state · mean(h)`: a per-token scalar only the scaled state needs (its cone).
+    let scale = g.add(Op::Reduce { op: ir::graph::ReduceOp::Mean, axis: 3, keepdim: true }, &[h]).unwrap();
+    let scale =
+        g.add(Op::Reduce { op: ir::graph::ReduceOp::Mean, axis: 2, keepdim: true }, &[scale]).unwrap();
+    let spread_scale = g.add(Op::Broadcast { shape: vec![2, 8, 4, 16] }, &[scale]).unwrap();
+    let scaled = g.add(Op::Binary(BinaryOp::Mul), &[state, spread_scale]).unwrap();
+    let out = g.add(Op::Binary(BinaryOp::Add), &[out, scaled]).unwrap();
     g.set_output("out", out);
     g.set_output("h", h);
     let fused = fuse(&g, &[]).unwrap();
     fused.check(&g).unwrap();
     let group = |id| fused.group_of(id).unwrap();
     assert_eq!(group(carry), group(out), "the product is computed by the write");
+    assert_eq!(group(scaled), group(out), "so is the scaled state");
+    assert_eq!(group(scale), group(out), "with the scalar only it reads");
     assert_eq!(group(h), group(read), "the coefficients and the read are one kernel");
     assert_ne!(group(h), group(out), "which feeds the GEMM the write reads");
     assert_eq!(group(small), group(read), "a value smaller than the input it reads stays");
