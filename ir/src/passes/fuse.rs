@@ -589,7 +589,8 @@ fn cluster(a: &Analysis) -> Clusters {
 /// its own group and read back. It pays when what the later group must read
 /// in addition (the cone's inputs it does not read already, plus any value of
 /// the first group that now has to be written for it) is smaller than the
-/// values no longer written and read.
+/// values no longer written and read, less the inputs the first group no
+/// longer reads (all of them when the cone was the whole group).
 ///
 /// mHC's `H_res·x` (MATH.md §4.1, n·C per token), fused into the stream read,
 /// was written and then read after the sublayer by the stream write; computed
@@ -657,6 +658,10 @@ fn sink(a: &Analysis, cl: &mut Clusters) {
         };
         let inputs: BTreeSet<usize> =
             cone.iter().flat_map(|&m| a.reads[m].iter().map(|r| r.0)).filter(|q| !cone.contains(q)).collect();
+        // Inputs the rest of `home` no longer reads are reads it saves.
+        let home_reads = |q: usize| {
+            cl.members[home].iter().any(|&m| !cone.contains(&m) && a.reads[m].iter().any(|r| r.0 == q))
+        };
         let extra: usize = inputs
             .iter()
             .map(|&q| match (target_reads(q), kept(q)) {
@@ -665,6 +670,9 @@ fn sink(a: &Analysis, cl: &mut Clusters) {
                 (false, false) => 2 * bytes(q),
             })
             .sum();
+        let unread: usize =
+            inputs.iter().filter(|&&q| cl.of[q] != home && !home_reads(q)).map(|&q| bytes(q)).sum();
+        let extra = extra.saturating_sub(unread);
         let saved: usize = cone
             .iter()
             .filter(|&&m| a.users[m].iter().any(|&u| cl.of[u] == target))
