@@ -196,8 +196,8 @@ fn small_per_token_contractions_fuse_and_projections_stay_heavy() {
 /// product (`H·state`) that only the write after the sublayer's GEMM uses. It
 /// moves into the write's group (one more read of the state there, instead of
 /// writing and reading the product), while a small product of another input
-/// (also used only after the GEMM) stays: moving it would add a read of that
-/// whole input. The state scaled by a per-token mean of the coefficients moves
+/// the read's group needs anyway (also used only after the GEMM) stays: moving
+/// it would add a read of that whole input. The state scaled by a per-token mean of the coefficients moves
 /// with the mean, which nothing else reads.
 #[test]
 fn large_values_read_only_later_are_computed_by_their_readers() {
@@ -210,8 +210,11 @@ fn large_values_read_only_later_are_computed_by_their_readers() {
     let carry = mm(&mut g, h, state); // [2, 8, 4, 16], needed only by the write
     let pre = g.add(Op::Slice { axis: 2, start: 0, end: 1 }, &[h]).unwrap();
     let read = mm(&mut g, pre, state); // [2, 8, 1, 16]
-    let x = g.add(Op::Reshape { shape: vec![2, 8, 16] }, &[read]).unwrap();
+                                       // The read also takes a row of another input, which its group so reads anyway.
     let other = input(&mut g, "other", &[2, 8, 4, 16]);
+    let row = g.add(Op::Slice { axis: 2, start: 0, end: 1 }, &[other]).unwrap();
+    let read = g.add(Op::Binary(BinaryOp::Add), &[read, row]).unwrap();
+    let x = g.add(Op::Reshape { shape: vec![2, 8, 16] }, &[read]).unwrap();
     let small = mm(&mut g, pre, other); // [2, 8, 1, 16] from a [2, 8, 4, 16] input
     let x = g.add(Op::Unary(UnaryOp::Tanh), &[x]).unwrap();
     let y = mm(&mut g, x, w); // the sublayer: a GEMM
