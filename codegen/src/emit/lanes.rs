@@ -56,6 +56,9 @@ pub fn lower_sinkhorn_lanes(graph: &Graph, id: NodeId, name: &str) -> Result<Opt
     let x = r.read(&mut k, inputs[0]);
     let dout = if grad { Some(r.read(&mut k, inputs[1])) } else { None };
     let out = r.buffer(&mut k, id, Access::Write);
+    k.comment(&format!(
+        "{LANES} {n}x{n} matrices per item, lane-minor: the lane loops vectorize across tokens"
+    ));
     let m = Matrices { ty: Ty::of_storage(node.dtype), n, eps };
     // Each lane's matrix offset; lanes past the last matrix repeat it (their
     // stores write the same values again, within this item).
