@@ -481,6 +481,40 @@ fn scatter(b: &mut Block, cx: &ItemOp, axis: usize, add: bool) {
     let j = numel(cx.in_dims[1]) / p.max(1);
     let q = cx.per / (s * r).max(1);
     let (base, idx, src) = (cx.ins[0].clone(), cx.ins[1].clone(), cx.ins[2].clone());
+    if !add {
+        // Each output row written once, from the source row whose index names
+        // it or else from the base (the indices are distinct): xHC's write-back
+        // (MATH.md §6.6) copied all N base rows, then wrote the k active rows
+        // over them again.
+        let qn = cx.fresh("q");
+        b.for_(&qn, ix(0), ix(q), |b, qq| {
+            let pi = b.let_(&cx.fresh("pi"), item() * ix(q) + qq);
+            b.for_(&cx.fresh("s"), ix(0), ix(s), |b, row| {
+                let sel = b.var(&cx.fresh("sel"), i64(-1));
+                b.for_(&cx.fresh("j"), ix(0), ix(j), |b, jj| {
+                    let named = idx.load(pi.clone() * ix(j) + jj.clone()).cast(Ty::I64).eq_(row.clone());
+                    b.assign(&sel, select(named, jj, sel.clone()));
+                });
+                let dst = b.let_(&cx.fresh("dst"), (pi.clone() * ix(s) + row) * ix(r));
+                let from = b.let_(&cx.fresh("from"), (pi.clone() * ix(j) + sel.clone()) * ix(r));
+                let (dst2, en) = (dst.clone(), cx.fresh("e"));
+                b.if_else(
+                    sel.clone().ge(i64(0)),
+                    |b| {
+                        b.for_(&en, ix(0), ix(r), |b, e| {
+                            cx.sink.store(b, dst + e.clone(), src.load(from + e))
+                        })
+                    },
+                    |b| {
+                        b.for_(&en, ix(0), ix(r), |b, e| {
+                            cx.sink.store(b, dst2.clone() + e.clone(), base.load(dst2 + e))
+                        })
+                    },
+                );
+            });
+        });
+        return;
+    }
     cx.pointwise(b, |_, g| base.load(g));
     let qn = cx.fresh("q");
     b.for_(&qn, ix(0), ix(q), |b, qq| {
