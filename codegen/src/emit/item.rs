@@ -373,19 +373,21 @@ fn matmul(b: &mut Block, cx: &ItemOp, trans_a: bool, trans_b: bool) {
         // The item holds whole output rows: accumulate a row at a time, the
         // contraction outermost and the row's columns innermost, so the column
         // loop is independent across iterations and vectorizable.
-        let acc = b.local_array(&cx.fresh("racc"), cx.ty(), n);
+        let (group, groups) = (row_k_group(k, n), k / row_k_group(k, n));
+        let acc = if groups > 1 { Some(b.local_array(&cx.fresh("racc"), cx.ty(), n)) } else { None };
         let row_body =
             |b: &mut Block, row: Expr, mi: Expr, a_base: Expr, rhs: &Val, b0: Expr, bk: usize, bn: usize| {
                 let a0 = b.let_(&cx.fresh("a0"), a_base + mi * ix(am));
-                let zero = cx.lit(0.0);
-                b.for_(&cx.fresh("z"), ix(0), ix(n), |b, ni| b.store(&acc, ni, zero));
                 // Contraction steps in groups: the row accumulator (a stack array
                 // the compiler keeps in memory) is loaded and stored once per group
                 // instead of once per step, which was a store-to-load chain on
                 // narrow rows (n = 16 in VWN, MATH.md §5.3). Rows of one vector
-                // take the widest group ([`row_k_group`]).
-                let group = row_k_group(k, n);
-                b.for_(&cx.fresh("j"), ix(0), ix(k / group), |b, jg| {
+                // take the widest group ([`row_k_group`]). The first group
+                // initializes the accumulator and the last one stores the row, so
+                // a single group (mHC's K = n = 4 stream mixes) is one pass with
+                // no accumulator at all (GCC turned the zeroing and the final
+                // copy of the accumulator into library memset and memcpy calls).
+                let taps = |b: &mut Block, jg: Expr| {
                     let mut taps = Vec::with_capacity(group);
                     for u in 0..group {
                         let j = jg.clone() * ix(group) + ix(u);
@@ -393,16 +395,39 @@ fn matmul(b: &mut Block, cx: &ItemOp, trans_a: bool, trans_b: bool) {
                         let bj = b.let_(&cx.fresh("bj"), b0.clone() + j * ix(bk));
                         taps.push((av, bj));
                     }
+                    taps
+                };
+                let sum = |taps: &[(Expr, Expr)], ni: &Expr| {
+                    let terms: Vec<Expr> = taps
+                        .iter()
+                        .map(|(av, bj)| av.clone() * rhs.load(bj.clone() + ni.clone() * ix(bn)))
+                        .collect();
+                    pairwise(terms, |x, y| x + y)
+                };
+                if let Some(acc) = &acc {
+                    let first = taps(b, ix(0));
                     b.for_(&cx.fresh("c"), ix(0), ix(n), |b, ni| {
-                        let terms: Vec<Expr> = taps
-                            .iter()
-                            .map(|(av, bj)| av.clone() * rhs.load(bj.clone() + ni.clone() * ix(bn)))
-                            .collect();
-                        b.accum(&acc, ni, pairwise(terms, |x, y| x + y));
+                        let v = sum(&first, &ni);
+                        b.store(acc, ni, v);
                     });
-                });
+                    if groups > 2 {
+                        b.for_(&cx.fresh("j"), ix(1), ix(groups - 1), |b, jg| {
+                            let middle = taps(b, jg);
+                            b.for_(&cx.fresh("c"), ix(0), ix(n), |b, ni| {
+                                let v = sum(&middle, &ni);
+                                b.accum(acc, ni, v);
+                            });
+                        });
+                    }
+                }
+                let last = taps(b, ix(groups - 1));
                 b.for_(&cx.fresh("c"), ix(0), ix(n), |b, ni| {
-                    cx.sink.store(b, row * ix(n) + ni.clone(), acc.at(ni));
+                    let v = sum(&last, &ni);
+                    let v = match &acc {
+                        Some(acc) => acc.at(ni.clone()) + v,
+                        None => v,
+                    };
+                    cx.sink.store(b, row * ix(n) + ni, v);
                 });
             };
         let entries = cx.per / (m * n);
