@@ -63,7 +63,7 @@ impl ItemOp<'_> {
         op: impl Fn(Expr, Expr) -> Expr,
         f: impl Fn(&mut Block, Expr) -> Expr,
     ) -> Expr {
-        super::fold(self.names, b, self.ty(), init, n, op, f)
+        super::fold(self.names, b, init, n, op, f)
     }
 }
 

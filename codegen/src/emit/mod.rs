@@ -232,7 +232,6 @@ const WIDE_FOLD_LANES: usize = 16;
 pub(crate) fn fold(
     names: &Names,
     b: &mut Block,
-    ty: Ty,
     init: Expr,
     n: usize,
     op: impl Fn(Expr, Expr) -> Expr,
@@ -241,19 +240,22 @@ pub(crate) fn fold(
     let acc = b.var(&names.fresh("acc"), init);
     let width = [WIDE_FOLD_LANES, FOLD_LANES].into_iter().find(|&w| n >= 4 * w && n.is_multiple_of(w));
     if let Some(width) = width {
-        let lanes = b.local_array(&names.fresh("lane"), ty, width);
-        let (w0, jb, w) = (names.fresh("w"), names.fresh("jb"), names.fresh("w"));
-        b.for_unrolled(&w0, ix(0), ix(width), |b, w0| {
-            let v = f(b, w0.clone());
-            b.store(&lanes, w0, v);
+        // One variable per lane, not an array: GCC keeps a local array in
+        // memory across the loop (a store-to-load chain per step) but packs
+        // the lane variables into one vector register.
+        let lanes: Vec<Expr> = (0..width)
+            .map(|w| {
+                let v = f(b, ix(w));
+                b.var(&names.fresh("lane"), v)
+            })
+            .collect();
+        b.for_(&names.fresh("jb"), ix(1), ix(n / width), |b, jb| {
+            for (w, lane) in lanes.iter().enumerate() {
+                let v = f(b, jb.clone() * ix(width) + ix(w));
+                b.assign(lane, op(lane.clone(), v));
+            }
         });
-        b.for_(&jb, ix(1), ix(n / width), |b, jb| {
-            b.for_unrolled(&w, ix(0), ix(width), |b, w| {
-                let v = f(b, jb * ix(width) + w.clone());
-                b.store(&lanes, w.clone(), op(lanes.at(w), v));
-            });
-        });
-        let combined = pairwise((0..width).map(|w| lanes.at(ix(w))).collect(), &op);
+        let combined = pairwise(lanes, &op);
         b.assign(&acc, op(acc.clone(), combined));
         return acc;
     }

@@ -80,7 +80,7 @@ fn sum(
 /// `Σ_{j < n} f(j)` for a static `n`, long sums as interleaved partial sums
 /// ([`super::fold`], as the fused row ops fold them).
 fn total(names: &Names, b: &mut Block, ty: Ty, n: usize, f: impl Fn(&mut Block, Expr) -> Expr) -> Expr {
-    super::fold(names, b, ty, lit(ty, 0.0), n, |x, y| x + y, f)
+    super::fold(names, b, lit(ty, 0.0), n, |x, y| x + y, f)
 }
 
 /// One row of `c` contiguous elements of a value, with the row's start
