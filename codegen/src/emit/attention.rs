@@ -322,13 +322,12 @@ fn softmax_rows(
     // Lane-split folds (see `fold_dynamic`): the max, the sum of exponentials and
     // the centring dot product vectorize instead of chaining one add per key.
     let names = Names::default();
-    let m = fold_dynamic(&names, k, ty, lit(ty, f64::NEG_INFINITY), end.clone(), maximum, |_, j| {
+    let m = fold_dynamic(&names, k, lit(ty, f64::NEG_INFINITY), end.clone(), maximum, |_, j| {
         s.at(base.clone() + j) * scale.clone()
     });
     let total = fold_dynamic(
         &names,
         k,
-        ty,
         lit(ty, 0.0),
         end.clone(),
         |a, b| a + b,
@@ -351,7 +350,6 @@ fn softmax_rows(
         let centre = fold_dynamic(
             &names,
             k,
-            ty,
             lit(ty, 0.0),
             end.clone(),
             |a, b| a + b,

@@ -274,29 +274,27 @@ pub(crate) fn fold(
 pub(crate) fn fold_dynamic(
     names: &Names,
     b: &mut Block,
-    ty: Ty,
     identity: Expr,
     n: Expr,
     op: impl Fn(Expr, Expr) -> Expr,
     f: impl Fn(&mut Block, Expr) -> Expr,
 ) -> Expr {
-    let lanes = b.local_array(&names.fresh("lane"), ty, FOLD_LANES);
-    b.for_unrolled(&names.fresh("w"), ix(0), ix(FOLD_LANES), |b, w| b.store(&lanes, w, identity.clone()));
+    // One variable per lane, as in [`fold`].
+    let lanes: Vec<Expr> = (0..FOLD_LANES).map(|_| b.var(&names.fresh("lane"), identity.clone())).collect();
     let groups = b.let_(&names.fresh("groups"), n.clone() / ix(FOLD_LANES));
-    let (jb, w) = (names.fresh("jb"), names.fresh("w"));
-    b.for_(&jb, ix(0), groups.clone(), |b, jb| {
-        b.for_unrolled(&w, ix(0), ix(FOLD_LANES), |b, w| {
-            let v = f(b, jb * ix(FOLD_LANES) + w.clone());
-            b.store(&lanes, w.clone(), op(lanes.at(w), v));
-        });
+    b.for_(&names.fresh("jb"), ix(0), groups.clone(), |b, jb| {
+        for (w, lane) in lanes.iter().enumerate() {
+            let v = f(b, jb.clone() * ix(FOLD_LANES) + ix(w));
+            b.assign(lane, op(lane.clone(), v));
+        }
     });
     b.for_(&names.fresh("j"), groups * ix(FOLD_LANES), n, |b, j| {
         let v = f(b, j);
-        b.store(&lanes, ix(0), op(lanes.at(ix(0)), v));
+        b.assign(&lanes[0], op(lanes[0].clone(), v));
     });
     // Pairwise, as [`pairwise`], with each partial named: `op` may repeat its
     // operands (a NaN-propagating max does), which nesting would multiply.
-    let mut terms: Vec<Expr> = (0..FOLD_LANES).map(|w| lanes.at(ix(w))).collect();
+    let mut terms: Vec<Expr> = lanes;
     while terms.len() > 1 {
         terms = terms
             .chunks(2)
