@@ -33,7 +33,7 @@ pub fn lower_standalone(
             super::attention_grads(graph, outs, name, target)
         }
         Op::SoftmaxCrossEntropy => Ok(single(cross_entropy(graph, id, name)?)),
-        Op::NormProject { eps, centered } => norm_project(graph, id, name, *eps, *centered),
+        Op::NormProject { eps, centered } => norm_project(graph, id, name, *eps, *centered, target),
         Op::TemporalAugment { gram_schmidt, eps_rel } => {
             Ok(single(temporal(graph, id, name, *gram_schmidt, *eps_rel)?))
         }
@@ -144,15 +144,23 @@ impl Row {
     }
 }
 
+/// Shortest row [`memory`] copies as one item in C: shorter rows (a weight's
+/// 20 coefficients) gain nothing over one element per item.
+const COPY_ROW_MIN: usize = 64;
+
 /// A buffer holding node `id`'s value in its own layout: the node's buffer
 /// (through reshapes, its source's), or a copy into a temporary for other views
-/// and constants, which have none.
+/// and constants, which have none. The copy runs one element per item on the
+/// GPU (adjacent threads, adjacent addresses) and one row per item in C (the
+/// view's index math then divides once per row, not once per element: xHC's
+/// first state, the embedding broadcast to N streams, is 8 M elements).
 fn memory(
     graph: &Graph,
     id: NodeId,
     name: &str,
     temps: &mut Temps,
     steps: &mut Vec<Work>,
+    target: Target,
 ) -> Result<Arg, EmitError> {
     let mut v = id;
     while matches!(graph.node(v).op, Op::Reshape { .. }) {
@@ -164,10 +172,15 @@ fn memory(
     }
     let len = node.shape.numel();
     let arg = temps.add(len, node.dtype);
-    let mut kb = Kb::new(graph, &format!("{name}_copy{}", steps.len()), len);
+    let last = node.shape.last();
+    let row = if target == Target::Cpu && last >= COPY_ROW_MIN { last } else { 1 };
+    let mut kb = Kb::new(graph, &format!("{name}_copy{}", steps.len()), len / row);
     let src = kb.r.read(&mut kb.k, id);
     let dst = kb.temp("dst", arg, temps, Access::Write);
-    kb.k.store(&dst, item(), src.load(item()));
+    kb.k.for_("e", ix(0), ix(row), |b, e| {
+        let at = b.let_("at", item() * ix(row) + e);
+        b.store(&dst, at.clone(), src.load(at));
+    });
     steps.push(kb.finish()?);
     Ok(arg)
 }
@@ -183,6 +196,7 @@ fn norm_project(
     name: &str,
     eps: f64,
     centered: usize,
+    target: Target,
 ) -> Result<Lowering, EmitError> {
     let inputs = graph.inputs(id);
     let node = graph.node(id);
@@ -191,8 +205,8 @@ fn norm_project(
     let ty = Ty::of_storage(node.dtype);
     let mut temps = Temps::default();
     let mut steps = Vec::new();
-    let x = memory(graph, inputs[0], name, &mut temps, &mut steps)?;
-    let w = memory(graph, inputs[1], name, &mut temps, &mut steps)?;
+    let x = memory(graph, inputs[0], name, &mut temps, &mut steps, target)?;
+    let w = memory(graph, inputs[1], name, &mut temps, &mut steps, target)?;
     let dot = temps.add(rows * m, node.dtype);
     steps.push(Work::Gemm(GemmCall {
         a: x,
