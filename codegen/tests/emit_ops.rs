@@ -257,6 +257,28 @@ fn sinkhorn_lanes_match_one_matrix_per_item_bitwise() {
     }
 }
 
+/// A per-token stream mix plus a broadcast row (mHC's write, MATH.md §4.1):
+/// on the C target one item owns a whole 64-wide row (per-element items left
+/// divisions by the row widths in the index math), on the GPU one element.
+#[test]
+fn c_items_own_whole_rows() {
+    let mut g = Graph::new();
+    let h = param(&mut g, "h", &[8, 4, 4]);
+    let x = param(&mut g, "x", &[8, 4, 64]);
+    let y = param(&mut g, "y", &[8, 1, 64]);
+    let mix = add(&mut g, Op::MatMul { trans_a: false, trans_b: false }, &[h, x]);
+    let y = add(&mut g, Op::Broadcast { shape: vec![8, 4, 64] }, &[y]);
+    let out = add(&mut g, Op::Binary(BinaryOp::Add), &[mix, y]);
+    g.set_output("out", out);
+    let sources = Sources::random(&g, &mut Rng::new(5), 1.0, &|_, n| vec![0; n]);
+    for (target, items) in [(Target::Cpu, 32), (Target::Cuda, 8 * 4 * 64)] {
+        let request = Request::new(&g, Vec::new()).for_target(target);
+        let plan = check(&g, &sources, &request, &one_group(&g), 1e-5, &format!("stream write {target:?}"));
+        let [k] = &plan.kernels[..] else { panic!("one kernel, got {}", plan.kernels.len()) };
+        assert_eq!(k.grid.items(), items, "{target:?}");
+    }
+}
+
 #[test]
 fn attention_and_its_gradients() {
     for rope in [None, Some(10000.0)] {
