@@ -242,7 +242,7 @@ fn large_values_read_only_later_are_computed_by_their_readers() {
     assert_ne!(group(h), group(out), "which feeds the GEMM the write reads");
     assert_eq!(group(small), group(read), "a value smaller than the input it reads stays");
     let reason = &fused.group(group(out)).reason;
-    assert!(reason.contains("computed here from its inputs"), "{reason}");
+    assert!(reason.contains("computed here, where it is read"), "{reason}");
     assert!(fused.group(group(out)).inputs.contains(&state), "the write reads the state");
 }
 

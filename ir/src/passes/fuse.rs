@@ -689,7 +689,7 @@ fn sink(a: &Analysis, cl: &mut Clusters) {
         cl.members[target].sort_unstable();
         let names: Vec<String> = cone.iter().rev().map(|&m| node_name(a, m)).collect();
         cl.notes[target].push(format!(
-            "{} computed here from its inputs rather than in the group that reads them ({extra} bytes more read or written, {saved} bytes less written and read)",
+            "{} computed here, where it is read, instead of written by the group of its inputs and read back ({extra} bytes more read or written, {saved} bytes less written and read)",
             names.join(", ")
         ));
     }
