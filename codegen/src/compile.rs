@@ -774,7 +774,8 @@ fn around_lanes_form(graph: &Graph, group: &mut Vec<NodeId>, buffered: &HashSet<
 /// The only node a fused unit computes (the unit's other nodes are views and
 /// constants folded into its reads): a `Reduce` may run as a column-blocked
 /// reduction ([`emit::lower_column_reduce`]), a `ScatterAdd` on the GPU one
-/// thread per column ([`emit::lower_scatter_columns`]).
+/// thread per column ([`emit::lower_scatter_columns`]), a Sinkhorn projection
+/// in C in blocks of matrices ([`emit::lower_sinkhorn_lanes`]).
 fn lone_node(graph: &Graph, nodes: &[NodeId], res: &dyn Residency) -> Option<NodeId> {
     let mut computed = nodes.iter().copied().filter(|&id| {
         let op = &graph.node(id).op;

@@ -221,9 +221,9 @@ const WIDE_FOLD_LANES: usize = 16;
 
 /// A `Var` accumulating `f(j)` over `j in 0..n` from `init` with `op`.
 ///
-/// Long folds run as [`WIDE_FOLD_LANES`] or [`FOLD_LANES`] interleaved partial
-/// folds (lane `w` of `W` takes `j ≡ w mod W`), combined pairwise and then into `init`: a serial
-/// chain of dependent float adds over a 4096-wide row costs one add latency per
+/// Long folds run as [`WIDE_FOLD_LANES`] or [`FOLD_LANES`] interleaved
+/// partial folds (lane `w` of `W` takes `j ≡ w mod W`), combined pairwise and
+/// then into `init`: a serial chain of dependent float adds over a 4096-wide row costs one add latency per
 /// element (xHC's LayerNorm over N·C, MATH.md §6.2; `-ffp-contract=off` and no
 /// fast-math, so the C compiler keeps the order), while independent lanes
 /// pipeline and vectorize. The order is fixed, so results stay deterministic and
@@ -634,11 +634,12 @@ fn restricted(
 }
 
 /// Fewest elements of its widest value one item of a C kernel should own:
-/// four AVX-512 vectors, or a whole row when rows are shorter. Finer splits (one item per element) leave the item
-/// loop with per-element index arithmetic (divisions by the row widths) that
-/// the C compiler does not vectorize: mHC's stream write (`H_res·x + H_post·y`,
-/// MATH.md §4.1) ran at 18 GB/s as one item per element. Two threads need
-/// only a few items each; the GPU wants every thread it can get.
+/// four AVX-512 vectors, or a whole row when rows are shorter. Finer splits
+/// (one item per element) leave the item loop with per-element index
+/// arithmetic (divisions by the row widths) that the C compiler does not
+/// vectorize: mHC's stream write (`H_res·x + H_post·y`, MATH.md §4.1) ran at
+/// 18 GB/s as one item per element. Two threads need only a few items each;
+/// the GPU wants every thread it can get.
 const CPU_MIN_ITEM_ELEMENTS: usize = 64;
 
 /// The item count of a kernel computing `nodes` (in topological order), or
