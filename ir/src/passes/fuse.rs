@@ -615,6 +615,7 @@ fn sink(a: &Analysis, cl: &mut Clusters) {
             |u: usize| a.class[u] == Class::Local && a.backward[u] == a.backward[p] && a.grid[u] == a.grid[p];
         if target == home
             || cl.reduction[target]
+            || cl.reduction[home]
             || !a.users[p].iter().all(|&u| cl.of[u] == target && same(u))
         {
             continue;
