@@ -93,13 +93,15 @@ impl Matrices {
         lit(self.ty, v)
     }
 
-    /// Element `e` of lane `l` of a lane-minor matrix stack at matrix `step`.
-    fn at(buf: &Buf, step: impl Into<Expr>, e: usize, n: usize, l: &Expr) -> Expr {
-        buf.at((step.into() * ix(n * n) + ix(e)) * ix(LANES) + l.clone())
+    /// Where element `e` of lane `l`'s matrix `step` sits in a lane-minor
+    /// stack of matrices (`[step][element][lane]`).
+    fn index(&self, step: Expr, e: usize, l: &Expr) -> Expr {
+        (step * ix(self.n * self.n) + ix(e)) * ix(LANES) + l.clone()
     }
 
-    fn index(step: Expr, e: usize, n: usize, l: &Expr) -> Expr {
-        (step * ix(n * n) + ix(e)) * ix(LANES) + l.clone()
+    /// That element's value.
+    fn at(&self, buf: &Buf, step: Expr, e: usize, l: &Expr) -> Expr {
+        buf.at(self.index(step, e, l))
     }
 
     /// Flat index of element `j` of column `a` (`by_column`) or row `a`.
@@ -148,7 +150,7 @@ impl Matrices {
                     }
                 };
                 for i in 0..n {
-                    b.store(dst, Self::index(ix(0), i * n + c, n, &l), (at(i, c) - cm.clone()).exp());
+                    b.store(dst, self.index(ix(0), i * n + c, &l), (at(i, c) - cm.clone()).exp());
                 }
             }
         });
@@ -172,14 +174,14 @@ impl Matrices {
                     .map(|j| {
                         b.let_(
                             &format!("s{a}_{j}"),
-                            Self::at(src, from.clone(), self.line(by_column, a, j), n, &l),
+                            self.at(src, from.clone(), self.line(by_column, a, j), &l),
                         )
                     })
                     .collect();
                 let sum = Self::fold(self.lit(self.eps), vals.iter().cloned(), |p, v| p + v);
                 let inv = b.let_(&format!("inv{a}"), self.lit(1.0) / sum);
                 for (j, v) in vals.into_iter().enumerate() {
-                    b.store(dst, Self::index(to.clone(), self.line(by_column, a, j), n, &l), v * inv.clone());
+                    b.store(dst, self.index(to.clone(), self.line(by_column, a, j), &l), v * inv.clone());
                 }
             }
         });
@@ -197,7 +199,7 @@ impl Matrices {
         lanes(b, |b, l| {
             let mb = b.let_("ob", base.at(l.clone()));
             for e in 0..nn {
-                b.store(out, mb.clone() + ix(e), Self::at(&m, ix(0), e, self.n, &l));
+                b.store(out, mb.clone() + ix(e), self.at(&m, ix(0), e, &l));
             }
         });
     }
@@ -221,7 +223,7 @@ impl Matrices {
         lanes(b, |b, l| {
             let mb = b.let_("db", base.at(l.clone()));
             for e in 0..nn {
-                b.store(&g, Self::index(ix(0), e, n, &l), dout.load(mb.clone() + ix(e)));
+                b.store(&g, self.index(ix(0), e, &l), dout.load(mb.clone() + ix(e)));
             }
         });
         b.for_("it", ix(0), ix(iters), |b, it| {
@@ -234,24 +236,24 @@ impl Matrices {
                         let line: Vec<usize> = (0..n).map(|j| self.line(by_column, a, j)).collect();
                         let sum = Self::fold(
                             self.lit(self.eps),
-                            line.iter().map(|&e| Self::at(&states, step.clone(), e, n, &l)),
+                            line.iter().map(|&e| self.at(&states, step.clone(), e, &l)),
                             |p, v| p + v,
                         );
                         let inv = b.let_(&format!("inv{a}"), self.lit(1.0) / sum);
                         let gs: Vec<Expr> = line
                             .iter()
-                            .map(|&e| b.let_(&format!("g{a}_{e}"), Self::at(&g, ix(0), e, n, &l)))
+                            .map(|&e| b.let_(&format!("g{a}_{e}"), self.at(&g, ix(0), e, &l)))
                             .collect();
                         let centre = Self::fold(
                             self.lit(0.0),
                             line.iter()
                                 .zip(&gs)
-                                .map(|(&e, gv)| gv.clone() * Self::at(&states, after.clone(), e, n, &l)),
+                                .map(|(&e, gv)| gv.clone() * self.at(&states, after.clone(), e, &l)),
                             |p, v| p + v,
                         );
                         let centre = b.let_(&format!("centre{a}"), centre);
                         for (&e, gv) in line.iter().zip(gs) {
-                            b.store(&g, Self::index(ix(0), e, n, &l), (gv - centre.clone()) * inv.clone());
+                            b.store(&g, self.index(ix(0), e, &l), (gv - centre.clone()) * inv.clone());
                         }
                     }
                 });
@@ -265,7 +267,7 @@ impl Matrices {
                         let e = i * n + c;
                         b.let_(
                             &format!("p{c}_{i}"),
-                            Self::at(&g, ix(0), e, n, &l) * Self::at(&states, ix(0), e, n, &l),
+                            self.at(&g, ix(0), e, &l) * self.at(&states, ix(0), e, &l),
                         )
                     })
                     .collect();
