@@ -28,7 +28,9 @@ pub const LANES: usize = 16;
 /// the matrix's elements, `n²` statements per half-step.
 const MAX_SIDE: usize = 8;
 
-/// Whether `op` has a lanes form on a matrix side of `n`.
+/// Whether node `id` has a lanes form: a Sinkhorn or its gradient on float
+/// matrices of side 2 to [`MAX_SIDE`] (larger sides stay in the item form,
+/// whose loops are not unrolled per element).
 pub fn has_lanes_form(graph: &Graph, id: NodeId) -> bool {
     let node = graph.node(id);
     matches!(node.op, Op::Sinkhorn { .. } | Op::SinkhornGrad { .. })
