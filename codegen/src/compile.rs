@@ -500,62 +500,39 @@ pub fn compile(graph: &Graph, partition: &[Vec<NodeId>], request: &Request) -> R
     let trial_res = residency(graph, &all, &group_unit, &own_grid, &forced);
     let mut units: Vec<Unit> = Vec::new();
     for g in &groups {
-        let mut current: Vec<NodeId> = Vec::new();
-        let mut current_n = 1;
-        let flush = |current: &mut Vec<NodeId>, n: usize, units: &mut Vec<Unit>| {
-            if !current.is_empty() {
-                units.push(Unit::Fused { nodes: std::mem::take(current), n });
-            }
-        };
+        // Runs of ordinary nodes between the nodes that take a kernel of their own.
+        let mut run: Vec<NodeId> = Vec::new();
         for &id in g.iter().filter(|id| !gemm_views.contains(id) && !absorbed.contains(id)) {
-            if own_grid.contains(&id) {
-                flush(&mut current, current_n, &mut units);
-                units.push(if gemms.contains_key(&id) { Unit::Gemm(id) } else { Unit::Standalone(id) });
-                continue;
-            }
-            if graph.node(id).op.is_view() && trial_res.has_buffer(id) {
+            let own = if own_grid.contains(&id) {
+                Some(if gemms.contains_key(&id) { Unit::Gemm(id) } else { Unit::Standalone(id) })
+            } else if graph.node(id).op.is_view() && trial_res.has_buffer(id) {
                 // A view copied for its role: a copy kernel of its own, parallel over
                 // its elements rather than tied to the items of the ops around it.
-                flush(&mut current, current_n, &mut units);
                 let n = emit::itemize(graph, &[id], &trial_res, request.target).unwrap_or(1);
-                units.push(Unit::Fused { nodes: vec![id], n });
-                continue;
-            }
-            if request.target == Target::Cpu && emit::has_lanes_form(graph, id) {
+                Some(Unit::Fused { nodes: vec![id], n })
+            } else if request.target == Target::Cpu && emit::has_lanes_form(graph, id) {
                 // A Sinkhorn projection runs on blocks of matrices, vectorized
                 // across tokens (`emit::lower_sinkhorn_lanes`); its operands and
                 // result are a few values per token.
-                flush(&mut current, current_n, &mut units);
-                units.push(Unit::Fused { nodes: vec![id], n: 1 });
-                continue;
-            }
-            if request.target == Target::Cuda && emit::is_token_reduction(graph, id) {
+                Some(Unit::Fused { nodes: vec![id], n: 1 })
+            } else if request.target == Target::Cuda && emit::is_token_reduction(graph, id) {
                 // On the GPU a reduction over tokens is a kernel of its own, so it
                 // can run block-parallel (`emit::lower_column_reduce`) instead of
                 // taking the few items of its consumers (a scalar gain gradient
                 // would otherwise be one thread summing every token).
-                flush(&mut current, current_n, &mut units);
                 let n = emit::itemize(graph, &[id], &trial_res, request.target).unwrap_or(1);
-                units.push(Unit::Fused { nodes: vec![id], n });
-                continue;
+                Some(Unit::Fused { nodes: vec![id], n })
+            } else {
+                None
+            };
+            if let Some(unit) = own {
+                split_run(graph, &std::mem::take(&mut run), &trial_res, request.target, &mut units)?;
+                units.push(unit);
+            } else {
+                run.push(id);
             }
-            current.push(id);
-            if let Some(n) = emit::itemize(graph, &current, &trial_res, request.target) {
-                current_n = n;
-                continue;
-            }
-            current.pop();
-            flush(&mut current, current_n, &mut units);
-            current.push(id);
-            current_n = emit::itemize(graph, &current, &trial_res, request.target).ok_or_else(|| {
-                CompileError::Lowering {
-                    node: id.index(),
-                    op: graph.node(id).op.name(),
-                    reason: "no item split fits its operands".into(),
-                }
-            })?;
         }
-        flush(&mut current, current_n, &mut units);
+        split_run(graph, &run, &trial_res, request.target, &mut units)?;
     }
     let unit_of: HashMap<NodeId, usize> =
         units.iter().enumerate().flat_map(|(u, unit)| unit.nodes().iter().map(move |&id| (id, u))).collect();
@@ -691,6 +668,95 @@ pub fn compile(graph: &Graph, partition: &[Vec<NodeId>], request: &Request) -> R
     }
     b.plan_arena();
     Ok(Plan { kernels: b.kernels, steps: b.steps, buffers: b.buffers, arena_len: b.arena_len })
+}
+
+/// A kernel as the renderers print it: indices simplified, loops over the
+/// same range fused (a value consumed in the loop that produces it becomes a
+/// scalar and its local array goes), long loops split.
+fn optimized(kernel: Kernel) -> Kernel {
+    crate::kernel::split_loops(crate::kernel::fuse_loops(crate::kernel::simplify_indices(kernel)))
+}
+
+/// Splits a run of a group's ordinary nodes (in topological order) into fused
+/// units, greedily: each unit takes as many of the next nodes as share one
+/// item split whose scratch fits [`Target::local_limit`]. [`emit::itemize`]
+/// bounds a unit's scratch by the local array every unmaterialized op
+/// declares before loop fusion. On the C target, where that bound stops a
+/// unit, the longest prefix whose arrays that survive optimization fit is
+/// found by bisection ([`measured_items`]): elementwise chains over a token's
+/// whole xHC state (the stream gradient's pieces, MATH.md §6.8) become
+/// scalars, so the pieces are summed in one pass rather than each written by
+/// a kernel of its own and read back. On the GPU the bound stays: a thread's
+/// scratch must fit registers and L1.
+fn split_run(
+    graph: &Graph,
+    run: &[NodeId],
+    res: &Buffered,
+    target: Target,
+    units: &mut Vec<Unit>,
+) -> Result<(), CompileError> {
+    let mut start = 0;
+    while start < run.len() {
+        let first = run[start];
+        let mut n =
+            emit::itemize(graph, &run[start..=start], res, target).ok_or_else(|| CompileError::Lowering {
+                node: first.index(),
+                op: graph.node(first).op.name(),
+                reason: "no item split fits its operands".into(),
+            })?;
+        let mut end = start + 1;
+        while let Some(m) = run.get(end).and_then(|_| emit::itemize(graph, &run[start..=end], res, target)) {
+            n = m;
+            end += 1;
+        }
+        if end < run.len() && target == Target::Cpu {
+            // Longest fitting prefix; a longer prefix only adds arrays.
+            let (mut fits, mut over) = (end, run.len() + 1);
+            while over - fits > 1 {
+                let mid = (fits + over) / 2;
+                match measured_items(graph, &run[start..mid], res, target) {
+                    Some(m) => (fits, n) = (mid, m),
+                    None => over = mid,
+                }
+            }
+            end = fits;
+        }
+        units.push(Unit::Fused { nodes: run[start..end].to_vec(), n });
+        start = end;
+    }
+    Ok(())
+}
+
+/// Candidate splits of a unit whose scratch [`measured_items`] measures;
+/// later ones are smaller items of the same unit, which rarely change what
+/// loop fusion keeps.
+const MEASURED_SPLITS: usize = 2;
+
+/// The item count of a C kernel computing `nodes` whose optimized body keeps
+/// at most [`Target::local_limit`] elements of local arrays, trying the first
+/// [`MEASURED_SPLITS`] item splits. Values read outside `nodes` count as
+/// materialized, as they will be once `nodes` is a unit.
+fn measured_items(graph: &Graph, nodes: &[NodeId], res: &Buffered, target: Target) -> Option<usize> {
+    let inside: HashSet<NodeId> = nodes.iter().copied().collect();
+    let mut set = res.set.clone();
+    for &id in nodes {
+        if graph.node(id).op.is_view() || matches!(graph.node(id).op, Op::Constant { .. }) {
+            continue; // folded by their readers, as `residency` has it
+        }
+        let mut users = Vec::new();
+        real_users(graph, id, &|u| res.set.contains(&u), &mut users);
+        if users.iter().any(|u| !inside.contains(u)) {
+            set.insert(id);
+        }
+    }
+    let unit_res = Buffered { set };
+    let limit = target.local_limit();
+    emit::item_splits(graph, nodes, &unit_res, target).into_iter().take(MEASURED_SPLITS).map(|s| s.n).find(
+        |&n| {
+            emit::lower_fused(graph, nodes, n, &unit_res, "measured")
+                .is_ok_and(|launch| optimized(launch.kernel).local_elements() <= limit)
+        },
+    )
 }
 
 /// Orders a group around its one node with a lanes form (a Sinkhorn
@@ -865,10 +931,7 @@ impl PlanBuilder {
         let index = match self.kernel_by_structure.get(&key) {
             Some(&index) => index,
             None => {
-                let kernel = crate::kernel::split_loops(crate::kernel::fuse_loops(
-                    crate::kernel::simplify_indices(kernel),
-                ));
-                self.kernels.push(kernel);
+                self.kernels.push(optimized(kernel));
                 self.kernel_by_structure.insert(key, self.kernels.len() - 1);
                 self.kernels.len() - 1
             }

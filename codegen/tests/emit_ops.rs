@@ -279,6 +279,31 @@ fn c_items_own_whole_rows() {
     }
 }
 
+/// A row statistic over a long elementwise chain: before loop fusion each of
+/// `a`, `b` and `c` declares a 12000-element row per item, 36000 elements in
+/// all, over the C target's 32768; after it only `c` (read again once the
+/// mean is known) keeps its array, so the C target measures the optimized
+/// body and keeps the chain in one kernel of one row per item.
+#[test]
+fn c_kernels_are_split_by_the_scratch_that_survives_fusion() {
+    let mut g = Graph::new();
+    let x = param(&mut g, "x", &[4, 12000]);
+    let a = add(&mut g, Op::Binary(BinaryOp::Mul), &[x, x]);
+    let b = add(&mut g, Op::Binary(BinaryOp::Add), &[a, x]);
+    let c = add(&mut g, Op::Binary(BinaryOp::Mul), &[b, b]);
+    let m = add(&mut g, Op::Reduce { op: ReduceOp::Mean, axis: 1, keepdim: true }, &[c]);
+    let m = add(&mut g, Op::Broadcast { shape: vec![4, 12000] }, &[m]);
+    let out = add(&mut g, Op::Binary(BinaryOp::Sub), &[c, m]);
+    g.set_output("out", out);
+    assert!(3 * 12000 > Target::Cpu.local_limit(), "the unfused bound must be over the limit");
+    let sources = Sources::random(&g, &mut Rng::new(9), 1.0, &|_, n| vec![0; n]);
+    let request = Request::new(&g, Vec::new()).for_target(Target::Cpu);
+    let plan = check(&g, &sources, &request, &one_group(&g), 1e-4, "long chain under a row mean");
+    let [k] = &plan.kernels[..] else { panic!("one kernel, got {}", plan.kernels.len()) };
+    assert_eq!(k.grid.items(), 4);
+    assert_eq!(k.local_elements(), 12000 + 1, "only the squared row and its mean stay arrays");
+}
+
 #[test]
 fn attention_and_its_gradients() {
     for rope in [None, Some(10000.0)] {

@@ -54,15 +54,17 @@ pub enum Target {
 
 impl Target {
     /// Largest total length (elements) of the per-item local arrays of one fused
-    /// kernel; larger groups are split into several kernels. On the CPU 16384
-    /// floats (64 KiB) hold a token's whole xHC state (N·C = 16·256 at the bench
-    /// width) several times over, so a LayerNorm over it and its gradient
-    /// (MATH.md §6.2) run in one pass instead of one kernel per op, each re-reading
-    /// the state from memory. On the GPU 512 keeps a thread's scratch small enough
-    /// for registers and L1.
+    /// kernel; larger groups are split into several kernels. On the CPU 32768
+    /// floats (128 KiB, within a core's L2) hold a token's whole xHC state
+    /// (N·C = 16·256 at the bench width) several times over, so the state
+    /// gradient of a sublayer (a LayerNorm's gradient plus the routed pieces,
+    /// MATH.md §6.8) is assembled in one pass instead of one kernel per op,
+    /// each re-reading the state from memory; with half that, the backward
+    /// moved 7.6 GB a step instead of 6.7. On the GPU 512 keeps a thread's
+    /// scratch small enough for registers and L1.
     pub fn local_limit(self) -> usize {
         match self {
-            Target::Cpu => 16384,
+            Target::Cpu => 32768,
             Target::Cuda => 512,
         }
     }
@@ -642,6 +644,15 @@ fn restricted(
 /// the GPU wants every thread it can get.
 const CPU_MIN_ITEM_ELEMENTS: usize = 64;
 
+/// One way to split a kernel into items: `n` items, each declaring `scratch`
+/// elements of local arrays before loop fusion (an upper bound on what it
+/// keeps: fusion turns elementwise chains into scalars).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ItemSplit {
+    pub n: usize,
+    pub scratch: usize,
+}
+
 /// The item count of a kernel computing `nodes` (in topological order), or
 /// `None` when no split into items lets every op read its in-kernel operands
 /// inside its own item (or the per-item scratch would exceed the target's
@@ -650,8 +661,19 @@ const CPU_MIN_ITEM_ELEMENTS: usize = 64;
 /// give items at least [`CPU_MIN_ITEM_ELEMENTS`] of the widest value (or a whole
 /// row of it) come first.
 pub fn itemize(graph: &Graph, nodes: &[NodeId], res: &dyn Residency, target: Target) -> Option<usize> {
+    item_splits(graph, nodes, res, target)
+        .into_iter()
+        .find(|s| s.scratch <= target.local_limit())
+        .map(|s| s.n)
+}
+
+/// Every split into items that lets each op of `nodes` read its in-kernel
+/// operands inside its own item, in [`itemize`]'s order of preference, with
+/// the scratch each declares before loop fusion. A single op cannot be split
+/// further: its scratch is what it needs, so it reports none.
+pub fn item_splits(graph: &Graph, nodes: &[NodeId], res: &dyn Residency, target: Target) -> Vec<ItemSplit> {
     if nodes.iter().any(|&id| is_standalone(&graph.node(id).op) || graph.node(id).op.is_source()) {
-        return None;
+        return Vec::new();
     }
     let inside: HashSet<NodeId> = nodes.iter().copied().collect();
     // Nodes the kernel writes: every non-view, and views copied into their buffer.
@@ -667,7 +689,8 @@ pub fn itemize(graph: &Graph, nodes: &[NodeId], res: &dyn Residency, target: Tar
         }
     }
     if candidates.is_empty() {
-        return Some(1); // only views, folded by their consumers: nothing to launch
+        // Only views, folded by their consumers: nothing to launch.
+        return vec![ItemSplit { n: 1, scratch: 0 }];
     }
     candidates.sort_unstable_by(|a, b| b.cmp(a));
     candidates.dedup();
@@ -678,6 +701,7 @@ pub fn itemize(graph: &Graph, nodes: &[NodeId], res: &dyn Residency, target: Tar
         let least = CPU_MIN_ITEM_ELEMENTS.min(row);
         candidates.sort_by_key(|&n| n > 0 && numel / n.max(1) < least);
     }
+    let mut splits = Vec::new();
     'candidate: for n in candidates.into_iter().filter(|&n| n > 0) {
         let mut local = 0;
         let mut memo: HashMap<NodeId, Option<bool>> = HashMap::new();
@@ -698,12 +722,10 @@ pub fn itemize(graph: &Graph, nodes: &[NodeId], res: &dyn Residency, target: Tar
             }
             local += op_scratch(&node.op, node.shape.dims());
         }
-        // A single op cannot be split further: its scratch is what it needs.
-        if local <= target.local_limit() || computed.len() == 1 {
-            return Some(n);
-        }
+        let scratch = if computed.len() == 1 { 0 } else { local };
+        splits.push(ItemSplit { n, scratch });
     }
-    None
+    splits
 }
 
 /// The kernel parameter name of a graph value.

@@ -229,6 +229,22 @@ pub struct Kernel {
 }
 
 impl Kernel {
+    /// Total length (elements) of the per-item local arrays the body declares.
+    pub fn local_elements(&self) -> usize {
+        fn walk(stmts: &[Stmt]) -> usize {
+            stmts
+                .iter()
+                .map(|s| match s {
+                    Stmt::LocalArray { len, .. } => *len,
+                    Stmt::For { body, .. } => walk(body),
+                    Stmt::If { then, else_, .. } => walk(then) + walk(else_),
+                    _ => 0,
+                })
+                .sum()
+        }
+        walk(&self.body)
+    }
+
     /// The name of the generated function.
     pub fn symbol(&self) -> String {
         format!("widen_{}", self.name)
