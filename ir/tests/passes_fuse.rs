@@ -5,8 +5,9 @@
 mod passes_util;
 
 use ir::cost::count_spec;
+use ir::exec::{self, Tensor, Value};
 use ir::graph::{BinaryOp, Graph, Init, NodeId, Op, ParamClass, ParamInfo, Region, UnaryOp};
-use ir::passes::{fuse, fused_connection_traffic, simplify, FusedGraph, GroupKind};
+use ir::passes::{fuse, fused_connection_traffic, rematerialize, simplify, FusedGraph, GroupKind};
 use ir::spec::ResidualSpec;
 use ir::{DType, Shape};
 use passes_util::{load, name, spec_files, training_graph};
@@ -300,4 +301,70 @@ fn ghc_and_xhc_fused_traffic_is_below_unfused() {
         checked += 1;
     }
     assert!(checked >= 3, "expected GHC and xHC specs in specs/");
+}
+
+/// The centred term of a LayerNorm-projection gradient, `(x − μ) · s` (MATH.md
+/// §6.8), shares `x − μ` with the variance, so fusion alone leaves it in the
+/// group before the GEMM, written and read back by the group after it; that
+/// group reads `x` anyway. `rematerialize` copies the two-node chain for it;
+/// the group before then writes only per-token statistics, the value's bytes
+/// leave the traffic, and the graph computes the same function.
+#[test]
+fn cheap_chains_are_recomputed_by_the_group_that_reads_them() {
+    let mut g = Graph::new();
+    let x = input(&mut g, "x", &[2, 8, 64]);
+    let w = param(&mut g, "w", &[64, 64]);
+    let mean = |g: &mut Graph, v| {
+        g.add(Op::Reduce { op: ir::graph::ReduceOp::Mean, axis: 2, keepdim: true }, &[v]).unwrap()
+    };
+    let mu = mean(&mut g, x);
+    let centred = g.add(Op::Binary(BinaryOp::Sub), &[x, mu]).unwrap();
+    let square = g.add(Op::Unary(UnaryOp::Square), &[centred]).unwrap();
+    let var = mean(&mut g, square);
+    let var = g.add(Op::Affine { mul: 1.0, add: 1e-5 }, &[var]).unwrap();
+    let rstd = g.add(Op::Unary(UnaryOp::Rsqrt), &[var]).unwrap();
+    let normed = g.add(Op::Binary(BinaryOp::Mul), &[centred, rstd]).unwrap();
+    let y = g.add(Op::MatMul { trans_a: false, trans_b: false }, &[normed, w]).unwrap();
+    let s = g.add(Op::Binary(BinaryOp::Mul), &[rstd, rstd]).unwrap();
+    let term = g.add(Op::Binary(BinaryOp::Mul), &[centred, s]).unwrap();
+    let out = g.add(Op::Binary(BinaryOp::Sub), &[y, term]).unwrap();
+    let scaled = g.add(Op::Binary(BinaryOp::Mul), &[x, rstd]).unwrap();
+    let out = g.add(Op::Binary(BinaryOp::Add), &[out, scaled]).unwrap();
+    g.set_output("out", out);
+
+    let before = fuse(&g, &[]).unwrap();
+    assert_ne!(before.group_of(term), before.group_of(out), "fusion alone leaves the term before the GEMM");
+    let traffic =
+        |f: &FusedGraph| f.groups.iter().map(|gr| gr.cost.bytes_read + gr.cost.bytes_written).sum::<usize>();
+    let value = |dims: &[usize], seed: usize| {
+        let n: usize = dims.iter().product();
+        let data = (0..n).map(|i| ((i * 7919 + seed * 104_729) % 1000) as f64 / 250.0 - 2.0).collect();
+        Value::Float(Tensor::new(Shape::new(dims.to_vec()), data))
+    };
+    let sources: HashMap<NodeId, Value<f64>> = [(x, value(&[2, 8, 64], 1)), (w, value(&[64, 64], 2))].into();
+    let run = |g: &Graph, out: NodeId| match exec::run(g, &sources, &[out]).unwrap().remove(&out) {
+        Some(Value::Float(t)) => t.data,
+        other => panic!("a float output, got {other:?}"),
+    };
+    let want = run(&g, out);
+
+    let stats = rematerialize(&mut g, &[]).unwrap();
+    assert_eq!((stats.values, stats.nodes_added), (1, 2), "{stats:?}");
+    assert!(!g.node_ids().contains(&term), "the original term has no reader left and is removed");
+    let after = fuse(&g, &[]).unwrap();
+    after.check(&g).unwrap();
+    let out = g.output("out").unwrap();
+    let copy = g.inputs(g.inputs(out)[0])[1];
+    assert_eq!(after.group_of(copy), after.group_of(out), "the copy is computed where it is read");
+    assert_eq!(after.group_of(centred), after.group_of(rstd), "the statistics stay before the GEMM");
+    assert!(!after
+        .group(after.group_of(rstd).unwrap())
+        .outputs
+        .iter()
+        .any(|&o| g.node(o).shape.numel() == 2 * 8 * 64 && o != normed));
+    // The term's write and read leave; μ (one float per token) is written and read instead.
+    let (term_bytes, mu_bytes) = (2 * 8 * 64 * 4, 2 * 8 * 4);
+    assert_eq!(traffic(&after) + 2 * term_bytes - 2 * mu_bytes, traffic(&before));
+    let got = run(&g, out);
+    assert_eq!(got, want, "the same function, bit for bit");
 }

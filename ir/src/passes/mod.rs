@@ -1,5 +1,6 @@
 //! Graph passes between autodiff and code generation (DESIGN.md §2, §5, §7):
-//! [`simplify()`] (CSE and DCE), [`fuse()`] (partition into fusion groups, one kernel
+//! [`simplify()`] (CSE and DCE), [`rematerialize()`] (cheap elementwise values
+//! copied for the groups that read them), [`fuse()`] (partition into fusion groups, one kernel
 //! each) and [`memplan()`] (a liveness-based buffer arena over the groups' execution
 //! order). Every pass is deterministic: ties are broken by topological position or
 //! node id, never by hash order.
@@ -7,12 +8,14 @@
 //! Typical use, after [`crate::autodiff::grad`] returned `grads`:
 //! ```text
 //! simplify(&mut graph, &grads);
+//! rematerialize(&mut graph, &grads)?;
 //! let fused = fuse(&graph, &grads)?;
 //! let plan = memplan(&graph, &fused, &grads)?;
 //! ```
 
 pub mod fuse;
 pub mod memplan;
+pub mod remat;
 pub mod simplify;
 pub mod tokens;
 
@@ -21,5 +24,6 @@ pub use fuse::{
     GroupId, GroupKind, TrafficError,
 };
 pub use memplan::{memplan, MemPlanError, MemoryPlan, Slot};
+pub use remat::{rematerialize, RematStats};
 pub use simplify::{simplify, SimplifyStats};
 pub use tokens::TokenAxes;
