@@ -90,7 +90,8 @@ pub fn rematerialize(graph: &mut Graph, roots: &[NodeId]) -> Result<RematStats, 
                 .users(value)
                 .iter()
                 .any(|&(u, _)| !members.contains(&u) && view_read_by(graph, u, &members));
-            if !only_here || !same_pass || !direct || through_views || roots.contains(&value) {
+            let kept = roots.contains(&value) || graph.outputs().iter().any(|&(_, o)| o == value);
+            if !only_here || !same_pass || !direct || through_views || kept {
                 continue;
             }
             let mut chain = Vec::new();
