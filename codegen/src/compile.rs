@@ -738,7 +738,7 @@ const MEASURED_SPLITS: usize = 2;
 /// materialized, as they will be once `nodes` is a unit.
 fn measured_items(graph: &Graph, nodes: &[NodeId], res: &Buffered, target: Target) -> Option<usize> {
     let inside: HashSet<NodeId> = nodes.iter().copied().collect();
-    let mut set = res.set.clone();
+    let mut escaping = HashSet::new();
     for &id in nodes {
         if graph.node(id).op.is_view() || matches!(graph.node(id).op, Op::Constant { .. }) {
             continue; // folded by their readers, as `residency` has it
@@ -746,10 +746,10 @@ fn measured_items(graph: &Graph, nodes: &[NodeId], res: &Buffered, target: Targe
         let mut users = Vec::new();
         real_users(graph, id, &|u| res.set.contains(&u), &mut users);
         if users.iter().any(|u| !inside.contains(u)) {
-            set.insert(id);
+            escaping.insert(id);
         }
     }
-    let unit_res = Buffered { set };
+    let unit_res = UnitResidency { base: res, escaping };
     let limit = target.local_limit();
     emit::item_splits(graph, nodes, &unit_res, target).into_iter().take(MEASURED_SPLITS).map(|s| s.n).find(
         |&n| {
@@ -757,6 +757,19 @@ fn measured_items(graph: &Graph, nodes: &[NodeId], res: &Buffered, target: Targe
                 .is_ok_and(|launch| optimized(launch.kernel).local_elements() <= limit)
         },
     )
+}
+
+/// A group's residency with the values a trial unit leaves to later units
+/// materialized too ([`measured_items`]), without copying the group's set.
+struct UnitResidency<'a> {
+    base: &'a Buffered,
+    escaping: HashSet<NodeId>,
+}
+
+impl Residency for UnitResidency<'_> {
+    fn has_buffer(&self, id: NodeId) -> bool {
+        self.base.has_buffer(id) || self.escaping.contains(&id)
+    }
 }
 
 /// Orders a group around its one node with a lanes form (a Sinkhorn
