@@ -121,6 +121,11 @@ impl Unit {
 /// per-item dot products of a fused kernel are cheaper than a separate step).
 const GEMM_MIN_MACS: usize = 1 << 15;
 
+/// Scratch buffers start at multiples of this many elements, so that on an
+/// arena whose base is cache-line aligned every buffer is too (64 bytes of f32;
+/// the Cpu device's non-temporal GEMM stores need it).
+const ARENA_ALIGN: usize = 16;
+
 /// The dimensions of a (batched) GEMM, as [`Gemm`] takes them.
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct GemmShape {
@@ -1098,7 +1103,7 @@ impl PlanBuilder {
                 if offset + len <= lo {
                     break;
                 }
-                offset = offset.max(hi);
+                offset = offset.max(hi.next_multiple_of(ARENA_ALIGN));
             }
             placed.push((dtype, offset, len, span));
             self.buffers[id.0].role = BufferRole::Scratch { offset };

@@ -8,7 +8,7 @@
 mod emit_support;
 
 use codegen::compile::{compile, fused_partition, one_op_per_group, Request, Target};
-use codegen::plan::Step;
+use codegen::plan::{BufferRole, Step};
 use codegen::render::render_cuda;
 use emit_support::{check, spec_training_graph, Rng, Sources};
 use ir::graph::Graph;
@@ -172,6 +172,13 @@ fn compiled_plans_are_deterministic() {
             "{}",
             k.name
         );
+    }
+    // Scratch buffers start on 16-element (64-byte f32) boundaries, so an
+    // arena with a cache-line-aligned base aligns every buffer.
+    for d in &a.buffers {
+        if let BufferRole::Scratch { offset } = d.role {
+            assert_eq!(offset % 16, 0, "buffer {} at {offset}", d.id.0);
+        }
     }
 }
 

@@ -468,9 +468,27 @@ fn allocate(plan: &Plan) -> Result<Storage, CpuError> {
             }
         }
     }
-    let arenas = DTYPES.iter().zip(arena_len).map(|(&dt, len)| HostVec::zeros(dt, len)).collect();
+    // Each arena starts at a cache line: the planner places buffers at
+    // multiples of 16 elements, so a line-aligned base makes every buffer's
+    // vectors line-aligned too (what non-temporal stores need); the allocator
+    // only promises 16 bytes.
+    let mut arenas: Vec<HostVec> =
+        DTYPES.iter().zip(arena_len).map(|(&dt, len)| HostVec::zeros(dt, len + CACHE_LINE)).collect();
+    let shift: Vec<usize> = arenas
+        .iter_mut()
+        .zip(DTYPES)
+        .map(|(v, dt)| v.base().cast::<u8>().align_offset(CACHE_LINE) / dt.size_bytes())
+        .collect();
+    for loc in &mut locs {
+        if let Loc::Arena { slot, offset } = loc {
+            *offset += shift[*slot];
+        }
+    }
     Ok(Storage { locs, owned, arenas })
 }
+
+/// Bytes per cache line.
+const CACHE_LINE: usize = 64;
 
 /// Where every buffer lives, and the storage itself.
 struct Storage {
@@ -578,6 +596,7 @@ unsafe fn run_gemm(g: &Gemm, a: *const f32, b: *const f32, c: *mut f32, pool: &P
         unsafe { run_gemm_split_k(g, a, b, c, (a_rs, a_cs), (b_rs, b_cs), pool) };
         return;
     }
+    let stream = streams_output(g);
     // Addresses as integers so the parts can share them across threads.
     let (a, b, c) = (a as usize, b as usize, c as usize);
     let work = g.batch.saturating_mul(g.m).saturating_mul(g.n).saturating_mul(g.k);
@@ -616,11 +635,27 @@ unsafe fn run_gemm(g: &Gemm, a: *const f32, b: *const f32, c: *mut f32, pool: &P
             // function's contract); bands of different parts write disjoint rows
             // or columns of c.
             unsafe {
-                product(m, n, g.k, (pa, a_rs, a_cs), (pb, b_rs, b_cs), (pc, g.n), g.accumulate);
+                let c = sgemm::Output { ptr: pc, ldc: g.n, stream };
+                product(m, n, g.k, (pa, a_rs, a_cs), (pb, b_rs, b_cs), c, g.accumulate);
             }
         }
     };
     pool.run_parts(parts, &part);
+}
+
+/// Outputs of at least this many bytes are written with non-temporal stores
+/// (see [`sgemm::Output::stream`]): the size of this class of machine's
+/// last-level cache (32 MiB on the 2-core hosts the benchmarks run on), past
+/// which the next step reads the output back from memory anyway. Below it,
+/// streaming would push into memory what the next step finds in cache.
+const STREAM_MIN_BYTES: usize = 32 << 20;
+
+/// Whether [`run_gemm`] writes `g`'s output with non-temporal stores: written
+/// once (no accumulation, one contraction block) and at least [`STREAM_MIN_BYTES`].
+fn streams_output(g: &Gemm) -> bool {
+    !g.accumulate
+        && sgemm::single_pass(g.k)
+        && g.batch * g.m * g.n * std::mem::size_of::<f32>() >= STREAM_MIN_BYTES
 }
 
 /// Outputs of at most this many elements over a contraction of at least
@@ -665,7 +700,8 @@ unsafe fn run_gemm_split_k(
             let pc = (out + chunk * m * n * f32s) as *mut f32;
             // SAFETY: contraction steps lo..hi of both operands (the caller's
             // contract); chunk `chunk` of the partials is this part's alone.
-            unsafe { product(m, n, hi - lo, (pa, a_rs, a_cs), (pb, b_rs, b_cs), (pc, n), false) };
+            let c = sgemm::Output { ptr: pc, ldc: n, stream: false };
+            unsafe { product(m, n, hi - lo, (pa, a_rs, a_cs), (pb, b_rs, b_cs), c, false) };
         }
     };
     pool.run_parts(parts, &part);
@@ -692,9 +728,10 @@ unsafe fn product(
     k: usize,
     (pa, a_rs, a_cs): (*const f32, usize, usize),
     (pb, b_rs, b_cs): (*const f32, usize, usize),
-    (pc, ldc): (*mut f32, usize),
+    c: sgemm::Output,
     accumulate: bool,
 ) {
+    let (pc, ldc) = (c.ptr, c.ldc);
     // SAFETY: forwarded contract.
     unsafe {
         if k == 0 {
@@ -712,7 +749,7 @@ unsafe fn product(
                 k,
                 sgemm::Operand { ptr: pa, rows: a_rs, cols: a_cs },
                 sgemm::Operand { ptr: pb, rows: b_rs, cols: b_cs },
-                sgemm::Output { ptr: pc, ldc },
+                c,
                 accumulate,
             );
             return;

@@ -25,7 +25,7 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::{
     __m512, _mm512_add_ps, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_mask_loadu_ps, _mm512_mask_storeu_ps,
-    _mm512_set1_ps, _mm512_setzero_ps, _mm512_storeu_ps,
+    _mm512_set1_ps, _mm512_setzero_ps, _mm512_storeu_ps, _mm512_stream_ps, _mm_sfence,
 };
 use std::cell::RefCell;
 
@@ -55,6 +55,17 @@ pub(crate) struct Operand {
 pub(crate) struct Output {
     pub ptr: *mut f32,
     pub ldc: usize,
+    /// Write whole aligned vectors with non-temporal stores where `c` is
+    /// written once (no accumulation, one contraction block): for an output
+    /// far larger than the last-level cache, which the next step reads back
+    /// from memory anyway, they skip reading every line before writing it.
+    pub stream: bool,
+}
+
+/// Whether a product over `k` contraction steps writes each element of `c`
+/// once (one contraction block).
+pub(crate) fn single_pass(k: usize) -> bool {
+    k <= KC
 }
 
 /// Whether this host runs [`sgemm`] (checked once).
@@ -139,8 +150,7 @@ pub(crate) unsafe fn sgemm(
                                 // SAFETY: sliver (ir - in_place) / MR of the packing.
                                 Operand { ptr: unsafe { pa.add((ir - in_place) * kc) }, rows: 1, cols: MR }
                             };
-                            let tile =
-                                Output { ptr: unsafe { c.ptr.add((ic + ir) * c.ldc + jc + jr) }, ldc: c.ldc };
+                            let tile = Output { ptr: unsafe { c.ptr.add((ic + ir) * c.ldc + jc + jr) }, ..c };
                             let (rows, cols) = (MR.min(mc - ir), NR.min(nc - jr));
                             let b_sliver = unsafe { pb.add(jr * kc) };
                             // SAFETY: both slivers hold kc steps of MR rows and
@@ -161,6 +171,14 @@ pub(crate) unsafe fn sgemm(
             }
         }
     });
+    if c.stream {
+        // Non-temporal stores are weakly ordered: make them visible before the
+        // pool's completion flag tells other threads to read `c`.
+        #[cfg(target_arch = "x86_64")]
+        unsafe {
+            _mm_sfence()
+        };
+    }
 }
 
 /// Packs rows `i0..i0 + mc`, steps `p0..p0 + kc` of `a` as slivers of `MR`
@@ -306,7 +324,9 @@ unsafe fn micro_kernel<const UNIT_ROWS: bool>(
                         } else {
                             value
                         };
-                        if masks[v] == u16::MAX {
+                        if masks[v] == u16::MAX && c.stream && !load_c && at.align_offset(64) == 0 {
+                            _mm512_stream_ps(at, value);
+                        } else if masks[v] == u16::MAX {
                             _mm512_storeu_ps(at, value);
                         } else {
                             _mm512_mask_storeu_ps(at, masks[v], value);
@@ -386,9 +406,13 @@ mod tests {
             {
                 let a = values(m * k, case as u64 * 7 + 1);
                 let b = values(k * n, case as u64 * 7 + 2);
-                let ldc = n + 3;
-                let mut c = values(m * ldc, case as u64 * 7 + 3);
-                let before = c.clone();
+                // Odd cases: line-aligned rows, written with streaming stores
+                // where they are written once.
+                let ldc = if case % 2 == 1 { n.next_multiple_of(16) } else { n + 3 };
+                let mut storage = values(m * ldc + 16, case as u64 * 7 + 3);
+                let line = storage.as_ptr().cast::<u8>().align_offset(64) / 4;
+                let c = &mut storage[line..line + m * ldc];
+                let before = c.to_vec();
                 let (a_rows, a_cols) = if trans_a { (1, m) } else { (k, 1) };
                 let (b_rows, b_cols) = if trans_b { (1, k) } else { (n, 1) };
                 unsafe {
@@ -398,7 +422,7 @@ mod tests {
                         k,
                         Operand { ptr: a.as_ptr(), rows: a_rows, cols: a_cols },
                         Operand { ptr: b.as_ptr(), rows: b_rows, cols: b_cols },
-                        Output { ptr: c.as_mut_ptr(), ldc },
+                        Output { ptr: c.as_mut_ptr(), ldc, stream: case % 2 == 1 },
                         accumulate,
                     );
                 }
