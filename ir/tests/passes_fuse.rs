@@ -368,3 +368,60 @@ fn cheap_chains_are_recomputed_by_the_group_that_reads_them() {
     let got = run(&g, out);
     assert_eq!(got, want, "the same function, bit for bit");
 }
+
+/// A gain shared by every token and every slot gets its gradient as a sum over
+/// rows that merge tokens and slots (`[B·T·n, d]`, DGHC's per-slot norm gain,
+/// MATH.md §5.5). `sum_within_tokens_first` sums each token's `n` rows first, so the
+/// token-local group writes one row per token instead of `n`, and the
+/// reduction reads `1/n` of what it read; the value changes only by rounding.
+#[test]
+fn token_sums_over_merged_rows_sum_within_each_token_first() {
+    let (tokens, slots, width) = (2 * 8, 4, 16);
+    let mut g = Graph::new();
+    let x = input(&mut g, "x", &[2, 8, slots, width]);
+    let y = input(&mut g, "y", &[2, 8, slots, width]);
+    let product = g.add(Op::Binary(BinaryOp::Mul), &[x, y]).unwrap();
+    let rows = g.add(Op::Reshape { shape: vec![tokens * slots, width] }, &[product]).unwrap();
+    let sum = g.add(Op::Reduce { op: ir::graph::ReduceOp::Sum, axis: 0, keepdim: false }, &[rows]).unwrap();
+    // A sum over token rows alone is left as it is.
+    let per_token = g.add(Op::Reshape { shape: vec![tokens, slots * width] }, &[product]).unwrap();
+    let plain =
+        g.add(Op::Reduce { op: ir::graph::ReduceOp::Sum, axis: 0, keepdim: false }, &[per_token]).unwrap();
+    g.set_output("sum", sum);
+    g.set_output("plain", plain);
+
+    let value = |seed: usize| {
+        let n = tokens * slots * width;
+        let data = (0..n).map(|i| ((i * 7919 + seed * 104_729) % 1000) as f64 / 250.0 - 2.0).collect();
+        Value::Float(Tensor::new(Shape::new(vec![2, 8, slots, width]), data))
+    };
+    let sources: HashMap<NodeId, Value<f64>> = [(x, value(1)), (y, value(2))].into();
+    let run = |g: &Graph, out: NodeId| match exec::run(g, &sources, &[out]).unwrap().remove(&out) {
+        Some(Value::Float(t)) => t.data,
+        other => panic!("a float output, got {other:?}"),
+    };
+    let want = run(&g, sum);
+    let before = fuse(&g, &[sum, plain]).unwrap();
+    let reads_before: usize = before.groups.iter().map(|gr| gr.cost.bytes_read).sum();
+
+    assert_eq!(ir::passes::sum_within_tokens_first(&mut g, &[sum, plain]), 1);
+    assert!(!g.node_ids().contains(&rows), "the merged reshape has no reader left and is removed");
+    let inner = g.inputs(sum)[0];
+    assert_eq!(g.node(inner).shape.dims(), &[tokens, width]);
+    assert!(matches!(g.node(inner).op, Op::Reduce { axis: 1, .. }));
+    assert_eq!(g.inputs(plain), vec![per_token], "a sum over token rows only is kept");
+    let after = fuse(&g, &[sum, plain]).unwrap();
+    after.check(&g).unwrap();
+    assert_eq!(
+        after.group_of(inner),
+        after.group_of(product),
+        "the within-token sum fuses with its producer"
+    );
+    let reads_after: usize = after.groups.iter().map(|gr| gr.cost.bytes_read).sum();
+    // The reduction reads one row per token instead of `slots`.
+    assert_eq!(reads_before - reads_after, (slots - 1) * tokens * width * 4);
+    let got = run(&g, sum);
+    for (a, b) in got.iter().zip(&want) {
+        assert!((a - b).abs() <= 1e-12 * (1.0 + b.abs()), "{a} vs {b}");
+    }
+}

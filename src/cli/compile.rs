@@ -476,11 +476,13 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     }
     let groups = fused.groups.iter().filter(|g| g.kind != GroupKind::Source).count();
     eprintln!(
-        "{}: {} nodes ({} value(s) recomputed where read, {} bytes less written and read), {} fusion groups, \
+        "{}: {} nodes ({} token sum(s) summed within each token first, {} value(s) recomputed where read, \
+         {} bytes less written and read), {} fusion groups, \
          {} kernels, {} steps; wrote graph.{{txt,dot}}, fused.{{txt,dot}}, fusion.txt, kernels.{{c,cu}}, \
          {ptx_note}, plan.txt, plan.cuda.txt, kernels.tsv to {}",
         spec.name,
         graph.node_count(),
+        training.token_sums,
         training.remat.values,
         training.remat.bytes_saved,
         groups,

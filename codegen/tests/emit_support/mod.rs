@@ -206,7 +206,9 @@ pub fn spec_training_graph(
     let grads =
         ir::autodiff::grad(&mut graph, lowered.loss, &params).unwrap_or_else(|e| panic!("{name}: {e}"));
     ir::passes::simplify(&mut graph, &grads);
-    // As the runtime's training graph: chains copied for the groups that read them.
+    // As the runtime's training graph: token sums within each token first,
+    // chains copied for the groups that read them.
+    ir::passes::sum_within_tokens_first(&mut graph, &grads);
     ir::passes::rematerialize(&mut graph, &grads).unwrap_or_else(|e| panic!("{name}: {e}"));
     let request = Request::new(&graph, params.into_iter().zip(grads).collect());
     (graph, request, spec.vocab)

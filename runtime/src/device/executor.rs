@@ -76,6 +76,8 @@ pub(super) fn first_loss(loss: &[f32]) -> Result<f32, StepError> {
 pub struct TrainingGraph {
     pub graph: Graph,
     pub request: Request,
+    /// Token sums `ir::passes::sum_within_tokens_first` rewrote.
+    pub token_sums: usize,
     /// What `ir::passes::rematerialize` copied.
     pub remat: ir::passes::RematStats,
 }
@@ -83,17 +85,20 @@ pub struct TrainingGraph {
 impl TrainingGraph {
     /// Appends the backward pass of `loss` to the lowered graph
     /// (`ir::autodiff`), simplifies the result (CSE, DCE), keeping every
-    /// parameter gradient, and copies cheap elementwise chains for the fusion
-    /// groups that read them (`ir::passes::rematerialize`).
+    /// parameter gradient, sums token reductions over merged rows within each
+    /// token first (`ir::passes::sum_within_tokens_first`), and copies cheap
+    /// elementwise chains for the fusion groups that read them
+    /// (`ir::passes::rematerialize`).
     pub fn new(lowered: Lowered) -> Result<TrainingGraph, StepError> {
         let Lowered { mut graph, loss, .. } = lowered;
         let params = graph.params();
         let grads = ir::autodiff::grad(&mut graph, loss, &params)?;
         ir::passes::simplify(&mut graph, &grads);
+        let token_sums = ir::passes::sum_within_tokens_first(&mut graph, &grads);
         let remat = ir::passes::rematerialize(&mut graph, &grads)
             .map_err(|e| StepError::from(CompileError::from(e)))?;
         let request = Request::new(&graph, params.into_iter().zip(grads).collect());
-        Ok(TrainingGraph { graph, request, remat })
+        Ok(TrainingGraph { graph, request, token_sums, remat })
     }
 
     /// The Plan of one training step for the Cpu device, partitioned by
