@@ -4,8 +4,8 @@
 //! A parameter shared by every token *and* every stream or slot of a token gets
 //! its gradient as one sum over rows that merge the two: DGHC's per-slot norm
 //! gain (MATH.md §5.5, one gain of size d_b for all n slots) gets
-//! `sum(reshape(g, [B·T·n, d_b]), axis 0)`. The
-//! fusion pass runs a token reduction in two phases: the token-local group
+//! `sum(reshape(g, [B·T·n, d_b]), axis 0)`. The fusion pass runs a token
+//! reduction in two phases: the token-local group
 //! writes the summed operand, one row per reduced row, and a reduction
 //! kernel adds the rows. Over merged rows that operand is `n` rows per token,
 //! state-sized (8 MiB a sublayer at the bench size, for a 64-float gradient).
@@ -28,6 +28,7 @@ use crate::graph::{Graph, NodeId, Op, ReduceOp};
 /// sums were rewritten.
 pub fn sum_within_tokens_first(graph: &mut Graph, roots: &[NodeId]) -> usize {
     let axes = TokenAxes::of(graph);
+    let role = graph.role();
     let mut rewritten = 0;
     for sum in graph.topo_order() {
         if !matches!(graph.node(sum).op, Op::Reduce { op: ReduceOp::Sum, axis: 0, keepdim: false }) {
@@ -53,6 +54,7 @@ pub fn sum_within_tokens_first(graph: &mut Graph, roots: &[NodeId]) -> usize {
         }
         rewritten += 1;
     }
+    graph.set_role(role);
     rewritten
 }
 
