@@ -205,11 +205,8 @@ pub fn spec_training_graph(
     let params = graph.params();
     let grads =
         ir::autodiff::grad(&mut graph, lowered.loss, &params).unwrap_or_else(|e| panic!("{name}: {e}"));
-    ir::passes::simplify(&mut graph, &grads);
-    // As the runtime's training graph: token sums within each token first,
-    // chains copied for the groups that read them.
-    ir::passes::sum_within_tokens_first(&mut graph, &grads);
-    ir::passes::rematerialize(&mut graph, &grads).unwrap_or_else(|e| panic!("{name}: {e}"));
+    // The passes the runtime's training graph runs before fusion.
+    ir::passes::prepare_for_fusion(&mut graph, &grads).unwrap_or_else(|e| panic!("{name}: {e}"));
     let request = Request::new(&graph, params.into_iter().zip(grads).collect());
     (graph, request, spec.vocab)
 }

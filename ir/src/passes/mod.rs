@@ -6,7 +6,8 @@
 //! order). Every pass is deterministic: ties are broken by topological position or
 //! node id, never by hash order.
 //!
-//! Typical use, after [`crate::autodiff::grad`] returned `grads`:
+//! Typical use, after [`crate::autodiff::grad`] returned `grads`
+//! ([`prepare_for_fusion()`] runs the first three in order):
 //! ```text
 //! simplify(&mut graph, &grads);
 //! sum_within_tokens_first(&mut graph, &grads);
@@ -22,6 +23,8 @@ pub mod simplify;
 pub mod token_sums;
 pub mod tokens;
 
+use crate::graph::{Graph, NodeId};
+
 pub use fuse::{
     connection_traffic, fuse, fused_connection_traffic, FuseError, FusedGraph, FusionGroup, GroupCost,
     GroupId, GroupKind, TrafficError,
@@ -31,3 +34,23 @@ pub use remat::{rematerialize, RematStats};
 pub use simplify::{simplify, SimplifyStats};
 pub use token_sums::sum_within_tokens_first;
 pub use tokens::TokenAxes;
+
+/// What [`prepare_for_fusion`] did, pass by pass.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PrepareStats {
+    pub simplify: SimplifyStats,
+    /// Token sums [`sum_within_tokens_first`] rewrote.
+    pub token_sums: usize,
+    pub remat: RematStats,
+}
+
+/// The passes between autodiff and fusion, in the order the runtime's
+/// training graph and the code generator's tests both rely on: [`simplify()`],
+/// [`sum_within_tokens_first()`], [`rematerialize()`]. `roots` (the gradients)
+/// are kept.
+pub fn prepare_for_fusion(graph: &mut Graph, roots: &[NodeId]) -> Result<PrepareStats, FuseError> {
+    let simplify = simplify(graph, roots);
+    let token_sums = sum_within_tokens_first(graph, roots);
+    let remat = rematerialize(graph, roots)?;
+    Ok(PrepareStats { simplify, token_sums, remat })
+}

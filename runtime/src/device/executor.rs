@@ -76,29 +76,23 @@ pub(super) fn first_loss(loss: &[f32]) -> Result<f32, StepError> {
 pub struct TrainingGraph {
     pub graph: Graph,
     pub request: Request,
-    /// Token sums `ir::passes::sum_within_tokens_first` rewrote.
-    pub token_sums: usize,
-    /// What `ir::passes::rematerialize` copied.
-    pub remat: ir::passes::RematStats,
+    /// What the passes before fusion did (`ir::passes::prepare_for_fusion`).
+    pub passes: ir::passes::PrepareStats,
 }
 
 impl TrainingGraph {
     /// Appends the backward pass of `loss` to the lowered graph
-    /// (`ir::autodiff`), simplifies the result (CSE, DCE), keeping every
-    /// parameter gradient, sums token reductions over merged rows within each
-    /// token first (`ir::passes::sum_within_tokens_first`), and copies cheap
-    /// elementwise chains for the fusion groups that read them
-    /// (`ir::passes::rematerialize`).
+    /// (`ir::autodiff`) and runs the passes before fusion, keeping every
+    /// parameter gradient (`ir::passes::prepare_for_fusion`: CSE and DCE, token
+    /// sums within each token first, cheap chains copied for their readers).
     pub fn new(lowered: Lowered) -> Result<TrainingGraph, StepError> {
         let Lowered { mut graph, loss, .. } = lowered;
         let params = graph.params();
         let grads = ir::autodiff::grad(&mut graph, loss, &params)?;
-        ir::passes::simplify(&mut graph, &grads);
-        let token_sums = ir::passes::sum_within_tokens_first(&mut graph, &grads);
-        let remat = ir::passes::rematerialize(&mut graph, &grads)
+        let passes = ir::passes::prepare_for_fusion(&mut graph, &grads)
             .map_err(|e| StepError::from(CompileError::from(e)))?;
         let request = Request::new(&graph, params.into_iter().zip(grads).collect());
-        Ok(TrainingGraph { graph, request, token_sums, remat })
+        Ok(TrainingGraph { graph, request, passes })
     }
 
     /// The Plan of one training step for the Cpu device, partitioned by
