@@ -5,6 +5,8 @@
 //! data-parallel executor can all-reduce gradients before returning them
 //! (DESIGN.md §11).
 
+use crate::optim::clip::{clip_scale, global_norm};
+use crate::optim::{Optimizer, UpdateTarget};
 use crate::params::ParamSet;
 use ir::autodiff::AutodiffError;
 use ir::exec::{ExecError, Tensor, Value};
@@ -54,6 +56,65 @@ pub trait StepExecutor {
 
     /// The main head's logits `[batch, seq_len, vocab]`, row-major.
     fn logits(&mut self, params: &ParamSet, tokens: &[i32]) -> Result<Vec<f32>, StepError>;
+
+    /// One training step: the loss and gradients of `tokens`, global-norm
+    /// clipping, and `optimizer`'s update of `params` (DESIGN.md §7). A loss
+    /// that is not finite leaves `params` and the optimizer untouched; the
+    /// caller decides what to do about it.
+    ///
+    /// This default runs the update on the host from [`Self::loss_and_grads`].
+    /// A compiled device overrides it to read the gradients where its Plan
+    /// left them and to keep its copy of the parameters current.
+    fn train_step(
+        &mut self,
+        params: &mut ParamSet,
+        tokens: &[i32],
+        optimizer: &mut Optimizer,
+        settings: UpdateSettings,
+    ) -> Result<StepStats, StepError> {
+        let (loss, grads) = self.loss_and_grads(params, tokens)?;
+        Ok(update_on_host(loss, &grads, optimizer, settings, |grads| {
+            params
+                .iter_mut()
+                .zip(grads)
+                .map(|(p, g)| UpdateTarget { value: &mut p.value, grad: g.as_ref(), mirror: None })
+                .collect()
+        }))
+    }
+}
+
+/// What one training step's update depends on besides the gradients.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct UpdateSettings {
+    /// Learning-rate multiplier from the schedule at this step.
+    pub lr_mult: f64,
+    /// Global gradient-norm limit (`train.clip`), if any.
+    pub clip: Option<f64>,
+}
+
+/// What one training step measured.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepStats {
+    /// The training loss of the batch, before the update.
+    pub loss: f32,
+    /// The global gradient norm before clipping.
+    pub grad_norm: f64,
+}
+
+/// The host half of a training step: the global norm of `grads`, then (for a
+/// finite loss) the clipped update of the slices `targets` builds over them.
+pub fn update_on_host<'a, G: AsRef<[f32]> + Sync>(
+    loss: f32,
+    grads: &'a [G],
+    optimizer: &mut Optimizer,
+    settings: UpdateSettings,
+    targets: impl FnOnce(&'a [G]) -> Vec<UpdateTarget<'a>>,
+) -> StepStats {
+    let grad_norm = global_norm(grads);
+    if loss.is_finite() {
+        optimizer.apply(targets(grads), settings.lr_mult, clip_scale(grad_norm, settings.clip));
+    }
+    StepStats { loss, grad_norm }
 }
 
 /// The devices a model can run on (DESIGN.md §7).

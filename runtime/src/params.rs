@@ -19,9 +19,51 @@ pub struct Param {
 }
 
 /// All parameters of a graph.
-#[derive(Debug, Clone, PartialEq, Default)]
+///
+/// A set carries a [`ParamVersion`]: a compiled device keeps its own copy of
+/// the parameters and uploads them again only when the set it is handed is
+/// another one, or has been written since (DESIGN.md §7: parameters stay on
+/// the device across steps). Every mutable access bumps the version, so no
+/// write can be missed.
+#[derive(Debug)]
 pub struct ParamSet {
     params: Vec<Param>,
+    version: ParamVersion,
+}
+
+/// Which parameter set, and how many times it has been opened for writing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ParamVersion {
+    identity: u64,
+    generation: u64,
+}
+
+impl ParamVersion {
+    /// A version no other set has: every set, clones included, gets its own identity.
+    fn fresh() -> ParamVersion {
+        static NEXT_IDENTITY: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let identity = NEXT_IDENTITY.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        ParamVersion { identity, generation: 0 }
+    }
+}
+
+impl Clone for ParamSet {
+    fn clone(&self) -> ParamSet {
+        ParamSet { params: self.params.clone(), version: ParamVersion::fresh() }
+    }
+}
+
+/// Sets are equal when their parameters are; the version is bookkeeping.
+impl PartialEq for ParamSet {
+    fn eq(&self, other: &ParamSet) -> bool {
+        self.params == other.params
+    }
+}
+
+impl Default for ParamSet {
+    fn default() -> ParamSet {
+        ParamSet { params: Vec::new(), version: ParamVersion::fresh() }
+    }
 }
 
 /// Errors collecting parameters from a graph.
@@ -61,7 +103,7 @@ impl ParamSet {
                 value: vec![0.0; node.shape.numel()],
             });
         }
-        Ok(ParamSet { params })
+        Ok(ParamSet { params, version: ParamVersion::fresh() })
     }
 
     pub fn len(&self) -> usize {
@@ -76,8 +118,15 @@ impl ParamSet {
         self.params.iter()
     }
 
+    /// Mutable access to every parameter; bumps the version.
     pub fn iter_mut(&mut self) -> std::slice::IterMut<'_, Param> {
+        self.version.generation += 1;
         self.params.iter_mut()
+    }
+
+    /// The current version: equal versions mean the same set, unwritten since.
+    pub fn version(&self) -> ParamVersion {
+        self.version
     }
 
     /// The parameter called `name`.
@@ -99,7 +148,9 @@ impl std::ops::Index<usize> for ParamSet {
 }
 
 impl std::ops::IndexMut<usize> for ParamSet {
+    /// Bumps the version, like [`ParamSet::iter_mut`].
     fn index_mut(&mut self, i: usize) -> &mut Param {
+        self.version.generation += 1;
         &mut self.params[i]
     }
 }

@@ -16,9 +16,8 @@
 
 use crate::checkpoint::{self, Checkpoint, CheckpointError, TrainState};
 use crate::data::{BatchSampler, Corpus, DataError};
-use crate::executor::{Device, StepError, StepExecutor};
+use crate::executor::{Device, StepError, StepExecutor, StepStats, UpdateSettings};
 use crate::init::{init_params, InitError};
-use crate::optim::clip::{clip_global_norm, global_norm};
 use crate::optim::schedule::lr_multiplier;
 use crate::optim::Optimizer;
 use crate::params::ParamSet;
@@ -151,17 +150,14 @@ pub fn train(
     for step in start + 1..=total as u64 {
         let started = Instant::now();
         let tokens = sampler.next_batch(corpus.train());
-        let (loss, mut grads) =
-            exec.loss_and_grads(&params, &tokens).map_err(|source| TrainError::Step { step, source })?;
+        let lr_mult = lr_multiplier(&spec.train.schedule, (step - 1) as usize, total);
+        let settings = UpdateSettings { lr_mult, clip: spec.train.clip };
+        let StepStats { loss, grad_norm } = exec
+            .train_step(&mut params, &tokens, &mut optimizer, settings)
+            .map_err(|source| TrainError::Step { step, source })?;
         if !loss.is_finite() {
             return Err(TrainError::NonFinite { step, what: "training loss", value: loss });
         }
-        let grad_norm = match spec.train.clip {
-            Some(max) => clip_global_norm(&mut grads, max),
-            None => global_norm(&grads),
-        };
-        let lr_mult = lr_multiplier(&spec.train.schedule, (step - 1) as usize, total);
-        optimizer.step(&mut params, &grads, lr_mult);
         let tokens_per_s = (batch * (window - 1)) as f64 / started.elapsed().as_secs_f64().max(1e-9);
         losses.push(loss);
 

@@ -376,3 +376,21 @@ fn host_access_checks_dtype_and_length() {
     // Constants are filled at load time.
     assert_eq!(dev.read_f32(SCALE).unwrap(), &[0.5]);
 }
+
+/// Views for the optimizer: persistent buffers only, each named once; what
+/// is written through a view is what the device holds.
+#[test]
+fn persistent_views_are_disjoint_and_live() {
+    let cache = TempCache::new("views");
+    let mut dev = load(test_plan(), &cache, 1);
+    dev.write_f32(G, &data(D * F, 5, 1.0)).unwrap();
+    let (mut writes, reads) = dev.persistent_views(&[W, BIAS], &[G]).expect("disjoint persistent buffers");
+    assert_eq!((writes[0].len(), writes[1].len(), reads[0].len()), (D * F, D, D * F));
+    let grad = reads[0].to_vec();
+    writes[0].copy_from_slice(&grad);
+    assert_eq!(dev.read_f32(W).unwrap(), grad.as_slice());
+
+    assert!(matches!(dev.persistent_views(&[W], &[W]), Err(CpuError::SharedView { id: 3 })));
+    assert!(matches!(dev.persistent_views(&[], &[H]), Err(CpuError::SharedView { id: 4 })));
+    assert!(matches!(dev.persistent_views(&[BufferId(42)], &[]), Err(CpuError::NoSuchBuffer { id: 42, .. })));
+}

@@ -87,3 +87,65 @@ parity! {
     xhc_flash => "xhc-flash.ron",
     xhc => "xhc.ron",
 }
+
+/// The Cpu device's training step (gradients read in its Plan buffers, the
+/// new parameters written to the host set and the device's buffers in one
+/// pass, uploads skipped while the set is unchanged) against the host path:
+/// `loss_and_grads`, `clip_global_norm`, `Optimizer::step`. Both run on one
+/// executor, alternating, so each switch of parameter set must upload; the
+/// result must be the same bits. Clipping is set low enough to act, one
+/// parameter is edited between steps (the next step must see the edit), and
+/// Muon covers the second update rule.
+#[test]
+fn train_step_matches_the_host_update() {
+    use runtime::executor::UpdateSettings;
+    use runtime::optim::clip::clip_global_norm;
+    use runtime::optim::Optimizer;
+    for optimizer in [None, Some(ir::spec::OptimizerSpec::Muon(ir::spec::MuonSpec::default()))] {
+        let mut spec = shrunk("mhc.ron");
+        spec.train.clip = Some(0.05);
+        if let Some(o) = optimizer {
+            spec.train.optimizer = o;
+        }
+        let (batch, seq) = (spec.train.batch, spec.train.seq_len);
+        let lowered = ir::lower::lower(&spec, batch, seq).expect("lower");
+        let mut device_params = init_params(&lowered.graph, spec.train.seed).expect("init");
+        let mut host_params = device_params.clone();
+        let mut device_opt = Optimizer::new(&spec, &device_params);
+        let mut host_opt = device_opt.clone();
+        let mut cpu = CpuExecutor::from_lowered(lowered, CpuOptions { threads: 2 });
+        let corpus = Corpus::load(&spec.train.data, spec.train.val_fraction, seq + 1).expect("corpus");
+        let mut sampler = BatchSampler::train(spec.train.seed, batch, seq + 1);
+        let mut clipped = 0;
+        for step in 0..4 {
+            let tokens = sampler.next_batch(corpus.train());
+            if step == 2 {
+                device_params[0].value[0] += 0.5;
+                host_params[0].value[0] += 0.5;
+            }
+            let settings = UpdateSettings { lr_mult: 0.5 + 0.1 * step as f64, clip: spec.train.clip };
+            let stats =
+                cpu.train_step(&mut device_params, &tokens, &mut device_opt, settings).expect("train step");
+
+            let (loss, mut grads) = cpu.loss_and_grads(&host_params, &tokens).expect("host step");
+            let norm = clip_global_norm(&mut grads, spec.train.clip.expect("clip set"));
+            host_opt.step(&mut host_params, &grads, settings.lr_mult);
+
+            assert_eq!(stats.loss.to_bits(), loss.to_bits(), "step {step}: loss");
+            assert_eq!(stats.grad_norm.to_bits(), norm.to_bits(), "step {step}: gradient norm");
+            clipped += usize::from(norm > 0.05);
+            for (d, h) in device_params.iter().zip(host_params.iter()) {
+                let same = d.value.iter().zip(&h.value).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "step {step}: `{}` differs after the update", d.name);
+            }
+        }
+        assert!(clipped > 0, "the clip never acted: the test would not cover the scaled update");
+        assert_eq!(device_opt, host_opt, "optimizer state");
+        // The device's own copy is current: a validation loss without any
+        // upload equals one after a forced upload (a fresh set's identity).
+        let tokens = sampler.next_batch(corpus.train());
+        let resident = cpu.loss(&device_params, &tokens).expect("loss");
+        let uploaded = cpu.loss(&device_params.clone(), &tokens).expect("loss");
+        assert_eq!(resident.to_bits(), uploaded.to_bits(), "the device's parameters are stale");
+    }
+}

@@ -42,14 +42,15 @@ fn adamw_first_step_is_hand_computed_sign_step() {
     let mut p = vec![1.0f32, -2.0];
     let g = [0.5f32, -4.0];
     let (mut m, mut v) = (vec![0.0; 2], vec![0.0; 2]);
-    let h = AdamWStep { lr: 0.1, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.0, t: 1 };
-    adamw_update(&mut p, &g, &mut m, &mut v, &h);
+    let h =
+        AdamWStep { lr: 0.1, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.0, t: 1, grad_scale: 1.0 };
+    adamw_update(&mut p, &g, &mut m, &mut v, &h, None);
     assert!((p[0] - 0.9).abs() < 1e-6, "{p:?}");
     assert!((p[1] - -1.9).abs() < 1e-6, "{p:?}");
     // With decay 0.5: p·(1 − 0.05) − 0.1·sign(g).
     let mut p = vec![1.0f32, -2.0];
     let (mut m, mut v) = (vec![0.0; 2], vec![0.0; 2]);
-    adamw_update(&mut p, &g, &mut m, &mut v, &AdamWStep { weight_decay: 0.5, ..h });
+    adamw_update(&mut p, &g, &mut m, &mut v, &AdamWStep { weight_decay: 0.5, ..h }, None);
     assert!((p[0] - (0.95 - 0.1)).abs() < 1e-6, "{p:?}");
     assert!((p[1] - (-1.9 + 0.1)).abs() < 1e-6, "{p:?}");
 }
@@ -102,9 +103,16 @@ fn optimizer_groups_decay_only_where_the_class_says() {
     let mut q = vec![1.0f32];
     let (mut m, mut v) = (vec![0.0], vec![0.0]);
     for (t, g) in [[0.3f32], [0.1]].iter().enumerate() {
-        let h =
-            AdamWStep { lr: 0.01, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, t: t as u64 + 1 };
-        adamw_update(&mut q, g, &mut m, &mut v, &h);
+        let h = AdamWStep {
+            lr: 0.01,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            t: t as u64 + 1,
+            grad_scale: 1.0,
+        };
+        adamw_update(&mut q, g, &mut m, &mut v, &h, None);
     }
     assert!((f64::from(q[0]) - p).abs() < 1e-6);
 }
@@ -363,8 +371,9 @@ fn parallel_step_matches_per_parameter_updates() {
                     eps: adamw.eps,
                     weight_decay,
                     t: 1,
+                    grad_scale: 1.0,
                 };
-                adamw_update(&mut expected[i], &grads[i], &mut m, &mut v, &h);
+                adamw_update(&mut expected[i], &grads[i], &mut m, &mut v, &h, None);
             }
             Rule::Muon => {
                 let n = expected[i].len();
@@ -385,4 +394,100 @@ fn parallel_step_matches_per_parameter_updates() {
     for (i, p) in params.iter().enumerate() {
         assert_eq!(p.value, expected[i], "{}", p.name);
     }
+}
+
+/// The global norm sums each gradient in vector lanes and, past
+/// `PARALLEL_MIN_ELEMENTS`, on several threads: it must still be the f64
+/// norm of all elements (to f64 rounding), and every way of calling it the
+/// same bits.
+#[test]
+fn global_norm_matches_a_plain_sum_on_the_parallel_path() {
+    use runtime::optim::clip::global_norm;
+    let sizes = [1_100_000, 7, 300_001, 1, 65_536];
+    let grads: Vec<Vec<f32>> =
+        sizes.iter().enumerate().map(|(i, &n)| gaussian(1, n, 90 + i as u64)).collect();
+    assert!(sizes.iter().sum::<usize>() >= runtime::optim::PARALLEL_MIN_ELEMENTS, "the parallel path runs");
+    let plain = grads.iter().flatten().map(|&g| f64::from(g) * f64::from(g)).sum::<f64>().sqrt();
+    let norm = global_norm(&grads);
+    assert!((norm - plain).abs() <= 1e-12 * plain, "{norm} against {plain}");
+    let slices: Vec<&[f32]> = grads.iter().map(Vec::as_slice).collect();
+    assert_eq!(global_norm(&slices).to_bits(), norm.to_bits());
+}
+
+/// `Optimizer::apply` with a clip factor and mirrors: each parameter gets the
+/// update of its gradient times the factor, and each mirror the same bits.
+#[test]
+fn apply_scales_gradients_and_fills_mirrors() {
+    use runtime::optim::UpdateTarget;
+    let g = graph_with(&[("w", &[64, 48], ParamClass::Hidden), ("gain", &[48], ParamClass::Gain)]);
+    let mut params = ParamSet::zeros(&g).unwrap();
+    for (i, p) in params.iter_mut().enumerate() {
+        p.value = gaussian(1, p.value.len(), 3 + i as u64);
+    }
+    let grads: Vec<Vec<f32>> =
+        params.iter().enumerate().map(|(i, p)| gaussian(1, p.value.len(), 7 + i as u64)).collect();
+    let spec = ModelSpec::default();
+    let (mut scaled_opt, mut plain_opt) = (Optimizer::new(&spec, &params), Optimizer::new(&spec, &params));
+    let mut plain = params.clone();
+    let scale = 0.37f32;
+    let scaled_grads: Vec<Vec<f32>> = grads.iter().map(|g| g.iter().map(|&x| x * scale).collect()).collect();
+    plain_opt.step(&mut plain, &scaled_grads, 0.8);
+
+    let mut mirrors: Vec<Vec<f32>> = params.iter().map(|p| vec![f32::NAN; p.value.len()]).collect();
+    let targets = params
+        .iter_mut()
+        .zip(&grads)
+        .zip(&mut mirrors)
+        .map(|((p, g), m)| UpdateTarget { value: &mut p.value, grad: g, mirror: Some(m) })
+        .collect();
+    scaled_opt.apply(targets, 0.8, scale);
+    for ((p, q), m) in params.iter().zip(plain.iter()).zip(&mirrors) {
+        assert!(p.value.iter().zip(&q.value).all(|(a, b)| a.to_bits() == b.to_bits()), "`{}`", p.name);
+        assert!(p.value.iter().zip(m).all(|(a, b)| a.to_bits() == b.to_bits()), "mirror of `{}`", p.name);
+    }
+    assert_eq!(scaled_opt, plain_opt);
+}
+
+/// A step whose loss is not finite changes nothing: the caller reports it
+/// with the parameters as they were.
+#[test]
+fn non_finite_loss_skips_the_update() {
+    use runtime::executor::{update_on_host, UpdateSettings};
+    use runtime::optim::UpdateTarget;
+    let g = graph_with(&[("w", &[8, 4], ParamClass::Hidden)]);
+    let mut params = ParamSet::zeros(&g).unwrap();
+    let before = params.clone();
+    let version = params.version();
+    let grads = vec![vec![1.0f32; 32]];
+    let mut opt = Optimizer::new(&ModelSpec::default(), &params);
+    let settings = UpdateSettings { lr_mult: 1.0, clip: Some(1.0) };
+    let stats = update_on_host(f32::NAN, &grads, &mut opt, settings, |grads| {
+        params
+            .iter_mut()
+            .zip(grads)
+            .map(|(p, g)| UpdateTarget { value: &mut p.value, grad: g, mirror: None })
+            .collect()
+    });
+    assert!(stats.loss.is_nan() && (stats.grad_norm - 32f64.sqrt()).abs() < 1e-12);
+    assert_eq!(params, before);
+    assert_eq!(params.version(), version, "not even opened for writing");
+    assert_eq!(opt.steps_taken(), 0);
+}
+
+/// Every way to write a parameter set changes its version, and a clone is
+/// another set: devices upload on any of these.
+#[test]
+fn parameter_versions_follow_writes_and_clones() {
+    let g = graph_with(&[("w", &[2, 2], ParamClass::Hidden)]);
+    let mut params = ParamSet::zeros(&g).unwrap();
+    let v0 = params.version();
+    assert_eq!(params.version(), v0, "reading does not change it");
+    params[0].value[0] = 1.0;
+    let v1 = params.version();
+    assert_ne!(v1, v0);
+    params.iter_mut().for_each(|p| p.value[1] = 2.0);
+    assert_ne!(params.version(), v1);
+    let copy = params.clone();
+    assert_eq!(copy, params, "equal values");
+    assert_ne!(copy.version(), params.version(), "but another set");
 }

@@ -23,9 +23,8 @@ use runtime::data::{BatchSampler, Corpus};
 use runtime::device::cpu::CpuOptions;
 use runtime::device::cuda::{copy_bandwidth, CudaExecutor};
 use runtime::device::executor::{CpuExecutor, TrainingGraph};
-use runtime::executor::{cuda_executor, Device, StepExecutor};
+use runtime::executor::{cuda_executor, Device, StepExecutor, StepStats, UpdateSettings};
 use runtime::init::init_params;
-use runtime::optim::clip::{clip_global_norm, global_norm};
 use runtime::optim::schedule::lr_multiplier;
 use runtime::optim::Optimizer;
 use runtime::params::ParamSet;
@@ -223,13 +222,10 @@ impl Model {
     fn step(&mut self) -> anyhow::Result<f64> {
         let tokens = self.sampler.next_batch(self.corpus.train());
         let started = Instant::now();
-        let (loss, mut grads) = self.exec.get().loss_and_grads(&self.params, &tokens)?;
-        match self.spec.train.clip {
-            Some(max) => clip_global_norm(&mut grads, max),
-            None => global_norm(&grads),
-        };
         let lr_mult = lr_multiplier(&self.spec.train.schedule, self.steps_taken, self.total_steps);
-        self.optimizer.step(&mut self.params, &grads, lr_mult);
+        let settings = UpdateSettings { lr_mult, clip: self.spec.train.clip };
+        let StepStats { loss, .. } =
+            self.exec.get().train_step(&mut self.params, &tokens, &mut self.optimizer, settings)?;
         let ms = started.elapsed().as_secs_f64() * 1e3;
         self.steps_taken += 1;
         self.last_loss = loss;

@@ -57,6 +57,10 @@ pub enum CpuError {
     WrongDType { id: usize, dtype: DType, want: DType },
     #[error("buffer #{id} holds {len} elements, got {got}")]
     WrongLength { id: usize, len: usize, got: usize },
+    #[error(
+        "buffer #{id} cannot be viewed beside the others: only persistent buffers, each named once, can"
+    )]
+    SharedView { id: usize },
 }
 
 /// How the device runs.
@@ -328,6 +332,39 @@ impl CpuDevice {
             (HostVec::F32(v), r) => Ok(&v[r]),
             _ => Err(CpuError::WrongDType { id: id.0, dtype, want: DType::F32 }),
         }
+    }
+
+    /// Mutable views of the persistent f32 buffers `write` beside shared
+    /// views of `read`, all at once: each persistent buffer is a vector of its
+    /// own, so they cannot overlap. The optimizer reads gradients where the
+    /// Plan left them and writes parameters in place through these.
+    #[allow(clippy::type_complexity)]
+    pub fn persistent_views(
+        &mut self,
+        write: &[BufferId],
+        read: &[BufferId],
+    ) -> Result<(Vec<&mut [f32]>, Vec<&[f32]>), CpuError> {
+        let mut lens = Vec::with_capacity(write.len() + read.len());
+        let mut owned_index = Vec::with_capacity(write.len() + read.len());
+        for &id in write.iter().chain(read) {
+            let decl = self.decl(id)?;
+            if decl.dtype != DType::F32 {
+                return Err(CpuError::WrongDType { id: id.0, dtype: decl.dtype, want: DType::F32 });
+            }
+            match self.locs[id.0] {
+                Loc::Owned(i) if !owned_index.contains(&i) => owned_index.push(i),
+                _ => return Err(CpuError::SharedView { id: id.0 }),
+            }
+            lens.push(decl.len);
+        }
+        let mut vectors: Vec<Option<&mut HostVec>> = self.owned.iter_mut().map(Some).collect();
+        let mut views = owned_index.iter().zip(&lens).map(|(&i, &len)| match vectors[i].take() {
+            Some(HostVec::F32(v)) => &mut v[..len],
+            _ => unreachable!("each owned f32 vector is taken once, as checked above"),
+        });
+        let writes = views.by_ref().take(write.len()).collect();
+        let reads = views.map(|v| &*v).collect();
+        Ok((writes, reads))
     }
 
     /// Overwrites an f32 buffer; `data` must have the buffer's length.

@@ -1,12 +1,16 @@
 //! The [`StepExecutor`] over a [`CpuDevice`] (DESIGN.md §7): the training
 //! loop hands it host parameters and a token batch; it uploads them into the
 //! Plan's persistent buffers, runs the Plan, and reads back the loss, the
-//! gradients or the logits. The optimizer stays on the host (in Rust), so the
-//! parameter buffers are refreshed before every run.
+//! gradients or the logits. Parameters are uploaded only when the set handed
+//! in is not the one the device last held ([`crate::params::ParamVersion`]);
+//! a training step updates them where they are: the optimizer reads the
+//! gradients in the Plan's buffers and writes each new value to the host set
+//! and the device's buffer in one pass.
 
 use super::cpu::{CpuDevice, CpuError, CpuOptions};
-use crate::executor::{StepError, StepExecutor};
-use crate::params::ParamSet;
+use crate::executor::{update_on_host, StepError, StepExecutor, StepStats, UpdateSettings};
+use crate::optim::{Optimizer, UpdateTarget};
+use crate::params::{ParamSet, ParamVersion};
 use codegen::compile::{compile, fused_partition, CompileError, Request, Target};
 use codegen::plan::{BufferId, BufferRole, Plan};
 use ir::graph::Graph;
@@ -130,6 +134,8 @@ enum State {
 pub struct CpuExecutor {
     state: State,
     token_shape: [usize; 2],
+    /// The version of the parameter set the device's parameter buffers hold.
+    resident: Option<ParamVersion>,
 }
 
 impl CpuExecutor {
@@ -138,7 +144,7 @@ impl CpuExecutor {
     pub fn from_lowered(lowered: Lowered, opts: CpuOptions) -> CpuExecutor {
         let dims = lowered.graph.node(lowered.tokens).shape.dims().to_vec();
         let token_shape = [dims.first().copied().unwrap_or(1), dims.get(1).copied().unwrap_or(1)];
-        CpuExecutor { state: State::Pending(Box::new(lowered), opts), token_shape }
+        CpuExecutor { state: State::Pending(Box::new(lowered), opts), token_shape, resident: None }
     }
 
     /// An executor over a loaded Plan with a `tokens` input of `token_shape`
@@ -146,11 +152,13 @@ impl CpuExecutor {
     /// gradient buffer per parameter.
     pub fn new(device: CpuDevice, token_shape: [usize; 2]) -> Result<CpuExecutor, StepError> {
         let io = Interface::of(device.plan())?;
-        Ok(CpuExecutor { state: State::Ready(Box::new(Loaded { device, io })), token_shape })
+        Ok(CpuExecutor { state: State::Ready(Box::new(Loaded { device, io })), token_shape, resident: None })
     }
 
-    /// The loaded device, compiling the Plan first if needed.
+    /// The loaded device, compiling the Plan first if needed. The caller may
+    /// write any buffer, so the next run uploads the parameters again.
     pub fn load(&mut self) -> Result<&mut CpuDevice, StepError> {
+        self.resident = None;
         Ok(&mut self.loaded()?.device)
     }
 
@@ -169,20 +177,29 @@ impl CpuExecutor {
         }
     }
 
-    /// Uploads parameters and tokens, then runs the Plan once.
+    /// Uploads the parameters (unless the device holds this version of
+    /// them already) and the tokens, then runs the Plan once.
     fn run(&mut self, params: &ParamSet, tokens: &[i32]) -> Result<&mut Loaded, StepError> {
         let expected = self.token_shape[0] * self.token_shape[1];
         if tokens.len() != expected {
             return Err(StepError::TokenCount { got: tokens.len(), expected });
         }
+        let upload = self.resident != Some(params.version());
+        self.resident = None;
         let l = self.loaded()?;
-        for (name, buffer, _) in &l.io.params {
-            let p = params.get(name).ok_or_else(|| StepError::UnknownParam { name: name.clone() })?;
-            l.device.write_f32(*buffer, &p.value)?;
+        if upload {
+            for (name, buffer, _) in &l.io.params {
+                let p = params.get(name).ok_or_else(|| StepError::UnknownParam { name: name.clone() })?;
+                l.device.write_f32(*buffer, &p.value)?;
+            }
         }
         l.device.write_i32(l.io.tokens, tokens)?;
         l.device.run()?;
-        Ok(l)
+        self.resident = Some(params.version());
+        match &mut self.state {
+            State::Ready(loaded) => Ok(loaded),
+            State::Pending(..) => unreachable!("`loaded` left the executor ready"),
+        }
     }
 }
 
@@ -219,6 +236,65 @@ impl StepExecutor for CpuExecutor {
         let l = self.run(params, tokens)?;
         let logits = l.io.logits.ok_or(StepError::MissingOutput { what: "logits" })?;
         Ok(l.device.read_f32(logits).map_err(StepError::from)?.to_vec())
+    }
+
+    /// The update reads each gradient in its Plan buffer (no copy) and writes
+    /// each new parameter value to `params` and to the device's parameter
+    /// buffer in the same pass, so the next step uploads nothing.
+    fn train_step(
+        &mut self,
+        params: &mut ParamSet,
+        tokens: &[i32],
+        optimizer: &mut Optimizer,
+        settings: UpdateSettings,
+    ) -> Result<StepStats, StepError> {
+        let l = self.run(params, tokens)?;
+        let loss = l.loss()?;
+        // A parameter the Plan does not hold (the loss does not reach it) has
+        // a zero gradient and no device copy.
+        let slot: HashMap<&str, usize> =
+            l.io.params.iter().enumerate().map(|(i, (name, _, _))| (name.as_str(), i)).collect();
+        let mut held = Vec::new();
+        let mut grad_buffers = Vec::new();
+        for p in params.iter() {
+            if let Some(&i) = slot.get(p.name.as_str()) {
+                held.push(l.io.params[i].1);
+                if let Some(g) = l.io.params[i].2 {
+                    grad_buffers.push(g);
+                }
+            }
+        }
+        let (mut mirrors, device_grads) = l.device.persistent_views(&held, &grad_buffers)?;
+        let zeros: Vec<Vec<f32>> = params
+            .iter()
+            .filter(|p| slot.get(p.name.as_str()).is_none_or(|&i| l.io.params[i].2.is_none()))
+            .map(|p| vec![0.0; p.value.len()])
+            .collect();
+        let (mut device_grads, mut zeros) = (device_grads.into_iter(), zeros.iter());
+        let grads: Vec<&[f32]> = params
+            .iter()
+            .map(|p| match slot.get(p.name.as_str()).and_then(|&i| l.io.params[i].2) {
+                Some(_) => device_grads.next().expect("one view per gradient buffer"),
+                None => zeros.next().expect("one zero gradient per parameter without a buffer"),
+            })
+            .collect();
+        let stats = update_on_host(loss, &grads, optimizer, settings, |grads| {
+            let mut mirrors = mirrors.iter_mut();
+            params
+                .iter_mut()
+                .zip(grads)
+                .map(|(p, g)| {
+                    let mirror = slot
+                        .contains_key(p.name.as_str())
+                        .then(|| &mut **mirrors.next().expect("one view per held parameter"));
+                    UpdateTarget { value: &mut p.value, grad: g, mirror }
+                })
+                .collect()
+        });
+        // Both copies now hold the set's new version (or, after a non-finite
+        // loss, its unchanged values).
+        self.resident = Some(params.version());
+        Ok(stats)
     }
 }
 

@@ -18,10 +18,20 @@ pub struct AdamWStep {
     pub weight_decay: f64,
     /// 1-based step count for bias correction.
     pub t: u64,
+    /// Multiplies each gradient element as it is read (the clipping factor; 1 without clipping).
+    pub grad_scale: f32,
 }
 
-/// Applies one AdamW update to `param` in place, updating the moments `m`, `v`.
-pub fn adamw_update(param: &mut [f32], grad: &[f32], m: &mut [f32], v: &mut [f32], h: &AdamWStep) {
+/// Applies one AdamW update to `param` in place, updating the moments `m`,
+/// `v`; with a `mirror`, the new values are written there too, in the same pass.
+pub fn adamw_update(
+    param: &mut [f32],
+    grad: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    h: &AdamWStep,
+    mirror: Option<&mut [f32]>,
+) {
     let t = h.t.max(1) as i32;
     let bc1 = 1.0 - h.beta1.powi(t);
     let bc2 = 1.0 - h.beta2.powi(t);
@@ -29,10 +39,21 @@ pub fn adamw_update(param: &mut [f32], grad: &[f32], m: &mut [f32], v: &mut [f32
     let (b1, b2) = (h.beta1 as f32, h.beta2 as f32);
     let step = (h.lr / bc1) as f32;
     let inv_sqrt_bc2 = (1.0 / bc2.sqrt()) as f32;
-    let eps = h.eps as f32;
-    for (((p, &g), m), v) in param.iter_mut().zip(grad).zip(m.iter_mut()).zip(v.iter_mut()) {
+    let (eps, scale) = (h.eps as f32, h.grad_scale);
+    let next = |p: f32, g: f32, m: &mut f32, v: &mut f32| {
+        let g = g * scale;
         *m = b1 * *m + (1.0 - b1) * g;
         *v = b2 * *v + (1.0 - b2) * g * g;
-        *p = *p * decay - step * *m / (v.sqrt() * inv_sqrt_bc2 + eps);
+        p * decay - step * *m / (v.sqrt() * inv_sqrt_bc2 + eps)
+    };
+    let elements = param.iter_mut().zip(grad).zip(m.iter_mut()).zip(v.iter_mut());
+    match mirror {
+        Some(mirror) => {
+            for ((((p, &g), m), v), copy) in elements.zip(mirror.iter_mut()) {
+                *p = next(*p, g, m, v);
+                *copy = *p;
+            }
+        }
+        None => elements.for_each(|(((p, &g), m), v)| *p = next(*p, g, m, v)),
     }
 }

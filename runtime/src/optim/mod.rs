@@ -63,6 +63,34 @@ pub struct Optimizer {
     steps: u64,
 }
 
+/// The slices one parameter's update touches.
+#[derive(Debug)]
+pub struct UpdateTarget<'a> {
+    /// The parameter's values, updated in place.
+    pub value: &'a mut [f32],
+    /// Its gradient, wherever the device left it.
+    pub grad: &'a [f32],
+    /// A second copy of the values to write in the same pass: the Cpu
+    /// device's own parameter buffer, so the next step need not upload it.
+    pub mirror: Option<&'a mut [f32]>,
+}
+
+/// Indices of `lengths` split into `bins` groups of similar total length:
+/// largest first, each onto the least loaded group. Work spread this way
+/// still does each item's arithmetic in one piece, so results do not depend
+/// on the number of groups.
+pub(crate) fn balance(lengths: &[usize], bins: usize) -> Vec<Vec<usize>> {
+    let mut order: Vec<usize> = (0..lengths.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(lengths[i]));
+    let mut groups: Vec<(usize, Vec<usize>)> = (0..bins.max(1)).map(|_| (0, Vec::new())).collect();
+    for i in order {
+        let group = groups.iter_mut().min_by_key(|(load, _)| *load).expect("at least one group");
+        group.0 += lengths[i];
+        group.1.push(i);
+    }
+    groups.into_iter().map(|(_, items)| items).collect()
+}
+
 /// The muP width multiplier w = d_model / base_width, or 1 under standard parametrization.
 pub fn width_multiplier(spec: &ModelSpec) -> f64 {
     match &spec.parametrization {
@@ -137,16 +165,30 @@ impl Optimizer {
 
     /// One update of every parameter with `grads` (same order as `params`) at
     /// `lr_mult` times the peak learning rates.
+    pub fn step<G: AsRef<[f32]>>(&mut self, params: &mut ParamSet, grads: &[G], lr_mult: f64) {
+        let targets = params
+            .iter_mut()
+            .zip(grads)
+            .map(|(p, g)| UpdateTarget { value: &mut p.value, grad: g.as_ref(), mirror: None })
+            .collect();
+        self.apply(targets, lr_mult, 1.0);
+    }
+
+    /// One update of every parameter (`targets` in [`ParamSet`] order) at
+    /// `lr_mult` times the peak learning rates, each gradient element
+    /// multiplied by `grad_scale` as it is read: the clipping factor
+    /// ([`clip::clip_scale`]), the same f32 product that scaling the
+    /// gradients first would store.
     ///
     /// Parameters update independently, so with more than
     /// [`PARALLEL_MIN_ELEMENTS`] elements they are spread over the machine's
     /// threads (largest first onto the least loaded); each parameter's update is
     /// the same arithmetic on any thread, so results do not depend on the
     /// thread count.
-    pub fn step(&mut self, params: &mut ParamSet, grads: &[Vec<f32>], lr_mult: f64) {
+    pub fn apply(&mut self, targets: Vec<UpdateTarget<'_>>, lr_mult: f64, grad_scale: f32) {
         self.steps += 1;
         let (adamw, steps) = (&self.adamw, self.steps);
-        let update = |value: &mut [f32], grad: &[f32], state: &mut ParamState, dims: &[usize]| match state {
+        let update = |target: UpdateTarget<'_>, state: &mut ParamState, dims: &[usize]| match state {
             ParamState::AdamW { lr_scale, weight_decay, m, v } => {
                 let h = AdamWStep {
                     lr: adamw.lr * lr_mult * *lr_scale,
@@ -155,46 +197,50 @@ impl Optimizer {
                     eps: adamw.eps,
                     weight_decay: *weight_decay,
                     t: steps,
+                    grad_scale,
                 };
-                adamw_update(value, grad, m, v, &h);
+                adamw_update(target.value, target.grad, m, v, &h, target.mirror);
             }
             ParamState::Muon { hyper, momentum } => {
                 let h = MuonStep { lr: hyper.lr * lr_mult, ..*hyper };
-                muon_update(value, grad, momentum, dims, &h);
+                let scaled: Vec<f32>;
+                let grad = if grad_scale == 1.0 {
+                    target.grad
+                } else {
+                    scaled = target.grad.iter().map(|&g| g * grad_scale).collect();
+                    &scaled
+                };
+                muon_update(target.value, grad, momentum, dims, &h);
+                if let Some(mirror) = target.mirror {
+                    mirror.copy_from_slice(target.value);
+                }
             }
         };
-        let mut jobs: Vec<_> = params
-            .iter_mut()
-            .zip(grads)
-            .zip(self.state.iter_mut())
-            .zip(&self.dims)
-            .map(|(((p, g), st), d)| (p.value.as_mut_slice(), g.as_slice(), st, d.as_slice()))
-            .collect();
-        let total: usize = grads.iter().map(Vec::len).sum();
+        let jobs: Vec<_> = targets.into_iter().zip(self.state.iter_mut()).zip(&self.dims).collect();
+        let total: usize = jobs.iter().map(|((t, _), _)| t.grad.len()).sum();
         let threads = if total < PARALLEL_MIN_ELEMENTS {
             1
         } else {
             std::thread::available_parallelism().map_or(1, |n| n.get()).min(jobs.len())
         };
         if threads <= 1 {
-            for (value, grad, state, dims) in jobs {
-                update(value, grad, state, dims);
+            for ((target, state), dims) in jobs {
+                update(target, state, dims);
             }
             return;
         }
-        jobs.sort_by_key(|job| std::cmp::Reverse(job.1.len()));
-        let mut bins: Vec<(usize, Vec<_>)> = (0..threads).map(|_| (0, Vec::new())).collect();
-        for job in jobs {
-            let bin = bins.iter_mut().min_by_key(|(load, _)| *load).expect("at least one thread");
-            bin.0 += job.1.len();
-            bin.1.push(job);
-        }
+        let lengths: Vec<usize> = jobs.iter().map(|((t, _), _)| t.grad.len()).collect();
+        let mut jobs: Vec<Option<_>> = jobs.into_iter().map(Some).collect();
+        let bins: Vec<Vec<_>> = balance(&lengths, threads)
+            .into_iter()
+            .map(|bin| bin.into_iter().filter_map(|i| jobs[i].take()).collect())
+            .collect();
         let update = &update;
         std::thread::scope(|scope| {
-            for (_, bin) in bins {
+            for bin in bins {
                 scope.spawn(move || {
-                    for (value, grad, state, dims) in bin {
-                        update(value, grad, state, dims);
+                    for ((target, state), dims) in bin {
+                        update(target, state, dims);
                     }
                 });
             }
