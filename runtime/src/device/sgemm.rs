@@ -193,11 +193,12 @@ unsafe fn pack_a(a: Operand, i0: usize, p0: usize, mc: usize, kc: usize, dst: *m
         let sliver = unsafe { dst.add(s * MR * kc) };
         let height = MR.min(mc - s * MR);
         let first = unsafe { a.ptr.add((i0 + s * MR) * a.rows + p0 * a.cols) };
-        if height == MR && a.rows == 1 {
+        if a.rows == 1 {
             // Column-major a (a transposed operand): each step's rows are
-            // contiguous; fixed-size copies compile to vector moves.
+            // contiguous; fixed-size copies compile to vector moves (masked,
+            // zero-filled past `height` for a ragged last sliver).
             for p in 0..kc {
-                unsafe { copy_row::<MR>(first.add(p * a.cols), sliver.add(p * MR)) };
+                unsafe { copy_row::<MR>(first.add(p * a.cols), sliver.add(p * MR), height) };
             }
         } else {
             // All MR rows advance together, so every write is sequential and
@@ -225,10 +226,12 @@ unsafe fn pack_b(b: Operand, p0: usize, j0: usize, kc: usize, nc: usize, dst: *m
         let sliver = unsafe { dst.add(s * NR * kc) };
         let width = NR.min(nc - s * NR);
         let first = unsafe { b.ptr.add(p0 * b.rows + (j0 + s * NR) * b.cols) };
-        if width == NR && b.cols == 1 {
-            // Row-major b: each step's columns are contiguous.
+        if b.cols == 1 {
+            // Row-major b: each step's columns are contiguous (a ragged last
+            // sliver, such as the 24 columns of a coefficient projection,
+            // masked and zero-filled).
             for p in 0..kc {
-                unsafe { copy_row::<NR>(first.add(p * b.rows), sliver.add(p * NR)) };
+                unsafe { copy_row::<NR>(first.add(p * b.rows), sliver.add(p * NR), width) };
             }
         } else if width == NR && b.rows == 1 {
             // Column-major b (a transposed operand): read each column's steps
@@ -251,28 +254,32 @@ unsafe fn pack_b(b: Operand, p0: usize, j0: usize, kc: usize, nc: usize, dst: *m
     }
 }
 
-/// Copies `N` contiguous floats with 16-lane vector moves (a plain copy of a
-/// short run becomes a `memmove` call).
+/// Copies the first `len` of `N` contiguous floats with 16-lane vector
+/// moves and zero-fills the rest (a plain copy of a short run becomes a
+/// `memmove` call).
 ///
 /// # Safety
-/// AVX-512F is available; `src` and `dst` hold `N` floats.
+/// AVX-512F is available; `src` holds `len` floats and `dst` `N`, `len <= N`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn copy_row<const N: usize>(src: *const f32, dst: *mut f32) {
+unsafe fn copy_row<const N: usize>(src: *const f32, dst: *mut f32, len: usize) {
     for v in 0..N.div_ceil(16) {
-        let mask = column_mask(N - 16 * v);
-        // SAFETY: masked lanes stay within the N floats.
+        let (read, write) = (column_mask(len.saturating_sub(16 * v)), column_mask(N - 16 * v));
+        // SAFETY: masked lanes stay within the `len` floats read and the `N` written.
         unsafe {
-            let x = _mm512_mask_loadu_ps(_mm512_setzero_ps(), mask, src.add(16 * v));
-            _mm512_mask_storeu_ps(dst.add(16 * v), mask, x);
+            let x = _mm512_mask_loadu_ps(_mm512_setzero_ps(), read, src.add(16 * v));
+            _mm512_mask_storeu_ps(dst.add(16 * v), write, x);
         }
     }
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn copy_row<const N: usize>(src: *const f32, dst: *mut f32) {
-    unsafe { std::ptr::copy_nonoverlapping(src, dst, N) };
+unsafe fn copy_row<const N: usize>(src: *const f32, dst: *mut f32, len: usize) {
+    unsafe {
+        std::ptr::copy_nonoverlapping(src, dst, len);
+        std::ptr::write_bytes(dst.add(len), 0, N - len);
+    }
 }
 
 /// One `MR x NR` tile: `c (=|+=) a_sliver @ b_sliver` over `kc` steps,
