@@ -37,12 +37,20 @@ pub struct Request {
     pub grads: Vec<(NodeId, NodeId)>,
     /// The device the kernels are sized for (per-item scratch of fused kernels).
     pub target: Target,
+    /// Append the optimizer update after the backward pass
+    /// ([`crate::optimizer::append_adamw`]).
+    pub update: bool,
 }
 
 impl Request {
     /// The graph's named outputs and the given gradients.
     pub fn new(graph: &Graph, grads: Vec<(NodeId, NodeId)>) -> Request {
-        Request { outputs: graph.outputs().to_vec(), grads, target: Target::Cpu }
+        Request { outputs: graph.outputs().to_vec(), grads, target: Target::Cpu, update: false }
+    }
+
+    /// The same request with the optimizer update appended to its Plan.
+    pub fn with_update(self) -> Request {
+        Request { update: true, ..self }
     }
 
     /// The same request with kernels sized for `target`.
@@ -68,6 +76,8 @@ pub enum CompileError {
     Order { node: usize, input: usize },
     #[error("gradient %{grad} is paired with %{param}, which is not a parameter")]
     NotParam { param: usize, grad: usize },
+    #[error(transparent)]
+    Update(#[from] crate::optimizer::UpdateError),
     #[error("node %{node} ({op}) cannot be lowered alone: {reason}")]
     Lowering { node: usize, op: &'static str, reason: String },
     #[error(transparent)]
@@ -672,7 +682,17 @@ pub fn compile(graph: &Graph, partition: &[Vec<NodeId>], request: &Request) -> R
         }
     }
     b.plan_arena();
-    Ok(Plan { kernels: b.kernels, steps: b.steps, buffers: b.buffers, arena_len: b.arena_len })
+    let mut plan = Plan {
+        kernels: b.kernels,
+        steps: b.steps,
+        buffers: b.buffers,
+        arena_len: b.arena_len,
+        update_start: None,
+    };
+    if request.update {
+        crate::optimizer::append_adamw(&mut plan)?;
+    }
+    Ok(plan)
 }
 
 /// A kernel as the renderers print it: indices simplified, loops over the

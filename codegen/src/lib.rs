@@ -12,5 +12,6 @@ pub mod compile;
 pub mod emit;
 pub mod kernel;
 pub mod nvrtc;
+pub mod optimizer;
 pub mod plan;
 pub mod render;

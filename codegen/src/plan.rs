@@ -26,6 +26,10 @@ pub enum BufferRole {
     Output { name: String },
     /// A constant filled once at load time (the graph's `Constant` nodes).
     Constant { value: f64 },
+    /// Optimizer state of a parameter (persistent), by its checkpoint name:
+    /// AdamW's moments `opt.<param>.m` and `opt.<param>.v`
+    /// ([`crate::optimizer`]).
+    OptState { name: String },
     /// A transient value placed in the shared arena at `offset` elements
     /// (liveness-based reuse: two scratch buffers alive at once never overlap).
     Scratch { offset: usize },
@@ -111,11 +115,21 @@ pub struct Plan {
     pub buffers: Vec<BufferDecl>,
     /// Size of the shared scratch arena, per dtype, in elements (f32 arena first).
     pub arena_len: usize,
+    /// The first step of the optimizer update, when the Plan has one
+    /// ([`crate::optimizer::append_adamw`]): the steps before it compute the
+    /// loss and the gradients.
+    pub update_start: Option<usize>,
 }
 
 impl Plan {
     /// The buffer holding a named role, e.g. the `loss` output or the `blocks.0.attn.wq` param.
     pub fn find(&self, role: &BufferRole) -> Option<BufferId> {
         self.buffers.iter().find(|b| &b.role == role).map(|b| b.id)
+    }
+
+    /// The steps that compute the loss and the gradients: every step but the
+    /// optimizer update's.
+    pub fn gradient_steps(&self) -> std::ops::Range<usize> {
+        0..self.update_start.unwrap_or(self.steps.len())
     }
 }

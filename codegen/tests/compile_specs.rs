@@ -195,8 +195,13 @@ fn cuda_dialect_compiles_under_nvrtc_without_spills() {
             ("one op", one_op_per_group(&graph)),
             ("fused", fused_partition(&graph, &request).expect("fuses")),
         ] {
-            let request = request.clone().for_target(Target::Cuda);
+            // With the optimizer update, as the runtime compiles training Plans.
+            let request = request.clone().for_target(Target::Cuda).with_update();
             let plan = compile(&graph, &partition, &request).expect("compiles");
+            assert!(
+                plan.update_start.is_some_and(|s| s < plan.steps.len()),
+                "{name}: the update is appended"
+            );
             let src = render_cuda(&plan.kernels).expect("renders");
             let out =
                 codegen::nvrtc::compile(&src, "sm_90").unwrap_or_else(|e| panic!("{name} {label}: {e}"));

@@ -50,6 +50,11 @@ pub enum CheckpointError {
     UnexpectedTensor { path: PathBuf, tensor: String },
     #[error("cannot write checkpoint {path}: {message}")]
     Serialize { path: PathBuf, message: String },
+    #[error(
+        "cannot write checkpoint {path}: the optimizer's moments are still on the device that stepped it \
+         (`StepExecutor::sync_optimizer` brings them back)"
+    )]
+    MomentsOnDevice { path: PathBuf },
 }
 
 /// Training progress stored with the parameters.
@@ -86,6 +91,9 @@ pub fn save(
         owned.push((p.name.clone(), p.shape.dims().to_vec(), f32_bytes(&p.value)));
     }
     if let Some(opt) = optimizer {
+        if opt.moments_on_device() {
+            return Err(CheckpointError::MomentsOnDevice { path: path.to_path_buf() });
+        }
         for (name, dims, values) in opt.state_tensors() {
             owned.push((name, dims.to_vec(), f32_bytes(values)));
         }

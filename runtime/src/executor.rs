@@ -34,6 +34,11 @@ pub enum StepError {
     Cuda(Box<crate::device::cuda::CudaError>),
     #[error(transparent)]
     Compile(Box<codegen::compile::CompileError>),
+    #[error(
+        "the optimizer's moments are held by the device that last stepped it; \
+         call `sync_optimizer` on that executor first"
+    )]
+    MomentsOnDevice,
 }
 
 /// What the training loop and the sampler need from a device.
@@ -72,6 +77,9 @@ pub trait StepExecutor {
         optimizer: &mut Optimizer,
         settings: UpdateSettings,
     ) -> Result<StepStats, StepError> {
+        if optimizer.moments_on_device() {
+            return Err(StepError::MomentsOnDevice);
+        }
         let (loss, grads) = self.loss_and_grads(params, tokens)?;
         Ok(update_on_host(loss, &grads, optimizer, settings, |grads| {
             params
@@ -80,6 +88,13 @@ pub trait StepExecutor {
                 .map(|(p, g)| UpdateTarget { value: &mut p.value, grad: g.as_ref(), mirror: None })
                 .collect()
         }))
+    }
+
+    /// Brings the optimizer state a device holds back into `optimizer` (its
+    /// moments, when the device's Plan ran the update); a no-op where the host
+    /// holds it. Call before reading the state, as checkpoints do.
+    fn sync_optimizer(&mut self, _optimizer: &mut Optimizer) -> Result<(), StepError> {
+        Ok(())
     }
 }
 

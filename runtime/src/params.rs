@@ -41,10 +41,15 @@ pub struct ParamVersion {
 impl ParamVersion {
     /// A version no other set has: every set, clones included, gets its own identity.
     fn fresh() -> ParamVersion {
-        static NEXT_IDENTITY: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-        let identity = NEXT_IDENTITY.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        ParamVersion { identity, generation: 0 }
+        ParamVersion { identity: fresh_identity(), generation: 0 }
     }
+}
+
+/// A number no earlier call returned: what tells apart the parameter sets
+/// and optimizers whose contents a device holds.
+pub(crate) fn fresh_identity() -> u64 {
+    static NEXT_IDENTITY: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    NEXT_IDENTITY.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 impl Clone for ParamSet {

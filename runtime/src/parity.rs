@@ -11,9 +11,10 @@
 //! - the logits and every parameter gradient: the largest difference relative
 //!   to the largest magnitude of the reference tensor (elementwise relative
 //!   error is meaningless for entries near zero);
-//! - every parameter after N optimizer steps, each path stepping its own
-//!   parameters with its own gradients from the same start: the largest
-//!   difference in units of the learning rate, the size of one step.
+//! - every parameter after N optimizer steps, each path taking its own
+//!   training steps from the same start (a compiled device with the update
+//!   its Plan runs, `codegen::optimizer`): the largest difference in units
+//!   of the learning rate, the size of one step.
 //!
 //! Adam divides each gradient by its running RMS (MATH.md §8), which turns
 //! rounding noise on a gradient entry that is itself at noise level (around
@@ -23,7 +24,7 @@
 //! of ordinary size normalized as before.
 
 use crate::data::{BatchSampler, Corpus, DataError};
-use crate::executor::{ReferenceExecutor, StepError, StepExecutor};
+use crate::executor::{ReferenceExecutor, StepError, StepExecutor, UpdateSettings};
 use crate::init::{init_params, InitError};
 use crate::optim::Optimizer;
 use crate::params::ParamSet;
@@ -318,12 +319,16 @@ pub fn compare(
     let mut dev_params: ParamSet = ref_params.clone();
     let mut opt_ref = Optimizer::new(&opt_spec, &ref_params);
     let mut opt_dev = Optimizer::new(&opt_spec, &dev_params);
+    // Each path takes its own training steps: a compiled device runs the
+    // update in its Plan (parameters and moments on the device), so this
+    // checks that update too.
+    let settings = UpdateSettings { lr_mult: 1.0, clip: None };
     for _ in 0..steps {
         let tokens = sampler.next_batch(corpus.train());
-        let (_, g_ref) = reference.loss_and_grads(&ref_params, &tokens).map_err(ParityError::Reference)?;
-        let (_, g_dev) = device.loss_and_grads(&dev_params, &tokens).map_err(on_device)?;
-        opt_ref.step(&mut ref_params, &g_ref, 1.0);
-        opt_dev.step(&mut dev_params, &g_dev, 1.0);
+        reference
+            .train_step(&mut ref_params, &tokens, &mut opt_ref, settings)
+            .map_err(ParityError::Reference)?;
+        device.train_step(&mut dev_params, &tokens, &mut opt_dev, settings).map_err(on_device)?;
     }
     let lr = step_lr(spec);
     for (d, r) in dev_params.iter().zip(ref_params.iter()) {

@@ -186,6 +186,7 @@ pub fn train(
 
         let every = spec.train.checkpoint_every as u64;
         if every > 0 && step.is_multiple_of(every) {
+            exec.sync_optimizer(&mut optimizer).map_err(|source| TrainError::Step { step, source })?;
             let state = TrainState { step, data_rng: sampler.state() };
             checkpoint::save(
                 &out.join(format!("ckpt-{step}.safetensors")),
@@ -199,6 +200,7 @@ pub fn train(
     drop(progress);
     let final_checkpoint = out.join("final.safetensors");
     let steps = optimizer.steps_taken();
+    exec.sync_optimizer(&mut optimizer).map_err(|source| TrainError::Step { step: steps, source })?;
     let state = TrainState { step: steps, data_rng: sampler.state() };
     checkpoint::save(&final_checkpoint, spec, &params, Some(&optimizer), &state)?;
     Ok(TrainReport { losses, val_loss, steps, final_checkpoint, metrics: metrics_path })

@@ -101,6 +101,7 @@ fn test_plan() -> Plan {
         ],
         buffers,
         arena_len: ROWS * D + ROWS * F,
+        update_start: None,
     }
 }
 
@@ -223,7 +224,13 @@ fn gemm_strides_transposes_and_broadcast() {
             offsets: [0; 3],
             accumulate: true,
         };
-        let plan = Plan { kernels: vec![], steps: vec![Step::Gemm(step)], buffers, arena_len: 0 };
+        let plan = Plan {
+            kernels: vec![],
+            steps: vec![Step::Gemm(step)],
+            buffers,
+            arena_len: 0,
+            update_start: None,
+        };
         let mut dev = load(plan, &cache, 2);
         let (a, b, c0) = (data(batch * m * k, 4, 1.0), data(k * n, 5, 1.0), data(batch * m * n, 6, 1.0));
         dev.write_f32(BufferId(0), &a).unwrap();
@@ -274,8 +281,13 @@ fn gemm_split_over_threads() {
             let (a, b) = (data(batch * m * k, 7, 1.0), data(batch * k * n, 8, 1.0));
             let run = |threads: usize| {
                 let buffers = buffers.clone();
-                let plan =
-                    Plan { kernels: vec![], steps: vec![Step::Gemm(step.clone())], buffers, arena_len: 0 };
+                let plan = Plan {
+                    kernels: vec![],
+                    steps: vec![Step::Gemm(step.clone())],
+                    buffers,
+                    arena_len: 0,
+                    update_start: None,
+                };
                 let mut dev = load(plan, &cache, threads);
                 dev.write_f32(BufferId(0), &a).unwrap();
                 dev.write_f32(BufferId(1), &b).unwrap();
@@ -393,4 +405,104 @@ fn persistent_views_are_disjoint_and_live() {
     assert!(matches!(dev.persistent_views(&[W], &[W]), Err(CpuError::SharedView { id: 3 })));
     assert!(matches!(dev.persistent_views(&[], &[H]), Err(CpuError::SharedView { id: 4 })));
     assert!(matches!(dev.persistent_views(&[BufferId(42)], &[]), Err(CpuError::NoSuchBuffer { id: 42, .. })));
+}
+
+/// The optimizer update appended to a Plan (`codegen::optimizer`) on its
+/// own: a parameter of several norm chunks with a gradient, one the loss
+/// does not reach (updated with a zero gradient, as on the host). Against
+/// the host's `global_norm`, `clip_scale` and `adamw_update`, bit for bit;
+/// a loss that is not finite, or a run not asked to apply, leaves parameters
+/// and moments as they were.
+#[test]
+fn plan_update_matches_the_host_adamw() {
+    use codegen::optimizer::{
+        append_adamw, moment_names, rates_input, Rate, Setting, GRAD_NORM_OUTPUT, SETTINGS_INPUT,
+    };
+    use runtime::optim::adamw::{adamw_update, AdamWStep};
+    use runtime::optim::clip::{clip_scale, global_norm};
+    let (w_len, b_len) = (3 * codegen::optimizer::NORM_CHUNK + 5, 7);
+    let mut plan = Plan {
+        kernels: vec![],
+        steps: vec![],
+        buffers: vec![
+            decl(0, w_len, DType::F32, BufferRole::Param { name: "w".into() }),
+            decl(1, w_len, DType::F32, BufferRole::Grad { name: "w".into() }),
+            decl(2, b_len, DType::F32, BufferRole::Param { name: "b".into() }),
+            decl(3, 1, DType::F32, BufferRole::Output { name: "loss".into() }),
+        ],
+        arena_len: 0,
+        update_start: None,
+    };
+    append_adamw(&mut plan).expect("update appended");
+    assert_eq!(plan.update_start, Some(0));
+    let cache = TempCache::new("update");
+    let mut dev = load(plan, &cache, 2);
+    let find = |dev: &CpuDevice, role: BufferRole| dev.find(&role).expect("update buffer");
+    let input = |name: String| BufferRole::Input { name };
+    let (settings, norm_out) = (
+        find(&dev, input(SETTINGS_INPUT.into())),
+        find(&dev, BufferRole::Output { name: GRAD_NORM_OUTPUT.into() }),
+    );
+    let (w, b) = (data(w_len, 1, 1.0), data(b_len, 2, 1.0));
+    let grad = data(w_len, 3, 0.5);
+    let (m0, v0) = (data(w_len, 4, 0.1), data(w_len, 5, 0.1).iter().map(|x| x.abs()).collect::<Vec<f32>>());
+    dev.write_f32(BufferId(0), &w).unwrap();
+    dev.write_f32(BufferId(1), &grad).unwrap();
+    dev.write_f32(BufferId(2), &b).unwrap();
+    let [wm, wv] = moment_names("w").map(|n| find(&dev, BufferRole::OptState { name: n }));
+    dev.write_f32(wm, &m0).unwrap();
+    dev.write_f32(wv, &v0).unwrap();
+
+    let h =
+        AdamWStep { lr: 0.01, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, t: 3, grad_scale: 1.0 };
+    let folded = h.folded();
+    let max_norm = 0.5 * global_norm(&[grad.clone()]);
+    let values = |apply: f64| {
+        Setting::ALL
+            .iter()
+            .map(|s| match s {
+                Setting::Apply => apply,
+                Setting::MaxNorm => max_norm,
+                Setting::Beta1 => h.beta1,
+                Setting::Beta2 => h.beta2,
+                Setting::Eps => h.eps,
+                Setting::InvSqrtBias2 => folded.inv_sqrt_bc2,
+            })
+            .collect::<Vec<f64>>()
+    };
+    let rates: Vec<f64> =
+        Rate::ALL.iter().map(|r| if *r == Rate::Decay { folded.decay } else { folded.step }).collect();
+    for name in ["w", "b"] {
+        dev.write_f64(find(&dev, input(rates_input(name))), &rates).unwrap();
+    }
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+
+    // Not asked to apply, or a loss that is not finite: nothing moves, the norm is still reported.
+    for (apply, loss) in [(0.0, 1.0f32), (1.0, f32::NAN), (1.0, f32::INFINITY)] {
+        dev.write_f64(settings, &values(apply)).unwrap();
+        dev.write_f32(BufferId(3), &[loss]).unwrap();
+        dev.run().unwrap();
+        assert_eq!(bits(dev.read_f32(BufferId(0)).unwrap()), bits(&w), "apply {apply}, loss {loss}");
+        assert_eq!(bits(dev.read_f32(wm).unwrap()), bits(&m0));
+        assert_eq!(
+            dev.read_f64(norm_out).unwrap()[0].to_bits(),
+            global_norm(&[grad.clone(), vec![0.0; b_len]]).to_bits()
+        );
+    }
+
+    dev.write_f64(settings, &values(1.0)).unwrap();
+    dev.write_f32(BufferId(3), &[2.5]).unwrap();
+    dev.run().unwrap();
+    let norm = global_norm(&[grad.clone(), vec![0.0; b_len]]);
+    let scale = clip_scale(norm, Some(max_norm));
+    assert!(scale < 1.0, "the clip acts");
+    let (mut w1, mut m1, mut v1) = (w.clone(), m0.clone(), v0.clone());
+    adamw_update(&mut w1, &grad, &mut m1, &mut v1, &AdamWStep { grad_scale: scale, ..h }, None);
+    let (mut b1, mut bm, mut bv) = (b.clone(), vec![0.0; b_len], vec![0.0; b_len]);
+    adamw_update(&mut b1, &vec![0.0; b_len], &mut bm, &mut bv, &AdamWStep { grad_scale: scale, ..h }, None);
+    assert_eq!(bits(dev.read_f32(BufferId(0)).unwrap()), bits(&w1), "parameter");
+    assert_eq!(bits(dev.read_f32(wm).unwrap()), bits(&m1), "first moment");
+    assert_eq!(bits(dev.read_f32(wv).unwrap()), bits(&v1), "second moment");
+    assert_eq!(bits(dev.read_f32(BufferId(2)).unwrap()), bits(&b1), "parameter without a gradient");
+    assert_ne!(bits(&b1), bits(&b), "weight decay moves it");
 }

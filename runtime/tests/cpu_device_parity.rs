@@ -88,14 +88,14 @@ parity! {
     xhc => "xhc.ron",
 }
 
-/// The Cpu device's training step (gradients read in its Plan buffers, the
-/// new parameters written to the host set and the device's buffers in one
-/// pass, uploads skipped while the set is unchanged) against the host path:
-/// `loss_and_grads`, `clip_global_norm`, `Optimizer::step`. Both run on one
-/// executor, alternating, so each switch of parameter set must upload; the
-/// result must be the same bits. Clipping is set low enough to act, one
-/// parameter is edited between steps (the next step must see the edit), and
-/// Muon covers the second update rule.
+/// The Cpu device's training step against the host path (`loss_and_grads`,
+/// `clip_global_norm`, `Optimizer::step`): with AdamW the Plan's own update
+/// (norm, clip and AdamW kernels, moments kept on the device), with Muon the
+/// host update reading gradients in the Plan's buffers; uploads skipped
+/// while the set is unchanged. Both run on one executor, alternating, so
+/// each switch of parameter set must upload; the result must be the same
+/// bits, moments included. Clipping is set low enough to act, and one
+/// parameter is edited between steps (the next step must see the edit).
 #[test]
 fn train_step_matches_the_host_update() {
     use runtime::executor::UpdateSettings;
@@ -140,6 +140,10 @@ fn train_step_matches_the_host_update() {
             }
         }
         assert!(clipped > 0, "the clip never acted: the test would not cover the scaled update");
+        let adamw = matches!(spec.train.optimizer, ir::spec::OptimizerSpec::AdamW(_));
+        assert_eq!(device_opt.moments_on_device(), adamw, "the Plan runs the update exactly for AdamW");
+        cpu.sync_optimizer(&mut device_opt).expect("moments back from the device");
+        assert!(!device_opt.moments_on_device());
         assert_eq!(device_opt, host_opt, "optimizer state");
         // The device's own copy is current: a validation loss without any
         // upload equals one after a forced upload (a fresh set's identity).

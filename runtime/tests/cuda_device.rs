@@ -28,7 +28,7 @@ fn scratch(offset: usize) -> BufferRole {
 
 #[test]
 fn missing_driver_is_a_typed_error_naming_libcuda() {
-    let plan = Plan { kernels: vec![], steps: vec![], buffers: vec![], arena_len: 0 };
+    let plan = Plan { kernels: vec![], steps: vec![], buffers: vec![], arena_len: 0, update_start: None };
     match CudaDevice::new(plan) {
         Err(e @ CudaError::NoCudaDriver) => {
             assert!(!driver_available());
@@ -237,6 +237,7 @@ fn scratch_buffers_share_one_arena_per_dtype() {
             decl(4, 4, DType::F64, scratch(0)),
         ],
         arena_len: 32,
+        update_start: None,
     };
     let layout = Layout::of(&plan).unwrap();
     assert_eq!(
@@ -260,6 +261,7 @@ fn buffer_ids_must_match_positions() {
         steps: vec![],
         buffers: vec![decl(0, 1, DType::F32, scratch(0)), decl(2, 1, DType::F32, scratch(1))],
         arena_len: 2,
+        update_start: None,
     };
     assert!(matches!(Layout::of(&plan), Err(CudaError::Plan(PlanError::BufferId { index: 1, id: 2 }))));
 }
@@ -317,6 +319,7 @@ fn gpu_plan() -> Plan {
         ],
         buffers,
         arena_len: ROWS * D + ROWS * F,
+        update_start: None,
     }
 }
 
@@ -444,4 +447,70 @@ fn malformed_plans_are_rejected_before_touching_the_gpu() {
         Gemm { batch: 4, ..gemm(ROWS / 3, F, D, 1, (false, false), [ROWS / 3 * D, 0, ROWS / 3 * F], false) };
     let overrun = Gemm { a: BufferId(4), b: BufferId(3), c: BufferId(8), ..overrun };
     assert!(matches!(err(with_steps(vec![Step::Gemm(overrun)])), CudaError::Plan(PlanError::Gemm { .. })));
+}
+
+// ---------------------------------------------------------------- training steps
+
+/// Training steps with the update in the Plan (`codegen::optimizer`) on the
+/// GPU against the same steps on the Cpu device, whose update matches the
+/// host's bit for bit (`cpu_device_parity`): parameters within a few
+/// learning rates' worth of f32 rounding after the steps, the moments back
+/// through `sync_optimizer`, and the GPU's resident parameters used by a
+/// later validation loss.
+#[test]
+fn gpu_training_steps_match_the_cpu_device() {
+    use ir::spec::{AdamWSpec, ConstantSpec, ModelSpec, OptimizerSpec, ScheduleSpec};
+    use runtime::device::cpu::CpuOptions;
+    use runtime::device::executor::CpuExecutor;
+    use runtime::executor::{cuda_executor, StepExecutor, UpdateSettings};
+    use runtime::init::init_params;
+    use runtime::optim::Optimizer;
+    if !driver_available() {
+        eprintln!("no CUDA driver: GPU training steps not checked here (scripts/gpu_check.sh runs it)");
+        return;
+    }
+    let mut spec =
+        ModelSpec { name: "gpu-steps".into(), d_model: 32, layers: 1, heads: 2, ..ModelSpec::default() };
+    spec.train.seq_len = 16;
+    spec.train.batch = 2;
+    spec.train.schedule = ScheduleSpec::Constant(ConstantSpec { warmup: 0 });
+    let lr = 1e-2;
+    spec.train.optimizer = OptimizerSpec::AdamW(AdamWSpec { lr, eps: 1e-6, ..AdamWSpec::default() });
+    let lowered = || ir::lower::lower(&spec, spec.train.batch, spec.train.seq_len).expect("lower");
+    let mut gpu = cuda_executor(lowered()).expect("the Plan loads on the GPU");
+    let mut cpu = CpuExecutor::from_lowered(lowered(), CpuOptions { threads: 2 });
+    let mut gpu_params = init_params(&lowered().graph, 0).expect("init");
+    let mut cpu_params = gpu_params.clone();
+    let mut gpu_opt = Optimizer::new(&spec, &gpu_params);
+    let mut cpu_opt = gpu_opt.clone();
+    let window = spec.train.batch * (spec.train.seq_len + 1);
+    let batch = |step: usize| (0..window).map(|i| ((i * 7 + step * 13) % 256) as i32).collect::<Vec<i32>>();
+    for step in 0..4 {
+        let settings = UpdateSettings { lr_mult: 1.0, clip: Some(0.5) };
+        let g = gpu.train_step(&mut gpu_params, &batch(step), &mut gpu_opt, settings).expect("GPU step");
+        let c = cpu.train_step(&mut cpu_params, &batch(step), &mut cpu_opt, settings).expect("Cpu step");
+        assert!(
+            (g.loss - c.loss).abs() <= 1e-4 * c.loss.abs(),
+            "step {step}: loss {} against {}",
+            g.loss,
+            c.loss
+        );
+        assert!((g.grad_norm - c.grad_norm).abs() <= 1e-4 * c.grad_norm, "step {step}: gradient norm");
+    }
+    assert!(gpu_opt.moments_on_device(), "the GPU's Plan ran the update");
+    for (g, c) in gpu_params.iter().zip(cpu_params.iter()) {
+        let diff = g.value.iter().zip(&c.value).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        assert!(f64::from(diff) <= 0.05 * lr, "`{}` differs by {diff}", g.name);
+    }
+    gpu.sync_optimizer(&mut gpu_opt).expect("moments from the GPU");
+    cpu.sync_optimizer(&mut cpu_opt).expect("moments from the Cpu device");
+    for ((name, _, g), (_, _, c)) in gpu_opt.state_tensors().into_iter().zip(cpu_opt.state_tensors()) {
+        let scale = c.iter().map(|v| v.abs()).fold(1e-12f32, f32::max);
+        let diff = g.iter().zip(c).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        assert!(diff <= 1e-2 * scale, "{name}: moments differ by {diff} (scale {scale})");
+    }
+    let tokens = batch(9);
+    let resident = gpu.loss(&gpu_params, &tokens).expect("loss");
+    let uploaded = gpu.loss(&gpu_params.clone(), &tokens).expect("loss");
+    assert_eq!(resident.to_bits(), uploaded.to_bits(), "the GPU's parameters are the host's");
 }

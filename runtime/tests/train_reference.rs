@@ -1,4 +1,7 @@
-//! The training loop end to end on the reference executor with tiny lowered models.
+//! The training loop end to end with tiny lowered models, on the reference
+//! executor and, where the device changes how a step is taken (the Cpu
+//! device's Plan runs the optimizer update and keeps the moments), on the
+//! Cpu device too.
 
 use ir::spec::{AdamWSpec, ConstantSpec, ModelSpec, MuonSpec, OptimizerSpec, ScheduleSpec};
 use runtime::checkpoint::Checkpoint;
@@ -71,12 +74,24 @@ fn same_seed_gives_identical_losses_and_another_seed_does_not() {
 
 #[test]
 fn resumed_run_matches_the_uninterrupted_run_bitwise() {
-    let (full, resumed) = (temp_dir("full"), temp_dir("resumed"));
+    resume_matches(Device::Reference);
+}
+
+/// On the Cpu device the checkpoint's moments come back from the Plan's
+/// buffers, and the resumed run writes the checkpoint's moments into them.
+#[test]
+fn resumed_cpu_run_matches_the_uninterrupted_run_bitwise() {
+    resume_matches(Device::Cpu);
+}
+
+fn resume_matches(device: Device) {
+    let tag = device.name();
+    let (full, resumed) = (temp_dir(&format!("full-{tag}")), temp_dir(&format!("resumed-{tag}")));
     let mut spec = tiny_spec(6);
     spec.train.checkpoint_every = 3;
-    let whole = train_spec(&spec, Device::Reference, &opts(&full, None)).unwrap();
+    let whole = train_spec(&spec, device, &opts(&full, None)).unwrap();
     let ckpt3 = full.join("ckpt-3.safetensors");
-    let rest = train_spec(&spec, Device::Reference, &opts(&resumed, Some(ckpt3))).unwrap();
+    let rest = train_spec(&spec, device, &opts(&resumed, Some(ckpt3))).unwrap();
     assert_eq!(rest.losses, whole.losses[3..].to_vec());
     assert_eq!(rest.steps, 6);
     let (a, b) = (
@@ -95,8 +110,7 @@ fn resumed_run_matches_the_uninterrupted_run_bitwise() {
     }
 
     // Resuming in the original folder drops the metrics after the checkpoint and appends.
-    let again =
-        train_spec(&spec, Device::Reference, &opts(&full, Some(full.join("ckpt-3.safetensors")))).unwrap();
+    let again = train_spec(&spec, device, &opts(&full, Some(full.join("ckpt-3.safetensors")))).unwrap();
     assert_eq!(again.losses, whole.losses[3..].to_vec());
     let steps: Vec<u64> = metric_losses(&full.join("metrics.jsonl")).iter().map(|(s, _)| *s).collect();
     assert_eq!(steps, vec![1, 2, 3, 4, 5, 6]);
@@ -107,13 +121,24 @@ fn resumed_run_matches_the_uninterrupted_run_bitwise() {
 
 #[test]
 fn diverging_run_stops_naming_the_step_and_keeps_earlier_output() {
-    let out = temp_dir("nan");
+    diverging_run_stops(Device::Reference);
+}
+
+/// On the Cpu device the Plan's update must skip the step whose loss is not
+/// finite, and the checkpoints before it must hold the moments.
+#[test]
+fn diverging_cpu_run_stops_naming_the_step_and_keeps_earlier_output() {
+    diverging_run_stops(Device::Cpu);
+}
+
+fn diverging_run_stops(device: Device) {
+    let out = temp_dir(&format!("nan-{}", device.name()));
     let mut spec = tiny_spec(6);
     spec.train.checkpoint_every = 1;
     spec.train.clip = None;
     spec.train.schedule = ScheduleSpec::Constant(ConstantSpec { warmup: 0 });
     spec.train.optimizer = OptimizerSpec::AdamW(AdamWSpec { lr: 1e30, ..AdamWSpec::default() });
-    let err = train_spec(&spec, Device::Reference, &opts(&out, None)).unwrap_err();
+    let err = train_spec(&spec, device, &opts(&out, None)).unwrap_err();
     let TrainError::NonFinite { step, .. } = err else { panic!("expected a non-finite loss, got {err}") };
     assert!(step >= 2, "step {step}");
     assert!(err.to_string().contains(&format!("step {step}")), "{err}");

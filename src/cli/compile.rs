@@ -129,6 +129,7 @@ fn role_text(d: &BufferDecl) -> String {
         BufferRole::Input { name } => format!("input {name}"),
         BufferRole::Output { name } => format!("output {name}"),
         BufferRole::Constant { value } => format!("constant {value}"),
+        BufferRole::OptState { name } => format!("optimizer state {name}"),
         BufferRole::Scratch { offset } => format!("scratch @{offset}"),
     }
 }

@@ -376,6 +376,24 @@ impl CpuDevice {
         }
     }
 
+    /// The current contents of an f64 buffer.
+    pub fn read_f64(&self, id: BufferId) -> Result<&[f64], CpuError> {
+        let dtype = self.decl(id)?.dtype;
+        match self.storage(id)? {
+            (HostVec::F64(v), r) => Ok(&v[r]),
+            _ => Err(CpuError::WrongDType { id: id.0, dtype, want: DType::F64 }),
+        }
+    }
+
+    /// Overwrites an f64 buffer; `data` must have the buffer's length.
+    pub fn write_f64(&mut self, id: BufferId, data: &[f64]) -> Result<(), CpuError> {
+        let dtype = self.decl(id)?.dtype;
+        match self.storage_mut(id)? {
+            (HostVec::F64(v), r) => copy_into(id, &mut v[r], data),
+            _ => Err(CpuError::WrongDType { id: id.0, dtype, want: DType::F64 }),
+        }
+    }
+
     /// Overwrites an i32 buffer (token ids); `data` must have the buffer's length.
     pub fn write_i32(&mut self, id: BufferId, data: &[i32]) -> Result<(), CpuError> {
         let dtype = self.decl(id)?.dtype;

@@ -74,8 +74,10 @@ use ir::DType;
 
 use super::executor::{first_loss, Interface};
 use super::plan_check::{self, PlanError};
-use crate::executor::{StepError, StepExecutor};
-use crate::params::ParamSet;
+use super::update::{Held, PlanBuffers, PlanUpdate};
+use crate::executor::{update_on_host, StepError, StepExecutor, StepStats, UpdateSettings};
+use crate::optim::{Optimizer, UpdateTarget};
+use crate::params::{ParamSet, ParamVersion};
 
 /// The driver library that [`CudaError::NoCudaDriver`] names.
 pub const DRIVER_LIBRARY: &str = "libcuda.so.1";
@@ -120,6 +122,8 @@ pub enum CudaError {
     Gemm { what: String },
     #[error("buffer #{id} does not exist: the plan has {count} buffers")]
     NoSuchBuffer { id: usize, count: usize },
+    #[error("steps {start}..{end} are not within the plan's {count} steps")]
+    StepRange { start: usize, end: usize, count: usize },
     #[error("buffer #{id} holds {dtype}, not {want}")]
     WrongDType { id: usize, dtype: DType, want: DType },
     #[error("buffer #{id} holds {len} elements, got {got}")]
@@ -521,11 +525,30 @@ impl CudaDevice {
         self.read(id, DType::F32)
     }
 
+    /// Overwrites an f64 buffer; `data` must have the buffer's length.
+    pub fn write_f64(&mut self, id: BufferId, data: &[f64]) -> Result<(), CudaError> {
+        self.write(id, DType::F64, data)
+    }
+
+    /// The contents of an f64 buffer after all queued work.
+    pub fn read_f64(&self, id: BufferId) -> Result<Vec<f64>, CudaError> {
+        self.read(id, DType::F64)
+    }
+
     /// Issues every step of the Plan once, in order, on the device's stream.
     /// Returns when the work is queued; reads synchronize.
     pub fn run(&mut self) -> Result<(), CudaError> {
+        self.run_range(0..self.ops.len())
+    }
+
+    /// Issues steps `range` of the Plan, in order (the steps before the
+    /// optimizer update alone: `Plan::gradient_steps`).
+    pub fn run_range(&mut self, range: std::ops::Range<usize>) -> Result<(), CudaError> {
+        if range.start > range.end || range.end > self.ops.len() {
+            return Err(CudaError::StepRange { start: range.start, end: range.end, count: self.ops.len() });
+        }
         self.ctx.bind_to_thread().map_err(driver("binding the context"))?;
-        for i in 0..self.ops.len() {
+        for i in range {
             self.issue(i)?;
         }
         Ok(())
@@ -891,13 +914,20 @@ fn prepare(plan: &Plan, ptrs: &[sys::CUdeviceptr]) -> Result<Vec<Vec<Op>>, CudaE
 /// The [`StepExecutor`] over a [`CudaDevice`], with the interface of the
 /// Cpu device's executor ([`super::executor::CpuExecutor`]): a `tokens`
 /// input, a `loss` output, an optional `logits` output and a gradient buffer
-/// per parameter. Parameters live on the host (the optimizer runs in Rust),
-/// so they are uploaded before every run; everything else stays resident.
+/// per parameter. Parameters are uploaded only when the set handed in is not
+/// the one the device holds; with AdamW the Plan runs the update, so
+/// parameters and moments stay on the GPU and a step moves only the new
+/// parameters back ([`super::update`], the protocol the Cpu executor shares).
 #[derive(Debug)]
 pub struct CudaExecutor {
     device: CudaDevice,
     io: Interface,
+    update: Option<PlanUpdate>,
     token_shape: [usize; 2],
+    /// The version of the parameter set the device's parameter buffers hold.
+    resident: Option<ParamVersion>,
+    /// Whose moments the Plan's optimizer state buffers hold.
+    held: Held,
 }
 
 impl CudaExecutor {
@@ -905,26 +935,41 @@ impl CudaExecutor {
     /// `token_shape` (`[batch, seq_len + 1]`).
     pub fn new(device: CudaDevice, token_shape: [usize; 2]) -> Result<CudaExecutor, StepError> {
         let io = Interface::of(device.plan())?;
-        Ok(CudaExecutor { device, io, token_shape })
+        let update = PlanUpdate::of(device.plan());
+        Ok(CudaExecutor { device, io, update, token_shape, resident: None, held: None })
     }
 
-    /// The underlying device (profiling, direct buffer access).
+    /// The underlying device (profiling, direct buffer access). The caller
+    /// may write any buffer, so the next run uploads the parameters and
+    /// moments again.
     pub fn device_mut(&mut self) -> &mut CudaDevice {
+        self.resident = None;
+        self.held = None;
         &mut self.device
     }
 
-    /// Uploads parameters and tokens, then queues one run of the Plan.
-    fn run(&mut self, params: &ParamSet, tokens: &[i32]) -> Result<(), StepError> {
+    /// Uploads the parameters (unless the device holds this version of them)
+    /// and the tokens, then queues the Plan's gradient steps, or every step
+    /// with `update`.
+    fn run(&mut self, params: &ParamSet, tokens: &[i32], update: bool) -> Result<(), StepError> {
         let expected = self.token_shape[0] * self.token_shape[1];
         if tokens.len() != expected {
             return Err(StepError::TokenCount { got: tokens.len(), expected });
         }
-        for (name, buffer, _) in &self.io.params {
-            let p = params.get(name).ok_or_else(|| StepError::UnknownParam { name: name.clone() })?;
-            self.device.write_f32(*buffer, &p.value)?;
+        let upload = self.resident != Some(params.version());
+        self.resident = None;
+        if upload {
+            for (name, buffer, _) in &self.io.params {
+                let p = params.get(name).ok_or_else(|| StepError::UnknownParam { name: name.clone() })?;
+                self.device.write_f32(*buffer, &p.value)?;
+            }
         }
         self.device.write_i32(self.io.tokens, tokens)?;
-        Ok(self.device.run()?)
+        let steps =
+            if update { 0..self.device.plan().steps.len() } else { self.device.plan().gradient_steps() };
+        self.device.run_range(steps)?;
+        self.resident = Some(params.version());
+        Ok(())
     }
 
     fn read_loss(&self) -> Result<f32, StepError> {
@@ -946,20 +991,110 @@ impl StepExecutor for CudaExecutor {
         params: &ParamSet,
         tokens: &[i32],
     ) -> Result<(f32, Vec<Vec<f32>>), StepError> {
-        self.run(params, tokens)?;
+        self.run(params, tokens, false)?;
         let grads = self.io.grads(params, |g| Ok(self.device.read_f32(g)?))?;
         Ok((self.read_loss()?, grads))
     }
 
     fn loss(&mut self, params: &ParamSet, tokens: &[i32]) -> Result<f32, StepError> {
-        self.run(params, tokens)?;
+        self.run(params, tokens, false)?;
         self.read_loss()
     }
 
     fn logits(&mut self, params: &ParamSet, tokens: &[i32]) -> Result<Vec<f32>, StepError> {
         let logits = self.io.logits.ok_or(StepError::MissingOutput { what: "logits" })?;
-        self.run(params, tokens)?;
+        self.run(params, tokens, false)?;
         Ok(self.device.read_f32(logits)?)
+    }
+
+    /// With AdamW on every parameter the Plan runs the update; otherwise
+    /// (Muon) the host does, from downloaded gradients.
+    fn train_step(
+        &mut self,
+        params: &mut ParamSet,
+        tokens: &[i32],
+        optimizer: &mut Optimizer,
+        settings: UpdateSettings,
+    ) -> Result<StepStats, StepError> {
+        let in_plan = self.update.as_ref().is_some_and(|u| u.covers(params, optimizer))
+            && optimizer.plan_update_values(settings.lr_mult, settings.clip).is_some();
+        if !in_plan {
+            if optimizer.moments_on_device() {
+                return Err(StepError::MomentsOnDevice);
+            }
+            let (loss, grads) = self.loss_and_grads(params, tokens)?;
+            return Ok(update_on_host(loss, &grads, optimizer, settings, |grads| {
+                params
+                    .iter_mut()
+                    .zip(grads)
+                    .map(|(p, g)| UpdateTarget { value: &mut p.value, grad: g.as_slice(), mirror: None })
+                    .collect()
+            }));
+        }
+        let update = self.update.take().ok_or(StepError::MissingOutput { what: "optimizer update" })?;
+        let result = self.train_step_in_plan(&update, params, tokens, optimizer, settings);
+        self.update = Some(update);
+        result
+    }
+
+    fn sync_optimizer(&mut self, optimizer: &mut Optimizer) -> Result<(), StepError> {
+        if !optimizer.moments_on_device() {
+            return Ok(());
+        }
+        let held = self.held;
+        let update = self.update.as_ref().ok_or(StepError::MomentsOnDevice)?;
+        update.sync_moments(&mut self.device, optimizer, &held)
+    }
+}
+
+impl CudaExecutor {
+    /// A training step with the Plan's own update ([`super::update`]).
+    fn train_step_in_plan(
+        &mut self,
+        update: &PlanUpdate,
+        params: &mut ParamSet,
+        tokens: &[i32],
+        optimizer: &mut Optimizer,
+        settings: UpdateSettings,
+    ) -> Result<StepStats, StepError> {
+        let mut held = self.held.take();
+        update.hold_moments(&mut self.device, optimizer, &mut held)?;
+        update.write_values(&mut self.device, optimizer, settings)?;
+        self.run(params, tokens, true)?;
+        let loss = self.read_loss()?;
+        let stats = update.finish(&mut self.device, loss, params, optimizer, &mut held)?;
+        self.held = held;
+        self.resident = Some(params.version());
+        Ok(stats)
+    }
+}
+
+impl PlanBuffers for CudaDevice {
+    fn write_f32(&mut self, id: BufferId, data: &[f32]) -> Result<(), StepError> {
+        Ok(CudaDevice::write_f32(self, id, data)?)
+    }
+
+    fn write_f64(&mut self, id: BufferId, data: &[f64]) -> Result<(), StepError> {
+        Ok(CudaDevice::write_f64(self, id, data)?)
+    }
+
+    fn read_f32_into(&mut self, id: BufferId, out: &mut [f32]) -> Result<(), StepError> {
+        let len = self.decl(id)?.len;
+        if len != out.len() {
+            return Err(CudaError::WrongLength { id: id.0, len, got: out.len() }.into());
+        }
+        let ptr = self.checked(id, DType::F32, len)?;
+        self.ctx.bind_to_thread().map_err(driver("binding the context"))?;
+        // SAFETY: `ptr` addresses `len` f32 elements (checked); the stream is
+        // synchronized before `out` is used.
+        unsafe { drv::memcpy_dtoh_async(out, ptr, self.stream.cu_stream()) }
+            .map_err(driver(format!("downloading buffer #{}", id.0)))?;
+        self.stream.synchronize().map_err(driver(format!("downloading buffer #{}", id.0)))?;
+        Ok(())
+    }
+
+    fn read_f64(&mut self, id: BufferId) -> Result<Vec<f64>, StepError> {
+        Ok(CudaDevice::read_f64(self, id)?)
     }
 }
 

@@ -8,6 +8,7 @@
 //! and the device's buffer in one pass.
 
 use super::cpu::{CpuDevice, CpuError, CpuOptions};
+use super::update::{Held, PlanBuffers, PlanUpdate};
 use crate::executor::{update_on_host, StepError, StepExecutor, StepStats, UpdateSettings};
 use crate::optim::{Optimizer, UpdateTarget};
 use crate::params::{ParamSet, ParamVersion};
@@ -95,7 +96,7 @@ impl TrainingGraph {
         let grads = ir::autodiff::grad(&mut graph, loss, &params)?;
         let passes = ir::passes::prepare_for_fusion(&mut graph, &grads)
             .map_err(|e| StepError::from(CompileError::from(e)))?;
-        let request = Request::new(&graph, params.into_iter().zip(grads).collect());
+        let request = Request::new(&graph, params.into_iter().zip(grads).collect()).with_update();
         Ok(TrainingGraph { graph, request, passes })
     }
 
@@ -113,11 +114,12 @@ impl TrainingGraph {
     }
 }
 
-/// A loaded Plan and its interface buffers.
+/// A loaded Plan, its interface buffers and its optimizer update's.
 #[derive(Debug)]
 struct Loaded {
     device: CpuDevice,
     io: Interface,
+    update: Option<PlanUpdate>,
 }
 
 #[derive(Debug)]
@@ -136,6 +138,8 @@ pub struct CpuExecutor {
     token_shape: [usize; 2],
     /// The version of the parameter set the device's parameter buffers hold.
     resident: Option<ParamVersion>,
+    /// Whose moments the Plan's optimizer state buffers hold.
+    held: Held,
 }
 
 impl CpuExecutor {
@@ -144,7 +148,12 @@ impl CpuExecutor {
     pub fn from_lowered(lowered: Lowered, opts: CpuOptions) -> CpuExecutor {
         let dims = lowered.graph.node(lowered.tokens).shape.dims().to_vec();
         let token_shape = [dims.first().copied().unwrap_or(1), dims.get(1).copied().unwrap_or(1)];
-        CpuExecutor { state: State::Pending(Box::new(lowered), opts), token_shape, resident: None }
+        CpuExecutor {
+            state: State::Pending(Box::new(lowered), opts),
+            token_shape,
+            resident: None,
+            held: None,
+        }
     }
 
     /// An executor over a loaded Plan with a `tokens` input of `token_shape`
@@ -152,13 +161,16 @@ impl CpuExecutor {
     /// gradient buffer per parameter.
     pub fn new(device: CpuDevice, token_shape: [usize; 2]) -> Result<CpuExecutor, StepError> {
         let io = Interface::of(device.plan())?;
-        Ok(CpuExecutor { state: State::Ready(Box::new(Loaded { device, io })), token_shape, resident: None })
+        let update = PlanUpdate::of(device.plan());
+        let loaded = Loaded { device, io, update };
+        Ok(CpuExecutor { state: State::Ready(Box::new(loaded)), token_shape, resident: None, held: None })
     }
 
     /// The loaded device, compiling the Plan first if needed. The caller may
     /// write any buffer, so the next run uploads the parameters again.
     pub fn load(&mut self) -> Result<&mut CpuDevice, StepError> {
         self.resident = None;
+        self.held = None;
         Ok(&mut self.loaded()?.device)
     }
 
@@ -169,7 +181,8 @@ impl CpuExecutor {
                 codegen::cc::Compiler::from_env().map_err(|e| StepError::from(CpuError::from(e)))?;
             let device = CpuDevice::with_options(plan, &compiler, *opts)?;
             let io = Interface::of(device.plan())?;
-            self.state = State::Ready(Box::new(Loaded { device, io }));
+            let update = PlanUpdate::of(device.plan());
+            self.state = State::Ready(Box::new(Loaded { device, io, update }));
         }
         match &mut self.state {
             State::Ready(loaded) => Ok(loaded),
@@ -178,8 +191,18 @@ impl CpuExecutor {
     }
 
     /// Uploads the parameters (unless the device holds this version of
-    /// them already) and the tokens, then runs the Plan once.
+    /// them already) and the tokens, then runs the Plan's gradient steps.
     fn run(&mut self, params: &ParamSet, tokens: &[i32]) -> Result<&mut Loaded, StepError> {
+        self.run_steps(params, tokens, false)
+    }
+
+    /// [`CpuExecutor::run`], with the optimizer update too when `update`.
+    fn run_steps(
+        &mut self,
+        params: &ParamSet,
+        tokens: &[i32],
+        update: bool,
+    ) -> Result<&mut Loaded, StepError> {
         let expected = self.token_shape[0] * self.token_shape[1];
         if tokens.len() != expected {
             return Err(StepError::TokenCount { got: tokens.len(), expected });
@@ -194,7 +217,8 @@ impl CpuExecutor {
             }
         }
         l.device.write_i32(l.io.tokens, tokens)?;
-        l.device.run()?;
+        let steps = if update { 0..l.device.plan().steps.len() } else { l.device.plan().gradient_steps() };
+        l.device.run_range(steps)?;
         self.resident = Some(params.version());
         match &mut self.state {
             State::Ready(loaded) => Ok(loaded),
@@ -206,6 +230,56 @@ impl CpuExecutor {
 impl Loaded {
     fn loss(&self) -> Result<f32, StepError> {
         first_loss(self.device.read_f32(self.io.loss)?)
+    }
+}
+
+impl CpuExecutor {
+    /// A training step with the Plan's own update ([`super::update`]).
+    fn train_step_in_plan(
+        &mut self,
+        params: &mut ParamSet,
+        tokens: &[i32],
+        optimizer: &mut Optimizer,
+        settings: UpdateSettings,
+    ) -> Result<StepStats, StepError> {
+        let mut held = self.held.take();
+        {
+            let Loaded { device, update, .. } = self.loaded()?;
+            let update = update.as_ref().ok_or(StepError::MissingOutput { what: "optimizer update" })?;
+            update.hold_moments(device, optimizer, &mut held)?;
+            update.write_values(device, optimizer, settings)?;
+        }
+        let l = self.run_steps(params, tokens, true)?;
+        let loss = l.loss()?;
+        let Loaded { device, update, .. } = l;
+        let update = update.as_ref().ok_or(StepError::MissingOutput { what: "optimizer update" })?;
+        let stats = update.finish(device, loss, params, optimizer, &mut held)?;
+        self.held = held;
+        self.resident = Some(params.version());
+        Ok(stats)
+    }
+}
+
+impl PlanBuffers for CpuDevice {
+    fn write_f32(&mut self, id: BufferId, data: &[f32]) -> Result<(), StepError> {
+        Ok(CpuDevice::write_f32(self, id, data)?)
+    }
+
+    fn write_f64(&mut self, id: BufferId, data: &[f64]) -> Result<(), StepError> {
+        Ok(CpuDevice::write_f64(self, id, data)?)
+    }
+
+    fn read_f32_into(&mut self, id: BufferId, out: &mut [f32]) -> Result<(), StepError> {
+        let values = CpuDevice::read_f32(self, id)?;
+        if values.len() != out.len() {
+            return Err(CpuError::WrongLength { id: id.0, len: values.len(), got: out.len() }.into());
+        }
+        out.copy_from_slice(values);
+        Ok(())
+    }
+
+    fn read_f64(&mut self, id: BufferId) -> Result<Vec<f64>, StepError> {
+        Ok(CpuDevice::read_f64(self, id)?.to_vec())
     }
 }
 
@@ -238,9 +312,11 @@ impl StepExecutor for CpuExecutor {
         Ok(l.device.read_f32(logits).map_err(StepError::from)?.to_vec())
     }
 
-    /// The update reads each gradient in its Plan buffer (no copy) and writes
-    /// each new parameter value to `params` and to the device's parameter
-    /// buffer in the same pass, so the next step uploads nothing.
+    /// With AdamW on every parameter the Plan runs the update
+    /// ([`super::update`]); otherwise (Muon) the host does, reading each
+    /// gradient in its Plan buffer (no copy) and writing each new parameter
+    /// value to `params` and to the device's parameter buffer in the same
+    /// pass. Either way the next step uploads no parameters.
     fn train_step(
         &mut self,
         params: &mut ParamSet,
@@ -248,6 +324,14 @@ impl StepExecutor for CpuExecutor {
         optimizer: &mut Optimizer,
         settings: UpdateSettings,
     ) -> Result<StepStats, StepError> {
+        let in_plan = self.loaded()?.update.as_ref().is_some_and(|u| u.covers(params, optimizer))
+            && optimizer.plan_update_values(settings.lr_mult, settings.clip).is_some();
+        if in_plan {
+            return self.train_step_in_plan(params, tokens, optimizer, settings);
+        }
+        if optimizer.moments_on_device() {
+            return Err(StepError::MomentsOnDevice);
+        }
         let l = self.run(params, tokens)?;
         let loss = l.loss()?;
         // A parameter the Plan does not hold (the loss does not reach it) has
@@ -295,6 +379,17 @@ impl StepExecutor for CpuExecutor {
         // loss, its unchanged values).
         self.resident = Some(params.version());
         Ok(stats)
+    }
+
+    fn sync_optimizer(&mut self, optimizer: &mut Optimizer) -> Result<(), StepError> {
+        if !optimizer.moments_on_device() {
+            return Ok(());
+        }
+        let held = self.held;
+        let State::Ready(l) = &mut self.state else { return Err(StepError::MomentsOnDevice) };
+        let Loaded { device, update, .. } = &mut **l;
+        let update = update.as_ref().ok_or(StepError::MomentsOnDevice)?;
+        update.sync_moments(device, optimizer, &held)
     }
 }
 

@@ -6,6 +6,8 @@
 //! - [`executor`]: the [`crate::executor::StepExecutor`] over a Cpu device,
 //!   which the training loop uses for `--device cpu`.
 //! - [`plan_check`]: the load-time checks of a Plan both devices share.
+//! - `update`: training steps whose optimizer update runs in the Plan, the
+//!   protocol both executors share.
 
 pub mod cpu;
 pub mod cuda;
@@ -13,3 +15,4 @@ pub mod executor;
 pub mod plan_check;
 mod pool;
 mod sgemm;
+mod update;

@@ -22,6 +22,32 @@ pub struct AdamWStep {
     pub grad_scale: f32,
 }
 
+/// The per-step constants of an update, rounded as the update uses them:
+/// `decay` = 1 − lr·wd, `step` = lr / (1 − β1^t), `inv_sqrt_bc2` =
+/// 1 / sqrt(1 − β2^t), computed in f64 and rounded to f32 once. The host
+/// update and the Plan's (`codegen::optimizer`, which receives the f64
+/// values and rounds them the same way) share this.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Folded {
+    pub decay: f64,
+    pub step: f64,
+    pub inv_sqrt_bc2: f64,
+}
+
+impl AdamWStep {
+    /// The constants of this step (see [`Folded`]).
+    pub fn folded(&self) -> Folded {
+        let t = self.t.max(1) as i32;
+        let bc1 = 1.0 - self.beta1.powi(t);
+        let bc2 = 1.0 - self.beta2.powi(t);
+        Folded {
+            decay: 1.0 - self.lr * self.weight_decay,
+            step: self.lr / bc1,
+            inv_sqrt_bc2: 1.0 / bc2.sqrt(),
+        }
+    }
+}
+
 /// Applies one AdamW update to `param` in place, updating the moments `m`,
 /// `v`; with a `mirror`, the new values are written there too, in the same pass.
 pub fn adamw_update(
@@ -32,13 +58,9 @@ pub fn adamw_update(
     h: &AdamWStep,
     mirror: Option<&mut [f32]>,
 ) {
-    let t = h.t.max(1) as i32;
-    let bc1 = 1.0 - h.beta1.powi(t);
-    let bc2 = 1.0 - h.beta2.powi(t);
-    let decay = (1.0 - h.lr * h.weight_decay) as f32;
+    let folded = h.folded();
+    let (decay, step, inv_sqrt_bc2) = (folded.decay as f32, folded.step as f32, folded.inv_sqrt_bc2 as f32);
     let (b1, b2) = (h.beta1 as f32, h.beta2 as f32);
-    let step = (h.lr / bc1) as f32;
-    let inv_sqrt_bc2 = (1.0 / bc2.sqrt()) as f32;
     let (eps, scale) = (h.eps as f32, h.grad_scale);
     let next = |p: f32, g: f32, m: &mut f32, v: &mut f32| {
         let g = g * scale;

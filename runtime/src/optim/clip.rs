@@ -1,30 +1,42 @@
 //! Global-norm gradient clipping (MATH.md §10: clip 1.0 by default).
 
-/// Partial sums kept side by side while squaring one gradient: independent
-/// f64 additions the compiler can put in vector lanes, where one running sum
-/// would wait on each addition in turn.
-const NORM_LANES: usize = 8;
+use codegen::optimizer::{NORM_CHUNK, NORM_LANES};
 
-/// The sum of squares of one gradient, in f64 over [`NORM_LANES`] partial
-/// sums (the order of additions depends only on the length).
-fn sum_of_squares(grad: &[f32]) -> f64 {
-    let mut lanes = [0.0f64; NORM_LANES];
-    let mut chunks = grad.chunks_exact(NORM_LANES);
-    for chunk in &mut chunks {
-        for (lane, &g) in lanes.iter_mut().zip(chunk) {
-            *lane += f64::from(g) * f64::from(g);
-        }
-    }
-    let tail: f64 = chunks.remainder().iter().map(|&g| f64::from(g) * f64::from(g)).sum();
-    lanes.iter().sum::<f64>() + tail
+/// The sums of squares of one gradient's chunks of [`NORM_CHUNK`] elements,
+/// in f64, each in the order of the Plan's norm kernel
+/// (`codegen::optimizer`): lane `l` adds the chunk's elements `l`, `l +`
+/// [`NORM_LANES`], … and the lanes are combined by halves (lane `i` takes
+/// lane `i + s` for `s` = lanes/2, …, 1). Squares of f32 values are exact in
+/// f64, so host and Plan get the same bits.
+fn chunk_sums(grad: &[f32]) -> Vec<f64> {
+    let lanes = NORM_LANES as usize;
+    grad.chunks(NORM_CHUNK)
+        .map(|chunk| {
+            let mut acc = vec![0.0f64; lanes];
+            for row in chunk.chunks(lanes) {
+                for (a, &g) in acc.iter_mut().zip(row) {
+                    *a += f64::from(g) * f64::from(g);
+                }
+            }
+            let mut half = lanes / 2;
+            while half > 0 {
+                for i in 0..half {
+                    acc[i] += acc[i + half];
+                }
+                half /= 2;
+            }
+            acc[0]
+        })
+        .collect()
 }
 
-/// The L2 norm of all gradients together, accumulated in f64.
+/// The L2 norm of all gradients together: every chunk sum ([`chunk_sums`])
+/// added in gradient and chunk order, as the Plan's update adds them.
 ///
-/// Each gradient's sum of squares is independent, so with more than
+/// Each gradient's chunk sums are independent, so with more than
 /// [`super::PARALLEL_MIN_ELEMENTS`] elements they are spread over the
-/// machine's threads; the sums are added in gradient order either way, so
-/// the norm does not depend on the thread count.
+/// machine's threads; the sums are added in order either way, so the norm
+/// does not depend on the thread count.
 pub fn global_norm<G: AsRef<[f32]> + Sync>(grads: &[G]) -> f64 {
     let total: usize = grads.iter().map(|g| g.as_ref().len()).sum();
     let threads = if total < super::PARALLEL_MIN_ELEMENTS {
@@ -32,24 +44,24 @@ pub fn global_norm<G: AsRef<[f32]> + Sync>(grads: &[G]) -> f64 {
     } else {
         std::thread::available_parallelism().map_or(1, |n| n.get()).min(grads.len())
     };
-    let mut sums = vec![0.0f64; grads.len()];
+    let mut sums: Vec<Vec<f64>> = vec![Vec::new(); grads.len()];
     if threads <= 1 {
-        sums.iter_mut().zip(grads).for_each(|(s, g)| *s = sum_of_squares(g.as_ref()));
+        sums.iter_mut().zip(grads).for_each(|(s, g)| *s = chunk_sums(g.as_ref()));
     } else {
         let lengths: Vec<usize> = grads.iter().map(|g| g.as_ref().len()).collect();
         let bins = super::balance(&lengths, threads);
-        let partials: Vec<Vec<(usize, f64)>> = std::thread::scope(|scope| {
+        let partials: Vec<Vec<(usize, Vec<f64>)>> = std::thread::scope(|scope| {
             let handles: Vec<_> = bins
                 .iter()
                 .map(|bin| {
-                    scope.spawn(move || bin.iter().map(|&i| (i, sum_of_squares(grads[i].as_ref()))).collect())
+                    scope.spawn(move || bin.iter().map(|&i| (i, chunk_sums(grads[i].as_ref()))).collect())
                 })
                 .collect();
             handles.into_iter().map(|h| h.join().expect("a sum of squares does not panic")).collect()
         });
         partials.into_iter().flatten().for_each(|(i, s)| sums[i] = s);
     }
-    sums.iter().sum::<f64>().sqrt()
+    sums.iter().flatten().fold(0.0, |sum, &s| sum + s).sqrt()
 }
 
 /// The factor that brings a gradient of global norm `norm` down to

@@ -54,13 +54,54 @@ enum ParamState {
 pub const PARALLEL_MIN_ELEMENTS: usize = 1 << 20;
 
 /// The optimizer for a whole [`ParamSet`].
-#[derive(Debug, Clone, PartialEq)]
+///
+/// A device that runs the update in its Plan (`codegen::optimizer`) keeps
+/// the moments there between steps: [`Optimizer::stepped_on_device`] counts
+/// such a step and marks the moments held here stale until the device
+/// returns them ([`Optimizer::moments_returned`]; the training loop does
+/// before checkpoints through `StepExecutor::sync_optimizer`).
+#[derive(Debug)]
 pub struct Optimizer {
     adamw: AdamWSpec,
     names: Vec<String>,
     dims: Vec<Vec<usize>>,
     state: Vec<ParamState>,
     steps: u64,
+    /// Tells this optimizer's state apart from any other's (clones get their own).
+    identity: u64,
+    /// Whether a device holds newer moments than `state`.
+    moments_on_device: bool,
+}
+
+impl Clone for Optimizer {
+    fn clone(&self) -> Optimizer {
+        Optimizer {
+            adamw: self.adamw.clone(),
+            names: self.names.clone(),
+            dims: self.dims.clone(),
+            state: self.state.clone(),
+            steps: self.steps,
+            identity: crate::params::fresh_identity(),
+            moments_on_device: self.moments_on_device,
+        }
+    }
+}
+
+/// Optimizers are equal when their settings, state and step counts are.
+impl PartialEq for Optimizer {
+    fn eq(&self, other: &Optimizer) -> bool {
+        (&self.adamw, &self.names, &self.dims, &self.state, self.steps, self.moments_on_device)
+            == (&other.adamw, &other.names, &other.dims, &other.state, other.steps, other.moments_on_device)
+    }
+}
+
+/// Per-step values of the Plan's AdamW update (`codegen::optimizer`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlanUpdateValues {
+    /// The shared settings, in `codegen::optimizer::Setting::ALL` order.
+    pub settings: Vec<f64>,
+    /// Each parameter's rates (in [`ParamSet`] order), in `Rate::ALL` order.
+    pub rates: Vec<Vec<f64>>,
 }
 
 /// The slices one parameter's update touches.
@@ -137,6 +178,8 @@ impl Optimizer {
             dims: params.iter().map(|p| p.shape.dims().to_vec()).collect(),
             state,
             steps: 0,
+            identity: crate::params::fresh_identity(),
+            moments_on_device: false,
         }
     }
 
@@ -161,6 +204,81 @@ impl Optimizer {
     /// Restores the step count (checkpoint resume).
     pub fn set_steps_taken(&mut self, steps: u64) {
         self.steps = steps;
+    }
+
+    /// The parameter names, in [`ParamSet`] order.
+    pub fn names(&self) -> Vec<&str> {
+        self.names.iter().map(String::as_str).collect()
+    }
+
+    /// What tells this optimizer apart from every other, clones included.
+    pub fn identity(&self) -> u64 {
+        self.identity
+    }
+
+    /// The values the Plan's update needs for the next step at `lr_mult`
+    /// times the peak rates, clipping the global norm at `clip`; `None` when a
+    /// parameter follows Muon, which the Plan does not run. The host's
+    /// constants ([`AdamWStep::folded`]) before their rounding to f32.
+    pub fn plan_update_values(&self, lr_mult: f64, clip: Option<f64>) -> Option<PlanUpdateValues> {
+        use codegen::optimizer::{Rate, Setting};
+        let t = self.steps + 1;
+        let mut rates = Vec::with_capacity(self.state.len());
+        let mut inv_sqrt_bc2 = 1.0;
+        for st in &self.state {
+            let ParamState::AdamW { lr_scale, weight_decay, .. } = st else { return None };
+            let h = AdamWStep {
+                lr: self.adamw.lr * lr_mult * lr_scale,
+                beta1: self.adamw.betas.0,
+                beta2: self.adamw.betas.1,
+                eps: self.adamw.eps,
+                weight_decay: *weight_decay,
+                t,
+                grad_scale: 1.0,
+            };
+            let folded = h.folded();
+            inv_sqrt_bc2 = folded.inv_sqrt_bc2;
+            rates.push(
+                Rate::ALL
+                    .iter()
+                    .map(|r| match r {
+                        Rate::Decay => folded.decay,
+                        Rate::Step => folded.step,
+                    })
+                    .collect(),
+            );
+        }
+        let settings = Setting::ALL
+            .iter()
+            .map(|s| match s {
+                Setting::Apply => 1.0,
+                Setting::MaxNorm => clip.unwrap_or(f64::INFINITY),
+                Setting::Beta1 => self.adamw.betas.0,
+                Setting::Beta2 => self.adamw.betas.1,
+                Setting::Eps => self.adamw.eps,
+                Setting::InvSqrtBias2 => inv_sqrt_bc2,
+            })
+            .collect();
+        Some(PlanUpdateValues { settings, rates })
+    }
+
+    /// Counts one update a device applied to the parameters and to the
+    /// moments it holds; the moments here are stale until
+    /// [`Optimizer::moments_returned`].
+    pub fn stepped_on_device(&mut self) {
+        self.steps += 1;
+        self.moments_on_device = true;
+    }
+
+    /// Whether a device holds newer moments than this optimizer.
+    pub fn moments_on_device(&self) -> bool {
+        self.moments_on_device
+    }
+
+    /// Marks the moments current here again, after a device wrote its own
+    /// into [`Optimizer::state_tensors_mut`].
+    pub fn moments_returned(&mut self) {
+        self.moments_on_device = false;
     }
 
     /// One update of every parameter with `grads` (same order as `params`) at

@@ -132,6 +132,7 @@ struct PlanDef {
     #[serde(with = "vec_buffer")]
     buffers: Vec<BufferDecl>,
     arena_len: usize,
+    update_start: Option<usize>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -156,6 +157,9 @@ enum BufferRoleDef {
     Constant {
         #[serde(with = "f64_bits")]
         value: f64,
+    },
+    OptState {
+        name: String,
     },
     Scratch {
         offset: usize,
@@ -514,8 +518,10 @@ mod tests {
                 decl(1, BufferRole::Scratch { offset: 8 }),
                 decl(2, BufferRole::Constant { value: f64::NEG_INFINITY }),
                 decl(3, BufferRole::Output { name: "loss".into() }),
+                decl(4, BufferRole::OptState { name: "opt.w.m".into() }),
             ],
             arena_len: 12,
+            update_start: Some(1),
         }
     }
 
