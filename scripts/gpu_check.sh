@@ -22,12 +22,15 @@
 #              (thread-per-item and block-per-item kernels, arena scratch,
 #              constants, zero steps, every GEMM layout incl. broadcast and
 #              accumulate) against an f64 host reference, per-step profiling,
-#              and the device-to-device copy bandwidth.              (40 s)
+#              the device-to-device copy bandwidth, and training steps whose
+#              update runs in the Plan against the same steps on the Cpu
+#              device.                                               (40 s)
 #   parity     `widen parity specs/*.ron --device cuda`: every spec as
 #              written, CUDA vs the reference executor from the same
 #              parameters and batches: loss, validation loss, logits, every
-#              gradient, every parameter after 5 optimizer steps, each
-#              against its fp32 tolerance (mhc-bf16: the bf16 tolerances,
+#              gradient, every parameter after 5 training steps (on the GPU
+#              the Plan's own AdamW update, parameters and moments resident),
+#              each against its fp32 tolerance (mhc-bf16: the bf16 tolerances,
 #              cuBLAS bf16 GEMMs). Specs run in parallel (Plan
 #              compilation by NVRTC dominates).                       (80 s)
 #   bench      `widen bench --device cuda` on a GPT-2-small backbone (D=768,
