@@ -77,17 +77,7 @@ pub trait StepExecutor {
         optimizer: &mut Optimizer,
         settings: UpdateSettings,
     ) -> Result<StepStats, StepError> {
-        if optimizer.moments_on_device() {
-            return Err(StepError::MomentsOnDevice);
-        }
-        let (loss, grads) = self.loss_and_grads(params, tokens)?;
-        Ok(update_on_host(loss, &grads, optimizer, settings, |grads| {
-            params
-                .iter_mut()
-                .zip(grads)
-                .map(|(p, g)| UpdateTarget { value: &mut p.value, grad: g.as_ref(), mirror: None })
-                .collect()
-        }))
+        train_step_on_host(self, params, tokens, optimizer, settings)
     }
 
     /// Brings the optimizer state a device holds back into `optimizer` (its
@@ -96,6 +86,30 @@ pub trait StepExecutor {
     fn sync_optimizer(&mut self, _optimizer: &mut Optimizer) -> Result<(), StepError> {
         Ok(())
     }
+}
+
+/// A training step with the update on the host: `exec`'s loss and
+/// gradients, then [`update_on_host`] (the default of
+/// [`StepExecutor::train_step`], and what a compiled device falls back to
+/// for Muon).
+pub fn train_step_on_host<E: StepExecutor + ?Sized>(
+    exec: &mut E,
+    params: &mut ParamSet,
+    tokens: &[i32],
+    optimizer: &mut Optimizer,
+    settings: UpdateSettings,
+) -> Result<StepStats, StepError> {
+    if optimizer.moments_on_device() {
+        return Err(StepError::MomentsOnDevice);
+    }
+    let (loss, grads) = exec.loss_and_grads(params, tokens)?;
+    Ok(update_on_host(loss, &grads, optimizer, settings, |grads| {
+        params
+            .iter_mut()
+            .zip(grads)
+            .map(|(p, g)| UpdateTarget { value: &mut p.value, grad: g.as_ref(), mirror: None })
+            .collect()
+    }))
 }
 
 /// What one training step's update depends on besides the gradients.

@@ -75,8 +75,8 @@ use ir::DType;
 use super::executor::{first_loss, Interface};
 use super::plan_check::{self, PlanError};
 use super::update::{Held, PlanBuffers, PlanUpdate};
-use crate::executor::{update_on_host, StepError, StepExecutor, StepStats, UpdateSettings};
-use crate::optim::{Optimizer, UpdateTarget};
+use crate::executor::{train_step_on_host, StepError, StepExecutor, StepStats, UpdateSettings};
+use crate::optim::Optimizer;
 use crate::params::{ParamSet, ParamVersion};
 
 /// The driver library that [`CudaError::NoCudaDriver`] names.
@@ -1016,20 +1016,8 @@ impl StepExecutor for CudaExecutor {
         optimizer: &mut Optimizer,
         settings: UpdateSettings,
     ) -> Result<StepStats, StepError> {
-        let in_plan = self.update.as_ref().is_some_and(|u| u.covers(params, optimizer))
-            && optimizer.plan_update_values(settings.lr_mult, settings.clip).is_some();
-        if !in_plan {
-            if optimizer.moments_on_device() {
-                return Err(StepError::MomentsOnDevice);
-            }
-            let (loss, grads) = self.loss_and_grads(params, tokens)?;
-            return Ok(update_on_host(loss, &grads, optimizer, settings, |grads| {
-                params
-                    .iter_mut()
-                    .zip(grads)
-                    .map(|(p, g)| UpdateTarget { value: &mut p.value, grad: g.as_slice(), mirror: None })
-                    .collect()
-            }));
+        if !self.update.as_ref().is_some_and(|u| u.takes(params, optimizer, settings)) {
+            return train_step_on_host(self, params, tokens, optimizer, settings);
         }
         let update = self.update.take().ok_or(StepError::MissingOutput { what: "optimizer update" })?;
         let result = self.train_step_in_plan(&update, params, tokens, optimizer, settings);

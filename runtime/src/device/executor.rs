@@ -324,9 +324,7 @@ impl StepExecutor for CpuExecutor {
         optimizer: &mut Optimizer,
         settings: UpdateSettings,
     ) -> Result<StepStats, StepError> {
-        let in_plan = self.loaded()?.update.as_ref().is_some_and(|u| u.covers(params, optimizer))
-            && optimizer.plan_update_values(settings.lr_mult, settings.clip).is_some();
-        if in_plan {
+        if self.loaded()?.update.as_ref().is_some_and(|u| u.takes(params, optimizer, settings)) {
             return self.train_step_in_plan(params, tokens, optimizer, settings);
         }
         if optimizer.moments_on_device() {

@@ -57,10 +57,11 @@ impl PlanUpdate {
 
     /// Whether the Plan can take `optimizer`'s step of `params`: every
     /// parameter is in the Plan and follows AdamW.
-    pub(super) fn covers(&self, params: &ParamSet, optimizer: &Optimizer) -> bool {
+    pub(super) fn takes(&self, params: &ParamSet, optimizer: &Optimizer, settings: UpdateSettings) -> bool {
         params.len() == self.params.len()
             && params.iter().all(|p| self.params.contains_key(&p.name))
             && optimizer.names() == params.iter().map(|p| p.name.as_str()).collect::<Vec<_>>()
+            && optimizer.plan_update_values(settings.lr_mult, settings.clip).is_some()
     }
 
     /// Writes the moments of `optimizer` unless the device holds them already.
