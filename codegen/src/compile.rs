@@ -690,7 +690,7 @@ pub fn compile(graph: &Graph, partition: &[Vec<NodeId>], request: &Request) -> R
         update_start: None,
     };
     if request.update {
-        crate::optimizer::append_adamw(&mut plan)?;
+        crate::optimizer::append_adamw(&mut plan, request.target)?;
     }
     Ok(plan)
 }

@@ -24,6 +24,7 @@
 //! parameter. The moments are [`BufferRole::OptState`] buffers named as in
 //! checkpoints, `opt.<param>.m` and `opt.<param>.v`.
 
+use crate::emit::Target;
 use crate::kernel::{
     f32, f64, i64, item, lane, select, Access, Grid, Kernel, KernelBuilder, KernelError, ReduceOp, Ty,
 };
@@ -118,8 +119,9 @@ pub enum UpdateError {
     Kernel(#[from] KernelError),
 }
 
-/// Appends the AdamW update of every parameter of `plan` (see the module docs).
-pub fn append_adamw(plan: &mut Plan) -> Result<(), UpdateError> {
+/// Appends the AdamW update of every parameter of `plan` (see the module
+/// docs), with the norm kernels in `target`'s form ([`sum_of_squares`]).
+pub fn append_adamw(plan: &mut Plan, target: Target) -> Result<(), UpdateError> {
     if plan.update_start.is_some() {
         return Err(UpdateError::Twice);
     }
@@ -155,7 +157,7 @@ pub fn append_adamw(plan: &mut Plan) -> Result<(), UpdateError> {
         };
         let chunks = len.div_ceil(NORM_CHUNK);
         let partial = b.scratch(chunks, DType::F64);
-        b.launch(sum_of_squares(len)?, vec![grad, partial]);
+        b.launch(sum_of_squares(len, target)?, vec![grad, partial]);
         partials.push((partial, chunks));
         let [m, v] = moment_names(&name).map(|n| b.buffer(len, DType::F32, BufferRole::OptState { name: n }));
         let rates = b.buffer(Rate::ALL.len(), DType::F64, BufferRole::Input { name: rates_input(&name) });
@@ -233,25 +235,67 @@ impl<'a> Appender<'a> {
 }
 
 /// Sums of squares of a gradient of `len` elements over chunks of
-/// [`NORM_CHUNK`]: block `c` squares and adds its chunk's elements in f64,
-/// lane `l` taking every [`NORM_LANES`]-th from the chunk's `l`-th, and the
-/// block reduction combines the lanes.
-fn sum_of_squares(len: usize) -> Result<Kernel, KernelError> {
+/// [`NORM_CHUNK`], in f64: lane `l` of a chunk adds its elements `l`,
+/// `l +` [`NORM_LANES`], … in order, and the lanes are combined by halves
+/// (lane `i` takes lane `i + s` for `s` = lanes/2, …, 1). Both forms keep
+/// exactly this order, so the sums are the same bits on every target:
+/// - CUDA: one block per chunk, one thread per lane (adjacent lanes read
+///   adjacent elements), the block reduction's tree;
+/// - C: one item per chunk, the lanes an array the item fills a row of
+///   [`NORM_LANES`] elements at a time (a vector loop; the block form's C
+///   rendering walks each lane's strided elements in turn).
+fn sum_of_squares(len: usize, target: Target) -> Result<Kernel, KernelError> {
     let chunks = len.div_ceil(NORM_CHUNK);
-    let mut k = KernelBuilder::new("sum_of_squares", Grid::block_per_item(chunks, NORM_LANES));
+    let lanes = NORM_LANES as usize;
+    let grid = match target {
+        Target::Cuda => Grid::block_per_item(chunks, NORM_LANES),
+        Target::Cpu => Grid::thread_per_item(chunks),
+    };
+    let mut k = KernelBuilder::new("sum_of_squares", grid);
     let grad = k.param("grad", DType::F32, Access::Read, len);
     let partial = k.param("partial", DType::F64, Access::Write, chunks);
     let first = k.let_("first", item() * i64(NORM_CHUNK as i64));
     let chunk_end = first.clone() + i64(NORM_CHUNK as i64);
     let end = k.let_("last", select(chunk_end.clone().lt(i64(len as i64)), chunk_end, i64(len as i64)));
-    let part = k.var("part", f64(0.0));
-    let sum = part.clone();
-    k.for_step("j", first + lane(), end, i64::from(NORM_LANES), false, |b, j| {
-        let x = b.let_("x", grad.at(j).cast(Ty::F64));
-        b.assign(&sum, sum.clone() + x.clone() * x);
-    });
-    let total = k.block_reduce("total", ReduceOp::Sum, part);
-    k.if_(lane().eq_(i64(0)), |b| b.store(&partial, item(), total));
+    if target == Target::Cuda {
+        let part = k.var("part", f64(0.0));
+        let sum = part.clone();
+        k.for_step("j", first + lane(), end, i64::from(NORM_LANES), false, |b, j| {
+            let x = b.let_("x", grad.at(j).cast(Ty::F64));
+            b.assign(&sum, sum.clone() + x.clone() * x);
+        });
+        let total = k.block_reduce("total", ReduceOp::Sum, part);
+        k.if_(lane().eq_(i64(0)), |b| b.store(&partial, item(), total));
+    } else {
+        let acc = k.local_array("acc", Ty::F64, lanes);
+        let zero = acc.clone();
+        k.for_("l0", i64(0), i64(lanes as i64), |b, l| b.store(&zero, l, f64(0.0)));
+        let rows = acc.clone();
+        k.for_step("row", first, end.clone(), lanes as i64, false, |b, row| {
+            // A chunk's last row may be short (a gradient's ragged end).
+            let width = b.let_(
+                "width",
+                select(
+                    (row.clone() + i64(lanes as i64)).lt(end.clone()),
+                    i64(lanes as i64),
+                    end - row.clone(),
+                ),
+            );
+            b.for_("l1", i64(0), width, |b, l| {
+                let x = b.let_("x", grad.at(row + l.clone()).cast(Ty::F64));
+                b.store(&rows, l.clone(), rows.at(l) + x.clone() * x);
+            });
+        });
+        let mut half = lanes / 2;
+        while half > 0 {
+            let halves = acc.clone();
+            k.for_(&format!("h{half}"), i64(0), i64(half as i64), |b, i| {
+                b.store(&halves, i.clone(), halves.at(i.clone()) + halves.at(i + i64(half as i64)));
+            });
+            half /= 2;
+        }
+        k.store(&partial, item(), acc.at(i64(0)));
+    }
     let kernel = k.finish();
     kernel.validate()?;
     Ok(kernel)

@@ -433,7 +433,7 @@ fn plan_update_matches_the_host_adamw() {
         arena_len: 0,
         update_start: None,
     };
-    append_adamw(&mut plan).expect("update appended");
+    append_adamw(&mut plan, codegen::compile::Target::Cpu).expect("update appended");
     assert_eq!(plan.update_start, Some(0));
     let cache = TempCache::new("update");
     let mut dev = load(plan, &cache, 2);
@@ -505,4 +505,40 @@ fn plan_update_matches_the_host_adamw() {
     assert_eq!(bits(dev.read_f32(wv).unwrap()), bits(&v1), "second moment");
     assert_eq!(bits(dev.read_f32(BufferId(2)).unwrap()), bits(&b1), "parameter without a gradient");
     assert_ne!(bits(&b1), bits(&b), "weight decay moves it");
+}
+
+/// The norm kernels' two forms (`codegen::optimizer`: one item per chunk in
+/// C, one block per chunk for CUDA, whose C rendering replays the block's
+/// reduction tree) give the same bits, here both run as C.
+#[test]
+fn norm_kernels_agree_across_target_forms() {
+    use codegen::compile::Target;
+    use codegen::optimizer::{append_adamw, GRAD_NORM_OUTPUT};
+    let len = 2 * codegen::optimizer::NORM_CHUNK + 300;
+    let cache = TempCache::new("norm-forms");
+    let grad = data(len, 11, 3.0);
+    let norms: Vec<u64> = [Target::Cpu, Target::Cuda]
+        .into_iter()
+        .map(|target| {
+            let mut plan = Plan {
+                kernels: vec![],
+                steps: vec![],
+                buffers: vec![
+                    decl(0, len, DType::F32, BufferRole::Param { name: "w".into() }),
+                    decl(1, len, DType::F32, BufferRole::Grad { name: "w".into() }),
+                    decl(2, 1, DType::F32, BufferRole::Output { name: "loss".into() }),
+                ],
+                arena_len: 0,
+                update_start: None,
+            };
+            append_adamw(&mut plan, target).expect("update appended");
+            let mut dev = load(plan, &cache, 2);
+            dev.write_f32(BufferId(1), &grad).unwrap();
+            dev.run().unwrap();
+            let out = dev.find(&BufferRole::Output { name: GRAD_NORM_OUTPUT.into() }).unwrap();
+            dev.read_f64(out).unwrap()[0].to_bits()
+        })
+        .collect();
+    assert_eq!(norms[0], norms[1]);
+    assert_eq!(norms[0], runtime::optim::clip::global_norm(&[grad]).to_bits(), "and the host's");
 }
