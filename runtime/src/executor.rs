@@ -39,6 +39,8 @@ pub enum StepError {
          call `sync_optimizer` on that executor first"
     )]
     MomentsOnDevice,
+    #[error("the Plan's update runs AdamW only, and a parameter follows Muon")]
+    NotAdamW,
 }
 
 /// What the training loop and the sampler need from a device.

@@ -1016,7 +1016,7 @@ impl StepExecutor for CudaExecutor {
         optimizer: &mut Optimizer,
         settings: UpdateSettings,
     ) -> Result<StepStats, StepError> {
-        if !self.update.as_ref().is_some_and(|u| u.takes(params, optimizer, settings)) {
+        if !self.update.as_ref().is_some_and(|u| u.takes(params, optimizer)) {
             return train_step_on_host(self, params, tokens, optimizer, settings);
         }
         let update = self.update.take().ok_or(StepError::MissingOutput { what: "optimizer update" })?;

@@ -324,7 +324,7 @@ impl StepExecutor for CpuExecutor {
         optimizer: &mut Optimizer,
         settings: UpdateSettings,
     ) -> Result<StepStats, StepError> {
-        if self.loaded()?.update.as_ref().is_some_and(|u| u.takes(params, optimizer, settings)) {
+        if self.loaded()?.update.as_ref().is_some_and(|u| u.takes(params, optimizer)) {
             return self.train_step_in_plan(params, tokens, optimizer, settings);
         }
         if optimizer.moments_on_device() {

@@ -57,11 +57,11 @@ impl PlanUpdate {
 
     /// Whether the Plan can take `optimizer`'s step of `params`: every
     /// parameter is in the Plan and follows AdamW.
-    pub(super) fn takes(&self, params: &ParamSet, optimizer: &Optimizer, settings: UpdateSettings) -> bool {
+    pub(super) fn takes(&self, params: &ParamSet, optimizer: &Optimizer) -> bool {
         params.len() == self.params.len()
             && params.iter().all(|p| self.params.contains_key(&p.name))
             && optimizer.names() == params.iter().map(|p| p.name.as_str()).collect::<Vec<_>>()
-            && optimizer.plan_update_values(settings.lr_mult, settings.clip).is_some()
+            && optimizer.adamw_only()
     }
 
     /// Writes the moments of `optimizer` unless the device holds them already.
@@ -90,23 +90,22 @@ impl PlanUpdate {
     }
 
     /// Writes the values of this step's update (`optimizer`'s next step at
-    /// `settings`); `false` when a parameter follows Muon.
+    /// `settings`), for an optimizer [`PlanUpdate::takes`] accepted.
     pub(super) fn write_values(
         &self,
         dev: &mut dyn PlanBuffers,
         optimizer: &Optimizer,
         settings: UpdateSettings,
-    ) -> Result<bool, StepError> {
-        let Some(values) = optimizer.plan_update_values(settings.lr_mult, settings.clip) else {
-            return Ok(false);
-        };
+    ) -> Result<(), StepError> {
+        let values =
+            optimizer.plan_update_values(settings.lr_mult, settings.clip).ok_or(StepError::NotAdamW)?;
         dev.write_f64(self.settings, &values.settings)?;
         for (name, rates) in optimizer.names().iter().zip(&values.rates) {
             if let Some(&(_, _, id)) = self.params.get(*name) {
                 dev.write_f64(id, rates)?;
             }
         }
-        Ok(true)
+        Ok(())
     }
 
     /// After a run of the whole Plan with the loss `loss`: the step's stats,

@@ -211,6 +211,11 @@ impl Optimizer {
         self.names.iter().map(String::as_str).collect()
     }
 
+    /// Whether every parameter follows AdamW (the update a Plan can run).
+    pub fn adamw_only(&self) -> bool {
+        self.state.iter().all(|st| matches!(st, ParamState::AdamW { .. }))
+    }
+
     /// What tells this optimizer apart from every other, clones included.
     pub fn identity(&self) -> u64 {
         self.identity
