@@ -97,6 +97,7 @@ fn bench_writes_both_rows_as_json() {
     let doc: serde_json::Value = serde_json::from_str(&read(&dir, "bench.json")).unwrap();
     assert_eq!(doc["device"], "cpu");
     let rows = doc["rows"].as_array().unwrap();
+    let table = String::from_utf8_lossy(&o.stdout);
     assert_eq!(rows.len(), 2, "the spec and its plain-residual baseline");
     assert_eq!((rows[0]["scheme"].as_str(), rows[0]["baseline"].as_bool()), (Some("Ghc"), Some(false)));
     assert_eq!((rows[1]["scheme"].as_str(), rows[1]["baseline"].as_bool()), (Some("Residual"), Some(true)));
@@ -108,7 +109,25 @@ fn bench_writes_both_rows_as_json() {
     }
     // The baseline has fewer parameters than the widened stream.
     assert!(rows[0]["params"].as_u64() > rows[1]["params"].as_u64());
-    let table = String::from_utf8_lossy(&o.stdout);
+    // The roofline: measured host ceilings, each Plan's floor under them, and
+    // the widened stream's least overhead: its floor's excess over the
+    // baseline's, against the baseline's measured step.
+    let ceilings = &doc["ceilings"];
+    assert!(ceilings["flops_per_s"].as_f64().unwrap() > 1e8, "{ceilings}");
+    assert!(ceilings["bytes_per_s"].as_f64().unwrap() > 1e8, "{ceilings}");
+    let floor = |r: &serde_json::Value| r["roofline_ms"].as_f64().unwrap();
+    assert!(floor(&rows[1]) > 0.0);
+    // Two timed steps: the median is their mean.
+    let base_times = rows[1]["times_ms"].as_array().unwrap();
+    let base_ms = (base_times[0].as_f64().unwrap() + base_times[1].as_f64().unwrap()) / 2.0;
+    let want = (floor(&rows[0]) - floor(&rows[1])) / base_ms * 100.0;
+    let got = rows[0]["least_overhead_pct"].as_f64().unwrap();
+    assert!((got - want).abs() < 1e-9, "{got} vs {want}");
+    assert!(
+        rows[0]["gb_per_step"].as_f64() > rows[1]["gb_per_step"].as_f64(),
+        "the wider stream moves more bytes"
+    );
+    assert!(table.contains("roofline"), "{table}");
     assert!(table.contains("baseline") && table.contains("Ghc"), "{table}");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -334,7 +334,7 @@ fn matmul(a: &[f64], b: &[f64], m: usize, n: usize, k: usize, trans_a: bool) -> 
     c
 }
 
-/// Relative error ‖got − want‖ / ‖want‖ (METHOD.md), NaN never passing.
+/// Relative error ‖got − want‖ / ‖want‖, NaN never passing.
 fn rel_err(got: &[f32], want: &[f64]) -> f64 {
     assert_eq!(got.len(), want.len());
     let num: f64 = got.iter().zip(want).map(|(&g, &w)| (f64::from(g) - w).powi(2)).sum();
@@ -358,7 +358,7 @@ fn gpu_plan_matches_f64_reference() {
     dev.write_f32(BufferId(0), &x).unwrap();
     dev.write_f32(BufferId(2), &bias).unwrap();
     dev.write_f32(BufferId(3), &w).unwrap();
-    // Poison outputs: the Zero step and the kernels must overwrite them (METHOD.md).
+    // Poison outputs: the Zero step and the kernels must overwrite them.
     dev.write_f32(BufferId(7), &vec![7.0; D * F]).unwrap();
     dev.write_f32(BufferId(6), &vec![f32::NAN; ROWS * F]).unwrap();
     dev.write_f32(BufferId(8), &vec![f32::NAN; ROWS * F]).unwrap();

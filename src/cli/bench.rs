@@ -10,16 +10,27 @@
 //! overridden for every spec at once (`--d-model 256 --layers 4 --heads 4
 //! --seq-len 256 --batch 8`); the overrides are validated like the spec.
 //!
-//! On the Cuda device the host still runs the optimizer (as in training), so
-//! a step includes uploading parameters and reading gradients back.
-//! `--profile-kernels FILE` then times every step of each Plan on the GPU and
-//! writes, per fused kernel, the achieved bytes/s against the copy bandwidth.
+//! Each row also says what the step costs as counted from its Plan: FLOPs and
+//! bytes moved. On the Cpu device the host's ceilings (peak FMA rate, streaming
+//! bandwidth; `runtime::device::ceilings`) are measured first, and each Plan's
+//! roofline floor (every step at the larger of its arithmetic and memory
+//! times) is printed next to the measured time. A scheme's least overhead is
+//! its floor's excess over the baseline's floor against the baseline's
+//! measured step: the overhead it would have if the steps both Plans share
+//! ran as they do and every other step ran at its floor, the least that
+//! kernels moving its Plan's bytes could reach on this host.
+//!
+//! On the compiled devices a step is what training runs: the AdamW update in
+//! the Plan, Muon on the host. `--profile-kernels FILE` (Cuda) times every
+//! step of each Plan on the GPU and writes, per fused kernel, the achieved
+//! bytes/s against the copy bandwidth.
 
 use super::train::DeviceArg;
 use anyhow::Context;
 use codegen::plan::{BufferRole, Step};
 use ir::spec::{load_spec, ModelSpec, ResidualSpec};
 use runtime::data::{BatchSampler, Corpus};
+use runtime::device::ceilings::{self, CpuCeilings};
 use runtime::device::cpu::CpuOptions;
 use runtime::device::cuda::{copy_bandwidth, CudaExecutor};
 use runtime::device::executor::{CpuExecutor, TrainingGraph};
@@ -165,6 +176,12 @@ struct Model {
     /// Arithmetic of one training step, counted from the Cpu Plan (the same
     /// graph on every device): the floor of the overhead at equal efficiency.
     flops: u64,
+    /// Bytes one training step's Plan moves (its kernels' and GEMMs' reads
+    /// plus writes, as in `kernels.tsv`).
+    bytes: u64,
+    /// On the Cpu device: the Plan's roofline floor in ms under the host's
+    /// measured ceilings.
+    roofline_ms: Option<f64>,
 }
 
 impl Model {
@@ -174,6 +191,7 @@ impl Model {
         baseline: bool,
         device: Device,
         total_steps: usize,
+        ceilings: Option<&CpuCeilings>,
     ) -> anyhow::Result<Model> {
         let (batch, seq_len) = (spec.train.batch, spec.train.seq_len);
         let corpus = Corpus::load(&spec.train.data, spec.train.val_fraction, seq_len + 1)?;
@@ -183,20 +201,25 @@ impl Model {
         // Compile and load the Plan now, so no timed step pays for it.
         // FLOPs are counted from the Plan the device runs (the Cpu Plan for the
         // reference executor, which runs the same graph unfused).
-        let (exec, flops) = match device {
+        let costs = |plan: &codegen::plan::Plan| Costs {
+            flops: super::compile::plan_flops(plan),
+            bytes: super::compile::plan_bytes(plan),
+            roofline_ms: ceilings.map(|c| super::compile::plan_roofline_seconds(plan, c) * 1e3),
+        };
+        let (exec, costs) = match device {
             Device::Cpu => {
                 let mut cpu = CpuExecutor::from_lowered(lowered, CpuOptions::default());
-                let flops = super::compile::plan_flops(cpu.load()?.plan());
-                (Exec::Any(Box::new(cpu)), flops)
+                let costs = costs(cpu.load()?.plan());
+                (Exec::Any(Box::new(cpu)), costs)
             }
             Device::Cuda => {
                 let mut cuda = cuda_executor(lowered)?;
-                let flops = super::compile::plan_flops(cuda.device_mut().plan());
-                (Exec::Cuda(Box::new(cuda)), flops)
+                let costs = costs(cuda.device_mut().plan());
+                (Exec::Cuda(Box::new(cuda)), costs)
             }
             Device::Reference => {
-                let flops = super::compile::plan_flops(&TrainingGraph::new(lowered.clone())?.plan()?);
-                (Exec::Any(device.executor(lowered)?), flops)
+                let costs = costs(&TrainingGraph::new(lowered.clone())?.plan()?);
+                (Exec::Any(device.executor(lowered)?), costs)
             }
         };
         Ok(Model {
@@ -214,7 +237,9 @@ impl Model {
             total_steps,
             last_loss: f32::NAN,
             times_ms: Vec::new(),
-            flops,
+            flops: costs.flops,
+            bytes: costs.bytes,
+            roofline_ms: costs.roofline_ms,
         })
     }
 
@@ -237,6 +262,13 @@ impl Model {
     }
 }
 
+/// What one training step's Plan costs, counted before it runs.
+struct Costs {
+    flops: u64,
+    bytes: u64,
+    roofline_ms: Option<f64>,
+}
+
 fn median(values: &[f64]) -> f64 {
     let mut v = values.to_vec();
     v.sort_by(f64::total_cmp);
@@ -255,6 +287,18 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         "--profile-kernels needs --device cuda (kernels are timed with CUDA events)"
     );
     let total_steps = args.warmup + args.steps;
+    // The Cpu device's roofline: the host's ceilings on the threads the Plan
+    // runs on, measured before anything else runs.
+    let ceilings = (device == Device::Cpu).then(|| ceilings::measure(CpuOptions::default().threads));
+    if let Some(c) = &ceilings {
+        eprintln!(
+            "host ceilings on {} threads: {:.0} GFLOP/s ({} FMA chains), {:.1} GB/s streaming (4 reads + 2 writes)",
+            c.threads,
+            c.flops_per_s / 1e9,
+            c.vector,
+            c.bytes_per_s / 1e9
+        );
+    }
     let mut jobs = Vec::new();
     for path in &args.specs {
         let mut spec = load_spec(path)?;
@@ -273,7 +317,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     // how far it got.
     let built = parallel_map(&jobs, workers, |_, (path, spec, baseline)| {
         let started = Instant::now();
-        let model = Model::build(path, spec.clone(), *baseline, device, total_steps)
+        let model = Model::build(path, spec.clone(), *baseline, device, total_steps, ceilings.as_ref())
             .with_context(|| format!("building {} for --device {}", path.display(), device.name()))?;
         eprintln!("built {} ({}) in {:.1} s", model.name, model.scheme, started.elapsed().as_secs_f64());
         Ok(model)
@@ -299,6 +343,12 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             "steps": args.steps,
             "warmup": args.warmup,
             "threads": std::thread::available_parallelism().map_or(1, |n| n.get()),
+            "ceilings": ceilings.map(|c| json!({
+                "flops_per_s": c.flops_per_s,
+                "bytes_per_s": c.bytes_per_s,
+                "threads": c.threads,
+                "vector": c.vector,
+            })),
             "rows": rows,
         });
         std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")
@@ -397,8 +447,13 @@ fn rows(models: &[Model]) -> Vec<serde_json::Value> {
             let ms = median(&m.times_ms);
             let base = models.iter().find(|b| b.baseline && b.path == m.path).map(|b| median(&b.times_ms));
             let overhead = base.map(|b| (ms / b - 1.0) * 100.0);
-            let base_flops = models.iter().find(|b| b.baseline && b.path == m.path).map(|b| b.flops);
-            let flop_overhead = base_flops.map(|b| (m.flops as f64 / b.max(1) as f64 - 1.0) * 100.0);
+            let baseline = models.iter().find(|b| b.baseline && b.path == m.path);
+            let flop_overhead = baseline.map(|b| (m.flops as f64 / b.flops.max(1) as f64 - 1.0) * 100.0);
+            // The scheme's extra roofline time against the baseline's measured
+            // step: its overhead if the steps both Plans share ran as they do
+            // and every other step ran at its floor.
+            let least_overhead =
+                baseline.and_then(|b| Some((m.roofline_ms? - b.roofline_ms?) / median(&b.times_ms) * 100.0));
             json!({
                 "spec": m.name,
                 "path": m.path.display().to_string(),
@@ -410,6 +465,10 @@ fn rows(models: &[Model]) -> Vec<serde_json::Value> {
                 "overhead_pct": overhead,
                 "gflop_per_step": m.flops as f64 / 1e9,
                 "flop_overhead_pct": flop_overhead,
+                "gb_per_step": m.bytes as f64 / 1e9,
+                "roofline_ms": m.roofline_ms,
+                "least_overhead_pct": least_overhead,
+                "fraction_of_roofline": m.roofline_ms.map(|r| r / ms),
                 "params": m.params.numel(),
                 "d_model": m.spec.d_model,
                 "layers": m.spec.layers,
@@ -431,17 +490,29 @@ fn print_table(rows: &[serde_json::Value], args: &Args, device: Device) {
         args.warmup
     );
     println!(
-        "{:<16} {:<9} {:>10} {:>11} {:>13} {:>10} {:>11}",
-        "spec", "scheme", "ms/step", "tok/s", "vs residual", "GFLOP", "FLOP ratio"
+        "{:<16} {:<9} {:>9} {:>9} {:>12} {:>7} {:>10} {:>6} {:>9} {:>8} {:>10}",
+        "spec",
+        "scheme",
+        "ms/step",
+        "tok/s",
+        "vs residual",
+        "GFLOP",
+        "FLOP ratio",
+        "GB",
+        "roofline",
+        "of floor",
+        "least ovh"
     );
     let pct = |r: &serde_json::Value, key: &str| match r[key].as_f64() {
         _ if r["baseline"].as_bool() == Some(true) => "baseline".into(),
         Some(o) => format!("{o:+.1}%"),
         None => "-".into(),
     };
+    let ms =
+        |r: &serde_json::Value, key: &str| r[key].as_f64().map_or_else(|| "-".into(), |v| format!("{v:.1}"));
     for r in rows {
         println!(
-            "{:<16} {:<9} {:>10.2} {:>11.0} {:>13} {:>10.1} {:>11}",
+            "{:<16} {:<9} {:>9.2} {:>9.0} {:>12} {:>7.1} {:>10} {:>6.2} {:>9} {:>8} {:>10}",
             r["spec"].as_str().unwrap_or("?"),
             r["scheme"].as_str().unwrap_or("?"),
             r["ms_per_step"].as_f64().unwrap_or(f64::NAN),
@@ -449,7 +520,19 @@ fn print_table(rows: &[serde_json::Value], args: &Args, device: Device) {
             pct(r, "overhead_pct"),
             r["gflop_per_step"].as_f64().unwrap_or(f64::NAN),
             pct(r, "flop_overhead_pct"),
+            r["gb_per_step"].as_f64().unwrap_or(f64::NAN),
+            ms(r, "roofline_ms"),
+            r["fraction_of_roofline"].as_f64().map_or_else(|| "-".into(), |f| format!("{:.0}%", f * 100.0)),
+            pct(r, "least_overhead_pct"),
         );
     }
     println!("(FLOP ratio: the step's arithmetic against the baseline's, counted from the Plan; the overhead's floor at equal efficiency)");
+    if device == Device::Cpu {
+        println!(
+            "(roofline: the Plan's steps each at the larger of FLOPs / peak FLOP rate and bytes / streaming rate, summed, \
+             with the host ceilings measured at the start of this run; of floor: roofline / measured; least ovh: the \
+             roofline's excess over the baseline's roofline, against the baseline's measured step: the overhead if the \
+             steps both Plans share ran as measured and the others at their floor)"
+        );
+    }
 }

@@ -27,6 +27,7 @@ use codegen::plan::{BufferDecl, BufferRole, Plan, Step};
 use ir::graph::Graph;
 use ir::passes::{FusedGraph, GroupKind};
 use ir::spec::load_spec;
+use runtime::device::ceilings::CpuCeilings;
 use runtime::device::executor::TrainingGraph;
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -368,6 +369,19 @@ fn cost_rows(plan: &Plan) -> Vec<CostRow> {
 /// Floating-point operations of one run of `plan` (kernels and GEMMs, as in `kernels.tsv`).
 pub fn plan_flops(plan: &Plan) -> u64 {
     cost_rows(plan).iter().map(|r| r.flops).fold(0, u64::saturating_add)
+}
+
+/// Bytes moved (read plus written) by one run of `plan`, as in `kernels.tsv`.
+pub fn plan_bytes(plan: &Plan) -> u64 {
+    cost_rows(plan).iter().map(|r| (r.read + r.written) as u64).sum()
+}
+
+/// The roofline floor of one run of `plan` on a host with these ceilings, in
+/// seconds: each step's larger of arithmetic time and memory time (its
+/// `kernels.tsv` FLOPs and bytes), summed. No kernel or GEMM of the Plan can
+/// run faster than its floor, so neither can the step.
+pub fn plan_roofline_seconds(plan: &Plan, ceilings: &CpuCeilings) -> f64 {
+    cost_rows(plan).iter().map(|r| ceilings.floor_seconds(r.flops, (r.read + r.written) as u64)).sum()
 }
 
 /// `kernels.tsv`: one row per step, then a total row.

@@ -672,7 +672,7 @@ impl CudaDevice {
     /// Times every step of the launch list: `reps` runs of the whole list
     /// with an event pair around each step, the median per step. Run
     /// [`CudaDevice::run`] once first so module load and cuBLAS heuristics
-    /// stay out of the numbers (METHOD.md).
+    /// stay out of the numbers.
     pub fn profile(&mut self, reps: usize) -> Result<Vec<StepTiming>, CudaError> {
         let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
         let new_event = || self.ctx.new_event(flags).map_err(driver("creating an event"));
@@ -765,12 +765,12 @@ fn step_cost(plan: &Plan, i: usize) -> (String, u64, u64) {
 
 /// Device-to-device copy bandwidth in bytes/s (bytes read plus bytes
 /// written), the memory ceiling fused kernels are judged against
-/// (DESIGN.md §10, METHOD.md): the median of `reps` copies of `bytes`.
+/// (DESIGN.md §10): the median of `reps` copies of `bytes`.
 pub fn copy_bandwidth(bytes: usize, reps: usize) -> Result<f64, CudaError> {
     let ctx = context(0)?;
     let stream = ctx.default_stream();
     let src = Allocation::zeroed(&ctx, &stream, bytes)?;
-    // Random-looking contents, not zeros (METHOD.md).
+    // Non-zero contents, so no shortcut for zeroed memory flatters the rate.
     // SAFETY: `src` holds `bytes` bytes; the pattern fills bytes / 4 words.
     unsafe { sys::cuMemsetD32Async(src.ptr, 0x3f9d_70a4, bytes / 4, stream.cu_stream()) }
         .result()

@@ -5,10 +5,13 @@
 //!   through the AVX-512 kernel of `sgemm.rs` or the `gemm` crate.
 //! - [`executor`]: the [`crate::executor::StepExecutor`] over a Cpu device,
 //!   which the training loop uses for `--device cpu`.
+//! - [`ceilings`]: the host's measured arithmetic and memory rates, which a
+//!   Plan's roofline floor divides by.
 //! - [`plan_check`]: the load-time checks of a Plan both devices share.
 //! - `update`: training steps whose optimizer update runs in the Plan, the
 //!   protocol both executors share.
 
+pub mod ceilings;
 pub mod cpu;
 pub mod cuda;
 pub mod executor;
