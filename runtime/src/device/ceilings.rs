@@ -145,10 +145,11 @@ unsafe fn fma_chains_avx2(iters: usize, start: f32) -> f32 {
 
 /// Floats per stream buffer: together the six buffers span eight times the
 /// last-level cache (from sysfs where the host says, else 32 MiB), so every
-/// pass streams from memory.
+/// pass streams from memory, and at most 1 GiB, whatever the cache claims.
 fn stream_len() -> usize {
     let llc = last_level_cache_bytes().unwrap_or(32 << 20);
-    (8 * llc / 6 / std::mem::size_of::<f32>()).next_multiple_of(16)
+    let total = (8 * llc).min(1 << 30);
+    (total / 6 / std::mem::size_of::<f32>()).next_multiple_of(16)
 }
 
 /// The largest data or unified cache of cpu0, as sysfs reports it.
