@@ -177,8 +177,9 @@ struct Model {
     /// graph on every device): the floor of the overhead at equal efficiency.
     flops: u64,
     /// Bytes one training step's Plan moves (its kernels' and GEMMs' reads
-    /// plus writes, as in `kernels.tsv`).
-    bytes: u64,
+    /// plus writes, as in `kernels.tsv`); none for the reference executor,
+    /// which runs the unfused graph, not the Plan.
+    bytes: Option<u64>,
     /// On the Cpu device: the Plan's roofline floor in ms under the host's
     /// measured ceilings.
     roofline_ms: Option<f64>,
@@ -203,7 +204,7 @@ impl Model {
         // reference executor, which runs the same graph unfused).
         let costs = |plan: &codegen::plan::Plan| Costs {
             flops: super::compile::plan_flops(plan),
-            bytes: super::compile::plan_bytes(plan),
+            bytes: Some(super::compile::plan_bytes(plan)),
             roofline_ms: ceilings.map(|c| super::compile::plan_roofline_seconds(plan, c) * 1e3),
         };
         let (exec, costs) = match device {
@@ -218,7 +219,7 @@ impl Model {
                 (Exec::Cuda(Box::new(cuda)), costs)
             }
             Device::Reference => {
-                let costs = costs(&TrainingGraph::new(lowered.clone())?.plan()?);
+                let costs = Costs { bytes: None, ..costs(&TrainingGraph::new(lowered.clone())?.plan()?) };
                 (Exec::Any(device.executor(lowered)?), costs)
             }
         };
@@ -265,7 +266,7 @@ impl Model {
 /// What one training step's Plan costs, counted before it runs.
 struct Costs {
     flops: u64,
-    bytes: u64,
+    bytes: Option<u64>,
     roofline_ms: Option<f64>,
 }
 
@@ -465,7 +466,7 @@ fn rows(models: &[Model]) -> Vec<serde_json::Value> {
                 "overhead_pct": overhead,
                 "gflop_per_step": m.flops as f64 / 1e9,
                 "flop_overhead_pct": flop_overhead,
-                "gb_per_step": m.bytes as f64 / 1e9,
+                "gb_per_step": m.bytes.map(|b| b as f64 / 1e9),
                 "roofline_ms": m.roofline_ms,
                 "least_overhead_pct": least_overhead,
                 "fraction_of_roofline": m.roofline_ms.map(|r| r / ms),
@@ -512,7 +513,7 @@ fn print_table(rows: &[serde_json::Value], args: &Args, device: Device) {
         |r: &serde_json::Value, key: &str| r[key].as_f64().map_or_else(|| "-".into(), |v| format!("{v:.1}"));
     for r in rows {
         println!(
-            "{:<16} {:<9} {:>9.2} {:>9.0} {:>12} {:>7.1} {:>10} {:>6.2} {:>9} {:>8} {:>10}",
+            "{:<16} {:<9} {:>9.2} {:>9.0} {:>12} {:>7.1} {:>10} {:>6} {:>9} {:>8} {:>10}",
             r["spec"].as_str().unwrap_or("?"),
             r["scheme"].as_str().unwrap_or("?"),
             r["ms_per_step"].as_f64().unwrap_or(f64::NAN),
@@ -520,7 +521,7 @@ fn print_table(rows: &[serde_json::Value], args: &Args, device: Device) {
             pct(r, "overhead_pct"),
             r["gflop_per_step"].as_f64().unwrap_or(f64::NAN),
             pct(r, "flop_overhead_pct"),
-            r["gb_per_step"].as_f64().unwrap_or(f64::NAN),
+            r["gb_per_step"].as_f64().map_or_else(|| "-".into(), |v| format!("{v:.2}")),
             ms(r, "roofline_ms"),
             r["fraction_of_roofline"].as_f64().map_or_else(|| "-".into(), |f| format!("{:.0}%", f * 100.0)),
             pct(r, "least_overhead_pct"),
