@@ -22,7 +22,7 @@
 //! compile-time literals count once and mark the row as a lower bound.
 
 use anyhow::Context;
-use codegen::kernel::{Access, BinOp, Expr, Grid, Kernel, Stmt, Ty};
+use codegen::kernel::{Access, Grid, Kernel};
 use codegen::plan::{BufferDecl, BufferRole, Plan, Step};
 use ir::graph::Graph;
 use ir::passes::{FusedGraph, GroupKind};
@@ -218,74 +218,6 @@ fn grid_text(grid: &Grid) -> String {
     }
 }
 
-/// FLOPs of one expression evaluation: float arithmetic and math calls.
-fn expr_flops(e: &Expr) -> u64 {
-    match e {
-        Expr::Binary { op, lhs, rhs } => {
-            let own = u64::from(
-                lhs.ty().is_float() && matches!(op, BinOp::Add | BinOp::Sub | BinOp::Mul | BinOp::Div),
-            );
-            own + expr_flops(lhs) + expr_flops(rhs)
-        }
-        Expr::Call { args, .. } => 1 + args.iter().map(expr_flops).sum::<u64>(),
-        Expr::Unary { arg, .. } | Expr::Cast { arg, .. } => expr_flops(arg),
-        Expr::Load { index, .. } => expr_flops(index),
-        Expr::Cmp { lhs, rhs, .. } => u64::from(lhs.ty().is_float()) + expr_flops(lhs) + expr_flops(rhs),
-        Expr::Select { cond, then, else_ } => expr_flops(cond) + expr_flops(then).max(expr_flops(else_)),
-        _ => 0,
-    }
-}
-
-/// Literal loop bounds; `Lane` counts as 0 (a lane-strided loop's trips are
-/// per lane, and the caller multiplies by the lanes).
-fn bound(e: &Expr) -> Option<i64> {
-    match e {
-        Expr::I64(v) => Some(*v),
-        Expr::I32(v) => Some(i64::from(*v)),
-        Expr::Lane => Some(0),
-        _ => None,
-    }
-}
-
-/// FLOPs of one execution of `stmts`, and whether every loop bound was literal.
-fn stmts_flops(stmts: &[Stmt]) -> (u64, bool) {
-    let mut exact = true;
-    let mut total = 0u64;
-    for s in stmts {
-        let f = match s {
-            Stmt::Let { expr, .. } | Stmt::Var { init: expr, .. } | Stmt::Assign { value: expr, .. } => {
-                expr_flops(expr)
-            }
-            Stmt::Store { index, value, .. } => expr_flops(index) + expr_flops(value),
-            Stmt::AccumStore { index, value, target } => {
-                expr_flops(index) + expr_flops(value) + u64::from(target.elem_ty() != Ty::I64)
-            }
-            Stmt::BlockReduce { value, .. } => expr_flops(value) + 1,
-            Stmt::For { start, end, step, body, .. } => {
-                let (inner, ok) = stmts_flops(body);
-                exact &= ok;
-                match (bound(start), bound(end)) {
-                    (Some(a), Some(b)) => {
-                        ((b - a).max(0) as u64).div_ceil((*step).max(1) as u64).saturating_mul(inner)
-                    }
-                    _ => {
-                        exact = false;
-                        inner
-                    }
-                }
-            }
-            Stmt::If { cond, then, else_ } => {
-                let ((t, t_ok), (e, e_ok)) = (stmts_flops(then), stmts_flops(else_));
-                exact &= t_ok && e_ok;
-                expr_flops(cond) + t.max(e)
-            }
-            Stmt::LocalArray { .. } | Stmt::Comment(_) | Stmt::Barrier => 0,
-        };
-        total = total.saturating_add(f);
-    }
-    (total, exact)
-}
-
 /// One row of `kernels.tsv`.
 struct CostRow {
     step: usize,
@@ -299,22 +231,9 @@ struct CostRow {
 }
 
 fn kernel_cost(k: &Kernel) -> (usize, usize, u64, bool) {
-    let (mut read, mut written) = (0, 0);
-    for p in &k.params {
-        let b = p.len * p.dtype.size_bytes();
-        if p.access.readable() {
-            read += b;
-        }
-        if p.access.writable() {
-            written += b;
-        }
-    }
-    let lanes = match k.grid {
-        Grid::ThreadPerItem { .. } => 1,
-        Grid::BlockPerItem { threads, .. } => u64::from(threads),
-    };
-    let (per, exact) = stmts_flops(&k.body);
-    (read, written, per.saturating_mul(lanes).saturating_mul(k.grid.items() as u64), exact)
+    let (read, written) = k.param_bytes();
+    let (flops, exact) = k.flops();
+    (read, written, flops, exact)
 }
 
 fn cost_rows(plan: &Plan) -> Vec<CostRow> {

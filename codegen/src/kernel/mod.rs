@@ -28,6 +28,7 @@
 //! ```
 
 mod builder;
+mod cost;
 mod expr;
 mod fuse;
 mod simplify;
@@ -40,6 +41,8 @@ pub use fuse::fuse_loops;
 pub use simplify::simplify_indices;
 pub use split::split_loops;
 pub use validate::KernelError;
+
+pub(crate) use cost::stmt_work;
 
 use std::collections::{HashMap, HashSet};
 
