@@ -254,7 +254,7 @@ struct RowPrefetch {
 /// on VWN's largest gradient kernel (2 threads, operands in memory), the
 /// time was the sum of the two; fetched a share per phase, the next item's
 /// rows arrive while this item computes (a third faster in a harness; the
-/// prefetching kernels of VWN, mHC and xHC 14 % to 27 % faster in training
+/// prefetching kernels of VWN, mHC and xHC 15 % to 30 % faster in training
 /// steps). Fetching them all at the item's start changed nothing: the burst
 /// waits on the cache's miss buffers as the demand loads did.
 fn next_item_prefetches(k: &Kernel) -> Vec<Vec<RowPrefetch>> {
