@@ -16,7 +16,9 @@
 //! the packed `a` block in L2). Packing reads the operands through arbitrary
 //! row and column strides, so transposed operands cost nothing extra, and pads
 //! ragged edges with zeros, so the micro-kernel always runs full tiles and
-//! only the stores to `c` are masked.
+//! only the stores to `c` are masked. A column-major `a` read in place also
+//! has the micro-kernels prefetch the next block's slivers while they compute
+//! the current one (its steps are too far apart for the hardware prefetcher).
 //!
 //! Each product's sum over `k` runs in order within a `KC` block, blocks
 //! added in order, one FMA per step: deterministic and independent of the
@@ -25,7 +27,8 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::{
     __m512, _mm512_add_ps, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_mask_loadu_ps, _mm512_mask_storeu_ps,
-    _mm512_set1_ps, _mm512_setzero_ps, _mm512_storeu_ps, _mm512_stream_ps, _mm_sfence,
+    _mm512_set1_ps, _mm512_setzero_ps, _mm512_storeu_ps, _mm512_stream_ps, _mm_prefetch, _mm_sfence,
+    _MM_HINT_T0,
 };
 use std::cell::RefCell;
 
@@ -121,6 +124,14 @@ pub(crate) unsafe fn sgemm(
     // steps 5 % faster). Only a ragged last sliver is packed, with its zero
     // padding.
     let reads_in_place = a.rows == 1 || a.cols == 1;
+    // A column-major `a` read in place (a weight gradient's transposed
+    // activations) reaches each step's rows a whole row of the activations
+    // apart, a stride the hardware prefetcher does not follow; its first
+    // reads of a block wait on memory. So while the micro-kernels walk one
+    // block (on its first column sliver), each fetches, one step at a time,
+    // the same sliver of the block that comes next: the next block's lines
+    // arrive spread over this block's arithmetic.
+    let prefetches_next_block = a.rows == 1 && a.cols > 1;
     PACKED.with_borrow_mut(|packed| {
         if packed.len() < a_lines + b_lines {
             packed.resize(a_lines + b_lines, Line([0.0; 16]));
@@ -138,6 +149,18 @@ pub(crate) unsafe fn sgemm(
                 for ic in (0..m).step_by(MC) {
                     let mc = MC.min(m - ic);
                     let in_place = if reads_in_place { mc / MR * MR } else { 0 };
+                    // The block after this one in loop order: the next rows
+                    // of this contraction block, else the first rows of the
+                    // next contraction block.
+                    let next_block = if !prefetches_next_block {
+                        None
+                    } else if ic + MC < m {
+                        Some((ic + MC, pc))
+                    } else if pc + KC < k {
+                        Some((0, pc + KC))
+                    } else {
+                        None
+                    };
                     // SAFETY: as for b, with the rows of the block from
                     // `in_place` on.
                     unsafe { pack_a(a, ic + in_place, pc, mc - in_place, kc, pa) };
@@ -153,6 +176,13 @@ pub(crate) unsafe fn sgemm(
                             let tile = Output { ptr: unsafe { c.ptr.add((ic + ir) * c.ldc + jc + jr) }, ..c };
                             let (rows, cols) = (MR.min(mc - ir), NR.min(nc - jr));
                             let b_sliver = unsafe { pb.add(jr * kc) };
+                            // The same sliver of the next block, on this
+                            // block's first column sliver (a prefetch never
+                            // faults, so rows or steps past a's end are harmless).
+                            let prefetch = match next_block {
+                                Some((i, p)) if jr == 0 => a.ptr.wrapping_add((i + ir) * a.rows + p * a.cols),
+                                _ => std::ptr::null(),
+                            };
                             // SAFETY: both slivers hold kc steps of MR rows and
                             // NR columns; the tile's rows and columns are
                             // clipped to c's extent. Rows one apart (packed,
@@ -160,9 +190,13 @@ pub(crate) unsafe fn sgemm(
                             // row-major a pays for a row stride.
                             unsafe {
                                 if sliver.rows == 1 {
-                                    micro_kernel::<true>(kc, sliver, b_sliver, tile, rows, cols, load_c);
+                                    micro_kernel::<true>(
+                                        kc, sliver, b_sliver, tile, rows, cols, load_c, prefetch,
+                                    );
                                 } else {
-                                    micro_kernel::<false>(kc, sliver, b_sliver, tile, rows, cols, load_c);
+                                    micro_kernel::<false>(
+                                        kc, sliver, b_sliver, tile, rows, cols, load_c, prefetch,
+                                    );
                                 }
                             }
                         }
@@ -285,7 +319,8 @@ unsafe fn copy_row<const N: usize>(src: *const f32, dst: *mut f32, len: usize) {
 /// One `MR x NR` tile: `c (=|+=) a_sliver @ b_sliver` over `kc` steps,
 /// storing only the tile's first `rows` rows and `cols` columns. Row `r` of
 /// step `p` of the `a` sliver is at `a.ptr + r * a.rows + p * a.cols` (packed:
-/// `rows = 1`, `cols = MR`).
+/// `rows = 1`, `cols = MR`). Unless `prefetch` is null, each step `p` also
+/// prefetches the line at `prefetch + p * a.cols` (see [`sgemm`]).
 ///
 /// # Safety
 /// AVX-512F is available; the `a` sliver holds `kc` steps of `MR` rows, the
@@ -293,6 +328,7 @@ unsafe fn copy_row<const N: usize>(src: *const f32, dst: *mut f32, len: usize) {
 /// elements.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
 unsafe fn micro_kernel<const UNIT_ROWS: bool>(
     kc: usize,
     a: Operand,
@@ -301,12 +337,17 @@ unsafe fn micro_kernel<const UNIT_ROWS: bool>(
     rows: usize,
     cols: usize,
     load_c: bool,
+    prefetch: *const f32,
 ) {
     let mut acc: [[__m512; 2]; MR] = [[_mm512_setzero_ps(); 2]; MR];
     for p in 0..kc {
         // SAFETY: step p of each sliver is in bounds (contract).
         let (b0, b1) = unsafe { (_mm512_loadu_ps(b.add(p * NR)), _mm512_loadu_ps(b.add(p * NR + 16))) };
         let step = unsafe { a.ptr.add(p * a.cols) };
+        if !prefetch.is_null() {
+            // A hint only: the address need not be inside `a`.
+            _mm_prefetch::<_MM_HINT_T0>(prefetch.wrapping_add(p * a.cols).cast());
+        }
         for (r, acc_r) in acc.iter_mut().enumerate() {
             let at = if UNIT_ROWS { r } else { r * a.rows };
             let x = _mm512_set1_ps(unsafe { *step.add(at) });
@@ -357,6 +398,7 @@ fn column_mask(cols: usize) -> u16 {
 }
 
 #[cfg(not(target_arch = "x86_64"))]
+#[allow(clippy::too_many_arguments)]
 unsafe fn micro_kernel<const UNIT_ROWS: bool>(
     _kc: usize,
     _a: Operand,
@@ -365,6 +407,7 @@ unsafe fn micro_kernel<const UNIT_ROWS: bool>(
     _rows: usize,
     _cols: usize,
     _load_c: bool,
+    _prefetch: *const f32,
 ) {
     unreachable!("sgemm runs only where `available()` is true")
 }
