@@ -38,6 +38,9 @@ const MR: usize = 14;
 /// Columns of `c` per micro-tile: two 16-float vectors, so a tile is 28 of
 /// the 32 vector registers.
 const NR: usize = 32;
+/// The micro-tile's shape, for callers that split work by whole tiles.
+pub(crate) const TILE_ROWS: usize = MR;
+pub(crate) const TILE_COLS: usize = NR;
 /// Contraction steps per packed block: a `b` sliver (`KC * NR` floats, 32 KiB)
 /// fits in L1 next to the streamed `a` sliver.
 const KC: usize = 256;
