@@ -120,7 +120,7 @@ pub enum UpdateError {
 }
 
 /// Appends the AdamW update of every parameter of `plan` (see the module
-/// docs), with the norm kernels in `target`'s form ([`sum_of_squares`]).
+/// docs), with the norm kernels in `target`'s form (`sum_of_squares`).
 pub fn append_adamw(plan: &mut Plan, target: Target) -> Result<(), UpdateError> {
     if plan.update_start.is_some() {
         return Err(UpdateError::Twice);

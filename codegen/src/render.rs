@@ -11,6 +11,8 @@
 //!   the top-level body is cut at barriers and block reductions into serial
 //!   loops over the lanes, lane-local values that live across a cut become
 //!   per-lane arrays, and reductions replay the CUDA tree order exactly.
+//!   Thread-per-item kernels with several phases of arithmetic prefetch the
+//!   next item's rows between them (see `next_item_prefetches`).
 //! - **CUDA**: `extern "C" __global__` kernels with one thread (thread-per-item)
 //!   or one block (block-per-item) per item and a bounds guard. No CUDA headers
 //!   are included; the two bf16 conversion functions are emitted instead.

@@ -7,10 +7,10 @@
 //! As one item per token ([`super::item`]) that chain runs at the latency of
 //! scalar adds and divisions: about 2 µs per token forward and backward at
 //! t_max = 20, more than the rest of the connection's per-token work. Here one
-//! item owns [`LANES`] consecutive matrices, every local is stored lane-minor
+//! item owns `LANES` consecutive matrices, every local is stored lane-minor
 //! (`[element][lane]`) and every loop body is straight-line code inside a loop
 //! over the lanes, so the C compiler vectorizes across matrices: one vector
-//! operation advances [`LANES`] independent chains.
+//! operation advances `LANES` independent chains.
 //!
 //! Each matrix sees the item emitter's arithmetic op for op (the same sums in
 //! the same order from ε, the same reciprocals and products, the same
@@ -29,7 +29,7 @@ pub const LANES: usize = 16;
 const MAX_SIDE: usize = 8;
 
 /// Whether node `id` has a lanes form: a Sinkhorn or its gradient on float
-/// matrices of side 2 to [`MAX_SIDE`] (larger sides stay in the item form,
+/// matrices of side 2 to `MAX_SIDE` (larger sides stay in the item form,
 /// whose loops are not unrolled per element).
 pub fn has_lanes_form(graph: &Graph, id: NodeId) -> bool {
     let node = graph.node(id);
@@ -38,7 +38,7 @@ pub fn has_lanes_form(graph: &Graph, id: NodeId) -> bool {
         && Ty::of_storage(node.dtype).is_float()
 }
 
-/// A `Sinkhorn` or `SinkhornGrad` node as a kernel over blocks of [`LANES`]
+/// A `Sinkhorn` or `SinkhornGrad` node as a kernel over blocks of `LANES`
 /// matrices (see the module docs); `None` when [`has_lanes_form`] is false.
 pub fn lower_sinkhorn_lanes(graph: &Graph, id: NodeId, name: &str) -> Result<Option<Launch>, EmitError> {
     if !has_lanes_form(graph, id) {

@@ -658,7 +658,7 @@ pub struct ItemSplit {
 /// inside its own item (or the per-item scratch would exceed the target's
 /// [`Target::local_limit`]).
 /// Larger counts are preferred (more parallelism); on the C target, counts that
-/// give items at least [`CPU_MIN_ITEM_ELEMENTS`] of the widest value (or a whole
+/// give items at least `CPU_MIN_ITEM_ELEMENTS` of the widest value (or a whole
 /// row of it) come first.
 pub fn itemize(graph: &Graph, nodes: &[NodeId], res: &dyn Residency, target: Target) -> Option<usize> {
     item_splits(graph, nodes, res, target)
@@ -845,10 +845,10 @@ const GPU_THREADS_WANTED: usize = 32768;
 /// Fewest reduced rows for which a whole block per output pays off.
 const BLOCK_REDUCE_MIN_ROWS: usize = 256;
 
-/// Lanes of each block of [`lower_block_reduce`].
+/// Lanes of each block of `lower_block_reduce`.
 const BLOCK_REDUCE_LANES: u32 = 256;
 
-/// Whether `id` sums (or averages) over a long outer axis, [`BLOCK_REDUCE_MIN_ROWS`]
+/// Whether `id` sums (or averages) over a long outer axis, `BLOCK_REDUCE_MIN_ROWS`
 /// rows or more with columns inside them: a reduction over tokens, such as a
 /// parameter gradient (MATH.md §1.4), rather than a per-token norm statistic.
 pub fn is_token_reduction(graph: &Graph, id: NodeId) -> bool {
@@ -908,7 +908,7 @@ const SCATTER_MIN_COLUMNS: usize = 64;
 /// row. Each thread copies its column of `base`, then adds the indexed rows in
 /// order of `j`, so every output is summed in the reference's order (bitwise
 /// the same) and threads never share an output. `None` for fewer than
-/// [`SCATTER_MIN_COLUMNS`] columns.
+/// `SCATTER_MIN_COLUMNS` columns.
 pub fn lower_scatter_columns(graph: &Graph, id: NodeId, name: &str) -> Result<Option<Launch>, EmitError> {
     let node = graph.node(id);
     let Op::ScatterAdd { axis } = node.op else { return Ok(None) };
@@ -962,7 +962,7 @@ const ROW_BLOCK: usize = 8;
 /// reduction (other ops, `Max`, no block over 1).
 ///
 /// On the GPU ([`Target::Cuda`]) a reduction whose column blocks would be too
-/// few threads to fill the device runs as [`lower_block_reduce`] instead.
+/// few threads to fill the device runs as `lower_block_reduce` instead.
 pub fn lower_column_reduce(
     graph: &Graph,
     id: NodeId,

@@ -45,7 +45,7 @@ pub struct RematStats {
 /// Copies, for each token-local group, the cheap elementwise chains it reads
 /// from an earlier token-local group over the same tokens when every operand
 /// of the chain is one the group reads already or is small
-/// ([`SMALL_OPERAND_DIVISOR`]); the group's reads of the value move to the
+/// (`SMALL_OPERAND_DIVISOR`); the group's reads of the value move to the
 /// copy. `roots` as for [`fuse()`].
 pub fn rematerialize(graph: &mut Graph, roots: &[NodeId]) -> Result<RematStats, FuseError> {
     let fused = fuse(graph, roots)?;

@@ -917,7 +917,7 @@ fn prepare(plan: &Plan, ptrs: &[sys::CUdeviceptr]) -> Result<Vec<Vec<Op>>, CudaE
 /// per parameter. Parameters are uploaded only when the set handed in is not
 /// the one the device holds; with AdamW the Plan runs the update, so
 /// parameters and moments stay on the GPU and a step moves only the new
-/// parameters back ([`super::update`], the protocol the Cpu executor shares).
+/// parameters back (`super::update`, the protocol the Cpu executor shares).
 #[derive(Debug)]
 pub struct CudaExecutor {
     device: CudaDevice,
@@ -1036,7 +1036,7 @@ impl StepExecutor for CudaExecutor {
 }
 
 impl CudaExecutor {
-    /// A training step with the Plan's own update ([`super::update`]).
+    /// A training step with the Plan's own update (`super::update`).
     fn train_step_in_plan(
         &mut self,
         update: &PlanUpdate,

@@ -234,7 +234,7 @@ impl Loaded {
 }
 
 impl CpuExecutor {
-    /// A training step with the Plan's own update ([`super::update`]).
+    /// A training step with the Plan's own update (`super::update`).
     fn train_step_in_plan(
         &mut self,
         params: &mut ParamSet,
@@ -313,7 +313,7 @@ impl StepExecutor for CpuExecutor {
     }
 
     /// With AdamW on every parameter the Plan runs the update
-    /// ([`super::update`]); otherwise (Muon) the host does, reading each
+    /// (`super::update`); otherwise (Muon) the host does, reading each
     /// gradient in its Plan buffer (no copy) and writing each new parameter
     /// value to `params` and to the device's parameter buffer in the same
     /// pass. Either way the next step uploads no parameters.

@@ -187,11 +187,14 @@ pub(crate) unsafe fn sgemm(
                             let tile = Output { ptr: unsafe { c.ptr.add((ic + ir) * c.ldc + jc + jr) }, ..c };
                             let (rows, cols) = (MR.min(mc - ir), NR.min(nc - jr));
                             let b_sliver = unsafe { pb.add(jr * kc) };
-                            // The same sliver of the next block, on this
-                            // block's first column sliver (a prefetch never
-                            // faults, so rows or steps past a's end are harmless).
+                            // The same sliver of the next block, from slivers
+                            // read in place on this block's first column
+                            // sliver (a prefetch never faults, so rows or
+                            // steps past a's end are harmless).
                             let prefetch = match next_block {
-                                Some((i, p)) if jr == 0 => a.ptr.wrapping_add((i + ir) * a.rows + p * a.cols),
+                                Some((i, p)) if jr == 0 && ir < in_place => {
+                                    a.ptr.wrapping_add((i + ir) * a.rows + p * a.cols)
+                                }
                                 _ => std::ptr::null(),
                             };
                             // SAFETY: both slivers hold kc steps of MR rows and
@@ -330,8 +333,10 @@ unsafe fn copy_row<const N: usize>(src: *const f32, dst: *mut f32, len: usize) {
 /// One `MR x NR` tile: `c (=|+=) a_sliver @ b_sliver` over `kc` steps,
 /// storing only the tile's first `rows` rows and `cols` columns. Row `r` of
 /// step `p` of the `a` sliver is at `a.ptr + r * a.rows + p * a.cols` (packed:
-/// `rows = 1`, `cols = MR`). Unless `prefetch` is null, each step `p` also
-/// prefetches the line at `prefetch + p * a.cols` (see [`sgemm`]).
+/// `rows = 1`, `cols = MR`). Unless `prefetch` is null (it addresses a sliver
+/// laid out as `a` is), each step also prefetches one of its lines: step
+/// `p`'s rows where rows are one apart, else one line of one row, so the
+/// steps together cover the sliver's rows (see [`sgemm`]).
 ///
 /// # Safety
 /// AVX-512F is available; the `a` sliver holds `kc` steps of `MR` rows, the

@@ -30,7 +30,7 @@ fn chunk_sums(grad: &[f32]) -> Vec<f64> {
         .collect()
 }
 
-/// The L2 norm of all gradients together: every chunk sum ([`chunk_sums`])
+/// The L2 norm of all gradients together: every chunk sum (`chunk_sums`)
 /// added in gradient and chunk order, as the Plan's update adds them.
 ///
 /// Each gradient's chunk sums are independent, so with more than
