@@ -12,8 +12,9 @@
 //!
 //! Each row also says what the step costs as counted from its Plan: FLOPs and
 //! bytes moved. On the Cpu device the host's ceilings (peak FMA rate, streaming
-//! bandwidth; `runtime::device::ceilings`) are measured first, and each Plan's
-//! roofline floor (every step at the larger of its arithmetic and memory
+//! bandwidth; `runtime::device::ceilings`) are measured before the first round
+//! and after every round, the best of each kept, and each Plan's roofline
+//! floor under them (every step at the larger of its arithmetic and memory
 //! times) is printed next to the measured time. A scheme's least overhead is
 //! its floor's excess over the baseline's floor against the baseline's
 //! measured step: the overhead it would have if the steps both Plans share
@@ -180,9 +181,8 @@ struct Model {
     /// plus writes, as in `kernels.tsv`); none for the reference executor,
     /// which runs the unfused graph, not the Plan.
     bytes: Option<u64>,
-    /// On the Cpu device: the Plan's roofline floor in ms under the host's
-    /// measured ceilings.
-    roofline_ms: Option<f64>,
+    /// Each Plan step's FLOPs and bytes, for its roofline on the Cpu device.
+    step_costs: Vec<(u64, u64)>,
 }
 
 impl Model {
@@ -192,7 +192,6 @@ impl Model {
         baseline: bool,
         device: Device,
         total_steps: usize,
-        ceilings: Option<&CpuCeilings>,
     ) -> anyhow::Result<Model> {
         let (batch, seq_len) = (spec.train.batch, spec.train.seq_len);
         let corpus = Corpus::load(&spec.train.data, spec.train.val_fraction, seq_len + 1)?;
@@ -202,10 +201,13 @@ impl Model {
         // Compile and load the Plan now, so no timed step pays for it.
         // FLOPs are counted from the Plan the device runs (the Cpu Plan for the
         // reference executor, which runs the same graph unfused).
-        let costs = |plan: &codegen::plan::Plan| Costs {
-            flops: super::compile::plan_flops(plan),
-            bytes: Some(super::compile::plan_bytes(plan)),
-            roofline_ms: ceilings.map(|c| super::compile::plan_roofline_seconds(plan, c) * 1e3),
+        let costs = |plan: &codegen::plan::Plan| {
+            let steps = super::compile::plan_step_costs(plan);
+            Costs {
+                flops: steps.iter().map(|s| s.0).sum(),
+                bytes: Some(steps.iter().map(|s| s.1).sum()),
+                steps,
+            }
         };
         let (exec, costs) = match device {
             Device::Cpu => {
@@ -240,7 +242,7 @@ impl Model {
             times_ms: Vec::new(),
             flops: costs.flops,
             bytes: costs.bytes,
-            roofline_ms: costs.roofline_ms,
+            step_costs: costs.steps,
         })
     }
 
@@ -267,7 +269,7 @@ impl Model {
 struct Costs {
     flops: u64,
     bytes: Option<u64>,
-    roofline_ms: Option<f64>,
+    steps: Vec<(u64, u64)>,
 }
 
 fn median(values: &[f64]) -> f64 {
@@ -289,16 +291,13 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     );
     let total_steps = args.warmup + args.steps;
     // The Cpu device's roofline: the host's ceilings on the threads the Plan
-    // runs on, measured before anything else runs.
-    let ceilings = (device == Device::Cpu).then(|| ceilings::measure(CpuOptions::default().threads));
+    // runs on, measured before anything else runs and again after every
+    // round; a shared machine's ceilings move, and the best measured is the
+    // host's.
+    let probe = (device == Device::Cpu).then(|| ceilings::Probe::new(CpuOptions::default().threads));
+    let mut ceilings = probe.as_ref().map(ceilings::Probe::measure);
     if let Some(c) = &ceilings {
-        eprintln!(
-            "host ceilings on {} threads: {:.0} GFLOP/s ({} FMA chains), {:.1} GB/s streaming (4 reads + 2 writes)",
-            c.threads,
-            c.flops_per_s / 1e9,
-            c.vector,
-            c.bytes_per_s / 1e9
-        );
+        eprintln!("host ceilings: {}", ceilings_text(c));
     }
     let mut jobs = Vec::new();
     for path in &args.specs {
@@ -318,7 +317,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     // how far it got.
     let built = parallel_map(&jobs, workers, |_, (path, spec, baseline)| {
         let started = Instant::now();
-        let model = Model::build(path, spec.clone(), *baseline, device, total_steps, ceilings.as_ref())
+        let model = Model::build(path, spec.clone(), *baseline, device, total_steps)
             .with_context(|| format!("building {} for --device {}", path.display(), device.name()))?;
         eprintln!("built {} ({}) in {:.1} s", model.name, model.scheme, started.elapsed().as_secs_f64());
         Ok(model)
@@ -335,8 +334,18 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         }
         let kind = if round < args.warmup { "warmup" } else { "timed" };
         eprintln!("{kind} round {}/{total_steps}: ms {}", round + 1, times.join(", "));
+        if let (Some(probe), Some(c)) = (&probe, ceilings) {
+            ceilings = Some(c.best(probe.measure()));
+        }
     }
-    let rows = rows(&models);
+    let rows = rows(&models, ceilings.as_ref());
+    if let Some(c) = &ceilings {
+        println!(
+            "host ceilings, the best of {} measurements in this run: {}",
+            total_steps + 1,
+            ceilings_text(c)
+        );
+    }
     print_table(&rows, &args, device);
     if let Some(path) = &args.json {
         let doc = json!({
@@ -440,8 +449,21 @@ fn profile_kernels(models: &mut [Model], reps: usize) -> anyhow::Result<serde_js
     Ok(json!({ "copy_bytes_per_s": copy, "copy_bytes": COPY_BYTES, "reps": reps.max(1), "models": out }))
 }
 
-/// One JSON row per model; the overhead is against the baseline of the same spec file.
-fn rows(models: &[Model]) -> Vec<serde_json::Value> {
+/// The ceilings in words.
+fn ceilings_text(c: &CpuCeilings) -> String {
+    format!(
+        "{:.0} GFLOP/s ({} FMA chains), {:.1} GB/s streaming (4 reads + 2 writes), {} threads",
+        c.flops_per_s / 1e9,
+        c.vector,
+        c.bytes_per_s / 1e9,
+        c.threads
+    )
+}
+
+/// One JSON row per model; the overhead is against the baseline of the same
+/// spec file, the roofline under `ceilings` where they were measured.
+fn rows(models: &[Model], ceilings: Option<&CpuCeilings>) -> Vec<serde_json::Value> {
+    let roofline_ms = |m: &Model| ceilings.map(|c| c.roofline_seconds(&m.step_costs) * 1e3);
     models
         .iter()
         .map(|m| {
@@ -453,8 +475,8 @@ fn rows(models: &[Model]) -> Vec<serde_json::Value> {
             // The scheme's extra roofline time against the baseline's measured
             // step: its overhead if the steps both Plans share ran as they do
             // and every other step ran at its floor.
-            let least_overhead =
-                baseline.and_then(|b| Some((m.roofline_ms? - b.roofline_ms?) / median(&b.times_ms) * 100.0));
+            let least_overhead = baseline
+                .and_then(|b| Some((roofline_ms(m)? - roofline_ms(b)?) / median(&b.times_ms) * 100.0));
             json!({
                 "spec": m.name,
                 "path": m.path.display().to_string(),
@@ -467,9 +489,9 @@ fn rows(models: &[Model]) -> Vec<serde_json::Value> {
                 "gflop_per_step": m.flops as f64 / 1e9,
                 "flop_overhead_pct": flop_overhead,
                 "gb_per_step": m.bytes.map(|b| b as f64 / 1e9),
-                "roofline_ms": m.roofline_ms,
+                "roofline_ms": roofline_ms(m),
                 "least_overhead_pct": least_overhead,
-                "fraction_of_roofline": m.roofline_ms.map(|r| r / ms),
+                "fraction_of_roofline": roofline_ms(m).map(|r| r / ms),
                 "params": m.params.numel(),
                 "d_model": m.spec.d_model,
                 "layers": m.spec.layers,
@@ -531,7 +553,7 @@ fn print_table(rows: &[serde_json::Value], args: &Args, device: Device) {
     if device == Device::Cpu {
         println!(
             "(roofline: the Plan's steps each at the larger of FLOPs / peak FLOP rate and bytes / streaming rate, summed, \
-             with the host ceilings measured at the start of this run; of floor: roofline / measured; least ovh: the \
+             under the host ceilings above; of floor: roofline / measured; least ovh: the \
              roofline's excess over the baseline's roofline, against the baseline's measured step: the overhead if the \
              steps both Plans share ran as measured and the others at their floor)"
         );

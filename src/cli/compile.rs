@@ -27,7 +27,6 @@ use codegen::plan::{BufferDecl, BufferRole, Plan, Step};
 use ir::graph::Graph;
 use ir::passes::{FusedGraph, GroupKind};
 use ir::spec::load_spec;
-use runtime::device::ceilings::CpuCeilings;
 use runtime::device::executor::TrainingGraph;
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -285,22 +284,11 @@ fn cost_rows(plan: &Plan) -> Vec<CostRow> {
         .collect()
 }
 
-/// Floating-point operations of one run of `plan` (kernels and GEMMs, as in `kernels.tsv`).
-pub fn plan_flops(plan: &Plan) -> u64 {
-    cost_rows(plan).iter().map(|r| r.flops).fold(0, u64::saturating_add)
-}
-
-/// Bytes moved (read plus written) by one run of `plan`, as in `kernels.tsv`.
-pub fn plan_bytes(plan: &Plan) -> u64 {
-    cost_rows(plan).iter().map(|r| (r.read + r.written) as u64).sum()
-}
-
-/// The roofline floor of one run of `plan` on a host with these ceilings, in
-/// seconds: each step's larger of arithmetic time and memory time (its
-/// `kernels.tsv` FLOPs and bytes), summed. No kernel or GEMM of the Plan can
-/// run faster than its floor, so neither can the step.
-pub fn plan_roofline_seconds(plan: &Plan, ceilings: &CpuCeilings) -> f64 {
-    cost_rows(plan).iter().map(|r| ceilings.floor_seconds(r.flops, (r.read + r.written) as u64)).sum()
+/// Each step's FLOPs and bytes moved (read plus written), as in
+/// `kernels.tsv`: what a roofline of the Plan divides by the host's ceilings
+/// (`runtime::device::ceilings`).
+pub fn plan_step_costs(plan: &Plan) -> Vec<(u64, u64)> {
+    cost_rows(plan).iter().map(|r| (r.flops, (r.read + r.written) as u64)).collect()
 }
 
 /// `kernels.tsv`: one row per step, then a total row.

@@ -38,27 +38,64 @@ impl CpuCeilings {
     pub fn floor_seconds(&self, flops: u64, bytes: u64) -> f64 {
         (flops as f64 / self.flops_per_s).max(bytes as f64 / self.bytes_per_s)
     }
+
+    /// The roofline floor of a sequence of steps, each `(flops, bytes)`:
+    /// their [`CpuCeilings::floor_seconds`] summed. No schedule of those
+    /// steps runs faster on this host.
+    pub fn roofline_seconds(&self, steps: &[(u64, u64)]) -> f64 {
+        steps.iter().map(|&(flops, bytes)| self.floor_seconds(flops, bytes)).sum()
+    }
+
+    /// The higher of each rate: two measurements of one host, either of which
+    /// a busy neighbour may have slowed.
+    pub fn best(self, other: CpuCeilings) -> CpuCeilings {
+        CpuCeilings {
+            flops_per_s: self.flops_per_s.max(other.flops_per_s),
+            bytes_per_s: self.bytes_per_s.max(other.bytes_per_s),
+            ..self
+        }
+    }
 }
 
 /// Measures both ceilings on `threads` threads (a few tenths of a second).
 pub fn measure(threads: usize) -> CpuCeilings {
-    let threads = threads.max(1);
-    let (vector, lanes) = vector_kind();
-    // Per thread: ITERS rounds of CHAINS independent FMAs on `lanes` floats.
-    const ITERS: usize = 2_000_000;
-    let flops_per_thread = (ITERS * CHAINS * lanes * 2) as f64;
-    let fma_seconds = best_of(REPS, || {
-        run_threads(threads, |_| {
-            std::hint::black_box(fma_chains(ITERS, 1.0));
-        })
-    });
-    let stream = StreamBuffers::new(stream_len());
-    let stream_seconds = best_of(REPS, || run_threads(threads, |t| stream.run(t, threads)));
-    CpuCeilings {
-        flops_per_s: flops_per_thread * threads as f64 / fma_seconds,
-        bytes_per_s: stream.bytes() as f64 / stream_seconds,
-        threads,
-        vector,
+    Probe::new(threads).measure()
+}
+
+/// The probes with their memory, for measuring again during a long run (a
+/// shared machine's ceilings move; the best measured is the host's).
+pub struct Probe {
+    threads: usize,
+    stream: StreamBuffers,
+}
+
+impl Probe {
+    /// Probes for `threads` threads; allocates the memory probe's buffers
+    /// (eight times the last-level cache, at most 1 GiB).
+    pub fn new(threads: usize) -> Probe {
+        Probe { threads: threads.max(1), stream: StreamBuffers::new(stream_len()) }
+    }
+
+    /// Both ceilings, each the best of a few runs.
+    pub fn measure(&self) -> CpuCeilings {
+        let threads = self.threads;
+        let (vector, lanes) = vector_kind();
+        // Per thread: ITERS rounds of CHAINS independent FMAs on `lanes` floats.
+        const ITERS: usize = 2_000_000;
+        let flops_per_thread = (ITERS * CHAINS * lanes * 2) as f64;
+        let fma_seconds = best_of(REPS, || {
+            run_threads(threads, |_| {
+                std::hint::black_box(fma_chains(ITERS, 1.0));
+            })
+        });
+        let stream = &self.stream;
+        let stream_seconds = best_of(REPS, || run_threads(threads, |t| stream.run(t, threads)));
+        CpuCeilings {
+            flops_per_s: flops_per_thread * threads as f64 / fma_seconds,
+            bytes_per_s: stream.bytes() as f64 / stream_seconds,
+            threads,
+            vector,
+        }
     }
 }
 
@@ -329,6 +366,15 @@ mod tests {
         assert_eq!(c.floor_seconds(2_000_000_000_000, 10_000_000_000), 2.0);
         // Memory-bound: 1e9 FLOP 1 ms; 5e11 bytes 5 s.
         assert_eq!(c.floor_seconds(1_000_000_000, 500_000_000_000), 5.0);
+        // A sequence: each step at its own bound, summed.
+        assert_eq!(
+            c.roofline_seconds(&[(2_000_000_000_000, 10_000_000_000), (1_000_000_000, 500_000_000_000)]),
+            7.0
+        );
+        // Two measurements: the better of each rate.
+        let other = CpuCeilings { flops_per_s: 5e11, bytes_per_s: 2e11, ..c };
+        let best = c.best(other);
+        assert_eq!((best.flops_per_s, best.bytes_per_s), (1e12, 2e11));
     }
 
     #[test]
