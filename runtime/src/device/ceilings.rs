@@ -149,36 +149,30 @@ fn fma_chains(iters: usize, start: f32) -> f32 {
 const FMA_X: f32 = 0.999_999_9;
 const FMA_Y: f32 = 1.0e-7;
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn fma_chains_avx512(iters: usize, start: f32) -> f32 {
-    use std::arch::x86_64::{_mm512_cvtss_f32, _mm512_fmadd_ps, _mm512_set1_ps};
-    let (x, y) = (_mm512_set1_ps(FMA_X), _mm512_set1_ps(FMA_Y));
-    let mut acc = [_mm512_set1_ps(start); CHAINS];
-    for _ in 0..iters {
-        for a in &mut acc {
-            *a = _mm512_fmadd_ps(*a, x, y);
+/// `fma_chains` in one vector width: `CHAINS` vectors of chains, each step
+/// one fused multiply-add per vector.
+macro_rules! fma_chains_in {
+    ($name:ident, $features:literal, $set1:ident, $fmadd:ident, $first:ident) => {
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $features)]
+        unsafe fn $name(iters: usize, start: f32) -> f32 {
+            use std::arch::x86_64::{$first, $fmadd, $set1};
+            let (x, y) = ($set1(FMA_X), $set1(FMA_Y));
+            let mut acc = [$set1(start); CHAINS];
+            for _ in 0..iters {
+                for a in &mut acc {
+                    *a = $fmadd(*a, x, y);
+                }
+            }
+            // Every chain is observed, or all but the returned one would be dropped.
+            std::hint::black_box(&acc);
+            $first(acc[0])
         }
-    }
-    // Every chain is observed, or all but the returned one would be dropped.
-    std::hint::black_box(&acc);
-    _mm512_cvtss_f32(acc[0])
+    };
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn fma_chains_avx2(iters: usize, start: f32) -> f32 {
-    use std::arch::x86_64::{_mm256_cvtss_f32, _mm256_fmadd_ps, _mm256_set1_ps};
-    let (x, y) = (_mm256_set1_ps(FMA_X), _mm256_set1_ps(FMA_Y));
-    let mut acc = [_mm256_set1_ps(start); CHAINS];
-    for _ in 0..iters {
-        for a in &mut acc {
-            *a = _mm256_fmadd_ps(*a, x, y);
-        }
-    }
-    std::hint::black_box(&acc);
-    _mm256_cvtss_f32(acc[0])
-}
+fma_chains_in!(fma_chains_avx512, "avx512f", _mm512_set1_ps, _mm512_fmadd_ps, _mm512_cvtss_f32);
+fma_chains_in!(fma_chains_avx2, "avx2,fma", _mm256_set1_ps, _mm256_fmadd_ps, _mm256_cvtss_f32);
 
 /// Floats per stream buffer: together the six buffers span eight times the
 /// last-level cache (from sysfs where the host says, else 32 MiB), so every
