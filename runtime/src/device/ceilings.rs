@@ -57,11 +57,6 @@ impl CpuCeilings {
     }
 }
 
-/// Measures both ceilings on `threads` threads (a few tenths of a second).
-pub fn measure(threads: usize) -> CpuCeilings {
-    Probe::new(threads).measure()
-}
-
 /// The probes with their memory, for measuring again during a long run (a
 /// shared machine's ceilings move; the best measured is the host's).
 pub struct Probe {
@@ -76,7 +71,7 @@ impl Probe {
         Probe { threads: threads.max(1), stream: StreamBuffers::new(stream_len()) }
     }
 
-    /// Both ceilings, each the best of a few runs.
+    /// Both ceilings, each the best of a few runs (a few tenths of a second).
     pub fn measure(&self) -> CpuCeilings {
         let threads = self.threads;
         let (vector, lanes) = vector_kind();
@@ -373,7 +368,7 @@ mod tests {
 
     #[test]
     fn measured_ceilings_are_positive_rates() {
-        let c = measure(2);
+        let c = Probe::new(2).measure();
         assert_eq!(c.threads, 2);
         assert!(c.flops_per_s.is_finite() && c.flops_per_s > 1e8, "{c:?}");
         assert!(c.bytes_per_s.is_finite() && c.bytes_per_s > 1e8, "{c:?}");
