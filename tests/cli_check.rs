@@ -141,6 +141,22 @@ fn unreadable_and_malformed_files_are_clear_errors() {
         assert!(stderr.starts_with("error: "), "{what}: {stderr}");
         assert!(!stderr.contains("panicked") && !stderr.contains("backtrace"), "{what}: {stderr}");
     }
+    // A missing file's message names the file and gives the system's reason
+    // once, in `check` and in the commands that load a spec through the
+    // library error's cause chain.
+    let reason = std::fs::read_to_string(&missing).expect_err("missing").to_string();
+    let compile = Command::new(env!("CARGO_BIN_EXE_widen"))
+        .arg("compile")
+        .arg(&missing)
+        .arg("-o")
+        .arg(std::env::temp_dir().join(format!("widen-cli-check-{}-out", std::process::id())))
+        .output()
+        .expect("the widen binary runs");
+    for (what, out) in [("check", widen_check(&missing, false)), ("compile", compile)] {
+        let said = String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
+        assert!(said.contains(&missing.display().to_string()), "{what}: {said}");
+        assert_eq!(said.matches(&reason).count(), 1, "{what}: {said}");
+    }
     // The syntax error carries its position.
     let r = parse(&widen_check(&syntax.0, true));
     assert_eq!(r["errors"][0]["line"], 1);

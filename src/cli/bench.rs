@@ -290,15 +290,6 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         "--profile-kernels needs --device cuda (kernels are timed with CUDA events)"
     );
     let total_steps = args.warmup + args.steps;
-    // The Cpu device's roofline: the host's ceilings on the threads the Plan
-    // runs on, measured before anything else runs and again after every
-    // round; a shared machine's ceilings move, and the best measured is the
-    // host's.
-    let probe = (device == Device::Cpu).then(|| ceilings::Probe::new(CpuOptions::default().threads));
-    let mut ceilings = probe.as_ref().map(ceilings::Probe::measure);
-    if let Some(c) = &ceilings {
-        eprintln!("host ceilings: {}", ceilings_text(c));
-    }
     let mut jobs = Vec::new();
     for path in &args.specs {
         let mut spec = load_spec(path)?;
@@ -309,6 +300,15 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         if plain {
             jobs.push((path, baseline, true));
         }
+    }
+    // The Cpu device's roofline: the host's ceilings on the threads the Plan
+    // runs on, measured once the specs are known to load and before any model
+    // is built, then again after every round; a shared machine's ceilings
+    // move, and the best measured is the host's.
+    let probe = (device == Device::Cpu).then(|| ceilings::Probe::new(CpuOptions::default().threads));
+    let mut ceilings = probe.as_ref().map(ceilings::Probe::measure);
+    if let Some(c) = &ceilings {
+        eprintln!("host ceilings: {}", ceilings_text(c));
     }
     // Building is mostly Plan compilation (NVRTC or the C compiler), one
     // model per core at a time.

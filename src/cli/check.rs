@@ -77,7 +77,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
 /// Flattens a load error into problems: every validation error and every unknown name.
 fn load_problems(err: SpecLoadError) -> Vec<Problem> {
     match err {
-        SpecLoadError::Io { .. } => vec![Problem { path: String::new(), message: err.to_string(), at: None }],
+        SpecLoadError::Io { ref source, .. } => {
+            vec![Problem { path: String::new(), message: format!("{err}: {source}"), at: None }]
+        }
         SpecLoadError::Syntax { path, line, col, message } => {
             vec![Problem {
                 path: String::new(),

@@ -23,12 +23,8 @@ use super::{ron_tree, FieldError, ModelSpec};
 #[derive(Debug, thiserror::Error)]
 pub enum SpecLoadError {
     /// The file could not be read.
-    #[error("cannot read spec file {path}: {source}")]
-    Io {
-        path: String,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error("cannot read spec file {path}")]
+    Io { path: String, source: std::io::Error },
     /// The text is not RON, or a value has the wrong type.
     #[error("{path}:{line}:{col}: {message}")]
     Syntax { path: String, line: usize, col: usize, message: String },

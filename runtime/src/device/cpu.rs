@@ -143,7 +143,27 @@ pub struct CpuDevice {
     /// Wall time per step while profiling is on (see [`CpuDevice::set_profiling`]).
     profile: Option<StepTimes>,
     /// Print the profile to stderr when the device is dropped (`WIDEN_PROFILE`).
-    print_profile: bool,
+    print_profile: PrintProfile,
+}
+
+/// Whether and how much of the profile is printed when the device is dropped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PrintProfile {
+    No,
+    /// `WIDEN_PROFILE=1` (any value but `0` and `all`): the slowest labels.
+    Slowest,
+    /// `WIDEN_PROFILE=all`: every label.
+    All,
+}
+
+impl PrintProfile {
+    fn from_env() -> PrintProfile {
+        match std::env::var_os("WIDEN_PROFILE") {
+            Some(v) if v == "all" => PrintProfile::All,
+            Some(v) if !v.is_empty() && v != "0" => PrintProfile::Slowest,
+            _ => PrintProfile::No,
+        }
+    }
 }
 
 /// Accumulated wall time of every step of the launch list.
@@ -180,13 +200,15 @@ impl Profile {
 }
 
 impl std::fmt::Display for Profile {
-    /// The slowest 30 labels with their share, milliseconds per run and calls per run.
+    /// The slowest 30 labels (all of them with `{:#}`) with their share,
+    /// milliseconds per run and calls per run.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let total = self.seconds();
         let runs = self.runs.max(1) as f64;
         writeln!(f, "cpu profile: {:.2} ms per run over {} runs", total * 1e3 / runs, self.runs)?;
         writeln!(f, "{:>6} {:>10} {:>7}  step", "share", "ms/run", "n/run")?;
-        for r in self.rows.iter().take(30) {
+        let shown = if f.alternate() { self.rows.len() } else { 30 };
+        for r in self.rows.iter().take(shown) {
             let share = if total > 0.0 { 100.0 * r.seconds / total } else { 0.0 };
             let per = r.calls as f64 / runs;
             writeln!(f, "{share:>5.1}% {:>10.3} {per:>7.1}  {}", r.seconds * 1e3 / runs, r.label)?;
@@ -238,7 +260,7 @@ impl CpuDevice {
             .collect();
         let library = compiler.compile_kernels(&plan.kernels)?;
         let entries = plan.kernels.iter().map(|k| library.entry(&k.name)).collect::<Result<Vec<_>, _>>()?;
-        let print_profile = std::env::var_os("WIDEN_PROFILE").is_some_and(|v| !v.is_empty() && v != "0");
+        let print_profile = PrintProfile::from_env();
         let mut device = CpuDevice {
             plan,
             entries,
@@ -250,13 +272,14 @@ impl CpuDevice {
             profile: None,
             print_profile,
         };
-        device.set_profiling(print_profile);
+        device.set_profiling(print_profile != PrintProfile::No);
         Ok(device)
     }
 
     /// Turns per-step timing on (clearing what was recorded) or off. With the
     /// environment variable `WIDEN_PROFILE=1` it is on from loading, and the
-    /// profile is printed to stderr when the device is dropped.
+    /// profile's slowest steps are printed to stderr when the device is dropped
+    /// (every step with `WIDEN_PROFILE=all`).
     pub fn set_profiling(&mut self, on: bool) {
         let n = self.plan.steps.len();
         self.profile = on.then(|| StepTimes { time: vec![Duration::ZERO; n], calls: vec![0; n], runs: 0 });
@@ -483,10 +506,10 @@ impl CpuDevice {
 
 impl Drop for CpuDevice {
     fn drop(&mut self) {
-        if self.print_profile {
-            if let Some(p) = self.profile() {
-                eprint!("{p}");
-            }
+        match (self.print_profile, self.profile()) {
+            (PrintProfile::Slowest, Some(p)) => eprint!("{p}"),
+            (PrintProfile::All, Some(p)) => eprint!("{p:#}"),
+            _ => {}
         }
     }
 }
@@ -859,7 +882,21 @@ unsafe fn product(
 
 #[cfg(test)]
 mod tests {
-    use super::splits_rows;
+    use super::{splits_rows, Profile, ProfileRow};
+
+    #[test]
+    fn the_printed_profile_keeps_the_slowest_thirty_unless_all_are_asked_for() {
+        let rows = (0..40)
+            .map(|i| ProfileRow { label: format!("step{i:02}"), calls: 2, seconds: (40 - i) as f64 * 1e-3 })
+            .collect();
+        let p = Profile { runs: 2, rows };
+        let (short, long) = (p.to_string(), format!("{p:#}"));
+        assert!(short.contains("step29") && !short.contains("step30"), "{short}");
+        assert!(long.contains("step39"), "{long}");
+        assert_eq!(long.lines().count(), 42, "the total, the header and every row");
+        // 40 ms over 2 runs: the first row is 20 ms per run, one call per run.
+        assert!(short.lines().nth(2).unwrap().contains("20.000     1.0  step00"), "{short}");
+    }
 
     #[test]
     fn gemm_bands_follow_the_longer_side_unless_the_other_pads_less() {
