@@ -3,11 +3,10 @@
 
 mod passes_util;
 
-use ir::exec::{run, Tensor, Value};
+use ir::exec::run;
 use ir::graph::{NodeId, Op, UnaryOp};
 use ir::passes::simplify;
-use passes_util::{load, name, shrink, spec_files, training_graph, Rng};
-use std::collections::HashMap;
+use passes_util::{assert_same_values, load, name, random_sources, shrink, spec_files, training_graph, Rng};
 
 const B: usize = 2;
 const T: usize = 8;
@@ -23,15 +22,8 @@ fn simplify_keeps_loss_and_gradients_of_every_spec() {
         wanted.extend(&grads);
 
         let mut rng = Rng::new(seed as u64 + 1);
+        let values = random_sources(&lowered, &pairs, spec.vocab, &mut rng);
         let g = &lowered.graph;
-        let mut values: HashMap<NodeId, Value<f64>> = HashMap::new();
-        for &(p, _) in &pairs {
-            let shape = g.node(p).shape.clone();
-            let data = (0..shape.numel()).map(|_| 0.5 * rng.signed()).collect();
-            values.insert(p, Value::Float(Tensor::new(shape, data)));
-        }
-        let tokens = (0..B * (T + 1)).map(|_| rng.below(spec.vocab) as i32).collect();
-        values.insert(lowered.tokens, Value::Int(Tensor::new(g.node(lowered.tokens).shape.clone(), tokens)));
         let before = run::<f64>(g, &values, &wanted).unwrap_or_else(|e| panic!("{}: {e}", name(&path)));
 
         let mut simplified = lowered.graph.clone();
@@ -44,19 +36,7 @@ fn simplify_keeps_loss_and_gradients_of_every_spec() {
 
         let after =
             run::<f64>(&simplified, &values, &wanted).unwrap_or_else(|e| panic!("{}: {e}", name(&path)));
-        for id in &wanted {
-            let (x, y) =
-                (&before[id].as_float().expect("float").data, &after[id].as_float().expect("float").data);
-            assert_eq!(x.len(), y.len());
-            for (a, b) in x.iter().zip(y) {
-                assert!(
-                    (a - b).abs() <= 1e-12 * a.abs().max(1.0),
-                    "{}: n{} changed: {a} vs {b}",
-                    name(&path),
-                    id.index()
-                );
-            }
-        }
+        assert_same_values(&before, &after, &wanted, 1e-12, &name(&path));
     }
     assert!(shrunk_somewhere, "CSE found nothing to merge in any spec");
 }

@@ -3,9 +3,11 @@
 #![allow(dead_code)]
 
 use ir::autodiff::grad;
+use ir::exec::{Tensor, Value};
 use ir::graph::NodeId;
 use ir::lower::{lower, Lowered};
 use ir::spec::{load_spec, FfnSpec, ModelSpec};
+use std::collections::HashMap;
 use std::path::PathBuf;
 
 /// SplitMix64, so failures reproduce.
@@ -81,4 +83,44 @@ pub fn training_graph(spec: &ModelSpec, batch: usize, seq: usize) -> (Lowered, V
     let params = lowered.graph.params();
     let grads = grad(&mut lowered.graph, lowered.loss, &params).unwrap_or_else(|e| panic!("autodiff: {e}"));
     (lowered, params.into_iter().zip(grads).collect())
+}
+
+/// Random parameters in [-0.5, 0.5) and random token ids for a training graph,
+/// as the f64 reference executor takes them.
+pub fn random_sources(
+    lowered: &Lowered,
+    pairs: &[(NodeId, NodeId)],
+    vocab: usize,
+    rng: &mut Rng,
+) -> HashMap<NodeId, Value<f64>> {
+    let g = &lowered.graph;
+    let mut values: HashMap<NodeId, Value<f64>> = HashMap::new();
+    for &(p, _) in pairs {
+        let shape = g.node(p).shape.clone();
+        let data = (0..shape.numel()).map(|_| 0.5 * rng.signed()).collect();
+        values.insert(p, Value::Float(Tensor::new(shape, data)));
+    }
+    let shape = g.node(lowered.tokens).shape.clone();
+    let tokens = (0..shape.numel()).map(|_| rng.below(vocab) as i32).collect();
+    values.insert(lowered.tokens, Value::Int(Tensor::new(shape, tokens)));
+    values
+}
+
+/// Every value of `wanted` in `after` equals the one in `before` within
+/// `rel` (relative, absolute below 1).
+pub fn assert_same_values(
+    before: &HashMap<NodeId, Value<f64>>,
+    after: &HashMap<NodeId, Value<f64>>,
+    wanted: &[NodeId],
+    rel: f64,
+    what: &str,
+) {
+    for id in wanted {
+        let (x, y) =
+            (&before[id].as_float().expect("float").data, &after[id].as_float().expect("float").data);
+        assert_eq!(x.len(), y.len(), "{what}: n{}", id.index());
+        for (a, b) in x.iter().zip(y) {
+            assert!((a - b).abs() <= rel * a.abs().max(1.0), "{what}: n{} changed: {a} vs {b}", id.index());
+        }
+    }
 }
