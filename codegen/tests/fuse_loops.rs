@@ -77,10 +77,11 @@ fn fused_kernel_computes_the_same_bits() {
     let _ = std::fs::remove_dir_all(cache);
 }
 
-/// Two loops over one local array where the second reads `index(l)`.
+/// Two loops over one local array where the second reads `index(l)`. `x` is
+/// read-write so that the array is not computed at its reads instead.
 fn pair(index: impl Fn(Expr) -> Expr) -> Kernel {
     let mut k = KernelBuilder::new("pair", Grid::thread_per_item(ROWS));
-    let x = k.param("x", DType::F32, Access::Read, ROWS * N);
+    let x = k.param("x", DType::F32, Access::ReadWrite, ROWS * N);
     let y = k.param("y", DType::F32, Access::Write, ROWS * N);
     let t = k.local_array("t", Ty::F32, N);
     k.for_("l0", i64(0), i64(N as i64), |b, l| {
@@ -132,4 +133,65 @@ fn a_buffer_written_by_both_loops_or_read_ahead_is_not_merged() {
     k.for_("l0", i64(0), i64(N as i64), |b, l| b.store(&z, l, f32(1.0)));
     k.for_("l1", i64(0), i64(N as i64 / 2), |b, l| b.store(&w, l, f32(2.0)));
     assert_eq!(loops(&fuse_loops(k.finish()).body), 2);
+}
+
+/// A row's squares through a local array, then their sum as interleaved
+/// partial sums (the shape of the emitted RMS statistic): `reads` sum loops
+/// read the squares, and the squares come from `x`, declared with `access`.
+fn mean_square(access: Access, reads: usize) -> Kernel {
+    const LANES: usize = 4;
+    let mut k = KernelBuilder::new("mean_square", Grid::thread_per_item(ROWS));
+    let x = k.param("x", DType::F32, access, ROWS * N);
+    let s = k.param("s", DType::F32, Access::Write, ROWS * reads);
+    let t = k.local_array("t", Ty::F32, N);
+    k.for_("l0", i64(0), i64(N as i64), |b, l| {
+        let v = b.let_("v", x.at(item() * i64(N as i64) + l.clone()));
+        b.store(&t, l, v.clone() * v);
+    });
+    for r in 0..reads {
+        let lanes: Vec<Expr> = (0..LANES).map(|j| k.var(&format!("lane{r}_{j}"), f32(0.0))).collect();
+        k.for_(&format!("jb{r}"), i64(0), i64((N / LANES) as i64), |b, jb| {
+            for (j, lane) in lanes.iter().enumerate() {
+                b.assign(lane, lane.clone() + t.at(jb.clone() * i64(LANES as i64) + i64(j as i64)));
+            }
+        });
+        let total = (lanes[0].clone() + lanes[1].clone()) + (lanes[2].clone() + lanes[3].clone());
+        k.store(&s, item() * i64(reads as i64) + i64(r as i64), total / f32(N as f32));
+    }
+    k.finish()
+}
+
+#[test]
+fn an_array_of_read_only_values_read_once_is_computed_where_it_is_read() {
+    let fused = fuse_loops(mean_square(Access::Read, 1));
+    fused.validate().expect("the rewritten kernel is valid");
+    assert_eq!((arrays(&fused.body), loops(&fused.body)), (0, 1), "{:#?}", fused.body);
+
+    let cache = std::env::temp_dir().join(format!("widen-fuse-reads-test-{}", std::process::id()));
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let compiler = Compiler::new(&cc, cache.clone()).expect("a C compiler is installed");
+    let mut renamed = fused;
+    renamed.name = "mean_square_at_reads".into();
+    let lib = compiler.compile_kernels(&[mean_square(Access::Read, 1), renamed]).expect("compiles");
+    let x: Vec<f32> = (0..ROWS * N).map(|i| ((i * 7919) % 1000) as f32 / 77.0 - 6.0).collect();
+    let run = |name: &str| {
+        let mut s = vec![0.0f32; ROWS];
+        let args = [x.as_ptr() as *mut c_void, s.as_mut_ptr().cast()];
+        let entry = lib.entry(name).expect("entry");
+        // SAFETY: buffers match the parameters' types and lengths.
+        unsafe { entry.call(&args, 0, ROWS as i64) };
+        s
+    };
+    let (plain, rewritten) = (run("mean_square"), run("mean_square_at_reads"));
+    assert!(plain.iter().all(|v| *v > 0.0), "the test computes something");
+    assert!(plain.iter().zip(&rewritten).all(|(a, b)| a.to_bits() == b.to_bits()));
+    let _ = std::fs::remove_dir_all(cache);
+}
+
+#[test]
+fn an_array_read_twice_or_of_writable_values_stays() {
+    // Computing at two reads would square every element twice.
+    assert_eq!(arrays(&fuse_loops(mean_square(Access::Read, 2)).body), 1);
+    // A read-write `x` might change between the loop and the reads.
+    assert_eq!(arrays(&fuse_loops(mean_square(Access::ReadWrite, 1)).body), 1);
 }

@@ -8,15 +8,21 @@
 //! 1. merges consecutive elementwise loops over the same range when that
 //!    cannot change any value read (see [`can_merge`]), and then
 //! 2. turns a local array that is written and read only at the loop variable
-//!    of one loop, read after it is written, into a scalar of that loop.
+//!    of one loop, read after it is written, into a scalar of that loop, and
+//! 3. computes a local array that is a function of read-only parameters alone
+//!    (the squares of a row before its mean, MATH.md §4.3's RMS statistic)
+//!    where it is read, when that costs no more arithmetic: the array then never
+//!    exists. On the GPU a 256-element array of this kind is promoted to
+//!    registers next to the rest of a fused body and spills; on the CPU it is
+//!    one store and one load less per element.
 //!
-//! Both rewrites keep every float operation and its operands as they were
-//! (only where intermediate values live changes), so results are bit for bit
-//! those of the unfused body.
+//! All three rewrites keep every float operation and its operands as they were
+//! (only where intermediate values live changes, or, for the third, when they
+//! are computed), so results are bit for bit those of the unfused body.
 
 use std::collections::HashSet;
 
-use super::{collect_refs, expr_refs, rewrite_stmts, BinOp, Buf, Expr, Kernel, Stmt};
+use super::{collect_refs, each_expr, expr_refs, rewrite_stmts, BinOp, Buf, Expr, Kernel, Stmt};
 
 /// Applies both rewrites to a thread-per-item kernel (block-per-item kernels
 /// split their bodies at barriers and keep their shape).
@@ -30,7 +36,9 @@ pub fn fuse_loops(mut kernel: Kernel) -> Kernel {
     kernel.params.iter().for_each(|p| {
         taken.insert(p.name.clone());
     });
-    kernel.body = scalarize(body, &mut taken);
+    let read_only: HashSet<String> =
+        kernel.params.iter().filter(|p| p.access == super::Access::Read).map(|p| p.name.clone()).collect();
+    kernel.body = compute_at_reads(scalarize(body, &mut taken), &read_only);
     kernel
 }
 
@@ -319,4 +327,166 @@ fn replace_loads(e: &Expr, array: &str, scalar: &str) -> Expr {
         }
         _ => None,
     })
+}
+
+/// Rewrite 3 of the module docs, for the arrays declared at the top of the
+/// body (where the item emitter declares them). An array qualifies when the
+/// first statement that mentions it is an elementwise loop over its length
+/// that stores element `v` once, from loads of `read_only` parameters (which
+/// no statement can change) indexed by `v` and the item, and when every later
+/// statement only reads it, with no more reads in all than it has elements
+/// (so computing at the reads does no more arithmetic than the loop did).
+fn compute_at_reads(mut stmts: Vec<Stmt>, read_only: &HashSet<String>) -> Vec<Stmt> {
+    let arrays: Vec<(String, usize)> = stmts
+        .iter()
+        .filter_map(
+            |s| if let Stmt::LocalArray { var, len, .. } = s { Some((var.clone(), *len)) } else { None },
+        )
+        .collect();
+    for (array, len) in arrays {
+        let mentions_array = |s: &Stmt| {
+            let mut refs = HashSet::new();
+            collect_refs(std::slice::from_ref(s), &mut refs);
+            refs.contains(&array)
+        };
+        let Some(at) = stmts.iter().position(|s| !matches!(s, Stmt::LocalArray { .. }) && mentions_array(s))
+        else {
+            continue;
+        };
+        let Some((value, var)) = element_of(&stmts[at], &array, len, read_only) else { continue };
+        let later = &stmts[at + 1..];
+        if stores_to(later, &array) || reads_in(later, &array).is_none_or(|n| n > len as u64) {
+            continue;
+        }
+        let computed = |x: &Expr| match x {
+            Expr::Load { src, index } if src.name() == array => Some(value.rewrite(&|y| match y {
+                Expr::Var { name, .. } if *name == var => Some(index.as_ref().clone()),
+                _ => None,
+            })),
+            _ => None,
+        };
+        let rest = rewrite_stmts(later, &computed);
+        stmts.truncate(at + 1);
+        let Stmt::For { body, .. } = &mut stmts[at] else { unreachable!("element_of takes a loop") };
+        body.retain(|s| !matches!(s, Stmt::Store { target, .. } if target.name() == array));
+        *body = live_lets(std::mem::take(body));
+        if body.iter().all(|s| matches!(s, Stmt::Let { .. } | Stmt::Comment(_))) {
+            stmts.pop();
+        }
+        stmts.retain(|s| !matches!(s, Stmt::LocalArray { var, .. } if *var == array));
+        stmts.extend(rest);
+    }
+    stmts
+}
+
+/// The value `loop` stores at `array[v]` with its `Let`s substituted, and `v`,
+/// if `loop` is an elementwise loop over `len` that stores the array once, at
+/// `v`, never reads it, and computes the value from `v`, the item and loads of
+/// `read_only` parameters only.
+fn element_of(lp: &Stmt, array: &str, len: usize, read_only: &HashSet<String>) -> Option<(Expr, String)> {
+    if elementwise_len(lp) != Some(len as i64) {
+        return None;
+    }
+    let Stmt::For { var, body, .. } = lp else { return None };
+    let mut lets: Vec<(String, Expr)> = Vec::new();
+    let mut value = None;
+    for s in body {
+        match s {
+            Stmt::Let { var, expr, .. } => lets.push((var.clone(), inline(expr, &lets))),
+            Stmt::Store { target, index, value: v } if target.name() == array => {
+                let at_v = matches!(index, Expr::Var { name, .. } if name == var);
+                if value.is_some() || !at_v {
+                    return None;
+                }
+                value = Some(inline(v, &lets));
+            }
+            _ => {}
+        }
+    }
+    let value = value?;
+    let mut pure = true;
+    value.visit(&mut |e| match e {
+        Expr::Var { name, .. } => pure &= name == var,
+        Expr::Load { src, .. } => pure &= read_only.contains(src.name()),
+        Expr::Lane => pure = false,
+        _ => {}
+    });
+    let reads_itself = body.iter().any(|s| {
+        let mut found = false;
+        each_expr(std::slice::from_ref(s), &mut |e| found |= reads(e, array));
+        found
+    });
+    (pure && !reads_itself).then(|| (value, var.clone()))
+}
+
+/// Whether any statement stores or accumulates into `array`.
+fn stores_to(stmts: &[Stmt], array: &str) -> bool {
+    stmts.iter().any(|s| match s {
+        Stmt::Store { target, .. } | Stmt::AccumStore { target, .. } => target.name() == array,
+        Stmt::For { body, .. } => stores_to(body, array),
+        Stmt::If { then, else_, .. } => stores_to(then, array) || stores_to(else_, array),
+        _ => false,
+    })
+}
+
+/// How many loads of `array` running `stmts` executes at most (both branches
+/// of a condition counted); `None` when a loop around one has a bound that is
+/// not a literal.
+fn reads_in(stmts: &[Stmt], array: &str) -> Option<u64> {
+    let in_expr = |e: &Expr| {
+        let mut n = 0u64;
+        e.visit(&mut |x| n += u64::from(matches!(x, Expr::Load { src, .. } if src.name() == array)));
+        n
+    };
+    let mut total = 0u64;
+    for s in stmts {
+        total += match s {
+            Stmt::For { start, end, step, body, .. } => {
+                let inner = reads_in(body, array)?;
+                let bounds = (literal(start), literal(end));
+                match bounds {
+                    _ if inner == 0 => in_expr(start) + in_expr(end),
+                    (Some(a), Some(b)) => {
+                        let trips = ((b - a).max(0) as u64).div_ceil((*step).max(1) as u64);
+                        in_expr(start) + in_expr(end) + trips * inner
+                    }
+                    _ => return None,
+                }
+            }
+            Stmt::If { cond, then, else_ } => {
+                in_expr(cond) + reads_in(then, array)? + reads_in(else_, array)?
+            }
+            s => {
+                let mut n = 0;
+                each_expr(std::slice::from_ref(s), &mut |e| n += in_expr(e));
+                n
+            }
+        };
+    }
+    Some(total)
+}
+
+fn literal(e: &Expr) -> Option<i64> {
+    match e {
+        Expr::I64(v) => Some(*v),
+        Expr::I32(v) => Some(i64::from(*v)),
+        _ => None,
+    }
+}
+
+/// The body without the `Let`s nothing after them reads.
+fn live_lets(body: Vec<Stmt>) -> Vec<Stmt> {
+    let mut used = HashSet::new();
+    let mut kept = Vec::with_capacity(body.len());
+    for s in body.into_iter().rev() {
+        if let Stmt::Let { var, .. } = &s {
+            if !used.contains(var) {
+                continue;
+            }
+        }
+        collect_refs(std::slice::from_ref(&s), &mut used);
+        kept.push(s);
+    }
+    kept.reverse();
+    kept
 }
