@@ -398,12 +398,14 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     }
     let groups = fused.groups.iter().filter(|g| g.kind != GroupKind::Source).count();
     eprintln!(
-        "{}: {} nodes ({} token sum(s) summed within each token first, {} value(s) recomputed where read, \
+        "{}: {} nodes ({} norm projection(s) split into statistic, GEMM and scaling, \
+         {} token sum(s) summed within each token first, {} value(s) recomputed where read, \
          {} bytes less written and read), {} fusion groups, \
          {} kernels, {} steps; wrote graph.{{txt,dot}}, fused.{{txt,dot}}, fusion.txt, kernels.{{c,cu}}, \
          {ptx_note}, plan.txt, plan.cuda.txt, kernels.tsv to {}",
         spec.name,
         graph.node_count(),
+        training.passes.norm_projections,
         training.passes.token_sums,
         training.passes.remat.values,
         training.passes.remat.bytes_saved,

@@ -1,4 +1,5 @@
 //! Graph passes between autodiff and code generation (DESIGN.md §2, §5, §7):
+//! [`split_norm_projections()`] (RMS projections as statistic, GEMM and scaling),
 //! [`simplify()`] (CSE and DCE), [`sum_within_tokens_first()`] (token reductions
 //! over merged rows summed within each token first), [`rematerialize()`] (cheap elementwise values
 //! copied for the groups that read them), [`fuse()`] (partition into fusion groups, one kernel
@@ -7,8 +8,9 @@
 //! node id, never by hash order.
 //!
 //! Typical use, after [`crate::autodiff::grad`] returned `grads`
-//! ([`prepare_for_fusion()`] runs the first three in order):
+//! ([`prepare_for_fusion()`] runs the first four in order):
 //! ```text
+//! split_norm_projections(&mut graph, &grads);
 //! simplify(&mut graph, &grads);
 //! sum_within_tokens_first(&mut graph, &grads);
 //! rematerialize(&mut graph, &grads)?;
@@ -18,6 +20,7 @@
 
 pub mod fuse;
 pub mod memplan;
+pub mod norm_project;
 pub mod remat;
 pub mod simplify;
 pub mod token_sums;
@@ -30,6 +33,7 @@ pub use fuse::{
     GroupId, GroupKind, TrafficError,
 };
 pub use memplan::{memplan, MemPlanError, MemoryPlan, Slot};
+pub use norm_project::split_norm_projections;
 pub use remat::{rematerialize, RematStats};
 pub use simplify::{simplify, SimplifyStats};
 pub use token_sums::sum_within_tokens_first;
@@ -38,6 +42,8 @@ pub use tokens::TokenAxes;
 /// What [`prepare_for_fusion`] did, pass by pass.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PrepareStats {
+    /// Norm projections [`split_norm_projections`] rewrote.
+    pub norm_projections: usize,
     pub simplify: SimplifyStats,
     /// Token sums [`sum_within_tokens_first`] rewrote.
     pub token_sums: usize,
@@ -45,12 +51,13 @@ pub struct PrepareStats {
 }
 
 /// The passes between autodiff and fusion, in the order the runtime's
-/// training graph and the code generator's tests both rely on: [`simplify()`],
-/// [`sum_within_tokens_first()`], [`rematerialize()`]. `roots` (the gradients)
-/// are kept.
+/// training graph and the code generator's tests both rely on:
+/// [`split_norm_projections()`], [`simplify()`], [`sum_within_tokens_first()`],
+/// [`rematerialize()`]. `roots` (the gradients) are kept.
 pub fn prepare_for_fusion(graph: &mut Graph, roots: &[NodeId]) -> Result<PrepareStats, FuseError> {
+    let norm_projections = split_norm_projections(graph, roots);
     let simplify = simplify(graph, roots);
     let token_sums = sum_within_tokens_first(graph, roots);
     let remat = rematerialize(graph, roots)?;
-    Ok(PrepareStats { simplify, token_sums, remat })
+    Ok(PrepareStats { norm_projections, simplify, token_sums, remat })
 }
