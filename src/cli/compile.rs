@@ -398,13 +398,15 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     }
     let groups = fused.groups.iter().filter(|g| g.kind != GroupKind::Source).count();
     eprintln!(
-        "{}: {} nodes ({} norm projection(s) split into statistic, GEMM and scaling, \
+        "{}: {} nodes ({} product(s) over a broadcast state taken at its own width, \
+         {} norm projection(s) split into statistic, GEMM and scaling, \
          {} token sum(s) summed within each token first, {} value(s) recomputed where read, \
          {} bytes less written and read), {} fusion groups, \
          {} kernels, {} steps; wrote graph.{{txt,dot}}, fused.{{txt,dot}}, fusion.txt, kernels.{{c,cu}}, \
          {ptx_note}, plan.txt, plan.cuda.txt, kernels.tsv to {}",
         spec.name,
         graph.node_count(),
+        training.passes.broadcast_products,
         training.passes.norm_projections,
         training.passes.token_sums,
         training.passes.remat.values,

@@ -1,5 +1,6 @@
 //! Graph passes between autodiff and code generation (DESIGN.md §2, §5, §7):
-//! [`split_norm_projections()`] (RMS projections as statistic, GEMM and scaling),
+//! [`narrow_broadcast_products()`] (products over a broadcast state at the
+//! state's own width), [`split_norm_projections()`] (RMS projections as statistic, GEMM and scaling),
 //! [`simplify()`] (CSE and DCE), [`sum_within_tokens_first()`] (token reductions
 //! over merged rows summed within each token first), [`rematerialize()`] (cheap elementwise values
 //! copied for the groups that read them), [`fuse()`] (partition into fusion groups, one kernel
@@ -8,8 +9,9 @@
 //! node id, never by hash order.
 //!
 //! Typical use, after [`crate::autodiff::grad`] returned `grads`
-//! ([`prepare_for_fusion()`] runs the first four in order):
+//! ([`prepare_for_fusion()`] runs the first five in order):
 //! ```text
+//! narrow_broadcast_products(&mut graph);
 //! split_norm_projections(&mut graph, &grads);
 //! simplify(&mut graph, &grads);
 //! sum_within_tokens_first(&mut graph, &grads);
@@ -18,6 +20,7 @@
 //! let plan = memplan(&graph, &fused, &grads)?;
 //! ```
 
+pub mod broadcast_products;
 pub mod fuse;
 pub mod memplan;
 pub mod norm_project;
@@ -28,6 +31,7 @@ pub mod tokens;
 
 use crate::graph::{Graph, NodeId};
 
+pub use broadcast_products::narrow_broadcast_products;
 pub use fuse::{
     connection_traffic, fuse, fused_connection_traffic, FuseError, FusedGraph, FusionGroup, GroupCost,
     GroupId, GroupKind, TrafficError,
@@ -42,6 +46,8 @@ pub use tokens::TokenAxes;
 /// What [`prepare_for_fusion`] did, pass by pass.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PrepareStats {
+    /// Products over a broadcast state [`narrow_broadcast_products`] rewrote.
+    pub broadcast_products: usize,
     /// Norm projections [`split_norm_projections`] rewrote.
     pub norm_projections: usize,
     pub simplify: SimplifyStats,
@@ -52,12 +58,13 @@ pub struct PrepareStats {
 
 /// The passes between autodiff and fusion, in the order the runtime's
 /// training graph and the code generator's tests both rely on:
-/// [`split_norm_projections()`], [`simplify()`], [`sum_within_tokens_first()`],
-/// [`rematerialize()`]. `roots` (the gradients) are kept.
+/// [`narrow_broadcast_products()`], [`split_norm_projections()`], [`simplify()`],
+/// [`sum_within_tokens_first()`], [`rematerialize()`]. `roots` (the gradients) are kept.
 pub fn prepare_for_fusion(graph: &mut Graph, roots: &[NodeId]) -> Result<PrepareStats, FuseError> {
+    let broadcast_products = narrow_broadcast_products(graph);
     let norm_projections = split_norm_projections(graph, roots);
     let simplify = simplify(graph, roots);
     let token_sums = sum_within_tokens_first(graph, roots);
     let remat = rematerialize(graph, roots)?;
-    Ok(PrepareStats { norm_projections, simplify, token_sums, remat })
+    Ok(PrepareStats { broadcast_products, norm_projections, simplify, token_sums, remat })
 }
