@@ -5,10 +5,9 @@
 
 mod passes_util;
 
-use ir::exec::run;
 use ir::graph::{Graph, NodeId, Op};
 use ir::passes::{fuse, split_norm_projections, GroupKind};
-use passes_util::{assert_same_values, load, name, random_sources, shrink, spec_files, training_graph, Rng};
+use passes_util::{load, name, shrink, spec_files, training_graph, Reference};
 
 const B: usize = 2;
 const T: usize = 8;
@@ -24,29 +23,16 @@ fn projections(g: &Graph, centered: bool) -> usize {
 fn split_projections_keep_loss_and_gradients_of_every_spec() {
     let mut split_somewhere = false;
     for (seed, path) in spec_files().into_iter().enumerate() {
-        let spec = shrink(load(&path));
-        let (lowered, pairs) = training_graph(&spec, B, T);
-        let grads: Vec<NodeId> = pairs.iter().map(|&(_, g)| g).collect();
-        let mut wanted = vec![lowered.loss];
-        wanted.extend(&grads);
-
-        let mut rng = Rng::new(seed as u64 + 7);
-        let values = random_sources(&lowered, &pairs, spec.vocab, &mut rng);
-        let g = &lowered.graph;
-        let before = run::<f64>(g, &values, &wanted).unwrap_or_else(|e| panic!("{}: {e}", name(&path)));
-
-        let mut split = lowered.graph.clone();
+        let reference = Reference::of(&path, seed as u64 + 7);
+        let name = &reference.name;
+        let mut split = reference.lowered.graph.clone();
         let (rms, centered) = (projections(&split, false), projections(&split, true));
-        let rewritten = split_norm_projections(&mut split, &grads);
-        split.check().unwrap_or_else(|e| panic!("{}: split graph: {e}", name(&path)));
-        assert_eq!(rewritten, rms, "{}: every RMS projection is split", name(&path));
-        assert_eq!(projections(&split, false), 0, "{}", name(&path));
-        assert_eq!(projections(&split, true), centered, "{}: LayerNorm projections stay", name(&path));
-        assert_eq!(split.params(), lowered.graph.params(), "{}: parameters must survive", name(&path));
+        let rewritten = split_norm_projections(&mut split, &reference.grads);
+        assert_eq!(rewritten, rms, "{name}: every RMS projection is split");
+        assert_eq!(projections(&split, false), 0, "{name}");
+        assert_eq!(projections(&split, true), centered, "{name}: LayerNorm projections stay");
         split_somewhere |= rewritten > 0;
-
-        let after = run::<f64>(&split, &values, &wanted).unwrap_or_else(|e| panic!("{}: {e}", name(&path)));
-        assert_same_values(&before, &after, &wanted, 1e-10, &name(&path));
+        reference.assert_kept_by(&split, 1e-10);
     }
     assert!(split_somewhere, "no spec has an RMS norm projection to split");
 }

@@ -3,40 +3,21 @@
 
 mod passes_util;
 
-use ir::exec::run;
 use ir::graph::{NodeId, Op, UnaryOp};
 use ir::passes::simplify;
-use passes_util::{assert_same_values, load, name, random_sources, shrink, spec_files, training_graph, Rng};
-
-const B: usize = 2;
-const T: usize = 8;
+use passes_util::{load, shrink, spec_files, training_graph, Reference};
 
 #[test]
 fn simplify_keeps_loss_and_gradients_of_every_spec() {
     let mut shrunk_somewhere = false;
     for (seed, path) in spec_files().into_iter().enumerate() {
-        let spec = shrink(load(&path));
-        let (lowered, pairs) = training_graph(&spec, B, T);
-        let grads: Vec<NodeId> = pairs.iter().map(|&(_, g)| g).collect();
-        let mut wanted = vec![lowered.loss];
-        wanted.extend(&grads);
-
-        let mut rng = Rng::new(seed as u64 + 1);
-        let values = random_sources(&lowered, &pairs, spec.vocab, &mut rng);
-        let g = &lowered.graph;
-        let before = run::<f64>(g, &values, &wanted).unwrap_or_else(|e| panic!("{}: {e}", name(&path)));
-
-        let mut simplified = lowered.graph.clone();
-        let stats = simplify(&mut simplified, &grads);
-        simplified.check().unwrap_or_else(|e| panic!("{}: simplified graph: {e}", name(&path)));
+        let reference = Reference::of(&path, seed as u64 + 1);
+        let mut simplified = reference.lowered.graph.clone();
+        let stats = simplify(&mut simplified, &reference.grads);
         assert_eq!(stats.nodes_after, simplified.node_count());
         assert_eq!(stats.nodes_before - stats.cse_merged - stats.dce_removed, stats.nodes_after);
-        assert_eq!(simplified.params(), lowered.graph.params(), "{}: parameters must survive", name(&path));
         shrunk_somewhere |= stats.cse_merged > 0 && stats.nodes_after < stats.nodes_before;
-
-        let after =
-            run::<f64>(&simplified, &values, &wanted).unwrap_or_else(|e| panic!("{}: {e}", name(&path)));
-        assert_same_values(&before, &after, &wanted, 1e-12, &name(&path));
+        reference.assert_kept_by(&simplified, 1e-12);
     }
     assert!(shrunk_somewhere, "CSE found nothing to merge in any spec");
 }

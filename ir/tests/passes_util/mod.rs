@@ -3,8 +3,8 @@
 #![allow(dead_code)]
 
 use ir::autodiff::grad;
-use ir::exec::{Tensor, Value};
-use ir::graph::NodeId;
+use ir::exec::{run, Tensor, Value};
+use ir::graph::{Graph, NodeId};
 use ir::lower::{lower, Lowered};
 use ir::spec::{load_spec, FfnSpec, ModelSpec};
 use std::collections::HashMap;
@@ -122,5 +122,48 @@ pub fn assert_same_values(
         for (a, b) in x.iter().zip(y) {
             assert!((a - b).abs() <= rel * a.abs().max(1.0), "{what}: n{} changed: {a} vs {b}", id.index());
         }
+    }
+}
+
+/// One spec's shrunk training graph (batch `B_REF`, `T_REF` tokens) with random
+/// sources and the f64 values of its loss and every gradient: what a pass's
+/// rewritten graph must reproduce.
+pub struct Reference {
+    pub name: String,
+    pub spec: ModelSpec,
+    pub lowered: Lowered,
+    pub pairs: Vec<(NodeId, NodeId)>,
+    pub grads: Vec<NodeId>,
+    /// The loss, then every gradient.
+    pub wanted: Vec<NodeId>,
+    values: HashMap<NodeId, Value<f64>>,
+    before: HashMap<NodeId, Value<f64>>,
+}
+
+pub const B_REF: usize = 2;
+pub const T_REF: usize = 8;
+
+impl Reference {
+    /// The reference of the spec at `path`, its sources drawn from `seed`.
+    pub fn of(path: &std::path::Path, seed: u64) -> Self {
+        let name = name(path);
+        let spec = shrink(load(path));
+        let (lowered, pairs) = training_graph(&spec, B_REF, T_REF);
+        let grads: Vec<NodeId> = pairs.iter().map(|&(_, g)| g).collect();
+        let wanted: Vec<NodeId> = std::iter::once(lowered.loss).chain(grads.iter().copied()).collect();
+        let values = random_sources(&lowered, &pairs, spec.vocab, &mut Rng::new(seed));
+        let before = run::<f64>(&lowered.graph, &values, &wanted).unwrap_or_else(|e| panic!("{name}: {e}"));
+        Reference { name, spec, lowered, pairs, grads, wanted, values, before }
+    }
+
+    /// `rewritten` (the graph after a pass) is valid, keeps the parameters and
+    /// computes the loss and every gradient within `rel` of the reference.
+    pub fn assert_kept_by(&self, rewritten: &Graph, rel: f64) {
+        let name = &self.name;
+        rewritten.check().unwrap_or_else(|e| panic!("{name}: rewritten graph: {e}"));
+        assert_eq!(rewritten.params(), self.lowered.graph.params(), "{name}: parameters must survive");
+        let after =
+            run::<f64>(rewritten, &self.values, &self.wanted).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_same_values(&self.before, &after, &self.wanted, rel, name);
     }
 }
