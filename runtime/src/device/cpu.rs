@@ -34,7 +34,7 @@
 
 use super::plan_check::{self, PlanError};
 use super::pool::Pool;
-use super::sgemm;
+use super::{paired_gemm, sgemm};
 use codegen::cc::{CcError, Compiler, Entry};
 use codegen::kernel::{Expr, Grid, Kernel, Stmt};
 use codegen::plan::{BufferDecl, BufferId, BufferRole, Gemm, Plan, Step};
@@ -845,15 +845,13 @@ unsafe fn product(
             return;
         }
         if sgemm::available() {
-            sgemm::sgemm(
-                m,
-                n,
-                k,
-                sgemm::Operand { ptr: pa, rows: a_rs, cols: a_cs },
-                sgemm::Operand { ptr: pb, rows: b_rs, cols: b_cs },
-                c,
-                accumulate,
-            );
+            let a = sgemm::Operand { ptr: pa, rows: a_rs, cols: a_cs };
+            let b = sgemm::Operand { ptr: pb, rows: b_rs, cols: b_cs };
+            if paired_gemm::suits(n) {
+                paired_gemm::paired_gemm(m, n, k, a, b, c, accumulate);
+            } else {
+                sgemm::sgemm(m, n, k, a, b, c, accumulate);
+            }
             return;
         }
         gemm::gemm(

@@ -15,6 +15,7 @@ pub mod ceilings;
 pub mod cpu;
 pub mod cuda;
 pub mod executor;
+mod paired_gemm;
 pub mod plan_check;
 mod pool;
 mod sgemm;
