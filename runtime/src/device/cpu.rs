@@ -659,7 +659,8 @@ unsafe fn widened_operand(
 /// every entry, or, for a small output over a long contraction (a weight
 /// gradient summed over every token and slot), fixed chunks of the
 /// contraction. Each part runs a single-threaded product on its own band
-/// ([`sgemm`] where the host has AVX-512, else the `gemm` crate), which
+/// ([`sgemm`] where the host has AVX-512, [`paired_gemm`] for 17 to 24
+/// output columns, else the `gemm` crate), which
 /// scales where a library's own threading does not on small matrices.
 ///
 /// # Safety
