@@ -307,19 +307,7 @@ unsafe fn tile<const P: usize>(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Deterministic values in [-1, 1).
-    fn values(len: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..len)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-            })
-            .collect()
-    }
+    use crate::device::sgemm::triple_loop;
 
     #[test]
     fn the_packed_layout_holds_each_column_of_both_rows_once() {
@@ -346,46 +334,11 @@ mod tests {
         }
         let shapes = [(1, 24, 1), (2, 17, 3), (16, 24, 64), (37, 20, 300), (5, 23, 513), (64, 24, 40)];
         for (case, &(m, n, k)) in shapes.iter().enumerate() {
-            for (trans_a, trans_b, accumulate) in
-                [(false, false, false), (true, true, true), (false, true, true)]
-            {
-                let a = values(m * k, case as u64 * 5 + 1);
-                let b = values(k * n, case as u64 * 5 + 2);
+            for layout in [(false, false, false), (true, true, true), (false, true, true)] {
                 let ldc = if case % 2 == 0 { n } else { n + 5 };
-                let mut c = values(m * ldc, case as u64 * 5 + 3);
-                let before = c.clone();
-                let (a_rows, a_cols) = if trans_a { (1, m) } else { (k, 1) };
-                let (b_rows, b_cols) = if trans_b { (1, k) } else { (n, 1) };
-                unsafe {
-                    paired_gemm(
-                        m,
-                        n,
-                        k,
-                        Operand { ptr: a.as_ptr(), rows: a_rows, cols: a_cols },
-                        Operand { ptr: b.as_ptr(), rows: b_rows, cols: b_cols },
-                        Output { ptr: c.as_mut_ptr(), ldc, stream: false },
-                        accumulate,
-                    );
-                }
-                for i in 0..m {
-                    for j in 0..ldc {
-                        let got = c[i * ldc + j];
-                        if j >= n {
-                            assert_eq!(got, before[i * ldc + j], "padding ({i},{j}) was written");
-                            continue;
-                        }
-                        let mut want = if accumulate { f64::from(before[i * ldc + j]) } else { 0.0 };
-                        for p in 0..k {
-                            want +=
-                                f64::from(a[i * a_rows + p * a_cols]) * f64::from(b[p * b_rows + j * b_cols]);
-                        }
-                        let tol = 1e-5 * (k as f64).sqrt() + 1e-6;
-                        assert!(
-                            (f64::from(got) - want).abs() <= tol * (1.0 + want.abs()),
-                            "{m}x{n}x{k} t=({trans_a},{trans_b}) acc={accumulate} ({i},{j}): {got} vs {want}"
-                        );
-                    }
-                }
+                triple_loop::check(case as u64, (m, n, k), layout, (ldc, false), |a, b, c, acc| unsafe {
+                    paired_gemm(m, n, k, a, b, c, acc)
+                });
             }
         }
     }

@@ -432,12 +432,13 @@ unsafe fn micro_kernel<const UNIT_ROWS: bool>(
     unreachable!("sgemm runs only where `available()` is true")
 }
 
+/// The check both of the device's f32 products are tested with.
 #[cfg(test)]
-mod tests {
-    use super::*;
+pub(crate) mod triple_loop {
+    use super::{Operand, Output};
 
     /// Deterministic values in [-1, 1).
-    fn values(len: usize, seed: u64) -> Vec<f32> {
+    pub(crate) fn values(len: usize, seed: u64) -> Vec<f32> {
         let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
         (0..len)
             .map(|_| {
@@ -449,6 +450,56 @@ mod tests {
             .collect()
     }
 
+    /// One product of shape `m x n x k` with operands in the given layouts,
+    /// computed by `product(a, b, c, accumulate)` into a line-aligned `c` of
+    /// row length `ldc` (streamed if `stream`), against an f64 triple loop;
+    /// `c`'s padding columns must stay untouched.
+    pub(crate) fn check(
+        seed: u64,
+        (m, n, k): (usize, usize, usize),
+        (trans_a, trans_b, accumulate): (bool, bool, bool),
+        (ldc, stream): (usize, bool),
+        product: impl Fn(Operand, Operand, Output, bool),
+    ) {
+        let a = values(m * k, seed * 7 + 1);
+        let b = values(k * n, seed * 7 + 2);
+        let mut storage = values(m * ldc + 16, seed * 7 + 3);
+        let line = storage.as_ptr().cast::<u8>().align_offset(64) / 4;
+        let c = &mut storage[line..line + m * ldc];
+        let before = c.to_vec();
+        let (a_rows, a_cols) = if trans_a { (1, m) } else { (k, 1) };
+        let (b_rows, b_cols) = if trans_b { (1, k) } else { (n, 1) };
+        product(
+            Operand { ptr: a.as_ptr(), rows: a_rows, cols: a_cols },
+            Operand { ptr: b.as_ptr(), rows: b_rows, cols: b_cols },
+            Output { ptr: c.as_mut_ptr(), ldc, stream },
+            accumulate,
+        );
+        for i in 0..m {
+            for j in 0..ldc {
+                let got = c[i * ldc + j];
+                if j >= n {
+                    assert_eq!(got, before[i * ldc + j], "padding ({i},{j}) was written");
+                    continue;
+                }
+                let mut want = if accumulate { f64::from(before[i * ldc + j]) } else { 0.0 };
+                for p in 0..k {
+                    want += f64::from(a[i * a_rows + p * a_cols]) * f64::from(b[p * b_rows + j * b_cols]);
+                }
+                let tol = 1e-5 * (k as f64).sqrt() + 1e-6;
+                assert!(
+                    (f64::from(got) - want).abs() <= tol * (1.0 + want.abs()),
+                    "{m}x{n}x{k} t=({trans_a},{trans_b}) acc={accumulate} ({i},{j}): {got} vs {want}"
+                );
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
     /// Every shape class (ragged tiles, several KC and NC blocks, transposed
     /// operands, padded `ldc`, accumulation) against an f64 triple loop.
     #[test]
@@ -459,7 +510,7 @@ mod tests {
         }
         // Both layouts of a are read in place (a ragged last sliver packed):
         // several row and column blocks, a ragged last sliver, a single column.
-        let shapes = [
+        let shapes: [(usize, usize, usize); 9] = [
             (1, 1, 1),
             (14, 32, 256),
             (15, 33, 257),
@@ -471,50 +522,19 @@ mod tests {
             (500, 9, 40),
         ];
         for (case, &(m, n, k)) in shapes.iter().enumerate() {
-            for (trans_a, trans_b, accumulate) in
+            for layout in
                 [(false, false, false), (true, false, true), (false, true, false), (true, true, true)]
             {
-                let a = values(m * k, case as u64 * 7 + 1);
-                let b = values(k * n, case as u64 * 7 + 2);
                 // Odd cases: line-aligned rows, written with streaming stores
                 // where they are written once.
                 let ldc = if case % 2 == 1 { n.next_multiple_of(16) } else { n + 3 };
-                let mut storage = values(m * ldc + 16, case as u64 * 7 + 3);
-                let line = storage.as_ptr().cast::<u8>().align_offset(64) / 4;
-                let c = &mut storage[line..line + m * ldc];
-                let before = c.to_vec();
-                let (a_rows, a_cols) = if trans_a { (1, m) } else { (k, 1) };
-                let (b_rows, b_cols) = if trans_b { (1, k) } else { (n, 1) };
-                unsafe {
-                    sgemm(
-                        m,
-                        n,
-                        k,
-                        Operand { ptr: a.as_ptr(), rows: a_rows, cols: a_cols },
-                        Operand { ptr: b.as_ptr(), rows: b_rows, cols: b_cols },
-                        Output { ptr: c.as_mut_ptr(), ldc, stream: case % 2 == 1 },
-                        accumulate,
-                    );
-                }
-                for i in 0..m {
-                    for j in 0..ldc {
-                        let got = c[i * ldc + j];
-                        if j >= n {
-                            assert_eq!(got, before[i * ldc + j], "padding ({i},{j}) was written");
-                            continue;
-                        }
-                        let mut want = if accumulate { f64::from(before[i * ldc + j]) } else { 0.0 };
-                        for p in 0..k {
-                            want +=
-                                f64::from(a[i * a_rows + p * a_cols]) * f64::from(b[p * b_rows + j * b_cols]);
-                        }
-                        let tol = 1e-5 * (k as f64).sqrt() + 1e-6;
-                        assert!(
-                            (f64::from(got) - want).abs() <= tol * (1.0 + want.abs()),
-                            "{m}x{n}x{k} t=({trans_a},{trans_b}) acc={accumulate} ({i},{j}): {got} vs {want}"
-                        );
-                    }
-                }
+                triple_loop::check(
+                    case as u64,
+                    (m, n, k),
+                    layout,
+                    (ldc, case % 2 == 1),
+                    |a, b, c, acc| unsafe { sgemm(m, n, k, a, b, c, acc) },
+                );
             }
         }
     }
