@@ -151,8 +151,7 @@ pub(crate) unsafe fn paired_gemm(
 #[target_feature(enable = "avx512f")]
 unsafe fn pack_b(b: Operand, p0: usize, kc: usize, layout: Layout, dst: *mut f32) {
     let (n, tail) = (layout.n, layout.first_tail());
-    let first: u16 = (1u16 << tail) - 1;
-    let last = ((1u32 << (2 * n - 32)) - 1) as u16;
+    let (first, last) = (layout.first_row_lanes(), layout.last_lanes());
     for p in 0..kc {
         // SAFETY: step p0 + p of b (contract); slots p·STEP.. of dst.
         unsafe {
@@ -202,6 +201,16 @@ impl Layout {
         self.n - 16
     }
 
+    /// The middle vector's lanes that hold row `i` (the rest hold row `i + 1`).
+    fn first_row_lanes(self) -> u16 {
+        (1u16 << self.first_tail()) - 1
+    }
+
+    /// The last vector's lanes that hold columns (the rest are padding).
+    fn last_lanes(self) -> u16 {
+        ((1u32 << (2 * self.n - 32)) - 1) as u16
+    }
+
     /// The column of `b` a slot of a packed step holds (`None`: padding).
     fn column_of(self, slot: usize) -> Option<usize> {
         let (n, tail) = (self.n, self.first_tail());
@@ -237,9 +246,8 @@ unsafe fn tile<const P: usize>(
     layout: Layout,
     (c, ldc, live, load_c): (*mut f32, usize, usize, bool),
 ) {
-    let tail = layout.first_tail();
-    // Middle vector: lanes from `tail` on belong to the second row.
-    let second: u16 = !((1u16 << tail) - 1);
+    let (n, tail) = (layout.n, layout.first_tail());
+    let second = !layout.first_row_lanes();
     let mut acc: [[__m512; 3]; P] = [[_mm512_setzero_ps(); 3]; P];
     for p in 0..kc {
         if !prefetch.is_null() {
@@ -264,15 +272,12 @@ unsafe fn tile<const P: usize>(
             }
         }
     }
-    let n = layout.n;
-    let first_mask = (1u16 << tail) - 1;
-    let last_mask = ((1u32 << (2 * n - 32)) - 1) as u16;
     // (vector, row of the pair, offset of lane 0 in that row, lanes).
     let parts = [
         (0, 0, 0isize, u16::MAX),
-        (1, 0, 16, first_mask),
+        (1, 0, 16, layout.first_row_lanes()),
         (1, 1, -(tail as isize), second),
-        (2, 1, 32 - n as isize, last_mask),
+        (2, 1, 32 - n as isize, layout.last_lanes()),
     ];
     for (q, acc_q) in acc.iter().enumerate() {
         for &(v, row, offset, mask) in &parts {
