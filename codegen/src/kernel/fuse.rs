@@ -24,7 +24,7 @@ use std::collections::HashSet;
 
 use super::{collect_refs, each_expr, expr_refs, rewrite_stmts, BinOp, Buf, Expr, Kernel, Stmt};
 
-/// Applies both rewrites to a thread-per-item kernel (block-per-item kernels
+/// Applies the three rewrites to a thread-per-item kernel (block-per-item kernels
 /// split their bodies at barriers and keep their shape).
 pub fn fuse_loops(mut kernel: Kernel) -> Kernel {
     if kernel.grid.is_block() {
@@ -387,14 +387,14 @@ fn element_of(lp: &Stmt, array: &str, len: usize, read_only: &HashSet<String>) -
     if elementwise_len(lp) != Some(len as i64) {
         return None;
     }
-    let Stmt::For { var, body, .. } = lp else { return None };
+    let Stmt::For { var: loop_var, body, .. } = lp else { return None };
     let mut lets: Vec<(String, Expr)> = Vec::new();
     let mut value = None;
     for s in body {
         match s {
             Stmt::Let { var, expr, .. } => lets.push((var.clone(), inline(expr, &lets))),
             Stmt::Store { target, index, value: v } if target.name() == array => {
-                let at_v = matches!(index, Expr::Var { name, .. } if name == var);
+                let at_v = matches!(index, Expr::Var { name, .. } if name == loop_var);
                 if value.is_some() || !at_v {
                     return None;
                 }
@@ -406,7 +406,7 @@ fn element_of(lp: &Stmt, array: &str, len: usize, read_only: &HashSet<String>) -
     let value = value?;
     let mut pure = true;
     value.visit(&mut |e| match e {
-        Expr::Var { name, .. } => pure &= name == var,
+        Expr::Var { name, .. } => pure &= name == loop_var,
         Expr::Load { src, .. } => pure &= read_only.contains(src.name()),
         Expr::Lane => pure = false,
         _ => {}
@@ -416,7 +416,7 @@ fn element_of(lp: &Stmt, array: &str, len: usize, read_only: &HashSet<String>) -
         each_expr(std::slice::from_ref(s), &mut |e| found |= reads(e, array));
         found
     });
-    (pure && !reads_itself).then(|| (value, var.clone()))
+    (pure && !reads_itself).then(|| (value, loop_var.clone()))
 }
 
 /// Whether any statement stores or accumulates into `array`.
