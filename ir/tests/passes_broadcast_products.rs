@@ -6,8 +6,8 @@
 
 mod passes_util;
 
-use ir::graph::{Graph, Op};
-use ir::passes::narrow_broadcast_products;
+use ir::graph::{Graph, NodeId, Op};
+use ir::passes::{narrow_broadcast_products, simplify};
 use ir::spec::ResidualSpec;
 use passes_util::{load, name, shrink, spec_files, training_graph, Reference};
 
@@ -21,19 +21,19 @@ fn products_of_broadcasts(g: &Graph) -> usize {
     g.node_ids()
         .into_iter()
         .filter(|&id| matches!(g.node(id).op, Op::MatMul { .. } | Op::NormProject { .. }))
-        .filter(|&id| {
-            let x = g.inputs(id)[0];
-            let mut v = x;
-            while matches!(g.node(v).op, Op::Reshape { .. }) {
-                v = g.inputs(v)[0];
-            }
-            if !matches!(g.node(v).op, Op::Broadcast { .. }) {
-                return false;
-            }
-            let source = g.inputs(v)[0];
-            g.node(x).shape.last() > g.node(source).shape.last()
-        })
+        .filter(|&id| reads_the_broadcast(g, g.inputs(id)[0]))
         .count()
+}
+
+/// `x` is, through reshapes, a broadcast whose copies lie side by side in
+/// `x`'s last axis.
+fn reads_the_broadcast(g: &Graph, x: NodeId) -> bool {
+    let mut v = x;
+    while matches!(g.node(v).op, Op::Reshape { .. }) {
+        v = g.inputs(v)[0];
+    }
+    matches!(g.node(v).op, Op::Broadcast { .. })
+        && g.node(x).shape.last() > g.node(g.inputs(v)[0]).shape.last()
 }
 
 #[test]
@@ -44,7 +44,7 @@ fn products_over_the_broadcast_state_keep_loss_and_gradients_of_every_spec() {
         let (name, original) = (&reference.name, &reference.lowered.graph);
         let mut narrowed = original.clone();
         let over_broadcast = products_of_broadcasts(&narrowed);
-        let rewritten = narrow_broadcast_products(&mut narrowed);
+        let rewritten = narrow_broadcast_products(&mut narrowed).products;
         assert_eq!(rewritten, over_broadcast, "{name}: every product over a broadcast state");
         assert_eq!(products_of_broadcasts(&narrowed), 0, "{name}");
         for &g in &reference.grads {
@@ -83,4 +83,53 @@ fn the_weight_gradient_keeps_its_node_and_becomes_a_broadcast_of_one_product() {
     let product = g.inputs(g.inputs(blocks)[0])[0];
     assert!(matches!(g.node(product).op, Op::MatMul { trans_a: true, .. }));
     assert_eq!(g.node(product).shape.dims(), &[spec.d_model, g.node(grad).shape.dims()[1]]);
+}
+
+/// The embedding's gradient sums the first state's gradient over the
+/// streams; the projection's input-gradient term of it, `g·φᵀ`, is taken
+/// with the folded weight, `d_model` wide instead of `n·d_model`.
+#[test]
+fn the_stream_sum_of_the_first_state_gradient_folds_the_projection() {
+    for scheme in ["mhc", "xhc"] {
+        let path = spec_files().into_iter().find(|p| name(p) == scheme).expect("the spec");
+        let spec = shrink(load(&path));
+        let (mut lowered, pairs) = training_graph(&spec, B, T);
+        let grads: Vec<_> = pairs.iter().map(|&(_, g)| g).collect();
+        let g = &mut lowered.graph;
+        // The first projection's weight: what the products over the broadcast state multiply by.
+        let weights: Vec<NodeId> = g
+            .node_ids()
+            .into_iter()
+            .filter(|&id| {
+                matches!(
+                    g.node(id).op,
+                    Op::MatMul { trans_a: false, trans_b: false } | Op::NormProject { .. }
+                )
+            })
+            .filter(|&id| reads_the_broadcast(g, g.inputs(id)[0]))
+            .map(|id| g.inputs(id)[1])
+            .collect();
+        let input_gradients = |g: &Graph| -> Vec<usize> {
+            g.node_ids()
+                .into_iter()
+                .filter(|&id| matches!(g.node(id).op, Op::MatMul { trans_a: false, trans_b: true }))
+                .filter(|&id| weights.contains(&g.inputs(id)[1]))
+                .map(|id| g.node(id).shape.last())
+                .collect()
+        };
+        let wide = input_gradients(g);
+        assert!(!wide.is_empty() && wide.iter().all(|&w| w > spec.d_model), "{scheme}: {wide:?}");
+        let rewritten = narrow_broadcast_products(g);
+        assert!(rewritten.sums >= 1, "{scheme}: {rewritten:?}");
+        // The terms the sum no longer reads go with the dead-code pass that runs next.
+        simplify(g, &grads);
+        assert!(input_gradients(g).is_empty(), "{scheme}: a product with the unfolded weight is left");
+        let folded = g
+            .node_ids()
+            .into_iter()
+            .filter(|&id| matches!(g.node(id).op, Op::MatMul { trans_a: false, trans_b: true }))
+            .filter(|&id| matches!(g.node(g.inputs(id)[1]).op, Op::Reduce { .. }))
+            .count();
+        assert!(folded >= 1, "{scheme}: no product with a folded weight");
+    }
 }

@@ -398,7 +398,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     }
     let groups = fused.groups.iter().filter(|g| g.kind != GroupKind::Source).count();
     eprintln!(
-        "{}: {} nodes ({} product(s) over a broadcast state taken at its own width, \
+        "{}: {} nodes ({} product(s) over a broadcast state and {} sum(s) of its gradient taken at its own width, \
          {} norm projection(s) split into statistic, GEMM and scaling, \
          {} token sum(s) summed within each token first, {} value(s) recomputed where read, \
          {} bytes less written and read), {} fusion groups, \
@@ -406,7 +406,8 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
          {ptx_note}, plan.txt, plan.cuda.txt, kernels.tsv to {}",
         spec.name,
         graph.node_count(),
-        training.passes.broadcast_products,
+        training.passes.broadcast_products.products,
+        training.passes.broadcast_products.sums,
         training.passes.norm_projections,
         training.passes.token_sums,
         training.passes.remat.values,

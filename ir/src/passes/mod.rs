@@ -31,7 +31,7 @@ pub mod tokens;
 
 use crate::graph::{Graph, NodeId};
 
-pub use broadcast_products::narrow_broadcast_products;
+pub use broadcast_products::{narrow_broadcast_products, NarrowedProducts};
 pub use fuse::{
     connection_traffic, fuse, fused_connection_traffic, FuseError, FusedGraph, FusionGroup, GroupCost,
     GroupId, GroupKind, TrafficError,
@@ -46,8 +46,8 @@ pub use tokens::TokenAxes;
 /// What [`prepare_for_fusion`] did, pass by pass.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PrepareStats {
-    /// Products over a broadcast state [`narrow_broadcast_products`] rewrote.
-    pub broadcast_products: usize,
+    /// What [`narrow_broadcast_products`] rewrote.
+    pub broadcast_products: NarrowedProducts,
     /// Norm projections [`split_norm_projections`] rewrote.
     pub norm_projections: usize,
     pub simplify: SimplifyStats,
