@@ -219,3 +219,96 @@ fn cuda_dialect_compiles_under_nvrtc_without_spills() {
         }
     }
 }
+
+/// Whether `e` loads from the buffer `name`.
+fn loads_from(e: &codegen::kernel::Expr, name: &str) -> bool {
+    use codegen::kernel::Expr;
+    match e {
+        Expr::Load { src, index } => src.name() == name || loads_from(index, name),
+        Expr::Unary { arg, .. } | Expr::Cast { arg, .. } => loads_from(arg, name),
+        Expr::Binary { lhs, rhs, .. } | Expr::Cmp { lhs, rhs, .. } => {
+            loads_from(lhs, name) || loads_from(rhs, name)
+        }
+        Expr::Select { cond, then, else_ } => [cond, then, else_].iter().any(|x| loads_from(x, name)),
+        Expr::Call { args, .. } => args.iter().any(|x| loads_from(x, name)),
+        _ => false,
+    }
+}
+
+/// In program order, whether the first access of `stmts` to `name` is a
+/// store (`Some(true)`), a load (`Some(false)`), or there is none.
+fn first_access_is_store(stmts: &[codegen::kernel::Stmt], name: &str) -> Option<bool> {
+    use codegen::kernel::Stmt;
+    for s in stmts {
+        let found = match s {
+            Stmt::Let { expr, .. } | Stmt::Var { init: expr, .. } | Stmt::Assign { value: expr, .. } => {
+                loads_from(expr, name).then_some(false)
+            }
+            Stmt::Store { target, index, value } | Stmt::AccumStore { target, index, value } => {
+                if loads_from(index, name) || loads_from(value, name) {
+                    Some(false)
+                } else {
+                    (target.name() == name).then_some(true)
+                }
+            }
+            Stmt::For { start, end, body, .. } => {
+                if loads_from(start, name) || loads_from(end, name) {
+                    Some(false)
+                } else {
+                    first_access_is_store(body, name)
+                }
+            }
+            Stmt::If { cond, then, else_ } => {
+                if loads_from(cond, name) {
+                    Some(false)
+                } else {
+                    match (first_access_is_store(then, name), first_access_is_store(else_, name)) {
+                        (Some(false), _) | (_, Some(false)) => Some(false),
+                        (Some(true), Some(true)) => Some(true),
+                        (Some(true), None) | (None, Some(true)) => Some(false),
+                        (None, None) => None,
+                    }
+                }
+            }
+            _ => None,
+        };
+        if found.is_some() {
+            return found;
+        }
+    }
+    None
+}
+
+/// A fused kernel's value that a later op of the same kernel reads back is
+/// written by the item before the item reads it, and the cost counts it as
+/// written only: those reads hit what the kernel just wrote.
+#[test]
+fn values_read_back_within_a_kernel_are_written_first_and_cost_no_reads() {
+    use codegen::kernel::Access;
+    let mut seen = 0;
+    for name in SPECS {
+        let (graph, request, _) = tiny_model(name);
+        let partition = fused_partition(&graph, &request).expect("fuses");
+        let plan = compile(&graph, &partition, &request).expect("compiles");
+        for k in &plan.kernels {
+            let mut read_bytes = 0;
+            for p in &k.params {
+                if p.access == Access::WriteThenRead {
+                    seen += 1;
+                    assert_eq!(
+                        first_access_is_store(&k.body, &p.name),
+                        Some(true),
+                        "{name}: {} reads {} before writing it",
+                        k.name,
+                        p.name
+                    );
+                }
+                if p.access.reads_memory() {
+                    read_bytes += p.len * p.dtype.size_bytes();
+                }
+            }
+            assert_eq!(k.param_bytes().0, read_bytes, "{name}: {}", k.name);
+        }
+    }
+    assert!(seen > 0, "no fused kernel reads back a value it writes");
+}

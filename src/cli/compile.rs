@@ -177,6 +177,7 @@ pub fn plan_text(plan: &Plan) -> String {
                             Access::Read => "",
                             Access::Write => "out ",
                             Access::ReadWrite => "inout ",
+                            Access::WriteThenRead => "out+reread ",
                         };
                         format!("{}={mode}{}", p.name, name(*a))
                     })

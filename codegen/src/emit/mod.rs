@@ -818,9 +818,16 @@ pub fn lower_fused(
         let in_dims: Vec<&[usize]> = inputs.iter().map(|&i| graph.node(i).shape.dims()).collect();
         let per = node.shape.numel() / n;
         let sink = if materialize {
-            // Read back by a later op of this kernel, or accumulated into.
-            let read_back = matches!(node.op, Op::ScatterAdd { .. }) || reads_inside(graph, id, &inside);
-            let access = if read_back { Access::ReadWrite } else { Access::Write };
+            // Accumulated into (a scatter adds into rows other items write
+            // too), or read back by a later op of this kernel, which in a
+            // thread-per-item kernel reads only what its own item wrote.
+            let access = if matches!(node.op, Op::ScatterAdd { .. }) {
+                Access::ReadWrite
+            } else if reads_inside(graph, id, &inside) {
+                Access::WriteThenRead
+            } else {
+                Access::Write
+            };
             Sink::Buffer(r.buffer(&mut k, id, access))
         } else {
             let arr = k.local_array(&format!("loc{}", id.index()), Ty::of_storage(node.dtype), per.max(1));

@@ -19,12 +19,13 @@ impl Kernel {
     }
 
     /// Bytes of the parameters the kernel reads and of those it writes, each
-    /// counted once (a read-write parameter in both).
+    /// counted once (a read-write parameter in both; one the kernel writes
+    /// before it reads it back, [`Access::WriteThenRead`], as written only).
     pub fn param_bytes(&self) -> (usize, usize) {
         let (mut read, mut written) = (0, 0);
         for p in &self.params {
             let b = p.len * p.dtype.size_bytes();
-            if p.access.readable() {
+            if p.access.reads_memory() {
                 read += b;
             }
             if p.access.writable() {

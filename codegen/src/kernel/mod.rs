@@ -56,17 +56,29 @@ pub enum Access {
     Read,
     Write,
     ReadWrite,
+    /// Written, and read back only where the same item wrote it first: a
+    /// fused kernel's value that a later op of the kernel also reads. Loads
+    /// and stores are allowed as for `ReadWrite`, but the kernel moves only
+    /// the writes to memory (its reads hit what it just wrote), which is what
+    /// the cost counts ([`Access::reads_memory`]).
+    WriteThenRead,
 }
 
 impl Access {
     /// Whether loads from the buffer are allowed.
     pub fn readable(self) -> bool {
-        matches!(self, Access::Read | Access::ReadWrite)
+        !matches!(self, Access::Write)
     }
 
     /// Whether stores to the buffer are allowed.
     pub fn writable(self) -> bool {
-        matches!(self, Access::Write | Access::ReadWrite)
+        !matches!(self, Access::Read)
+    }
+
+    /// Whether the kernel reads the buffer's contents from memory: values it
+    /// did not write itself.
+    pub fn reads_memory(self) -> bool {
+        matches!(self, Access::Read | Access::ReadWrite)
     }
 }
 

@@ -743,7 +743,7 @@ fn step_cost(plan: &Plan, i: usize) -> (String, u64, u64) {
                 .iter()
                 .zip(args)
                 .map(|(p, id)| {
-                    let passes = u64::from(p.access.readable()) + u64::from(p.access.writable());
+                    let passes = u64::from(p.access.reads_memory()) + u64::from(p.access.writable());
                     passes * p.len as u64 * size(*id)
                 })
                 .sum();

@@ -243,6 +243,7 @@ enum AccessDef {
     Read,
     Write,
     ReadWrite,
+    WriteThenRead,
 }
 
 #[derive(Serialize, Deserialize)]
