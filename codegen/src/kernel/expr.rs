@@ -281,6 +281,15 @@ impl Expr {
         }
     }
 
+    /// An integer literal's value (loop bounds, strides), else `None`.
+    pub(crate) fn int_literal(&self) -> Option<i64> {
+        match self {
+            Expr::I64(v) => Some(*v),
+            Expr::I32(v) => Some(i64::from(*v)),
+            _ => None,
+        }
+    }
+
     /// The expression's type. For ill-typed expressions (caught by
     /// [`crate::kernel::Kernel::validate`]) this is the type of the first operand.
     pub fn ty(&self) -> Ty {

@@ -443,7 +443,7 @@ fn reads_in(stmts: &[Stmt], array: &str) -> Option<u64> {
         total += match s {
             Stmt::For { start, end, step, body, .. } => {
                 let inner = reads_in(body, array)?;
-                let bounds = (literal(start), literal(end));
+                let bounds = (start.int_literal(), end.int_literal());
                 match bounds {
                     _ if inner == 0 => in_expr(start) + in_expr(end),
                     (Some(a), Some(b)) => {
@@ -464,14 +464,6 @@ fn reads_in(stmts: &[Stmt], array: &str) -> Option<u64> {
         };
     }
     Some(total)
-}
-
-fn literal(e: &Expr) -> Option<i64> {
-    match e {
-        Expr::I64(v) => Some(*v),
-        Expr::I32(v) => Some(i64::from(*v)),
-        _ => None,
-    }
 }
 
 /// The body without the `Let`s nothing after them reads.

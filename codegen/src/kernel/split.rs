@@ -84,15 +84,6 @@ struct Loop<'a> {
     body: &'a [Stmt],
 }
 
-/// An integer literal's value.
-fn literal(e: &Expr) -> Option<i64> {
-    match e {
-        Expr::I64(v) => Some(*v),
-        Expr::I32(v) => Some(i64::from(*v)),
-        _ => None,
-    }
-}
-
 /// Loop variables of `stmts`, outermost first.
 fn loop_vars(stmts: &[Stmt], out: &mut VecDeque<String>) {
     for s in stmts {
@@ -113,7 +104,7 @@ fn loop_vars(stmts: &[Stmt], out: &mut VecDeque<String>) {
 fn find_loop<'a>(stmts: &'a [Stmt], name: &str) -> Option<Loop<'a>> {
     stmts.iter().find_map(|s| match s {
         Stmt::For { var, start, end, step, body, .. } if var == name => {
-            Some(Loop { start: literal(start), end: literal(end), step: *step, body })
+            Some(Loop { start: start.int_literal(), end: end.int_literal(), step: *step, body })
         }
         Stmt::For { body, .. } => find_loop(body, name),
         Stmt::If { then, else_, .. } => find_loop(then, name).or_else(|| find_loop(else_, name)),
@@ -166,7 +157,7 @@ fn divisors(lp: &Loop) -> Vec<i64> {
     each_expr(lp.body, &mut |e| {
         e.visit(&mut |x| {
             if let Expr::Binary { op: BinOp::Div | BinOp::Rem, rhs, .. } = x {
-                if let Some(c) = literal(rhs) {
+                if let Some(c) = rhs.int_literal() {
                     if c > 1 && c < trips && trips % c == 0 && !found.contains(&c) {
                         found.push(c);
                     }
@@ -188,7 +179,7 @@ fn thresholds(lp: &Loop, var: &str) -> Vec<i64> {
         e.visit(&mut |x| {
             let Expr::Cmp { op, lhs, rhs } = x else { return };
             let is_var = |e: &Expr| matches!(e, Expr::Var { name, .. } if name == var);
-            let (t, op) = match (literal(lhs), literal(rhs)) {
+            let (t, op) = match (lhs.int_literal(), rhs.int_literal()) {
                 (None, Some(t)) if is_var(lhs) => (t, *op),
                 (Some(t), None) if is_var(rhs) => (t, mirror(*op)),
                 _ => return,
@@ -224,7 +215,7 @@ fn mirror(op: CmpOp) -> CmpOp {
 /// `for v in 0..R { body }` as `for o in 0..R/c { for i in 0..c { body[v := o·c + i] } }`.
 fn strip_mine(s: &Stmt, c: i64, outer: &str, inner: &str) -> Vec<Stmt> {
     let Stmt::For { var, end, body, .. } = s else { return vec![s.clone()] };
-    let trips = literal(end).unwrap_or(0);
+    let trips = end.int_literal().unwrap_or(0);
     let int = |ty: Ty, v: i64| if ty == Ty::I32 { Expr::I32(v as i32) } else { Expr::I64(v) };
     let ty = end.ty();
     let index = Expr::Binary {
@@ -302,7 +293,7 @@ fn index_cost(stmts: &[Stmt], trips: u64) -> u64 {
             Stmt::For { start, end, step, body, .. } => {
                 add(start);
                 add(end);
-                let n = match (literal(start), literal(end)) {
+                let n = match (start.int_literal(), end.int_literal()) {
                     (Some(a), Some(b)) if b > a && *step > 0 => ((b - a) as u64).div_ceil(*step as u64),
                     (Some(_), Some(_)) => 0,
                     _ => UNKNOWN_TRIPS,

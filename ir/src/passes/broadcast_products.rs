@@ -113,15 +113,14 @@ fn fold_weight(graph: &mut Graph, id: NodeId) -> Result<bool, GraphError> {
     let [x, w] = graph.inputs(id)[..] else { return Ok(false) };
     let Some(rep) = repeated_rows(graph, x) else { return Ok(false) };
     let w_dims = graph.node(w).shape.dims().to_vec();
-    let [k, m] = w_dims[..] else { return Ok(false) };
+    let [k, _] = w_dims[..] else { return Ok(false) };
     if k != rep.n * rep.width {
         return Ok(false);
     }
     let mut row_dims = graph.node(x).shape.dims().to_vec();
     *row_dims.last_mut().expect("x has an axis") = rep.width;
     let rows = graph.add(Op::Reshape { shape: row_dims }, &[rep.source])?;
-    let blocks = graph.add(Op::Reshape { shape: vec![rep.n, rep.width, m] }, &[w])?;
-    let folded = graph.add(Op::Reduce { op: ReduceOp::Sum, axis: 0, keepdim: false }, &[blocks])?;
+    let folded = folded_weight(graph, w, rep.n, rep.width)?;
     replace_inputs(graph, id, &[rows, folded]);
     Ok(true)
 }
@@ -235,9 +234,7 @@ fn has_foldable_product(graph: &Graph, y: NodeId, copies: Copies) -> bool {
 /// `y` (laid out as `copies`) summed over its copies: `[rows, width]`.
 fn sum_of_terms(graph: &mut Graph, y: NodeId, copies: Copies) -> Result<NodeId, GraphError> {
     if let Some((g, w)) = foldable_product(graph, y, copies) {
-        let m = graph.node(w).shape.dims()[1];
-        let blocks = graph.add(Op::Reshape { shape: vec![copies.n, copies.width, m] }, &[w])?;
-        let folded = graph.add(Op::Reduce { op: ReduceOp::Sum, axis: 0, keepdim: false }, &[blocks])?;
+        let folded = folded_weight(graph, w, copies.n, copies.width)?;
         return graph.add(Op::MatMul { trans_a: false, trans_b: true }, &[g, folded]);
     }
     if let Some((op, terms)) = summable_terms(graph, y, copies) {
@@ -258,6 +255,13 @@ fn sum_of_terms(graph: &mut Graph, y: NodeId, copies: Copies) -> Result<NodeId, 
     }
     let view = graph.add(Op::Reshape { shape: vec![copies.rows, copies.n, copies.width] }, &[y])?;
     graph.add(Op::Reduce { op: ReduceOp::Sum, axis: 1, keepdim: false }, &[view])
+}
+
+/// `Σ_s w_s` of a `[n·width, m]` weight split into its `n` row blocks.
+fn folded_weight(graph: &mut Graph, w: NodeId, n: usize, width: usize) -> Result<NodeId, GraphError> {
+    let m = graph.node(w).shape.dims()[1];
+    let blocks = graph.add(Op::Reshape { shape: vec![n, width, m] }, &[w])?;
+    graph.add(Op::Reduce { op: ReduceOp::Sum, axis: 0, keepdim: false }, &[blocks])
 }
 
 /// Makes `inputs` the operands of `id`, in port order.
