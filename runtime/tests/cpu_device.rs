@@ -456,7 +456,7 @@ fn plan_update_matches_the_host_adamw() {
     let h =
         AdamWStep { lr: 0.01, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, t: 3, grad_scale: 1.0 };
     let folded = h.folded();
-    let max_norm = 0.5 * global_norm(&[grad.clone()]);
+    let max_norm = 0.5 * global_norm(std::slice::from_ref(&grad));
     let values = |apply: f64| {
         Setting::ALL
             .iter()

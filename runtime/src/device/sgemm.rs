@@ -27,9 +27,10 @@
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::{
-    __m512, _mm512_add_ps, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_mask_loadu_ps, _mm512_mask_storeu_ps,
-    _mm512_set1_ps, _mm512_setzero_ps, _mm512_storeu_ps, _mm512_stream_ps, _mm_prefetch, _mm_sfence,
-    _MM_HINT_T0,
+    __m512, _mm512_add_ps, _mm512_castpd_ps, _mm512_castps_pd, _mm512_fmadd_ps, _mm512_loadu_ps,
+    _mm512_mask_loadu_ps, _mm512_mask_storeu_ps, _mm512_maskz_loadu_ps, _mm512_set1_ps, _mm512_setzero_ps,
+    _mm512_shuffle_f32x4, _mm512_storeu_ps, _mm512_stream_ps, _mm512_unpackhi_pd, _mm512_unpackhi_ps,
+    _mm512_unpacklo_pd, _mm512_unpacklo_ps, _mm_prefetch, _mm_sfence, _MM_HINT_T0,
 };
 use std::cell::RefCell;
 
@@ -282,12 +283,24 @@ unsafe fn pack_b(b: Operand, p0: usize, j0: usize, kc: usize, nc: usize, dst: *m
                 unsafe { copy_row::<NR>(first.add(p * b.rows), sliver.add(p * NR), width) };
             }
         } else if width == NR && b.rows == 1 {
-            // Column-major b (a transposed operand): read each column's steps
-            // contiguously; the strided writes stay inside the L1-sized sliver.
-            for j in 0..NR {
-                let column = unsafe { first.add(j * b.cols) };
-                for p in 0..kc {
-                    unsafe { *sliver.add(p * NR + j) = *column.add(p) };
+            // Column-major b (a transposed operand, such as a weight in the
+            // backward pass or the keys of attention scores): 16 columns' runs
+            // of 16 steps at a time, transposed in registers (an element-wise
+            // copy compiled to gathers and took about as long as the scores'
+            // arithmetic).
+            for half in 0..NR / 16 {
+                for p in (0..kc).step_by(16) {
+                    let steps = 16.min(kc - p);
+                    // SAFETY: columns `16 * half..` of the sliver, steps
+                    // `p..p + steps`, are inside b and the sliver (contract).
+                    unsafe {
+                        transpose_block(
+                            first.add(16 * half * b.cols + p),
+                            b.cols,
+                            steps,
+                            sliver.add(p * NR + 16 * half),
+                        )
+                    };
                 }
             }
         } else {
@@ -298,6 +311,66 @@ unsafe fn pack_b(b: Operand, p0: usize, j0: usize, kc: usize, nc: usize, dst: *m
                     unsafe { *out.add(j) = v };
                 }
             }
+        }
+    }
+}
+
+/// Writes the transpose of a 16 x `steps` block: row `j` (read at
+/// `src + j * stride`, `steps` contiguous floats) becomes lane `j` of the 16
+/// floats at `dst + t * NR` for each step `t < steps`.
+///
+/// # Safety
+/// AVX-512F is available; the 16 rows hold `steps <= 16` floats each and the
+/// `steps` destinations 16 floats each.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn transpose_block(src: *const f32, stride: usize, steps: usize, dst: *mut f32) {
+    let read = column_mask(steps);
+    // SAFETY: masked lanes stay within each row's `steps` floats.
+    let rows: [__m512; 16] =
+        std::array::from_fn(|j| unsafe { _mm512_maskz_loadu_ps(read, src.add(j * stride)) });
+    // Pairs of rows interleaved, then pairs of pairs: lane group g of
+    // `quads[4 * q + e]` holds element 4 g + e of rows 4 q..4 q + 4.
+    let pairs: [__m512; 16] = std::array::from_fn(|i| {
+        let (lo, hi) = (rows[2 * (i / 2)], rows[2 * (i / 2) + 1]);
+        if i % 2 == 0 {
+            _mm512_unpacklo_ps(lo, hi)
+        } else {
+            _mm512_unpackhi_ps(lo, hi)
+        }
+    });
+    let quads: [__m512; 16] = std::array::from_fn(|i| {
+        let (q, e) = (i / 4, i % 4);
+        let (lo, hi) = (_mm512_castps_pd(pairs[4 * q + e / 2]), _mm512_castps_pd(pairs[4 * q + e / 2 + 2]));
+        _mm512_castpd_ps(if e % 2 == 0 { _mm512_unpacklo_pd(lo, hi) } else { _mm512_unpackhi_pd(lo, hi) })
+    });
+    for e in 0..4 {
+        let (r0, r1, r2, r3) = (quads[e], quads[4 + e], quads[8 + e], quads[12 + e]);
+        // Lane groups 0, 1 then 2, 3 of rows 0..8, and of rows 8..16.
+        let (low01, high01) = (_mm512_shuffle_f32x4::<0x44>(r0, r1), _mm512_shuffle_f32x4::<0xEE>(r0, r1));
+        let (low23, high23) = (_mm512_shuffle_f32x4::<0x44>(r2, r3), _mm512_shuffle_f32x4::<0xEE>(r2, r3));
+        let columns = [
+            _mm512_shuffle_f32x4::<0x88>(low01, low23),
+            _mm512_shuffle_f32x4::<0xDD>(low01, low23),
+            _mm512_shuffle_f32x4::<0x88>(high01, high23),
+            _mm512_shuffle_f32x4::<0xDD>(high01, high23),
+        ];
+        for (g, column) in columns.into_iter().enumerate() {
+            let t = 4 * g + e;
+            if t < steps {
+                // SAFETY: step t is below `steps`.
+                unsafe { _mm512_storeu_ps(dst.add(t * NR), column) };
+            }
+        }
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn transpose_block(src: *const f32, stride: usize, steps: usize, dst: *mut f32) {
+    for j in 0..16 {
+        for t in 0..steps {
+            unsafe { *dst.add(t * NR + j) = *src.add(j * stride + t) };
         }
     }
 }
