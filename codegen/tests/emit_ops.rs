@@ -330,6 +330,37 @@ fn attention_and_its_gradients() {
     }
 }
 
+/// A NaN key turns exactly the rows that attend to it into NaN, as in the
+/// reference executor (the C softmax's row maximum ignores NaN: the key's
+/// exponential and the row's sum carry it instead).
+#[test]
+fn attention_propagates_a_nan_key_to_the_rows_that_see_it() {
+    let mut g = Graph::new();
+    let q = param(&mut g, "q", &[1, 6, 2, 4]);
+    let k = param(&mut g, "k", &[1, 6, 2, 4]);
+    let v = param(&mut g, "v", &[1, 6, 2, 4]);
+    let y = add(&mut g, Op::CausalAttention { scale: 0.5, rope_base: None }, &[q, k, v]);
+    g.set_output("y", y);
+    let request = Request::new(&g, Vec::new()).for_target(Target::Cpu);
+    let mut sources = Sources::random(&g, &mut Rng::new(5), 1.0, &|_, n| vec![0; n]);
+    // Key of token 3, head 1.
+    let Some(ir::exec::Value::Float(keys)) = sources.values.get_mut(&k) else { panic!("k is a float param") };
+    keys.data[(3 * 2 + 1) * 4] = f32::NAN;
+    let want = ir::exec::run::<f32>(&g, &sources.values, &[y]).expect("reference");
+    let ir::exec::Value::Float(want) = &want[&y] else { panic!("float output") };
+    for partition in [one_op_per_group(&g), one_group(&g)] {
+        let plan = codegen::compile::compile(&g, &partition, &request).expect("compiles");
+        let outs = emit_support::run_plan(&g, &plan, &sources);
+        let out = plan.find(&BufferRole::Output { name: "y".into() }).expect("output buffer");
+        let codegen::compile::HostData::F32(got) = &outs[out.0] else { panic!("f32 output") };
+        for (i, (x, w)) in got.iter().zip(&want.data).enumerate() {
+            let (t, head) = (i / 8, i / 4 % 2);
+            assert_eq!(x.is_nan(), w.is_nan(), "element {i} (token {t}, head {head}): {x} vs {w}");
+            assert_eq!(x.is_nan(), t >= 3 && head == 1, "element {i} (token {t}, head {head})");
+        }
+    }
+}
+
 #[test]
 fn cross_entropy() {
     let targets: &Ints = &|_, n| (0..n).map(|i| ((i * 3 + 1) % 6) as i32).collect();
