@@ -361,6 +361,41 @@ fn attention_propagates_a_nan_key_to_the_rows_that_see_it() {
     }
 }
 
+/// A softmax row with a NaN is NaN, other rows are untouched, and a NaN logit
+/// makes the mean cross-entropy NaN, as in the reference executor (the
+/// kernels' shift maximum skips NaN: the exponentials and sums carry it).
+#[test]
+fn softmax_and_cross_entropy_propagate_nan_as_the_reference() {
+    let mut g = Graph::new();
+    let x = param(&mut g, "x", &[3, 40]);
+    let t = input(&mut g, "t", &[3]);
+    let p = add(&mut g, Op::Softmax, &[x]);
+    let loss = add(&mut g, Op::SoftmaxCrossEntropy, &[x, t]);
+    g.set_output("p", p);
+    g.set_output("loss", loss);
+    let request = Request::new(&g, Vec::new()).for_target(Target::Cpu);
+    let mut sources = Sources::random(&g, &mut Rng::new(9), 1.0, &|_, n| vec![1; n]);
+    let Some(ir::exec::Value::Float(xs)) = sources.values.get_mut(&x) else { panic!("x is a float param") };
+    xs.data[40 + 7] = f32::NAN;
+    let want = ir::exec::run::<f32>(&g, &sources.values, &[p, loss]).expect("reference");
+    for partition in [one_op_per_group(&g), one_group(&g)] {
+        let plan = codegen::compile::compile(&g, &partition, &request).expect("compiles");
+        let outs = emit_support::run_plan(&g, &plan, &sources);
+        for (name, id) in [("p", p), ("loss", loss)] {
+            let buf = plan.find(&BufferRole::Output { name: name.into() }).expect("output buffer");
+            let codegen::compile::HostData::F32(got) = &outs[buf.0] else { panic!("f32 output") };
+            let ir::exec::Value::Float(want) = &want[&id] else { panic!("float output") };
+            for (i, (a, w)) in got.iter().zip(&want.data).enumerate() {
+                assert_eq!(a.is_nan(), w.is_nan(), "{name}[{i}]: {a} vs {w}");
+                assert!(a.is_nan() || (a - w).abs() <= 1e-5 * w.abs().max(1e-3), "{name}[{i}]: {a} vs {w}");
+            }
+        }
+        let buf = plan.find(&BufferRole::Output { name: "p".into() }).expect("p");
+        let codegen::compile::HostData::F32(got) = &outs[buf.0] else { panic!("f32 output") };
+        assert!(got[40..80].iter().all(|v| v.is_nan()) && !got[..40].iter().any(|v| v.is_nan()));
+    }
+}
+
 #[test]
 fn cross_entropy() {
     let targets: &Ints = &|_, n| (0..n).map(|i| ((i * 3 + 1) % 6) as i32).collect();

@@ -29,7 +29,8 @@ use ir::graph::{Graph, NodeId, Op};
 use ir::DType;
 
 use super::{
-    fold_dynamic, ix, lit, maximum, Arg, EmitError, GemmCall, Kb, Lowering, Names, Target, Temps, Work,
+    fold_dynamic, ix, lit, maximum, shift_maximum, Arg, EmitError, GemmCall, Kb, Lowering, Names, Target,
+    Temps, Work,
 };
 use crate::kernel::{f64, i64, item, lane, select, Access, Block, Buf, Expr, Grid, ReduceOp, Ty};
 
@@ -322,13 +323,7 @@ fn softmax_rows(
     // Lane-split folds (see `fold_dynamic`): the max, the sum of exponentials and
     // the centring dot product vectorize instead of chaining one add per key.
     let names = Names::default();
-    // The row maximum only shifts the exponentials: a NaN key makes its own
-    // exponential, the sum and so the whole row NaN whichever maximum is
-    // taken, so the comparison need not propagate NaN, and as `v > m ? v : m`
-    // it compiles to vector max instructions (the NaN-propagating form stayed
-    // scalar).
-    let larger = |m: Expr, v: Expr| select(v.clone().gt(m.clone()), v, m);
-    let m = fold_dynamic(&names, k, lit(ty, f64::NEG_INFINITY), end.clone(), larger, |_, j| {
+    let m = fold_dynamic(&names, k, lit(ty, f64::NEG_INFINITY), end.clone(), shift_maximum, |_, j| {
         s.at(base.clone() + j) * scale.clone()
     });
     // The exponentials in a loop of their own, then summed: inside the fold,

@@ -5,7 +5,7 @@
 
 use ir::graph::{BinaryOp, Node, NodeId, Op, ReduceOp, UnaryOp};
 
-use super::{ix, lit, maximum, pairwise, strides, view_of, EmitError, Names, Sink, Val};
+use super::{ix, lit, maximum, pairwise, shift_maximum, strides, view_of, EmitError, Names, Sink, Val};
 use crate::kernel::{i64, item, select, Block, Expr, Ty};
 
 /// One op of a fused kernel: its operands as the kernel reads them, and where
@@ -186,7 +186,8 @@ fn softmax(b: &mut Block, cx: &ItemOp) {
     cx.rows(b, len, |b, row| {
         let base = b.let_(&cx.fresh("base"), row * ix(len));
         let at = |j: Expr| x.load(base.clone() + j);
-        let m = cx.fold(b, cx.lit(f64::NEG_INFINITY), len, maximum, |b, j| b.let_(&cx.fresh("v"), at(j)));
+        let m =
+            cx.fold(b, cx.lit(f64::NEG_INFINITY), len, shift_maximum, |b, j| b.let_(&cx.fresh("v"), at(j)));
         let s = cx.fold(b, cx.lit(0.0), len, |a, v| a + v, |_, j| (at(j) - m.clone()).exp());
         let inv = b.let_(&cx.fresh("inv"), cx.lit(1.0) / s);
         let j = cx.fresh("j");

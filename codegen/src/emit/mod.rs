@@ -193,6 +193,17 @@ pub(crate) fn maximum(a: Expr, b: Expr) -> Expr {
     select(a.clone().ne_(a.clone()).or(a.clone().ge(b.clone())), a, b)
 }
 
+/// The larger of `a` and `b` as vector max instructions compute it (`b` when
+/// `b > a`, else `a`): a NaN in `b` is skipped. Only for a softmax's shift,
+/// where that cannot change the result: a NaN element makes its own
+/// exponential, the sum, and so the whole row NaN whichever maximum is
+/// subtracted, and for NaN-free rows both forms are the exact maximum. The
+/// NaN-propagating [`maximum`] keeps the fold scalar. `a` and `b` must be
+/// cheap (variables or loads): they are evaluated twice.
+pub(crate) fn shift_maximum(a: Expr, b: Expr) -> Expr {
+    select(b.clone().gt(a.clone()), b, a)
+}
+
 /// `op` over `terms` as a balanced tree (pairs first), so the combined values
 /// do not form one serial chain.
 pub(crate) fn pairwise(mut terms: Vec<Expr>, op: impl Fn(Expr, Expr) -> Expr) -> Expr {

@@ -6,8 +6,8 @@
 use ir::graph::{Graph, NodeId, Op};
 
 use super::{
-    grid, ix, lit, maximum, Arg, EmitError, GemmCall, Kb, Launch, Lowering, Names, Reader, Target, Temps,
-    Val, Work,
+    grid, ix, lit, shift_maximum, Arg, EmitError, GemmCall, Kb, Launch, Lowering, Names, Reader, Target,
+    Temps, Val, Work,
 };
 use crate::kernel::{i64, item, lane, select, Access, Block, Buf, Expr, Grid, KernelBuilder, ReduceOp, Ty};
 
@@ -291,13 +291,12 @@ fn cross_entropy(graph: &Graph, id: NodeId, name: &str) -> Result<Launch, EmitEr
     let part = k.var("part", lit(ty, 0.0));
     k.for_step("row", lane(), ix(rows), i64::from(LOSS_THREADS), false, |b, row| {
         let base = b.let_("base", row.clone() * ix(v));
-        let m = b.var("m", lit(ty, f64::NEG_INFINITY));
-        b.for_("j", ix(0), ix(v), |b, j| {
-            let xv = b.let_("xv", x.load(base.clone() + j));
-            b.assign(&m, maximum(m.clone(), xv));
+        // Both folds in interleaved lanes (a serial sum kept every exponential
+        // scalar); the maximum only shifts them (see `shift_maximum`).
+        let m = super::fold(&names, b, lit(ty, f64::NEG_INFINITY), v, shift_maximum, |b, j| {
+            b.let_(&names.fresh("xv"), x.load(base.clone() + j))
         });
-        let s =
-            sum(&names, b, lit(ty, 0.0), ix(0), ix(v), |_, j| (x.load(base.clone() + j) - m.clone()).exp());
+        let s = total(&names, b, ty, v, |_, j| (x.load(base.clone() + j) - m.clone()).exp());
         let lse = b.let_("lse", m.clone() + s.log());
         let target = b.let_("target", targets.load(row).cast(Ty::I64));
         b.assign(&part, part.clone() + (lse - x.load(base + target)));
