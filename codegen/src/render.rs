@@ -126,9 +126,11 @@ static inline float widen_round_bf16(float f) {
 /// and Sinkhorn are exp-bound): `exp(x) = 2^n * exp(r)` with `n = round(x /
 /// ln 2)` (round-to-nearest by the 1.5 * 2^23 shift), `r = x - n ln 2` in two
 /// parts (Cody and Waite), the Cephes degree-7 polynomial for `exp(r)` on
-/// `|r| <= ln(2) / 2` evaluated with fused multiply-adds (`fmaf`, one
-/// rounding a step: a quarter faster than separate products and sums, which
-/// `-ffp-contract=off` keeps apart elsewhere, and no less accurate), and
+/// `|r| <= ln(2) / 2` evaluated with fused multiply-adds where the target
+/// has them (`WIDEN_FMA`: `fmaf`, one rounding a step, a quarter faster than
+/// separate products and sums, which `-ffp-contract=off` keeps apart
+/// elsewhere, and no less accurate; without hardware FMA, where `fmaf` would
+/// be a library call per element, a product and a sum), and
 /// `2^n` applied as two exact powers of two so results
 /// down to the subnormal range and up to overflow come out right. Within 1 ulp
 /// of a correctly rounded `expf` for every normal result (checked against the
@@ -136,6 +138,12 @@ static inline float widen_round_bf16(float f) {
 /// stays NaN, `exp(+inf) = inf`, `exp(-inf) = 0`. The CUDA dialect keeps the
 /// device library's `expf`.
 const C_EXPF: &str = "
+#if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
+#define WIDEN_FMA(a, b, c) fmaf(a, b, c)
+#else
+#define WIDEN_FMA(a, b, c) ((a) * (b) + (c))
+#endif
+
 static inline float widen_pow2i(int32_t k) {
     union { int32_t i; float f; } v;
     v.i = (k + 127) << 23;
@@ -146,14 +154,14 @@ static inline float widen_expf(float x) {
     const float c = x < -104.0f ? -104.0f : x > 89.0f ? 89.0f : x == x ? x : 0.0f;
     const float shifter = 12582912.0f;
     const float n = (c * 1.44269504088896341f + shifter) - shifter;
-    const float r = fmaf(-n, 1.42860682030941723212e-6f, fmaf(-n, 6.93145751953125e-1f, c));
+    const float r = WIDEN_FMA(-n, 1.42860682030941723212e-6f, WIDEN_FMA(-n, 6.93145751953125e-1f, c));
     float p = 1.9875691500e-4f;
-    p = fmaf(p, r, 1.3981999507e-3f);
-    p = fmaf(p, r, 8.3334519073e-3f);
-    p = fmaf(p, r, 4.1665795894e-2f);
-    p = fmaf(p, r, 1.6666665459e-1f);
-    p = fmaf(p, r, 5.0000001201e-1f);
-    p = fmaf(p, r * r, r) + 1.0f;
+    p = WIDEN_FMA(p, r, 1.3981999507e-3f);
+    p = WIDEN_FMA(p, r, 8.3334519073e-3f);
+    p = WIDEN_FMA(p, r, 4.1665795894e-2f);
+    p = WIDEN_FMA(p, r, 1.6666665459e-1f);
+    p = WIDEN_FMA(p, r, 5.0000001201e-1f);
+    p = WIDEN_FMA(p, r * r, r) + 1.0f;
     const int32_t k = (int32_t)n;
     const int32_t half = k >> 1;
     const float e = p * widen_pow2i(half) * widen_pow2i(k - half);
@@ -171,11 +179,11 @@ const C_TANHF: &str = "
 static inline float widen_tanhf(float x) {
     const float a = fabsf(x);
     const float z = a * a;
-    float q = fmaf(-5.70498872745e-3f, z, 2.06390887954e-2f);
-    q = fmaf(q, z, -5.37397155531e-2f);
-    q = fmaf(q, z, 1.33314422036e-1f);
-    q = fmaf(q, z, -3.33332819422e-1f);
-    const float small = fmaf(q * z, a, a);
+    float q = WIDEN_FMA(-5.70498872745e-3f, z, 2.06390887954e-2f);
+    q = WIDEN_FMA(q, z, -5.37397155531e-2f);
+    q = WIDEN_FMA(q, z, 1.33314422036e-1f);
+    q = WIDEN_FMA(q, z, -3.33332819422e-1f);
+    const float small = WIDEN_FMA(q * z, a, a);
     const float big = 1.0f - 2.0f / (widen_expf(2.0f * a) + 1.0f);
     return copysignf(a < 0.625f ? small : big, x);
 }

@@ -95,9 +95,33 @@ fn module_of_kernels_matches_rust() {
 /// The C dialect's `widen_expf` against Rust's `f32::exp` (what the reference
 /// executor computes): within 1 ulp for every normal result over a sweep of
 /// 2^22 evenly spaced bit patterns covering [-104, 89] (subnormal and overflow
-/// edges included), and exact on the specials.
+/// edges included), and exact on the specials; with fused multiply-adds
+/// (`-march=native` on this host) and without (a compiler that rejects it
+/// builds for the baseline target).
 #[test]
 fn c_exp_is_within_one_ulp_of_rust_exp() {
+    let tmp = TempCache::new("expf");
+    exp_sweep(&tmp.compiler());
+    exp_sweep(&no_native_compiler(&tmp));
+}
+
+/// A compiler that rejects `-march=native`, so kernels build for the
+/// baseline target.
+fn no_native_compiler(tmp: &TempCache) -> Compiler {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(&tmp.0).unwrap();
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let wrapper = tmp.0.join("no-native-cc");
+    let script = format!(
+        "#!/bin/sh\nfor a in \"$@\"; do [ \"$a\" = \"{}\" ] && {{ echo unsupported >&2; exit 1; }}; done\nexec {cc} \"$@\"\n",
+        codegen::cc::NATIVE_FLAG
+    );
+    std::fs::write(&wrapper, script).unwrap();
+    std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).unwrap();
+    Compiler::new(wrapper.to_str().unwrap(), tmp.0.join("no-native-cache")).expect("wrapper runs")
+}
+
+fn exp_sweep(compiler: &Compiler) {
     const SWEEP: usize = 1 << 22;
     let specials =
         [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0.0, -0.0, 88.72283, 88.7229, -103.97, -104.5, 1e-30];
@@ -106,7 +130,7 @@ fn c_exp_is_within_one_ulp_of_rust_exp() {
     let x = k.param("x", DType::F32, Access::Read, n);
     let y = k.param("y", DType::F32, Access::Write, n);
     k.store(&y, item(), x.at(item()).exp());
-    let lib = TempCache::new("expf").compiler().compile_kernels(&[k.finish()]).expect("compiles");
+    let lib = compiler.compile_kernels(&[k.finish()]).expect("compiles");
     // Positive and negative halves of the range, walking the bit patterns.
     let (pos_top, neg_top) = (89.0f32.to_bits(), 104.0f32.to_bits());
     let mut xs: Vec<f32> = (0..SWEEP / 2)
@@ -140,9 +164,16 @@ fn c_exp_is_within_one_ulp_of_rust_exp() {
 
 /// The C dialect's `widen_tanhf` against Rust's `f32::tanh`: within 2 ulp over
 /// a sweep of 2^21 bit patterns of each sign up to |x| = 11 (where tanh is 1
-/// in f32), signed zeros, infinities and NaN exact.
+/// in f32), signed zeros, infinities and NaN exact; with fused multiply-adds
+/// and without, as for `exp`.
 #[test]
 fn c_tanh_is_within_two_ulp_of_rust_tanh() {
+    let tmp = TempCache::new("tanhf");
+    tanh_sweep(&tmp.compiler());
+    tanh_sweep(&no_native_compiler(&tmp));
+}
+
+fn tanh_sweep(compiler: &Compiler) {
     const HALF: usize = 1 << 21;
     let specials = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0.0, -0.0, 0.625, -0.625, 50.0, -50.0, 1e-30];
     let n = 2 * HALF + specials.len();
@@ -150,7 +181,7 @@ fn c_tanh_is_within_two_ulp_of_rust_tanh() {
     let x = k.param("x", DType::F32, Access::Read, n);
     let y = k.param("y", DType::F32, Access::Write, n);
     k.store(&y, item(), x.at(item()).tanh());
-    let lib = TempCache::new("tanhf").compiler().compile_kernels(&[k.finish()]).expect("compiles");
+    let lib = compiler.compile_kernels(&[k.finish()]).expect("compiles");
     let top = u64::from(11.0f32.to_bits());
     let mut xs: Vec<f32> = (0..HALF).map(|i| f32::from_bits((i as u64 * top / HALF as u64) as u32)).collect();
     let negated: Vec<f32> = xs.iter().map(|x| -x).collect();
@@ -308,18 +339,8 @@ fn missing_compiler_and_unknown_kernel_are_typed_errors() {
 #[cfg(unix)]
 #[test]
 fn native_tuning_is_dropped_where_the_compiler_rejects_it() {
-    use std::os::unix::fs::PermissionsExt;
     let tmp = TempCache::new("native");
-    std::fs::create_dir_all(&tmp.0).unwrap();
-    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
-    let wrapper = tmp.0.join("no-native-cc");
-    let script = format!(
-        "#!/bin/sh\nfor a in \"$@\"; do [ \"$a\" = \"{}\" ] && {{ echo unsupported >&2; exit 1; }}; done\nexec {cc} \"$@\"\n",
-        codegen::cc::NATIVE_FLAG
-    );
-    std::fs::write(&wrapper, script).unwrap();
-    std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let picky = Compiler::new(wrapper.to_str().unwrap(), tmp.0.join("cache")).expect("wrapper runs");
+    let picky = no_native_compiler(&tmp);
     assert_eq!(picky.flags(), codegen::cc::FLAGS, "no -march=native for a compiler that rejects it");
     let lib = picky.compile_kernels(&[common::rmsnorm()]).expect("compiles without it");
     assert!(lib.entry("rmsnorm").is_ok());
