@@ -171,7 +171,8 @@ static inline float widen_expf(float x) {
 
 /// f32 `tanh` for the C dialect, vectorizable like [`C_EXPF`] (tanh gates
 /// the dynamic HC and GHC coefficients, MATH.md §2.3, §5.5): the Cephes odd
-/// polynomial below |x| = 0.625 (in fused multiply-adds, as `exp`'s), `1 - 2 / (exp(2|x|) + 1)` above it (which
+/// polynomial below |x| = 0.625 (in fused multiply-adds where the target has
+/// them, as `exp`'s), `1 - 2 / (exp(2|x|) + 1)` above it (which
 /// reaches exactly 1 once the exponential overflows), the sign restored with
 /// `copysignf` so -0 stays -0 and NaN stays NaN. Within 2 ulp of a correctly
 /// rounded `tanhf` (`codegen/tests/cc_driver.rs`).

@@ -280,7 +280,7 @@ const LOSS_BLOCKS: usize = 16;
 
 /// Mean softmax cross-entropy (MATH.md §1.3 "Loss") in two phases. First
 /// [`LOSS_BLOCKS`] blocks each take a contiguous slice of the rows, whose
-/// lanes take rows `start + lane`, `start + lane + 256`, ..., each adding
+/// lanes take rows `first + lane`, `first + lane + 256`, ..., each adding
 /// logsumexp − logit[target], and a block reduction sums the lanes into the
 /// block's partial; then one item adds the partials in order and divides by
 /// the row count. As a single block the loss ran on one CPU thread (0.47 ms
