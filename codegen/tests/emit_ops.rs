@@ -399,11 +399,23 @@ fn softmax_and_cross_entropy_propagate_nan_as_the_reference() {
 #[test]
 fn cross_entropy() {
     let targets: &Ints = &|_, n| (0..n).map(|i| ((i * 3 + 1) % 6) as i32).collect();
-    run_case("softmax_cross_entropy", 1e-5, 1.0, targets, |g| {
+    let build = |g: &mut Graph| {
         let x = param(g, "logits", &[2, 300, 6]);
         let t = input(g, "targets", &[2, 300]);
         add(g, Op::SoftmaxCrossEntropy, &[x, t])
-    });
+    };
+    run_case("softmax_cross_entropy", 1e-5, 1.0, targets, build);
+    // Two phases: blocks of rows (600 rows in 16 uneven slices) that the
+    // threads share, then the mean of their partials.
+    let mut g = Graph::new();
+    let y = build(&mut g);
+    g.set_output("y", y);
+    let plan = codegen::compile::compile(&g, &one_op_per_group(&g), &Request::new(&g, Vec::new()))
+        .expect("compiles");
+    let grids: Vec<_> = plan.kernels.iter().map(|k| k.grid).collect();
+    assert_eq!(grids.len(), 2, "{grids:?}");
+    assert!(grids[0].is_block() && grids[0].items() == 16, "{grids:?}");
+    assert_eq!(grids[1].items(), 1);
 }
 
 #[test]
