@@ -619,7 +619,7 @@ pub fn compile(graph: &Graph, partition: &[Vec<NodeId>], request: &Request) -> R
                 };
                 let launch = match special {
                     Some(launch) => launch,
-                    None => emit::lower_fused(graph, nodes, *n, &res, &name)?,
+                    None => emit::lower_fused(graph, nodes, *n, &res, &name, request.target)?,
                 };
                 b.push_launch(launch, &[]);
             }
@@ -646,7 +646,7 @@ pub fn compile(graph: &Graph, partition: &[Vec<NodeId>], request: &Request) -> R
                     if gemm_views.contains(&v) && copied_views.insert(v) {
                         let n = emit::itemize(graph, &[v], &res, request.target).unwrap_or(1);
                         let name = b.kernel_name("copy");
-                        b.push_launch(emit::lower_fused(graph, &[v], n, &res, &name)?, &[]);
+                        b.push_launch(emit::lower_fused(graph, &[v], n, &res, &name, request.target)?, &[]);
                     }
                 }
                 let sh = form.shape;
@@ -778,7 +778,7 @@ fn measured_items(graph: &Graph, nodes: &[NodeId], res: &Buffered, target: Targe
     let limit = target.local_limit();
     emit::item_splits(graph, nodes, &unit_res, target).into_iter().take(MEASURED_SPLITS).map(|s| s.n).find(
         |&n| {
-            emit::lower_fused(graph, nodes, n, &unit_res, "measured")
+            emit::lower_fused(graph, nodes, n, &unit_res, "measured", target)
                 .is_ok_and(|launch| optimized(launch.kernel).local_elements() <= limit)
         },
     )

@@ -26,7 +26,7 @@
 
 use crate::emit::Target;
 use crate::kernel::{
-    f32, f64, i64, item, lane, select, Access, Grid, Kernel, KernelBuilder, KernelError, ReduceOp, Ty,
+    f32, f64, i64, item, lane, select, Access, Grid, Kernel, KernelBuilder, KernelError, ReduceOp, Ty, Unroll,
 };
 use crate::plan::{BufferDecl, BufferId, BufferRole, Plan, Step};
 use ir::DType;
@@ -260,7 +260,7 @@ fn sum_of_squares(len: usize, target: Target) -> Result<Kernel, KernelError> {
     if target == Target::Cuda {
         let part = k.var("part", f64(0.0));
         let sum = part.clone();
-        k.for_step("j", first + lane(), end, i64::from(NORM_LANES), false, |b, j| {
+        k.for_step("j", first + lane(), end, i64::from(NORM_LANES), Unroll::Auto, |b, j| {
             let x = b.let_("x", grad.at(j).cast(Ty::F64));
             b.assign(&sum, sum.clone() + x.clone() * x);
         });
@@ -271,7 +271,7 @@ fn sum_of_squares(len: usize, target: Target) -> Result<Kernel, KernelError> {
         let zero = acc.clone();
         k.for_("l0", i64(0), i64(lanes as i64), |b, l| b.store(&zero, l, f64(0.0)));
         let rows = acc.clone();
-        k.for_step("row", first, end.clone(), lanes as i64, false, |b, row| {
+        k.for_step("row", first, end.clone(), lanes as i64, Unroll::Auto, |b, row| {
             // A chunk's last row may be short (a gradient's ragged end).
             let width = b.let_(
                 "width",

@@ -29,6 +29,7 @@ use ir::DType;
 
 use crate::kernel::{
     Access, BinOp, Buf, CmpOp, Expr, Grid, Kernel, KernelError, MathFn, Param, ReduceOp, Stmt, Ty, UnOp,
+    Unroll,
 };
 
 /// The output language of the printer.
@@ -698,8 +699,12 @@ impl Printer {
                 }
             }
             Stmt::For { var, start, end, step, unroll, body } => {
-                if *unroll {
-                    self.line(if self.cuda() { "#pragma unroll" } else { "#pragma GCC unroll 64" });
+                match (unroll, self.cuda()) {
+                    (Unroll::Auto, _) => {}
+                    (Unroll::Full, true) => self.line("#pragma unroll"),
+                    (Unroll::Full, false) => self.line("#pragma GCC unroll 64"),
+                    (Unroll::Never, true) => self.line("#pragma unroll 1"),
+                    (Unroll::Never, false) => self.line("#pragma GCC unroll 1"),
                 }
                 let (s, e) = (self.expr(start).0, self.wrap(end, 6));
                 let inc = if *step == 1 { format!("++{var}") } else { format!("{var} += {step}") };

@@ -8,8 +8,10 @@
 mod emit_support;
 
 use codegen::compile::{one_op_per_group, Request, Target};
+use codegen::kernel::{Stmt, Unroll};
 use codegen::plan::BufferRole;
 use emit_support::{check, input, one_group, param, Rng, Sources};
+use ir::exec::Value;
 use ir::graph::{BinaryOp, Graph, NodeId, Op, ReduceOp, UnaryOp};
 
 type Ints = dyn Fn(NodeId, usize) -> Vec<i32>;
@@ -254,6 +256,69 @@ fn sinkhorn_lanes_match_one_matrix_per_item_bitwise() {
             results.push((named("y"), named("dx")));
         }
         assert_eq!(results[0], results[1], "side {side}: lanes and per-item forms agree bitwise");
+    }
+}
+
+/// Whether any loop of `stmts` is kept a loop ([`Unroll::Never`]): the lane
+/// loops of rows folded together.
+fn has_kept_loop(stmts: &[Stmt]) -> bool {
+    stmts.iter().any(|s| match s {
+        Stmt::For { unroll, body, .. } => *unroll == Unroll::Never || has_kept_loop(body),
+        Stmt::If { then, else_, .. } => has_kept_loop(then) || has_kept_loop(else_),
+        _ => false,
+    })
+}
+
+/// Per-token statistics of many short rows, as VWN's connection takes them
+/// (per-segment means over C/m and `[m, 4] x [4, n]` dot products, MATH.md
+/// §5.3): on the C target an item folds all its rows at once, on the GPU one
+/// row per thread. Both must give the same bits, for 16 lanes (64-wide rows)
+/// and 8 (40-wide), and for a NaN, which the maximum propagates.
+#[test]
+fn rows_folded_together_match_one_row_at_a_time_bitwise() {
+    for len in [64, 40] {
+        let mut g = Graph::new();
+        let x = param(&mut g, "x", &[6, 16, len]);
+        let w = param(&mut g, "w", &[6, 4, len]);
+        for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Mean] {
+            let r = add(&mut g, Op::Reduce { op, axis: 2, keepdim: true }, &[x]);
+            let r = add(&mut g, Op::Broadcast { shape: vec![6, 16, len] }, &[r]);
+            let scaled = add(&mut g, Op::Binary(BinaryOp::Mul), &[x, r]);
+            g.set_output(&format!("{op:?}"), scaled);
+            if op == ReduceOp::Sum {
+                // A softmax over the whole token: items own all 16 rows.
+                let flat = add(&mut g, Op::Reshape { shape: vec![6, 16 * len] }, &[scaled]);
+                let token = add(&mut g, Op::Softmax, &[flat]);
+                g.set_output("token", token);
+            }
+        }
+        let dots = add(&mut g, Op::MatMul { trans_a: false, trans_b: true }, &[x, w]);
+        g.set_output("dots", dots);
+        let mut sources = Sources::random(&g, &mut Rng::new(len as u64), 1.0, &|_, n| vec![0; n]);
+        let Some(Value::Float(xs)) = sources.values.get_mut(&x) else { panic!("x is a float source") };
+        xs.data[3 * 16 * len + 5 * len + 7] = f32::NAN;
+        let outputs = ["Sum", "Max", "Mean", "dots", "token"];
+        let mut results = Vec::new();
+        for target in [Target::Cpu, Target::Cuda] {
+            let request = Request::new(&g, Vec::new()).for_target(target);
+            let plan = check(&g, &sources, &request, &one_group(&g), 1e-5, &format!("rows {len} {target:?}"));
+            let kept = plan.kernels.iter().any(|k| has_kept_loop(&k.body));
+            assert_eq!(kept, target == Target::Cpu, "{target:?}, rows of {len}: rows folded together");
+            let outs = emit_support::run_plan(&g, &plan, &sources);
+            let bits: Vec<Vec<u32>> = outputs
+                .iter()
+                .map(|name| {
+                    let buf = plan.find(&BufferRole::Output { name: (*name).into() }).expect("output buffer");
+                    outs[buf.0].as_f32().iter().map(|v| v.to_bits()).collect()
+                })
+                .collect();
+            results.push(bits);
+        }
+        for (i, name) in outputs.iter().enumerate() {
+            assert_eq!(results[0][i], results[1][i], "{name}, rows of {len}: C and GPU forms agree bitwise");
+        }
+        let nan_rows = results[0][1].iter().filter(|&&b| f32::from_bits(b).is_nan()).count();
+        assert_eq!(nan_rows, len, "the NaN's row of the max is NaN, and only it");
     }
 }
 

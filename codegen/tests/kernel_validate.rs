@@ -4,6 +4,7 @@ mod common;
 
 use codegen::kernel::{
     f32, f64, i32, i64, item, lane, Access, Expr, Grid, KernelBuilder, KernelError, MathFn, ReduceOp, Ty,
+    Unroll,
 };
 use codegen::render::{render_module, Dialect};
 use ir::DType;
@@ -84,7 +85,8 @@ fn scopes_and_names_are_checked() {
         k.for_("j", i64(1), i64(2), |b, j| b.store(y, j, x.at(item())));
     });
     assert_eq!(k.validate(), Ok(()));
-    let k = kernel(|k, x, y| k.for_step("j", i64(0), i64(4), 0, false, |b, j| b.store(y, &j, x.at(&j))));
+    let k =
+        kernel(|k, x, y| k.for_step("j", i64(0), i64(4), 0, Unroll::Auto, |b, j| b.store(y, &j, x.at(&j))));
     assert!(matches!(k.validate(), Err(KernelError::Step { step: 0, .. })));
 }
 

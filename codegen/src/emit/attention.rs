@@ -32,7 +32,7 @@ use super::{
     fold_dynamic, ix, lit, maximum, shift_maximum, Arg, EmitError, GemmCall, Kb, Lowering, Names, Target,
     Temps, Work,
 };
-use crate::kernel::{f64, i64, item, lane, select, Access, Block, Buf, Expr, Grid, ReduceOp, Ty};
+use crate::kernel::{f64, i64, item, lane, select, Access, Block, Buf, Expr, Grid, ReduceOp, Ty, Unroll};
 
 /// Sizes and options of one attention node: q [B, T, H, dh], k and v [B, T, Hkv, dh].
 #[derive(Debug, Clone, Copy)]
@@ -395,7 +395,7 @@ fn softmax_rows_blocks(
     let step = i64::from(lanes);
     let keys =
         |k: &mut crate::kernel::KernelBuilder, var: &str, stop: &Expr, f: &dyn Fn(&mut Block, Expr)| {
-            k.for_step(var, lane(), stop.clone(), step, false, |b, j| f(b, j));
+            k.for_step(var, lane(), stop.clone(), step, Unroll::Auto, |b, j| f(b, j));
         };
     let lane_max = k.var("lane_max", lit(ty, f64::NEG_INFINITY));
     keys(k, "j0", &end, &|b, j| {

@@ -5,7 +5,9 @@
 
 use ir::graph::{BinaryOp, Node, NodeId, Op, ReduceOp, UnaryOp};
 
-use super::{ix, lit, maximum, pairwise, shift_maximum, strides, view_of, EmitError, Names, Sink, Val};
+use super::{
+    ix, lit, maximum, pairwise, shift_maximum, strides, view_of, EmitError, Names, Sink, Target, Val,
+};
 use crate::kernel::{i64, item, select, Block, Expr, Ty};
 
 /// One op of a fused kernel: its operands as the kernel reads them, and where
@@ -18,6 +20,7 @@ pub(super) struct ItemOp<'a> {
     pub ins: &'a [Val],
     pub sink: &'a Sink,
     pub per: usize,
+    pub target: Target,
 }
 
 impl ItemOp<'_> {
@@ -64,6 +67,42 @@ impl ItemOp<'_> {
         f: impl Fn(&mut Block, Expr) -> Expr,
     ) -> Expr {
         super::fold(self.names, b, init, n, op, f)
+    }
+
+    /// Every output element of this item as the fold of its own row:
+    /// `sink[g] = finish(op(init, fold of f(row(g), j) over j))`, where `row`
+    /// emits what the row's elements share. On the C target all rows at once
+    /// ([`super::fold_rows`], same bits), else one row per output element.
+    #[allow(clippy::too_many_arguments)]
+    fn fold_each<R>(
+        &self,
+        b: &mut Block,
+        init: Expr,
+        n: usize,
+        op: impl Fn(Expr, Expr) -> Expr,
+        row: impl Fn(&mut Block, Expr) -> R,
+        f: impl Fn(&mut Block, &R, Expr) -> Expr,
+        finish: impl Fn(Expr) -> Expr,
+    ) {
+        let per = self.per;
+        if self.target == Target::Cpu {
+            let global_row = |b: &mut Block, r: Expr| {
+                let g = b.let_(&self.fresh("g"), item() * ix(per) + r);
+                row(b, g)
+            };
+            if let Some(rows) = super::fold_rows(self.names, b, self.ty(), per, n, &op, global_row, &f) {
+                b.for_(&self.fresh("l"), ix(0), ix(per), |b, l| {
+                    let v = finish(op(init, rows.at(l.clone())));
+                    self.sink.store(b, item() * ix(per) + l, v);
+                });
+                return;
+            }
+        }
+        self.pointwise(b, |b, g| {
+            let at_row = row(b, g);
+            let acc = self.fold(b, init, n, &op, |b, j| f(b, &at_row, j));
+            finish(acc)
+        });
     }
 }
 
@@ -158,24 +197,21 @@ fn reduce(b: &mut Block, cx: &ItemOp, op: ReduceOp, axis: usize) {
         _ => cx.lit(0.0),
     };
     let count = cx.lit(n as f64);
-    cx.pointwise(b, |b, g| {
-        let o = b.let_(&cx.fresh("o"), g.clone() / ix(inner));
-        let w = b.let_(&cx.fresh("w"), g % ix(inner));
-        let acc = cx.fold(
-            b,
-            init,
-            n,
-            |a, v| match op {
-                ReduceOp::Max => maximum(a, v),
-                _ => a + v,
-            },
-            |b, j| b.let_(&cx.fresh("v"), x.load((o.clone() * ix(n) + j) * ix(inner) + w.clone())),
-        );
-        match op {
-            ReduceOp::Mean => acc / count,
+    cx.fold_each(
+        b,
+        init,
+        n,
+        |a, v| match op {
+            ReduceOp::Max => maximum(a, v),
+            _ => a + v,
+        },
+        |b, g| (b.let_(&cx.fresh("o"), g.clone() / ix(inner)), b.let_(&cx.fresh("w"), g % ix(inner))),
+        |b, (o, w), j| b.let_(&cx.fresh("v"), x.load((o.clone() * ix(n) + j) * ix(inner) + w.clone())),
+        |acc| match op {
+            ReduceOp::Mean => acc / count.clone(),
             _ => acc,
-        }
-    });
+        },
+    );
 }
 
 /// Softmax over the last axis: max, sum of exp(x - max), then exp(x - max) / sum
@@ -435,14 +471,17 @@ fn matmul(b: &mut Block, cx: &ItemOp, trans_a: bool, trans_b: bool) {
         if trans_b && cx.per.is_multiple_of(m * n) && k * n <= STAGE_LIMIT {
             // The item holds whole batch entries: stage each entry's op(b)
             // transposed (`[K, N]`, row-major) so the column loop reads it
-            // contiguously.
+            // contiguously. The copy runs along the stage's rows, columns
+            // innermost: the compiler then writes each row as one vector
+            // (VWN's 16 x 64 segment products, MATH.md §5.3); innermost along
+            // K it stored element by element, a sixth of the kernel's time.
             let stage = Val::Buffer(b.local_array(&cx.fresh("bt"), cx.ty(), k * n));
             let Val::Buffer(bt) = &stage else { unreachable!("constructed as a buffer") };
             b.for_(&cx.fresh("e"), ix(0), ix(entries), |b, e| {
                 let bi = b.let_(&cx.fresh("bi"), item() * ix(entries) + e);
                 let sb0 = b.let_(&cx.fresh("sb"), super::strided_index(&bi, batch, &sb, 0));
-                b.for_(&cx.fresh("c"), ix(0), ix(n), |b, ni| {
-                    b.for_(&cx.fresh("j"), ix(0), ix(k), |b, j| {
+                b.for_(&cx.fresh("j"), ix(0), ix(k), |b, j| {
+                    b.for_(&cx.fresh("c"), ix(0), ix(n), |b, ni| {
                         let v = y.load(sb0 + ni.clone() * ix(k) + j.clone());
                         b.store(bt, j * ix(n) + ni, v);
                     });
@@ -464,20 +503,22 @@ fn matmul(b: &mut Block, cx: &ItemOp, trans_a: bool, trans_b: bool) {
         });
         return;
     }
-    cx.pointwise(b, |b, g| {
-        let bi = b.let_(&cx.fresh("bi"), g.clone() / ix(m * n));
-        let mi = b.let_(&cx.fresh("mi"), (g.clone() / ix(n)) % ix(m));
-        let ni = b.let_(&cx.fresh("ni"), g % ix(n));
-        let a0 = b.let_(&cx.fresh("a0"), super::strided_index(&bi, batch, &sa, 0) + mi * ix(am));
-        let b0 = b.let_(&cx.fresh("b0"), super::strided_index(&bi, batch, &sb, 0) + ni * ix(bn));
-        cx.fold(
-            b,
-            cx.lit(0.0),
-            k,
-            |a, v| a + v,
-            |_, j| x.load(a0.clone() + j.clone() * ix(ak)) * y.load(b0.clone() + j * ix(bk)),
-        )
-    });
+    cx.fold_each(
+        b,
+        cx.lit(0.0),
+        k,
+        |a, v| a + v,
+        |b, g| {
+            let bi = b.let_(&cx.fresh("bi"), g.clone() / ix(m * n));
+            let mi = b.let_(&cx.fresh("mi"), (g.clone() / ix(n)) % ix(m));
+            let ni = b.let_(&cx.fresh("ni"), g % ix(n));
+            let a0 = b.let_(&cx.fresh("a0"), super::strided_index(&bi, batch, &sa, 0) + mi * ix(am));
+            let b0 = b.let_(&cx.fresh("b0"), super::strided_index(&bi, batch, &sb, 0) + ni * ix(bn));
+            (a0, b0)
+        },
+        |_, (a0, b0), j| x.load(a0.clone() + j.clone() * ix(ak)) * y.load(b0.clone() + j * ix(bk)),
+        |acc| acc,
+    );
 }
 
 /// out[p, j, r] = x[p, idx[p, j], r] (`ir::exec::movement::gather`).

@@ -38,7 +38,7 @@ use thiserror::Error;
 
 use crate::kernel::{
     f32, f64, i32, i64, item, lane, select, Access, Block, Buf, Expr, Grid, Kernel, KernelBuilder,
-    KernelError, Ty,
+    KernelError, Ty, Unroll,
 };
 
 /// Where a Plan's kernels run: it bounds the per-item scratch of fused kernels.
@@ -251,8 +251,7 @@ pub(crate) fn fold(
     f: impl Fn(&mut Block, Expr) -> Expr,
 ) -> Expr {
     let acc = b.var(&names.fresh("acc"), init);
-    let width = [WIDE_FOLD_LANES, FOLD_LANES].into_iter().find(|&w| n >= 4 * w && n.is_multiple_of(w));
-    if let Some(width) = width {
+    if let Some(width) = fold_width(n) {
         // One variable per lane, not an array: GCC keeps a local array in
         // memory across the loop (a store-to-load chain per step) but packs
         // the lane variables into one vector register.
@@ -278,6 +277,77 @@ pub(crate) fn fold(
         b.assign(&a, op(a.clone(), v));
     });
     acc
+}
+
+/// The lanes [`fold`] splits a fold of `n` elements into, `None` for a serial fold.
+fn fold_width(n: usize) -> Option<usize> {
+    [WIDE_FOLD_LANES, FOLD_LANES].into_iter().find(|&w| n >= 4 * w && n.is_multiple_of(w))
+}
+
+/// Most lane partials [`fold_rows`] keeps (16 KiB of f32 with its pair levels).
+const FOLD_ROWS_PARTIALS: usize = 2048;
+
+/// [`fold`] of `rows` rows of `n` elements at once (C target): `f(row(r), j)`
+/// is element `j` of local row `r`, where `row` emits what a row's elements
+/// share (its offsets). Returns a local array whose element `row`
+/// combines that row's lanes pairwise; `op(init, it)` is then bitwise the row's
+/// [`fold`].
+///
+/// Why: an item holding many short rows (VWN's per-segment means and its
+/// `[m, 4] x [4, n]` dot products over C/m = 64, MATH.md §5.3) folded them one
+/// row at a time, and GCC vectorized that loop across rows, reading each lane
+/// of each row with a permute: 40 % of the kernel. Here the lanes of all rows
+/// sit in one array, row-major, so every lane step is a contiguous vector op
+/// (its loop kept a loop, [`Unroll::Never`], or GCC vectorizes across rows
+/// again), and each pairwise level (`next[i] = op(part[2i], part[2i+1])`, the pairs
+/// [`pairwise`] takes) is one even/odd shuffle per vector over all rows.
+/// `None` when [`fold`] would fold serially, for a single row, or past
+/// [`FOLD_ROWS_PARTIALS`].
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn fold_rows<R>(
+    names: &Names,
+    b: &mut Block,
+    ty: Ty,
+    rows: usize,
+    n: usize,
+    op: impl Fn(Expr, Expr) -> Expr,
+    row: impl Fn(&mut Block, Expr) -> R,
+    f: impl Fn(&mut Block, &R, Expr) -> Expr,
+) -> Option<Buf> {
+    let width = fold_width(n)?;
+    if rows < 2 || rows * width > FOLD_ROWS_PARTIALS {
+        return None;
+    }
+    let part = b.local_array(&names.fresh("part"), ty, rows * width);
+    let lane_index = |r: &Expr, w: Expr| r.clone() * ix(width) + w;
+    b.for_(&names.fresh("r"), ix(0), ix(rows), |b, r| {
+        let at_row = row(b, r.clone());
+        b.for_vector(&names.fresh("w"), ix(0), ix(width), |b, w| {
+            let v = f(b, &at_row, w.clone());
+            b.store(&part, lane_index(&r, w), v);
+        });
+    });
+    b.for_(&names.fresh("jb"), ix(1), ix(n / width), |b, jb| {
+        b.for_(&names.fresh("r"), ix(0), ix(rows), |b, r| {
+            let at_row = row(b, r.clone());
+            b.for_vector(&names.fresh("w"), ix(0), ix(width), |b, w| {
+                let v = f(b, &at_row, jb.clone() * ix(width) + w.clone());
+                let at = lane_index(&r, w);
+                b.store(&part, at.clone(), op(part.at(at), v));
+            });
+        });
+    });
+    let (mut level, mut lanes) = (part, width);
+    while lanes > 1 {
+        lanes /= 2;
+        let next = b.local_array(&names.fresh("pairs"), ty, rows * lanes);
+        b.for_(&names.fresh("i"), ix(0), ix(rows * lanes), |b, i| {
+            let v = op(level.at(i.clone() * ix(2)), level.at(i.clone() * ix(2) + ix(1)));
+            b.store(&next, i, v);
+        });
+        level = next;
+    }
+    Some(level)
 }
 
 /// [`fold`] over a run-time length `n` (causal attention rows, whose length is
@@ -813,6 +883,7 @@ pub fn lower_fused(
     n: usize,
     res: &dyn Residency,
     name: &str,
+    target: Target,
 ) -> Result<Launch, EmitError> {
     let mut k = KernelBuilder::new(name, grid(n));
     let mut r = Reader::new(graph);
@@ -844,7 +915,8 @@ pub fn lower_fused(
             let arr = k.local_array(&format!("loc{}", id.index()), Ty::of_storage(node.dtype), per.max(1));
             Sink::Local { arr, per }
         };
-        let cx = item::ItemOp { names: &names, id, node, in_dims: &in_dims, ins: &ins, sink: &sink, per };
+        let cx =
+            item::ItemOp { names: &names, id, node, in_dims: &in_dims, ins: &ins, sink: &sink, per, target };
         item::emit(&mut k, &cx)?;
         if !node.op.is_view() && !matches!(node.op, Op::Constant { .. }) {
             r.vals.insert(id, sink.val());
@@ -904,7 +976,7 @@ fn lower_block_reduce(
     let row0 = k.let_("row0", item() / ix(inner) * ix(n * inner) + item() % ix(inner));
     let part = k.var("part", lit(ty, 0.0));
     let sum = part.clone();
-    k.for_step("j", lane(), ix(n), i64::from(lanes), false, |b, j| {
+    k.for_step("j", lane(), ix(n), i64::from(lanes), Unroll::Auto, |b, j| {
         b.assign(&sum, sum.clone() + x.load(row0 + j * ix(inner)));
     });
     let total = k.block_reduce("total", crate::kernel::ReduceOp::Sum, part);

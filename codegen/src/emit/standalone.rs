@@ -9,7 +9,9 @@ use super::{
     grid, ix, lit, shift_maximum, Arg, EmitError, GemmCall, Kb, Launch, Lowering, Names, Reader, Target,
     Temps, Val, Work,
 };
-use crate::kernel::{i64, item, lane, select, Access, Block, Buf, Expr, Grid, KernelBuilder, ReduceOp, Ty};
+use crate::kernel::{
+    i64, item, lane, select, Access, Block, Buf, Expr, Grid, KernelBuilder, ReduceOp, Ty, Unroll,
+};
 
 /// ε_abs of the Gram–Schmidt guard (MATH.md §6.5 DECISION; `ir::exec` uses the same).
 const GS_EPS_ABS: f64 = 1e-20;
@@ -304,7 +306,7 @@ fn cross_entropy(graph: &Graph, id: NodeId, name: &str) -> Result<Lowering, Emit
     let first = k.let_("first", item() * ix(rows) / ix(blocks));
     let last = k.let_("last", (item() + i64(1)) * ix(rows) / ix(blocks));
     let part = k.var("part", lit(ty, 0.0));
-    k.for_step("row", first + lane(), last, i64::from(LOSS_THREADS), false, |b, row| {
+    k.for_step("row", first + lane(), last, i64::from(LOSS_THREADS), Unroll::Auto, |b, row| {
         let base = b.let_("base", row.clone() * ix(v));
         // Both folds in interleaved lanes (a serial sum kept every exponential
         // scalar); the maximum only shifts them (see `shift_maximum`).

@@ -5,7 +5,7 @@ use std::ops::{Deref, DerefMut};
 
 use ir::DType;
 
-use super::{Access, Buf, Expr, Grid, Kernel, Param, ReduceOp, Stmt, Ty};
+use super::{Access, Buf, Expr, Grid, Kernel, Param, ReduceOp, Stmt, Ty, Unroll};
 
 /// A list of statements under construction (a kernel body, a loop body or an
 /// `if` branch).
@@ -90,7 +90,7 @@ impl Block {
         end: impl Into<Expr>,
         f: impl FnOnce(&mut Block, Expr),
     ) {
-        self.for_step(name, start, end, 1, false, f);
+        self.for_step(name, start, end, 1, Unroll::Auto, f);
     }
 
     /// Like [`Block::for_`], asking the compiler to unroll the loop.
@@ -101,7 +101,19 @@ impl Block {
         end: impl Into<Expr>,
         f: impl FnOnce(&mut Block, Expr),
     ) {
-        self.for_step(name, start, end, 1, true, f);
+        self.for_step(name, start, end, 1, Unroll::Full, f);
+    }
+
+    /// Like [`Block::for_`] over one vector's lanes, kept a loop
+    /// ([`Unroll::Never`]).
+    pub fn for_vector(
+        &mut self,
+        name: &str,
+        start: impl Into<Expr>,
+        end: impl Into<Expr>,
+        f: impl FnOnce(&mut Block, Expr),
+    ) {
+        self.for_step(name, start, end, 1, Unroll::Never, f);
     }
 
     /// The general loop: `step` must be positive.
@@ -111,7 +123,7 @@ impl Block {
         start: impl Into<Expr>,
         end: impl Into<Expr>,
         step: i64,
-        unroll: bool,
+        unroll: Unroll,
         f: impl FnOnce(&mut Block, Expr),
     ) {
         let var = Expr::Var { name: name.into(), ty: Ty::I64 };

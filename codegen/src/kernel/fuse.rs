@@ -22,7 +22,7 @@
 
 use std::collections::HashSet;
 
-use super::{collect_refs, each_expr, expr_refs, rewrite_stmts, BinOp, Buf, Expr, Kernel, Stmt};
+use super::{collect_refs, each_expr, expr_refs, rewrite_stmts, BinOp, Buf, Expr, Kernel, Stmt, Unroll};
 
 /// Applies the three rewrites to a thread-per-item kernel (block-per-item kernels
 /// split their bodies at barriers and keep their shape).
@@ -46,7 +46,7 @@ pub fn fuse_loops(mut kernel: Kernel) -> Kernel {
 /// (no nested control flow, no accumulation): the shape the item emitter gives
 /// elementwise ops.
 fn elementwise_len(s: &Stmt) -> Option<i64> {
-    let Stmt::For { start, end, step: 1, unroll: false, body, .. } = s else { return None };
+    let Stmt::For { start, end, step: 1, unroll: Unroll::Auto, body, .. } = s else { return None };
     let zero = matches!(start, Expr::I64(0) | Expr::I32(0));
     let simple = body.iter().all(|s| matches!(s, Stmt::Let { .. } | Stmt::Store { .. } | Stmt::Comment(_)));
     match end {

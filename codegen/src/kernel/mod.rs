@@ -205,14 +205,14 @@ pub enum Stmt {
         index: Expr,
         value: Expr,
     },
-    /// `for (int64_t var = start; var < end; var += step)`; `unroll` asks the
-    /// compiler to unroll it (small stream/segment axes, DESIGN.md §5).
+    /// `for (int64_t var = start; var < end; var += step)`; `unroll` is what
+    /// the compiler is asked to do with it.
     For {
         var: String,
         start: Expr,
         end: Expr,
         step: i64,
-        unroll: bool,
+        unroll: Unroll,
         body: Vec<Stmt>,
     },
     If {
@@ -231,6 +231,21 @@ pub enum Stmt {
     /// Block-per-item only, top level only: all lanes finish the statements
     /// before it before any lane starts the statements after it.
     Barrier,
+}
+
+/// What a loop asks of the compiler's unrolling (a pragma before the loop).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Unroll {
+    /// No request: the compiler decides.
+    #[default]
+    Auto,
+    /// Unroll completely (small stream/segment axes, DESIGN.md §5).
+    Full,
+    /// Keep it a loop: a loop over one vector's lanes, which the compiler
+    /// then vectorizes as the innermost loop. Unrolled into the enclosing
+    /// loop's body, GCC vectorized the enclosing loop instead, reading each
+    /// lane with a permute ([`crate::emit`]'s folds of many rows at once).
+    Never,
 }
 
 /// One kernel: the unit the renderers print and the runtime launches.

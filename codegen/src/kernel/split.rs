@@ -23,7 +23,9 @@
 
 use std::collections::{HashSet, VecDeque};
 
-use super::{collect_refs, each_expr, rewrite_stmts, simplify_indices, BinOp, CmpOp, Expr, Kernel, Stmt, Ty};
+use super::{
+    collect_refs, each_expr, rewrite_stmts, simplify_indices, BinOp, CmpOp, Expr, Kernel, Stmt, Ty, Unroll,
+};
 
 /// Candidate divisors tried per loop, largest first.
 const MAX_DIVISORS: usize = 6;
@@ -236,7 +238,7 @@ fn strip_mine(s: &Stmt, c: i64, outer: &str, inner: &str) -> Vec<Stmt> {
         start: int(ty, 0),
         end: int(ty, c),
         step: 1,
-        unroll: false,
+        unroll: Unroll::Auto,
         body,
     };
     vec![Stmt::For {
@@ -244,7 +246,7 @@ fn strip_mine(s: &Stmt, c: i64, outer: &str, inner: &str) -> Vec<Stmt> {
         start: int(ty, 0),
         end: int(ty, trips / c),
         step: 1,
-        unroll: false,
+        unroll: Unroll::Auto,
         body: vec![inner_loop],
     }]
 }

@@ -3,7 +3,9 @@
 
 #![allow(dead_code)]
 
-use codegen::kernel::{f32, i64, item, lane, select, Access, Grid, Kernel, KernelBuilder, ReduceOp, Ty};
+use codegen::kernel::{
+    f32, i64, item, lane, select, Access, Grid, Kernel, KernelBuilder, ReduceOp, Ty, Unroll,
+};
 use ir::DType;
 
 pub const ROWS: usize = 5;
@@ -159,18 +161,18 @@ pub fn softmax() -> Kernel {
     let base = k.let_("base", item() * i64(SM_D as i64));
     let own = k.let_("own", x.at(&base + lane()));
     let mx = k.var("mx", f32(f32::NEG_INFINITY));
-    k.for_step("j", lane(), i64(SM_D as i64), t, false, |b, j| {
+    k.for_step("j", lane(), i64(SM_D as i64), t, Unroll::Auto, |b, j| {
         b.assign(&mx, mx.clone().max(x.at(&base + &j)))
     });
     let m = k.block_reduce("m", ReduceOp::Max, mx);
     let sum = k.var("sum", f32(0.0));
-    k.for_step("j", lane(), i64(SM_D as i64), t, false, |b, j| {
+    k.for_step("j", lane(), i64(SM_D as i64), t, Unroll::Auto, |b, j| {
         b.assign(&sum, &sum + (x.at(&base + &j) - &m).exp());
     });
     let total = k.block_reduce("total", ReduceOp::Sum, sum);
     k.store(&centered, item() * t + lane(), &own - &m);
     k.barrier();
-    k.for_step("j", lane(), i64(SM_D as i64), t, false, |b, j| {
+    k.for_step("j", lane(), i64(SM_D as i64), t, Unroll::Auto, |b, j| {
         b.store(&y, &base + &j, (x.at(&base + &j) - &m).exp() / &total);
     });
     k.finish()

@@ -13,7 +13,7 @@
 //! the binary must run bit for bit the Plan that was compiled.
 
 use codegen::kernel::{
-    Access, BinOp, Buf, CmpOp, Expr, Grid, Kernel, MathFn, Param, ReduceOp, Stmt, Ty, UnOp,
+    Access, BinOp, Buf, CmpOp, Expr, Grid, Kernel, MathFn, Param, ReduceOp, Stmt, Ty, UnOp, Unroll,
 };
 use codegen::plan::{BufferDecl, BufferId, BufferRole, Gemm, Plan, Step};
 use ir::DType;
@@ -261,6 +261,14 @@ enum ReduceOpDef {
 }
 
 #[derive(Serialize, Deserialize)]
+#[serde(remote = "Unroll")]
+enum UnrollDef {
+    Auto,
+    Full,
+    Never,
+}
+
+#[derive(Serialize, Deserialize)]
 #[serde(remote = "Stmt")]
 enum StmtDef {
     Let {
@@ -311,7 +319,8 @@ enum StmtDef {
         #[serde(with = "ExprDef")]
         end: Expr,
         step: i64,
-        unroll: bool,
+        #[serde(with = "UnrollDef")]
+        unroll: Unroll,
         #[serde(with = "vec_stmt")]
         body: Vec<Stmt>,
     },
