@@ -273,10 +273,11 @@ fn has_kept_loop(stmts: &[Stmt]) -> bool {
 /// (per-segment means over C/m and `[m, 4] x [4, n]` dot products, MATH.md
 /// §5.3): on the C target an item folds all its rows at once, on the GPU one
 /// row per thread. Both must give the same bits, for 16 lanes (64-wide rows)
-/// and 8 (40-wide), and for a NaN, which the maximum propagates.
+/// and 8 (32-wide), and for a NaN, which the maximum propagates. Rows of 256
+/// (16 lane steps) stay one row at a time on both.
 #[test]
 fn rows_folded_together_match_one_row_at_a_time_bitwise() {
-    for len in [64, 40] {
+    for len in [64, 32, 256] {
         let mut g = Graph::new();
         let x = param(&mut g, "x", &[6, 16, len]);
         let w = param(&mut g, "w", &[6, 4, len]);
@@ -301,9 +302,10 @@ fn rows_folded_together_match_one_row_at_a_time_bitwise() {
         let mut results = Vec::new();
         for target in [Target::Cpu, Target::Cuda] {
             let request = Request::new(&g, Vec::new()).for_target(target);
-            let plan = check(&g, &sources, &request, &one_group(&g), 1e-5, &format!("rows {len} {target:?}"));
+            let plan = check(&g, &sources, &request, &one_group(&g), 1e-4, &format!("rows {len} {target:?}"));
             let kept = plan.kernels.iter().any(|k| has_kept_loop(&k.body));
-            assert_eq!(kept, target == Target::Cpu, "{target:?}, rows of {len}: rows folded together");
+            let together = target == Target::Cpu && len <= 64;
+            assert_eq!(kept, together, "{target:?}, rows of {len}: rows folded together");
             let outs = emit_support::run_plan(&g, &plan, &sources);
             let bits: Vec<Vec<u32>> = outputs
                 .iter()
