@@ -9,7 +9,7 @@ use codegen::kernel::Grid;
 use codegen::plan::{BufferId, BufferRole, Gemm, Plan, Step};
 use ir::DType;
 use plan_support::{data, decl, rms_rows, scale_bias};
-use runtime::device::cpu::{CpuDevice, CpuError, CpuOptions};
+use runtime::device::cpu::{CpuDevice, CpuError, CpuOptions, Profile, ProfileRows};
 use runtime::device::plan_check::PlanError;
 use std::path::PathBuf;
 
@@ -337,6 +337,34 @@ fn profile_counts_steps_by_label() {
     assert!(p.to_string().contains("scale_bias"));
     dev.set_profiling(false);
     assert!(dev.profile().is_none());
+}
+
+/// Two kernels of one op (`g<ordinal>_` names, as the compiler gives every
+/// layer's): one row by label, a row each by kernel (`WIDEN_PROFILE=kernels`).
+#[test]
+fn profile_by_kernel_keeps_the_kernels_of_one_op_apart() {
+    let cache = TempCache::new("profile-kernels");
+    let mut plan = test_plan();
+    plan.kernels[0].name = "g000_scale_bias".into();
+    let mut again = plan.kernels[0].clone();
+    again.name = "g001_scale_bias".into();
+    plan.kernels.push(again);
+    plan.steps.insert(1, Step::Kernel { kernel: 2, args: vec![X, SCALE, BIAS, H] });
+    let mut dev = load(plan, &cache, 2);
+    fill(&mut dev);
+    dev.set_profiling(true);
+    dev.run().unwrap();
+    let by_label = dev.profile().expect("profiling is on");
+    let by_kernel = dev.profile_by(ProfileRows::Kernel).expect("profiling is on");
+    let calls = |p: &Profile, label: &str| p.rows.iter().find(|r| r.label == label).map(|r| r.calls);
+    assert_eq!(calls(&by_label, "scale_bias"), Some(2));
+    assert_eq!(calls(&by_label, "g000_scale_bias"), None);
+    assert_eq!(calls(&by_kernel, "g000_scale_bias"), Some(1));
+    assert_eq!(calls(&by_kernel, "g001_scale_bias"), Some(1));
+    assert_eq!(calls(&by_kernel, "scale_bias"), None);
+    assert_eq!(calls(&by_kernel, &format!("gemm {D}x{F}x{ROWS}")), Some(2), "GEMMs still by shape");
+    let total = |p: &Profile| p.rows.iter().map(|r| r.calls).sum::<u64>();
+    assert_eq!(total(&by_kernel), total(&by_label), "the same steps, grouped otherwise");
 }
 
 #[test]

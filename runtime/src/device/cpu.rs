@@ -154,12 +154,16 @@ enum PrintProfile {
     Slowest,
     /// `WIDEN_PROFILE=all`: every label.
     All,
+    /// `WIDEN_PROFILE=kernels`: every kernel on its own row
+    /// ([`ProfileRows::Kernel`]).
+    Kernels,
 }
 
 impl PrintProfile {
     fn from_env() -> PrintProfile {
         match std::env::var_os("WIDEN_PROFILE") {
             Some(v) if v == "all" => PrintProfile::All,
+            Some(v) if v == "kernels" => PrintProfile::Kernels,
             Some(v) if !v.is_empty() && v != "0" => PrintProfile::Slowest,
             _ => PrintProfile::No,
         }
@@ -174,8 +178,21 @@ struct StepTimes {
     runs: u64,
 }
 
+/// What one row of a [`Profile`] adds up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProfileRows {
+    /// Steps with the same label: a kernel's name without its `g<ordinal>_`
+    /// prefix (the same op at every layer), `gemm MxNxK`, `zero`.
+    Label,
+    /// Each kernel by its full name, so that the launches of one kernel add
+    /// up apart from the other kernels of the same op (which of a
+    /// scheme's fused connection kernels is slow); GEMMs and zeroing as in
+    /// [`ProfileRows::Label`].
+    Kernel,
+}
+
 /// Where the time of the profiled runs went, one row per step label
-/// (a kernel's name without its ordinal, `gemm MxNxK`, `zero`), slowest first.
+/// (see [`ProfileRows`]), slowest first.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Profile {
     /// Complete runs of the launch list ([`CpuDevice::run`]) while profiling.
@@ -217,12 +234,14 @@ impl std::fmt::Display for Profile {
     }
 }
 
-/// The profile label of a step: kernel names lose their `g<ordinal>_` prefix
-/// so that the same op at every layer adds up.
-fn step_label(plan: &Plan, step: &Step) -> String {
+/// The profile label of a step (see [`ProfileRows`]).
+fn step_label(plan: &Plan, step: &Step, rows: ProfileRows) -> String {
     match step {
         Step::Kernel { kernel, .. } => {
             let name = &plan.kernels[*kernel].name;
+            if rows == ProfileRows::Kernel {
+                return name.clone();
+            }
             match name.split_once('_') {
                 Some((ord, rest)) if ord.starts_with('g') && ord[1..].bytes().all(|c| c.is_ascii_digit()) => {
                     rest.to_string()
@@ -279,7 +298,8 @@ impl CpuDevice {
     /// Turns per-step timing on (clearing what was recorded) or off. With the
     /// environment variable `WIDEN_PROFILE=1` it is on from loading, and the
     /// profile's slowest steps are printed to stderr when the device is dropped
-    /// (every step with `WIDEN_PROFILE=all`).
+    /// (every label with `WIDEN_PROFILE=all`, every kernel on its own row with
+    /// `WIDEN_PROFILE=kernels`).
     pub fn set_profiling(&mut self, on: bool) {
         let n = self.plan.steps.len();
         self.profile = on.then(|| StepTimes { time: vec![Duration::ZERO; n], calls: vec![0; n], runs: 0 });
@@ -288,11 +308,16 @@ impl CpuDevice {
     /// The time recorded since profiling was turned on, by step label, slowest
     /// first; `None` when profiling is off.
     pub fn profile(&self) -> Option<Profile> {
+        self.profile_by(ProfileRows::Label)
+    }
+
+    /// [`CpuDevice::profile`] with rows of `rows`.
+    pub fn profile_by(&self, rows_of: ProfileRows) -> Option<Profile> {
         let times = self.profile.as_ref()?;
         let mut rows: Vec<ProfileRow> = Vec::new();
         let mut at: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
         for (i, step) in self.plan.steps.iter().enumerate() {
-            let label = step_label(&self.plan, step);
+            let label = step_label(&self.plan, step, rows_of);
             let row = *at.entry(label.clone()).or_insert_with(|| {
                 rows.push(ProfileRow { label, calls: 0, seconds: 0.0 });
                 rows.len() - 1
@@ -506,10 +531,13 @@ impl CpuDevice {
 
 impl Drop for CpuDevice {
     fn drop(&mut self) {
-        match (self.print_profile, self.profile()) {
-            (PrintProfile::Slowest, Some(p)) => eprint!("{p}"),
-            (PrintProfile::All, Some(p)) => eprint!("{p:#}"),
-            _ => {}
+        match self.print_profile {
+            PrintProfile::No => {}
+            PrintProfile::Slowest => self.profile().into_iter().for_each(|p| eprint!("{p}")),
+            PrintProfile::All => self.profile().into_iter().for_each(|p| eprint!("{p:#}")),
+            PrintProfile::Kernels => {
+                self.profile_by(ProfileRows::Kernel).into_iter().for_each(|p| eprint!("{p:#}"));
+            }
         }
     }
 }
