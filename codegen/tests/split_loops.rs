@@ -8,7 +8,7 @@ use std::ffi::c_void;
 use codegen::cc::Compiler;
 use codegen::kernel::{
     f32, i64, item, select, simplify_indices, split_loops, Access, BinOp, Expr, Grid, Kernel, KernelBuilder,
-    Stmt,
+    Stmt, Ty,
 };
 use ir::DType;
 
@@ -169,6 +169,45 @@ fn loops_that_gain_nothing_are_left_alone() {
     assert_eq!(split_loops(plain.clone()), plain);
 }
 
+/// `c = x − μ[l / G]`, then `(c²)` through local rows, over a token's `4·G`
+/// elements: the centring of a group statistic as the item emitter writes it
+/// (VWN's output norm over 4 groups of 256, MATH.md §5.1), a shift per
+/// element where `G` is a power of two, and three local-array reads and
+/// writes at `l` that strip-mining turns into `lo·G + li`.
+fn group_centring(groups: usize, group: usize) -> Kernel {
+    let len = groups * group;
+    let mut k = KernelBuilder::new("centre", Grid::thread_per_item(ROWS));
+    let x = k.param("x", DType::F32, Access::Read, ROWS * len);
+    let mu = k.param("mu", DType::F32, Access::Read, ROWS * groups);
+    let y = k.param("y", DType::F32, Access::Write, ROWS * len);
+    let m = k.local_array("m", Ty::F32, groups);
+    let (c, sq) = (k.local_array("c", Ty::F32, len), k.local_array("sq", Ty::F32, len));
+    k.for_("g", i64(0), i64(groups as i64), |b, g| {
+        b.store(&m, g.clone(), mu.at(item() * i64(groups as i64) + g));
+    });
+    k.for_("l", i64(0), i64(len as i64), |b, l| {
+        let at = b.let_("at", item() * i64(len as i64) + l.clone());
+        b.store(&c, l.clone(), x.at(at.clone()) - m.at(l.clone() / i64(group as i64)));
+        let v = b.let_("v", c.at(l.clone()));
+        b.store(&sq, l.clone(), v.clone() * v);
+        b.store(&y, at, sq.at(l));
+    });
+    k.finish()
+}
+
+/// Over a loop long enough to run as several vectors a division by a power
+/// of two keeps the loop from vectorizing (the statistic read by gather), so
+/// the loop is strip-mined; over 16 elements (one vector) the division is
+/// cheaper than the longer indices and the loop is left alone.
+#[test]
+fn long_loops_lose_even_a_power_of_two_division() {
+    let split = prepared(group_centring(4, 256));
+    split.validate().expect("the split kernel is valid");
+    assert_eq!(shape(&split.body), (3, 0, 0), "{:#?}", split.body);
+    let short = simplify_indices(group_centring(4, 4));
+    assert_eq!(split_loops(short.clone()), short, "16 elements: one vector, left alone");
+}
+
 #[test]
 fn split_kernels_compute_the_same_bits() {
     let cache = std::env::temp_dir().join(format!("widen-split-test-{}", std::process::id()));
@@ -185,6 +224,8 @@ fn split_kernels_compute_the_same_bits() {
         renamed(prepared(concatenation()), "concat_split"),
         weighted_sum(),
         renamed(prepared(weighted_sum()), "wsum_split"),
+        group_centring(4, 256),
+        renamed(prepared(group_centring(4, 256)), "centre_split"),
     ];
     let lib = compiler.compile_kernels(&kernels).expect("compiles");
     let data = |n: usize, seed: usize| -> Vec<f32> {
@@ -214,6 +255,11 @@ fn split_kernels_compute_the_same_bits() {
 
     let sum_in = [data(ROWS * ROW, 7), data(SEG, 8)];
     let (plain, split) = (run("wsum", &sum_in, ROWS), run("wsum_split", &sum_in, ROWS));
+    assert!(same(&plain, &split));
+
+    let centre_in = [data(ROWS * 1024, 9), data(ROWS * 4, 10)];
+    let (plain, split) =
+        (run("centre", &centre_in, ROWS * 1024), run("centre_split", &centre_in, ROWS * 1024));
     assert!(same(&plain, &split));
     let _ = std::fs::remove_dir_all(cache);
 }

@@ -24,7 +24,8 @@
 use std::collections::{HashSet, VecDeque};
 
 use super::{
-    collect_refs, each_expr, rewrite_stmts, simplify_indices, BinOp, CmpOp, Expr, Kernel, Stmt, Ty, Unroll,
+    collect_refs, each_expr, expr_refs, rewrite_stmts, simplify_indices, BinOp, CmpOp, Expr, Kernel, Stmt,
+    Ty, Unroll,
 };
 
 /// Candidate divisors tried per loop, largest first.
@@ -33,6 +34,15 @@ const MAX_DIVISORS: usize = 6;
 const MAX_THRESHOLDS: usize = 3;
 /// The trip count assumed for a loop whose bounds are not constants.
 const UNKNOWN_TRIPS: u64 = 16;
+/// Iterations from which the loops a division changes with run as several
+/// vectors (four of 16 f32 lanes), so that what keeps them scalar weighs more.
+const LONG_LOOP: u64 = 64;
+/// The weight of a division or remainder in such a loop: strip-mining trades
+/// it for affine indices (`lo·c + li`, one more integer operation per use,
+/// which the compiler folds into the addresses anyway), and VWN's group
+/// statistics over a token's four 256-wide groups (`x[l] − μ[l / 256]`,
+/// MATH.md §5.1) stayed a 1024-iteration loop reading μ by gather at 8.
+const LONG_LOOP_DIVISION: u64 = 16;
 
 /// Applies both rewrites to a thread-per-item kernel whose indices are
 /// already simplified (block-per-item kernels keep their shape: the C
@@ -42,7 +52,7 @@ pub fn split_loops(kernel: Kernel) -> Kernel {
         return kernel;
     }
     let mut taken = names(&kernel);
-    let mut best_cost = index_cost(&kernel.body, 1);
+    let mut best_cost = index_cost(&kernel.body, 1, &mut Vec::new());
     let mut best = kernel;
     let mut work: VecDeque<String> = VecDeque::new();
     loop_vars(&best.body, &mut work);
@@ -61,7 +71,7 @@ pub fn split_loops(kernel: Kernel) -> Kernel {
         }
         let chosen = candidates
             .into_iter()
-            .map(|(k, inner)| (index_cost(&k.body, 1), k, inner))
+            .map(|(k, inner)| (index_cost(&k.body, 1, &mut Vec::new()), k, inner))
             .min_by_key(|(cost, ..)| *cost)
             .filter(|(cost, ..)| *cost < best_cost);
         if let Some((cost, k, strip_mined)) = chosen {
@@ -271,19 +281,42 @@ fn cut(s: &Stmt, cuts: &[i64]) -> Vec<Stmt> {
         .collect()
 }
 
-/// Estimated index work of `stmts` run `trips` times: every integer
-/// division or remainder (it costs a multiply-high, and it keeps the loop it
-/// sits in from vectorizing) weighs 8, a comparison or select 2, any other
-/// integer operation 1, and every loop iteration 1 for its increment and
-/// test, each multiplied by the iterations of the loops around it.
-fn index_cost(stmts: &[Stmt], trips: u64) -> u64 {
+/// A loop around the statements [`index_cost`] weighs: its iterations, and
+/// the names that change from one of its iterations to the next (its
+/// variable and the lets computed from them).
+struct Enclosing {
+    trips: u64,
+    varying: HashSet<String>,
+}
+
+/// Estimated index work of `stmts` run `trips` times inside `loops`
+/// (outermost first): every integer division or remainder (it costs a
+/// multiply-high, and it keeps the loop it sits in from vectorizing) weighs
+/// 8, or [`LONG_LOOP_DIVISION`] when the loops its dividend changes with run
+/// at least [`LONG_LOOP`] iterations together; a comparison or select 2, any
+/// other integer operation 1, and every loop iteration 1 for its increment
+/// and test, each multiplied by the iterations of the loops around it.
+fn index_cost(stmts: &[Stmt], trips: u64, loops: &mut Vec<Enclosing>) -> u64 {
     let mut total = 0u64;
     for s in stmts {
         let mut here = 0u64;
         let mut add = |e: &Expr| {
             e.visit(&mut |x| {
                 here += match x {
-                    Expr::Binary { op: BinOp::Div | BinOp::Rem, .. } => 8,
+                    Expr::Binary { op: BinOp::Div | BinOp::Rem, lhs, .. } => {
+                        let mut refs = HashSet::new();
+                        expr_refs(lhs, &mut refs);
+                        let changing: u64 = loops
+                            .iter()
+                            .filter(|l| refs.iter().any(|r| l.varying.contains(r)))
+                            .map(|l| l.trips)
+                            .product();
+                        if changing >= LONG_LOOP {
+                            LONG_LOOP_DIVISION
+                        } else {
+                            8
+                        }
+                    }
                     Expr::Binary { lhs, .. } if lhs.ty().is_int() => 1,
                     Expr::Cmp { lhs, .. } if lhs.ty().is_int() => 2,
                     Expr::Select { .. } => 2,
@@ -292,7 +325,7 @@ fn index_cost(stmts: &[Stmt], trips: u64) -> u64 {
             })
         };
         match s {
-            Stmt::For { start, end, step, body, .. } => {
+            Stmt::For { var, start, end, step, body, .. } => {
                 add(start);
                 add(end);
                 let n = match (start.int_literal(), end.int_literal()) {
@@ -303,16 +336,27 @@ fn index_cost(stmts: &[Stmt], trips: u64) -> u64 {
                 // One more for the loop's own set-up, so that cutting a loop
                 // into pieces is not free.
                 total = total.saturating_add(trips.saturating_mul(n + 1));
-                total = total.saturating_add(index_cost(body, trips.saturating_mul(n)));
+                loops.push(Enclosing { trips: n, varying: HashSet::from([var.clone()]) });
+                total = total.saturating_add(index_cost(body, trips.saturating_mul(n), loops));
+                loops.pop();
             }
             Stmt::If { cond, then, else_ } => {
                 add(cond);
-                total = total.saturating_add(index_cost(then, trips));
-                total = total.saturating_add(index_cost(else_, trips));
+                total = total.saturating_add(index_cost(then, trips, loops));
+                total = total.saturating_add(index_cost(else_, trips, loops));
             }
             other => each_expr(std::slice::from_ref(other), &mut add),
         }
         total = total.saturating_add(trips.saturating_mul(here));
+        if let Stmt::Let { var, expr, .. } = s {
+            let mut refs = HashSet::new();
+            expr_refs(expr, &mut refs);
+            for l in loops.iter_mut() {
+                if refs.iter().any(|r| l.varying.contains(r)) {
+                    l.varying.insert(var.clone());
+                }
+            }
+        }
     }
     total
 }
