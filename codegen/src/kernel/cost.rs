@@ -20,7 +20,7 @@ impl Kernel {
 
     /// Bytes of the parameters the kernel reads and of those it writes, each
     /// counted once (a read-write parameter in both; one the kernel writes
-    /// before it reads it back, [`Access::WriteThenRead`], as written only).
+    /// before it reads it back, [`super::Access::WriteThenRead`], as written only).
     pub fn param_bytes(&self) -> (usize, usize) {
         let (mut read, mut written) = (0, 0);
         for p in &self.params {
