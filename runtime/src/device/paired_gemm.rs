@@ -78,6 +78,21 @@ pub(crate) unsafe fn paired_gemm(
     accumulate: bool,
 ) {
     debug_assert!(super::sgemm::available() && suits(n) && k >= 1 && m >= 1);
+    // SAFETY: forwarded contract.
+    unsafe {
+        if super::sgemm::streams_rows(k, a, KC, STEP) {
+            paired_row_streams(m, n, k, a, b, c, accumulate);
+        } else {
+            paired_blocks(m, n, k, a, b, c, accumulate);
+        }
+    }
+}
+
+/// [`paired_gemm`] in block order: for each block of [`KC`] steps, every tile.
+///
+/// # Safety
+/// As for [`paired_gemm`].
+unsafe fn paired_blocks(m: usize, n: usize, k: usize, a: Operand, b: Operand, c: Output, accumulate: bool) {
     let layout = Layout::of(n);
     let row_major = a.cols == 1 && a.rows != 1;
     let tile_rows = 2 * if row_major { PAIRS_ROW_MAJOR } else { PAIRS };
@@ -115,30 +130,116 @@ pub(crate) unsafe fn paired_gemm(
                 }
             }
             // The rows left (all of them for an operand with neither unit
-            // stride), packed a tile at a time as rows one float apart,
-            // zero past the last.
+            // stride), packed a tile at a time.
             for i0 in (whole..m).step_by(2 * PAIRS) {
-                let live = (2 * PAIRS).min(m - i0);
-                for p in 0..kc {
-                    for r in 0..2 * PAIRS {
-                        // SAFETY: row i0 + r < m, step p0 + p of a; slot p·16 + r of the tile packing.
-                        unsafe {
-                            *pa.add(p * 2 * PAIRS + r) = if r < live {
-                                *a.ptr.add((i0 + r) * a.rows + (p0 + p) * a.cols)
-                            } else {
-                                0.0
-                            };
-                        }
-                    }
-                }
-                // SAFETY: the packed tile holds kc steps of 2·PAIRS rows; rows below m of c.
+                // SAFETY: rows i0.. of a and c, the packed block of steps p0...
+                unsafe { packed_tile(a, (i0, m), (p0, kc), pa, pb, layout, c, accumulate) };
+            }
+        }
+    });
+}
+
+/// [`paired_gemm`] in row order ([`super::sgemm::streams_rows`]): all of `b`
+/// packed once, then each tile of row pairs through every block of [`KC`]
+/// steps, its rows of `c` accumulating block after block, prefetching the
+/// tile's next block (or the next tile's first) while it computes one.
+///
+/// # Safety
+/// As for [`paired_gemm`], with a row-major `a`.
+unsafe fn paired_row_streams(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: Operand,
+    b: Operand,
+    c: Output,
+    accumulate: bool,
+) {
+    let layout = Layout::of(n);
+    let tile_rows = 2 * PAIRS_ROW_MAJOR;
+    let b_floats = k.div_ceil(KC) * KC * STEP;
+    PACKED.with_borrow_mut(|packed| {
+        packed.resize(b_floats + KC * 2 * PAIRS, 0.0);
+        let (pb, pa) = packed.split_at_mut(b_floats);
+        let (pb, pa) = (pb.as_mut_ptr(), pa.as_mut_ptr());
+        for p0 in (0..k).step_by(KC) {
+            // SAFETY: steps p0.. of b; block p0 / KC of the packing.
+            unsafe { pack_b(b, p0, KC.min(k - p0), layout, pb.add(p0 * STEP)) };
+        }
+        let whole = m / tile_rows * tile_rows;
+        for i0 in (0..whole).step_by(tile_rows) {
+            for p0 in (0..k).step_by(KC) {
+                let next = if p0 + KC < k {
+                    a.ptr.wrapping_add(i0 * a.rows + p0 + KC)
+                } else if i0 + tile_rows < whole {
+                    a.ptr.wrapping_add((i0 + tile_rows) * a.rows)
+                } else {
+                    std::ptr::null()
+                };
+                // SAFETY: rows i0..i0 + tile_rows and steps p0.. of a; the
+                // tile's rows of c are below m.
                 unsafe {
-                    let out = (c.ptr.add(i0 * c.ldc), c.ldc, live, load_c);
-                    tile::<PAIRS>(kc, (pa.cast_const(), 1, 2 * PAIRS), std::ptr::null(), pb, layout, out)
+                    let first = a.ptr.add(i0 * a.rows + p0);
+                    let out = (c.ptr.add(i0 * c.ldc), c.ldc, tile_rows, accumulate || p0 > 0);
+                    let kc = KC.min(k - p0);
+                    tile::<PAIRS_ROW_MAJOR>(kc, (first, a.rows, 1), next, pb.add(p0 * STEP), layout, out);
+                }
+            }
+        }
+        for i0 in (whole..m).step_by(2 * PAIRS) {
+            for p0 in (0..k).step_by(KC) {
+                // SAFETY: rows i0.. of a and c, block p0 / KC of the packed b.
+                unsafe {
+                    packed_tile(
+                        a,
+                        (i0, m),
+                        (p0, KC.min(k - p0)),
+                        pa,
+                        pb.add(p0 * STEP),
+                        layout,
+                        c,
+                        accumulate,
+                    )
                 };
             }
         }
     });
+}
+
+/// Rows `i0..` (at most `2 * PAIRS`, below `m`) of `c (=|+=)` steps
+/// `p0..p0 + kc` of `a` times the packed block `pb`: the rows of `a` packed
+/// into `pa` first as rows one float apart, zero past the last, for an
+/// operand with neither unit stride or a ragged last tile.
+///
+/// # Safety
+/// Those rows and steps are inside `a`, the rows inside `c`; `pa` holds
+/// `KC * 2 * PAIRS` floats, `pb` `kc` packed steps.
+#[allow(clippy::too_many_arguments)]
+unsafe fn packed_tile(
+    a: Operand,
+    (i0, m): (usize, usize),
+    (p0, kc): (usize, usize),
+    pa: *mut f32,
+    pb: *const f32,
+    layout: Layout,
+    c: Output,
+    accumulate: bool,
+) {
+    let live = (2 * PAIRS).min(m - i0);
+    for p in 0..kc {
+        for r in 0..2 * PAIRS {
+            // SAFETY: row i0 + r < m, step p0 + p of a; slot p·16 + r of the tile packing.
+            unsafe {
+                *pa.add(p * 2 * PAIRS + r) =
+                    if r < live { *a.ptr.add((i0 + r) * a.rows + (p0 + p) * a.cols) } else { 0.0 };
+            }
+        }
+    }
+    // SAFETY: the packed tile holds kc steps of 2·PAIRS rows; rows below m of c.
+    unsafe {
+        let out = (c.ptr.add(i0 * c.ldc), c.ldc, live, accumulate || p0 > 0);
+        tile::<PAIRS>(kc, (pa.cast_const(), 1, 2 * PAIRS), std::ptr::null(), pb, layout, out)
+    };
 }
 
 /// Packs steps `p0..p0 + kc` of `b` in the three-vector layout of
@@ -345,6 +446,39 @@ mod tests {
                     paired_gemm(m, n, k, a, b, c, acc)
                 });
             }
+        }
+    }
+
+    /// Row-major products over several contraction blocks walk each tile's
+    /// rows whole: the same bits as block order (whole tiles, a ragged last
+    /// tile, a ragged last block) and the same values as an f64 loop.
+    #[test]
+    fn row_order_gives_the_bits_of_block_order() {
+        if !super::super::sgemm::available() {
+            println!("skipped: this host has no AVX-512F, the Cpu device uses the gemm crate");
+            return;
+        }
+        for (case, &(m, n, k)) in [(37, 20, 600), (24, 24, 1024), (5, 17, 257)].iter().enumerate() {
+            let row_major = Operand { ptr: std::ptr::null(), rows: k, cols: 1 };
+            assert!(super::super::sgemm::streams_rows(k, row_major, KC, STEP), "{m}x{n}x{k} streams rows");
+            for accumulate in [false, true] {
+                let [rows, blocks] = triple_loop::both_orders(
+                    case as u64,
+                    (m, n, k),
+                    accumulate,
+                    [&|a, b, c, acc| unsafe { paired_gemm(m, n, k, a, b, c, acc) }, &|a, b, c, acc| unsafe {
+                        paired_blocks(m, n, k, a, b, c, acc)
+                    }],
+                );
+                assert!(rows == blocks, "{m}x{n}x{k} accumulate={accumulate}: the orders differ");
+            }
+            triple_loop::check(
+                case as u64,
+                (m, n, k),
+                (false, false, true),
+                (n + 5, false),
+                |a, b, c, acc| unsafe { paired_gemm(m, n, k, a, b, c, acc) },
+            );
         }
     }
 }

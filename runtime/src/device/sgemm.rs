@@ -118,6 +118,49 @@ pub(crate) unsafe fn sgemm(
     accumulate: bool,
 ) {
     debug_assert!(available() && k >= 1);
+    // SAFETY: forwarded contract.
+    unsafe {
+        if n <= NR && streams_rows(k, a, KC, NR) {
+            sgemm_row_streams(m, n, k, a, b, c, accumulate);
+        } else {
+            sgemm_blocks(m, n, k, a, b, c, accumulate);
+        }
+    }
+}
+
+/// Floats of packed `b` a product may hold at once to walk its rows whole
+/// ([`streams_rows`]): 512 KiB, half of the L2 of the hosts this runs on,
+/// where it stays while the rows stream past.
+const ROW_STREAMS_MAX_PACKED_B: usize = 1 << 17;
+
+/// Whether a product under a single column tile walks each tile's rows of
+/// `a` through every contraction block before the next tile
+/// ([`sgemm_row_streams`], and the same order in [`super::paired_gemm`])
+/// instead of every tile through one block at a time: for a row-major `a`
+/// read in place whose rows span several blocks of `block` steps (a router
+/// or coefficient projection over a whole expanded state, MATH.md §4.3,
+/// §6.2: `2048 x 32 x 4096` for xHC), with all of `b`, `packed_step` floats a
+/// step, within [`ROW_STREAMS_MAX_PACKED_B`].
+///
+/// Why: in block order each tile reads one block's stretch of its rows (1 KiB
+/// of a 16 KiB row) and jumps to the next tile, so every row is a string of
+/// short streams the hardware prefetcher keeps losing, and prefetching the
+/// next tile's stretch did not help (xHC's router projections 11.3-12.3 ms a
+/// step → 12.7-14.4). Row by row, each of a tile's rows is one long
+/// sequential stream, and while it computes one block the tile prefetches
+/// its next (11.2-12.3 → 10.0-11.0 ms a step, and mHC's `2048 x 24 x 1024`
+/// projections 2.65-3.06 → 2.46-2.52). Each element still adds its blocks in
+/// order, so the result is the same bits.
+pub(crate) fn streams_rows(k: usize, a: Operand, block: usize, packed_step: usize) -> bool {
+    let row_major = a.cols == 1 && a.rows > 1;
+    row_major && k > block && k.div_ceil(block) * block * packed_step <= ROW_STREAMS_MAX_PACKED_B
+}
+
+/// [`sgemm`] in block order: for each block of `KC` steps, every tile.
+///
+/// # Safety
+/// As for [`sgemm`].
+unsafe fn sgemm_blocks(m: usize, n: usize, k: usize, a: Operand, b: Operand, c: Output, accumulate: bool) {
     let a_lines = MC * KC / 16;
     let b_lines = NC.min(n.div_ceil(NR) * NR) * KC / 16;
     // Whole `MR`-row slivers of `a` are read in place, unpacked: a
@@ -223,6 +266,81 @@ pub(crate) unsafe fn sgemm(
     if c.stream {
         // Non-temporal stores are weakly ordered: make them visible before the
         // pool's completion flag tells other threads to read `c`.
+        #[cfg(target_arch = "x86_64")]
+        unsafe {
+            _mm_sfence()
+        };
+    }
+}
+
+/// [`sgemm`] in row order ([`streams_rows`]): all of `b` packed once, then
+/// each `MR`-row sliver of `a` through every block of `KC` steps, the tile
+/// of `c` accumulating block after block; while it computes one block the
+/// micro-kernel prefetches the sliver's next block (or the next sliver's
+/// first). A ragged last sliver is packed block by block.
+///
+/// # Safety
+/// As for [`sgemm`], with `n <= NR` and a row-major `a`.
+unsafe fn sgemm_row_streams(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: Operand,
+    b: Operand,
+    c: Output,
+    accumulate: bool,
+) {
+    let b_floats = k.div_ceil(KC) * KC * NR;
+    PACKED.with_borrow_mut(|packed| {
+        let lines = (b_floats + MR * KC) / 16;
+        if packed.len() < lines {
+            packed.resize(lines, Line([0.0; 16]));
+        }
+        let pb = packed.as_mut_ptr().cast::<f32>();
+        // SAFETY: the packing holds b_floats for b, then one sliver of KC steps.
+        let pa = unsafe { pb.add(b_floats) };
+        for pc in (0..k).step_by(KC) {
+            // SAFETY: steps pc.. of b (caller); block pc / KC of the packing.
+            unsafe { pack_b(b, pc, 0, KC.min(k - pc), n, pb.add(pc * NR)) };
+        }
+        let whole = m / MR * MR;
+        for ir in (0..m).step_by(MR) {
+            let rows = MR.min(m - ir);
+            // SAFETY: row ir of c is below m.
+            let tile = Output { ptr: unsafe { c.ptr.add(ir * c.ldc) }, ..c };
+            for pc in (0..k).step_by(KC) {
+                let kc = KC.min(k - pc);
+                let load_c = accumulate || pc > 0;
+                // SAFETY: block pc / KC of the packed b.
+                let b_sliver = unsafe { pb.add(pc * NR) };
+                if ir < whole {
+                    // SAFETY: rows ir.., step pc of a.
+                    let sliver = Operand { ptr: unsafe { a.ptr.add(ir * a.rows + pc) }, ..a };
+                    // A prefetch never faults: no bounds to keep.
+                    let prefetch = if pc + KC < k {
+                        a.ptr.wrapping_add(ir * a.rows + pc + KC)
+                    } else if ir + MR < whole {
+                        a.ptr.wrapping_add((ir + MR) * a.rows)
+                    } else {
+                        std::ptr::null()
+                    };
+                    // SAFETY: MR rows of kc steps of a, kc packed steps of b,
+                    // the tile clipped to c's rows and n columns.
+                    unsafe { micro_kernel::<false>(kc, sliver, b_sliver, tile, rows, n, load_c, prefetch) };
+                } else {
+                    // SAFETY: the ragged rows' block fits the sliver after b.
+                    unsafe { pack_a(a, ir, pc, rows, kc, pa) };
+                    let sliver = Operand { ptr: pa, rows: 1, cols: MR };
+                    // SAFETY: as above, with the packed sliver.
+                    unsafe {
+                        micro_kernel::<true>(kc, sliver, b_sliver, tile, rows, n, load_c, std::ptr::null())
+                    };
+                }
+            }
+        }
+    });
+    if c.stream {
+        // As in `sgemm_blocks`: make the non-temporal stores visible.
         #[cfg(target_arch = "x86_64")]
         unsafe {
             _mm_sfence()
@@ -523,6 +641,29 @@ pub(crate) mod triple_loop {
             .collect()
     }
 
+    /// The bits of `c` after each of two products of shape `m x n x k` with
+    /// a row-major `a` and `b`, from the same start (accumulating into it
+    /// when `accumulate`), for orders of the sums that must agree exactly.
+    pub(crate) fn both_orders(
+        seed: u64,
+        (m, n, k): (usize, usize, usize),
+        accumulate: bool,
+        orders: [&dyn Fn(Operand, Operand, Output, bool); 2],
+    ) -> [Vec<u32>; 2] {
+        let (a, b) = (values(m * k, seed * 5 + 1), values(k * n, seed * 5 + 2));
+        let start = values(m * n, seed * 5 + 3);
+        orders.map(|product| {
+            let mut c = start.clone();
+            product(
+                Operand { ptr: a.as_ptr(), rows: k, cols: 1 },
+                Operand { ptr: b.as_ptr(), rows: n, cols: 1 },
+                Output { ptr: c.as_mut_ptr(), ldc: n, stream: false },
+                accumulate,
+            );
+            c.iter().map(|v| v.to_bits()).collect()
+        })
+    }
+
     /// One product of shape `m x n x k` with operands in the given layouts,
     /// computed by `product(a, b, c, accumulate)` into a line-aligned `c` of
     /// row length `ldc` (streamed if `stream`), against an f64 triple loop;
@@ -610,5 +751,43 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// Products whose row-major rows span several contraction blocks under
+    /// one column tile walk each tile's rows whole ([`streams_rows`]): the
+    /// same bits as block order, ragged last sliver and block included, and
+    /// the same values as an f64 loop.
+    #[test]
+    fn row_order_gives_the_bits_of_block_order() {
+        if !available() {
+            println!("skipped: this host has no AVX-512F, the Cpu device uses the gemm crate");
+            return;
+        }
+        for (case, &(m, n, k)) in [(45, 32, 1000), (28, 7, 513), (3, 32, 2 * KC)].iter().enumerate() {
+            let row_major = Operand { ptr: std::ptr::null(), rows: k, cols: 1 };
+            assert!(n <= NR && streams_rows(k, row_major, KC, NR), "{m}x{n}x{k} streams rows");
+            for accumulate in [false, true] {
+                let [rows, blocks] = triple_loop::both_orders(
+                    case as u64,
+                    (m, n, k),
+                    accumulate,
+                    [&|a, b, c, acc| unsafe { sgemm(m, n, k, a, b, c, acc) }, &|a, b, c, acc| unsafe {
+                        sgemm_blocks(m, n, k, a, b, c, acc)
+                    }],
+                );
+                assert!(rows == blocks, "{m}x{n}x{k} accumulate={accumulate}: the orders differ");
+            }
+            triple_loop::check(
+                case as u64,
+                (m, n, k),
+                (false, false, true),
+                (n + 3, false),
+                |a, b, c, acc| unsafe { sgemm(m, n, k, a, b, c, acc) },
+            );
+        }
+        // Past the packing bound, or with a column-major a, block order stays.
+        let long = Operand { ptr: std::ptr::null(), rows: 8192, cols: 1 };
+        assert!(!streams_rows(8192, long, KC, NR));
+        assert!(!streams_rows(1000, Operand { ptr: std::ptr::null(), rows: 1, cols: 45 }, KC, NR));
     }
 }
