@@ -508,6 +508,41 @@ fn temporal_augment_and_its_gradients() {
     }
 }
 
+/// The causal convolutions of the temporal augmentation and their input
+/// gradient sum each channel's taps in strips of 16 channels held in
+/// variables where a row is whole strips (C = 32), in a local row otherwise
+/// (C = 20): both add the same taps in the same order from 0 as the
+/// reference's f32 loop (MATH.md §6.5), so without Gram–Schmidt the outputs
+/// are its bits. Kernels of 12 taps over 14 tokens cover the truncated taps
+/// at the start of each sequence.
+#[test]
+fn temporal_convolutions_give_the_reference_bits_in_strips_and_rows() {
+    for c in [32, 20] {
+        let mut g = Graph::new();
+        let out = param(&mut g, "out", &[2, 14, c]);
+        let w1 = param(&mut g, "w1", &[4, c]);
+        let w2 = param(&mut g, "w2", &[12, c]);
+        let dy = param(&mut g, "dy", &[2, 14, 2, c]);
+        let y = add(&mut g, Op::TemporalAugment { gram_schmidt: false, eps_rel: 1e-3 }, &[out, w1, w2]);
+        g.set_output("y", y);
+        let op = Op::TemporalAugmentGrad { gram_schmidt: false, eps_rel: 1e-3, wrt: 0 };
+        let dout = add(&mut g, op, &[out, w1, w2, dy]);
+        g.set_output("dout", dout);
+        let sources = Sources::random(&g, &mut Rng::new(c as u64), 1.0, &|_, n| vec![0; n]);
+        let request = Request::new(&g, Vec::new());
+        let plan =
+            check(&g, &sources, &request, &one_op_per_group(&g), 1e-5, &format!("convolutions, C = {c}"));
+        let outs = emit_support::run_plan(&g, &plan, &sources);
+        let want = ir::exec::run::<f32>(&g, &sources.values, &[y, dout]).expect("reference");
+        for (name, id) in [("y", y), ("dout", dout)] {
+            let buf = plan.find(&BufferRole::Output { name: name.into() }).expect("output buffer");
+            let Value::Float(t) = &want[&id] else { panic!("{name} is a float") };
+            let same = outs[buf.0].as_f32().iter().zip(&t.data).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "C = {c}: {name} differs from the reference's bits");
+        }
+    }
+}
+
 #[test]
 fn fused_rms_norm_mul_add_chain_is_one_kernel() {
     let mut g = Graph::new();
