@@ -458,27 +458,11 @@ mod tests {
             println!("skipped: this host has no AVX-512F, the Cpu device uses the gemm crate");
             return;
         }
-        for (case, &(m, n, k)) in [(37, 20, 600), (24, 24, 1024), (5, 17, 257)].iter().enumerate() {
+        let shapes = [(37, 20, 600), (24, 24, 1024), (5, 17, 257)];
+        for &(m, n, k) in &shapes {
             let row_major = Operand { ptr: std::ptr::null(), rows: k, cols: 1 };
             assert!(super::super::sgemm::streams_rows(k, row_major, KC, STEP), "{m}x{n}x{k} streams rows");
-            for accumulate in [false, true] {
-                let [rows, blocks] = triple_loop::both_orders(
-                    case as u64,
-                    (m, n, k),
-                    accumulate,
-                    [&|a, b, c, acc| unsafe { paired_gemm(m, n, k, a, b, c, acc) }, &|a, b, c, acc| unsafe {
-                        paired_blocks(m, n, k, a, b, c, acc)
-                    }],
-                );
-                assert!(rows == blocks, "{m}x{n}x{k} accumulate={accumulate}: the orders differ");
-            }
-            triple_loop::check(
-                case as u64,
-                (m, n, k),
-                (false, false, true),
-                (n + 5, false),
-                |a, b, c, acc| unsafe { paired_gemm(m, n, k, a, b, c, acc) },
-            );
         }
+        triple_loop::check_orders(&shapes, 5, paired_gemm, paired_blocks);
     }
 }

@@ -641,27 +641,46 @@ pub(crate) mod triple_loop {
             .collect()
     }
 
-    /// The bits of `c` after each of two products of shape `m x n x k` with
-    /// a row-major `a` and `b`, from the same start (accumulating into it
-    /// when `accumulate`), for orders of the sums that must agree exactly.
-    pub(crate) fn both_orders(
-        seed: u64,
-        (m, n, k): (usize, usize, usize),
-        accumulate: bool,
-        orders: [&dyn Fn(Operand, Operand, Output, bool); 2],
-    ) -> [Vec<u32>; 2] {
-        let (a, b) = (values(m * k, seed * 5 + 1), values(k * n, seed * 5 + 2));
-        let start = values(m * n, seed * 5 + 3);
-        orders.map(|product| {
-            let mut c = start.clone();
-            product(
-                Operand { ptr: a.as_ptr(), rows: k, cols: 1 },
-                Operand { ptr: b.as_ptr(), rows: n, cols: 1 },
-                Output { ptr: c.as_mut_ptr(), ldc: n, stream: false },
-                accumulate,
-            );
-            c.iter().map(|v| v.to_bits()).collect()
-        })
+    /// A product `c (=|+=) a @ b` of shape `m x n x k` (as [`super::sgemm`]).
+    pub(crate) type Product = unsafe fn(usize, usize, usize, Operand, Operand, Output, bool);
+
+    /// For each shape, with a row-major `a` and `b`: `row_order` gives the
+    /// bits of `block_order` from the same start, accumulating or not (the
+    /// same sums in the same order), and the values of an f64 loop into rows
+    /// padded by `ldc_pad`.
+    pub(crate) fn check_orders(
+        shapes: &[(usize, usize, usize)],
+        ldc_pad: usize,
+        row_order: Product,
+        block_order: Product,
+    ) {
+        for (case, &(m, n, k)) in shapes.iter().enumerate() {
+            let seed = case as u64;
+            let (a, b) = (values(m * k, seed * 5 + 1), values(k * n, seed * 5 + 2));
+            let start = values(m * n, seed * 5 + 3);
+            for accumulate in [false, true] {
+                let [rows, blocks] = [row_order, block_order].map(|product| {
+                    let mut c = start.clone();
+                    // SAFETY: the operands and c hold m x k, k x n and m x n floats.
+                    unsafe {
+                        product(
+                            m,
+                            n,
+                            k,
+                            Operand { ptr: a.as_ptr(), rows: k, cols: 1 },
+                            Operand { ptr: b.as_ptr(), rows: n, cols: 1 },
+                            Output { ptr: c.as_mut_ptr(), ldc: n, stream: false },
+                            accumulate,
+                        )
+                    };
+                    c.iter().map(|v| v.to_bits()).collect::<Vec<u32>>()
+                });
+                assert!(rows == blocks, "{m}x{n}x{k} accumulate={accumulate}: the orders differ");
+            }
+            check(seed, (m, n, k), (false, false, true), (n + ldc_pad, false), |a, b, c, acc| unsafe {
+                row_order(m, n, k, a, b, c, acc)
+            });
+        }
     }
 
     /// One product of shape `m x n x k` with operands in the given layouts,
@@ -763,28 +782,12 @@ mod tests {
             println!("skipped: this host has no AVX-512F, the Cpu device uses the gemm crate");
             return;
         }
-        for (case, &(m, n, k)) in [(45, 32, 1000), (28, 7, 513), (3, 32, 2 * KC)].iter().enumerate() {
+        let shapes = [(45, 32, 1000), (28, 7, 513), (3, 32, 2 * KC)];
+        for &(m, n, k) in &shapes {
             let row_major = Operand { ptr: std::ptr::null(), rows: k, cols: 1 };
             assert!(n <= NR && streams_rows(k, row_major, KC, NR), "{m}x{n}x{k} streams rows");
-            for accumulate in [false, true] {
-                let [rows, blocks] = triple_loop::both_orders(
-                    case as u64,
-                    (m, n, k),
-                    accumulate,
-                    [&|a, b, c, acc| unsafe { sgemm(m, n, k, a, b, c, acc) }, &|a, b, c, acc| unsafe {
-                        sgemm_blocks(m, n, k, a, b, c, acc)
-                    }],
-                );
-                assert!(rows == blocks, "{m}x{n}x{k} accumulate={accumulate}: the orders differ");
-            }
-            triple_loop::check(
-                case as u64,
-                (m, n, k),
-                (false, false, true),
-                (n + 3, false),
-                |a, b, c, acc| unsafe { sgemm(m, n, k, a, b, c, acc) },
-            );
         }
+        triple_loop::check_orders(&shapes, 3, sgemm, sgemm_blocks);
         // Past the packing bound, or with a column-major a, block order stays.
         let long = Operand { ptr: std::ptr::null(), rows: 8192, cols: 1 };
         assert!(!streams_rows(8192, long, KC, NR));
