@@ -346,7 +346,7 @@ const CHANNEL_STRIP: usize = 16;
 /// [`CHANNEL_STRIP`] channels keeps its sums in that many variables, which the
 /// C compiler packs into one vector, through all the terms, and stores them
 /// once (xHC's three forward convolutions, κ = 4, 8, 12 over C = 256, one
-/// thread, operands in cache: 0.35-0.38 → 0.27-0.28 µs a token). Each channel
+/// thread, operands in cache: 0.34-0.38 → 0.27-0.28 µs a token). Each channel
 /// adds the same terms in the same order from the same start, so the sums are
 /// bit for bit the row form's. A row that is not a whole number of strips
 /// keeps the row form, in a local array of `c` elements of `ty`.
