@@ -684,9 +684,12 @@ fn weight_gradient_through_a_token_merging_reshape_is_one_gemm() {
 
 #[test]
 fn lone_reductions_are_blocked_and_exact() {
-    // (input dims, axis, items of the blocked kernel): a token reduction over
-    // 16-column blocks, and a row reduction over blocks of 8 rows.
-    let cases: [(&[usize], usize, usize); 2] = [(&[64, 48], 0, 3), (&[16, 32], 1, 2)];
+    // (input dims, axis, items of the blocked kernel): token reductions over
+    // 16-column blocks, over blocks widened to 64 columns on the C target, and
+    // to 32 where 64 would leave fewer than four items; a row reduction over
+    // blocks of 8 rows.
+    let cases: [(&[usize], usize, usize); 4] =
+        [(&[64, 48], 0, 3), (&[64, 512], 0, 8), (&[40, 128], 0, 4), (&[16, 32], 1, 2)];
     for (dims, axis, items) in cases {
         for op in [ReduceOp::Sum, ReduceOp::Mean] {
             let mut g = Graph::new();
