@@ -1,10 +1,10 @@
 //! The system C compiler driver (DESIGN.md §6, CPU device).
 //!
 //! All kernels of a Plan are one C translation unit, compiled once with
-//! `cc -O3 -fPIC -shared -ffp-contract=off -fno-math-errno -std=c11 -march=native` (`CC`
-//! overrides the compiler; `-march=native` only where the compiler accepts it;
-//! never `-ffast-math`, and no FMA contraction, so results stay close to the
-//! reference executor) into a shared object that is
+//! `cc -O3 -fPIC -shared -ffp-contract=off -fno-math-errno -fno-trapping-math -std=c11
+//! -march=native` (`CC` overrides the compiler; `-march=native` only where the
+//! compiler accepts it; never `-ffast-math`, and no FMA contraction, so results
+//! stay close to the reference executor) into a shared object that is
 //! cached under [`default_cache_dir`] by a SHA-256 of (source, compiler
 //! `--version`, flags, host CPU), written atomically (compile to a temporary
 //! name, then rename) and loaded with `libloading`. Kernels are compiled on the
@@ -46,8 +46,16 @@ use crate::render::render_c;
 /// elementwise kernels (SiLU, sigmoid, softmax) scalar; `-O3` changes no
 /// arithmetic. `-fno-math-errno`: the kernels never read `errno`, and without the flag
 /// every `sqrtf` carries an error branch that keeps its loop scalar; results
-/// are unchanged (IEEE square roots either way).
-pub const FLAGS: &[&str] = &["-O3", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno", "-std=c11"];
+/// are unchanged (IEEE square roots either way). `-fno-trapping-math`: the
+/// kernels never read the floating-point exception flags, and without the flag
+/// GCC may not evaluate a comparison that the source evaluates only on one
+/// side of a `?:` (it could raise "invalid" on a NaN), so on hosts without
+/// AVX-512's masked compares it cannot turn the exponential's range clamp into
+/// a select, and every kernel with an `exp` (SiLU, sigmoid, the softmaxes)
+/// stays scalar. The flag changes no value: each operation is still the IEEE
+/// operation the source names, in its order.
+pub const FLAGS: &[&str] =
+    &["-O3", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-std=c11"];
 
 /// Added to [`FLAGS`] when the compiler accepts it (some compilers reject it on
 /// some targets): code for the vector units of the machine that runs it.

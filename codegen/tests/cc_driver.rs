@@ -347,3 +347,48 @@ fn native_tuning_is_dropped_where_the_compiler_rejects_it() {
     // The system compiler of this machine (gcc or clang on x86-64 or arm64 Linux) accepts it.
     assert!(tmp.compiler().flags().iter().any(|f| f == codegen::cc::NATIVE_FLAG));
 }
+
+/// With the driver's flags, GCC turns the item loop of a kernel with an `exp`
+/// (SiLU, and the clamp's `select`) into vector code. It keeps it scalar on
+/// AVX2 hosts when the exponential's range clamp cannot become a select:
+/// without `-fno-trapping-math` a comparison evaluated on one side of a `?:`
+/// may not be evaluated unconditionally. Skipped for compilers other than GCC,
+/// whose vectorizer report this reads.
+#[test]
+fn exp_kernels_are_vectorized_by_gcc() {
+    let tmp = TempCache::new("vectorized");
+    let compiler = tmp.compiler();
+    if !compiler.version().contains("Free Software Foundation") {
+        println!("skipped: the C compiler is not GCC, whose -fopt-info report this test reads");
+        return;
+    }
+    let source = codegen::render::render_c(&[common::silu_mul()]).expect("renders");
+    let file = tmp.0.join("silu_mul.c");
+    std::fs::create_dir_all(&tmp.0).unwrap();
+    std::fs::write(&file, &source).unwrap();
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let mut command = cc.split_whitespace();
+    let out = std::process::Command::new(command.next().unwrap())
+        .args(command)
+        .args(compiler.flags())
+        .args(["-fopt-info-vec-optimized", "-c", "-o"])
+        .arg(tmp.0.join("silu_mul.o"))
+        .arg(&file)
+        .output()
+        .expect("the compiler runs");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report = String::from_utf8_lossy(&out.stderr);
+    // The kernel's lines: from its definition to the closing brace at column 0.
+    let lines: Vec<&str> = source.lines().collect();
+    let first =
+        lines.iter().position(|l| l.starts_with("void widen_silu_mul(")).expect("kernel rendered") + 1;
+    let last = first + lines[first..].iter().position(|l| *l == "}").expect("kernel closes");
+    let vectorized = report.lines().any(|l| {
+        l.contains("loop vectorized")
+            && l.split(':')
+                .nth(1)
+                .and_then(|n| n.parse::<usize>().ok())
+                .is_some_and(|n| (first..=last).contains(&n))
+    });
+    assert!(vectorized, "the SiLU item loop stays scalar under {:?}:\n{report}", compiler.flags());
+}
