@@ -687,8 +687,9 @@ unsafe fn widened_operand(
 /// every entry, or, for a small output over a long contraction (a weight
 /// gradient summed over every token and slot), fixed chunks of the
 /// contraction. Each part runs a single-threaded product on its own band
-/// ([`sgemm`] where the host has AVX-512, [`paired_gemm`] for 17 to 24
-/// output columns, else the `gemm` crate), which
+/// ([`sgemm`] where the host has AVX-512, or AVX2 for a row-major `a`
+/// ([`sgemm::Isa::takes`]), [`paired_gemm`] for 17 to 24 output columns with
+/// AVX-512, else the `gemm` crate), which
 /// scales where a library's own threading does not on small matrices.
 ///
 /// # Safety
@@ -710,7 +711,9 @@ unsafe fn run_gemm(g: &Gemm, a: *const f32, b: *const f32, c: *mut f32, pool: &P
     let threads = if work >= MIN_GEMM_PARALLEL { pool.threads() } else { 1 };
     let f32s = std::mem::size_of::<f32>();
     let by_batch = g.batch >= threads;
-    let by_rows = splits_rows(g.m, g.n, threads);
+    // The gemm crate's products (no tile of ours) split the longer side.
+    let tile = sgemm::Isa::host().map_or((1, 1), sgemm::Isa::tile);
+    let by_rows = splits_rows(g.m, g.n, threads, tile);
     let count = if by_batch {
         g.batch
     } else if by_rows {
@@ -753,16 +756,16 @@ unsafe fn run_gemm(g: &Gemm, a: *const f32, b: *const f32, c: *mut f32, pool: &P
 /// Whether [`run_gemm`] gives each thread a band of rows of `c` (else a band
 /// of columns): the longer side, unless the other split's largest band
 /// computes at least [`SPLIT_PADDING_GAIN`] fewer padded elements. The
-/// micro-kernel computes whole tiles of [`sgemm::TILE_ROWS`] x
-/// [`sgemm::TILE_COLS`]: a 256 x 256 weight gradient split by rows gives
-/// each of two threads 128 rows, 10 row tiles (140 rows computed), where 128
+/// micro-kernel computes whole tiles of `tile_rows x tile_cols` (14 x 32
+/// with AVX-512): a 256 x 256 weight gradient split by rows gives each of
+/// two threads 128 rows, 10 row tiles (140 rows computed), where 128
 /// columns are 4 whole column tiles over 19 row tiles (266 rows): 5 % less
 /// arithmetic.
-fn splits_rows(m: usize, n: usize, threads: usize) -> bool {
+fn splits_rows(m: usize, n: usize, threads: usize, (tile_rows, tile_cols): (usize, usize)) -> bool {
     let parts = threads.max(1);
     let padded = |len: usize, tile: usize| len.div_ceil(parts).div_ceil(tile) * tile;
-    let by_rows = (padded(m, sgemm::TILE_ROWS) * n.div_ceil(sgemm::TILE_COLS) * sgemm::TILE_COLS) as f64;
-    let by_cols = (m.div_ceil(sgemm::TILE_ROWS) * sgemm::TILE_ROWS * padded(n, sgemm::TILE_COLS)) as f64;
+    let by_rows = (padded(m, tile_rows) * n.div_ceil(tile_cols) * tile_cols) as f64;
+    let by_cols = (m.div_ceil(tile_rows) * tile_rows * padded(n, tile_cols)) as f64;
     if m >= n {
         by_cols > by_rows * (1.0 - SPLIT_PADDING_GAIN)
     } else {
@@ -873,13 +876,13 @@ unsafe fn product(
             }
             return;
         }
-        if sgemm::available() {
-            let a = sgemm::Operand { ptr: pa, rows: a_rs, cols: a_cs };
-            let b = sgemm::Operand { ptr: pb, rows: b_rs, cols: b_cs };
-            if paired_gemm::suits(n) {
+        let a = sgemm::Operand { ptr: pa, rows: a_rs, cols: a_cs };
+        let b = sgemm::Operand { ptr: pb, rows: b_rs, cols: b_cs };
+        if let Some(isa) = sgemm::Isa::host().filter(|isa| isa.takes(m, a)) {
+            if paired_gemm::suits(n) && paired_gemm::available() {
                 paired_gemm::paired_gemm(m, n, k, a, b, c, accumulate);
             } else {
-                sgemm::sgemm(m, n, k, a, b, c, accumulate);
+                sgemm::sgemm_on(isa, m, n, k, a, b, c, accumulate);
             }
             return;
         }
@@ -927,15 +930,19 @@ mod tests {
 
     #[test]
     fn gemm_bands_follow_the_longer_side_unless_the_other_pads_less() {
+        const AVX512: (usize, usize) = (14, 32);
         // 128 rows a thread pad to 140; 128 columns are whole tiles.
-        assert!(!splits_rows(256, 256, 2), "the 256 x 256 weight gradient splits its columns");
+        assert!(!splits_rows(256, 256, 2, AVX512), "the 256 x 256 weight gradient splits its columns");
+        // With AVX2's 6 x 16 tile 128 rows pad only to 132 (3 %, not more than
+        // the 258 rows the column split pads to): the longer side stays.
+        assert!(splits_rows(256, 256, 2, (6, 16)));
         // The backbone's products keep the longer side (the other split saves
         // under 3 %: 2048 rows pad by 10, 1024 a thread by 12).
-        assert!(splits_rows(2048, 256, 2));
-        assert!(splits_rows(2048, 768, 2));
-        assert!(!splits_rows(256, 768, 2));
-        assert!(splits_rows(768, 256, 2));
+        assert!(splits_rows(2048, 256, 2, AVX512));
+        assert!(splits_rows(2048, 768, 2, AVX512));
+        assert!(!splits_rows(256, 768, 2, AVX512));
+        assert!(splits_rows(768, 256, 2, AVX512));
         // One thread: the longer side.
-        assert!(splits_rows(300, 200, 1) && !splits_rows(200, 300, 1));
+        assert!(splits_rows(300, 200, 1, AVX512) && !splits_rows(200, 300, 1, AVX512));
     }
 }

@@ -50,6 +50,11 @@ const KC: usize = 256;
 /// Floats of one packed step of `b`: three vectors.
 const STEP: usize = 48;
 
+/// Whether this host runs [`paired_gemm`] (it has AVX-512F).
+pub(crate) fn available() -> bool {
+    super::sgemm::Isa::host() == Some(super::sgemm::Isa::Avx512)
+}
+
 /// Whether [`paired_gemm`] takes a product with `n` columns.
 pub(crate) fn suits(n: usize) -> bool {
     (MIN_COLS..=MAX_COLS).contains(&n)
@@ -64,7 +69,7 @@ thread_local! {
 /// `c(i, j) (=|+=) sum_p a(i, p) * b(p, j)` for `i < m`, `j < n`, `p < k`.
 ///
 /// # Safety
-/// AVX-512F is available ([`super::sgemm::available`]); [`suits`]`(n)`;
+/// AVX-512F is available ([`available`]); [`suits`]`(n)`;
 /// `k >= 1`; `a` addresses `m x k` elements and `b` `k x n` through their
 /// strides; `c` addresses `m` rows of `n` writable elements and overlaps
 /// neither operand.
@@ -77,7 +82,7 @@ pub(crate) unsafe fn paired_gemm(
     c: Output,
     accumulate: bool,
 ) {
-    debug_assert!(super::sgemm::available() && suits(n) && k >= 1 && m >= 1);
+    debug_assert!(available() && suits(n) && k >= 1 && m >= 1);
     // SAFETY: forwarded contract.
     unsafe {
         if super::sgemm::streams_rows(k, a, KC, STEP) {
@@ -283,7 +288,7 @@ unsafe fn pack_b(b: Operand, p0: usize, kc: usize, layout: Layout, dst: *mut f32
 
 #[cfg(not(target_arch = "x86_64"))]
 unsafe fn pack_b(_b: Operand, _p0: usize, _kc: usize, _layout: Layout, _dst: *mut f32) {
-    unreachable!("paired_gemm runs only where `sgemm::available()` is true")
+    unreachable!("paired_gemm runs only where `available()` is true")
 }
 
 /// Where the columns of a row pair sit in the three vectors.
@@ -407,7 +412,7 @@ unsafe fn tile<const P: usize>(
     _layout: Layout,
     _out: (*mut f32, usize, usize, bool),
 ) {
-    unreachable!("paired_gemm runs only where `sgemm::available()` is true")
+    unreachable!("paired_gemm runs only where `available()` is true")
 }
 
 #[cfg(test)]
@@ -434,8 +439,8 @@ mod tests {
     /// blocks, a padded `ldc` and accumulation, against an f64 loop.
     #[test]
     fn matches_a_triple_loop() {
-        if !super::super::sgemm::available() {
-            println!("skipped: this host has no AVX-512F, the Cpu device uses the gemm crate");
+        if !available() {
+            println!("skipped: this host has no AVX-512F, its products of 17 to 24 columns use sgemm");
             return;
         }
         let shapes = [(1, 24, 1), (2, 17, 3), (16, 24, 64), (37, 20, 300), (5, 23, 513), (64, 24, 40)];
@@ -454,8 +459,8 @@ mod tests {
     /// tile, a ragged last block) and the same values as an f64 loop.
     #[test]
     fn row_order_gives_the_bits_of_block_order() {
-        if !super::super::sgemm::available() {
-            println!("skipped: this host has no AVX-512F, the Cpu device uses the gemm crate");
+        if !available() {
+            println!("skipped: this host has no AVX-512F, its products of 17 to 24 columns use sgemm");
             return;
         }
         let shapes = [(37, 20, 600), (24, 24, 1024), (5, 17, 257)];

@@ -1,11 +1,15 @@
-//! Single-threaded f32 matrix product with AVX-512 (`c (=|+=) a @ b`), the
-//! Cpu device's GEMM on hosts that have it.
+//! Single-threaded f32 matrix product with AVX-512 or AVX2 (`c (=|+=) a @ b`),
+//! the Cpu device's GEMM on hosts that have either.
 //!
 //! Why its own kernel: the `gemm` crate reaches AVX-512 only on a nightly
 //! compiler, so on stable it runs 256-bit FMAs, which use half of an
 //! AVX-512 core's arithmetic (a Zen 5 core retires two 512-bit FMAs per
 //! cycle). The backbone's projections are most of a training step (DESIGN.md
-//! §6), so they decide its speed.
+//! §6), so they decide its speed. On AVX2 hosts the crate's kernels are
+//! 256-bit too; there this kernel's 6 x 16 tile takes the products whose `a`
+//! is row-major and read in place (the projections forward and the input
+//! gradients), which it runs faster, and leaves the others to the crate
+//! ([`Isa::takes`]).
 //!
 //! Structure (the classic blocked scheme): for each block of `KC` contraction
 //! steps and `NC` columns, `b` is packed into column slivers of `NR` floats
@@ -19,7 +23,9 @@
 //! only the stores to `c` are masked. Where `a` streams from memory (read in
 //! place column-major, or row-major with short rows under one column sliver)
 //! the micro-kernels also prefetch the next block's slivers while they
-//! compute the current one.
+//! compute the current one. The tile's shape and the few operations that
+//! depend on the vector width are a [`Tile`]: 14 x 32 with AVX-512, 6 x 16
+//! with AVX2; the drivers are compiled once for each.
 //!
 //! Each product's sum over `k` runs in order within a `KC` block, blocks
 //! added in order, one FMA per step: deterministic and independent of the
@@ -27,27 +33,23 @@
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::{
-    __m512, _mm512_add_ps, _mm512_castpd_ps, _mm512_castps_pd, _mm512_fmadd_ps, _mm512_loadu_ps,
-    _mm512_mask_loadu_ps, _mm512_mask_storeu_ps, _mm512_maskz_loadu_ps, _mm512_set1_ps, _mm512_setzero_ps,
-    _mm512_shuffle_f32x4, _mm512_storeu_ps, _mm512_stream_ps, _mm512_unpackhi_pd, _mm512_unpackhi_ps,
-    _mm512_unpacklo_pd, _mm512_unpacklo_ps, _mm_prefetch, _mm_sfence, _MM_HINT_T0,
+    __m256, __m256i, __m512, _mm256_add_ps, _mm256_broadcast_ss, _mm256_castps256_ps128, _mm256_cmpgt_epi32,
+    _mm256_extractf128_ps, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_maskload_ps, _mm256_permute2f128_ps,
+    _mm256_set1_epi32, _mm256_setr_epi32, _mm256_setzero_ps, _mm256_shuffle_ps, _mm256_storeu_ps,
+    _mm256_stream_ps, _mm256_unpackhi_ps, _mm256_unpacklo_ps, _mm512_add_ps, _mm512_castpd_ps,
+    _mm512_castps_pd, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_mask_loadu_ps, _mm512_mask_storeu_ps,
+    _mm512_maskz_loadu_ps, _mm512_set1_ps, _mm512_setzero_ps, _mm512_shuffle_f32x4, _mm512_storeu_ps,
+    _mm512_stream_ps, _mm512_unpackhi_pd, _mm512_unpackhi_ps, _mm512_unpacklo_pd, _mm512_unpacklo_ps,
+    _mm_castps_pd, _mm_movehl_ps, _mm_prefetch, _mm_sfence, _mm_store_sd, _mm_store_ss, _mm_storeu_ps,
+    _MM_HINT_T0,
 };
 use std::cell::RefCell;
 
-/// Rows of `c` per micro-tile.
-const MR: usize = 14;
-/// Columns of `c` per micro-tile: two 16-float vectors, so a tile is 28 of
-/// the 32 vector registers.
-const NR: usize = 32;
-/// The micro-tile's shape, for callers that split work by whole tiles.
-pub(crate) const TILE_ROWS: usize = MR;
-pub(crate) const TILE_COLS: usize = NR;
-/// Contraction steps per packed block: a `b` sliver (`KC * NR` floats, 32 KiB)
-/// fits in L1 next to the streamed `a` sliver.
+/// Contraction steps per packed block: a `b` sliver (`KC * NR` floats, 32 KiB
+/// with AVX-512) fits in L1 next to the streamed `a` sliver.
 const KC: usize = 256;
-/// Rows per packed `a` block (`MC * KC` floats, 112 KiB, stays in L2).
-const MC: usize = MR * 8;
 /// Columns per packed `b` panel (`KC * NC` floats, 1 MiB).
+#[cfg(target_arch = "x86_64")]
 const NC: usize = 1024;
 
 /// A read-only operand: element `(i, j)` is at `ptr + i * rows + j * cols`.
@@ -76,20 +78,84 @@ pub(crate) fn single_pass(k: usize) -> bool {
     k <= KC
 }
 
-/// Whether this host runs [`sgemm`] (checked once).
-pub(crate) fn available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
+/// The vector instruction sets [`sgemm_on`] has a tile for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Isa {
+    /// AVX-512F: a 14 x 32 tile, 28 of the 32 512-bit registers.
+    Avx512,
+    /// AVX2 with FMA: a 6 x 16 tile, 12 of the 16 256-bit registers.
+    Avx2,
+}
+
+impl Isa {
+    /// The widest set this host runs (checked once), if any.
+    pub(crate) fn host() -> Option<Isa> {
         use std::sync::OnceLock;
-        static AVX512: OnceLock<bool> = OnceLock::new();
-        *AVX512.get_or_init(|| std::arch::is_x86_feature_detected!("avx512f"))
+        static HOST: OnceLock<Option<Isa>> = OnceLock::new();
+        *HOST.get_or_init(|| Isa::supported().first().copied())
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
+
+    /// Every set this host runs, widest first.
+    pub(crate) fn supported() -> Vec<Isa> {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let avx512 = std::arch::is_x86_feature_detected!("avx512f");
+            let avx2 =
+                std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma");
+            [(avx512, Isa::Avx512), (avx2, Isa::Avx2)]
+                .into_iter()
+                .filter(|&(on, _)| on)
+                .map(|(_, isa)| isa)
+                .collect()
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            Vec::new()
+        }
+    }
+
+    /// The micro-tile's rows and columns, for callers that split work by
+    /// whole tiles.
+    pub(crate) fn tile(self) -> (usize, usize) {
+        match self {
+            Isa::Avx512 => AVX512_TILE,
+            Isa::Avx2 => AVX2_TILE,
+        }
     }
 }
 
+/// Rows and columns of the AVX-512 tile.
+const AVX512_TILE: (usize, usize) = (14, 32);
+/// Rows and columns of the AVX2 tile.
+const AVX2_TILE: (usize, usize) = (6, 16);
+
+impl Isa {
+    /// Whether [`sgemm_on`] with this set's tile takes a product of `m` rows
+    /// whose `a` is laid out as `a` (else the `gemm` crate does). AVX-512
+    /// takes every product. AVX2 takes a row-major `a` read in place over
+    /// at least a packed block of rows: in a training step (three
+    /// alternating profiles, residual backbone) those ran 8 % faster than the
+    /// `gemm` crate's, while with a column-major `a` (weight gradients, whose
+    /// 6-row slivers use 24 bytes of each step's line) and short batched
+    /// attention products the crate's kernel, which vectorizes along the
+    /// rows of `c`, was 15 to 50 % faster.
+    pub(crate) fn takes(self, m: usize, a: Operand) -> bool {
+        match self {
+            Isa::Avx512 => true,
+            Isa::Avx2 => a.cols == 1 && a.rows > 1 && m >= Avx2Rows::MIN,
+        }
+    }
+}
+
+/// Rows of `c` from which AVX2 products go to [`sgemm_on`] (see [`Isa::takes`]).
+struct Avx2Rows;
+
+impl Avx2Rows {
+    /// One packed block of rows ([`Tile::MC`] of the AVX2 tile).
+    const MIN: usize = 96;
+}
+
+#[cfg(target_arch = "x86_64")]
 thread_local! {
     /// Packing space reused across calls on each thread: `a` block then `b`
     /// panel, in 64-byte lines so vector loads are aligned.
@@ -97,18 +163,82 @@ thread_local! {
 }
 
 /// One cache line of floats.
+#[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
 struct Line([f32; 16]);
 
+/// The register tile of one vector instruction set: its shape and the
+/// operations whose code depends on the vector width. The drivers
+/// ([`sgemm_blocks`], [`sgemm_row_streams`]) and the packing are generic over
+/// it and inlined into each set's entry point, so they compile with its
+/// instructions.
+#[cfg(target_arch = "x86_64")]
+trait Tile {
+    /// Rows of `c` per micro-tile.
+    const MR: usize;
+    /// Columns of `c` per micro-tile.
+    const NR: usize;
+    /// Rows per packed `a` block (`MC * KC` floats, about 100 KiB, in L2).
+    const MC: usize;
+    /// Whether whole slivers of a column-major `a` are read in place rather
+    /// than packed: only where a step's `MR` rows fill most of a cache line.
+    const READS_COLUMNS_IN_PLACE: bool;
+
+    /// One `MR x NR` tile: `c (=|+=) a_sliver @ b_sliver` over `kc` steps,
+    /// storing only the tile's first `rows` rows and `cols` columns. Row `r`
+    /// of step `p` of the `a` sliver is at `a.ptr + r * a.rows + p * a.cols`
+    /// (packed: `rows = 1`, `cols = MR`). Unless `prefetch` is null (it
+    /// addresses a sliver laid out as `a` is), the steps also prefetch that
+    /// sliver's lines: step `p`'s rows where rows are one apart, else one
+    /// line of one row a step, so the steps together cover the sliver's rows.
+    ///
+    /// # Safety
+    /// The set is available; the `a` sliver holds `kc` steps of `MR` rows, the
+    /// `b` sliver `kc * NR` floats; `c` addresses `rows` rows of `cols`
+    /// elements.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn micro_kernel<const UNIT_ROWS: bool>(
+        kc: usize,
+        a: Operand,
+        b: *const f32,
+        c: Output,
+        rows: usize,
+        cols: usize,
+        load_c: bool,
+        prefetch: *const f32,
+    );
+
+    /// Copies the first `len` of `n <= NR` contiguous floats with vector
+    /// moves and zero-fills the rest up to `n` (a plain copy of a short run
+    /// becomes a `memmove` call).
+    ///
+    /// # Safety
+    /// The set is available; `src` holds `len` floats and `dst` `n`, `len <= n`.
+    unsafe fn copy_row(src: *const f32, dst: *mut f32, len: usize, n: usize);
+
+    /// Packs `kc` steps of `NR` whole columns of a column-major `b` (column
+    /// `j`'s steps contiguous from `first + j * stride`) as a sliver of `NR`
+    /// floats a step, transposing in registers (an element-wise copy
+    /// compiles to gathers and took about as long as the attention scores'
+    /// arithmetic).
+    ///
+    /// # Safety
+    /// The set is available; the columns hold `kc` floats each and `dst`
+    /// `kc * NR`.
+    unsafe fn pack_columns(first: *const f32, stride: usize, kc: usize, dst: *mut f32);
+}
+
 /// `c(i, j) (=|+=) sum_p a(i, p) * b(p, j)` for `i < m`, `j < n`,
-/// `p < k`, with `k >= 1`.
+/// `p < k`, with `k >= 1`, with the tile of `isa`.
 ///
 /// # Safety
-/// [`available`] is true; `a` addresses `m x k` elements and `b` `k x n`
-/// elements through their strides; `c` addresses `m` rows of `n` writable
-/// elements and overlaps neither operand.
-pub(crate) unsafe fn sgemm(
+/// `isa` is among [`Isa::supported`]; `a` addresses `m x k` elements and `b`
+/// `k x n` elements through their strides; `c` addresses `m` rows of `n`
+/// writable elements and overlaps neither operand.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn sgemm_on(
+    isa: Isa,
     m: usize,
     n: usize,
     k: usize,
@@ -117,16 +247,85 @@ pub(crate) unsafe fn sgemm(
     c: Output,
     accumulate: bool,
 ) {
-    debug_assert!(available() && k >= 1);
+    debug_assert!(Isa::supported().contains(&isa) && k >= 1);
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: forwarded contract; the set is available.
+    unsafe {
+        match isa {
+            Isa::Avx512 => sgemm_avx512(m, n, k, a, b, c, accumulate, false),
+            Isa::Avx2 => sgemm_avx2(m, n, k, a, b, c, accumulate, false),
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!("no tile on this architecture: {isa:?} {m} {n} {k} {a:?} {b:?} {c:?} {accumulate}")
+}
+
+/// [`sgemm_on`] in block order whatever the shape ([`sgemm_blocks`]): what
+/// the row order is checked against.
+///
+/// # Safety
+/// As for [`sgemm_on`].
+#[cfg(all(test, target_arch = "x86_64"))]
+unsafe fn sgemm_blocks_on(
+    isa: Isa,
+    m: usize,
+    n: usize,
+    k: usize,
+    a: Operand,
+    b: Operand,
+    c: Output,
+    accumulate: bool,
+) {
     // SAFETY: forwarded contract.
     unsafe {
-        if n <= NR && streams_rows(k, a, KC, NR) {
-            sgemm_row_streams(m, n, k, a, b, c, accumulate);
-        } else {
-            sgemm_blocks(m, n, k, a, b, c, accumulate);
+        match isa {
+            Isa::Avx512 => sgemm_avx512(m, n, k, a, b, c, accumulate, true),
+            Isa::Avx2 => sgemm_avx2(m, n, k, a, b, c, accumulate, true),
         }
     }
 }
+
+/// The entry point of one instruction set: the generic drivers inlined into a
+/// function compiled for it.
+macro_rules! entry_point {
+    ($name:ident, $tile:ty, $features:literal) => {
+        /// [`sgemm_on`] for one instruction set; `blocks_only` keeps block
+        /// order whatever the shape.
+        ///
+        /// # Safety
+        /// As for [`sgemm_on`].
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $features)]
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn $name(
+            m: usize,
+            n: usize,
+            k: usize,
+            a: Operand,
+            b: Operand,
+            c: Output,
+            accumulate: bool,
+            blocks_only: bool,
+        ) {
+            // SAFETY: forwarded contract.
+            unsafe {
+                if !blocks_only && n <= <$tile>::NR && streams_rows(k, a, KC, <$tile>::NR) {
+                    sgemm_row_streams::<$tile>(m, n, k, a, b, c, accumulate);
+                } else {
+                    sgemm_blocks::<$tile>(m, n, k, a, b, c, accumulate);
+                }
+                if c.stream {
+                    // Non-temporal stores are weakly ordered: make them visible
+                    // before the pool's completion flag tells other threads to
+                    // read `c`.
+                    _mm_sfence();
+                }
+            }
+        }
+    };
+}
+entry_point!(sgemm_avx512, Avx512, "avx512f");
+entry_point!(sgemm_avx2, Avx2, "avx2,fma");
 
 /// Floats of packed `b` a product may hold at once to walk its rows whole
 /// ([`streams_rows`]): 512 KiB, half of the L2 of the hosts this runs on,
@@ -156,22 +355,36 @@ pub(crate) fn streams_rows(k: usize, a: Operand, block: usize, packed_step: usiz
     row_major && k > block && k.div_ceil(block) * block * packed_step <= ROW_STREAMS_MAX_PACKED_B
 }
 
-/// [`sgemm`] in block order: for each block of `KC` steps, every tile.
+/// The product in block order: for each block of `KC` steps, every tile.
 ///
 /// # Safety
-/// As for [`sgemm`].
-unsafe fn sgemm_blocks(m: usize, n: usize, k: usize, a: Operand, b: Operand, c: Output, accumulate: bool) {
-    let a_lines = MC * KC / 16;
-    let b_lines = NC.min(n.div_ceil(NR) * NR) * KC / 16;
+/// As for [`sgemm_on`], with `T`'s set available.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn sgemm_blocks<T: Tile>(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: Operand,
+    b: Operand,
+    c: Output,
+    accumulate: bool,
+) {
+    let (mr, nr) = (T::MR, T::NR);
+    let a_lines = (T::MC * KC).div_ceil(16);
+    let b_lines = NC.min(n.div_ceil(nr) * nr) * KC / 16;
     // Whole `MR`-row slivers of `a` are read in place, unpacked: a
     // column-major `a` (a transposed operand, as in weight gradients) already
     // holds each step's rows together, and a row-major sliver's `MR` rows of
-    // `KC` steps (14 KiB) stay in L1 while the micro-kernel walks the block's
-    // column slivers, so packing only copied what L1 already serves (packing
-    // took about a tenth of a step; reading in place made the backbone's
-    // steps 5 % faster). Only a ragged last sliver is packed, with its zero
-    // padding.
-    let reads_in_place = a.rows == 1 || a.cols == 1;
+    // `KC` steps (14 KiB with AVX-512) stay in L1 while the micro-kernel
+    // walks the block's column slivers, so packing only copied what L1
+    // already serves (packing took about a tenth of a step; reading in place
+    // made the backbone's steps 5 % faster). Only a ragged last sliver is
+    // packed, with its zero padding. AVX2's 6-row sliver of a column-major
+    // `a` holds 24 bytes of each step's line: read in place, its 256 lines
+    // and the `b` sliver fill L1, and the backbone's weight gradients ran at
+    // two thirds the speed of the `gemm` crate's; packed, they do not.
+    let reads_in_place = (a.rows == 1 && T::READS_COLUMNS_IN_PLACE) || a.cols == 1;
     // Operands the micro-kernels stream from memory wait on their first
     // reads of each block, so while they walk one block (on its first column
     // sliver), each fetches, one line a step, the same sliver of the block
@@ -186,7 +399,7 @@ unsafe fn sgemm_blocks(m: usize, n: usize, k: usize, a: Operand, b: Operand, c: 
     //   took issue slots (measured 0.5 ms slower on the backbone's 2048 x 256
     //   x 256 products).
     let prefetches_next_block =
-        (a.rows == 1 && a.cols > 1) || (a.cols == 1 && a.rows > 1 && a.rows <= KC && n <= NR);
+        (a.rows == 1 && a.cols > 1) || (a.cols == 1 && a.rows > 1 && a.rows <= KC && n <= nr);
     PACKED.with_borrow_mut(|packed| {
         if packed.len() < a_lines + b_lines {
             packed.resize(a_lines + b_lines, Line([0.0; 16]));
@@ -199,18 +412,18 @@ unsafe fn sgemm_blocks(m: usize, n: usize, k: usize, a: Operand, b: Operand, c: 
                 let kc = KC.min(k - pc);
                 // SAFETY: the panel is inside b (caller) and inside the packing
                 // space (sized for NC columns rounded to NR, KC steps).
-                unsafe { pack_b(b, pc, jc, kc, nc, pb) };
+                unsafe { pack_b::<T>(b, pc, jc, kc, nc, pb) };
                 let load_c = accumulate || pc > 0;
-                for ic in (0..m).step_by(MC) {
-                    let mc = MC.min(m - ic);
-                    let in_place = if reads_in_place { mc / MR * MR } else { 0 };
+                for ic in (0..m).step_by(T::MC) {
+                    let mc = T::MC.min(m - ic);
+                    let in_place = if reads_in_place { mc / mr * mr } else { 0 };
                     // The block after this one in loop order: the next rows
                     // of this contraction block, else the first rows of the
                     // next contraction block.
                     let next_block = if !prefetches_next_block {
                         None
-                    } else if ic + MC < m {
-                        Some((ic + MC, pc))
+                    } else if ic + T::MC < m {
+                        Some((ic + T::MC, pc))
                     } else if pc + KC < k {
                         Some((0, pc + KC))
                     } else {
@@ -218,18 +431,18 @@ unsafe fn sgemm_blocks(m: usize, n: usize, k: usize, a: Operand, b: Operand, c: 
                     };
                     // SAFETY: as for b, with the rows of the block from
                     // `in_place` on.
-                    unsafe { pack_a(a, ic + in_place, pc, mc - in_place, kc, pa) };
-                    for jr in (0..nc).step_by(NR) {
-                        for ir in (0..mc).step_by(MR) {
+                    unsafe { pack_a::<T>(a, ic + in_place, pc, mc - in_place, kc, pa) };
+                    for jr in (0..nc).step_by(nr) {
+                        for ir in (0..mc).step_by(mr) {
                             let sliver = if ir < in_place {
                                 // SAFETY: rows ic + ir.., step pc of a.
                                 Operand { ptr: unsafe { a.ptr.add((ic + ir) * a.rows + pc * a.cols) }, ..a }
                             } else {
                                 // SAFETY: sliver (ir - in_place) / MR of the packing.
-                                Operand { ptr: unsafe { pa.add((ir - in_place) * kc) }, rows: 1, cols: MR }
+                                Operand { ptr: unsafe { pa.add((ir - in_place) * kc) }, rows: 1, cols: mr }
                             };
                             let tile = Output { ptr: unsafe { c.ptr.add((ic + ir) * c.ldc + jc + jr) }, ..c };
-                            let (rows, cols) = (MR.min(mc - ir), NR.min(nc - jr));
+                            let (rows, cols) = (mr.min(mc - ir), nr.min(nc - jr));
                             let b_sliver = unsafe { pb.add(jr * kc) };
                             // The same sliver of the next block, from slivers
                             // read in place on this block's first column
@@ -248,11 +461,11 @@ unsafe fn sgemm_blocks(m: usize, n: usize, k: usize, a: Operand, b: Operand, c: 
                             // row-major a pays for a row stride.
                             unsafe {
                                 if sliver.rows == 1 {
-                                    micro_kernel::<true>(
+                                    T::micro_kernel::<true>(
                                         kc, sliver, b_sliver, tile, rows, cols, load_c, prefetch,
                                     );
                                 } else {
-                                    micro_kernel::<false>(
+                                    T::micro_kernel::<false>(
                                         kc, sliver, b_sliver, tile, rows, cols, load_c, prefetch,
                                     );
                                 }
@@ -263,25 +476,19 @@ unsafe fn sgemm_blocks(m: usize, n: usize, k: usize, a: Operand, b: Operand, c: 
             }
         }
     });
-    if c.stream {
-        // Non-temporal stores are weakly ordered: make them visible before the
-        // pool's completion flag tells other threads to read `c`.
-        #[cfg(target_arch = "x86_64")]
-        unsafe {
-            _mm_sfence()
-        };
-    }
 }
 
-/// [`sgemm`] in row order ([`streams_rows`]): all of `b` packed once, then
+/// The product in row order ([`streams_rows`]): all of `b` packed once, then
 /// each `MR`-row sliver of `a` through every block of `KC` steps, the tile
 /// of `c` accumulating block after block; while it computes one block the
 /// micro-kernel prefetches the sliver's next block (or the next sliver's
 /// first). A ragged last sliver is packed block by block.
 ///
 /// # Safety
-/// As for [`sgemm`], with `n <= NR` and a row-major `a`.
-unsafe fn sgemm_row_streams(
+/// As for [`sgemm_on`], with `T`'s set available, `n <= NR` and a row-major `a`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn sgemm_row_streams<T: Tile>(
     m: usize,
     n: usize,
     k: usize,
@@ -290,9 +497,10 @@ unsafe fn sgemm_row_streams(
     c: Output,
     accumulate: bool,
 ) {
-    let b_floats = k.div_ceil(KC) * KC * NR;
+    let (mr, nr) = (T::MR, T::NR);
+    let b_floats = k.div_ceil(KC) * KC * nr;
     PACKED.with_borrow_mut(|packed| {
-        let lines = (b_floats + MR * KC) / 16;
+        let lines = (b_floats + mr * KC).div_ceil(16);
         if packed.len() < lines {
             packed.resize(lines, Line([0.0; 16]));
         }
@@ -301,51 +509,46 @@ unsafe fn sgemm_row_streams(
         let pa = unsafe { pb.add(b_floats) };
         for pc in (0..k).step_by(KC) {
             // SAFETY: steps pc.. of b (caller); block pc / KC of the packing.
-            unsafe { pack_b(b, pc, 0, KC.min(k - pc), n, pb.add(pc * NR)) };
+            unsafe { pack_b::<T>(b, pc, 0, KC.min(k - pc), n, pb.add(pc * nr)) };
         }
-        let whole = m / MR * MR;
-        for ir in (0..m).step_by(MR) {
-            let rows = MR.min(m - ir);
+        let whole = m / mr * mr;
+        for ir in (0..m).step_by(mr) {
+            let rows = mr.min(m - ir);
             // SAFETY: row ir of c is below m.
             let tile = Output { ptr: unsafe { c.ptr.add(ir * c.ldc) }, ..c };
             for pc in (0..k).step_by(KC) {
                 let kc = KC.min(k - pc);
                 let load_c = accumulate || pc > 0;
                 // SAFETY: block pc / KC of the packed b.
-                let b_sliver = unsafe { pb.add(pc * NR) };
+                let b_sliver = unsafe { pb.add(pc * nr) };
                 if ir < whole {
                     // SAFETY: rows ir.., step pc of a.
                     let sliver = Operand { ptr: unsafe { a.ptr.add(ir * a.rows + pc) }, ..a };
                     // A prefetch never faults: no bounds to keep.
                     let prefetch = if pc + KC < k {
                         a.ptr.wrapping_add(ir * a.rows + pc + KC)
-                    } else if ir + MR < whole {
-                        a.ptr.wrapping_add((ir + MR) * a.rows)
+                    } else if ir + mr < whole {
+                        a.ptr.wrapping_add((ir + mr) * a.rows)
                     } else {
                         std::ptr::null()
                     };
                     // SAFETY: MR rows of kc steps of a, kc packed steps of b,
                     // the tile clipped to c's rows and n columns.
-                    unsafe { micro_kernel::<false>(kc, sliver, b_sliver, tile, rows, n, load_c, prefetch) };
+                    unsafe {
+                        T::micro_kernel::<false>(kc, sliver, b_sliver, tile, rows, n, load_c, prefetch)
+                    };
                 } else {
                     // SAFETY: the ragged rows' block fits the sliver after b.
-                    unsafe { pack_a(a, ir, pc, rows, kc, pa) };
-                    let sliver = Operand { ptr: pa, rows: 1, cols: MR };
+                    unsafe { pack_a::<T>(a, ir, pc, rows, kc, pa) };
+                    let sliver = Operand { ptr: pa, rows: 1, cols: mr };
                     // SAFETY: as above, with the packed sliver.
                     unsafe {
-                        micro_kernel::<true>(kc, sliver, b_sliver, tile, rows, n, load_c, std::ptr::null())
+                        T::micro_kernel::<true>(kc, sliver, b_sliver, tile, rows, n, load_c, std::ptr::null())
                     };
                 }
             }
         }
     });
-    if c.stream {
-        // As in `sgemm_blocks`: make the non-temporal stores visible.
-        #[cfg(target_arch = "x86_64")]
-        unsafe {
-            _mm_sfence()
-        };
-    }
 }
 
 /// Packs rows `i0..i0 + mc`, steps `p0..p0 + kc` of `a` as slivers of `MR`
@@ -353,26 +556,35 @@ unsafe fn sgemm_row_streams(
 /// row `mc`).
 ///
 /// # Safety
-/// The block is inside `a`; `dst` holds `mc.div_ceil(MR) * MR * kc` floats.
-#[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx512f"))]
-unsafe fn pack_a(a: Operand, i0: usize, p0: usize, mc: usize, kc: usize, dst: *mut f32) {
-    for s in 0..mc.div_ceil(MR) {
-        let sliver = unsafe { dst.add(s * MR * kc) };
-        let height = MR.min(mc - s * MR);
-        let first = unsafe { a.ptr.add((i0 + s * MR) * a.rows + p0 * a.cols) };
-        if a.rows == 1 {
-            // Column-major a (a transposed operand): each step's rows are
-            // contiguous; fixed-size copies compile to vector moves (masked,
-            // zero-filled past `height` for a ragged last sliver).
-            for p in 0..kc {
-                unsafe { copy_row::<MR>(first.add(p * a.cols), sliver.add(p * MR), height) };
+/// `T`'s set is available; the block is inside `a`; `dst` holds
+/// `mc.div_ceil(MR) * MR * kc` floats.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn pack_a<T: Tile>(a: Operand, i0: usize, p0: usize, mc: usize, kc: usize, dst: *mut f32) {
+    let mr = T::MR;
+    if a.rows == 1 {
+        // Column-major a (a transposed operand): each step's rows are
+        // contiguous, so step by step the block's rows are one sequential
+        // read, dealt out to the slivers.
+        for p in 0..kc {
+            let step = unsafe { a.ptr.add(i0 + (p0 + p) * a.cols) };
+            for s in 0..mc.div_ceil(mr) {
+                let height = mr.min(mc - s * mr);
+                unsafe { T::copy_row(step.add(s * mr), dst.add(s * mr * kc + p * mr), height, mr) };
             }
-        } else {
+        }
+        return;
+    }
+    for s in 0..mc.div_ceil(mr) {
+        let sliver = unsafe { dst.add(s * mr * kc) };
+        let height = mr.min(mc - s * mr);
+        let first = unsafe { a.ptr.add((i0 + s * mr) * a.rows + p0 * a.cols) };
+        {
             // All MR rows advance together, so every write is sequential and
             // each row is a read stream the prefetcher follows.
             for p in 0..kc {
-                let out = unsafe { sliver.add(p * MR) };
-                for r in 0..MR {
+                let out = unsafe { sliver.add(p * mr) };
+                for r in 0..mr {
                     let v = if r < height { unsafe { *first.add(r * a.rows + p * a.cols) } } else { 0.0 };
                     unsafe { *out.add(r) = v };
                 }
@@ -386,45 +598,31 @@ unsafe fn pack_a(a: Operand, i0: usize, p0: usize, mc: usize, kc: usize, dst: *m
 /// past column `nc`).
 ///
 /// # Safety
-/// The panel is inside `b`; `dst` holds `nc.div_ceil(NR) * NR * kc` floats.
-#[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx512f"))]
-unsafe fn pack_b(b: Operand, p0: usize, j0: usize, kc: usize, nc: usize, dst: *mut f32) {
-    for s in 0..nc.div_ceil(NR) {
-        let sliver = unsafe { dst.add(s * NR * kc) };
-        let width = NR.min(nc - s * NR);
-        let first = unsafe { b.ptr.add(p0 * b.rows + (j0 + s * NR) * b.cols) };
+/// `T`'s set is available; the panel is inside `b`; `dst` holds
+/// `nc.div_ceil(NR) * NR * kc` floats.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn pack_b<T: Tile>(b: Operand, p0: usize, j0: usize, kc: usize, nc: usize, dst: *mut f32) {
+    let nr = T::NR;
+    for s in 0..nc.div_ceil(nr) {
+        let sliver = unsafe { dst.add(s * nr * kc) };
+        let width = nr.min(nc - s * nr);
+        let first = unsafe { b.ptr.add(p0 * b.rows + (j0 + s * nr) * b.cols) };
         if b.cols == 1 {
             // Row-major b: each step's columns are contiguous (a ragged last
             // sliver, such as the 24 columns of a coefficient projection,
             // masked and zero-filled).
             for p in 0..kc {
-                unsafe { copy_row::<NR>(first.add(p * b.rows), sliver.add(p * NR), width) };
+                unsafe { T::copy_row(first.add(p * b.rows), sliver.add(p * nr), width, nr) };
             }
-        } else if width == NR && b.rows == 1 {
+        } else if width == nr && b.rows == 1 {
             // Column-major b (a transposed operand, such as a weight in the
-            // backward pass or the keys of attention scores): 16 columns' runs
-            // of 16 steps at a time, transposed in registers (an element-wise
-            // copy compiled to gathers and took about as long as the scores'
-            // arithmetic).
-            for half in 0..NR / 16 {
-                for p in (0..kc).step_by(16) {
-                    let steps = 16.min(kc - p);
-                    // SAFETY: columns `16 * half..` of the sliver, steps
-                    // `p..p + steps`, are inside b and the sliver (contract).
-                    unsafe {
-                        transpose_block(
-                            first.add(16 * half * b.cols + p),
-                            b.cols,
-                            steps,
-                            sliver.add(p * NR + 16 * half),
-                        )
-                    };
-                }
-            }
+            // backward pass or the keys of attention scores).
+            unsafe { T::pack_columns(first, b.cols, kc, sliver) };
         } else {
             for p in 0..kc {
-                let out = unsafe { sliver.add(p * NR) };
-                for j in 0..NR {
+                let out = unsafe { sliver.add(p * nr) };
+                for j in 0..nr {
                     let v = if j < width { unsafe { *first.add(p * b.rows + j * b.cols) } } else { 0.0 };
                     unsafe { *out.add(j) = v };
                 }
@@ -433,9 +631,125 @@ unsafe fn pack_b(b: Operand, p0: usize, j0: usize, kc: usize, nc: usize, dst: *m
     }
 }
 
+/// The AVX-512 tile: 14 rows of two 16-float vectors, 28 of the 32 vector
+/// registers.
+#[cfg(target_arch = "x86_64")]
+struct Avx512;
+
+#[cfg(target_arch = "x86_64")]
+impl Tile for Avx512 {
+    const MR: usize = AVX512_TILE.0;
+    const NR: usize = AVX512_TILE.1;
+    /// 112 KiB of packed `a`.
+    const MC: usize = 14 * 8;
+    /// 14 rows are 56 of a line's 64 bytes.
+    const READS_COLUMNS_IN_PLACE: bool = true;
+
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn micro_kernel<const UNIT_ROWS: bool>(
+        kc: usize,
+        a: Operand,
+        b: *const f32,
+        c: Output,
+        rows: usize,
+        cols: usize,
+        load_c: bool,
+        prefetch: *const f32,
+    ) {
+        const MR: usize = Avx512::MR;
+        const NR: usize = Avx512::NR;
+        let mut acc: [[__m512; 2]; MR] = [[_mm512_setzero_ps(); 2]; MR];
+        for p in 0..kc {
+            // SAFETY: step p of each sliver is in bounds (contract).
+            let (b0, b1) = unsafe { (_mm512_loadu_ps(b.add(p * NR)), _mm512_loadu_ps(b.add(p * NR + 16))) };
+            let step = unsafe { a.ptr.add(p * a.cols) };
+            if !prefetch.is_null() {
+                // A hint only: the address need not be inside `a`.
+                // Column-major: step p's rows. Row-major: the sliver's rows hold
+                // its steps, 16 floats a line; step p fetches line p / MR of row
+                // p % MR, so the kc steps cover every line of all MR rows.
+                let at = if UNIT_ROWS { p * a.cols } else { (p % MR) * a.rows + (p / MR) * 16 };
+                _mm_prefetch::<_MM_HINT_T0>(prefetch.wrapping_add(at).cast());
+            }
+            for (r, acc_r) in acc.iter_mut().enumerate() {
+                let at = if UNIT_ROWS { r } else { r * a.rows };
+                let x = _mm512_set1_ps(unsafe { *step.add(at) });
+                acc_r[0] = _mm512_fmadd_ps(x, b0, acc_r[0]);
+                acc_r[1] = _mm512_fmadd_ps(x, b1, acc_r[1]);
+            }
+        }
+        let masks = [lane_mask_16(cols), lane_mask_16(cols.saturating_sub(16))];
+        // The rows are stored by an unrolled sequence with constant indices: a
+        // loop over the run-time `rows` made the accumulators a zeroed stack
+        // array (a 1.8 KiB memset and a spill per tile) instead of registers.
+        macro_rules! store_rows {
+            ($($r:literal)*) => {$(
+                if $r < rows {
+                    for (v, &value) in acc[$r].iter().enumerate() {
+                        // SAFETY: masked lanes stay within the tile's `cols`
+                        // columns of row $r, which is below `rows`.
+                        unsafe {
+                            let at = c.ptr.add($r * c.ldc + 16 * v);
+                            let value = if load_c {
+                                _mm512_add_ps(_mm512_mask_loadu_ps(_mm512_setzero_ps(), masks[v], at), value)
+                            } else {
+                                value
+                            };
+                            if masks[v] == u16::MAX && c.stream && !load_c && at.align_offset(64) == 0 {
+                                _mm512_stream_ps(at, value);
+                            } else if masks[v] == u16::MAX {
+                                _mm512_storeu_ps(at, value);
+                            } else {
+                                _mm512_mask_storeu_ps(at, masks[v], value);
+                            }
+                        }
+                    }
+                }
+            )*};
+        }
+        const _: () = assert!(MR == 14, "store_rows lists MR row indices");
+        store_rows!(0 1 2 3 4 5 6 7 8 9 10 11 12 13);
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn copy_row(src: *const f32, dst: *mut f32, len: usize, n: usize) {
+        for v in 0..n.div_ceil(16) {
+            let (read, write) = (lane_mask_16(len.saturating_sub(16 * v)), lane_mask_16(n - 16 * v));
+            // SAFETY: masked lanes stay within the `len` floats read and the `n` written.
+            unsafe {
+                let x = _mm512_mask_loadu_ps(_mm512_setzero_ps(), read, src.add(16 * v));
+                _mm512_mask_storeu_ps(dst.add(16 * v), write, x);
+            }
+        }
+    }
+
+    /// 16 columns' runs of 16 steps at a time, transposed in registers.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn pack_columns(first: *const f32, stride: usize, kc: usize, dst: *mut f32) {
+        for half in 0..Self::NR / 16 {
+            for p in (0..kc).step_by(16) {
+                let steps = 16.min(kc - p);
+                // SAFETY: columns `16 * half..` of the sliver, steps
+                // `p..p + steps`, are inside b and the sliver (contract).
+                unsafe {
+                    transpose_16(
+                        first.add(16 * half * stride + p),
+                        stride,
+                        steps,
+                        dst.add(p * Self::NR + 16 * half),
+                    )
+                };
+            }
+        }
+    }
+}
+
 /// Writes the transpose of a 16 x `steps` block: row `j` (read at
 /// `src + j * stride`, `steps` contiguous floats) becomes lane `j` of the 16
-/// floats at `dst + t * NR` for each step `t < steps`.
+/// floats at `dst + t * 32` for each step `t < steps`.
 ///
 /// # Safety
 /// AVX-512F is available; the 16 rows hold `steps <= 16` floats each and the
@@ -443,8 +757,8 @@ unsafe fn pack_b(b: Operand, p0: usize, j0: usize, kc: usize, nc: usize, dst: *m
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn transpose_block(src: *const f32, stride: usize, steps: usize, dst: *mut f32) {
-    let read = column_mask(steps);
+unsafe fn transpose_16(src: *const f32, stride: usize, steps: usize, dst: *mut f32) {
+    let read = lane_mask_16(steps);
     // SAFETY: masked lanes stay within each row's `steps` floats.
     let rows: [__m512; 16] =
         std::array::from_fn(|j| unsafe { _mm512_maskz_loadu_ps(read, src.add(j * stride)) });
@@ -478,129 +792,15 @@ unsafe fn transpose_block(src: *const f32, stride: usize, steps: usize, dst: *mu
             let t = 4 * g + e;
             if t < steps {
                 // SAFETY: step t is below `steps`.
-                unsafe { _mm512_storeu_ps(dst.add(t * NR), column) };
+                unsafe { _mm512_storeu_ps(dst.add(t * Avx512::NR), column) };
             }
         }
     }
-}
-
-#[cfg(not(target_arch = "x86_64"))]
-unsafe fn transpose_block(src: *const f32, stride: usize, steps: usize, dst: *mut f32) {
-    for j in 0..16 {
-        for t in 0..steps {
-            unsafe { *dst.add(t * NR + j) = *src.add(j * stride + t) };
-        }
-    }
-}
-
-/// Copies the first `len` of `N` contiguous floats with 16-lane vector
-/// moves and zero-fills the rest (a plain copy of a short run becomes a
-/// `memmove` call).
-///
-/// # Safety
-/// AVX-512F is available; `src` holds `len` floats and `dst` `N`, `len <= N`.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-#[inline]
-unsafe fn copy_row<const N: usize>(src: *const f32, dst: *mut f32, len: usize) {
-    for v in 0..N.div_ceil(16) {
-        let (read, write) = (column_mask(len.saturating_sub(16 * v)), column_mask(N - 16 * v));
-        // SAFETY: masked lanes stay within the `len` floats read and the `N` written.
-        unsafe {
-            let x = _mm512_mask_loadu_ps(_mm512_setzero_ps(), read, src.add(16 * v));
-            _mm512_mask_storeu_ps(dst.add(16 * v), write, x);
-        }
-    }
-}
-
-#[cfg(not(target_arch = "x86_64"))]
-unsafe fn copy_row<const N: usize>(src: *const f32, dst: *mut f32, len: usize) {
-    unsafe {
-        std::ptr::copy_nonoverlapping(src, dst, len);
-        std::ptr::write_bytes(dst.add(len), 0, N - len);
-    }
-}
-
-/// One `MR x NR` tile: `c (=|+=) a_sliver @ b_sliver` over `kc` steps,
-/// storing only the tile's first `rows` rows and `cols` columns. Row `r` of
-/// step `p` of the `a` sliver is at `a.ptr + r * a.rows + p * a.cols` (packed:
-/// `rows = 1`, `cols = MR`). Unless `prefetch` is null (it addresses a sliver
-/// laid out as `a` is), each step also prefetches one of its lines: step
-/// `p`'s rows where rows are one apart, else one line of one row, so the
-/// steps together cover the sliver's rows (see [`sgemm`]).
-///
-/// # Safety
-/// AVX-512F is available; the `a` sliver holds `kc` steps of `MR` rows, the
-/// `b` sliver `kc * NR` floats; `c` addresses `rows` rows of `cols`
-/// elements.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn micro_kernel<const UNIT_ROWS: bool>(
-    kc: usize,
-    a: Operand,
-    b: *const f32,
-    c: Output,
-    rows: usize,
-    cols: usize,
-    load_c: bool,
-    prefetch: *const f32,
-) {
-    let mut acc: [[__m512; 2]; MR] = [[_mm512_setzero_ps(); 2]; MR];
-    for p in 0..kc {
-        // SAFETY: step p of each sliver is in bounds (contract).
-        let (b0, b1) = unsafe { (_mm512_loadu_ps(b.add(p * NR)), _mm512_loadu_ps(b.add(p * NR + 16))) };
-        let step = unsafe { a.ptr.add(p * a.cols) };
-        if !prefetch.is_null() {
-            // A hint only: the address need not be inside `a`.
-            // Column-major: step p's rows. Row-major: the sliver's rows hold
-            // its steps, 16 floats a line; step p fetches line p / MR of row
-            // p % MR, so the kc steps cover every line of all MR rows.
-            let at = if UNIT_ROWS { p * a.cols } else { (p % MR) * a.rows + (p / MR) * 16 };
-            _mm_prefetch::<_MM_HINT_T0>(prefetch.wrapping_add(at).cast());
-        }
-        for (r, acc_r) in acc.iter_mut().enumerate() {
-            let at = if UNIT_ROWS { r } else { r * a.rows };
-            let x = _mm512_set1_ps(unsafe { *step.add(at) });
-            acc_r[0] = _mm512_fmadd_ps(x, b0, acc_r[0]);
-            acc_r[1] = _mm512_fmadd_ps(x, b1, acc_r[1]);
-        }
-    }
-    let masks = [column_mask(cols), column_mask(cols.saturating_sub(16))];
-    // The rows are stored by an unrolled sequence with constant indices: a
-    // loop over the run-time `rows` made the accumulators a zeroed stack array
-    // (a 1.8 KiB memset and a spill per tile) instead of registers.
-    macro_rules! store_rows {
-        ($($r:literal)*) => {$(
-            if $r < rows {
-                for (v, &value) in acc[$r].iter().enumerate() {
-                    // SAFETY: masked lanes stay within the tile's `cols`
-                    // columns of row $r, which is below `rows`.
-                    unsafe {
-                        let at = c.ptr.add($r * c.ldc + 16 * v);
-                        let value = if load_c {
-                            _mm512_add_ps(_mm512_mask_loadu_ps(_mm512_setzero_ps(), masks[v], at), value)
-                        } else {
-                            value
-                        };
-                        if masks[v] == u16::MAX && c.stream && !load_c && at.align_offset(64) == 0 {
-                            _mm512_stream_ps(at, value);
-                        } else if masks[v] == u16::MAX {
-                            _mm512_storeu_ps(at, value);
-                        } else {
-                            _mm512_mask_storeu_ps(at, masks[v], value);
-                        }
-                    }
-                }
-            }
-        )*};
-    }
-    const _: () = assert!(MR == 14, "store_rows lists MR row indices");
-    store_rows!(0 1 2 3 4 5 6 7 8 9 10 11 12 13);
 }
 
 /// Lanes `0..cols.min(16)` set.
-fn column_mask(cols: usize) -> u16 {
+#[cfg(target_arch = "x86_64")]
+fn lane_mask_16(cols: usize) -> u16 {
     if cols >= 16 {
         u16::MAX
     } else {
@@ -608,19 +808,207 @@ fn column_mask(cols: usize) -> u16 {
     }
 }
 
-#[cfg(not(target_arch = "x86_64"))]
-#[allow(clippy::too_many_arguments)]
-unsafe fn micro_kernel<const UNIT_ROWS: bool>(
-    _kc: usize,
-    _a: Operand,
-    _b: *const f32,
-    _c: Output,
-    _rows: usize,
-    _cols: usize,
-    _load_c: bool,
-    _prefetch: *const f32,
-) {
-    unreachable!("sgemm runs only where `available()` is true")
+/// The AVX2 tile: 6 rows of two 8-float vectors, 12 of the 16 vector
+/// registers, next to the two `b` vectors and one broadcast a step.
+#[cfg(target_arch = "x86_64")]
+struct Avx2;
+
+#[cfg(target_arch = "x86_64")]
+impl Tile for Avx2 {
+    const MR: usize = AVX2_TILE.0;
+    const NR: usize = AVX2_TILE.1;
+    /// 96 KiB of packed `a`.
+    const MC: usize = 6 * 16;
+    /// 6 rows are 24 of a line's 64 bytes.
+    const READS_COLUMNS_IN_PLACE: bool = false;
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn micro_kernel<const UNIT_ROWS: bool>(
+        kc: usize,
+        a: Operand,
+        b: *const f32,
+        c: Output,
+        rows: usize,
+        cols: usize,
+        load_c: bool,
+        prefetch: *const f32,
+    ) {
+        const MR: usize = Avx2::MR;
+        const NR: usize = Avx2::NR;
+        // Lines of one row of a KC-step sliver: a row-major prefetch covers
+        // them in its first MR * LINES steps.
+        const LINES: usize = KC / 16;
+        let mut acc: [[__m256; 2]; MR] = [[_mm256_setzero_ps(); 2]; MR];
+        for p in 0..kc {
+            // SAFETY: step p of each sliver is in bounds (contract).
+            let (b0, b1) = unsafe { (_mm256_loadu_ps(b.add(p * NR)), _mm256_loadu_ps(b.add(p * NR + 8))) };
+            let step = unsafe { a.ptr.add(p * a.cols) };
+            if !prefetch.is_null() && (UNIT_ROWS || p < MR * LINES) {
+                // As for AVX-512: step p's rows, or line p / MR of row p % MR.
+                let at = if UNIT_ROWS { p * a.cols } else { (p % MR) * a.rows + (p / MR) * 16 };
+                _mm_prefetch::<_MM_HINT_T0>(prefetch.wrapping_add(at).cast());
+            }
+            for (r, acc_r) in acc.iter_mut().enumerate() {
+                let at = if UNIT_ROWS { r } else { r * a.rows };
+                // SAFETY: row r of step p is in bounds (contract).
+                let x = _mm256_broadcast_ss(unsafe { &*step.add(at) });
+                acc_r[0] = _mm256_fmadd_ps(x, b0, acc_r[0]);
+                acc_r[1] = _mm256_fmadd_ps(x, b1, acc_r[1]);
+            }
+        }
+        let masks = [lane_mask_8(cols), lane_mask_8(cols.saturating_sub(8))];
+        let whole = [cols >= 8, cols >= 16];
+        // Constant row indices, as for AVX-512.
+        macro_rules! store_rows {
+            ($($r:literal)*) => {$(
+                if $r < rows {
+                    for (v, &value) in acc[$r].iter().enumerate() {
+                        // SAFETY: masked lanes stay within the tile's `cols`
+                        // columns of row $r, which is below `rows`.
+                        unsafe {
+                            let at = c.ptr.add($r * c.ldc + 8 * v);
+                            let value = if load_c {
+                                _mm256_add_ps(_mm256_maskload_ps(at, masks[v]), value)
+                            } else {
+                                value
+                            };
+                            if whole[v] && c.stream && !load_c && at.align_offset(32) == 0 {
+                                _mm256_stream_ps(at, value);
+                            } else {
+                                store_first(at, value, cols.saturating_sub(8 * v));
+                            }
+                        }
+                    }
+                }
+            )*};
+        }
+        const _: () = assert!(MR == 6, "store_rows lists MR row indices");
+        store_rows!(0 1 2 3 4 5);
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn copy_row(src: *const f32, dst: *mut f32, len: usize, n: usize) {
+        for v in 0..n.div_ceil(8) {
+            // SAFETY: masked lanes stay within the `len` floats read (the
+            // others load as zero), the stores within the `n` written.
+            unsafe {
+                let x = _mm256_maskload_ps(src.add(8 * v), lane_mask_8(len.saturating_sub(8 * v)));
+                store_first(dst.add(8 * v), x, n - 8 * v);
+            }
+        }
+    }
+
+    /// 8 columns' runs of 8 steps at a time, transposed in registers.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn pack_columns(first: *const f32, stride: usize, kc: usize, dst: *mut f32) {
+        for half in 0..Self::NR / 8 {
+            for p in (0..kc).step_by(8) {
+                let steps = 8.min(kc - p);
+                // SAFETY: columns `8 * half..` of the sliver, steps
+                // `p..p + steps`, are inside b and the sliver (contract).
+                unsafe {
+                    transpose_8(
+                        first.add(8 * half * stride + p),
+                        stride,
+                        steps,
+                        dst.add(p * Self::NR + 8 * half),
+                    )
+                };
+            }
+        }
+    }
+}
+
+/// Writes the transpose of an 8 x `steps` block: row `j` (read at
+/// `src + j * stride`, `steps` contiguous floats) becomes lane `j` of the 8
+/// floats at `dst + t * 16` for each step `t < steps`.
+///
+/// # Safety
+/// AVX2 is available; the 8 rows hold `steps <= 8` floats each and the
+/// `steps` destinations 8 floats each.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn transpose_8(src: *const f32, stride: usize, steps: usize, dst: *mut f32) {
+    let read = lane_mask_8(steps);
+    // SAFETY: masked lanes stay within each row's `steps` floats.
+    let r: [__m256; 8] = std::array::from_fn(|j| unsafe { _mm256_maskload_ps(src.add(j * stride), read) });
+    // Rows interleaved in pairs: within each 128-bit half, elements e, e + 1
+    // of two rows.
+    let t: [__m256; 8] = std::array::from_fn(|i| {
+        let (lo, hi) = (r[2 * (i / 2)], r[2 * (i / 2) + 1]);
+        if i % 2 == 0 {
+            _mm256_unpacklo_ps(lo, hi)
+        } else {
+            _mm256_unpackhi_ps(lo, hi)
+        }
+    });
+    // Four rows' element e (low half) and e + 4 (high half), e = 0..4, for
+    // rows 0..4 then rows 4..8.
+    let s: [__m256; 8] = std::array::from_fn(|i| {
+        let (q, e) = (i / 4, i % 4);
+        let (lo, hi) = (t[4 * q + e / 2], t[4 * q + e / 2 + 2]);
+        if e % 2 == 0 {
+            _mm256_shuffle_ps::<0x44>(lo, hi)
+        } else {
+            _mm256_shuffle_ps::<0xEE>(lo, hi)
+        }
+    });
+    for e in 0..4 {
+        let columns =
+            [_mm256_permute2f128_ps::<0x20>(s[e], s[4 + e]), _mm256_permute2f128_ps::<0x31>(s[e], s[4 + e])];
+        for (g, column) in columns.into_iter().enumerate() {
+            let step = 4 * g + e;
+            if step < steps {
+                // SAFETY: step `step` is below `steps`.
+                unsafe { _mm256_storeu_ps(dst.add(step * Avx2::NR), column) };
+            }
+        }
+    }
+}
+
+/// Stores the first `count.min(8)` lanes of `x` at `dst`: a whole vector, else
+/// a 4-, 2- and 1-lane store as `count` needs. Not `maskstore`: on AMD cores it
+/// is microcoded, some 30 cycles a store here, and packing a column-major
+/// `a` (a masked 6-lane store a step) took longer than its product's
+/// arithmetic.
+///
+/// # Safety
+/// AVX2 is available; `dst` holds `count.min(8)` writable floats.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn store_first(dst: *mut f32, x: __m256, count: usize) {
+    // SAFETY (all stores): lanes at..at + width are below `count`.
+    if count >= 8 {
+        unsafe { _mm256_storeu_ps(dst, x) };
+        return;
+    }
+    let (mut part, mut at) = (_mm256_castps256_ps128(x), 0);
+    if count >= 4 {
+        unsafe { _mm_storeu_ps(dst, part) };
+        part = _mm256_extractf128_ps::<1>(x);
+        at = 4;
+    }
+    if count - at >= 2 {
+        unsafe { _mm_store_sd(dst.add(at).cast(), _mm_castps_pd(part)) };
+        part = _mm_movehl_ps(part, part);
+        at += 2;
+    }
+    if count > at {
+        unsafe { _mm_store_ss(dst.add(at), part) };
+    }
+}
+
+/// Lanes `0..cols.min(8)` set, as the sign bits `maskload` reads.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+fn lane_mask_8(cols: usize) -> __m256i {
+    _mm256_cmpgt_epi32(_mm256_set1_epi32(cols.min(8) as i32), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))
 }
 
 /// The check both of the device's f32 products are tested with.
@@ -729,21 +1117,23 @@ pub(crate) mod triple_loop {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, target_arch = "x86_64"))]
 mod tests {
+    use super::triple_loop::Product;
     use super::*;
 
     /// Every shape class (ragged tiles, several KC and NC blocks, transposed
-    /// operands, padded `ldc`, accumulation) against an f64 triple loop.
+    /// operands, padded `ldc`, accumulation) against an f64 triple loop, with
+    /// every tile the host runs.
     #[test]
     fn matches_a_triple_loop() {
-        if !available() {
-            println!("skipped: this host has no AVX-512F, the Cpu device uses the gemm crate");
+        if Isa::host().is_none() {
+            println!("skipped: this host has neither AVX-512F nor AVX2, the Cpu device uses the gemm crate");
             return;
         }
         // Both layouts of a are read in place (a ragged last sliver packed):
         // several row and column blocks, a ragged last sliver, a single column.
-        let shapes: [(usize, usize, usize); 9] = [
+        let shapes: [(usize, usize, usize); 10] = [
             (1, 1, 1),
             (14, 32, 256),
             (15, 33, 257),
@@ -753,24 +1143,42 @@ mod tests {
             (61, 16, 300),
             (57, 5, 513),
             (500, 9, 40),
+            (97, 24, 19),
         ];
-        for (case, &(m, n, k)) in shapes.iter().enumerate() {
-            for layout in
-                [(false, false, false), (true, false, true), (false, true, false), (true, true, true)]
-            {
-                // Odd cases: line-aligned rows, written with streaming stores
-                // where they are written once.
-                let ldc = if case % 2 == 1 { n.next_multiple_of(16) } else { n + 3 };
-                triple_loop::check(
-                    case as u64,
-                    (m, n, k),
-                    layout,
-                    (ldc, case % 2 == 1),
-                    |a, b, c, acc| unsafe { sgemm(m, n, k, a, b, c, acc) },
-                );
+        for isa in Isa::supported() {
+            for (case, &(m, n, k)) in shapes.iter().enumerate() {
+                for layout in
+                    [(false, false, false), (true, false, true), (false, true, false), (true, true, true)]
+                {
+                    // Odd cases: line-aligned rows, written with streaming stores
+                    // where they are written once.
+                    let ldc = if case % 2 == 1 { n.next_multiple_of(16) } else { n + 3 };
+                    triple_loop::check(
+                        case as u64,
+                        (m, n, k),
+                        layout,
+                        (ldc, case % 2 == 1),
+                        |a, b, c, acc| unsafe { sgemm_on(isa, m, n, k, a, b, c, acc) },
+                    );
+                }
             }
         }
     }
+
+    /// The products of [`row_order_gives_the_bits_of_block_order`], one pair
+    /// per instruction set.
+    macro_rules! orders {
+        ($rows:ident, $blocks:ident, $isa:expr) => {
+            unsafe fn $rows(m: usize, n: usize, k: usize, a: Operand, b: Operand, c: Output, acc: bool) {
+                unsafe { sgemm_on($isa, m, n, k, a, b, c, acc) }
+            }
+            unsafe fn $blocks(m: usize, n: usize, k: usize, a: Operand, b: Operand, c: Output, acc: bool) {
+                unsafe { sgemm_blocks_on($isa, m, n, k, a, b, c, acc) }
+            }
+        };
+    }
+    orders!(avx512_rows, avx512_blocks, Isa::Avx512);
+    orders!(avx2_rows, avx2_blocks, Isa::Avx2);
 
     /// Products whose row-major rows span several contraction blocks under
     /// one column tile walk each tile's rows whole ([`streams_rows`]): the
@@ -778,19 +1186,49 @@ mod tests {
     /// the same values as an f64 loop.
     #[test]
     fn row_order_gives_the_bits_of_block_order() {
-        if !available() {
-            println!("skipped: this host has no AVX-512F, the Cpu device uses the gemm crate");
+        if Isa::host().is_none() {
+            println!("skipped: this host has neither AVX-512F nor AVX2, the Cpu device uses the gemm crate");
             return;
         }
-        let shapes = [(45, 32, 1000), (28, 7, 513), (3, 32, 2 * KC)];
-        for &(m, n, k) in &shapes {
-            let row_major = Operand { ptr: std::ptr::null(), rows: k, cols: 1 };
-            assert!(n <= NR && streams_rows(k, row_major, KC, NR), "{m}x{n}x{k} streams rows");
+        for isa in Isa::supported() {
+            let (_, nr) = isa.tile();
+            let (rows, blocks): (Product, Product) = match isa {
+                Isa::Avx512 => (avx512_rows, avx512_blocks),
+                Isa::Avx2 => (avx2_rows, avx2_blocks),
+            };
+            let shapes = [(45, nr, 1000), (28, 7, 513), (3, nr, 2 * KC)];
+            for &(m, n, k) in &shapes {
+                let row_major = Operand { ptr: std::ptr::null(), rows: k, cols: 1 };
+                assert!(n <= nr && streams_rows(k, row_major, KC, nr), "{m}x{n}x{k} streams rows");
+            }
+            triple_loop::check_orders(&shapes, 3, rows, blocks);
         }
-        triple_loop::check_orders(&shapes, 3, sgemm, sgemm_blocks);
         // Past the packing bound, or with a column-major a, block order stays.
         let long = Operand { ptr: std::ptr::null(), rows: 8192, cols: 1 };
-        assert!(!streams_rows(8192, long, KC, NR));
-        assert!(!streams_rows(1000, Operand { ptr: std::ptr::null(), rows: 1, cols: 45 }, KC, NR));
+        assert!(!streams_rows(8192, long, KC, 32));
+        assert!(!streams_rows(1000, Operand { ptr: std::ptr::null(), rows: 1, cols: 45 }, KC, 32));
+    }
+
+    /// The AVX2 transpose puts element `t` of row `j` at lane `j` of step
+    /// `t`, for every run length, and writes no step past the run.
+    #[test]
+    fn avx2_columns_pack_as_their_transpose() {
+        if !Isa::supported().contains(&Isa::Avx2) {
+            println!("skipped: this host has no AVX2");
+            return;
+        }
+        let stride = 37;
+        let b = triple_loop::values(Avx2::NR * stride, 11);
+        for kc in [1, 7, 8, 9, 16, 37] {
+            let mut packed = vec![f32::NAN; (kc + 1) * Avx2::NR];
+            // SAFETY: NR columns of kc <= stride steps, kc steps of NR floats.
+            unsafe { Avx2::pack_columns(b.as_ptr(), stride, kc, packed.as_mut_ptr()) };
+            for t in 0..kc {
+                for j in 0..Avx2::NR {
+                    assert_eq!(packed[t * Avx2::NR + j], b[j * stride + t], "kc {kc}: step {t}, column {j}");
+                }
+            }
+            assert!(packed[kc * Avx2::NR..].iter().all(|v| v.is_nan()), "kc {kc}: wrote past the run");
+        }
     }
 }
