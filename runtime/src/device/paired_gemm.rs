@@ -174,13 +174,7 @@ unsafe fn paired_row_streams(
         let whole = m / tile_rows * tile_rows;
         for i0 in (0..whole).step_by(tile_rows) {
             for p0 in (0..k).step_by(KC) {
-                let next = if p0 + KC < k {
-                    a.ptr.wrapping_add(i0 * a.rows + p0 + KC)
-                } else if i0 + tile_rows < whole {
-                    a.ptr.wrapping_add((i0 + tile_rows) * a.rows)
-                } else {
-                    std::ptr::null()
-                };
+                let next = super::sgemm::next_in_row_order(a, (i0, tile_rows, whole), (p0, KC, k));
                 // SAFETY: rows i0..i0 + tile_rows and steps p0.. of a; the
                 // tile's rows of c are below m.
                 unsafe {

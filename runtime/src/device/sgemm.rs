@@ -355,6 +355,25 @@ pub(crate) fn streams_rows(k: usize, a: Operand, block: usize, packed_step: usiz
     row_major && k > block && k.div_ceil(block) * block * packed_step <= ROW_STREAMS_MAX_PACKED_B
 }
 
+/// In row order ([`streams_rows`]), what the tile of `rows` rows of a
+/// row-major `a` at row `i` prefetches while it computes the contraction
+/// block at step `p` (blocks of `block` steps, `k` in all; whole tiles below
+/// row `whole`): its own next block, else the next tile's first, else
+/// nothing (null). A prefetch never faults: no bounds to keep.
+pub(crate) fn next_in_row_order(
+    a: Operand,
+    (i, rows, whole): (usize, usize, usize),
+    (p, block, k): (usize, usize, usize),
+) -> *const f32 {
+    if p + block < k {
+        a.ptr.wrapping_add(i * a.rows + p + block)
+    } else if i + rows < whole {
+        a.ptr.wrapping_add((i + rows) * a.rows)
+    } else {
+        std::ptr::null()
+    }
+}
+
 /// The product in block order: for each block of `KC` steps, every tile.
 ///
 /// # Safety
@@ -524,14 +543,7 @@ unsafe fn sgemm_row_streams<T: Tile>(
                 if ir < whole {
                     // SAFETY: rows ir.., step pc of a.
                     let sliver = Operand { ptr: unsafe { a.ptr.add(ir * a.rows + pc) }, ..a };
-                    // A prefetch never faults: no bounds to keep.
-                    let prefetch = if pc + KC < k {
-                        a.ptr.wrapping_add(ir * a.rows + pc + KC)
-                    } else if ir + mr < whole {
-                        a.ptr.wrapping_add((ir + mr) * a.rows)
-                    } else {
-                        std::ptr::null()
-                    };
+                    let prefetch = next_in_row_order(a, (ir, mr, whole), (pc, KC, k));
                     // SAFETY: MR rows of kc steps of a, kc packed steps of b,
                     // the tile clipped to c's rows and n columns.
                     unsafe {
