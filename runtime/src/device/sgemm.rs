@@ -142,18 +142,14 @@ impl Isa {
     pub(crate) fn takes(self, m: usize, a: Operand) -> bool {
         match self {
             Isa::Avx512 => true,
-            Isa::Avx2 => a.cols == 1 && a.rows > 1 && m >= Avx2Rows::MIN,
+            Isa::Avx2 => a.cols == 1 && a.rows > 1 && m >= AVX2_MIN_ROWS,
         }
     }
 }
 
-/// Rows of `c` from which AVX2 products go to [`sgemm_on`] (see [`Isa::takes`]).
-struct Avx2Rows;
-
-impl Avx2Rows {
-    /// One packed block of rows ([`Tile::MC`] of the AVX2 tile).
-    const MIN: usize = 96;
-}
+/// Rows of `c` from which AVX2 products go to [`sgemm_on`] (see
+/// [`Isa::takes`]): one packed block of rows of the AVX2 tile.
+const AVX2_MIN_ROWS: usize = 96;
 
 #[cfg(target_arch = "x86_64")]
 thread_local! {
@@ -830,7 +826,7 @@ impl Tile for Avx2 {
     const MR: usize = AVX2_TILE.0;
     const NR: usize = AVX2_TILE.1;
     /// 96 KiB of packed `a`.
-    const MC: usize = 6 * 16;
+    const MC: usize = AVX2_MIN_ROWS;
     /// 6 rows are 24 of a line's 64 bytes.
     const READS_COLUMNS_IN_PLACE: bool = false;
 
