@@ -705,14 +705,16 @@ unsafe fn run_gemm(g: &Gemm, a: *const f32, b: *const f32, c: *mut f32, pool: &P
         return;
     }
     let stream = streams_output(g);
+    let a_layout = sgemm::Operand { ptr: a, rows: a_rs, cols: a_cs };
+    let isa = tiled_isa(g, a_layout);
+    // The gemm crate's products (no tile of ours) split the longer side.
+    let tile = isa.map_or((1, 1), |isa| isa.tile(a_layout));
     // Addresses as integers so the parts can share them across threads.
     let (a, b, c) = (a as usize, b as usize, c as usize);
     let work = g.batch.saturating_mul(g.m).saturating_mul(g.n).saturating_mul(g.k);
     let threads = if work >= MIN_GEMM_PARALLEL { pool.threads() } else { 1 };
     let f32s = std::mem::size_of::<f32>();
     let by_batch = g.batch >= threads;
-    // The gemm crate's products (no tile of ours) split the longer side.
-    let tile = sgemm::Isa::host().map_or((1, 1), sgemm::Isa::tile);
     let by_rows = splits_rows(g.m, g.n, threads, tile);
     let count = if by_batch {
         g.batch
@@ -746,7 +748,7 @@ unsafe fn run_gemm(g: &Gemm, a: *const f32, b: *const f32, c: *mut f32, pool: &P
             // or columns of c.
             unsafe {
                 let c = sgemm::Output { ptr: pc, ldc: g.n, stream };
-                product(m, n, g.k, (pa, a_rs, a_cs), (pb, b_rs, b_cs), c, g.accumulate);
+                product(isa, m, n, g.k, (pa, a_rs, a_cs), (pb, b_rs, b_cs), c, g.accumulate);
             }
         }
     };
@@ -819,6 +821,7 @@ unsafe fn run_gemm_split_k(
     pool: &Pool,
 ) {
     let (m, n) = (g.m, g.n);
+    let isa = tiled_isa(g, sgemm::Operand { ptr: a, rows: a_rs, cols: a_cs });
     let mut partials = vec![0.0f32; SPLIT_K_CHUNKS * m * n];
     let [oa, ob, oc] = g.offsets;
     let f32s = std::mem::size_of::<f32>();
@@ -835,7 +838,7 @@ unsafe fn run_gemm_split_k(
             // SAFETY: contraction steps lo..hi of both operands (the caller's
             // contract); chunk `chunk` of the partials is this part's alone.
             let c = sgemm::Output { ptr: pc, ldc: n, stream: false };
-            unsafe { product(m, n, hi - lo, (pa, a_rs, a_cs), (pb, b_rs, b_cs), c, false) };
+            unsafe { product(isa, m, n, hi - lo, (pa, a_rs, a_cs), (pb, b_rs, b_cs), c, false) };
         }
     };
     pool.run_parts(parts, &part);
@@ -850,13 +853,22 @@ unsafe fn run_gemm_split_k(
     }
 }
 
-/// One single-threaded product `c (=|+=) op(a) @ op(b)`, `m x n` over `k`
-/// steps, with element `(i, p)` of op(a) at `a + i·a_rs + p·a_cs`, `(p, j)` of
+/// The instruction set whose tiles run `g`'s parts ([`sgemm::Isa::takes`],
+/// decided on the whole product so that every part runs the same kernel),
+/// or `None` for the `gemm` crate.
+fn tiled_isa(g: &Gemm, a: sgemm::Operand) -> Option<sgemm::Isa> {
+    sgemm::Isa::host().filter(|isa| isa.takes(g.m, g.n, a))
+}
+
+/// One single-threaded product `c (=|+=) op(a) @ op(b)` on `isa`'s tiles (the
+/// `gemm` crate if `None`), `m x n` over `k` steps, with element `(i, p)` of op(a) at `a + i·a_rs + p·a_cs`, `(p, j)` of
 /// op(b) at `b + p·b_rs + j·b_cs` and row `i` of c at `c + i·ldc`.
 ///
 /// # Safety
 /// The operands address those elements; `c` overlaps neither.
+#[allow(clippy::too_many_arguments)]
 unsafe fn product(
+    isa: Option<sgemm::Isa>,
     m: usize,
     n: usize,
     k: usize,
@@ -878,7 +890,7 @@ unsafe fn product(
         }
         let a = sgemm::Operand { ptr: pa, rows: a_rs, cols: a_cs };
         let b = sgemm::Operand { ptr: pb, rows: b_rs, cols: b_cs };
-        if let Some(isa) = sgemm::Isa::host().filter(|isa| isa.takes(m, a)) {
+        if let Some(isa) = isa {
             if paired_gemm::suits(n) && paired_gemm::available() {
                 paired_gemm::paired_gemm(m, n, k, a, b, c, accumulate);
             } else {
