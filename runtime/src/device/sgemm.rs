@@ -195,6 +195,15 @@ trait Tile {
     /// Whether whole slivers of a column-major `a` are read in place rather
     /// than packed: only where a step's `MR` rows fill most of a cache line.
     const READS_COLUMNS_IN_PLACE: bool;
+    /// Longest contraction block for which [`sgemm_blocks`] walks the tiles
+    /// of a block of rows band by band (each `MR`-row band through every
+    /// column sliver) rather than sliver by sliver, unless `c` is streamed.
+    /// Over so few steps a tile's arithmetic is short next to writing it, and
+    /// the product waits on `c`'s lines: band by band, `MR` rows of `c` fill
+    /// in order, streams the hardware prefetcher follows, where sliver by
+    /// sliver every tile starts `MR` new lines scattered over the block's
+    /// rows. Each tile's sums are the same either way.
+    const ROW_BANDS_MAX_STEPS: usize;
 
     /// One `MR x NR` tile: `c (=|+=) a_sliver @ b_sliver` over `kc` steps,
     /// storing only the tile's first `rows` rows and `cols` columns. Row `r`
@@ -465,8 +474,17 @@ unsafe fn sgemm_blocks<T: Tile>(
                     // SAFETY: as for b, with the rows of the block from
                     // `in_place` on.
                     unsafe { pack_a::<T>(a, ic + in_place, pc, mc - in_place, kc, pa) };
-                    for jr in (0..nc).step_by(nr) {
-                        for ir in (0..mc).step_by(mr) {
+                    // Short blocks into a cached c: each row band across
+                    // every column sliver ([`Tile::ROW_BANDS_MAX_STEPS`]).
+                    let rows_outer = !c.stream && kc <= T::ROW_BANDS_MAX_STEPS;
+                    let (outer, inner) = if rows_outer {
+                        (mc.div_ceil(mr), nc.div_ceil(nr))
+                    } else {
+                        (nc.div_ceil(nr), mc.div_ceil(mr))
+                    };
+                    for o in 0..outer {
+                        for i in 0..inner {
+                            let (jr, ir) = if rows_outer { (i * nr, o * mr) } else { (o * nr, i * mr) };
                             let sliver = if ir < in_place {
                                 // SAFETY: rows ic + ir.., step pc of a.
                                 Operand { ptr: unsafe { a.ptr.add((ic + ir) * a.rows + pc * a.cols) }, ..a }
@@ -684,6 +702,8 @@ impl Tile for Avx512 {
     const MC: usize = 14 * 8;
     /// 14 rows are 56 of a line's 64 bytes.
     const READS_COLUMNS_IN_PLACE: bool = true;
+    /// Not measured with this tile: sliver by sliver, as it was tuned.
+    const ROW_BANDS_MAX_STEPS: usize = 0;
 
     #[inline]
     #[target_feature(enable = "avx512f")]
@@ -861,6 +881,11 @@ impl Tile for Avx2 {
     const MC: usize = AVX2_MIN_ROWS;
     /// 6 rows are 24 of a line's 64 bytes.
     const READS_COLUMNS_IN_PLACE: bool = false;
+    /// Measured in training steps (three alternating profiles each): mHC's
+    /// `2048 x 1024 x 24` coefficient input gradients 14.6-16.7 → 10.1-12.3
+    /// ms a step, VWN's `32768 x 24 x 64` and `32768 x 64 x 24` 20.5 → 16.2
+    /// and 14.1 → 12.5; the backbone's 256-step products did not change.
+    const ROW_BANDS_MAX_STEPS: usize = 64;
 
     #[inline]
     #[target_feature(enable = "avx2,fma")]
@@ -981,8 +1006,14 @@ impl Tile for Avx2Tall {
     const NR: usize = AVX2_TALL_TILE.1;
     /// 96 KiB of `a` a block.
     const MC: usize = 96;
-    /// 16 rows are a whole line.
+    /// Packed, though 16 rows are a whole line: a weight gradient's steps lie
+    /// a whole activation row apart (16 KiB for xHC's state), a stride that
+    /// maps a sliver's lines to one or a few cache sets, where they evict each
+    /// other. Read in place, the router's weight gradient ran at 16.1 GFLOP/s
+    /// on one thread; packed, with [`PACK_AHEAD`], at 28 to 33.
     const READS_COLUMNS_IN_PLACE: bool = false;
+    /// Its products (weight gradients) contract over every token.
+    const ROW_BANDS_MAX_STEPS: usize = 0;
 
     #[inline]
     #[target_feature(enable = "avx2,fma")]
