@@ -8,8 +8,9 @@
 //! §6), so they decide its speed. On AVX2 hosts the crate's kernels are
 //! 256-bit too; there this kernel's 6 x 16 tile takes the products whose `a`
 //! is row-major and read in place (the projections forward and the input
-//! gradients), which it runs faster, and leaves the others to the crate
-//! ([`Isa::takes`]).
+//! gradients), a 16 x 6 tile the narrow ones whose `a` is column-major (the
+//! weight gradients of routers and coefficient projections), which it runs
+//! faster, and leaves the others to the crate ([`Isa::takes`]).
 //!
 //! Structure (the classic blocked scheme): for each block of `KC` contraction
 //! steps and `NC` columns, `b` is packed into column slivers of `NR` floats
@@ -25,7 +26,7 @@
 //! the micro-kernels also prefetch the next block's slivers while they
 //! compute the current one. The tile's shape and the few operations that
 //! depend on the vector width are a [`Tile`]: 14 x 32 with AVX-512, 6 x 16
-//! with AVX2; the drivers are compiled once for each.
+//! and 16 x 6 with AVX2; the drivers are compiled once for each.
 //!
 //! Each product's sum over `k` runs in order within a `KC` block, blocks
 //! added in order, one FMA per step: deterministic and independent of the
