@@ -5,7 +5,9 @@
 use std::ffi::c_void;
 
 use codegen::cc::Compiler;
-use codegen::kernel::{f32, fuse_loops, i64, item, Access, Expr, Grid, Kernel, KernelBuilder, Stmt, Ty};
+use codegen::kernel::{
+    f32, fuse_loops, i64, item, simplify_indices, Access, Expr, Grid, Kernel, KernelBuilder, Stmt, Ty,
+};
 use ir::DType;
 
 const ROWS: usize = 37;
@@ -194,4 +196,85 @@ fn an_array_read_twice_or_of_writable_values_stays() {
     assert_eq!(arrays(&fuse_loops(mean_square(Access::Read, 2)).body), 1);
     // A read-write `x` might change between the loop and the reads.
     assert_eq!(arrays(&fuse_loops(mean_square(Access::ReadWrite, 1)).body), 1);
+}
+
+/// The item emitter's row-form product over an item's one row (mHC's stream
+/// update): `t = h·x` inside a loop of one iteration over the item's rows,
+/// its coefficient loaded there, then a second such product into `u`, then
+/// `y = t + u` elementwise. `row_name` names the second product's row
+/// variable.
+fn one_row_products(second_coefficient: &str) -> Kernel {
+    let mut k = KernelBuilder::new("one_row", Grid::thread_per_item(ROWS));
+    let h = k.param("h", DType::F32, Access::Read, ROWS * 2);
+    let x = k.param("x", DType::F32, Access::Read, ROWS * N);
+    let y = k.param("y", DType::F32, Access::Write, ROWS * N);
+    let n = i64(N as i64);
+    let t = k.local_array("t", Ty::F32, N);
+    k.for_("r0", i64(0), i64(1), |b, r| {
+        let a = b.let_("a", h.at(item() * i64(2) + r.clone()));
+        b.for_("c0", i64(0), n.clone(), |b, c| {
+            b.store(&t, r * n.clone() + c.clone(), a * x.at(item() * n.clone() + c))
+        });
+    });
+    let u = k.local_array("u", Ty::F32, N);
+    k.for_("r1", i64(0), i64(1), |b, r| {
+        let a = b.let_(second_coefficient, h.at(item() * i64(2) + i64(1) + r.clone()));
+        b.for_("c1", i64(0), n.clone(), |b, c| {
+            b.store(&u, r * n.clone() + c.clone(), a * x.at(item() * n.clone() + c) + f32(1.0))
+        });
+    });
+    k.for_("l2", i64(0), n.clone(), |b, l| {
+        b.store(&y, item() * n.clone() + l.clone(), t.at(l.clone()) + u.at(l))
+    });
+    k.finish()
+}
+
+#[test]
+fn one_row_products_are_peeled_and_merged_into_one_loop_with_the_same_bits() {
+    let plain = one_row_products("b");
+    let fused = fuse_loops(simplify_indices(plain.clone()));
+    fused.validate().expect("the fused kernel is valid");
+    assert_eq!((loops(&fused.body), arrays(&fused.body)), (1, 0), "{:#?}", fused.body);
+
+    let cache = std::env::temp_dir().join(format!("widen-fuse-rows-test-{}", std::process::id()));
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let compiler = Compiler::new(&cc, cache.clone()).expect("a C compiler is installed");
+    let mut renamed = fused;
+    renamed.name = "one_row_fused".into();
+    let lib = compiler.compile_kernels(&[plain, renamed]).expect("compiles");
+    let h: Vec<f32> = (0..ROWS * 2).map(|i| i as f32 / 13.0 - 1.5).collect();
+    let x: Vec<f32> = (0..ROWS * N).map(|i| ((i * 7919) % 1000) as f32 / 77.0 - 6.0).collect();
+    let run = |name: &str| {
+        let mut y = vec![0.0f32; ROWS * N];
+        let args = [h.as_ptr() as *mut c_void, x.as_ptr() as *mut c_void, y.as_mut_ptr().cast()];
+        let entry = lib.entry(name).expect("entry");
+        // SAFETY: buffers match the parameters' types and lengths.
+        unsafe { entry.call(&args, 0, ROWS as i64) };
+        y
+    };
+    let (plain, merged) = (run("one_row"), run("one_row_fused"));
+    assert!(plain.iter().any(|v| *v != 0.0), "the test computes something");
+    assert!(plain.iter().zip(&merged).all(|(a, b)| a.to_bits() == b.to_bits()));
+    let _ = std::fs::remove_dir_all(cache);
+}
+
+#[test]
+fn one_row_loops_stay_when_peeling_would_redeclare_a_name_or_a_scalar_reads_the_open_loop() {
+    // Both products name their coefficient `a`: peeled, either would declare
+    // it in a scope that holds the other's, so both stay loops.
+    let fused = fuse_loops(simplify_indices(one_row_products("a")));
+    fused.validate().expect("the rewritten kernel is valid");
+    assert_eq!((loops(&fused.body), arrays(&fused.body)), (3, 2), "{:#?}", fused.body);
+
+    // A scalar loaded from what the open loop writes keeps its place, and the
+    // loop after it stays apart.
+    let mut k = KernelBuilder::new("reads_open", Grid::thread_per_item(1));
+    let z = k.param("z", DType::F32, Access::ReadWrite, N);
+    let w = k.param("w", DType::F32, Access::Write, N);
+    k.for_("l0", i64(0), i64(N as i64), |b, l| b.store(&z, l, f32(1.0)));
+    let q = k.let_("q", z.at(i64(3)));
+    k.for_("l1", i64(0), i64(N as i64), |b, l| b.store(&w, l, q.clone()));
+    let fused = fuse_loops(k.finish());
+    assert_eq!(loops(&fused.body), 2, "{:#?}", fused.body);
+    assert!(matches!(&fused.body[1], Stmt::Let { var, .. } if var == "q"), "{:#?}", fused.body);
 }

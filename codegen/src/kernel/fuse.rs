@@ -6,7 +6,11 @@
 //! row runs a dozen such passes, with a dozen 4 KiB arrays that no longer fit
 //! the L1 cache together. This pass
 //! 1. merges consecutive elementwise loops over the same range when that
-//!    cannot change any value read (see [`can_merge`]), and then
+//!    cannot change any value read (see [`can_merge`]); loops of one
+//!    iteration (a row-form product over an item's one row) are replaced by
+//!    their bodies first, and scalars between two loops that read nothing the
+//!    first writes move above it, so that such products merge too (see
+//!    [`peel_single_iterations`]); and then
 //! 2. turns a local array that is written and read only at the loop variable
 //!    of one loop, read after it is written, into a scalar of that loop, and
 //! 3. computes a local array that is a function of read-only parameters alone
@@ -16,7 +20,7 @@
 //!    registers next to the rest of a fused body and spills; on the CPU it is
 //!    one store and one load less per element.
 //!
-//! All three rewrites keep every float operation and its operands as they were
+//! All these rewrites keep every float operation and its operands as they were
 //! (only where intermediate values live changes, or, for the third, when they
 //! are computed), so results are bit for bit those of the unfused body.
 
@@ -24,7 +28,7 @@ use std::collections::HashSet;
 
 use super::{collect_refs, each_expr, expr_refs, rewrite_stmts, BinOp, Buf, Expr, Kernel, Stmt, Unroll};
 
-/// Applies the three rewrites to a thread-per-item kernel (block-per-item kernels
+/// Applies the rewrites to a thread-per-item kernel (block-per-item kernels
 /// split their bodies at barriers and keep their shape).
 pub fn fuse_loops(mut kernel: Kernel) -> Kernel {
     if kernel.grid.is_block() {
@@ -57,6 +61,7 @@ fn elementwise_len(s: &Stmt) -> Option<i64> {
 }
 
 fn merge_loops(stmts: Vec<Stmt>) -> Vec<Stmt> {
+    let stmts = peel_single_iterations(stmts);
     let mut out: Vec<Stmt> = Vec::with_capacity(stmts.len());
     // Index in `out` of the last loop still open to merging.
     let mut open: Option<usize> = None;
@@ -75,6 +80,16 @@ fn merge_loops(stmts: Vec<Stmt>) -> Vec<Stmt> {
             out.insert(at, s);
             open = Some(at + 1);
             continue;
+        }
+        if let (Stmt::Let { expr, .. }, Some(at)) = (&s, open) {
+            // A scalar that reads nothing the open loop writes has the same
+            // value above it: hoist it, so that the loop after it (a
+            // row-form product's, whose coefficients it loads) may merge.
+            if !reads_any(expr, &stored_buffers(&out[at])) {
+                out.insert(at, s);
+                open = Some(at + 1);
+                continue;
+            }
         }
         match (elementwise_len(&s), open) {
             (Some(n), Some(at)) if elementwise_len(&out[at]) == Some(n) && can_merge(&out[at], &s) => {
@@ -96,6 +111,83 @@ fn merge_loops(stmts: Vec<Stmt>) -> Vec<Stmt> {
         }
     }
     out
+}
+
+/// `stmts` with each loop of one iteration from zero replaced by its body,
+/// where the body no longer names the loop's variable (the index
+/// simplifier folds its one value in) and declares no name that the other
+/// statements declare: a row-form product over an item's one row (MATH.md
+/// §4.3's `H_res` mixing, one stream an item) is then scalars and one
+/// elementwise loop at the item's level, which [`merge_loops`] may merge with
+/// the loops around it.
+fn peel_single_iterations(stmts: Vec<Stmt>) -> Vec<Stmt> {
+    let declared: Vec<HashSet<String>> = stmts.iter().map(|s| declared_in(std::slice::from_ref(s))).collect();
+    let mut out = Vec::with_capacity(stmts.len());
+    for (i, s) in stmts.into_iter().enumerate() {
+        let Stmt::For { var, start, end, step: 1, body, .. } = &s else {
+            out.push(s);
+            continue;
+        };
+        let one_iteration =
+            matches!(start, Expr::I64(0) | Expr::I32(0)) && matches!(end, Expr::I64(1) | Expr::I32(1));
+        let mut refs = HashSet::new();
+        collect_refs(body, &mut refs);
+        let inner = declared_in(body);
+        let clashes = declared.iter().enumerate().any(|(j, names)| j != i && !names.is_disjoint(&inner));
+        if one_iteration && !refs.contains(var) && !clashes {
+            let Stmt::For { body, .. } = s else { unreachable!("matched a loop") };
+            out.extend(body);
+        } else {
+            out.push(s);
+        }
+    }
+    out
+}
+
+/// Every name `stmts` declare, at any depth.
+fn declared_in(stmts: &[Stmt]) -> HashSet<String> {
+    let mut names = HashSet::new();
+    for s in stmts {
+        match s {
+            Stmt::Let { var, .. }
+            | Stmt::Var { var, .. }
+            | Stmt::LocalArray { var, .. }
+            | Stmt::BlockReduce { var, .. } => {
+                names.insert(var.clone());
+            }
+            Stmt::For { var, body, .. } => {
+                names.insert(var.clone());
+                names.extend(declared_in(body));
+            }
+            Stmt::If { then, else_, .. } => {
+                names.extend(declared_in(then));
+                names.extend(declared_in(else_));
+            }
+            _ => {}
+        }
+    }
+    names
+}
+
+/// The buffers a statement stores to, at any depth.
+fn stored_buffers(s: &Stmt) -> HashSet<String> {
+    let mut out = HashSet::new();
+    match s {
+        Stmt::Store { target, .. } | Stmt::AccumStore { target, .. } => {
+            out.insert(target.name().to_string());
+        }
+        Stmt::For { body, .. } => body.iter().for_each(|s| out.extend(stored_buffers(s))),
+        Stmt::If { then, else_, .. } => then.iter().chain(else_).for_each(|s| out.extend(stored_buffers(s))),
+        _ => {}
+    }
+    out
+}
+
+/// Whether `e` loads from any of `buffers`.
+fn reads_any(e: &Expr, buffers: &HashSet<String>) -> bool {
+    let mut found = false;
+    e.visit(&mut |e| found |= matches!(e, Expr::Load { src, .. } if buffers.contains(src.name())));
+    found
 }
 
 /// One buffer access of an elementwise loop body: the buffer, the index with

@@ -301,8 +301,16 @@ impl Simplifier {
                     (Some((lo, _)), Some((_, hi))) if step > 0 && hi > lo => Some((lo, hi - 1)),
                     _ => None,
                 };
+                // A loop of one iteration (a row-form product's rows of one
+                // item, MATH.md §4.3) binds its variable to one value, which
+                // indices may then fold in ([`super::fuse_loops`] drops the
+                // loop itself).
+                let def = match range {
+                    Some((lo, hi)) if lo == hi => Some(Expr::I64(lo)),
+                    _ => None,
+                };
                 self.scopes.push(HashMap::new());
-                self.declare(&var, Info { range, immutable: true, def: None });
+                self.declare(&var, Info { range, immutable: true, def });
                 let body = self.block(body);
                 self.scopes.pop();
                 Stmt::For { var, start, end, step, unroll, body }
