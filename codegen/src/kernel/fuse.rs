@@ -26,7 +26,10 @@
 
 use std::collections::HashSet;
 
-use super::{collect_refs, each_expr, expr_refs, rewrite_stmts, BinOp, Buf, Expr, Kernel, Stmt, Unroll};
+use super::{
+    collect_declared, collect_refs, each_expr, expr_refs, rewrite_stmts, BinOp, Buf, Expr, Kernel, Stmt,
+    Unroll,
+};
 
 /// Applies the rewrites to a thread-per-item kernel (block-per-item kernels
 /// split their bodies at barriers and keep their shape).
@@ -147,25 +150,7 @@ fn peel_single_iterations(stmts: Vec<Stmt>) -> Vec<Stmt> {
 /// Every name `stmts` declare, at any depth.
 fn declared_in(stmts: &[Stmt]) -> HashSet<String> {
     let mut names = HashSet::new();
-    for s in stmts {
-        match s {
-            Stmt::Let { var, .. }
-            | Stmt::Var { var, .. }
-            | Stmt::LocalArray { var, .. }
-            | Stmt::BlockReduce { var, .. } => {
-                names.insert(var.clone());
-            }
-            Stmt::For { var, body, .. } => {
-                names.insert(var.clone());
-                names.extend(declared_in(body));
-            }
-            Stmt::If { then, else_, .. } => {
-                names.extend(declared_in(then));
-                names.extend(declared_in(else_));
-            }
-            _ => {}
-        }
-    }
+    collect_declared(stmts, &mut names);
     names
 }
 

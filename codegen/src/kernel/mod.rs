@@ -390,6 +390,29 @@ fn renamed(stmts: &[Stmt], names: &HashMap<String, String>) -> Vec<Stmt> {
         .collect()
 }
 
+/// Every name `stmts` declare, at any depth.
+pub(crate) fn collect_declared(stmts: &[Stmt], out: &mut HashSet<String>) {
+    for s in stmts {
+        match s {
+            Stmt::Let { var, .. }
+            | Stmt::Var { var, .. }
+            | Stmt::LocalArray { var, .. }
+            | Stmt::BlockReduce { var, .. } => {
+                out.insert(var.clone());
+            }
+            Stmt::For { var, body, .. } => {
+                out.insert(var.clone());
+                collect_declared(body, out);
+            }
+            Stmt::If { then, else_, .. } => {
+                collect_declared(then, out);
+                collect_declared(else_, out);
+            }
+            _ => {}
+        }
+    }
+}
+
 /// Every variable and buffer name `stmts` mention (reads, writes, loop bounds).
 pub(crate) fn collect_refs(stmts: &[Stmt], out: &mut HashSet<String>) {
     for s in stmts {

@@ -24,8 +24,8 @@
 use std::collections::{HashSet, VecDeque};
 
 use super::{
-    collect_refs, each_expr, expr_refs, rewrite_stmts, simplify_indices, BinOp, CmpOp, Expr, Kernel, Stmt,
-    Ty, Unroll,
+    collect_declared, collect_refs, each_expr, expr_refs, rewrite_stmts, simplify_indices, BinOp, CmpOp,
+    Expr, Kernel, Stmt, Ty, Unroll,
 };
 
 /// Candidate divisors tried per loop, largest first.
@@ -365,30 +365,8 @@ fn index_cost(stmts: &[Stmt], trips: u64, loops: &mut Vec<Enclosing>) -> u64 {
 fn names(kernel: &Kernel) -> HashSet<String> {
     let mut out: HashSet<String> = kernel.params.iter().map(|p| p.name.clone()).collect();
     collect_refs(&kernel.body, &mut out);
-    declared(&kernel.body, &mut out);
+    collect_declared(&kernel.body, &mut out);
     out
-}
-
-fn declared(stmts: &[Stmt], out: &mut HashSet<String>) {
-    for s in stmts {
-        match s {
-            Stmt::Let { var, .. }
-            | Stmt::Var { var, .. }
-            | Stmt::LocalArray { var, .. }
-            | Stmt::BlockReduce { var, .. } => {
-                out.insert(var.clone());
-            }
-            Stmt::For { var, body, .. } => {
-                out.insert(var.clone());
-                declared(body, out);
-            }
-            Stmt::If { then, else_, .. } => {
-                declared(then, out);
-                declared(else_, out);
-            }
-            _ => {}
-        }
-    }
 }
 
 /// `base`, or `base` with the smallest numeric suffix that is not taken.
