@@ -854,15 +854,16 @@ unsafe fn run_gemm_split_k(
 }
 
 /// The instruction set whose tiles run `g`'s parts ([`sgemm::Isa::takes`],
-/// decided on the whole product so that every part runs the same kernel),
-/// or `None` for the `gemm` crate.
+/// decided on the whole product's rows and columns so that every part, a
+/// band of them, runs the same kernel), or `None` for the `gemm` crate.
 fn tiled_isa(g: &Gemm, a: sgemm::Operand) -> Option<sgemm::Isa> {
     sgemm::Isa::host().filter(|isa| isa.takes(g.m, g.n, a))
 }
 
 /// One single-threaded product `c (=|+=) op(a) @ op(b)` on `isa`'s tiles (the
-/// `gemm` crate if `None`), `m x n` over `k` steps, with element `(i, p)` of op(a) at `a + i·a_rs + p·a_cs`, `(p, j)` of
-/// op(b) at `b + p·b_rs + j·b_cs` and row `i` of c at `c + i·ldc`.
+/// `gemm` crate if `None`), `m x n` over `k` steps, with element `(i, p)` of
+/// op(a) at `a + i·a_rs + p·a_cs`, `(p, j)` of op(b) at `b + p·b_rs + j·b_cs`
+/// and row `i` of c at `c + i·ldc`.
 ///
 /// # Safety
 /// The operands address those elements; `c` overlaps neither.
