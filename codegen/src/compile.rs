@@ -554,7 +554,7 @@ pub fn compile(graph: &Graph, partition: &[Vec<NodeId>], request: &Request) -> R
     let res = residency(graph, &all, &unit_of, &own_grid, &forced);
 
     // Buffers.
-    let mut b = PlanBuilder::default();
+    let mut b = PlanBuilder { target: request.target, ..PlanBuilder::default() };
     let mut extra: Vec<(NodeId, BufferId)> = Vec::new();
     let mut node_ids: Vec<NodeId> = res.set.iter().copied().collect();
     node_ids.sort_by_key(|id| pos[id]);
@@ -700,6 +700,17 @@ pub fn compile(graph: &Graph, partition: &[Vec<NodeId>], request: &Request) -> R
 /// scalar and its local array goes), long loops split.
 fn optimized(kernel: Kernel) -> Kernel {
     crate::kernel::split_loops(crate::kernel::fuse_loops(crate::kernel::simplify_indices(kernel)))
+}
+
+/// An optimized kernel in the form its target runs best: on the GPU a
+/// thread-per-item kernel over long rows gets a warp per item
+/// ([`crate::kernel::spread_over_lanes`]), so that a warp's loads are
+/// consecutive elements of one row, not one element of each of 32 rows.
+fn for_target(kernel: Kernel, target: Target) -> Kernel {
+    match target {
+        Target::Cpu => kernel,
+        Target::Cuda => crate::kernel::spread_over_lanes(&kernel).unwrap_or(kernel),
+    }
 }
 
 /// Splits a run of a group's ordinary nodes (in topological order) into fused
@@ -936,6 +947,8 @@ fn table_output(launch: &Launch, steps: &[emit::Work]) -> Option<usize> {
 
 #[derive(Default)]
 struct PlanBuilder {
+    /// Where the kernels run: GPU kernels are spread over lanes where they fit.
+    target: Target,
     buffers: Vec<BufferDecl>,
     node_buf: HashMap<NodeId, BufferId>,
     kernels: Vec<Kernel>,
@@ -969,7 +982,7 @@ impl PlanBuilder {
         let index = match self.kernel_by_structure.get(&key) {
             Some(&index) => index,
             None => {
-                self.kernels.push(optimized(kernel));
+                self.kernels.push(for_target(optimized(kernel), self.target));
                 self.kernel_by_structure.insert(key, self.kernels.len() - 1);
                 self.kernels.len() - 1
             }

@@ -81,6 +81,9 @@ pub fn render_module(kernels: &[Kernel], dialect: Dialect) -> Result<String, Ker
     Ok(p.out)
 }
 
+/// Threads of a CUDA warp: a block of this many lanes reduces by shuffles.
+const WARP: u32 = 32;
+
 const C_PRELUDE: &str = "#include <math.h>
 #include <stdint.h>
 
@@ -519,7 +522,7 @@ impl Printer {
                 self.line(&format!("if (item >= {n}) return;"));
             }
             Grid::BlockPerItem { n, .. } => {
-                for t in reduction_types(&k.body) {
+                for t in reduction_types(&k.body).into_iter().filter(|_| threads > WARP) {
                     self.line(&format!("__shared__ {} widen_red_{}[{threads}];", self.ty(t), t.name()));
                 }
                 self.line("const long long item = blockIdx.x;");
@@ -530,6 +533,23 @@ impl Printer {
         for s in &k.body {
             match s {
                 Stmt::Barrier => self.line("__syncthreads();"),
+                Stmt::BlockReduce { var, op, value } if threads == WARP => {
+                    // The same tree as the shared-memory one below (lane `l`
+                    // adds lane `l + s`'s value, `s` halving), by shuffles; the
+                    // warp barrier orders the lanes' memory accesses as a block
+                    // reduction's barriers do.
+                    let t = value.ty();
+                    let (ty, v) = (self.ty(t), self.expr(value).0);
+                    let w = format!("{var}_warp");
+                    self.line("__syncwarp();");
+                    self.line(&format!("{ty} {w} = {v};"));
+                    self.open(&format!("for (int widen_s = {}; widen_s > 0; widen_s >>= 1) {{", WARP / 2));
+                    let other = format!("__shfl_down_sync(0xffffffffu, {w}, widen_s)");
+                    let combined = self.combine(*op, t, &w, &other);
+                    self.line(&format!("{w} = {combined};"));
+                    self.close();
+                    self.line(&format!("const {ty} {var} = __shfl_sync(0xffffffffu, {w}, 0);"));
+                }
                 Stmt::BlockReduce { var, op, value } => {
                     let t = value.ty();
                     let red = format!("widen_red_{}", t.name());

@@ -57,7 +57,8 @@ impl ItemOp<'_> {
         });
     }
 
-    /// [`super::fold`] in this op's type and names.
+    /// [`super::fold`] in this op's names; for the GPU its serial form
+    /// ([`super::serial_fold`]), which the lane spreading splits across a block.
     fn fold(
         &self,
         b: &mut Block,
@@ -66,7 +67,10 @@ impl ItemOp<'_> {
         op: impl Fn(Expr, Expr) -> Expr,
         f: impl Fn(&mut Block, Expr) -> Expr,
     ) -> Expr {
-        super::fold(self.names, b, init, n, op, f)
+        match self.target {
+            Target::Cpu => super::fold(self.names, b, init, n, op, f),
+            Target::Cuda => super::serial_fold(self.names, b, init, n, op, f),
+        }
     }
 
     /// Every output element of this item as the fold of its own row:

@@ -271,12 +271,39 @@ pub(crate) fn fold(
         b.assign(&acc, op(acc.clone(), combined));
         return acc;
     }
-    let a = acc.clone();
+    serial_fold_into(names, b, &acc, n, op, f);
+    acc
+}
+
+/// [`fold`] as one serial loop, `acc = op(acc, f(j))` for `j in 0..n` in
+/// order: the form the GPU's lane spreading ([`crate::kernel::spread_over_lanes`])
+/// splits across a block, each lane folding every `LANES`-th element, where
+/// [`fold`]'s unrolled lanes would each be a serial chain in every thread.
+pub(crate) fn serial_fold(
+    names: &Names,
+    b: &mut Block,
+    init: Expr,
+    n: usize,
+    op: impl Fn(Expr, Expr) -> Expr,
+    f: impl Fn(&mut Block, Expr) -> Expr,
+) -> Expr {
+    let acc = b.var(&names.fresh("acc"), init);
+    serial_fold_into(names, b, &acc, n, op, f);
+    acc
+}
+
+fn serial_fold_into(
+    names: &Names,
+    b: &mut Block,
+    acc: &Expr,
+    n: usize,
+    op: impl Fn(Expr, Expr) -> Expr,
+    f: impl Fn(&mut Block, Expr) -> Expr,
+) {
     b.for_(&names.fresh("j"), ix(0), ix(n), |b, j| {
         let v = f(b, j);
-        b.assign(&a, op(a.clone(), v));
+        b.assign(acc, op(acc.clone(), v));
     });
-    acc
 }
 
 /// The lanes [`fold`] splits a fold of `n` elements into, `None` for a serial fold.

@@ -77,6 +77,8 @@ fn bound(e: &Expr) -> Option<i64> {
         Expr::I64(v) => Some(*v),
         Expr::I32(v) => Some(i64::from(*v)),
         Expr::Lane => Some(0),
+        Expr::Binary { op: BinOp::Add, lhs, rhs } => bound(lhs)?.checked_add(bound(rhs)?),
+        Expr::Binary { op: BinOp::Mul, lhs, rhs } => bound(lhs)?.checked_mul(bound(rhs)?),
         _ => None,
     }
 }

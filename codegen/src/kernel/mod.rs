@@ -33,6 +33,7 @@ mod expr;
 mod fuse;
 mod simplify;
 mod split;
+mod spread;
 mod validate;
 
 pub use builder::{Block, KernelBuilder};
@@ -40,6 +41,7 @@ pub use expr::{f32, f64, i32, i64, item, lane, select, BinOp, Buf, CmpOp, Expr, 
 pub use fuse::fuse_loops;
 pub use simplify::simplify_indices;
 pub use split::split_loops;
+pub use spread::{spread_over_lanes, LANES as SPREAD_LANES};
 pub use validate::KernelError;
 
 pub(crate) use cost::stmt_work;
@@ -336,7 +338,7 @@ fn declared_names(stmts: &[Stmt], names: &mut HashMap<String, String>) {
 
 /// `stmts` without comments, every name (variable or buffer) replaced by its
 /// entry in `names`.
-fn renamed(stmts: &[Stmt], names: &HashMap<String, String>) -> Vec<Stmt> {
+pub(crate) fn renamed(stmts: &[Stmt], names: &HashMap<String, String>) -> Vec<Stmt> {
     let name = |n: &String| names.get(n).cloned().unwrap_or_else(|| n.clone());
     let buf = |b: &Buf| match b {
         Buf::Param { name: n, dtype } => Buf::Param { name: name(n), dtype: *dtype },
