@@ -709,7 +709,12 @@ fn optimized(kernel: Kernel) -> Kernel {
 fn for_target(kernel: Kernel, target: Target) -> Kernel {
     match target {
         Target::Cpu => kernel,
-        Target::Cuda => crate::kernel::spread_over_lanes(&kernel).unwrap_or(kernel),
+        // An error would be a defect of the pass (`compile_specs` checks that
+        // none occurs); the kernel as it was computes the same values.
+        Target::Cuda => match crate::kernel::spread_over_lanes(&kernel) {
+            Ok(Some(spread)) => spread,
+            Ok(None) | Err(_) => kernel,
+        },
     }
 }
 

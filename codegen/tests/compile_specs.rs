@@ -312,3 +312,34 @@ fn values_read_back_within_a_kernel_are_written_first_and_cost_no_reads() {
     }
     assert!(seen > 0, "no fused kernel reads back a value it writes");
 }
+
+/// On the GPU, fused kernels over long rows get a warp per item where their
+/// shape fits (`spread_over_lanes`). At the test width (64) and the GPU
+/// bench's (768), every kernel of a GPU training Plan left
+/// one thread per item was refused for its shape, never for a spread form
+/// that failed validation (which the compiler would hide by keeping the
+/// kernel as it was), and every spec has spread kernels.
+#[test]
+fn gpu_kernels_left_one_thread_per_item_were_refused_for_their_shape() {
+    use codegen::kernel::{spread_over_lanes, Grid, SPREAD_LANES};
+    for (name, width) in SPECS.into_iter().flat_map(|name| [(name, 64), (name, 768)]) {
+        let (graph, request, _) = model_of_width(name, width);
+        // Without the update, whose kernels have GPU forms of their own.
+        let request = request.for_target(Target::Cuda);
+        let partition = fused_partition(&graph, &request).expect("fuses");
+        let plan = compile(&graph, &partition, &request).expect("compiles");
+        let spread = plan
+            .kernels
+            .iter()
+            .filter(|k| matches!(k.grid, Grid::BlockPerItem { threads: SPREAD_LANES, .. }))
+            .count();
+        assert!(spread > 0, "{name} at {width}: some kernels spread over lanes");
+        for k in plan.kernels.iter().filter(|k| !k.grid.is_block()) {
+            match spread_over_lanes(k) {
+                Ok(None) => {}
+                Ok(Some(_)) => panic!("{name} at {width}: {} fits but was not spread", k.name),
+                Err(e) => panic!("{name} at {width}: {} spread into an invalid kernel: {e}", k.name),
+            }
+        }
+    }
+}

@@ -68,7 +68,7 @@ fn mentions_lane(e: &Expr) -> bool {
 
 #[test]
 fn long_loops_go_to_the_lanes_and_sums_to_a_block_reduction() {
-    let spread = spread_over_lanes(&norm_like()).expect("the kernel spreads");
+    let spread = spread_over_lanes(&norm_like()).expect("valid").expect("the kernel spreads");
     assert_eq!(spread.grid, Grid::BlockPerItem { n: ROWS, threads: SPREAD_LANES });
     // l0, l1, l2 and the four copies of l3 (the stream loop unrolled).
     assert_eq!(split_loops(&spread.body), 3 + STREAMS, "{:#?}", spread.body);
@@ -86,7 +86,7 @@ fn spread_kernel_computes_what_the_thread_per_item_one_does() {
     let cache = std::env::temp_dir().join(format!("widen-spread-test-{}", std::process::id()));
     let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
     let compiler = Compiler::new(&cc, cache.clone()).expect("a C compiler is installed");
-    let mut spread = spread_over_lanes(&norm_like()).expect("the kernel spreads");
+    let mut spread = spread_over_lanes(&norm_like()).expect("valid").expect("the kernel spreads");
     spread.name = "norm_like_spread".into();
     let lib = compiler.compile_kernels(&[norm_like(), spread]).expect("compiles");
     let x: Vec<f32> = (0..ROWS * N).map(|i| ((i * 7919) % 1000) as f32 / 77.0 - 6.0).collect();
@@ -131,7 +131,7 @@ fn spread_kernel_compiles_under_nvrtc_without_spills() {
         eprintln!("skipped: NVRTC is not loadable (put its lib folder on LD_LIBRARY_PATH)");
         return;
     }
-    let spread = spread_over_lanes(&norm_like()).expect("the kernel spreads");
+    let spread = spread_over_lanes(&norm_like()).expect("valid").expect("the kernel spreads");
     let src = codegen::render::render_cuda(std::slice::from_ref(&spread)).expect("renders");
     assert!(src.contains("__shfl_down_sync"), "a warp's sum by shuffles");
     let out = codegen::nvrtc::compile(&src, "sm_90").expect("compiles");
@@ -161,7 +161,10 @@ fn kernels_whose_iterations_or_lanes_depend_on_each_other_keep_one_thread_per_it
             b.store(y, g.clone(), x.at(g.clone()) + y.at(g - i64(1)));
         });
     });
-    assert!(spread_over_lanes(&neighbour).is_none(), "a loop-carried dependence through memory");
+    assert!(
+        spread_over_lanes(&neighbour).expect("valid").is_none(),
+        "a loop-carried dependence through memory"
+    );
     // A running maximum is not a sum.
     let maximum = kernel_with(|k, x, y| {
         let m = k.var("m", f32(f32::NEG_INFINITY));
@@ -171,7 +174,7 @@ fn kernels_whose_iterations_or_lanes_depend_on_each_other_keep_one_thread_per_it
         });
         k.store(y, item() * i64(n), m);
     });
-    assert!(spread_over_lanes(&maximum).is_none(), "only sums become block reductions");
+    assert!(spread_over_lanes(&maximum).expect("valid").is_none(), "only sums become block reductions");
     // A short loop only: nothing for the lanes to share.
     let short = kernel_with(|k, x, y| {
         k.for_("l", i64(0), i64(8), |b, l| {
@@ -179,7 +182,7 @@ fn kernels_whose_iterations_or_lanes_depend_on_each_other_keep_one_thread_per_it
             b.store(y, g.clone(), x.at(g));
         });
     });
-    assert!(spread_over_lanes(&short).is_none(), "no long loop");
+    assert!(spread_over_lanes(&short).expect("valid").is_none(), "no long loop");
     // Every lane would run a loop that reads an element another lane's copy
     // of the same loop may already have overwritten.
     let shifted = kernel_with(|k, x, y| {
@@ -192,5 +195,8 @@ fn kernels_whose_iterations_or_lanes_depend_on_each_other_keep_one_thread_per_it
             b.store(y, g.clone() + i64(1), y.at(g));
         });
     });
-    assert!(spread_over_lanes(&shifted).is_none(), "a repeated statement reading another element it writes");
+    assert!(
+        spread_over_lanes(&shifted).expect("valid").is_none(),
+        "a repeated statement reading another element it writes"
+    );
 }

@@ -31,8 +31,8 @@
 use std::collections::{HashMap, HashSet};
 
 use super::{
-    collect_declared, each_expr, renamed, rewrite_stmts, stmt_work, BinOp, Buf, Expr, Grid, Kernel, ReduceOp,
-    Stmt, Ty, Unroll,
+    collect_declared, each_expr, renamed, rewrite_stmts, stmt_work, BinOp, Buf, Expr, Grid, Kernel,
+    KernelError, ReduceOp, Stmt, Ty, Unroll,
 };
 
 /// Lanes per item: one warp, so a block reduction stays within the warp.
@@ -48,25 +48,31 @@ const MAX_TOP_LEVEL: usize = 1024;
 /// How much work every lane may repeat, per unit of work split across the
 /// lanes: the repeated part costs `LANES` times its thread-per-item share,
 /// and pays when the split part's loads, consecutive now, dominate.
-const REPEATED_WORK_PER_SPLIT_WORK: u64 = 16;
+const REPEATED_WORK_PER_SPLIT_WORK: u64 = 1;
 
 /// Most work (operations, loads and stores) every lane may repeat per item.
 const MAX_REPEATED_WORK: u64 = 65536;
 
-/// `kernel` spread over [`LANES`] lanes per item, or `None` when its shape
-/// does not fit (see the module documentation).
-pub fn spread_over_lanes(kernel: &Kernel) -> Option<Kernel> {
-    let Grid::ThreadPerItem { n, .. } = kernel.grid else { return None };
+/// `kernel` spread over [`LANES`] lanes per item, `None` when its shape does
+/// not fit (see the module documentation). An error is a spread kernel that
+/// fails validation: a defect of this pass, which the callers' fallback (the
+/// kernel as it was) hides from users and the tests must not.
+pub fn spread_over_lanes(kernel: &Kernel) -> Result<Option<Kernel>, KernelError> {
+    let Grid::ThreadPerItem { n, .. } = kernel.grid else { return Ok(None) };
     let lanes = i64::from(LANES);
-    let body = unroll_around_long_loops(&kernel.body, lanes)?;
+    let Some(body) = unroll_around_long_loops(&kernel.body, lanes, &mut 0) else { return Ok(None) };
     let mut out = Vec::with_capacity(body.len());
     let mut hazards = Hazards::default();
     let (mut split_work, mut repeated_work) = (0u64, 0u64);
     for s in body {
         if let Some(reductions) = splittable(&s, lanes) {
             split_work += stmt_work(&s);
-            let partials: Vec<(String, String, Ty)> =
-                reductions.into_iter().map(|(r, ty)| (r.clone(), format!("{r}_lane"), ty)).collect();
+            // A scalar may sum over several loops: each loop's names are its own.
+            let loop_index = out.len();
+            let partials: Vec<(String, String, Ty)> = reductions
+                .into_iter()
+                .map(|(r, ty)| (r.clone(), format!("{r}_lane{loop_index}"), ty))
+                .collect();
             for (_, p, ty) in &partials {
                 out.push(Stmt::Var { var: p.clone(), ty: *ty, init: zero(*ty) });
             }
@@ -74,7 +80,7 @@ pub fn spread_over_lanes(kernel: &Kernel) -> Option<Kernel> {
             hazards.before(&looped, &mut out);
             out.push(looped);
             for (r, p, ty) in partials {
-                let sum = format!("{r}_sum");
+                let sum = format!("{r}_sum{loop_index}");
                 out.push(Stmt::BlockReduce { var: sum.clone(), op: ReduceOp::Sum, value: scalar(&p, ty) });
                 out.push(Stmt::Assign { var: r.clone(), value: scalar(&r, ty) + scalar(&sum, ty) });
                 hazards.clear();
@@ -86,7 +92,7 @@ pub fn spread_over_lanes(kernel: &Kernel) -> Option<Kernel> {
             out.push(branches);
         } else {
             if !repeatable(&s) {
-                return None;
+                return Ok(None);
             }
             repeated_work += stmt_work(&s);
             let s = accumulated_by_lane_zero(s);
@@ -98,7 +104,7 @@ pub fn spread_over_lanes(kernel: &Kernel) -> Option<Kernel> {
         || repeated_work > REPEATED_WORK_PER_SPLIT_WORK * split_work
         || repeated_work > MAX_REPEATED_WORK
     {
-        return None;
+        return Ok(None);
     }
     let spread = Kernel {
         name: kernel.name.clone(),
@@ -106,7 +112,8 @@ pub fn spread_over_lanes(kernel: &Kernel) -> Option<Kernel> {
         grid: Grid::BlockPerItem { n, threads: LANES },
         body: out,
     };
-    spread.validate().ok().map(|()| spread)
+    spread.validate()?;
+    Ok(Some(spread))
 }
 
 /// A splittable loop (see [`splittable`]) with its iterations dealt to the
@@ -189,8 +196,10 @@ fn has_long_loop(stmts: &[Stmt], lanes: i64) -> bool {
 /// `stmts` with every top-level loop of at most [`UNROLL_MAX_TRIPS`] literal
 /// trips that holds a long loop replaced by its iterations, repeatedly: each
 /// copy binds the loop variable to its value and renames what it declares
-/// (`name_u<k>`), so every name stays unique. `None` past [`MAX_TOP_LEVEL`].
-fn unroll_around_long_loops(stmts: &[Stmt], lanes: i64) -> Option<Vec<Stmt>> {
+/// (`name_u<copy>`, `copies` counting every copy made), so every name stays
+/// unique, also where sibling loops declared the same one. `None` past
+/// [`MAX_TOP_LEVEL`].
+fn unroll_around_long_loops(stmts: &[Stmt], lanes: i64, copies: &mut usize) -> Option<Vec<Stmt>> {
     let mut out = Vec::new();
     for s in stmts {
         let small = trips(s).is_some_and(|t| t <= UNROLL_MAX_TRIPS);
@@ -200,14 +209,16 @@ fn unroll_around_long_loops(stmts: &[Stmt], lanes: i64) -> Option<Vec<Stmt>> {
                 let mut declared = HashSet::new();
                 collect_declared(body, &mut declared);
                 for k in 0..trips(s)? {
+                    *copies += 1;
+                    let copy = *copies;
                     let names: HashMap<String, String> =
-                        declared.iter().map(|d| (d.clone(), format!("{d}_u{k}"))).collect();
+                        declared.iter().map(|d| (d.clone(), format!("{d}_u{copy}"))).collect();
                     let value = Expr::I64(first + k * step);
                     let bound = rewrite_stmts(body, &|e| match e {
                         Expr::Var { name, .. } if name == var => Some(value.clone()),
                         _ => None,
                     });
-                    out.extend(unroll_around_long_loops(&renamed(&bound, &names), lanes)?);
+                    out.extend(unroll_around_long_loops(&renamed(&bound, &names), lanes, copies)?);
                 }
             }
             _ => out.push(s.clone()),
