@@ -15,6 +15,8 @@
 #   2. On the GPU machine, from the repository root (specs/ must be there):
 #        OUT=/some/dir scripts/gpu_check.sh
 #      Budget: under 8 minutes; every section has its own timeout.
+#      TORCH=0 skips the PyTorch section (a rerun after a change to widen
+#      alone: PyTorch's figures do not move).
 #
 # Sections and what each needs (timeouts add up to under 8 minutes)
 #   env        nvidia-smi, the libraries found (libcuda, libcublas, libnvrtc).
@@ -167,12 +169,17 @@ else
 fi
 
 # ---------------------------------------------------------------- torch
-log "torch: PyTorch eager on the GPU at the bench backbone"
-timeout 100 python3 benches/pytorch/bench.py --device cuda --modes eager --schemes vwn,mhc,xhc \
-    --d-model 768 --layers 12 --heads 12 --seq-len 1024 --batch 8 --steps 5 --warmup 1 \
-    --json "$OUT/torch.json" 2>&1 | tee -a "$LOG"
-code=${PIPESTATUS[0]}
-if [[ -s "$OUT/torch.json" ]]; then status_torch=ran; else status_torch=$(outcome "$code" ran); fi
+if [[ "${TORCH:-1}" == 0 ]]; then
+    log "torch: skipped (TORCH=0)"
+    status_torch=skipped
+else
+    log "torch: PyTorch eager on the GPU at the bench backbone"
+    timeout 100 python3 benches/pytorch/bench.py --device cuda --modes eager --schemes vwn,mhc,xhc \
+        --d-model 768 --layers 12 --heads 12 --seq-len 1024 --batch 8 --steps 5 --warmup 1 \
+        --json "$OUT/torch.json" 2>&1 | tee -a "$LOG"
+    code=${PIPESTATUS[0]}
+    if [[ -s "$OUT/torch.json" ]]; then status_torch=ran; else status_torch=$(outcome "$code" ran); fi
+fi
 
 # ---------------------------------------------------------------- summary
 python3 - "$OUT" "$status_device" "$status_parity" "$status_bench" "$status_kernels" "$status_torch" <<'EOF'

@@ -200,3 +200,60 @@ fn kernels_whose_iterations_or_lanes_depend_on_each_other_keep_one_thread_per_it
         "a repeated statement reading another element it writes"
     );
 }
+
+/// A row built in a local array over several loops, as the row-form product
+/// accumulates `[m, 4] × [4, C/m]` (VWN, MATH.md §5.3): `acc = 2x; acc += x;
+/// y = 3·acc`. When only those loops touch the array, each at its own
+/// variable, every lane keeps its own elements and all three loops split.
+fn row_form(read_one_element_too: bool) -> Kernel {
+    let n = N as i64;
+    let mut k = KernelBuilder::new("row_form", Grid::thread_per_item(ROWS));
+    let x = k.param("x", DType::F32, Access::Read, ROWS * N);
+    let y = k.param("y", DType::F32, Access::Write, ROWS * N);
+    let first = k.param("first", DType::F32, Access::Write, ROWS);
+    let acc = k.local_array("acc", codegen::kernel::Ty::F32, N);
+    k.for_("c0", i64(0), i64(n), |b, c| b.store(&acc, c.clone(), x.at(item() * i64(n) + c) * f32(2.0)));
+    k.for_("c1", i64(0), i64(n), |b, c| b.accum(&acc, c.clone(), x.at(item() * i64(n) + c)));
+    k.for_("c2", i64(0), i64(n), |b, c| b.store(&y, item() * i64(n) + c.clone(), acc.at(c) * f32(3.0)));
+    if read_one_element_too {
+        // Lane 0's element, read by every lane.
+        k.store(&first, item(), acc.at(i64(0)));
+    } else {
+        k.store(&first, item(), f32(0.0));
+    }
+    k.finish()
+}
+
+#[test]
+fn a_row_only_its_loops_touch_is_kept_by_lanes_and_its_loops_split() {
+    let spread = spread_over_lanes(&row_form(false)).expect("valid").expect("the kernel spreads");
+    assert_eq!(split_loops(&spread.body), 3, "{:#?}", spread.body);
+    let cache = std::env::temp_dir().join(format!("widen-spread-row-{}", std::process::id()));
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let compiler = Compiler::new(&cc, cache.clone()).expect("a C compiler is installed");
+    let mut renamed = spread;
+    renamed.name = "row_form_spread".into();
+    let lib = compiler.compile_kernels(&[row_form(false), renamed]).expect("compiles");
+    let x: Vec<f32> = (0..ROWS * N).map(|i| ((i * 31) % 97) as f32 / 7.0 - 5.0).collect();
+    let run = |name: &str| {
+        let (mut y, mut first) = (vec![0.0f32; ROWS * N], vec![1.0f32; ROWS]);
+        let args = [x.as_ptr() as *mut c_void, y.as_mut_ptr().cast(), first.as_mut_ptr().cast()];
+        // SAFETY: buffers match the parameters' types and lengths.
+        unsafe { lib.entry(name).expect("entry").call(&args, 0, ROWS as i64) };
+        y
+    };
+    let (plain, spread) = (run("row_form"), run("row_form_spread"));
+    assert!(plain.iter().zip(&spread).all(|(a, b)| a.to_bits() == b.to_bits()), "the same bits");
+    assert!(plain.iter().any(|v| *v != 0.0));
+    let _ = std::fs::remove_dir_all(cache);
+
+    // Read at another index too, the row must stay whole in every lane: the
+    // loops that build it do not split.
+    let whole = spread_over_lanes(&row_form(true)).expect("valid");
+    let builds_split = whole.is_some_and(|k| {
+        k.body
+            .iter()
+            .any(|s| matches!(s, Stmt::For { var, start, .. } if var != "c2" && mentions_lane(start)))
+    });
+    assert!(!builds_split, "a row read at a fixed element is built by every lane");
+}

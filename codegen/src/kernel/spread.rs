@@ -61,11 +61,12 @@ pub fn spread_over_lanes(kernel: &Kernel) -> Result<Option<Kernel>, KernelError>
     let Grid::ThreadPerItem { n, .. } = kernel.grid else { return Ok(None) };
     let lanes = i64::from(LANES);
     let Some(body) = unroll_around_long_loops(&kernel.body, lanes, &mut 0) else { return Ok(None) };
+    let owned = lane_owned_arrays(&body, lanes);
     let mut out = Vec::with_capacity(body.len());
     let mut hazards = Hazards::default();
     let (mut split_work, mut repeated_work) = (0u64, 0u64);
     for s in body {
-        if let Some(reductions) = splittable(&s, lanes) {
+        if let Some(reductions) = splittable(&s, lanes, &owned) {
             split_work += stmt_work(&s);
             // A scalar may sum over several loops: each loop's names are its own.
             let loop_index = out.len();
@@ -85,7 +86,7 @@ pub fn spread_over_lanes(kernel: &Kernel) -> Result<Option<Kernel>, KernelError>
                 out.push(Stmt::Assign { var: r.clone(), value: scalar(&r, ty) + scalar(&sum, ty) });
                 hazards.clear();
             }
-        } else if let Some((branches, work)) = split_branches(&s, lanes) {
+        } else if let Some((branches, work)) = split_branches(&s, lanes, &owned) {
             split_work += work;
             repeated_work += stmt_work(&s).saturating_sub(work);
             hazards.before(&branches, &mut out);
@@ -137,14 +138,14 @@ fn split(s: Stmt, partials: &[(String, String, Ty)], lanes: i64) -> Stmt {
 /// routed row or the kept one, MATH.md §6.4): the `if` with those loops
 /// split, and their work. The condition is the same on every lane (it
 /// reads only values every lane has alike).
-fn split_branches(s: &Stmt, lanes: i64) -> Option<(Stmt, u64)> {
+fn split_branches(s: &Stmt, lanes: i64, owned: &HashSet<String>) -> Option<(Stmt, u64)> {
     let Stmt::If { cond, then, else_ } = s else { return None };
     let mut work = 0;
     let mut branch = |stmts: &[Stmt]| -> Option<Vec<Stmt>> {
         let mut hazards = Hazards::default();
         let mut out = Vec::with_capacity(stmts.len());
         for st in stmts {
-            let st = match splittable(st, lanes) {
+            let st = match splittable(st, lanes, owned) {
                 Some(sums) if sums.is_empty() => {
                     work += stmt_work(st);
                     split(st.clone(), &[], lanes)
@@ -236,13 +237,14 @@ fn unroll_around_long_loops(stmts: &[Stmt], lanes: i64, copies: &mut usize) -> O
 /// The iterations are independent when the body (at any depth)
 /// - assigns a scalar declared outside only as `r = r + e`, with `r` read
 ///   nowhere else in the body (a sum, reassociated into lane partials);
-/// - stores to no local array declared outside (each lane has its own);
+/// - stores to no local array declared outside (each lane has its own),
+///   except a lane-owned one ([`lane_owned_arrays`]) at the loop variable;
 /// - stores to a buffer at an index affine in the loop variable with a
 ///   non-zero coefficient (each iteration its own elements), an accumulating
 ///   store at one that depends on nothing else the body declares;
 /// - reads a buffer it stores to only at an index it stores to (the element
 ///   the same iteration wrote).
-fn splittable(s: &Stmt, lanes: i64) -> Option<Vec<(String, Ty)>> {
+fn splittable(s: &Stmt, lanes: i64, owned: &HashSet<String>) -> Option<Vec<(String, Ty)>> {
     let Stmt::For { var: v, body, step, .. } = s else { return None };
     if trips(s)? < lanes || *step < 1 {
         return None;
@@ -265,8 +267,10 @@ fn splittable(s: &Stmt, lanes: i64) -> Option<Vec<(String, Ty)>> {
             }
             _ => ok = false,
         },
-        Stmt::Store { target: Buf::Local { name, .. }, .. }
-        | Stmt::AccumStore { target: Buf::Local { name, .. }, .. } => ok &= inner.contains(name),
+        Stmt::Store { target: Buf::Local { name, .. }, index, .. }
+        | Stmt::AccumStore { target: Buf::Local { name, .. }, index, .. } => {
+            ok &= inner.contains(name) || (owned.contains(name) && is_var(index, v));
+        }
         Stmt::Store { target, index, .. } | Stmt::AccumStore { target, index, .. } => {
             let index = inline(index);
             let accumulates = matches!(st, Stmt::AccumStore { .. });
@@ -308,6 +312,83 @@ fn splittable(s: &Stmt, lanes: i64) -> Option<Vec<(String, Ty)>> {
         }
         acc
     }))
+}
+
+/// The top-level local arrays every lane may keep only its own elements of:
+/// each access, at any depth, is inside a top-level loop of at least `lanes`
+/// trips, at that loop's variable, and each such loop splits. Such an array
+/// holds a row the item builds in several loops (VWN's row-form products
+/// accumulate `[m, 4] × [4, C/m]` into one, MATH.md §5.3); lane `l` then
+/// builds and reads elements `l, l + LANES, …` only.
+fn lane_owned_arrays(body: &[Stmt], lanes: i64) -> HashSet<String> {
+    let mut owned: HashSet<String> = body
+        .iter()
+        .filter_map(|s| match s {
+            Stmt::LocalArray { var, .. } => Some(var.clone()),
+            _ => None,
+        })
+        .collect();
+    owned.retain(|a| body.iter().all(|s| accesses_only_at_loop_variable(s, a, lanes)));
+    // Drop an array a non-splitting loop touches, until none does.
+    loop {
+        let touched_by_serial: HashSet<String> = body
+            .iter()
+            .filter(|s| matches!(s, Stmt::For { .. }) && splittable(s, lanes, &owned).is_none())
+            .flat_map(|s| owned.iter().filter(|a| touches(s, a)).cloned().collect::<Vec<_>>())
+            .collect();
+        if touched_by_serial.is_empty() {
+            return owned;
+        }
+        owned.retain(|a| !touched_by_serial.contains(a));
+    }
+}
+
+/// Whether `s` accesses the local array `a` only as `a[v]` for the variable
+/// `v` of `s` itself, a top-level loop from 0 by 1 of at least `lanes` trips
+/// (or not at all).
+fn accesses_only_at_loop_variable(s: &Stmt, a: &str, lanes: i64) -> bool {
+    if !touches(s, a) {
+        return true;
+    }
+    // From 0 by 1, so that element `e` is lane `e mod LANES`'s in every such loop.
+    let Stmt::For { var: v, body, start, step: 1, .. } = s else { return false };
+    if start.int_literal() != Some(0) || trips(s).is_none_or(|t| t < lanes) {
+        return false;
+    }
+    let mut ok = true;
+    walk(body, &mut |st| {
+        if let Stmt::Store { target: Buf::Local { name, .. }, index, .. }
+        | Stmt::AccumStore { target: Buf::Local { name, .. }, index, .. } = st
+        {
+            ok &= name != a || is_var(index, v);
+        }
+    });
+    each_expr(body, &mut |e| {
+        e.visit(&mut |x| {
+            if let Expr::Load { src: Buf::Local { name, .. }, index } = x {
+                ok &= name != a || is_var(index, v);
+            }
+        })
+    });
+    ok
+}
+
+/// Whether `s` loads from or stores to the local array `a`, at any depth.
+fn touches(s: &Stmt, a: &str) -> bool {
+    let body = std::slice::from_ref(s);
+    let mut found = false;
+    walk(body, &mut |st| {
+        found |= matches!(st, Stmt::Store { target: Buf::Local { name, .. }, .. }
+            | Stmt::AccumStore { target: Buf::Local { name, .. }, .. } if name == a);
+    });
+    each_expr(body, &mut |e| {
+        e.visit(&mut |x| found |= matches!(x, Expr::Load { src: Buf::Local { name, .. }, .. } if name == a))
+    });
+    found
+}
+
+fn is_var(e: &Expr, v: &str) -> bool {
+    matches!(e, Expr::Var { name, .. } if name == v)
 }
 
 /// Every statement of `stmts` at any depth, in order.
