@@ -79,6 +79,11 @@ fn long_loops_go_to_the_lanes_and_sums_to_a_block_reduction() {
     let l0 = position(&|s| matches!(s, Stmt::For { var, .. } if var == "l0"));
     let l1 = position(&|s| matches!(s, Stmt::For { var, .. } if var == "l1"));
     assert!(spread.body[l0..l1].iter().any(|s| matches!(s, Stmt::Barrier)), "{:#?}", spread.body);
+    // The same arithmetic, counted once where every lane repeats it, plus
+    // the reduction's combine (one per lane) and the add of its result.
+    let plain = norm_like().flops();
+    assert!(plain.1 && spread.flops().1, "literal bounds");
+    assert_eq!(spread.flops().0, plain.0 + ROWS as u64 * (u64::from(SPREAD_LANES) + 1));
 }
 
 #[test]
@@ -256,4 +261,38 @@ fn a_row_only_its_loops_touch_is_kept_by_lanes_and_its_loops_split() {
             .any(|s| matches!(s, Stmt::For { var, start, .. } if var != "c2" && mentions_lane(start)))
     });
     assert!(!builds_split, "a row read at a fixed element is built by every lane");
+}
+
+/// Two rows of one local array (xHC's temporal features `[r, C]`, MATH.md
+/// §6.5), built at offsets `0` and `offset`, then copied out whole: lanes
+/// keep their own elements when the offset is a multiple of the lanes (the
+/// element of `c + offset` is then the lane of `c`'s), not otherwise.
+fn two_rows(offset: usize) -> Kernel {
+    let n = N as i64;
+    let len = offset + N;
+    let mut k = KernelBuilder::new("two_rows", Grid::thread_per_item(ROWS));
+    let x = k.param("x", DType::F32, Access::Read, ROWS * N);
+    let y = k.param("y", DType::F32, Access::Write, ROWS * len);
+    let rows = k.local_array("rows", codegen::kernel::Ty::F32, len);
+    k.for_("a", i64(0), i64(len as i64), |b, c| b.store(&rows, c, f32(0.0)));
+    k.for_("c0", i64(0), i64(n), |b, c| b.store(&rows, c.clone(), x.at(item() * i64(n) + c) * f32(2.0)));
+    k.for_("c1", i64(0), i64(n), |b, c| {
+        b.store(&rows, c.clone() + i64(offset as i64), x.at(item() * i64(n) + c) + f32(1.0))
+    });
+    k.for_("e", i64(0), i64(len as i64), |b, e| {
+        b.store(&y, item() * i64(len as i64) + e.clone(), rows.at(e))
+    });
+    k.finish()
+}
+
+#[test]
+fn rows_at_offsets_that_are_multiples_of_the_lanes_stay_with_their_lanes() {
+    let lanes = SPREAD_LANES as usize;
+    let kept = spread_over_lanes(&two_rows(3 * lanes)).expect("valid").expect("the kernel spreads");
+    assert_eq!(split_loops(&kept.body), 4, "{:#?}", kept.body);
+    let shifted = spread_over_lanes(&two_rows(3 * lanes + 8)).expect("valid");
+    let builds_split = shifted.is_some_and(|k| {
+        k.body.iter().any(|s| matches!(s, Stmt::For { var, start, .. } if var != "e" && mentions_lane(start)))
+    });
+    assert!(!builds_split, "an offset of 8 would hand a row's elements to other lanes");
 }

@@ -37,7 +37,7 @@ pub fn lower_standalone(
         Op::SoftmaxCrossEntropy => cross_entropy(graph, id, name),
         Op::NormProject { eps, centered } => norm_project(graph, id, name, *eps, *centered, target),
         Op::TemporalAugment { gram_schmidt, eps_rel } => {
-            Ok(single(temporal(graph, id, name, *gram_schmidt, *eps_rel)?))
+            Ok(single(temporal(graph, id, name, *gram_schmidt, *eps_rel, target)?))
         }
         Op::TemporalAugmentGrad { wrt, .. } => {
             let mut outs = vec![None; graph.inputs(id).len() - 1];
@@ -332,8 +332,20 @@ fn cross_entropy(graph: &Graph, id: NodeId, name: &str) -> Result<Lowering, Emit
     Ok(Lowering { steps: vec![per_block, kb.finish()?], temps: temps.0 })
 }
 
-/// Channels per strip of [`channel_strips`]: one AVX-512 register of f32.
+/// Channels per strip of [`channel_strips`] on the CPU: one AVX-512
+/// register of f32. On the GPU a strip is one channel: the loop over channels
+/// is then one a warp's lanes share ([`crate::kernel::spread_over_lanes`]),
+/// each lane summing its channels' taps, its loads consecutive with the
+/// other lanes'.
 const CHANNEL_STRIP: usize = 16;
+
+/// [`CHANNEL_STRIP`] for `target`.
+fn channel_strip(target: Target) -> usize {
+    match target {
+        Target::Cpu => CHANNEL_STRIP,
+        Target::Cuda => 1,
+    }
+}
 
 /// Per-channel sums over a row of `c` channels, `sum[e] = init(e) + term_1(e) +
 /// term_2(e) + …` in that order, then `store(e, sum[e])`: `terms` emits the
@@ -354,12 +366,13 @@ const CHANNEL_STRIP: usize = 16;
 fn channel_strips(
     b: &mut Block,
     names: &Names,
+    strip: usize,
     (ty, c): (Ty, usize),
     init: &dyn Fn(Expr) -> Expr,
     terms: &dyn Fn(&mut Block, &dyn Fn(&mut Block, &dyn Fn(Expr) -> Expr)),
     store: &dyn Fn(&mut Block, Expr, Expr),
 ) {
-    if c % CHANNEL_STRIP != 0 {
+    if c % strip != 0 {
         let sums = b.local_array(&names.fresh("sums"), ty, c);
         b.for_(&names.fresh("e"), ix(0), ix(c), |b, e| b.store(&sums, e.clone(), init(e)));
         terms(b, &|b, term| {
@@ -370,11 +383,10 @@ fn channel_strips(
         b.for_(&names.fresh("e"), ix(0), ix(c), |b, e| store(b, e.clone(), sums.at(e)));
         return;
     }
-    b.for_(&names.fresh("eb"), ix(0), ix(c / CHANNEL_STRIP), |b, eb| {
-        let first = b.let_(&names.fresh("e0"), eb * ix(CHANNEL_STRIP));
+    b.for_(&names.fresh("eb"), ix(0), ix(c / strip), |b, eb| {
+        let first = b.let_(&names.fresh("e0"), eb * ix(strip));
         let channel = |l: usize| first.clone() + i64(l as i64);
-        let sums: Vec<Expr> =
-            (0..CHANNEL_STRIP).map(|l| b.var(&names.fresh("g"), init(channel(l)))).collect();
+        let sums: Vec<Expr> = (0..strip).map(|l| b.var(&names.fresh("g"), init(channel(l)))).collect();
         terms(b, &|b, term| {
             for (l, sum) in sums.iter().enumerate() {
                 b.assign(sum, sum.clone() + term(channel(l)));
@@ -392,6 +404,7 @@ const DW_BLOCK: usize = 64;
 /// Temporal augmentation state shared by the forward and gradient kernels.
 struct Ta<'a> {
     names: &'a Names,
+    target: Target,
     ty: Ty,
     x: Val,
     ws: Vec<(Val, usize)>,
@@ -405,8 +418,14 @@ impl Ta<'_> {
         lit(self.ty, v)
     }
 
+    /// ⟨u, v⟩ over a row of C; on the GPU as one serial loop, which the
+    /// lanes of a warp share ([`super::serial_fold`]).
     fn dot(&self, b: &mut Block, u: impl Fn(Expr) -> Expr, v: impl Fn(Expr) -> Expr) -> Expr {
-        total(self.names, b, self.ty, self.c, |_, e| u(e.clone()) * v(e))
+        let term = |_: &mut Block, e: Expr| u(e.clone()) * v(e);
+        match self.target {
+            Target::Cpu => total(self.names, b, self.ty, self.c, term),
+            Target::Cuda => super::serial_fold(self.names, b, lit(self.ty, 0.0), self.c, |x, y| x + y, term),
+        }
     }
 
     /// Row `row` (`[rows, C]`) of a value.
@@ -428,6 +447,7 @@ impl Ta<'_> {
             channel_strips(
                 b,
                 n,
+                channel_strip(self.target),
                 (self.ty, self.c),
                 &|_| self.lit(0.0),
                 &|b, add| {
@@ -580,6 +600,7 @@ fn temporal(
     name: &str,
     gram_schmidt: bool,
     eps_rel: f64,
+    target: Target,
 ) -> Result<Launch, EmitError> {
     let inputs = graph.inputs(id);
     let xd = graph.node(inputs[0]).shape.dims();
@@ -593,7 +614,7 @@ fn temporal(
     let ws: Vec<(Val, usize)> =
         (1..=rk).map(|j| (r.read(&mut k, inputs[j]), graph.node(inputs[j]).shape.dims()[0])).collect();
     let out = r.buffer(&mut k, id, Access::Write);
-    let ta = Ta { names: &names, ty, x, ws, t, c, eps_rel };
+    let ta = Ta { names: &names, target, ty, x, ws, t, c, eps_rel };
     let y = k.local_array("y", ty, rk * c);
     let at: Vec<usize> = (0..rk).map(|j| j * c).collect();
     ta.convs(&mut k, &item(), &y, &at);
@@ -664,7 +685,8 @@ pub fn temporal_grads(graph: &Graph, outs: &[Option<NodeId>], name: &str) -> Res
         let dy = kb.r.read(&mut kb.k, inputs[rk + 1]);
         let dgb = kb.temp("dg", dg, &temps, Access::Write);
         let db = kb.temp("direct", direct, &temps, Access::Write);
-        let ta = Ta { names: &names, ty, x, ws, t, c, eps_rel };
+        // The gradient keeps its CPU form on both targets.
+        let ta = Ta { names: &names, target: Target::Cpu, ty, x, ws, t, c, eps_rel };
         let arr = GsArrays::new(&mut kb.k, ty, rk, c);
         let dg_at = kb.k.let_("dgat", item() * ix(rk * c));
         let direct_at = kb.k.let_("dirat", item() * ix(c));
@@ -709,6 +731,7 @@ pub fn temporal_grads(graph: &Graph, outs: &[Option<NodeId>], name: &str) -> Res
         channel_strips(
             k,
             &names,
+            CHANNEL_STRIP,
             (ty, c),
             &|e| match &direct {
                 Some(d) => d.at(item() * ix(c) + e),

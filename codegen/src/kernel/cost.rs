@@ -3,19 +3,20 @@
 //! `widen compile` (`kernels.tsv`), the roofline of `widen bench` and the C
 //! renderer's prefetch decision all read these counts.
 
-use super::{BinOp, Expr, Grid, Kernel, Stmt, Ty};
+use std::collections::HashSet;
+
+use super::{each_expr, BinOp, Expr, Grid, Kernel, Stmt, Ty};
 
 impl Kernel {
     /// Floating-point operations of one launch (every item, every lane):
     /// float `+ - * /`, comparisons and math calls. The flag is false when a
     /// loop bound is not a literal (such a loop is counted once).
     pub fn flops(&self) -> (u64, bool) {
-        let lanes = match self.grid {
-            Grid::ThreadPerItem { .. } => 1,
-            Grid::BlockPerItem { threads, .. } => u64::from(threads),
+        let (per_item, exact) = match self.grid {
+            Grid::ThreadPerItem { .. } => count(&self.body, &Count::Flops),
+            Grid::BlockPerItem { threads, .. } => lane_flops(&self.body, u64::from(threads)),
         };
-        let (per_item, exact) = count(&self.body, &Count::Flops);
-        (per_item.saturating_mul(lanes).saturating_mul(self.grid.items() as u64), exact)
+        (per_item.saturating_mul(self.grid.items() as u64), exact)
     }
 
     /// Bytes of the parameters the kernel reads and of those it writes, each
@@ -34,6 +35,36 @@ impl Kernel {
         }
         (read, written)
     }
+}
+
+/// FLOPs of one item of a block-per-item kernel with `threads` lanes. A
+/// top-level statement that depends on the lane (reads `lane` or a variable
+/// derived from it) runs on every lane and counts `threads` times; one that
+/// does not is the same arithmetic on the same values on every lane (the
+/// per-token scalars of a kernel spread over lanes, [`super::spread_over_lanes`])
+/// and counts once, as in the item's thread-per-item form.
+fn lane_flops(stmts: &[Stmt], threads: u64) -> (u64, bool) {
+    let mut lane_dependent: HashSet<String> = HashSet::new();
+    let (mut total, mut exact) = (0u64, true);
+    for s in stmts {
+        // A block reduction combines one value from every lane.
+        let mut reads_lane = matches!(s, Stmt::BlockReduce { .. });
+        each_expr(std::slice::from_ref(s), &mut |e| {
+            e.visit(&mut |x| {
+                reads_lane |= matches!(x, Expr::Lane)
+                    || matches!(x, Expr::Var { name, .. } if lane_dependent.contains(name));
+            })
+        });
+        if reads_lane {
+            if let Stmt::Let { var, .. } | Stmt::Var { var, .. } = s {
+                lane_dependent.insert(var.clone());
+            }
+        }
+        let (c, ok) = count(std::slice::from_ref(s), &Count::Flops);
+        exact &= ok;
+        total = total.saturating_add(if reads_lane { c.saturating_mul(threads) } else { c });
+    }
+    (total, exact)
 }
 
 /// Operations of one statement (with its loops' trips): its FLOPs, and,

@@ -238,7 +238,7 @@ fn unroll_around_long_loops(stmts: &[Stmt], lanes: i64, copies: &mut usize) -> O
 /// - assigns a scalar declared outside only as `r = r + e`, with `r` read
 ///   nowhere else in the body (a sum, reassociated into lane partials);
 /// - stores to no local array declared outside (each lane has its own),
-///   except a lane-owned one ([`lane_owned_arrays`]) at the loop variable;
+///   except a lane-owned one ([`lane_owned_arrays`]) at its lane's element;
 /// - stores to a buffer at an index affine in the loop variable with a
 ///   non-zero coefficient (each iteration its own elements), an accumulating
 ///   store at one that depends on nothing else the body declares;
@@ -269,7 +269,7 @@ fn splittable(s: &Stmt, lanes: i64, owned: &HashSet<String>) -> Option<Vec<(Stri
         },
         Stmt::Store { target: Buf::Local { name, .. }, index, .. }
         | Stmt::AccumStore { target: Buf::Local { name, .. }, index, .. } => {
-            ok &= inner.contains(name) || (owned.contains(name) && is_var(index, v));
+            ok &= inner.contains(name) || (owned.contains(name) && is_lane_element(&inline(index), v));
         }
         Stmt::Store { target, index, .. } | Stmt::AccumStore { target, index, .. } => {
             let index = inline(index);
@@ -316,7 +316,8 @@ fn splittable(s: &Stmt, lanes: i64, owned: &HashSet<String>) -> Option<Vec<(Stri
 
 /// The top-level local arrays every lane may keep only its own elements of:
 /// each access, at any depth, is inside a top-level loop of at least `lanes`
-/// trips, at that loop's variable, and each such loop splits. Such an array
+/// trips, at that loop's variable (plus a multiple of `lanes`), and each such
+/// loop splits. Such an array
 /// holds a row the item builds in several loops (VWN's row-form products
 /// accumulate `[m, 4] × [4, C/m]` into one, MATH.md §5.3); lane `l` then
 /// builds and reads elements `l, l + LANES, …` only.
@@ -343,9 +344,9 @@ fn lane_owned_arrays(body: &[Stmt], lanes: i64) -> HashSet<String> {
     }
 }
 
-/// Whether `s` accesses the local array `a` only as `a[v]` for the variable
-/// `v` of `s` itself, a top-level loop from 0 by 1 of at least `lanes` trips
-/// (or not at all).
+/// Whether `s` accesses the local array `a` only at elements of its own lane
+/// ([`is_lane_element`]) of the variable `v` of `s` itself, a top-level loop
+/// from 0 by 1 of at least `lanes` trips (or not at all).
 fn accesses_only_at_loop_variable(s: &Stmt, a: &str, lanes: i64) -> bool {
     if !touches(s, a) {
         return true;
@@ -355,18 +356,20 @@ fn accesses_only_at_loop_variable(s: &Stmt, a: &str, lanes: i64) -> bool {
     if start.int_literal() != Some(0) || trips(s).is_none_or(|t| t < lanes) {
         return false;
     }
+    let lets = let_definitions(body);
+    let at_own = |index: &Expr| is_lane_element(&inlined(index, &lets, 0), v);
     let mut ok = true;
     walk(body, &mut |st| {
         if let Stmt::Store { target: Buf::Local { name, .. }, index, .. }
         | Stmt::AccumStore { target: Buf::Local { name, .. }, index, .. } = st
         {
-            ok &= name != a || is_var(index, v);
+            ok &= name != a || at_own(index);
         }
     });
     each_expr(body, &mut |e| {
         e.visit(&mut |x| {
             if let Expr::Load { src: Buf::Local { name, .. }, index } = x {
-                ok &= name != a || is_var(index, v);
+                ok &= name != a || at_own(index);
             }
         })
     });
@@ -387,8 +390,28 @@ fn touches(s: &Stmt, a: &str) -> bool {
     found
 }
 
-fn is_var(e: &Expr, v: &str) -> bool {
-    matches!(e, Expr::Var { name, .. } if name == v)
+/// Whether `index` is `v + k` for a literal `k` that is a multiple of
+/// [`LANES`]: element `index` then belongs to the lane of iteration `v` in
+/// every loop from 0 by 1 (several rows of one array, each a multiple of
+/// `LANES` long, as xHC's temporal features `[r, C]`, MATH.md §6.5).
+fn is_lane_element(index: &Expr, v: &str) -> bool {
+    let offset = index.rewrite(&|x| match x {
+        Expr::Var { name, .. } if name == v => Some(Expr::I64(0)),
+        _ => None,
+    });
+    affine_coefficient(index, v) == Some(1)
+        && literal_value(&offset).is_some_and(|k| k % i64::from(LANES) == 0)
+}
+
+/// The value of an integer expression of literals, sums and products.
+fn literal_value(e: &Expr) -> Option<i64> {
+    match e {
+        Expr::Cast { arg, .. } => literal_value(arg),
+        Expr::Binary { op: BinOp::Add, lhs, rhs } => literal_value(lhs)?.checked_add(literal_value(rhs)?),
+        Expr::Binary { op: BinOp::Sub, lhs, rhs } => literal_value(lhs)?.checked_sub(literal_value(rhs)?),
+        Expr::Binary { op: BinOp::Mul, lhs, rhs } => literal_value(lhs)?.checked_mul(literal_value(rhs)?),
+        e => e.int_literal(),
+    }
 }
 
 /// Every statement of `stmts` at any depth, in order.
