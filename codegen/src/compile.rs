@@ -302,7 +302,7 @@ fn lower_siblings(
         Op::CausalAttentionGrad { .. } => {
             emit::attention_grads(graph, [outs[0], outs[1], outs[2]], name, target)
         }
-        _ => emit::temporal_grads(graph, &outs, name),
+        _ => emit::temporal_grads(graph, &outs, name, target),
     };
     Some(lowering.map(|l| (outs, l)))
 }

@@ -296,3 +296,61 @@ fn rows_at_offsets_that_are_multiples_of_the_lanes_stay_with_their_lanes() {
     });
     assert!(!builds_split, "an offset of 8 would hand a row's elements to other lanes");
 }
+
+/// A triangular nest (Gram–Schmidt's projections, MATH.md §6.5): `for j in
+/// 0..3 { for i in 0..j + 1 { if i == j { … } else { … } } }` around long
+/// loops, two sibling loops declaring the same scalar. Unrolled, its copies
+/// have literal bounds and no branch, and every long loop splits; the spread
+/// kernel computes the same bits.
+fn triangular() -> Kernel {
+    let n = N as i64;
+    let mut k = KernelBuilder::new("triangular", Grid::thread_per_item(ROWS));
+    let x = k.param("x", DType::F32, Access::Read, ROWS * N);
+    let y = k.param("y", DType::F32, Access::Write, ROWS * N * 9);
+    k.for_("j", i64(0), i64(3), |b, j| {
+        b.for_("i", i64(0), j.clone() + i64(1), |b, i| {
+            let slot = b.let_("slot", (j.clone() * i64(3) + i.clone()) * i64(n));
+            b.if_else(
+                i.clone().eq_(j.clone()),
+                |b| {
+                    b.for_("c", i64(0), i64(n), |b, c| {
+                        let g = b.let_("g", item() * i64(9 * n) + slot.clone() + c.clone());
+                        b.store(&y, g, x.at(item() * i64(n) + c) * f32(2.0));
+                    })
+                },
+                |b| {
+                    b.for_("c", i64(0), i64(n), |b, c| {
+                        let g = b.let_("g", item() * i64(9 * n) + slot.clone() + c.clone());
+                        b.store(&y, g, x.at(item() * i64(n) + c) + f32(1.0));
+                    })
+                },
+            );
+        });
+    });
+    k.finish()
+}
+
+#[test]
+fn triangular_nests_unroll_into_split_loops_with_the_same_bits() {
+    let spread = spread_over_lanes(&triangular()).expect("valid").expect("the kernel spreads");
+    // j = 0: one copy of i; j = 1: two; j = 2: three.
+    assert_eq!(split_loops(&spread.body), 6, "{:#?}", spread.body);
+    assert!(!spread.body.iter().any(|s| matches!(s, Stmt::If { .. })), "branches decided");
+    let cache = std::env::temp_dir().join(format!("widen-spread-tri-{}", std::process::id()));
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let compiler = Compiler::new(&cc, cache.clone()).expect("a C compiler is installed");
+    let mut renamed = spread;
+    renamed.name = "triangular_spread".into();
+    let lib = compiler.compile_kernels(&[triangular(), renamed]).expect("compiles");
+    let x: Vec<f32> = (0..ROWS * N).map(|i| ((i * 13) % 89) as f32 / 5.0 - 8.0).collect();
+    let run = |name: &str| {
+        let mut y = vec![0.5f32; ROWS * N * 9];
+        let args = [x.as_ptr() as *mut c_void, y.as_mut_ptr().cast()];
+        // SAFETY: buffers match the parameters' types and lengths.
+        unsafe { lib.entry(name).expect("entry").call(&args, 0, ROWS as i64) };
+        y
+    };
+    let (plain, spread) = (run("triangular"), run("triangular_spread"));
+    assert!(plain.iter().zip(&spread).all(|(a, b)| a.to_bits() == b.to_bits()), "the same bits");
+    let _ = std::fs::remove_dir_all(cache);
+}

@@ -45,7 +45,7 @@ pub fn lower_standalone(
                 Some(slot) => *slot = Some(id),
                 None => return Err(EmitError::at(id, &node.op, format!("no operand {wrt}"))),
             }
-            temporal_grads(graph, &outs, name)
+            temporal_grads(graph, &outs, name, target)
         }
         op => Err(EmitError::at(id, op, "is not lowered on a grid of its own")),
     }
@@ -650,7 +650,12 @@ fn temporal(
 /// token reductions in two phases: one item per (`DW_BLOCK` tokens, tap
 /// row of every requested kernel) sums its tokens over contiguous channels,
 /// then one item per (tap, channel) of each kernel adds the blocks in order.
-pub fn temporal_grads(graph: &Graph, outs: &[Option<NodeId>], name: &str) -> Result<Lowering, EmitError> {
+pub fn temporal_grads(
+    graph: &Graph,
+    outs: &[Option<NodeId>],
+    name: &str,
+    target: Target,
+) -> Result<Lowering, EmitError> {
     let id = outs.iter().flatten().copied().next().ok_or_else(|| EmitError::Unsupported {
         node: usize::MAX,
         op: "temporal_augment_grad",
@@ -685,8 +690,7 @@ pub fn temporal_grads(graph: &Graph, outs: &[Option<NodeId>], name: &str) -> Res
         let dy = kb.r.read(&mut kb.k, inputs[rk + 1]);
         let dgb = kb.temp("dg", dg, &temps, Access::Write);
         let db = kb.temp("direct", direct, &temps, Access::Write);
-        // The gradient keeps its CPU form on both targets.
-        let ta = Ta { names: &names, target: Target::Cpu, ty, x, ws, t, c, eps_rel };
+        let ta = Ta { names: &names, target, ty, x, ws, t, c, eps_rel };
         let arr = GsArrays::new(&mut kb.k, ty, rk, c);
         let dg_at = kb.k.let_("dgat", item() * ix(rk * c));
         let direct_at = kb.k.let_("dirat", item() * ix(c));
@@ -767,24 +771,45 @@ pub fn temporal_grads(graph: &Graph, outs: &[Option<NodeId>], name: &str) -> Res
         }
         let jk = k.let_("jk", jsel);
         let tap = k.let_("tap", row - first);
-        let acc = k.local_array("acc", ty, c);
-        k.for_("e", ix(0), ix(c), |b, e| b.store(&acc, e, lit(ty, 0.0)));
         let t0 = k.let_("t0", blk.clone() * ix(DW_BLOCK));
         let t1 = k.let_(
             "t1",
             select((t0.clone() + ix(DW_BLOCK)).lt(ix(tokens)), t0.clone() + ix(DW_BLOCK), ix(tokens)),
         );
-        k.for_("tok", t0, t1, |b, tok| {
-            b.if_((tok.clone() % ix(t)).ge(tap.clone()), |b| {
-                let g = Row::of(&names, b, &dg, tok.clone() * ix(rk) + jk.clone(), c);
-                let v = Row::of(&names, b, &x, tok - tap.clone(), c);
-                b.for_("e", ix(0), ix(c), |b, e| {
-                    b.store(&acc, e.clone(), acc.at(e.clone()) + g.at(e.clone()) * v.at(e));
-                });
-            });
-        });
         let pat = k.let_("pat", item() * ix(c));
-        k.for_("e", ix(0), ix(c), |b, e| b.store(&pb, pat.clone() + e.clone(), acc.at(e)));
+        // Each channel sums its block's tokens in token order, in both forms.
+        match target {
+            // Tokens outer, channels inner: the C compiler vectorizes the channels.
+            Target::Cpu => {
+                let acc = k.local_array("acc", ty, c);
+                k.for_("e", ix(0), ix(c), |b, e| b.store(&acc, e, lit(ty, 0.0)));
+                k.for_("tok", t0, t1, |b, tok| {
+                    b.if_((tok.clone() % ix(t)).ge(tap.clone()), |b| {
+                        let g = Row::of(&names, b, &dg, tok.clone() * ix(rk) + jk.clone(), c);
+                        let v = Row::of(&names, b, &x, tok - tap.clone(), c);
+                        b.for_("e", ix(0), ix(c), |b, e| {
+                            b.store(&acc, e.clone(), acc.at(e.clone()) + g.at(e.clone()) * v.at(e));
+                        });
+                    });
+                });
+                k.for_("e", ix(0), ix(c), |b, e| b.store(&pb, pat.clone() + e.clone(), acc.at(e)));
+            }
+            // Channels outer, tokens inner: a warp's lanes share the channels
+            // (`spread_over_lanes`), each token's loads consecutive across lanes.
+            Target::Cuda => {
+                k.for_("e", ix(0), ix(c), |b, e| {
+                    let sum = b.var("sum", lit(ty, 0.0));
+                    b.for_("tok", t0.clone(), t1.clone(), |b, tok| {
+                        b.if_((tok.clone() % ix(t)).ge(tap.clone()), |b| {
+                            let g = dg.load((tok.clone() * ix(rk) + jk.clone()) * ix(c) + e.clone());
+                            let v = x.load((tok - tap.clone()) * ix(c) + e.clone());
+                            b.assign(&sum, sum.clone() + g * v);
+                        });
+                    });
+                    b.store(&pb, pat.clone() + e, sum);
+                });
+            }
+        }
         steps.push(kb.finish()?);
         for (&(j, out), &f) in wanted.iter().zip(&first_row) {
             let kj = kappa[j - 1];

@@ -31,7 +31,7 @@
 use std::collections::{HashMap, HashSet};
 
 use super::{
-    collect_declared, each_expr, renamed, rewrite_stmts, stmt_work, BinOp, Buf, Expr, Grid, Kernel,
+    collect_declared, each_expr, renamed, rewrite_stmts, stmt_work, BinOp, Buf, CmpOp, Expr, Grid, Kernel,
     KernelError, ReduceOp, Stmt, Ty, Unroll,
 };
 
@@ -60,7 +60,8 @@ const MAX_REPEATED_WORK: u64 = 65536;
 pub fn spread_over_lanes(kernel: &Kernel) -> Result<Option<Kernel>, KernelError> {
     let Grid::ThreadPerItem { n, .. } = kernel.grid else { return Ok(None) };
     let lanes = i64::from(LANES);
-    let Some(body) = unroll_around_long_loops(&kernel.body, lanes, &mut 0) else { return Ok(None) };
+    let body = with_unique_names(kernel.body.clone(), &mut HashSet::new(), &mut 0);
+    let Some(body) = unroll_around_long_loops(&body, lanes, &mut 0) else { return Ok(None) };
     let owned = lane_owned_arrays(&body, lanes);
     let mut out = Vec::with_capacity(body.len());
     let mut hazards = Hazards::default();
@@ -138,7 +139,7 @@ fn split(s: Stmt, partials: &[(String, String, Ty)], lanes: i64) -> Stmt {
 /// routed row or the kept one, MATH.md §6.4): the `if` with those loops
 /// split, and their work. The condition is the same on every lane (it
 /// reads only values every lane has alike).
-fn split_branches(s: &Stmt, lanes: i64, owned: &HashSet<String>) -> Option<(Stmt, u64)> {
+fn split_branches(s: &Stmt, lanes: i64, owned: &Owned) -> Option<(Stmt, u64)> {
     let Stmt::If { cond, then, else_ } = s else { return None };
     let mut work = 0;
     let mut branch = |stmts: &[Stmt]| -> Option<Vec<Stmt>> {
@@ -219,7 +220,8 @@ fn unroll_around_long_loops(stmts: &[Stmt], lanes: i64, copies: &mut usize) -> O
                         Expr::Var { name, .. } if name == var => Some(value.clone()),
                         _ => None,
                     });
-                    out.extend(unroll_around_long_loops(&renamed(&bound, &names), lanes, copies)?);
+                    let copy = with_literals_folded(renamed(&bound, &names));
+                    out.extend(unroll_around_long_loops(&copy, lanes, copies)?);
                 }
             }
             _ => out.push(s.clone()),
@@ -229,6 +231,93 @@ fn unroll_around_long_loops(stmts: &[Stmt], lanes: i64, copies: &mut usize) -> O
         }
     }
     Some(out)
+}
+
+/// `stmts` with every name declared once in the whole body: a name a sibling
+/// scope declared again (two loops each with their own `g`) is renamed
+/// (`name_d<k>`) from its declaration to the end of its block. The analyses
+/// below look scalars up by name across scopes.
+fn with_unique_names(mut stmts: Vec<Stmt>, seen: &mut HashSet<String>, renames: &mut usize) -> Vec<Stmt> {
+    let mut out = Vec::with_capacity(stmts.len());
+    let mut i = 0;
+    while i < stmts.len() {
+        let declared = match &stmts[i] {
+            Stmt::Let { var, .. }
+            | Stmt::Var { var, .. }
+            | Stmt::LocalArray { var, .. }
+            | Stmt::BlockReduce { var, .. }
+            | Stmt::For { var, .. } => Some(var.clone()),
+            _ => None,
+        };
+        if let Some(name) = declared {
+            if !seen.insert(name.clone()) {
+                *renames += 1;
+                let fresh = format!("{name}_d{renames}");
+                let tail = renamed(&stmts[i..], &HashMap::from([(name, fresh.clone())]));
+                stmts.truncate(i);
+                stmts.extend(tail);
+                seen.insert(fresh);
+            }
+        }
+        out.push(match stmts[i].clone() {
+            Stmt::For { var, start, end, step, unroll, body } => {
+                Stmt::For { var, start, end, step, unroll, body: with_unique_names(body, seen, renames) }
+            }
+            Stmt::If { cond, then, else_ } => Stmt::If {
+                cond,
+                then: with_unique_names(then, seen, renames),
+                else_: with_unique_names(else_, seen, renames),
+            },
+            s => s,
+        });
+        i += 1;
+    }
+    out
+}
+
+/// `stmts` with integer arithmetic and comparisons of literals folded and
+/// every `if` on a literal condition replaced by its branch: a copy of a
+/// triangular loop nest (`for i in 0..j + 1`, `if i == j`, Gram–Schmidt's
+/// projections, MATH.md §6.5) then has literal bounds and no branch.
+fn with_literals_folded(stmts: Vec<Stmt>) -> Vec<Stmt> {
+    let fold = |e: &Expr| -> Option<Expr> {
+        let folded = e.rewrite(&|x| match x {
+            Expr::Binary { op: BinOp::Add | BinOp::Sub | BinOp::Mul, .. } if x.ty() == Ty::I64 => {
+                literal_value(x).map(Expr::I64)
+            }
+            Expr::Cmp { op, lhs, rhs } => {
+                let (a, b) = (literal_value(lhs)?, literal_value(rhs)?);
+                Some(Expr::Bool(match op {
+                    CmpOp::Lt => a < b,
+                    CmpOp::Le => a <= b,
+                    CmpOp::Gt => a > b,
+                    CmpOp::Ge => a >= b,
+                    CmpOp::Eq => a == b,
+                    CmpOp::Ne => a != b,
+                }))
+            }
+            _ => None,
+        });
+        (folded != *e).then_some(folded)
+    };
+    let folded = rewrite_stmts(&stmts, &fold);
+    let mut out = Vec::with_capacity(folded.len());
+    for s in folded {
+        match s {
+            Stmt::If { cond: Expr::Bool(true), then, .. } => out.extend(with_literals_folded(then)),
+            Stmt::If { cond: Expr::Bool(false), else_, .. } => out.extend(with_literals_folded(else_)),
+            Stmt::For { var, start, end, step, unroll, body } => {
+                out.push(Stmt::For { var, start, end, step, unroll, body: with_literals_folded(body) })
+            }
+            Stmt::If { cond, then, else_ } => out.push(Stmt::If {
+                cond,
+                then: with_literals_folded(then),
+                else_: with_literals_folded(else_),
+            }),
+            s => out.push(s),
+        }
+    }
+    out
 }
 
 /// For a top-level loop of at least `lanes` literal trips whose iterations
@@ -244,14 +333,15 @@ fn unroll_around_long_loops(stmts: &[Stmt], lanes: i64, copies: &mut usize) -> O
 ///   store at one that depends on nothing else the body declares;
 /// - reads a buffer it stores to only at an index it stores to (the element
 ///   the same iteration wrote).
-fn splittable(s: &Stmt, lanes: i64, owned: &HashSet<String>) -> Option<Vec<(String, Ty)>> {
+fn splittable(s: &Stmt, lanes: i64, owned: &Owned) -> Option<Vec<(String, Ty)>> {
     let Stmt::For { var: v, body, step, .. } = s else { return None };
     if trips(s)? < lanes || *step < 1 {
         return None;
     }
     let mut inner = HashSet::new();
     collect_declared(body, &mut inner);
-    let lets = let_definitions(body);
+    let mut lets = owned.lets.clone();
+    lets.extend(let_definitions(body));
     let inline = |e: &Expr| inlined(e, &lets, 0);
     let mut sums: Vec<(String, Ty)> = Vec::new();
     let mut stores: HashMap<String, Vec<Expr>> = HashMap::new();
@@ -269,7 +359,7 @@ fn splittable(s: &Stmt, lanes: i64, owned: &HashSet<String>) -> Option<Vec<(Stri
         },
         Stmt::Store { target: Buf::Local { name, .. }, index, .. }
         | Stmt::AccumStore { target: Buf::Local { name, .. }, index, .. } => {
-            ok &= inner.contains(name) || (owned.contains(name) && is_lane_element(&inline(index), v));
+            ok &= inner.contains(name) || (owned.arrays.contains(name) && is_lane_element(&inline(index), v));
         }
         Stmt::Store { target, index, .. } | Stmt::AccumStore { target, index, .. } => {
             let index = inline(index);
@@ -321,33 +411,43 @@ fn splittable(s: &Stmt, lanes: i64, owned: &HashSet<String>) -> Option<Vec<(Stri
 /// holds a row the item builds in several loops (VWN's row-form products
 /// accumulate `[m, 4] × [4, C/m]` into one, MATH.md §5.3); lane `l` then
 /// builds and reads elements `l, l + LANES, …` only.
-fn lane_owned_arrays(body: &[Stmt], lanes: i64) -> HashSet<String> {
-    let mut owned: HashSet<String> = body
+fn lane_owned_arrays(body: &[Stmt], lanes: i64) -> Owned {
+    let lets = let_definitions(body);
+    let mut arrays: HashSet<String> = body
         .iter()
         .filter_map(|s| match s {
             Stmt::LocalArray { var, .. } => Some(var.clone()),
             _ => None,
         })
         .collect();
-    owned.retain(|a| body.iter().all(|s| accesses_only_at_loop_variable(s, a, lanes)));
+    arrays.retain(|a| body.iter().all(|s| accesses_only_at_loop_variable(s, a, lanes, &lets)));
+    let mut owned = Owned { arrays, lets };
     // Drop an array a non-splitting loop touches, until none does.
     loop {
         let touched_by_serial: HashSet<String> = body
             .iter()
             .filter(|s| matches!(s, Stmt::For { .. }) && splittable(s, lanes, &owned).is_none())
-            .flat_map(|s| owned.iter().filter(|a| touches(s, a)).cloned().collect::<Vec<_>>())
+            .flat_map(|s| owned.arrays.iter().filter(|a| touches(s, a)).cloned().collect::<Vec<_>>())
             .collect();
         if touched_by_serial.is_empty() {
             return owned;
         }
-        owned.retain(|a| !touched_by_serial.contains(a));
+        owned.arrays.retain(|a| !touched_by_serial.contains(a));
     }
+}
+
+/// The lane-owned local arrays of a kernel body, and the definitions of all
+/// its immutable scalars (an element's offset is often a scalar computed
+/// before the loop, such as a row's start).
+struct Owned {
+    arrays: HashSet<String>,
+    lets: HashMap<String, Expr>,
 }
 
 /// Whether `s` accesses the local array `a` only at elements of its own lane
 /// ([`is_lane_element`]) of the variable `v` of `s` itself, a top-level loop
 /// from 0 by 1 of at least `lanes` trips (or not at all).
-fn accesses_only_at_loop_variable(s: &Stmt, a: &str, lanes: i64) -> bool {
+fn accesses_only_at_loop_variable(s: &Stmt, a: &str, lanes: i64, lets: &HashMap<String, Expr>) -> bool {
     if !touches(s, a) {
         return true;
     }
@@ -356,8 +456,7 @@ fn accesses_only_at_loop_variable(s: &Stmt, a: &str, lanes: i64) -> bool {
     if start.int_literal() != Some(0) || trips(s).is_none_or(|t| t < lanes) {
         return false;
     }
-    let lets = let_definitions(body);
-    let at_own = |index: &Expr| is_lane_element(&inlined(index, &lets, 0), v);
+    let at_own = |index: &Expr| is_lane_element(&inlined(index, lets, 0), v);
     let mut ok = true;
     walk(body, &mut |st| {
         if let Stmt::Store { target: Buf::Local { name, .. }, index, .. }
