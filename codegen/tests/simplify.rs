@@ -63,17 +63,7 @@ fn eval(e: &Expr, env: &HashMap<String, i64>, it: i64, ln: i64) -> Option<i64> {
                 BinOp::Or => Some(i64::from(a != 0 || b != 0)),
             }
         }
-        Expr::Cmp { op, lhs, rhs } => {
-            let (a, b) = (ev(lhs)?, ev(rhs)?);
-            Some(i64::from(match op {
-                CmpOp::Lt => a < b,
-                CmpOp::Le => a <= b,
-                CmpOp::Gt => a > b,
-                CmpOp::Ge => a >= b,
-                CmpOp::Eq => a == b,
-                CmpOp::Ne => a != b,
-            }))
-        }
+        Expr::Cmp { op, lhs, rhs } => Some(i64::from(op.holds(ev(lhs)?, ev(rhs)?))),
         Expr::Select { cond, then, else_ } => {
             if ev(cond)? != 0 {
                 ev(then)

@@ -117,6 +117,20 @@ pub enum CmpOp {
     Ne,
 }
 
+impl CmpOp {
+    /// Whether `a op b` holds for two integers.
+    pub fn holds(self, a: i64, b: i64) -> bool {
+        match self {
+            CmpOp::Lt => a < b,
+            CmpOp::Le => a <= b,
+            CmpOp::Gt => a > b,
+            CmpOp::Ge => a >= b,
+            CmpOp::Eq => a == b,
+            CmpOp::Ne => a != b,
+        }
+    }
+}
+
 /// Math functions of float arguments, printed per type (`expf` / `exp`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum MathFn {

@@ -31,7 +31,7 @@
 use std::collections::{HashMap, HashSet};
 
 use super::{
-    collect_declared, each_expr, renamed, rewrite_stmts, stmt_work, BinOp, Buf, CmpOp, Expr, Grid, Kernel,
+    collect_declared, each_expr, renamed, rewrite_stmts, stmt_work, BinOp, Buf, Expr, Grid, Kernel,
     KernelError, ReduceOp, Stmt, Ty, Unroll,
 };
 
@@ -286,15 +286,7 @@ fn with_literals_folded(stmts: Vec<Stmt>) -> Vec<Stmt> {
                 literal_value(x).map(Expr::I64)
             }
             Expr::Cmp { op, lhs, rhs } => {
-                let (a, b) = (literal_value(lhs)?, literal_value(rhs)?);
-                Some(Expr::Bool(match op {
-                    CmpOp::Lt => a < b,
-                    CmpOp::Le => a <= b,
-                    CmpOp::Gt => a > b,
-                    CmpOp::Ge => a >= b,
-                    CmpOp::Eq => a == b,
-                    CmpOp::Ne => a != b,
-                }))
+                Some(Expr::Bool(op.holds(literal_value(lhs)?, literal_value(rhs)?)))
             }
             _ => None,
         });
