@@ -771,18 +771,22 @@ pub fn temporal_grads(
         }
         let jk = k.let_("jk", jsel);
         let tap = k.let_("tap", row - first);
-        let t0 = k.let_("t0", blk.clone() * ix(DW_BLOCK));
-        let t1 = k.let_(
-            "t1",
-            select((t0.clone() + ix(DW_BLOCK)).lt(ix(tokens)), t0.clone() + ix(DW_BLOCK), ix(tokens)),
-        );
-        let pat = k.let_("pat", item() * ix(c));
+        // The block's tokens [t0, t1).
+        let token_range = |k: &mut KernelBuilder| {
+            let t0 = k.let_("t0", blk.clone() * ix(DW_BLOCK));
+            let t1 = k.let_(
+                "t1",
+                select((t0.clone() + ix(DW_BLOCK)).lt(ix(tokens)), t0.clone() + ix(DW_BLOCK), ix(tokens)),
+            );
+            (t0, t1)
+        };
         // Each channel sums its block's tokens in token order, in both forms.
         match target {
             // Tokens outer, channels inner: the C compiler vectorizes the channels.
             Target::Cpu => {
                 let acc = k.local_array("acc", ty, c);
                 k.for_("e", ix(0), ix(c), |b, e| b.store(&acc, e, lit(ty, 0.0)));
+                let (t0, t1) = token_range(k);
                 k.for_("tok", t0, t1, |b, tok| {
                     b.if_((tok.clone() % ix(t)).ge(tap.clone()), |b| {
                         let g = Row::of(&names, b, &dg, tok.clone() * ix(rk) + jk.clone(), c);
@@ -792,11 +796,14 @@ pub fn temporal_grads(
                         });
                     });
                 });
+                let pat = k.let_("pat", item() * ix(c));
                 k.for_("e", ix(0), ix(c), |b, e| b.store(&pb, pat.clone() + e.clone(), acc.at(e)));
             }
             // Channels outer, tokens inner: a warp's lanes share the channels
             // (`spread_over_lanes`), each token's loads consecutive across lanes.
             Target::Cuda => {
+                let (t0, t1) = token_range(k);
+                let pat = k.let_("pat", item() * ix(c));
                 k.for_("e", ix(0), ix(c), |b, e| {
                     let sum = b.var("sum", lit(ty, 0.0));
                     b.for_("tok", t0.clone(), t1.clone(), |b, tok| {
