@@ -708,7 +708,7 @@ unsafe fn run_gemm(g: &Gemm, a: *const f32, b: *const f32, c: *mut f32, pool: &P
     let a_layout = sgemm::Operand { ptr: a, rows: a_rs, cols: a_cs };
     let isa = tiled_isa(g, a_layout);
     // The gemm crate's products (no tile of ours) split the longer side.
-    let tile = isa.map_or((1, 1), |isa| isa.tile(a_layout));
+    let tile = isa.map_or((1, 1), |isa| isa.tile(g.n, a_layout));
     // Addresses as integers so the parts can share them across threads.
     let (a, b, c) = (a as usize, b as usize, c as usize);
     let work = g.batch.saturating_mul(g.m).saturating_mul(g.n).saturating_mul(g.k);

@@ -8,7 +8,8 @@
 //! §6), so they decide its speed. On AVX2 hosts the crate's kernels are
 //! 256-bit too; there this kernel's 6 x 16 tile takes the products whose `a`
 //! is row-major and read in place (the projections forward and the input
-//! gradients), a 16 x 6 tile the narrow ones whose `a` is column-major (the
+//! gradients; a 3 x 24 tile those of 17 to 24 columns, the coefficient
+//! projections), a 16 x 6 tile the narrow ones whose `a` is column-major (the
 //! weight gradients of routers and coefficient projections), which it runs
 //! faster, and leaves the others to the crate ([`Isa::takes`]).
 //!
@@ -25,8 +26,8 @@
 //! place column-major, or row-major with short rows under one column sliver)
 //! the micro-kernels also prefetch the next block's slivers while they
 //! compute the current one. The tile's shape and the few operations that
-//! depend on the vector width are a [`Tile`]: 14 x 32 with AVX-512, 6 x 16
-//! and 16 x 6 with AVX2; the drivers are compiled once for each.
+//! depend on the vector width are a [`Tile`]: 14 x 32 with AVX-512, 6 x 16,
+//! 3 x 24 and 16 x 6 with AVX2; the drivers are compiled once for each.
 //!
 //! Each product's sum over `k` runs in order within a `KC` block, blocks
 //! added in order, one FMA per step: deterministic and independent of the
@@ -84,7 +85,8 @@ pub(crate) fn single_pass(k: usize) -> bool {
 pub(crate) enum Isa {
     /// AVX-512F: a 14 x 32 tile, 28 of the 32 512-bit registers.
     Avx512,
-    /// AVX2 with FMA: a 6 x 16 tile, 12 of the 16 256-bit registers.
+    /// AVX2 with FMA: a 6 x 16 tile, 12 of the 16 256-bit registers (3 x 24
+    /// for 17 to 24 columns, 16 x 6 for a column-major `a`).
     Avx2,
 }
 
@@ -115,12 +117,13 @@ impl Isa {
         }
     }
 
-    /// The micro-tile's rows and columns for a product whose `a` is laid out
-    /// as `a`, for callers that split work by whole tiles.
-    pub(crate) fn tile(self, a: Operand) -> (usize, usize) {
+    /// The micro-tile's rows and columns for a product of `n` columns whose
+    /// `a` is laid out as `a`, for callers that split work by whole tiles.
+    pub(crate) fn tile(self, n: usize, a: Operand) -> (usize, usize) {
         match self {
             Isa::Avx512 => AVX512_TILE,
             Isa::Avx2 if is_column_major(a) => AVX2_TALL_TILE,
+            Isa::Avx2 if avx2_narrow(n, a) => AVX2_NARROW_TILE,
             Isa::Avx2 => AVX2_TILE,
         }
     }
@@ -135,6 +138,15 @@ fn is_column_major(a: Operand) -> bool {
 const AVX512_TILE: (usize, usize) = (14, 32);
 /// Rows and columns of the AVX2 tile.
 const AVX2_TILE: (usize, usize) = (6, 16);
+/// Rows and columns of the AVX2 tile for products of 17 to 24 columns.
+const AVX2_NARROW_TILE: (usize, usize) = (3, 24);
+
+/// Whether an AVX2 product of `n` columns whose `a` is laid out as `a` runs
+/// on [`Avx2Narrow`]: a row-major `a` (the column-major one has its own tile)
+/// under 17 to 24 columns, which the 6 x 16 tile pads to 32.
+fn avx2_narrow(n: usize, a: Operand) -> bool {
+    !is_column_major(a) && (AVX2_TILE.1 + 1..=AVX2_NARROW_TILE.1).contains(&n)
+}
 
 impl Isa {
     /// Whether [`sgemm_on`] with this set's tiles takes a product of `m` rows
@@ -275,6 +287,7 @@ pub(crate) unsafe fn sgemm_on(
         match isa {
             Isa::Avx512 => sgemm_avx512(m, n, k, a, b, c, accumulate, false),
             Isa::Avx2 if is_column_major(a) => sgemm_avx2_tall(m, n, k, a, b, c, accumulate, false),
+            Isa::Avx2 if avx2_narrow(n, a) => sgemm_avx2_narrow(m, n, k, a, b, c, accumulate, false),
             Isa::Avx2 => sgemm_avx2(m, n, k, a, b, c, accumulate, false),
         }
     }
@@ -303,6 +316,7 @@ unsafe fn sgemm_blocks_on(
         match isa {
             Isa::Avx512 => sgemm_avx512(m, n, k, a, b, c, accumulate, true),
             Isa::Avx2 if is_column_major(a) => sgemm_avx2_tall(m, n, k, a, b, c, accumulate, true),
+            Isa::Avx2 if avx2_narrow(n, a) => sgemm_avx2_narrow(m, n, k, a, b, c, accumulate, true),
             Isa::Avx2 => sgemm_avx2(m, n, k, a, b, c, accumulate, true),
         }
     }
@@ -349,6 +363,7 @@ macro_rules! entry_point {
 }
 entry_point!(sgemm_avx512, Avx512, "avx512f");
 entry_point!(sgemm_avx2, Avx2, "avx2,fma");
+entry_point!(sgemm_avx2_narrow, Avx2Narrow, "avx2,fma");
 entry_point!(sgemm_avx2_tall, Avx2Tall, "avx2,fma");
 
 /// Floats of packed `b` a product may hold at once to walk its rows whole
@@ -869,16 +884,36 @@ fn lane_mask_16(cols: usize) -> u16 {
     }
 }
 
-/// The AVX2 tile: 6 rows of two 8-float vectors, 12 of the 16 vector
-/// registers, next to the two `b` vectors and one broadcast a step.
+/// An AVX2 tile of `ROWS` rows of `VECTORS` 8-float vectors, read from a
+/// row-major or packed `a`: `ROWS * VECTORS` accumulators next to the
+/// `VECTORS` `b` vectors and one broadcast a step, with at least one of the
+/// 16 vector registers to spare (see [`Avx2Narrow`]).
 #[cfg(target_arch = "x86_64")]
-struct Avx2;
+struct Avx2Rows<const ROWS: usize, const VECTORS: usize>;
+
+/// The AVX2 tile: 6 rows of two vectors, 12 accumulators.
+#[cfg(target_arch = "x86_64")]
+type Avx2 = Avx2Rows<{ AVX2_TILE.0 }, { AVX2_TILE.1 / 8 }>;
+
+/// The AVX2 tile for products of 17 to 24 columns (the connections'
+/// coefficient projections, MATH.md §4.3, §5.5, §6.2): 3 rows of three
+/// vectors, so that 24 columns compute no padding where [`Avx2`]'s two
+/// vectors a row pad them to 32 (a quarter of its FMAs; three eighths at
+/// xHC's 20). Measured on one thread against the 6 x 16 tile, medians of 40
+/// interleaved calls: `1024 x 24 x 1024` 1.46 → 1.12 ms with `a` in cache,
+/// 1.81 → 1.26 from memory; `1024 x 20 x 1024` 1.68 → 1.20; `16384 x 24 x
+/// 64` 1.82 → 1.59. Four rows (12 accumulators, three `b` vectors and a
+/// broadcast: all 16 registers) left the compiler none to spare: it kept
+/// one accumulator on the stack, and that accumulator's store and reload
+/// each step made the tile slower than the 6 x 16 one.
+#[cfg(target_arch = "x86_64")]
+type Avx2Narrow = Avx2Rows<{ AVX2_NARROW_TILE.0 }, { AVX2_NARROW_TILE.1 / 8 }>;
 
 #[cfg(target_arch = "x86_64")]
-impl Tile for Avx2 {
-    const MR: usize = AVX2_TILE.0;
-    const NR: usize = AVX2_TILE.1;
-    /// 96 KiB of packed `a`.
+impl<const ROWS: usize, const VECTORS: usize> Tile for Avx2Rows<ROWS, VECTORS> {
+    const MR: usize = ROWS;
+    const NR: usize = 8 * VECTORS;
+    /// 96 KiB of packed `a` (a whole number of slivers of either tile).
     const MC: usize = AVX2_MIN_ROWS;
     /// 6 rows are 24 of a line's 64 bytes.
     const READS_COLUMNS_IN_PLACE: bool = false;
@@ -900,35 +935,53 @@ impl Tile for Avx2 {
         load_c: bool,
         prefetch: *const f32,
     ) {
-        const MR: usize = Avx2::MR;
-        const NR: usize = Avx2::NR;
+        const { assert!(ROWS <= 6 && ROWS * VECTORS + VECTORS + 1 < 16, "a register to spare") };
+        let nr = 8 * VECTORS;
         // Lines of one row of a KC-step sliver: a row-major prefetch covers
-        // them in its first MR * LINES steps.
+        // them in its first ROWS * LINES steps.
         const LINES: usize = KC / 16;
-        let mut acc: [[__m256; 2]; MR] = [[_mm256_setzero_ps(); 2]; MR];
-        for p in 0..kc {
-            // SAFETY: step p of each sliver is in bounds (contract).
-            let (b0, b1) = unsafe { (_mm256_loadu_ps(b.add(p * NR)), _mm256_loadu_ps(b.add(p * NR + 8))) };
-            let step = unsafe { a.ptr.add(p * a.cols) };
-            if !prefetch.is_null() && (UNIT_ROWS || p < MR * LINES) {
-                // As for AVX-512: step p's rows, or line p / MR of row p % MR.
-                let at = if UNIT_ROWS { p * a.cols } else { (p % MR) * a.rows + (p / MR) * 16 };
-                _mm_prefetch::<_MM_HINT_T0>(prefetch.wrapping_add(at).cast());
-            }
-            for (r, acc_r) in acc.iter_mut().enumerate() {
-                let at = if UNIT_ROWS { r } else { r * a.rows };
-                // SAFETY: row r of step p is in bounds (contract).
-                let x = _mm256_broadcast_ss(unsafe { &*step.add(at) });
-                acc_r[0] = _mm256_fmadd_ps(x, b0, acc_r[0]);
-                acc_r[1] = _mm256_fmadd_ps(x, b1, acc_r[1]);
-            }
+        let mut acc: [[__m256; VECTORS]; ROWS] = [[_mm256_setzero_ps(); VECTORS]; ROWS];
+        // One contraction step into the accumulators.
+        macro_rules! fma_step {
+            ($p:expr) => {{
+                let p = $p;
+                let mut bs = [_mm256_setzero_ps(); VECTORS];
+                for (v, b_v) in bs.iter_mut().enumerate() {
+                    // SAFETY: step p of the b sliver is in bounds (contract).
+                    *b_v = unsafe { _mm256_loadu_ps(b.add(p * nr + 8 * v)) };
+                }
+                let step = unsafe { a.ptr.add(p * a.cols) };
+                for (r, acc_r) in acc.iter_mut().enumerate() {
+                    let at = if UNIT_ROWS { r } else { r * a.rows };
+                    // SAFETY: row r of step p is in bounds (contract).
+                    let x = _mm256_broadcast_ss(unsafe { &*step.add(at) });
+                    for (acc_v, &b_v) in acc_r.iter_mut().zip(&bs) {
+                        *acc_v = _mm256_fmadd_ps(x, b_v, *acc_v);
+                    }
+                }
+            }};
         }
-        let masks = [lane_mask_8(cols), lane_mask_8(cols.saturating_sub(8))];
-        let whole = [cols >= 8, cols >= 16];
+        // The steps that prefetch, then the others, as two loops: a test per
+        // step in one loop cost the 6 x 16 tile a tenth of its speed.
+        let prefetch_steps = match () {
+            _ if prefetch.is_null() => 0,
+            _ if UNIT_ROWS => kc,
+            _ => kc.min(ROWS * LINES),
+        };
+        for p in 0..prefetch_steps {
+            // As for AVX-512: step p's rows, or line p / ROWS of row p % ROWS.
+            let at = if UNIT_ROWS { p * a.cols } else { (p % ROWS) * a.rows + (p / ROWS) * 16 };
+            _mm_prefetch::<_MM_HINT_T0>(prefetch.wrapping_add(at).cast());
+            fma_step!(p);
+        }
+        for p in prefetch_steps..kc {
+            fma_step!(p);
+        }
+        let masks: [__m256i; VECTORS] = std::array::from_fn(|v| lane_mask_8(cols.saturating_sub(8 * v)));
         // Constant row indices, as for AVX-512.
         macro_rules! store_rows {
             ($($r:literal)*) => {$(
-                if $r < rows {
+                if $r < ROWS && $r < rows {
                     for (v, &value) in acc[$r].iter().enumerate() {
                         // SAFETY: masked lanes stay within the tile's `cols`
                         // columns of row $r, which is below `rows`.
@@ -939,7 +992,7 @@ impl Tile for Avx2 {
                             } else {
                                 value
                             };
-                            if whole[v] && c.stream && !load_c && at.align_offset(32) == 0 {
+                            if cols >= 8 * (v + 1) && c.stream && !load_c && at.align_offset(32) == 0 {
                                 _mm256_stream_ps(at, value);
                             } else {
                                 store_first(at, value, cols.saturating_sub(8 * v));
@@ -949,7 +1002,6 @@ impl Tile for Avx2 {
                 }
             )*};
         }
-        const _: () = assert!(MR == 6, "store_rows lists MR row indices");
         store_rows!(0 1 2 3 4 5);
     }
 
@@ -970,17 +1022,17 @@ impl Tile for Avx2 {
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     unsafe fn pack_columns(first: *const f32, stride: usize, kc: usize, dst: *mut f32) {
-        for half in 0..Self::NR / 8 {
+        for v in 0..VECTORS {
             for p in (0..kc).step_by(8) {
                 let steps = 8.min(kc - p);
-                // SAFETY: columns `8 * half..` of the sliver, steps
-                // `p..p + steps`, are inside b and the sliver (contract).
+                // SAFETY: columns `8 * v..` of the sliver, steps `p..p +
+                // steps`, are inside b and the sliver (contract).
                 unsafe {
                     transpose_8(
-                        first.add(8 * half * stride + p),
+                        first.add(8 * v * stride + p),
                         stride,
                         steps,
-                        dst.add(p * Self::NR + 8 * half),
+                        (dst.add(p * Self::NR + 8 * v), Self::NR),
                     )
                 };
             }
@@ -1101,7 +1153,7 @@ impl Tile for Avx2Tall {
 
 /// Writes the transpose of an 8 x `steps` block: row `j` (read at
 /// `src + j * stride`, `steps` contiguous floats) becomes lane `j` of the 8
-/// floats at `dst + t * 16` for each step `t < steps`.
+/// floats at `dst + t * dst_stride` for each step `t < steps`.
 ///
 /// # Safety
 /// AVX2 is available; the 8 rows hold `steps <= 8` floats each and the
@@ -1109,13 +1161,13 @@ impl Tile for Avx2Tall {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-unsafe fn transpose_8(src: *const f32, stride: usize, steps: usize, dst: *mut f32) {
+unsafe fn transpose_8(src: *const f32, stride: usize, steps: usize, (dst, dst_stride): (*mut f32, usize)) {
     let read = lane_mask_8(steps);
     // SAFETY: masked lanes stay within each row's `steps` floats.
     let r: [__m256; 8] = std::array::from_fn(|j| unsafe { _mm256_maskload_ps(src.add(j * stride), read) });
     for (step, column) in transposed_8(r).into_iter().enumerate().take(steps) {
         // SAFETY: step `step` is below `steps`.
-        unsafe { _mm256_storeu_ps(dst.add(step * Avx2::NR), column) };
+        unsafe { _mm256_storeu_ps(dst.add(step * dst_stride), column) };
     }
 }
 
@@ -1321,8 +1373,10 @@ mod tests {
         }
         // Both layouts of a are read in place (a ragged last sliver packed):
         // several row and column blocks, a ragged last sliver, a single column.
-        let shapes: [(usize, usize, usize); 10] = [
+        let shapes: [(usize, usize, usize); 12] = [
             (1, 1, 1),
+            (45, 20, 300),
+            (130, 24, 1100),
             (14, 32, 256),
             (15, 33, 257),
             (113, 70, 600),
@@ -1379,14 +1433,16 @@ mod tests {
             return;
         }
         for isa in Isa::supported() {
-            let (_, nr) = isa.tile(Operand { ptr: std::ptr::null(), rows: 2, cols: 1 });
             let (rows, blocks): (Product, Product) = match isa {
                 Isa::Avx512 => (avx512_rows, avx512_blocks),
                 Isa::Avx2 => (avx2_rows, avx2_blocks),
             };
-            let shapes = [(45, nr, 1000), (28, 7, 513), (3, nr, 2 * KC)];
+            // The narrow products' 24 and 19 columns run on AVX2's 3 x 24 tile.
+            let nr = isa.tile(256, Operand { ptr: std::ptr::null(), rows: 2, cols: 1 }).1;
+            let shapes = [(45, nr, 1000), (28, 7, 513), (3, nr, 2 * KC), (46, 24, 1000), (29, 19, 513)];
             for &(m, n, k) in &shapes {
                 let row_major = Operand { ptr: std::ptr::null(), rows: k, cols: 1 };
+                let nr = isa.tile(n, row_major).1;
                 assert!(n <= nr && streams_rows(k, row_major, KC, nr), "{m}x{n}x{k} streams rows");
             }
             triple_loop::check_orders(&shapes, 3, rows, blocks);
@@ -1433,9 +1489,13 @@ mod tests {
             "the backbone's weight gradients stay in the crate"
         );
         assert!(Isa::Avx2.takes(96, 256, row_major) && !Isa::Avx2.takes(95, 256, row_major));
-        assert_eq!(Isa::Avx2.tile(column_major), (16, 6));
-        assert_eq!(Isa::Avx2.tile(row_major), (6, 16));
-        assert!(Isa::Avx512.takes(1, 256, column_major) && Isa::Avx512.tile(column_major) == (14, 32));
+        assert_eq!(Isa::Avx2.tile(24, column_major), (16, 6));
+        assert_eq!(Isa::Avx2.tile(256, row_major), (6, 16));
+        assert_eq!(Isa::Avx2.tile(16, row_major), (6, 16));
+        assert_eq!(Isa::Avx2.tile(17, row_major), (3, 24));
+        assert_eq!(Isa::Avx2.tile(24, row_major), (3, 24));
+        assert_eq!(Isa::Avx2.tile(25, row_major), (6, 16));
+        assert!(Isa::Avx512.takes(1, 256, column_major) && Isa::Avx512.tile(24, column_major) == (14, 32));
     }
 
     /// The AVX2 transpose puts element `t` of row `j` at lane `j` of step
