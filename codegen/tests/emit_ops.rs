@@ -228,14 +228,17 @@ fn sinkhorn_and_its_gradient() {
 /// On the C target Sinkhorn and its gradient run in blocks of 16 matrices,
 /// vectorized across them (`emit::lower_sinkhorn_lanes`); the Cuda target
 /// keeps one matrix per item (its C dialect runs here). 37 matrices leave a
-/// partial last block. Both match the reference, and each other bit for bit:
-/// the lanes form is the same arithmetic per matrix.
+/// partial last block (the lanes' offsets an array, clamped); 32 fill two
+/// blocks (the forward's offsets an expression of the item and lane, the
+/// gradient's still an array). Both match the
+/// reference, and each other bit for bit: the lanes form is the same
+/// arithmetic per matrix.
 #[test]
 fn sinkhorn_lanes_match_one_matrix_per_item_bitwise() {
-    for side in [3, 4] {
+    for (side, mats) in [(3, 37), (4, 37), (4, 32)] {
         let mut g = Graph::new();
-        let x = param(&mut g, "x", &[37, side, side]);
-        let d = param(&mut g, "d", &[37, side, side]);
+        let x = param(&mut g, "x", &[mats, side, side]);
+        let d = param(&mut g, "d", &[mats, side, side]);
         let fwd = add(&mut g, Op::Sinkhorn { iters: 7, eps: 1e-6 }, &[x]);
         let grad = add(&mut g, Op::SinkhornGrad { iters: 7, eps: 1e-6 }, &[x, d]);
         g.set_output("y", fwd);
@@ -246,8 +249,23 @@ fn sinkhorn_lanes_match_one_matrix_per_item_bitwise() {
             let request = Request::new(&g, Vec::new()).for_target(target);
             let plan =
                 check(&g, &sources, &request, &one_group(&g), 1e-4, &format!("sinkhorn {side} {target:?}"));
-            let lanes = plan.kernels.iter().filter(|k| k.grid.items() == 3).count();
-            assert_eq!(lanes, if target == Target::Cpu { 2 } else { 0 }, "{target:?}: blocks of 16 matrices");
+            let blocks: Vec<_> =
+                plan.kernels.iter().filter(|k| k.grid.items() == mats.div_ceil(16)).collect();
+            assert_eq!(
+                blocks.len(),
+                if target == Target::Cpu { 2 } else { 0 },
+                "{target:?}: blocks of 16 matrices"
+            );
+            for k in blocks {
+                let offsets_array =
+                    k.body.iter().any(|s| matches!(s, Stmt::LocalArray { var, .. } if var.starts_with("mb")));
+                let affine = mats.is_multiple_of(16) && !k.name.contains("grad");
+                assert_eq!(
+                    offsets_array, !affine,
+                    "{} over {mats} matrices: lane offsets in an array",
+                    k.name
+                );
+            }
             let outs = emit_support::run_plan(&g, &plan, &sources);
             let named = |name: &str| {
                 let buf = plan.find(&BufferRole::Output { name: name.into() }).expect("output buffer");
@@ -255,7 +273,10 @@ fn sinkhorn_lanes_match_one_matrix_per_item_bitwise() {
             };
             results.push((named("y"), named("dx")));
         }
-        assert_eq!(results[0], results[1], "side {side}: lanes and per-item forms agree bitwise");
+        assert_eq!(
+            results[0], results[1],
+            "side {side}, {mats} matrices: lanes and per-item forms agree bitwise"
+        );
     }
 }
 
