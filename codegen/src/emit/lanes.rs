@@ -95,7 +95,7 @@ enum LaneOffsets {
     /// stride and then finds no vector type for), its indices get cheap and
     /// its last lane loop, the stores, vectorizes. In a C harness on one
     /// thread mHC's forward kernel went 0.28 → 0.22 ms a call, in the step's
-    /// profile 2.2 → 1.7 ms a step. The gradient keeps the array: its first
+    /// profile 2.0-2.2 → 1.6-1.7 ms a step. The gradient keeps the array: its first
     /// lane loop (the column maxima and their rows) vectorizes only with the
     /// array's opaque indices, as gathers, and with the affine offsets its
     /// profile went 2.7 → 3.5-4.0 ms a step.
