@@ -245,9 +245,14 @@ const PREFETCH_MIN_PHASES: usize = 4;
 /// Fewest FLOPs per byte moved (the kernel's parameters, read plus written)
 /// for the next item's rows to be prefetched: below it an item's arithmetic
 /// is too short to hide their loads behind, and the prefetches only add to a
-/// stream the hardware already runs (xHC's write-back, 0.4 FLOP/byte, got
+/// stream the hardware already runs (xHC's write-back, 0.37 FLOP/byte, got
 /// 10 % slower with them; every kernel from 0.6 FLOP/byte up got faster).
-const PREFETCH_MIN_INTENSITY: f64 = 0.5;
+/// Between the two, xHC's routing and dense read (0.43: TopK and a weighted
+/// sum over all 16 streams) ran 34.1-40.8 ms a step with them against
+/// 38.7-46.6 without (six alternating profiles), its first write-back
+/// (0.41) 6.4-7.8 against 7.2-8.5 ms; its two per-token norms and VWN's
+/// embedding norm (0.48) ran the same, within 0.3 ms a step.
+const PREFETCH_MIN_INTENSITY: f64 = 0.4;
 
 /// A byte range of the next item's row of one parameter.
 #[derive(Debug, Clone, PartialEq, Eq)]
