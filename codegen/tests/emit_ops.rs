@@ -530,15 +530,15 @@ fn temporal_augment_and_its_gradients() {
 }
 
 /// The causal convolutions of the temporal augmentation and their input
-/// gradient sum each channel's taps in strips of 16 channels held in
-/// variables where a row is whole strips (C = 32), in a local row otherwise
-/// (C = 20): both add the same taps in the same order from 0 as the
+/// gradient sum each channel's taps in strips held in variables where a row
+/// is whole strips (64 channels at C = 128, 16 at C = 32), in a local row
+/// otherwise (C = 20): all add the same taps in the same order from 0 as the
 /// reference's f32 loop (MATH.md §6.5), so without Gram–Schmidt the outputs
 /// are its bits. Kernels of 12 taps over 14 tokens cover the truncated taps
 /// at the start of each sequence.
 #[test]
 fn temporal_convolutions_give_the_reference_bits_in_strips_and_rows() {
-    for c in [32, 20] {
+    for c in [128, 32, 20] {
         let mut g = Graph::new();
         let out = param(&mut g, "out", &[2, 14, c]);
         let w1 = param(&mut g, "w1", &[4, c]);

@@ -332,17 +332,35 @@ fn cross_entropy(graph: &Graph, id: NodeId, name: &str) -> Result<Lowering, Emit
     Ok(Lowering { steps: vec![per_block, kb.finish()?], temps: temps.0 })
 }
 
-/// Channels per strip of [`channel_strips`] on the CPU: one AVX-512
-/// register of f32. On the GPU a strip is one channel: the loop over channels
-/// is then one a warp's lanes share ([`crate::kernel::spread_over_lanes`]),
-/// each lane summing its channels' taps, its loads consecutive with the
-/// other lanes'.
+/// Channels per strip of [`channel_strips`] on the CPU where they divide the
+/// row: eight AVX2 vectors (four AVX-512 ones) of f32, eight independent
+/// chains of additions. A strip of one vector per register set kept two
+/// chains on AVX2, and each tap waited on the last tap's addition; with eight
+/// the taps' loads set the pace (xHC's convolution kernels, four alternating
+/// profiles of training steps: 42.2-43.6 → 38.5-40.7 ms a step, the input
+/// gradient's 9.8-10.2 → 7.3-8.0).
+const CHANNEL_STRIP_WIDE: usize = 64;
+
+/// Channels per strip where [`CHANNEL_STRIP_WIDE`] does not divide the row:
+/// one AVX-512 register of f32. On the GPU a strip is one channel: the loop
+/// over channels is then one a warp's lanes share
+/// ([`crate::kernel::spread_over_lanes`]), each lane summing its channels'
+/// taps, its loads consecutive with the other lanes'.
 const CHANNEL_STRIP: usize = 16;
 
-/// [`CHANNEL_STRIP`] for `target`.
-fn channel_strip(target: Target) -> usize {
+/// The CPU's strip for rows of `c` channels.
+fn cpu_channel_strip(c: usize) -> usize {
+    if c % CHANNEL_STRIP_WIDE == 0 {
+        CHANNEL_STRIP_WIDE
+    } else {
+        CHANNEL_STRIP
+    }
+}
+
+/// The strip for rows of `c` channels on `target`.
+fn channel_strip(target: Target, c: usize) -> usize {
     match target {
-        Target::Cpu => CHANNEL_STRIP,
+        Target::Cpu => cpu_channel_strip(c),
         Target::Cuda => 1,
     }
 }
@@ -355,7 +373,7 @@ fn channel_strip(target: Target) -> usize {
 /// to and stores back a local row (three loads and a store per multiply-add
 /// of a convolution tap, against two loads), so the temporal convolutions ran
 /// at the rate of the local row's loads and stores. Here each strip of
-/// [`CHANNEL_STRIP`] channels keeps its sums in that many variables, which the
+/// `strip` channels keeps its sums in that many variables, which the
 /// C compiler packs into one vector, through all the terms, and stores them
 /// once (xHC's three forward convolutions, κ = 4, 8, 12 over C = 256, one
 /// thread, operands in cache: 0.34-0.38 → 0.27-0.28 µs a token). Each channel
@@ -447,7 +465,7 @@ impl Ta<'_> {
             channel_strips(
                 b,
                 n,
-                channel_strip(self.target),
+                channel_strip(self.target, self.c),
                 (self.ty, self.c),
                 &|_| self.lit(0.0),
                 &|b, add| {
@@ -732,10 +750,15 @@ pub fn temporal_grads(
         // Source tokens t + i of the same sequence.
         let reach = k.let_("reach", select((ix(t) - tt.clone()).lt(ix(kmax)), ix(t) - tt, ix(kmax)));
         // d x = direct + Σ_j Σ_i w_j[i] ⊙ d g_j[tok + i], kernel by kernel, taps in order.
+        // The GPU's thread per token keeps strips of 16 (its registers).
+        let strip = match target {
+            Target::Cpu => cpu_channel_strip(c),
+            Target::Cuda => CHANNEL_STRIP,
+        };
         channel_strips(
             k,
             &names,
-            CHANNEL_STRIP,
+            strip,
             (ty, c),
             &|e| match &direct {
                 Some(d) => d.at(item() * ix(c) + e),
