@@ -350,7 +350,7 @@ const CHANNEL_STRIP: usize = 16;
 
 /// The CPU's strip for rows of `c` channels.
 fn cpu_channel_strip(c: usize) -> usize {
-    if c % CHANNEL_STRIP_WIDE == 0 {
+    if c.is_multiple_of(CHANNEL_STRIP_WIDE) {
         CHANNEL_STRIP_WIDE
     } else {
         CHANNEL_STRIP
