@@ -652,14 +652,20 @@ impl NextColumns {
         NextColumns { first, step_stride: a.cols, lines_per_step, lines: lines_per_step * kc }
     }
 
-    /// Prefetches part `part` of `parts` equal parts of the block's lines.
+    /// Prefetches part `part` of `parts` equal parts of the block's lines,
+    /// walking them step by step (one division a call, not one a line).
     #[inline(always)]
     fn prefetch_part(&self, part: usize, parts: usize) {
-        for line in self.lines * part / parts..self.lines * (part + 1) / parts {
-            let (step, within) = (line / self.lines_per_step, line % self.lines_per_step);
+        let (from, to) = (self.lines * part / parts, self.lines * (part + 1) / parts);
+        let (mut step, mut within) = (from / self.lines_per_step, from % self.lines_per_step);
+        for _ in from..to {
             let at = self.first.wrapping_add(step * self.step_stride + within * 16);
             // SAFETY: a prefetch is a hint and never faults.
             unsafe { _mm_prefetch::<_MM_HINT_T0>(at.cast()) };
+            within += 1;
+            if within == self.lines_per_step {
+                (step, within) = (step + 1, 0);
+            }
         }
     }
 }
@@ -697,14 +703,7 @@ unsafe fn pack_a<T: Tile>(a: Operand, i0: usize, p0: usize, mc: usize, kc: usize
             }
             for s in 0..mc.div_ceil(mr) {
                 let height = mr.min(mc - s * mr);
-                let (from, to) = unsafe { (step.add(s * mr), dst.add(s * mr * kc + p * mr)) };
-                if height == mr {
-                    // A whole sliver's step: a plain copy of `MR` floats.
-                    // SAFETY: both runs hold `MR` floats (contract).
-                    unsafe { std::ptr::copy_nonoverlapping(from, to, mr) };
-                } else {
-                    unsafe { T::copy_row(from, to, height, mr) };
-                }
+                unsafe { copy_run::<T>(step.add(s * mr), dst.add(s * mr * kc + p * mr), height, mr) };
             }
         }
         return;
@@ -727,6 +726,25 @@ unsafe fn pack_a<T: Tile>(a: Operand, i0: usize, p0: usize, mc: usize, kc: usize
     }
 }
 
+/// [`Tile::copy_row`] for packing, a whole run (`len == n`, `n` a tile
+/// constant) as a plain copy: the masked copy builds its masks every call,
+/// and under `perf` packing took as long as the arithmetic in VWN's `64 x 24
+/// x 32768` weight gradient, whose packed values each feed only four tiles.
+///
+/// # Safety
+/// As for [`Tile::copy_row`].
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn copy_run<T: Tile>(src: *const f32, dst: *mut f32, len: usize, n: usize) {
+    if len == n {
+        // SAFETY: both runs hold `n` floats (contract).
+        unsafe { std::ptr::copy_nonoverlapping(src, dst, n) };
+    } else {
+        // SAFETY: forwarded contract.
+        unsafe { T::copy_row(src, dst, len, n) };
+    }
+}
+
 /// Packs steps `p0..p0 + kc`, columns `j0..j0 + nc` of `b` as slivers of `NR`
 /// columns: sliver `s` holds, for each step, its `NR` columns' values (zero
 /// past column `nc`).
@@ -746,15 +764,8 @@ unsafe fn pack_b<T: Tile>(b: Operand, p0: usize, j0: usize, kc: usize, nc: usize
             // Row-major b: each step's columns are contiguous (a ragged last
             // sliver, such as the 24 columns of a coefficient projection,
             // masked and zero-filled).
-            if width == nr {
-                for p in 0..kc {
-                    // SAFETY: step p's `NR` columns and the sliver's step p.
-                    unsafe { std::ptr::copy_nonoverlapping(first.add(p * b.rows), sliver.add(p * nr), nr) };
-                }
-            } else {
-                for p in 0..kc {
-                    unsafe { T::copy_row(first.add(p * b.rows), sliver.add(p * nr), width, nr) };
-                }
+            for p in 0..kc {
+                unsafe { copy_run::<T>(first.add(p * b.rows), sliver.add(p * nr), width, nr) };
             }
         } else if width == nr && b.rows == 1 {
             // Column-major b (a transposed operand, such as a weight in the
