@@ -652,21 +652,30 @@ impl NextColumns {
         NextColumns { first, step_stride: a.cols, lines_per_step, lines: lines_per_step * kc }
     }
 
-    /// Prefetches part `part` of `parts` equal parts of the block's lines,
-    /// walking them step by step (one division a call, not one a line).
+    /// Prefetches part `part` of `parts` equal parts of the block's lines.
     #[inline(always)]
     fn prefetch_part(&self, part: usize, parts: usize) {
+        for offset in self.part_offsets(part, parts) {
+            // SAFETY: a prefetch is a hint and never faults.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(self.first.wrapping_add(offset).cast()) };
+        }
+    }
+
+    /// The floats from the block's first row at its first step to each line
+    /// of part `part` of `parts`, in order, walked step by step (one division
+    /// a part, not one a line). Together the parts list every line once.
+    #[inline(always)]
+    fn part_offsets(&self, part: usize, parts: usize) -> impl Iterator<Item = usize> + '_ {
         let (from, to) = (self.lines * part / parts, self.lines * (part + 1) / parts);
         let (mut step, mut within) = (from / self.lines_per_step, from % self.lines_per_step);
-        for _ in from..to {
-            let at = self.first.wrapping_add(step * self.step_stride + within * 16);
-            // SAFETY: a prefetch is a hint and never faults.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(at.cast()) };
+        (from..to).map(move |_| {
+            let offset = step * self.step_stride + within * 16;
             within += 1;
             if within == self.lines_per_step {
                 (step, within) = (step + 1, 0);
             }
-        }
+            offset
+        })
     }
 }
 
@@ -1576,6 +1585,24 @@ mod tests {
         assert_eq!(Isa::Avx2.tile(24, row_major), (3, 24));
         assert_eq!(Isa::Avx2.tile(25, row_major), (6, 16));
         assert!(Isa::Avx512.takes(1, 256, column_major) && Isa::Avx512.tile(24, column_major) == (14, 32));
+    }
+
+    /// The parts of a packed block's prefetch list each of its lines once,
+    /// in order: every step's rows (a line per 16, the last one partial),
+    /// whatever the number of parts, including more parts than lines.
+    #[test]
+    fn next_block_parts_cover_each_line_once() {
+        for (rows, steps, stride) in [(96, 256, 4096), (64, 256, 64), (40, 7, 1024), (1, 3, 24)] {
+            let a = Operand { ptr: std::ptr::null(), rows: 1, cols: stride };
+            let next = NextColumns::new(a, (16, rows), (32, steps));
+            assert_eq!(next.first as usize, (16 + 32 * stride) * std::mem::size_of::<f32>());
+            let want: Vec<usize> =
+                (0..steps).flat_map(|p| (0..rows.div_ceil(16)).map(move |l| p * stride + l * 16)).collect();
+            for parts in [1, 3, 16, 36, want.len() + 5] {
+                let got: Vec<usize> = (0..parts).flat_map(|part| next.part_offsets(part, parts)).collect();
+                assert_eq!(got, want, "{rows} rows, {steps} steps, {parts} parts");
+            }
+        }
     }
 
     /// The AVX2 transpose puts element `t` of row `j` at lane `j` of step
