@@ -22,7 +22,7 @@ use crate::cc::{CcError, Compiler};
 pub use crate::emit::Target;
 use crate::emit::{self, Arg, EmitError, Launch, Residency};
 use crate::kernel::{item, Access, Kernel, KernelBuilder};
-use crate::plan::{BufferDecl, BufferId, BufferRole, Gemm, Plan, Step};
+use crate::plan::{BufferDecl, BufferId, BufferRole, Chain, Gemm, Plan, Step};
 
 /// Node groups in execution order.
 pub type Partition = Vec<Vec<NodeId>>;
@@ -688,6 +688,7 @@ pub fn compile(graph: &Graph, partition: &[Vec<NodeId>], request: &Request) -> R
         buffers: b.buffers,
         arena_len: b.arena_len,
         update_start: None,
+        chains: b.chains,
     };
     if request.update {
         crate::optimizer::append_adamw(&mut plan, request.target)?;
@@ -964,6 +965,8 @@ struct PlanBuilder {
     tables: Vec<(Kernel, BufferId)>,
     /// The index in `kernels` of each kernel structure pushed so far.
     kernel_by_structure: HashMap<String, usize>,
+    /// The lowerings' chains ([`Chain`]) among the steps pushed so far.
+    chains: Vec<Chain>,
 }
 
 impl PlanBuilder {
@@ -1003,7 +1006,7 @@ impl PlanBuilder {
     /// spans every user. Each layer's attention forward and backward would
     /// otherwise recompute the same table in f64.
     fn push_lowering(&mut self, lowering: emit::Lowering) {
-        let emit::Lowering { steps, temps: temp_decls } = lowering;
+        let emit::Lowering { steps, temps: temp_decls, chain } = lowering;
         let tables: Vec<Option<(usize, Kernel)>> = steps
             .iter()
             .map(|work| {
@@ -1025,7 +1028,10 @@ impl PlanBuilder {
                 r.unwrap_or_else(|| self.buffer(len, dtype, BufferRole::Scratch { offset: 0 }, None))
             })
             .collect();
+        // The Plan step each work starts at (a reused table adds none).
+        let mut starts = Vec::with_capacity(steps.len() + 1);
         for (work, table) in steps.into_iter().zip(tables) {
+            starts.push(self.steps.len());
             if let Some((t, key)) = table {
                 if reused[t].is_some() {
                     continue;
@@ -1034,6 +1040,27 @@ impl PlanBuilder {
             }
             self.push_work(work, &temps);
         }
+        starts.push(self.steps.len());
+        if let Some(c) = chain {
+            let chain = Chain { start: starts[c.works.start], end: starts[c.works.end], entries: c.entries };
+            // One step per work (no widening copy came in between), each
+            // addressing whole entries.
+            if chain.end - chain.start == c.works.len() && self.splits_into_entries(chain) {
+                self.chains.push(chain);
+            }
+        }
+    }
+
+    /// Whether every step of `chain` is a kernel whose items split evenly
+    /// into its entries or an f32 GEMM over exactly its entries.
+    fn splits_into_entries(&self, chain: Chain) -> bool {
+        let f32 = |id: &BufferId| self.buffers[id.0].dtype == DType::F32;
+        chain.entries > 0
+            && self.steps[chain.steps()].iter().all(|step| match step {
+                Step::Kernel { kernel, .. } => self.kernels[*kernel].grid.items().is_multiple_of(chain.entries),
+                Step::Gemm(g) => g.batch == chain.entries && [g.a, g.b, g.c].iter().all(f32),
+                Step::Zero { .. } => false,
+            })
     }
 
     fn push_work(&mut self, work: emit::Work, temps: &[BufferId]) {
@@ -1114,9 +1141,14 @@ impl PlanBuilder {
                 Step::Gemm(g) => vec![g.a, g.b, g.c],
                 Step::Zero { buffer } => vec![*buffer],
             };
+            // A chain's steps may run entry by entry, interleaved: each buffer
+            // it touches lives over all of it.
+            let span =
+                self.chains.iter().find(|c| c.steps().contains(&s)).map_or((s, s), |c| (c.start, c.end - 1));
             for id in ids {
-                let e = life.entry(id).or_insert((s, s));
-                e.1 = s;
+                let e = life.entry(id).or_insert(span);
+                e.0 = e.0.min(span.0);
+                e.1 = e.1.max(span.1);
             }
         }
         let mut scratch: Vec<BufferId> = self

@@ -107,11 +107,39 @@ pub enum Step {
     Zero { buffer: BufferId },
 }
 
+/// Consecutive steps `start..end` that may also run entry by entry: every
+/// one is a kernel whose items split into `entries` equal runs (run `e`
+/// being items `[e·n/entries, (e+1)·n/entries)`) or a GEMM of `entries`
+/// batch entries of f32 operands, and entry `e` of each step reads, of what
+/// the chain writes, only entry `e` of earlier steps. A device may run every
+/// step for one entry before the next entry, on any thread: the result is
+/// that of the steps in order. Causal attention is one (per (batch, head),
+/// `crate::emit::attention`): its scores, probabilities and products of one
+/// head fit a core's cache, where step by step they stream through memory
+/// between the GEMMs and the row kernels. The arena keeps every buffer a
+/// chain touches alive over the whole chain.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Chain {
+    pub start: usize,
+    pub end: usize,
+    pub entries: usize,
+}
+
+impl Chain {
+    /// The chain's steps.
+    pub fn steps(&self) -> std::ops::Range<usize> {
+        self.start..self.end
+    }
+}
+
 /// A compiled training step.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Plan {
     pub kernels: Vec<Kernel>,
     pub steps: Vec<Step>,
+    /// Step ranges that may run entry by entry ([`Chain`]), in step order,
+    /// disjoint.
+    pub chains: Vec<Chain>,
     pub buffers: Vec<BufferDecl>,
     /// Size of the shared scratch arena, per dtype, in elements (f32 arena first).
     pub arena_len: usize,

@@ -8,7 +8,7 @@
 mod emit_support;
 
 use codegen::compile::{compile, fused_partition, one_op_per_group, Request, Target};
-use codegen::plan::{BufferRole, Step};
+use codegen::plan::{BufferId, BufferRole, Step};
 use codegen::render::render_cuda;
 use emit_support::{check, spec_training_graph, Rng, Sources};
 use ir::graph::Graph;
@@ -341,5 +341,61 @@ fn gpu_kernels_left_one_thread_per_item_were_refused_for_their_shape() {
                 Err(e) => panic!("{name} at {width}: {} spread into an invalid kernel: {e}", k.name),
             }
         }
+    }
+}
+
+/// Each causal attention, forward and backward, gives the CPU Plan one chain
+/// (`codegen::plan::Chain`) from its copy in to its last head-major product:
+/// kernels and GEMMs over one entry per (batch, head), no two of the buffers
+/// it touches sharing arena space (an entry's later step must not overwrite
+/// what another entry's earlier step still reads). The GPU runs steps whole.
+#[test]
+fn attention_chains_span_the_head_major_steps_in_disjoint_buffers() {
+    for name in SPECS {
+        let (graph, request, _) = tiny_model(name);
+        let partition = fused_partition(&graph, &request).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let plan = compile(&graph, &partition, &request).expect("compiles");
+        assert_eq!(plan.chains.len(), 2, "{name}: one attention forward and one backward");
+        for chain in &plan.chains {
+            let steps = &plan.steps[chain.steps()];
+            let kernel = |s: &Step| match s {
+                Step::Kernel { kernel, .. } => Some(plan.kernels[*kernel].name.clone()),
+                _ => None,
+            };
+            assert!(
+                kernel(&steps[0]).is_some_and(|k| k.ends_with("_prep")),
+                "{name}: starts with the copy in"
+            );
+            assert!(matches!(steps.last(), Some(Step::Gemm(_))), "{name}: ends with a product");
+            assert!(steps.iter().filter_map(kernel).any(|k| k.ends_with("_softmax")), "{name}");
+            let mut touched: Vec<BufferId> = steps
+                .iter()
+                .flat_map(|s| match s {
+                    Step::Kernel { args, .. } => args.clone(),
+                    Step::Gemm(g) => {
+                        assert_eq!(g.batch, chain.entries, "{name}: one batch entry per chain entry");
+                        vec![g.a, g.b, g.c]
+                    }
+                    Step::Zero { .. } => panic!("{name}: no zeroing in a chain"),
+                })
+                .collect();
+            touched.sort();
+            touched.dedup();
+            let span = |id: &BufferId| match plan.buffers[id.0].role {
+                BufferRole::Scratch { offset } => Some((offset, offset + plan.buffers[id.0].len)),
+                _ => None,
+            };
+            let spans: Vec<(usize, usize)> = touched.iter().filter_map(span).collect();
+            for (i, a) in spans.iter().enumerate() {
+                for b in &spans[i + 1..] {
+                    assert!(
+                        a.1 <= b.0 || b.1 <= a.0,
+                        "{name}: arena spans {a:?} and {b:?} overlap in a chain"
+                    );
+                }
+            }
+        }
+        let cuda = compile(&graph, &partition, &request.clone().for_target(Target::Cuda)).expect("compiles");
+        assert!(cuda.chains.is_empty(), "{name}: no chains on the GPU");
     }
 }

@@ -6,7 +6,7 @@ mod plan_support;
 
 use codegen::cc::Compiler;
 use codegen::kernel::Grid;
-use codegen::plan::{BufferId, BufferRole, Gemm, Plan, Step};
+use codegen::plan::{BufferId, BufferRole, Chain, Gemm, Plan, Step};
 use ir::DType;
 use plan_support::{data, decl, rms_rows, scale_bias};
 use runtime::device::cpu::{CpuDevice, CpuError, CpuOptions, Profile, ProfileRows};
@@ -102,6 +102,7 @@ fn test_plan() -> Plan {
         buffers,
         arena_len: ROWS * D + ROWS * F,
         update_start: None,
+        chains: vec![],
     }
 }
 
@@ -230,6 +231,7 @@ fn gemm_strides_transposes_and_broadcast() {
             buffers,
             arena_len: 0,
             update_start: None,
+            chains: vec![],
         };
         let mut dev = load(plan, &cache, 2);
         let (a, b, c0) = (data(batch * m * k, 4, 1.0), data(k * n, 5, 1.0), data(batch * m * n, 6, 1.0));
@@ -287,6 +289,7 @@ fn gemm_split_over_threads() {
                     buffers,
                     arena_len: 0,
                     update_start: None,
+                    chains: vec![],
                 };
                 let mut dev = load(plan, &cache, threads);
                 dev.write_f32(BufferId(0), &a).unwrap();
@@ -404,6 +407,16 @@ fn unsound_plans_are_rejected_at_load() {
         try_load(unknown),
         Some(CpuError::Plan(PlanError::UnknownBuffer { step: 3, id: 99, .. }))
     ));
+
+    // Chains: a valid one loads; one past the steps, one whose kernel's items
+    // do not split into its entries, one with a zeroing step, none of them.
+    let chained = |start, end, entries| Plan { chains: vec![Chain { start, end, entries }], ..test_plan() };
+    assert!(try_load(chained(0, 3, 1)).is_none(), "scale, product, norm over one entry");
+    let rejected = |plan: Plan| matches!(try_load(plan), Some(CpuError::Plan(PlanError::Chain { .. })));
+    assert!(rejected(chained(4, 7, 1)), "past the last step");
+    assert!(rejected(chained(0, 1, 7)), "{ROWS} rows do not split into 7 entries");
+    assert!(rejected(chained(2, 4, 1)), "a zeroing step");
+    assert!(rejected(chained(1, 1, 1)), "empty");
 }
 
 #[test]
@@ -460,6 +473,7 @@ fn plan_update_matches_the_host_adamw() {
         ],
         arena_len: 0,
         update_start: None,
+        chains: vec![],
     };
     append_adamw(&mut plan, codegen::compile::Target::Cpu).expect("update appended");
     assert_eq!(plan.update_start, Some(0));
@@ -558,6 +572,7 @@ fn norm_kernels_agree_across_target_forms() {
                 ],
                 arena_len: 0,
                 update_start: None,
+                chains: vec![],
             };
             append_adamw(&mut plan, target).expect("update appended");
             let mut dev = load(plan, &cache, 2);

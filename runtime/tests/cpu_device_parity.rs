@@ -6,10 +6,11 @@
 //! Tolerances and what is compared: [`runtime::parity`] (f32 rounding
 //! level, [`Tolerances::FP32`]; bf16 specs [`Tolerances::BF16`]).
 
+use codegen::cc::Compiler;
 use ir::spec::{ConstantSpec, ModelSpec, ScheduleSpec};
 use runtime::data::{BatchSampler, Corpus};
-use runtime::device::cpu::CpuOptions;
-use runtime::device::executor::CpuExecutor;
+use runtime::device::cpu::{CpuDevice, CpuOptions};
+use runtime::device::executor::{CpuExecutor, TrainingGraph};
 use runtime::executor::StepExecutor;
 use runtime::init::init_params;
 use runtime::parity::{compare, Quantity, Tolerances};
@@ -151,5 +152,36 @@ fn train_step_matches_the_host_update() {
         let resident = cpu.loss(&device_params, &tokens).expect("loss");
         let uploaded = cpu.loss(&device_params.clone(), &tokens).expect("loss");
         assert_eq!(resident.to_bits(), uploaded.to_bits(), "the device's parameters are stale");
+    }
+}
+
+/// Causal attention's head-major steps form chains (`codegen::plan::Chain`)
+/// that the Cpu device runs one (batch, head) at a time: the loss and every
+/// gradient are the bits of the same Plan run step by step.
+#[test]
+fn attention_chains_give_the_bits_of_their_steps_in_order() {
+    let spec = shrunk("residual.ron");
+    let (batch, seq) = (spec.train.batch, spec.train.seq_len);
+    let lowered = ir::lower::lower(&spec, batch, seq).expect("lower");
+    let params = init_params(&lowered.graph, spec.train.seed).expect("init");
+    let plan = TrainingGraph::new(lowered).and_then(|g| g.plan()).expect("plan");
+    let threads = 2;
+    assert_eq!(plan.chains.len(), 2 * spec.layers, "one chain per attention forward and backward");
+    assert!(plan.chains.iter().all(|c| c.entries == batch * spec.heads && c.entries >= threads));
+    let mut in_order = plan.clone();
+    in_order.chains.clear();
+    let corpus = Corpus::load(&spec.train.data, spec.train.val_fraction, seq + 1).expect("corpus");
+    let tokens = BatchSampler::train(spec.train.seed, batch, seq + 1).next_batch(corpus.train());
+    let run = |plan| {
+        let compiler = Compiler::from_env().expect("C compiler");
+        let device = CpuDevice::with_options(plan, &compiler, CpuOptions { threads }).expect("load");
+        let mut cpu = CpuExecutor::new(device, [batch, seq + 1]).expect("executor");
+        cpu.loss_and_grads(&params, &tokens).expect("step")
+    };
+    let ((chained_loss, chained), (loss, grads)) = (run(plan), run(in_order));
+    assert_eq!(chained_loss.to_bits(), loss.to_bits(), "loss");
+    for (i, (a, b)) in chained.iter().zip(&grads).enumerate() {
+        let same = a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(same, "gradient {i} differs between the chained and the in-order run");
     }
 }

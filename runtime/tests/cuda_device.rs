@@ -28,7 +28,14 @@ fn scratch(offset: usize) -> BufferRole {
 
 #[test]
 fn missing_driver_is_a_typed_error_naming_libcuda() {
-    let plan = Plan { kernels: vec![], steps: vec![], buffers: vec![], arena_len: 0, update_start: None };
+    let plan = Plan {
+        kernels: vec![],
+        steps: vec![],
+        buffers: vec![],
+        arena_len: 0,
+        update_start: None,
+        chains: vec![],
+    };
     match CudaDevice::new(plan) {
         Err(e @ CudaError::NoCudaDriver) => {
             assert!(!driver_available());
@@ -238,6 +245,7 @@ fn scratch_buffers_share_one_arena_per_dtype() {
         ],
         arena_len: 32,
         update_start: None,
+        chains: vec![],
     };
     let layout = Layout::of(&plan).unwrap();
     assert_eq!(
@@ -262,6 +270,7 @@ fn buffer_ids_must_match_positions() {
         buffers: vec![decl(0, 1, DType::F32, scratch(0)), decl(2, 1, DType::F32, scratch(1))],
         arena_len: 2,
         update_start: None,
+        chains: vec![],
     };
     assert!(matches!(Layout::of(&plan), Err(CudaError::Plan(PlanError::BufferId { index: 1, id: 2 }))));
 }
@@ -320,6 +329,7 @@ fn gpu_plan() -> Plan {
         buffers,
         arena_len: ROWS * D + ROWS * F,
         update_start: None,
+        chains: vec![],
     }
 }
 

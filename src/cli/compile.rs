@@ -142,7 +142,8 @@ fn buffer_name(d: &BufferDecl) -> String {
     }
 }
 
-/// `plan.txt`: the buffers (role, type, length), then the launch list.
+/// `plan.txt`: the buffers (role, type, length), then the launch list, its
+/// chains marked (`codegen::plan::Chain`).
 pub fn plan_text(plan: &Plan) -> String {
     let mut out = String::new();
     let persistent: usize =
@@ -202,7 +203,13 @@ pub fn plan_text(plan: &Plan) -> String {
             ),
             Step::Zero { buffer } => format!("zero {}", name(*buffer)),
         };
-        let _ = writeln!(out, "  {i:>4}  {line}");
+        // A chain's steps are marked: the Cpu device runs them entry by entry.
+        let mark = match plan.chains.iter().find(|c| c.steps().contains(&i)) {
+            Some(c) if c.start == i => format!("  [chain of {} entries to step {}]", c.entries, c.end - 1),
+            Some(_) => "  [chain]".into(),
+            None => String::new(),
+        };
+        let _ = writeln!(out, "  {i:>4}  {line}{mark}");
     }
     out
 }

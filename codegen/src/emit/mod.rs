@@ -112,6 +112,16 @@ pub enum Work {
 pub struct Lowering {
     pub steps: Vec<Work>,
     pub temps: Vec<(usize, DType)>,
+    /// Steps that may run entry by entry ([`crate::plan::Chain`]).
+    pub chain: Option<ChainWorks>,
+}
+
+/// The steps `works` of a [`Lowering`] that form a [`crate::plan::Chain`]
+/// of `entries` entries.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChainWorks {
+    pub works: std::ops::Range<usize>,
+    pub entries: usize,
 }
 
 /// The temporaries of one lowering.

@@ -52,7 +52,7 @@ pub fn lower_standalone(
 }
 
 fn single(launch: Launch) -> Lowering {
-    Lowering { steps: vec![Work::Launch(launch)], temps: Vec::new() }
+    Lowering { steps: vec![Work::Launch(launch)], temps: Vec::new(), chain: None }
 }
 
 fn finish(k: KernelBuilder, r: Reader) -> Result<Launch, EmitError> {
@@ -273,7 +273,7 @@ fn norm_project(
         });
     }
     steps.push(kb.finish()?);
-    Ok(Lowering { steps, temps: temps.0 })
+    Ok(Lowering { steps, temps: temps.0, chain: None })
 }
 
 /// Row blocks of the loss's first phase (see [`cross_entropy`]): a fixed
@@ -329,7 +329,7 @@ fn cross_entropy(graph: &Graph, id: NodeId, name: &str) -> Result<Lowering, Emit
     let sum = k.var("sum", lit(ty, 0.0));
     k.for_("b", ix(0), ix(blocks), |b, i| b.assign(&sum, sum.clone() + partial.at(i)));
     k.store(&out, ix(0), sum / lit(ty, rows as f64));
-    Ok(Lowering { steps: vec![per_block, kb.finish()?], temps: temps.0 })
+    Ok(Lowering { steps: vec![per_block, kb.finish()?], temps: temps.0, chain: None })
 }
 
 /// Channels per strip of [`channel_strips`] on the CPU where they divide the
@@ -857,5 +857,5 @@ pub fn temporal_grads(
             steps.push(kb.finish()?);
         }
     }
-    Ok(Lowering { steps, temps: temps.0 })
+    Ok(Lowering { steps, temps: temps.0, chain: None })
 }

@@ -37,9 +37,10 @@ use super::pool::Pool;
 use super::{paired_gemm, sgemm};
 use codegen::cc::{CcError, Compiler, Entry};
 use codegen::kernel::{Expr, Grid, Kernel, Stmt};
-use codegen::plan::{BufferDecl, BufferId, BufferRole, Gemm, Plan, Step};
+use codegen::plan::{BufferDecl, BufferId, BufferRole, Chain, Gemm, Plan, Step};
 use ir::DType;
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 /// Errors loading or running a Plan on the Cpu device.
@@ -267,6 +268,7 @@ impl CpuDevice {
     pub fn with_options(plan: Plan, compiler: &Compiler, opts: CpuOptions) -> Result<CpuDevice, CpuError> {
         plan_check::check_buffer_ids(&plan)?;
         plan_check::check_steps(&plan)?;
+        plan_check::check_chains(&plan)?;
         let Storage { locs, owned, arenas } = allocate(&plan)?;
         let threads = opts.threads.max(1);
         let parts = plan
@@ -485,9 +487,27 @@ impl CpuDevice {
         if let Some(p) = &mut self.profile {
             p.runs += u64::from(range.start == 0 && range.end == count);
         }
-        for (index, step) in self.plan.steps.iter().enumerate().take(range.end).skip(range.start) {
+        let mut index = range.start;
+        while index < range.end {
+            let chain = self.plan.chains.iter().find(|c| c.start == index && c.end <= range.end).copied();
+            if let Some(chain) = chain.filter(|c| c.entries >= self.pool.threads()) {
+                let started = self.profile.is_some().then(Instant::now);
+                let lead = self.run_chain(chain, &ptrs, started.is_some());
+                if let (Some(p), Some(t)) = (&mut self.profile, started) {
+                    // The chain's wall time, shared out over its steps as the
+                    // first thread's entries spent it.
+                    let (wall, led) =
+                        (t.elapsed(), lead.iter().sum::<Duration>().max(Duration::from_nanos(1)));
+                    for (i, spent) in chain.steps().zip(lead) {
+                        p.time[i] += wall.mul_f64(spent.as_secs_f64() / led.as_secs_f64());
+                        p.calls[i] += 1;
+                    }
+                }
+                index = chain.end;
+                continue;
+            }
             let started = self.profile.is_some().then(Instant::now);
-            match step {
+            match &self.plan.steps[index] {
                 Step::Kernel { kernel, args: ids } => {
                     args.clear();
                     args.extend(ids.iter().map(|id| ptrs[id.0]));
@@ -524,8 +544,75 @@ impl CpuDevice {
                 p.time[index] += t.elapsed();
                 p.calls[index] += 1;
             }
+            index += 1;
         }
         Ok(())
+    }
+
+    /// Runs `chain` entry by entry ([`Chain`]): each thread takes a
+    /// contiguous run of entries and runs every step of the chain on one
+    /// entry before the next, so one (batch, head) of attention stays in its
+    /// core's cache from the copy in to the last product. Each step computes
+    /// an entry exactly as the step run whole does (a kernel's items, one
+    /// GEMM call per batch entry), so the results are the same bits. Returns
+    /// the time the first thread spent in each step when `timed`.
+    fn run_chain(&self, chain: Chain, ptrs: &[*mut c_void], timed: bool) -> Vec<Duration> {
+        let steps = &self.plan.steps[chain.steps()];
+        // Addresses as integers so the threads can share them.
+        let addr: Vec<usize> = ptrs.iter().map(|p| *p as usize).collect();
+        let args: Vec<Vec<usize>> = steps
+            .iter()
+            .map(|s| match s {
+                Step::Kernel { args, .. } => args.iter().map(|id| addr[id.0]).collect(),
+                Step::Gemm(_) | Step::Zero { .. } => Vec::new(),
+            })
+            .collect();
+        // Each GEMM's tiles, chosen on the whole product as `run_gemm` does.
+        let isas: Vec<Option<sgemm::Isa>> = steps
+            .iter()
+            .map(|s| match s {
+                Step::Gemm(g) => {
+                    let (rows, cols) = if g.trans_a { (1, g.m) } else { (g.k, 1) };
+                    tiled_isa(g, sgemm::Operand { ptr: std::ptr::null(), rows, cols })
+                }
+                Step::Kernel { .. } | Step::Zero { .. } => None,
+            })
+            .collect();
+        let lead: Vec<AtomicU64> = steps.iter().map(|_| AtomicU64::new(0)).collect();
+        let parts = self.pool.threads().min(chain.entries);
+        let work = |p: usize| {
+            let (lo, hi) = super::pool::part_range(chain.entries as i64, parts, p);
+            for entry in lo as usize..hi as usize {
+                for (i, step) in steps.iter().enumerate() {
+                    let started = (timed && p == 0).then(Instant::now);
+                    match step {
+                        Step::Kernel { kernel, .. } => {
+                            let per = (self.plan.kernels[*kernel].grid.items() / chain.entries) as i64;
+                            let (start, end) = (entry as i64 * per, (entry as i64 + 1) * per);
+                            // SAFETY: as for the whole step (`check_steps`), over
+                            // this entry's items only (`check_chains`); entries of
+                            // other threads write other items.
+                            unsafe { (self.entries[*kernel].as_fn())(args[i].as_ptr().cast(), start, end) };
+                        }
+                        Step::Gemm(g) => {
+                            let [a, b, c] = [g.a, g.b, g.c].map(|id| addr[id.0]);
+                            // SAFETY: `check_steps` verified the operands' extents
+                            // and `check_chains` that they are f32 over
+                            // `chain.entries` batch entries; `c` overlaps neither.
+                            unsafe {
+                                batch_entry_product(g, isas[i], (a, b, c), entry, 0..g.m, 0..g.n, false)
+                            };
+                        }
+                        Step::Zero { .. } => unreachable!("check_chains admits no zeroing in a chain"),
+                    }
+                    if let Some(t) = started {
+                        lead[i].fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                    }
+                }
+            }
+        };
+        self.pool.run_parts(parts, &work);
+        lead.into_iter().map(|t| Duration::from_nanos(t.into_inner())).collect()
     }
 }
 
@@ -713,7 +800,6 @@ unsafe fn run_gemm(g: &Gemm, a: *const f32, b: *const f32, c: *mut f32, pool: &P
     let (a, b, c) = (a as usize, b as usize, c as usize);
     let work = g.batch.saturating_mul(g.m).saturating_mul(g.n).saturating_mul(g.k);
     let threads = if work >= MIN_GEMM_PARALLEL { pool.threads() } else { 1 };
-    let f32s = std::mem::size_of::<f32>();
     let by_batch = g.batch >= threads;
     let by_rows = splits_rows(g.m, g.n, threads, tile);
     let count = if by_batch {
@@ -738,21 +824,42 @@ unsafe fn run_gemm(g: &Gemm, a: *const f32, b: *const f32, c: *mut f32, pool: &P
             return;
         }
         for i in batches {
-            let [oa, ob, oc] = g.offsets;
-            let pa = (a + (oa + i * g.stride_a + rows.start * a_rs) * f32s) as *const f32;
-            let pb = (b + (ob + i * g.stride_b + cols.start * b_cs) * f32s) as *const f32;
-            let pc = (c + (oc + i * g.stride_c + rows.start * g.n + cols.start) * f32s) as *mut f32;
-            let (m, n) = (rows.len(), cols.len());
             // SAFETY: the band lies inside batch entry i of each operand (see the
             // function's contract); bands of different parts write disjoint rows
             // or columns of c.
-            unsafe {
-                let c = sgemm::Output { ptr: pc, ldc: g.n, stream };
-                product(isa, m, n, g.k, (pa, a_rs, a_cs), (pb, b_rs, b_cs), c, g.accumulate);
-            }
+            unsafe { batch_entry_product(g, isa, (a, b, c), i, rows.clone(), cols.clone(), stream) };
         }
     };
     pool.run_parts(parts, &part);
+}
+
+/// The band `rows x cols` of batch entry `entry` of `g`'s product, on one
+/// thread with `isa`'s tiles (the `gemm` crate if `None`), from the f32
+/// operands at addresses `(a, b, c)`; streamed stores when `stream`.
+///
+/// # Safety
+/// As for [`run_gemm`]; the band lies inside the product.
+unsafe fn batch_entry_product(
+    g: &Gemm,
+    isa: Option<sgemm::Isa>,
+    (a, b, c): (usize, usize, usize),
+    entry: usize,
+    rows: std::ops::Range<usize>,
+    cols: std::ops::Range<usize>,
+    stream: bool,
+) {
+    let (a_rs, a_cs) = if g.trans_a { (1, g.m) } else { (g.k, 1) };
+    let (b_rs, b_cs) = if g.trans_b { (1, g.k) } else { (g.n, 1) };
+    let f32s = std::mem::size_of::<f32>();
+    let [oa, ob, oc] = g.offsets;
+    let pa = (a + (oa + entry * g.stride_a + rows.start * a_rs) * f32s) as *const f32;
+    let pb = (b + (ob + entry * g.stride_b + cols.start * b_cs) * f32s) as *const f32;
+    let pc = (c + (oc + entry * g.stride_c + rows.start * g.n + cols.start) * f32s) as *mut f32;
+    let out = sgemm::Output { ptr: pc, ldc: g.n, stream };
+    // SAFETY: forwarded contract.
+    unsafe {
+        product(isa, rows.len(), cols.len(), g.k, (pa, a_rs, a_cs), (pb, b_rs, b_cs), out, g.accumulate)
+    };
 }
 
 /// Whether [`run_gemm`] gives each thread a band of rows of `c` (else a band

@@ -15,7 +15,7 @@
 use codegen::kernel::{
     Access, BinOp, Buf, CmpOp, Expr, Grid, Kernel, MathFn, Param, ReduceOp, Stmt, Ty, UnOp, Unroll,
 };
-use codegen::plan::{BufferDecl, BufferId, BufferRole, Gemm, Plan, Step};
+use codegen::plan::{BufferDecl, BufferId, BufferRole, Chain, Gemm, Plan, Step};
 use ir::DType;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
@@ -82,6 +82,7 @@ remote_vec!(vec_expr, Expr, ExprDef);
 remote_vec!(vec_step, Step, StepDef);
 remote_vec!(vec_buffer, BufferDecl, BufferDeclDef);
 remote_vec!(vec_buffer_id, BufferId, BufferIdDef);
+remote_vec!(vec_chain, Chain, ChainDef);
 
 /// A boxed sub-expression.
 mod boxed_expr {
@@ -133,6 +134,16 @@ struct PlanDef {
     buffers: Vec<BufferDecl>,
     arena_len: usize,
     update_start: Option<usize>,
+    #[serde(with = "vec_chain")]
+    chains: Vec<Chain>,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(remote = "Chain")]
+struct ChainDef {
+    start: usize,
+    end: usize,
+    entries: usize,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -532,6 +543,7 @@ mod tests {
             ],
             arena_len: 12,
             update_start: Some(1),
+            chains: vec![],
         }
     }
 
