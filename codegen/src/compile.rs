@@ -1057,7 +1057,9 @@ impl PlanBuilder {
         let f32 = |id: &BufferId| self.buffers[id.0].dtype == DType::F32;
         chain.entries > 0
             && self.steps[chain.steps()].iter().all(|step| match step {
-                Step::Kernel { kernel, .. } => self.kernels[*kernel].grid.items().is_multiple_of(chain.entries),
+                Step::Kernel { kernel, .. } => {
+                    self.kernels[*kernel].grid.items().is_multiple_of(chain.entries)
+                }
                 Step::Gemm(g) => g.batch == chain.entries && [g.a, g.b, g.c].iter().all(f32),
                 Step::Zero { .. } => false,
             })

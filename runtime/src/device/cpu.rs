@@ -964,7 +964,7 @@ unsafe fn run_gemm_split_k(
 /// decided on the whole product's rows and columns so that every part, a
 /// band of them, runs the same kernel), or `None` for the `gemm` crate.
 fn tiled_isa(g: &Gemm, a: sgemm::Operand) -> Option<sgemm::Isa> {
-    sgemm::Isa::host().filter(|isa| isa.takes(g.m, g.n, a))
+    sgemm::Isa::host().filter(|isa| isa.takes(g.m, g.n, a, g.batch))
 }
 
 /// One single-threaded product `c (=|+=) op(a) @ op(b)` on `isa`'s tiles (the

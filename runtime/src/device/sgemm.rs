@@ -150,23 +150,28 @@ fn avx2_narrow(n: usize, a: Operand) -> bool {
 
 impl Isa {
     /// Whether [`sgemm_on`] with this set's tiles takes a product of `m` rows
-    /// and `n` columns whose `a` is laid out as `a` (else the `gemm` crate
-    /// does). AVX-512 takes every product. AVX2 takes
+    /// and `n` columns whose `a` is laid out as `a`, one of `batch` entries
+    /// (else the `gemm` crate does). AVX-512 takes every product. AVX2 takes
     /// - a row-major `a` read in place over at least a packed block of rows
     ///   (6 x 16 tile): in a training step (three alternating profiles,
-    ///   residual backbone) those ran 8 % faster than the `gemm` crate's,
-    ///   while short batched attention products ran 15 to 50 % faster in the
-    ///   crate;
+    ///   residual backbone) those ran 8 % faster than the `gemm` crate's;
+    /// - a row-major `a` of fewer rows in a batched product: attention's
+    ///   per-head products, which the Cpu device runs in a chain with their
+    ///   operands in cache (`codegen::plan::Chain`). There, six alternating
+    ///   residual profiles: 60.3-62.0 ms a step against 67.8-70.7 in the
+    ///   crate, the score products (`Q·Kᵀ`, 64 rows) a fifth faster. Streamed
+    ///   from memory step by step, before chains, they had run 15 to 50 %
+    ///   faster in the crate;
     /// - a column-major `a` under at most [`AVX2_TALL_MAX_COLS`] columns (16
     ///   x 6 tile): the weight gradients of routers and coefficient
     ///   projections (`4096 x 32`, `1024 x 24` over 2048 tokens) ran twice as
     ///   fast as in the crate, 64 to 128 columns 1.3 to 1.5 times; the
     ///   backbone's wider ones (256 to 768 columns) ran the same in both.
-    pub(crate) fn takes(self, m: usize, n: usize, a: Operand) -> bool {
+    pub(crate) fn takes(self, m: usize, n: usize, a: Operand, batch: usize) -> bool {
         match self {
             Isa::Avx512 => true,
             Isa::Avx2 if is_column_major(a) => n <= AVX2_TALL_MAX_COLS,
-            Isa::Avx2 => a.cols == 1 && a.rows > 1 && m >= AVX2_MIN_ROWS,
+            Isa::Avx2 => a.cols == 1 && a.rows > 1 && (m >= AVX2_MIN_ROWS || batch > 1),
         }
     }
 }
@@ -1567,24 +1572,26 @@ mod tests {
     }
 
     /// AVX2 gives a column-major `a` its 16 x 6 tile up to 128 columns and a
-    /// row-major `a` its 6 x 16 tile from a block of rows; AVX-512 takes all.
+    /// row-major `a` its 6 x 16 tile from a block of rows, or in a batched
+    /// product; AVX-512 takes all.
     #[test]
     fn avx2_takes_tall_products_by_columns_and_wide_ones_by_rows() {
         let column_major = Operand { ptr: std::ptr::null(), rows: 1, cols: 4096 };
         let row_major = Operand { ptr: std::ptr::null(), rows: 2048, cols: 1 };
-        assert!(Isa::Avx2.takes(4096, 32, column_major) && Isa::Avx2.takes(8, 128, column_major));
+        assert!(Isa::Avx2.takes(4096, 32, column_major, 1) && Isa::Avx2.takes(8, 128, column_major, 1));
         assert!(
-            !Isa::Avx2.takes(256, 256, column_major),
+            !Isa::Avx2.takes(256, 256, column_major, 1),
             "the backbone's weight gradients stay in the crate"
         );
-        assert!(Isa::Avx2.takes(96, 256, row_major) && !Isa::Avx2.takes(95, 256, row_major));
+        assert!(Isa::Avx2.takes(96, 256, row_major, 1) && !Isa::Avx2.takes(95, 256, row_major, 1));
+        assert!(Isa::Avx2.takes(64, 256, row_major, 32), "attention's per-head products");
         assert_eq!(Isa::Avx2.tile(24, column_major), (16, 6));
         assert_eq!(Isa::Avx2.tile(256, row_major), (6, 16));
         assert_eq!(Isa::Avx2.tile(16, row_major), (6, 16));
         assert_eq!(Isa::Avx2.tile(17, row_major), (3, 24));
         assert_eq!(Isa::Avx2.tile(24, row_major), (3, 24));
         assert_eq!(Isa::Avx2.tile(25, row_major), (6, 16));
-        assert!(Isa::Avx512.takes(1, 256, column_major) && Isa::Avx512.tile(24, column_major) == (14, 32));
+        assert!(Isa::Avx512.takes(1, 256, column_major, 1) && Isa::Avx512.tile(24, column_major) == (14, 32));
     }
 
     /// The parts of a packed block's prefetch list each of its lines once,
