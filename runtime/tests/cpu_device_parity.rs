@@ -157,17 +157,26 @@ fn train_step_matches_the_host_update() {
 
 /// Causal attention's head-major steps form chains (`codegen::plan::Chain`)
 /// that the Cpu device runs one (batch, head) at a time: the loss and every
-/// gradient are the bits of the same Plan run step by step.
+/// gradient are the bits of the same Plan run step by step, with every query
+/// head its own key/value head and with two query heads sharing one.
 #[test]
 fn attention_chains_give_the_bits_of_their_steps_in_order() {
-    let spec = shrunk("residual.ron");
+    for kv_heads in [None, Some(1)] {
+        let mut spec = shrunk("residual.ron");
+        spec.kv_heads = kv_heads;
+        chained_and_in_order_agree(&spec);
+    }
+}
+
+fn chained_and_in_order_agree(spec: &ModelSpec) {
+    let what = format!("kv_heads {}", spec.kv_heads());
     let (batch, seq) = (spec.train.batch, spec.train.seq_len);
-    let lowered = ir::lower::lower(&spec, batch, seq).expect("lower");
+    let lowered = ir::lower::lower(spec, batch, seq).expect("lower");
     let params = init_params(&lowered.graph, spec.train.seed).expect("init");
     let plan = TrainingGraph::new(lowered).and_then(|g| g.plan()).expect("plan");
     let threads = 2;
-    assert_eq!(plan.chains.len(), 2 * spec.layers, "one chain per attention forward and backward");
-    assert!(plan.chains.iter().all(|c| c.entries == batch * spec.heads && c.entries >= threads));
+    assert_eq!(plan.chains.len(), 2 * spec.layers, "{what}: one chain per attention forward and backward");
+    assert!(plan.chains.iter().all(|c| c.entries == batch * spec.heads && c.entries >= threads), "{what}");
     let mut in_order = plan.clone();
     in_order.chains.clear();
     let corpus = Corpus::load(&spec.train.data, spec.train.val_fraction, seq + 1).expect("corpus");
@@ -179,9 +188,9 @@ fn attention_chains_give_the_bits_of_their_steps_in_order() {
         cpu.loss_and_grads(&params, &tokens).expect("step")
     };
     let ((chained_loss, chained), (loss, grads)) = (run(plan), run(in_order));
-    assert_eq!(chained_loss.to_bits(), loss.to_bits(), "loss");
+    assert_eq!(chained_loss.to_bits(), loss.to_bits(), "{what}: loss");
     for (i, (a, b)) in chained.iter().zip(&grads).enumerate() {
         let same = a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
-        assert!(same, "gradient {i} differs between the chained and the in-order run");
+        assert!(same, "{what}: gradient {i} differs between the chained and the in-order run");
     }
 }
