@@ -495,8 +495,8 @@ mod tests {
     use super::*;
     use codegen::kernel::{f32 as lit_f32, item, KernelBuilder};
 
-    /// A Plan touching every kind of step and role, with literals JSON cannot
-    /// spell (infinities, NaN, negative zero).
+    /// A Plan touching every kind of step and role, with a chain and with
+    /// literals JSON cannot spell (infinities, NaN, negative zero).
     fn sample_plan() -> Plan {
         let mut k = KernelBuilder::new("mask", Grid::block_per_item(4, 32));
         let x = k.param("x", DType::F32, Access::Read, 4);
@@ -543,7 +543,7 @@ mod tests {
             ],
             arena_len: 12,
             update_start: Some(1),
-            chains: vec![],
+            chains: vec![Chain { start: 1, end: 3, entries: 1 }],
         }
     }
 
@@ -555,6 +555,7 @@ mod tests {
         assert_eq!(back.steps, plan.steps);
         assert_eq!(back.buffers, plan.buffers);
         assert_eq!(back.arena_len, plan.arena_len);
+        assert_eq!(back.chains, plan.chains);
         // `PartialEq` says NaN != NaN and -0.0 == 0.0; the debug form tells them apart.
         let shown = format!("{:?}", plan.kernels);
         assert!(shown.contains("NaN") && shown.contains("-0.0") && shown.contains("-inf"), "{shown}");
