@@ -165,8 +165,14 @@ impl Isa {
     /// - a column-major `a` under at most [`AVX2_TALL_MAX_COLS`] columns (16
     ///   x 6 tile): the weight gradients of routers and coefficient
     ///   projections (`4096 x 32`, `1024 x 24` over 2048 tokens) ran twice as
-    ///   fast as in the crate, 64 to 128 columns 1.3 to 1.5 times; the
-    ///   backbone's wider ones (256 to 768 columns) ran the same in both.
+    ///   fast as in the crate, 64 to 128 columns 1.3 to 1.5 times. The
+    ///   backbone's wider ones (256 to 768 columns) had run the same in both;
+    ///   since the tile's packing reads the next block from cache
+    ///   (`NextColumns`), they run faster on it: alone, 40 calls from memory
+    ///   (medians), `768 x 256 x 2048` 9.2-9.5 ms against 10.9-11.1 in the
+    ///   crate, `256 x 768 x 2048` 9.4-10.1 against 9.9; in six alternating
+    ///   residual profiles the three weight gradients took 146-193 ms a step
+    ///   (median 166) against 155-195 (176).
     pub(crate) fn takes(self, m: usize, n: usize, a: Operand, batch: usize) -> bool {
         match self {
             Isa::Avx512 => true,
@@ -177,8 +183,9 @@ impl Isa {
 }
 
 /// Widest product with a column-major `a` that AVX2 runs on its own tile
-/// (see [`Isa::takes`]).
-const AVX2_TALL_MAX_COLS: usize = 128;
+/// (see [`Isa::takes`]): above the widest measured (768 columns), with room
+/// for the backbone's 4·D at D = 256.
+const AVX2_TALL_MAX_COLS: usize = 1024;
 
 /// Rows of `c` from which AVX2 products go to [`sgemm_on`] (see
 /// [`Isa::takes`]): one packed block of rows of the AVX2 tile.
@@ -1571,7 +1578,7 @@ mod tests {
         }
     }
 
-    /// AVX2 gives a column-major `a` its 16 x 6 tile up to 128 columns and a
+    /// AVX2 gives a column-major `a` its 16 x 6 tile up to 1024 columns and a
     /// row-major `a` its 6 x 16 tile from a block of rows, or in a batched
     /// product; AVX-512 takes all.
     #[test]
@@ -1580,9 +1587,10 @@ mod tests {
         let row_major = Operand { ptr: std::ptr::null(), rows: 2048, cols: 1 };
         assert!(Isa::Avx2.takes(4096, 32, column_major, 1) && Isa::Avx2.takes(8, 128, column_major, 1));
         assert!(
-            !Isa::Avx2.takes(256, 256, column_major, 1),
-            "the backbone's weight gradients stay in the crate"
+            Isa::Avx2.takes(256, 768, column_major, 1) && Isa::Avx2.takes(768, 256, column_major, 1),
+            "the backbone's weight gradients"
         );
+        assert!(!Isa::Avx2.takes(256, 1025, column_major, 1), "wider ones stay in the crate");
         assert!(Isa::Avx2.takes(96, 256, row_major, 1) && !Isa::Avx2.takes(95, 256, row_major, 1));
         assert!(Isa::Avx2.takes(64, 256, row_major, 32), "attention's per-head products");
         assert_eq!(Isa::Avx2.tile(24, column_major), (16, 6));
