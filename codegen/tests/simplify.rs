@@ -10,8 +10,8 @@ use std::collections::HashMap;
 
 use codegen::compile::{compile, fused_partition};
 use codegen::kernel::{
-    f32, i64, item, lane, select, simplify_indices, Access, BinOp, CmpOp, Expr, Grid, Kernel, KernelBuilder,
-    Stmt, UnOp,
+    f32, i64, item, lane, select, simplify_indices, Access, BinOp, Expr, Grid, Kernel, KernelBuilder, Stmt,
+    UnOp,
 };
 use codegen::render::render_c;
 use ir::DType;
