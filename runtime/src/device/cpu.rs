@@ -572,7 +572,7 @@ impl CpuDevice {
             .iter()
             .map(|s| match s {
                 Step::Gemm(g) => {
-                    let (rows, cols) = if g.trans_a { (1, g.m) } else { (g.k, 1) };
+                    let ((rows, cols), _) = operand_strides(g);
                     tiled_isa(g, sgemm::Operand { ptr: std::ptr::null(), rows, cols })
                 }
                 Step::Kernel { .. } | Step::Zero { .. } => None,
@@ -783,9 +783,7 @@ unsafe fn widened_operand(
 /// `a`, `b` and `c` point to f32 data long enough for every batch entry
 /// (`check_gemm` verified the buffers), and `c` overlaps neither input.
 unsafe fn run_gemm(g: &Gemm, a: *const f32, b: *const f32, c: *mut f32, pool: &Pool) {
-    // Row and column strides of op(a) [m, k] and op(b) [k, n].
-    let (a_rs, a_cs) = if g.trans_a { (1, g.m) } else { (g.k, 1) };
-    let (b_rs, b_cs) = if g.trans_b { (1, g.k) } else { (g.n, 1) };
+    let ((a_rs, a_cs), (b_rs, b_cs)) = operand_strides(g);
     if g.batch == 1 && g.m * g.n <= SPLIT_K_MAX_OUTPUT && g.k >= SPLIT_K_MIN {
         // SAFETY: forwarded contract.
         unsafe { run_gemm_split_k(g, a, b, c, (a_rs, a_cs), (b_rs, b_cs), pool) };
@@ -833,6 +831,14 @@ unsafe fn run_gemm(g: &Gemm, a: *const f32, b: *const f32, c: *mut f32, pool: &P
     pool.run_parts(parts, &part);
 }
 
+/// The row and column strides of op(a) `[m, k]` and op(b) `[k, n]` in a
+/// batch entry of `g` (row-major operands, transposed as `g` says).
+fn operand_strides(g: &Gemm) -> ((usize, usize), (usize, usize)) {
+    let a = if g.trans_a { (1, g.m) } else { (g.k, 1) };
+    let b = if g.trans_b { (1, g.k) } else { (g.n, 1) };
+    (a, b)
+}
+
 /// The band `rows x cols` of batch entry `entry` of `g`'s product, on one
 /// thread with `isa`'s tiles (the `gemm` crate if `None`), from the f32
 /// operands at addresses `(a, b, c)`; streamed stores when `stream`.
@@ -848,8 +854,7 @@ unsafe fn batch_entry_product(
     cols: std::ops::Range<usize>,
     stream: bool,
 ) {
-    let (a_rs, a_cs) = if g.trans_a { (1, g.m) } else { (g.k, 1) };
-    let (b_rs, b_cs) = if g.trans_b { (1, g.k) } else { (g.n, 1) };
+    let ((a_rs, a_cs), (b_rs, b_cs)) = operand_strides(g);
     let f32s = std::mem::size_of::<f32>();
     let [oa, ob, oc] = g.offsets;
     let pa = (a + (oa + entry * g.stride_a + rows.start * a_rs) * f32s) as *const f32;
