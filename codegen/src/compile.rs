@@ -1051,18 +1051,12 @@ impl PlanBuilder {
         }
     }
 
-    /// Whether every step of `chain` is a kernel whose items split evenly
-    /// into its entries or an f32 GEMM over exactly its entries.
+    /// Whether every step of `chain` fits it ([`Chain::misfit`]).
     fn splits_into_entries(&self, chain: Chain) -> bool {
-        let f32 = |id: &BufferId| self.buffers[id.0].dtype == DType::F32;
         chain.entries > 0
-            && self.steps[chain.steps()].iter().all(|step| match step {
-                Step::Kernel { kernel, .. } => {
-                    self.kernels[*kernel].grid.items().is_multiple_of(chain.entries)
-                }
-                Step::Gemm(g) => g.batch == chain.entries && [g.a, g.b, g.c].iter().all(f32),
-                Step::Zero { .. } => false,
-            })
+            && self.steps[chain.steps()]
+                .iter()
+                .all(|s| chain.misfit(s, &self.kernels, &self.buffers).is_none())
     }
 
     fn push_work(&mut self, work: emit::Work, temps: &[BufferId]) {

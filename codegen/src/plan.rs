@@ -130,6 +130,31 @@ impl Chain {
     pub fn steps(&self) -> std::ops::Range<usize> {
         self.start..self.end
     }
+
+    /// Why `step` (of a Plan with `kernels` and `buffers`) cannot be one of
+    /// this chain's steps, if it cannot: a kernel whose items do not split
+    /// evenly into the entries, a GEMM over another number of batch entries
+    /// or of other than f32 operands, or a zeroing step, which no entry owns.
+    pub fn misfit(&self, step: &Step, kernels: &[Kernel], buffers: &[BufferDecl]) -> Option<String> {
+        match step {
+            Step::Kernel { kernel, .. } => {
+                let items = kernels.get(*kernel).map_or(0, |k| k.grid.items());
+                (!items.is_multiple_of(self.entries))
+                    .then(|| format!("its {items} items do not split into {} entries", self.entries))
+            }
+            Step::Gemm(g) => {
+                let f32 =
+                    [g.a, g.b, g.c].iter().all(|id| buffers.get(id.0).is_some_and(|d| d.dtype == DType::F32));
+                (g.batch != self.entries || !f32).then(|| {
+                    format!(
+                        "a GEMM of {} batch entries; a chain's GEMMs have one f32 product per entry",
+                        g.batch
+                    )
+                })
+            }
+            Step::Zero { .. } => Some("it zeroes a buffer, which no entry owns".into()),
+        }
+    }
 }
 
 /// A compiled training step.

@@ -50,13 +50,15 @@ pub enum PlanError {
 }
 
 /// Checks the Plan's chains ([`Chain`]): in step order, disjoint, within the
-/// steps, with at least one entry, and made of kernels whose items split
-/// evenly into the entries and of f32 GEMMs over exactly the entries. (That
+/// steps, with at least one entry, and made of steps that fit them
+/// ([`Chain::misfit`]: kernels whose items split evenly into the entries,
+/// f32 GEMMs over exactly the entries). (That
 /// an entry reads only its own entries of the chain's outputs is the
 /// lowering's promise; these are the parts a device's indexing relies on.)
 pub fn check_chains(plan: &Plan) -> Result<(), PlanError> {
     let mut after = 0;
-    for (index, &Chain { start, end, entries }) in plan.chains.iter().enumerate() {
+    for (index, chain) in plan.chains.iter().enumerate() {
+        let Chain { start, end, entries } = *chain;
         let err = |what: String| PlanError::Chain { index, start, end, entries, what };
         if start < after || start >= end || end > plan.steps.len() {
             return Err(err(format!(
@@ -67,29 +69,9 @@ pub fn check_chains(plan: &Plan) -> Result<(), PlanError> {
         if entries == 0 {
             return Err(err("needs at least one entry".into()));
         }
-        for (step, s) in plan.steps[start..end].iter().enumerate().map(|(i, s)| (start + i, s)) {
-            match s {
-                Step::Kernel { kernel, .. } => {
-                    let items = plan.kernels[*kernel].grid.items();
-                    if !items.is_multiple_of(entries) {
-                        return Err(err(format!(
-                            "step {step}'s {items} items do not split into the entries"
-                        )));
-                    }
-                }
-                Step::Gemm(g) => {
-                    let f32 = [g.a, g.b, g.c].iter().all(|id| plan.buffers[id.0].dtype == DType::F32);
-                    if g.batch != entries || !f32 {
-                        return Err(err(format!(
-                            "step {step} is a GEMM of {} batch entries; a chain's GEMMs have one f32 \
-                             product per entry",
-                            g.batch
-                        )));
-                    }
-                }
-                Step::Zero { .. } => {
-                    return Err(err(format!("step {step} zeroes a buffer, which no entry owns")))
-                }
+        for step in chain.steps() {
+            if let Some(why) = chain.misfit(&plan.steps[step], &plan.kernels, &plan.buffers) {
+                return Err(err(format!("step {step}: {why}")));
             }
         }
         after = end;
