@@ -368,6 +368,18 @@ fn profile_by_kernel_keeps_the_kernels_of_one_op_apart() {
     assert_eq!(calls(&by_kernel, &format!("gemm {D}x{F}x{ROWS}")), Some(2), "GEMMs still by shape");
     let total = |p: &Profile| p.rows.iter().map(|r| r.calls).sum::<u64>();
     assert_eq!(total(&by_kernel), total(&by_label), "the same steps, grouped otherwise");
+    // `WIDEN_PROFILE=steps`: a row per step, in launch order, each labelled
+    // with its index and its kernel's name or GEMM shape.
+    let by_step = dev.profile_by(ProfileRows::Step).expect("profiling is on");
+    let steps = dev.plan().steps.len();
+    assert_eq!(by_step.rows.len(), steps, "one row per step");
+    assert!(by_step.rows.iter().all(|r| r.calls == 1), "each step ran once");
+    assert_eq!(by_step.rows[0].label, "   0 g000_scale_bias");
+    assert_eq!(by_step.rows[1].label, "   1 g001_scale_bias", "launch order, not time order");
+    let gemms: Vec<&str> =
+        by_step.rows.iter().map(|r| r.label.as_str()).filter(|l| l.contains("gemm")).collect();
+    assert_eq!(gemms.len(), 3, "the two steps of one GEMM shape stay apart: {gemms:?}");
+    assert_eq!(total(&by_step), total(&by_label));
 }
 
 #[test]
