@@ -1,6 +1,6 @@
 //! The Cpu device maps every page of its storage when it loads a Plan, so the
-//! first run costs what later runs cost. Its own test binary: page faults are
-//! counted for the whole process, and no other test may run beside it.
+//! first run pays no page fault for them. Its own test binary: page faults
+//! are counted for the whole process, and no other test may run beside it.
 
 // The shared helpers; this binary needs only some of them.
 #[allow(dead_code)]

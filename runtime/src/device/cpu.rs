@@ -107,12 +107,13 @@ impl HostVec {
     /// the faults to whichever step writes a page first.
     fn map_pages(&mut self) {
         const PAGE: usize = 4096;
-        let (base, bytes) = match self {
-            HostVec::F32(v) => (v.as_mut_ptr().cast::<u8>(), v.len() * 4),
-            HostVec::F64(v) => (v.as_mut_ptr().cast::<u8>(), v.len() * 8),
-            HostVec::Bf16(v) => (v.as_mut_ptr().cast::<u8>(), v.len() * 2),
-            HostVec::I32(v) => (v.as_mut_ptr().cast::<u8>(), v.len() * 4),
+        let bytes = match self {
+            HostVec::F32(v) => std::mem::size_of_val(v.as_slice()),
+            HostVec::F64(v) => std::mem::size_of_val(v.as_slice()),
+            HostVec::Bf16(v) => std::mem::size_of_val(v.as_slice()),
+            HostVec::I32(v) => std::mem::size_of_val(v.as_slice()),
         };
+        let base = self.base().cast::<u8>();
         for at in (0..bytes).step_by(PAGE) {
             // SAFETY: `at < bytes`, inside the vector's allocation; the byte is
             // zero (the vector is fresh) and stays zero. A volatile write, as
