@@ -657,15 +657,19 @@ impl CpuDevice {
 
 impl Drop for CpuDevice {
     fn drop(&mut self) {
-        match self.print_profile {
-            PrintProfile::No => {}
-            PrintProfile::Slowest => self.profile().into_iter().for_each(|p| eprint!("{p}")),
-            PrintProfile::All => self.profile().into_iter().for_each(|p| eprint!("{p:#}")),
-            PrintProfile::Kernels => {
-                self.profile_by(ProfileRows::Kernel).into_iter().for_each(|p| eprint!("{p:#}"));
-            }
-            PrintProfile::Steps => {
-                self.profile_by(ProfileRows::Step).into_iter().for_each(|p| eprint!("{p:#}"));
+        // Rows and whether all of them are printed (else the slowest).
+        let (rows_of, every_row) = match self.print_profile {
+            PrintProfile::No => return,
+            PrintProfile::Slowest => (ProfileRows::Label, false),
+            PrintProfile::All => (ProfileRows::Label, true),
+            PrintProfile::Kernels => (ProfileRows::Kernel, true),
+            PrintProfile::Steps => (ProfileRows::Step, true),
+        };
+        if let Some(p) = self.profile_by(rows_of) {
+            if every_row {
+                eprint!("{p:#}");
+            } else {
+                eprint!("{p}");
             }
         }
     }
