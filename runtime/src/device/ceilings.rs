@@ -74,10 +74,10 @@ impl Probe {
     /// Both ceilings, each the best of a few runs (a few tenths of a second).
     pub fn measure(&self) -> CpuCeilings {
         let threads = self.threads;
-        let (vector, lanes) = vector_kind();
-        // Per thread: ITERS rounds of CHAINS independent FMAs on `lanes` floats.
+        let kind = vector_kind();
+        // Per thread: ITERS rounds of `chains` independent FMAs on `lanes` floats.
         const ITERS: usize = 2_000_000;
-        let flops_per_thread = (ITERS * CHAINS * lanes * 2) as f64;
+        let flops_per_thread = (ITERS * kind.chains * kind.lanes * 2) as f64;
         let fma_seconds = best_of(REPS, || {
             run_threads(threads, |_| {
                 std::hint::black_box(fma_chains(ITERS, 1.0));
@@ -89,7 +89,7 @@ impl Probe {
             flops_per_s: flops_per_thread * threads as f64 / fma_seconds,
             bytes_per_s: stream.bytes() as f64 / stream_seconds,
             threads,
-            vector,
+            vector: kind.name,
         }
     }
 }
@@ -97,38 +97,68 @@ impl Probe {
 /// Timed runs of each probe (the best is kept).
 const REPS: usize = 9;
 
-/// Independent accumulator chains per thread: at least the FMA latency (4
-/// cycles) times the FMA ports (2) of current cores, with room to spare.
-const CHAINS: usize = 16;
+/// The widest vectors this host runs FMAs in: their name, f32 lanes, and how
+/// many independent chains the probe keeps in flight in them.
+///
+/// Chains must cover the FMA latency (4 cycles) times the FMA ports (2) of
+/// current cores, so at least 8, and must all stay in registers with the
+/// recurrence's two constants: a chain spilled to the stack adds a store and
+/// a load to its every step and halves the rate. AVX-512 has 32 vector
+/// registers (16 chains), AVX2 16 (12 chains: with 16, two Zen 3 cores read
+/// about 105 GFLOP/s against the 186 that 10 or 12 reach, and GEMMs beat
+/// the "ceiling").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct VectorKind {
+    name: &'static str,
+    lanes: usize,
+    chains: usize,
+    /// Vector registers the instruction set names.
+    registers: usize,
+}
 
-/// The widest vectors this host runs FMAs in, and their f32 lanes.
-fn vector_kind() -> (&'static str, usize) {
+const AVX512: VectorKind = VectorKind { name: "avx512", lanes: 16, chains: 16, registers: 32 };
+const AVX2_FMA: VectorKind = VectorKind { name: "avx2-fma", lanes: 8, chains: 12, registers: 16 };
+const SCALAR: VectorKind = VectorKind { name: "scalar", lanes: 1, chains: 16, registers: 16 };
+
+// Every vector kind covers the latency and keeps its chains and the two
+// constants in registers (see `VectorKind`).
+const _: () = {
+    let kinds = [AVX512, AVX2_FMA];
+    let mut i = 0;
+    while i < kinds.len() {
+        assert!(kinds[i].chains >= 8 && kinds[i].chains + 2 <= kinds[i].registers);
+        i += 1;
+    }
+};
+
+fn vector_kind() -> VectorKind {
     #[cfg(target_arch = "x86_64")]
     {
         if std::arch::is_x86_feature_detected!("avx512f") {
-            return ("avx512", 16);
+            return AVX512;
         }
         if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-            return ("avx2-fma", 8);
+            return AVX2_FMA;
         }
     }
-    ("scalar", 1)
+    SCALAR
 }
 
-/// `CHAINS` chains of `acc = acc * x + y` over `iters` rounds in every lane,
-/// each chain starting at `start`; returns the first chain's first lane, so
-/// the work is observable (and checkable against [`fma_chain_scalar`]).
+/// `vector_kind().chains` chains of `acc = acc * x + y` over `iters` rounds
+/// in every lane, each chain starting at `start`; returns the first chain's
+/// first lane, so the work is observable (and checkable against
+/// [`fma_chain_scalar`]).
 fn fma_chains(iters: usize, start: f32) -> f32 {
     #[cfg(target_arch = "x86_64")]
     {
-        match vector_kind().0 {
+        match vector_kind() {
             // SAFETY: the features were detected on this host.
-            "avx512" => return unsafe { fma_chains_avx512(iters, start) },
-            "avx2-fma" => return unsafe { fma_chains_avx2(iters, start) },
+            AVX512 => return unsafe { fma_chains_avx512(iters, start) },
+            AVX2_FMA => return unsafe { fma_chains_avx2(iters, start) },
             _ => {}
         }
     }
-    let mut acc = [start; CHAINS];
+    let mut acc = [start; SCALAR.chains];
     for _ in 0..iters {
         for a in &mut acc {
             // A separate multiply and add: the scalar probe counts 2 operations
@@ -144,16 +174,16 @@ fn fma_chains(iters: usize, start: f32) -> f32 {
 const FMA_X: f32 = 0.999_999_9;
 const FMA_Y: f32 = 1.0e-7;
 
-/// `fma_chains` in one vector width: `CHAINS` vectors of chains, each step
-/// one fused multiply-add per vector.
+/// `fma_chains` in one vector kind: its `chains` vectors of chains, each
+/// step one fused multiply-add per vector.
 macro_rules! fma_chains_in {
-    ($name:ident, $features:literal, $set1:ident, $fmadd:ident, $first:ident) => {
+    ($name:ident, $kind:expr, $features:literal, $set1:ident, $fmadd:ident, $first:ident) => {
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = $features)]
         unsafe fn $name(iters: usize, start: f32) -> f32 {
             use std::arch::x86_64::{$first, $fmadd, $set1};
             let (x, y) = ($set1(FMA_X), $set1(FMA_Y));
-            let mut acc = [$set1(start); CHAINS];
+            let mut acc = [$set1(start); $kind.chains];
             for _ in 0..iters {
                 for a in &mut acc {
                     *a = $fmadd(*a, x, y);
@@ -166,8 +196,8 @@ macro_rules! fma_chains_in {
     };
 }
 
-fma_chains_in!(fma_chains_avx512, "avx512f", _mm512_set1_ps, _mm512_fmadd_ps, _mm512_cvtss_f32);
-fma_chains_in!(fma_chains_avx2, "avx2,fma", _mm256_set1_ps, _mm256_fmadd_ps, _mm256_cvtss_f32);
+fma_chains_in!(fma_chains_avx512, AVX512, "avx512f", _mm512_set1_ps, _mm512_fmadd_ps, _mm512_cvtss_f32);
+fma_chains_in!(fma_chains_avx2, AVX2_FMA, "avx2,fma", _mm256_set1_ps, _mm256_fmadd_ps, _mm256_cvtss_f32);
 
 /// Floats per stream buffer: together the six buffers span eight times the
 /// last-level cache (from sysfs where the host says, else 32 MiB), so every
@@ -307,7 +337,7 @@ mod tests {
     /// The recurrence each chain runs, one fused (or, on the scalar path,
     /// separate) multiply-add at a time.
     fn fma_chain_scalar(iters: usize, start: f32) -> f32 {
-        let vector = vector_kind().0 != "scalar";
+        let vector = vector_kind() != SCALAR;
         (0..iters).fold(start, |a, _| if vector { a.mul_add(FMA_X, FMA_Y) } else { a * FMA_X + FMA_Y })
     }
 
