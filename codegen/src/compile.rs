@@ -502,10 +502,14 @@ pub fn compile(graph: &Graph, partition: &[Vec<NodeId>], request: &Request) -> R
         .filter(|&id| gemms.contains_key(&id) || emit::is_standalone(&graph.node(id).op))
         .collect();
 
-    if request.target == Target::Cpu {
-        for g in &mut groups {
-            around_lanes_form(graph, g, &forced);
-        }
+    // A group is ordered around its Sinkhorn lanes form where it has one (the
+    // other steps of its own there, temporal convolutions, are cheap to
+    // place), around its GEMM or standalone kernel otherwise.
+    let lanes = |id: NodeId| request.target == Target::Cpu && emit::has_lanes_form(graph, id);
+    let own_kernel = |id: NodeId| own_grid.contains(&id);
+    for g in &mut groups {
+        let pivot: &dyn Fn(NodeId) -> bool = if g.iter().any(|&id| lanes(id)) { &lanes } else { &own_kernel };
+        around_own_step(graph, g, &forced, pivot);
     }
 
     // Units: greedy maximal runs of each group that share one item split.
@@ -814,20 +818,28 @@ impl Residency for UnitResidency<'_> {
     }
 }
 
-/// Orders a group around its one node with a lanes form (a Sinkhorn
-/// projection, [`emit::lower_sinkhorn_lanes`]), which becomes a kernel of its
-/// own and so cuts the group's fused kernel in two: either its ancestors run
-/// before it and every other node after, or every node that does not depend
-/// on it runs before it and its dependants after. Each cut costs the values
-/// that cross it (written by the first kernel, read by the second) and the
-/// inputs both kernels read; the cheaper one is taken. In mHC's forward the
+/// Orders a group around its one node that takes a step of its own (a GEMM,
+/// a standalone kernel, or on the CPU a Sinkhorn projection's lanes form,
+/// [`emit::lower_sinkhorn_lanes`]), which cuts the group's fused kernel in
+/// two: either its ancestors run before it and every other node after, or
+/// every node that does not depend on it runs before it and its dependants
+/// after. Each cut costs the values that cross it (written by the first
+/// kernel, read by the second) and the inputs both kernels read; the cheaper
+/// one is taken, so the cut does not follow from the order in which the
+/// graph happens to list the group's independent nodes. In mHC's forward the
 /// ancestors are the few coefficient logits, where the other cut would read
 /// the N·C stream state twice; in its backward the stream gradients feed both
 /// the Sinkhorn gradient and the other outputs, so everything but the logit
-/// gradient's assembly runs first (MATH.md §4.5).
-fn around_lanes_form(graph: &Graph, group: &mut Vec<NodeId>, buffered: &HashSet<NodeId>) {
-    let mut lanes = group.iter().copied().filter(|&id| emit::has_lanes_form(graph, id));
-    let (Some(pivot), None) = (lanes.next(), lanes.next()) else { return };
+/// gradient's assembly runs first (MATH.md §4.5). A group with two or more
+/// such nodes keeps its order.
+fn around_own_step(
+    graph: &Graph,
+    group: &mut Vec<NodeId>,
+    buffered: &HashSet<NodeId>,
+    own_step: &dyn Fn(NodeId) -> bool,
+) {
+    let mut pivots = group.iter().copied().filter(|&id| own_step(id));
+    let (Some(pivot), None) = (pivots.next(), pivots.next()) else { return };
     let members: HashSet<NodeId> = group.iter().copied().collect();
     let closure = |start: NodeId, forward: bool| {
         let mut seen: HashSet<NodeId> = HashSet::new();
@@ -835,12 +847,16 @@ fn around_lanes_form(graph: &Graph, group: &mut Vec<NodeId>, buffered: &HashSet<
         while let Some(id) = stack.pop() {
             let next: Vec<NodeId> =
                 if forward { graph.users(id).iter().map(|&(u, _)| u).collect() } else { graph.inputs(id) };
+            // Through views listed in other groups too: a member may read
+            // another member through one (a view is listed with its first
+            // consumer).
             for v in next {
-                if members.contains(&v) && seen.insert(v) {
+                if (members.contains(&v) || graph.node(v).op.is_view()) && seen.insert(v) {
                     stack.push(v);
                 }
             }
         }
+        seen.retain(|v| members.contains(v));
         seen
     };
     let ancestors = closure(pivot, false);

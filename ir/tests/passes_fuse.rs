@@ -425,3 +425,84 @@ fn token_sums_over_merged_rows_sum_within_each_token_first() {
         assert!((a - b).abs() <= 1e-12 * (1.0 + b.abs()), "{a} vs {b}");
     }
 }
+
+/// SwiGLU's backward (MATH.md §1.3): the gate's gradient `dh ⊙ up ⊙
+/// silu'(gate)` and the up projection's `dh ⊙ silu(gate)` both read `dh`.
+/// Fusion merges the two readers so that `dh` is read once; `rematerialize`
+/// then recomputes `silu(gate)` in that backward kernel from `gate`, which it
+/// reads anyway, so the forward kernel writes `h` alone. The gradients are
+/// the same, bit for bit.
+#[test]
+fn swiglu_backward_reads_dh_once_and_recomputes_silu() {
+    let (b, t, d, f) = (2, 8, 16, 24);
+    let mut g = Graph::new();
+    let x = input(&mut g, "x", &[b, t, d]);
+    let target = input(&mut g, "target", &[b, t, d]);
+    let w1 = param(&mut g, "w1", &[d, f]);
+    let w3 = param(&mut g, "w3", &[d, f]);
+    let w2 = param(&mut g, "w2", &[f, d]);
+    let matmul = Op::MatMul { trans_a: false, trans_b: false };
+    let gate = g.add(matmul.clone(), &[x, w1]).unwrap();
+    let up = g.add(matmul.clone(), &[x, w3]).unwrap();
+    let silu = g.add(Op::Unary(UnaryOp::Silu), &[gate]).unwrap();
+    let h = g.add(Op::Binary(BinaryOp::Mul), &[silu, up]).unwrap();
+    let y = g.add(matmul, &[h, w2]).unwrap();
+    let scored = g.add(Op::Binary(BinaryOp::Mul), &[y, target]).unwrap();
+    let flat = g.add(Op::Reshape { shape: vec![b * t * d] }, &[scored]).unwrap();
+    let sum = ir::graph::ReduceOp::Sum;
+    let loss = g.add(Op::Reduce { op: sum, axis: 0, keepdim: false }, &[flat]).unwrap();
+    g.set_output("loss", loss);
+    let grads = ir::autodiff::grad(&mut g, loss, &[w1, w3, w2]).unwrap();
+
+    let value = |dims: &[usize], seed: usize| {
+        let n: usize = dims.iter().product();
+        let data = (0..n).map(|i| ((i * 7919 + seed * 104_729) % 1000) as f64 / 500.0 - 1.0).collect();
+        Value::Float(Tensor::new(Shape::new(dims.to_vec()), data))
+    };
+    let sources: HashMap<NodeId, Value<f64>> = [
+        (x, value(&[b, t, d], 1)),
+        (target, value(&[b, t, d], 2)),
+        (w1, value(&[d, f], 3)),
+        (w3, value(&[d, f], 4)),
+        (w2, value(&[f, d], 5)),
+    ]
+    .into();
+    let run = |g: &Graph| {
+        let out = exec::run(g, &sources, &grads).unwrap();
+        grads.iter().map(|id| out[id].as_float().expect("float").data.clone()).collect::<Vec<_>>()
+    };
+    let want = run(&g);
+
+    // `dh`: the one backward product of the hidden width.
+    let dh = g
+        .node_ids()
+        .into_iter()
+        .find(|&id| {
+            let node = g.node(id);
+            matches!(node.op, Op::MatMul { .. })
+                && node.role.region == Region::Backward
+                && node.shape.dims() == [b, t, f]
+        })
+        .expect("dh");
+    let before = fuse(&g, &grads).unwrap();
+    let readers_of_dh = before.groups.iter().filter(|gr| gr.inputs.contains(&dh)).count();
+    assert_eq!(readers_of_dh, 1, "both of dh's elementwise readers run in one kernel");
+    let forward = before.group_of(silu).unwrap();
+    assert!(before.group(forward).outputs.contains(&silu), "without recomputation the forward writes silu");
+
+    let stats = rematerialize(&mut g, &grads).unwrap();
+    assert_eq!((stats.values, stats.nodes_added), (1, 1), "{stats:?}");
+    let after = fuse(&g, &grads).unwrap();
+    after.check(&g).unwrap();
+    let forward = after.group(after.group_of(h).unwrap());
+    assert_eq!(forward.outputs, vec![h], "the forward kernel writes h alone");
+    let backward = after.groups.iter().find(|gr| gr.inputs.contains(&dh)).expect("dh's reader");
+    assert!(backward.inputs.contains(&gate) && !backward.inputs.contains(&silu));
+    let copy = backward.nodes.iter().copied().find(|&id| matches!(g.node(id).op, Op::Unary(UnaryOp::Silu)));
+    let copy = copy.expect("silu(gate) recomputed in the backward kernel");
+    assert_eq!(g.node(copy).role.region, Region::Backward, "the copy runs in its reader's pass");
+    let traffic =
+        |f: &FusedGraph| f.groups.iter().map(|gr| gr.cost.bytes_read + gr.cost.bytes_written).sum::<usize>();
+    assert_eq!(traffic(&before) - traffic(&after), 2 * b * t * f * 4, "silu's write and read leave");
+    assert_eq!(run(&g), want, "the same gradients, bit for bit");
+}

@@ -582,6 +582,52 @@ fn cluster(a: &Analysis) -> Clusters {
     cl
 }
 
+/// Merges token-local groups that read the same per-token value and neither
+/// of which feeds the other (siblings), so that the value is read once
+/// (DESIGN.md §5: each input read once). Only values with token axes count: a
+/// parameter or statistic shared by every token costs nothing to read twice.
+/// The rules of [`cluster`] hold (same phase and tokens, no stencil edge
+/// inside, the group graph acyclic).
+///
+/// The case it was written for is the SwiGLU backward (MATH.md §1.3): the
+/// gate's gradient `dh ⊙ up ⊙ silu'(gate)` and the up projection's `dh ⊙
+/// silu(gate)` are two kernels that both read `dh`; one kernel reads it once
+/// and has `gate` in hand, so that [`super::rematerialize`] computes
+/// `silu(gate)` there instead of the forward pass writing it.
+fn merge_siblings(a: &Analysis, cl: &mut Clusters) {
+    for q in 0..a.order.len() {
+        if !a.materialized[q] || a.grid[q] <= 1 {
+            continue;
+        }
+        let local = |r: usize| a.class[r] == Class::Local && a.grid[r] == a.grid[q];
+        let readers: Vec<usize> = a.users[q]
+            .iter()
+            .copied()
+            .filter(|&r| local(r) && a.reads[r].iter().any(|&(v, st)| v == q && !st))
+            .collect();
+        for (i, &first) in readers.iter().enumerate() {
+            for &other in &readers[i + 1..] {
+                let (me, them) = (cl.of[first], cl.of[other]);
+                let fits = me != them
+                    && a.backward[first] == a.backward[other]
+                    && a.grid[first] == a.grid[other]
+                    && !cl.reduction[me]
+                    && !cl.reduction[them];
+                if !fits || cl.stencil_between(a, me, them).is_some() || cl.would_cycle(a, me, them) {
+                    continue;
+                }
+                let kept = cl.merge(me, them);
+                cl.notes[kept].push(format!(
+                    "{} and {} in one kernel: both read {}",
+                    node_name(a, first),
+                    node_name(a, other),
+                    node_name(a, q)
+                ));
+            }
+        }
+    }
+}
+
 /// Moves token-local nodes into the group of their consumers where that moves
 /// fewer bytes: a value whose every user sits in one later token-local group
 /// (same phase, same tokens) is computed there, together with the nodes of its
@@ -703,6 +749,7 @@ pub fn fuse(graph: &Graph, roots: &[NodeId]) -> Result<FusedGraph, FuseError> {
     let n = a.order.len();
     let mut cl = cluster(&a);
     sink(&a, &mut cl);
+    merge_siblings(&a, &mut cl);
 
     // Group ids: the source group first, then clusters by their first member.
     let mut group_at: Vec<usize> = vec![usize::MAX; n];

@@ -16,11 +16,17 @@
 //! so the group before the weight-gradient product wrote the state-sized term
 //! and the group after it, which reads `x` anyway, read it back.
 //! DESIGN.md §5 rule 4 is kept: reductions and products are never copied.
+//!
+//! A forward value that only a backward group reads is recomputed there too
+//! (the copy becomes a backward node, since fusion keeps the passes apart):
+//! SwiGLU's `silu(gate)` (MATH.md §1.3) was written by the forward for the
+//! up projection's gradient `dh ⊙ silu(gate)` alone, and the backward kernel
+//! of both gate gradients reads `gate` anyway.
 
 use std::collections::{HashMap, HashSet};
 
 use super::fuse::{fuse, FuseError, FusedGraph, GroupId, GroupKind};
-use crate::graph::{Graph, NodeId, Op, Region};
+use crate::graph::{Graph, NodeId, Op, Region, Role};
 
 /// Deepest chain copied for one value: the value and the elementwise nodes
 /// it is computed from, up to operands the reader has.
@@ -59,6 +65,10 @@ pub fn rematerialize(graph: &mut Graph, roots: &[NodeId]) -> Result<RematStats, 
             continue;
         }
         let members: HashSet<NodeId> = group.nodes.iter().copied().collect();
+        // Fusion keeps the passes apart, so a copy runs in its reader's pass:
+        // a forward value recomputed by a backward group is a backward node
+        // (activation recomputation, e.g. SwiGLU's `silu(gate)`, MATH.md §1.3).
+        let pass = (graph.node(group.nodes[0]).role.region == Region::Backward).then_some(Region::Backward);
         let mut reads: HashSet<NodeId> = members.clone();
         for &m in &group.nodes {
             reads.extend(graph.inputs(m));
@@ -76,13 +86,6 @@ pub fn rematerialize(graph: &mut Graph, roots: &[NodeId]) -> Result<RematStats, 
                 .users(value)
                 .iter()
                 .all(|&(u, _)| members.contains(&u) || fused.group_of(u) == Some(home));
-            // Within one pass, forward or backward: a copy keeps its original's
-            // role, and fusion keeps the passes apart.
-            let backward = |id: NodeId| graph.node(id).role.region == Region::Backward;
-            let same_pass = graph
-                .users(value)
-                .iter()
-                .all(|&(u, _)| !members.contains(&u) || backward(u) == backward(value));
             // The group reads the value itself, not through a view another
             // group holds (which the copy could not take over).
             let direct = graph.users(value).iter().any(|&(u, _)| members.contains(&u));
@@ -90,15 +93,23 @@ pub fn rematerialize(graph: &mut Graph, roots: &[NodeId]) -> Result<RematStats, 
                 .users(value)
                 .iter()
                 .any(|&(u, _)| !members.contains(&u) && view_read_by(graph, u, &members));
+            // Read by elementwise ops only: a per-token product in the group may
+            // run as a batched GEMM step of its own, which reads the value from
+            // memory, so the group would write the copy back (VWN's
+            // `[64 x 64] @ [64 x 8]` stream products in DGHC, MATH.md §5.5).
+            let in_kernel = graph
+                .users(value)
+                .iter()
+                .all(|&(u, _)| !members.contains(&u) || recomputable(&graph.node(u).op));
             let kept = roots.contains(&value) || graph.outputs().iter().any(|&(_, o)| o == value);
-            if !only_here || !same_pass || !direct || through_views || kept {
+            if !only_here || !direct || through_views || !in_kernel || kept {
                 continue;
             }
             let mut chain = Vec::new();
             if !chain_of(graph, &fused, value, home, &reads, value, 0, &mut chain) {
                 continue;
             }
-            let copies = copy_chain(graph, &chain);
+            let copies = copy_chain(graph, &chain, pass);
             let copy = copies[&value];
             for (user, slot) in graph.users(value) {
                 if members.contains(&user) {
@@ -189,15 +200,16 @@ fn remove_unused(graph: &mut Graph, nodes: &[NodeId], roots: &[NodeId]) {
 }
 
 /// Adds a copy of each node of `chain` (operands first), reading the copies
-/// of its operands where they were copied; returns original → copy.
-fn copy_chain(graph: &mut Graph, chain: &[NodeId]) -> HashMap<NodeId, NodeId> {
+/// of its operands where they were copied; returns original → copy. Each
+/// copy keeps its original's role, in `pass` where one is given.
+fn copy_chain(graph: &mut Graph, chain: &[NodeId], pass: Option<Region>) -> HashMap<NodeId, NodeId> {
     let role = graph.role();
     let mut copies: HashMap<NodeId, NodeId> = HashMap::new();
     for &id in chain {
         let node = graph.node(id).clone();
         let inputs: Vec<NodeId> =
             graph.inputs(id).iter().map(|i| copies.get(i).copied().unwrap_or(*i)).collect();
-        graph.set_role(node.role);
+        graph.set_role(Role { region: pass.unwrap_or(node.role.region), ..node.role });
         let copy = graph.add_labeled(node.op, &inputs, node.label).expect("a copy of a valid node is valid");
         copies.insert(id, copy);
     }
