@@ -506,3 +506,85 @@ fn swiglu_backward_reads_dh_once_and_recomputes_silu() {
     assert_eq!(traffic(&before) - traffic(&after), 2 * b * t * f * 4, "silu's write and read leave");
     assert_eq!(run(&g), want, "the same gradients, bit for bit");
 }
+
+/// mHC's read `x_pre = H_pre · x` (MATH.md §4.1) feeds the backbone's
+/// RMSNorm through a reshape, and the norm's gradient reads it back in the
+/// backward kernel that also forms `dH_pre = dx_pre · xᵀ` from the state and
+/// the coefficients. `rematerialize` recomputes the short per-token product
+/// (n = 4 terms an element) there, the reshape with it, so the forward kernel
+/// no longer writes `x_pre`; the gradients are the same, bit for bit.
+#[test]
+fn short_per_token_products_read_through_views_are_recomputed_in_the_backward() {
+    let (b, t, n, c) = (2, 8, 4, 16);
+    let mut g = Graph::new();
+    let u = input(&mut g, "u", &[b, t, n, c]);
+    let logits = input(&mut g, "logits", &[b, t, 1, n]);
+    let target = input(&mut g, "target", &[b, t, c]);
+    let scale = param(&mut g, "scale", &[c]);
+    let bias = param(&mut g, "bias", &[n]);
+    let gain = param(&mut g, "gain", &[c]);
+    let x = g.add(Op::Binary(BinaryOp::Mul), &[u, scale]).unwrap();
+    let shifted = g.add(Op::Binary(BinaryOp::Add), &[logits, bias]).unwrap();
+    let h_pre = g.add(Op::Unary(UnaryOp::Sigmoid), &[shifted]).unwrap();
+    let x_pre = g.add(Op::MatMul { trans_a: false, trans_b: false }, &[h_pre, x]).unwrap();
+    let flat = g.add(Op::Reshape { shape: vec![b, t, c] }, &[x_pre]).unwrap();
+    let normed = g.add(Op::RmsNorm { eps: 1e-5 }, &[flat, gain]).unwrap();
+    let scored = g.add(Op::Binary(BinaryOp::Mul), &[normed, target]).unwrap();
+    let all = g.add(Op::Reshape { shape: vec![b * t * c] }, &[scored]).unwrap();
+    let sum = ir::graph::ReduceOp::Sum;
+    let loss = g.add(Op::Reduce { op: sum, axis: 0, keepdim: false }, &[all]).unwrap();
+    g.set_output("loss", loss);
+    let grads = ir::autodiff::grad(&mut g, loss, &[scale, bias, gain]).unwrap();
+
+    let value = |dims: &[usize], seed: usize| {
+        let count: usize = dims.iter().product();
+        let data = (0..count).map(|i| ((i * 7919 + seed * 104_729) % 1000) as f64 / 500.0 - 1.0).collect();
+        Value::Float(Tensor::new(Shape::new(dims.to_vec()), data))
+    };
+    let sources: HashMap<NodeId, Value<f64>> = [
+        (u, value(&[b, t, n, c], 1)),
+        (logits, value(&[b, t, 1, n], 2)),
+        (target, value(&[b, t, c], 3)),
+        (scale, value(&[c], 4)),
+        (bias, value(&[n], 5)),
+        (gain, value(&[c], 6)),
+    ]
+    .into();
+    let run = |g: &Graph| {
+        let out = exec::run(g, &sources, &grads).unwrap();
+        grads.iter().map(|id| out[id].as_float().expect("float").data.clone()).collect::<Vec<_>>()
+    };
+    let want = run(&g);
+
+    let before = fuse(&g, &grads).unwrap();
+    let forward = before.group(before.group_of(x_pre).unwrap());
+    assert!(forward.outputs.contains(&x_pre), "without recomputation the forward writes x_pre");
+    let readers = before.groups.iter().filter(|gr| gr.inputs.contains(&x_pre)).count();
+    assert_eq!(readers, 1, "one backward kernel reads x_pre, through the reshape");
+
+    let stats = rematerialize(&mut g, &grads).unwrap();
+    assert!(stats.values >= 1, "{stats:?}");
+    let after = fuse(&g, &grads).unwrap();
+    after.check(&g).unwrap();
+    assert!(after.groups.iter().all(|gr| !gr.inputs.contains(&x_pre)), "no kernel reads x_pre back");
+    let forward = after.group(after.group_of(x_pre).unwrap());
+    assert!(!forward.outputs.contains(&x_pre), "the forward kernel keeps x_pre in registers");
+    let copies: Vec<NodeId> = g
+        .node_ids()
+        .into_iter()
+        .filter(|&id| {
+            id != x_pre && matches!(g.node(id).op, Op::MatMul { .. }) && g.inputs(id) == g.inputs(x_pre)
+        })
+        .collect();
+    assert_eq!(copies.len(), 1, "one copy of the product");
+    assert_eq!(g.node(copies[0]).role.region, Region::Backward);
+    let traffic =
+        |f: &FusedGraph| f.groups.iter().map(|gr| gr.cost.bytes_read + gr.cost.bytes_written).sum::<usize>();
+    assert!(
+        traffic(&before) - traffic(&after) >= 2 * b * t * c * 4,
+        "x_pre's write and read leave: {} -> {}",
+        traffic(&before),
+        traffic(&after)
+    );
+    assert_eq!(run(&g), want, "the same gradients, bit for bit");
+}

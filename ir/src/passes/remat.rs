@@ -1,4 +1,4 @@
-//! Recomputation of cheap elementwise values where they are read (DESIGN.md §5).
+//! Recomputation of cheap values where they are read (DESIGN.md §5).
 //!
 //! A fusion group writes each value a later group reads, and the later group
 //! reads it back: a round trip through memory of the value's size. When the
@@ -15,7 +15,13 @@
 //! [`crate::autodiff`]'s NormProject rule): `x − μ` also feeds the variance,
 //! so the group before the weight-gradient product wrote the state-sized term
 //! and the group after it, which reads `x` anyway, read it back.
-//! DESIGN.md §5 rule 4 is kept: reductions and products are never copied.
+//! DESIGN.md §5 rule 4 is kept for what it protects, work done twice:
+//! reductions and products are not copied, except a per-token product of at
+//! most [`SHORT_CONTRACTION`] terms an element ([`short_product`]), which
+//! costs what an elementwise chain does. That one is mHC's read `H_pre · x`
+//! (n = 4 terms), which MATH.md §4.5's recompute schedule recomputes in the
+//! backward pass as the paper does: the kernel of its gradient reads the
+//! state and the coefficients anyway, so the forward need not write `x_pre`.
 //!
 //! A forward value that only a backward group reads is recomputed there too
 //! (the copy becomes a backward node, since fusion keeps the passes apart):
@@ -36,6 +42,9 @@ const MAX_CHAIN: usize = 4;
 /// the reader to read in addition (a per-token statistic read by a
 /// state-sized term is 1/4096 of it).
 const SMALL_OPERAND_DIVISOR: usize = 16;
+
+/// Longest contraction of a product [`short_product`] lets a chain copy.
+const SHORT_CONTRACTION: usize = 8;
 
 /// What [`rematerialize`] did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -79,41 +88,41 @@ pub fn rematerialize(graph: &mut Graph, roots: &[NodeId]) -> Result<RematStats, 
             if from.kind != GroupKind::TokenLocal || home == t || from.tokens != group.tokens {
                 continue;
             }
+            // Where the group reads the value: itself, or the end of a chain
+            // of views of it that the home group lists (a view is listed with
+            // its first consumer); the copy takes the views along.
+            let Some(path) = read_path(graph, value, &members) else { continue };
+            let read_at = path.last().copied().unwrap_or(value);
             // Only where the home group then no longer writes the value: a
             // value other groups read stays written, and the copy would save
             // one read at the price of the chain's operands.
-            let only_here = graph
-                .users(value)
-                .iter()
-                .all(|&(u, _)| members.contains(&u) || fused.group_of(u) == Some(home));
-            // The group reads the value itself, not through a view another
-            // group holds (which the copy could not take over).
-            let direct = graph.users(value).iter().any(|&(u, _)| members.contains(&u));
-            let through_views = graph
-                .users(value)
-                .iter()
-                .any(|&(u, _)| !members.contains(&u) && view_read_by(graph, u, &members));
-            // Read by elementwise ops only: a per-token product in the group may
-            // run as a batched GEMM step of its own, which reads the value from
+            let only_here = std::iter::once(value).chain(path.iter().copied()).all(|v| {
+                graph.users(v).iter().all(|&(u, _)| {
+                    members.contains(&u) || path.contains(&u) || fused.group_of(u) == Some(home)
+                })
+            });
+            // Not read by a product: a per-token product in the group may run
+            // as a batched GEMM step of its own, which reads the value from
             // memory, so the group would write the copy back (VWN's
             // `[64 x 64] @ [64 x 8]` stream products in DGHC, MATH.md §5.5).
             let in_kernel = graph
-                .users(value)
+                .users(read_at)
                 .iter()
-                .all(|&(u, _)| !members.contains(&u) || recomputable(&graph.node(u).op));
+                .all(|&(u, _)| !members.contains(&u) || !matches!(graph.node(u).op, Op::MatMul { .. }));
             let kept = roots.contains(&value) || graph.outputs().iter().any(|&(_, o)| o == value);
-            if !only_here || !direct || through_views || !in_kernel || kept {
+            if !only_here || !in_kernel || kept {
                 continue;
             }
             let mut chain = Vec::new();
             if !chain_of(graph, &fused, value, home, &reads, value, 0, &mut chain) {
                 continue;
             }
+            chain.extend(&path);
             let copies = copy_chain(graph, &chain, pass);
-            let copy = copies[&value];
-            for (user, slot) in graph.users(value) {
+            let copy = copies[&read_at];
+            for (user, slot) in graph.users(read_at) {
                 if members.contains(&user) {
-                    let edge = graph.g.find_edge(value, user).expect("a user's edge");
+                    let edge = graph.g.find_edge(read_at, user).expect("a user's edge");
                     graph.g.remove_edge(edge);
                     graph.g.add_edge(copy, user, slot);
                 }
@@ -128,6 +137,31 @@ pub fn rematerialize(graph: &mut Graph, roots: &[NodeId]) -> Result<RematStats, 
     Ok(stats)
 }
 
+/// How `members` read `value`: directly (an empty path), or through one
+/// chain of single-operand views none of which is a member (the views, in
+/// order). `None` when they read it both ways or through two chains.
+fn read_path(graph: &Graph, value: NodeId, members: &HashSet<NodeId>) -> Option<Vec<NodeId>> {
+    let mut path = Vec::new();
+    let mut at = value;
+    loop {
+        let users = graph.users(at);
+        let direct = users.iter().any(|&(u, _)| members.contains(&u));
+        let views: Vec<NodeId> = users
+            .iter()
+            .map(|&(u, _)| u)
+            .filter(|&u| !members.contains(&u) && view_read_by(graph, u, members))
+            .collect();
+        match (direct, views.as_slice()) {
+            (true, []) => return Some(path),
+            (false, &[view]) if graph.inputs(view).len() == 1 => {
+                path.push(view);
+                at = view;
+            }
+            _ => return None,
+        }
+    }
+}
+
 /// Whether `id` is a view that a node of `members` reads, directly or
 /// through further views.
 fn view_read_by(graph: &Graph, id: NodeId, members: &HashSet<NodeId>) -> bool {
@@ -138,6 +172,25 @@ fn view_read_by(graph: &Graph, id: NodeId, members: &HashSet<NodeId>) -> bool {
 /// Elementwise ops, whose copy costs a few FLOPs per element.
 fn recomputable(op: &Op) -> bool {
     matches!(op, Op::Unary(_) | Op::Binary(_) | Op::Affine { .. } | Op::Cast { .. })
+}
+
+/// A per-token product over at most [`SHORT_CONTRACTION`] terms: both
+/// operands carry the output's batch axes (nothing is shared across tokens),
+/// so each output element costs a few multiply-adds, as an elementwise chain
+/// does. mHC's read `H_pre · x` (MATH.md §4.1) contracts the n = 4 streams.
+fn short_product(graph: &Graph, id: NodeId) -> bool {
+    let node = graph.node(id);
+    let Op::MatMul { trans_a, .. } = node.op else { return false };
+    let rank = node.shape.rank();
+    let inputs = graph.inputs(id);
+    let batch = &node.shape.dims()[..rank.saturating_sub(2)];
+    let batched = rank >= 3
+        && inputs.iter().all(|&i| {
+            let dims = graph.node(i).shape.dims();
+            dims.len() == rank && &dims[..rank - 2] == batch
+        });
+    let a = graph.node(inputs[0]).shape.dims();
+    batched && (if trans_a { a[rank - 2] } else { a[rank - 1] }) <= SHORT_CONTRACTION
 }
 
 fn bytes(graph: &Graph, id: NodeId) -> usize {
@@ -160,7 +213,7 @@ fn chain_of(
     depth: usize,
     chain: &mut Vec<NodeId>,
 ) -> bool {
-    if depth >= MAX_CHAIN || !recomputable(&graph.node(id).op) {
+    if depth >= MAX_CHAIN || !(recomputable(&graph.node(id).op) || short_product(graph, id)) {
         return false;
     }
     for input in graph.inputs(id) {
