@@ -447,30 +447,10 @@ fn swiglu_backward_reads_dh_once_and_recomputes_silu() {
     let silu = g.add(Op::Unary(UnaryOp::Silu), &[gate]).unwrap();
     let h = g.add(Op::Binary(BinaryOp::Mul), &[silu, up]).unwrap();
     let y = g.add(matmul, &[h, w2]).unwrap();
-    let scored = g.add(Op::Binary(BinaryOp::Mul), &[y, target]).unwrap();
-    let flat = g.add(Op::Reshape { shape: vec![b * t * d] }, &[scored]).unwrap();
-    let sum = ir::graph::ReduceOp::Sum;
-    let loss = g.add(Op::Reduce { op: sum, axis: 0, keepdim: false }, &[flat]).unwrap();
-    g.set_output("loss", loss);
+    let loss = scored_loss(&mut g, y, target);
     let grads = ir::autodiff::grad(&mut g, loss, &[w1, w3, w2]).unwrap();
-
-    let value = |dims: &[usize], seed: usize| {
-        let n: usize = dims.iter().product();
-        let data = (0..n).map(|i| ((i * 7919 + seed * 104_729) % 1000) as f64 / 500.0 - 1.0).collect();
-        Value::Float(Tensor::new(Shape::new(dims.to_vec()), data))
-    };
-    let sources: HashMap<NodeId, Value<f64>> = [
-        (x, value(&[b, t, d], 1)),
-        (target, value(&[b, t, d], 2)),
-        (w1, value(&[d, f], 3)),
-        (w3, value(&[d, f], 4)),
-        (w2, value(&[f, d], 5)),
-    ]
-    .into();
-    let run = |g: &Graph| {
-        let out = exec::run(g, &sources, &grads).unwrap();
-        grads.iter().map(|id| out[id].as_float().expect("float").data.clone()).collect::<Vec<_>>()
-    };
+    let sources = ramp_sources(&g, &[x, target, w1, w3, w2]);
+    let run = |g: &Graph| gradient_values(g, &sources, &grads);
     let want = run(&g);
 
     // `dh`: the one backward product of the hidden width.
@@ -529,31 +509,10 @@ fn short_per_token_products_read_through_views_are_recomputed_in_the_backward() 
     let x_pre = g.add(Op::MatMul { trans_a: false, trans_b: false }, &[h_pre, x]).unwrap();
     let flat = g.add(Op::Reshape { shape: vec![b, t, c] }, &[x_pre]).unwrap();
     let normed = g.add(Op::RmsNorm { eps: 1e-5 }, &[flat, gain]).unwrap();
-    let scored = g.add(Op::Binary(BinaryOp::Mul), &[normed, target]).unwrap();
-    let all = g.add(Op::Reshape { shape: vec![b * t * c] }, &[scored]).unwrap();
-    let sum = ir::graph::ReduceOp::Sum;
-    let loss = g.add(Op::Reduce { op: sum, axis: 0, keepdim: false }, &[all]).unwrap();
-    g.set_output("loss", loss);
+    let loss = scored_loss(&mut g, normed, target);
     let grads = ir::autodiff::grad(&mut g, loss, &[scale, bias, gain]).unwrap();
-
-    let value = |dims: &[usize], seed: usize| {
-        let count: usize = dims.iter().product();
-        let data = (0..count).map(|i| ((i * 7919 + seed * 104_729) % 1000) as f64 / 500.0 - 1.0).collect();
-        Value::Float(Tensor::new(Shape::new(dims.to_vec()), data))
-    };
-    let sources: HashMap<NodeId, Value<f64>> = [
-        (u, value(&[b, t, n, c], 1)),
-        (logits, value(&[b, t, 1, n], 2)),
-        (target, value(&[b, t, c], 3)),
-        (scale, value(&[c], 4)),
-        (bias, value(&[n], 5)),
-        (gain, value(&[c], 6)),
-    ]
-    .into();
-    let run = |g: &Graph| {
-        let out = exec::run(g, &sources, &grads).unwrap();
-        grads.iter().map(|id| out[id].as_float().expect("float").data.clone()).collect::<Vec<_>>()
-    };
+    let sources = ramp_sources(&g, &[u, logits, target, scale, bias, gain]);
+    let run = |g: &Graph| gradient_values(g, &sources, &grads);
     let want = run(&g);
 
     let before = fuse(&g, &grads).unwrap();
@@ -587,4 +546,32 @@ fn short_per_token_products_read_through_views_are_recomputed_in_the_backward() 
         traffic(&after)
     );
     assert_eq!(run(&g), want, "the same gradients, bit for bit");
+}
+
+/// `Σ y ⊙ target` over every element: a scalar loss whose gradient with
+/// respect to `y` is `target`.
+fn scored_loss(g: &mut Graph, y: NodeId, target: NodeId) -> NodeId {
+    let scored = g.add(Op::Binary(BinaryOp::Mul), &[y, target]).unwrap();
+    let flat = g.add(Op::Reshape { shape: vec![g.node(scored).shape.numel()] }, &[scored]).unwrap();
+    let sum = ir::graph::ReduceOp::Sum;
+    let loss = g.add(Op::Reduce { op: sum, axis: 0, keepdim: false }, &[flat]).unwrap();
+    g.set_output("loss", loss);
+    loss
+}
+
+/// Values in [-1, 1) for each of `sources`, a different ramp for each.
+fn ramp_sources(g: &Graph, sources: &[NodeId]) -> HashMap<NodeId, Value<f64>> {
+    let ramp = |id: NodeId, seed: usize| {
+        let shape = g.node(id).shape.clone();
+        let data =
+            (0..shape.numel()).map(|i| ((i * 7919 + seed * 104_729) % 1000) as f64 / 500.0 - 1.0).collect();
+        (id, Value::Float(Tensor::new(shape, data)))
+    };
+    sources.iter().enumerate().map(|(seed, &id)| ramp(id, seed + 1)).collect()
+}
+
+/// The f64 reference's value of each of `grads`.
+fn gradient_values(g: &Graph, sources: &HashMap<NodeId, Value<f64>>, grads: &[NodeId]) -> Vec<Vec<f64>> {
+    let out = exec::run(g, sources, grads).unwrap();
+    grads.iter().map(|id| out[id].as_float().expect("float").data.clone()).collect()
 }
