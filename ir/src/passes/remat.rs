@@ -57,9 +57,10 @@ pub struct RematStats {
     pub bytes_saved: usize,
 }
 
-/// Copies, for each token-local group, the cheap elementwise chains it reads
-/// from an earlier token-local group over the same tokens when every operand
-/// of the chain is one the group reads already or is small
+/// Copies, for each token-local group, the cheap chains (elementwise ops and
+/// short per-token products) it reads from an earlier token-local group over
+/// the same tokens, directly or through views, when every operand of the
+/// chain is one the group reads already or is small
 /// (`SMALL_OPERAND_DIVISOR`); the group's reads of the value move to the
 /// copy. `roots` as for [`fuse()`].
 pub fn rematerialize(graph: &mut Graph, roots: &[NodeId]) -> Result<RematStats, FuseError> {
@@ -77,7 +78,7 @@ pub fn rematerialize(graph: &mut Graph, roots: &[NodeId]) -> Result<RematStats, 
         // Fusion keeps the passes apart, so a copy runs in its reader's pass:
         // a forward value recomputed by a backward group is a backward node
         // (activation recomputation, e.g. SwiGLU's `silu(gate)`, MATH.md §1.3).
-        let pass = (graph.node(group.nodes[0]).role.region == Region::Backward).then_some(Region::Backward);
+        let backward = graph.node(group.nodes[0]).role.region == Region::Backward;
         let mut reads: HashSet<NodeId> = members.clone();
         for &m in &group.nodes {
             reads.extend(graph.inputs(m));
@@ -118,7 +119,7 @@ pub fn rematerialize(graph: &mut Graph, roots: &[NodeId]) -> Result<RematStats, 
                 continue;
             }
             chain.extend(&path);
-            let copies = copy_chain(graph, &chain, pass);
+            let copies = copy_chain(graph, &chain, backward);
             let copy = copies[&read_at];
             for (user, slot) in graph.users(read_at) {
                 if members.contains(&user) {
@@ -254,15 +255,16 @@ fn remove_unused(graph: &mut Graph, nodes: &[NodeId], roots: &[NodeId]) {
 
 /// Adds a copy of each node of `chain` (operands first), reading the copies
 /// of its operands where they were copied; returns original → copy. Each
-/// copy keeps its original's role, in `pass` where one is given.
-fn copy_chain(graph: &mut Graph, chain: &[NodeId], pass: Option<Region>) -> HashMap<NodeId, NodeId> {
+/// copy keeps its original's role, as a backward node when `backward`.
+fn copy_chain(graph: &mut Graph, chain: &[NodeId], backward: bool) -> HashMap<NodeId, NodeId> {
     let role = graph.role();
     let mut copies: HashMap<NodeId, NodeId> = HashMap::new();
     for &id in chain {
         let node = graph.node(id).clone();
         let inputs: Vec<NodeId> =
             graph.inputs(id).iter().map(|i| copies.get(i).copied().unwrap_or(*i)).collect();
-        graph.set_role(Role { region: pass.unwrap_or(node.role.region), ..node.role });
+        let region = if backward { Region::Backward } else { node.role.region };
+        graph.set_role(Role { region, ..node.role });
         let copy = graph.add_labeled(node.op, &inputs, node.label).expect("a copy of a valid node is valid");
         copies.insert(id, copy);
     }
