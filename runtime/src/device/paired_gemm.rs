@@ -47,6 +47,19 @@ const PAIRS_ROW_MAJOR: usize = 6;
 /// Contraction steps per packed `b` block (`KC * 48` floats, 48 KiB, in L1
 /// and L2 next to the rows being read).
 const KC: usize = 256;
+/// Contraction steps a block holds in column order (a column-major `a`,
+/// [`super::sgemm::streams_columns`]), for this kernel's 16-row tiles.
+/// Measured on mHC's `1024 x 24 x 2048` and xHC's `1024 x 20 x 2048`
+/// coefficient weight gradients on two threads (means of 40 calls over 8
+/// operand sets): 16 steps 1.6-2.4 ms, 32 steps 1.3-1.8, 48 steps 1.1-1.2,
+/// 64 steps 0.9-1.3, 128 steps 1.3-2.1 (KC = 256: 2.4-3.3). Each tile
+/// prefetches the next one's lines, as in block order: prefetching two to
+/// four tiles ahead measured the same within the host's noise. In training
+/// steps (`WIDEN_PROFILE=all`, three alternating runs each, D = 256, 4
+/// layers, batch 8 x 256) xHC's `1024 x 20 x 2048` products took 5.9 / 7.0 /
+/// 6.1 → 4.8 / 5.0 / 5.2 ms a step, mHC's `1024 x 24 x 2048` 9.9 / 11.9 /
+/// 10.3 → 8.6 / 9.3 / 8.3.
+const COLUMN_BLOCK: usize = 64;
 /// Floats of one packed step of `b`: three vectors.
 const STEP: usize = 48;
 
@@ -105,8 +118,10 @@ unsafe fn paired_blocks(m: usize, n: usize, k: usize, a: Operand, b: Operand, c:
         packed.resize(KC * STEP + KC * 2 * PAIRS, 0.0);
         let (pb, pa) = packed.split_at_mut(KC * STEP);
         let (pb, pa) = (pb.as_mut_ptr(), pa.as_mut_ptr());
-        for p0 in (0..k).step_by(KC) {
-            let kc = KC.min(k - p0);
+        let column_order = super::sgemm::streams_columns(k, a);
+        let block = if column_order { COLUMN_BLOCK } else { KC };
+        for p0 in (0..k).step_by(block) {
+            let kc = block.min(k - p0);
             // SAFETY: steps p0..p0 + kc of b; the packing holds KC steps.
             unsafe { pack_b(b, p0, kc, layout, pb) };
             let load_c = accumulate || p0 > 0;
@@ -116,8 +131,8 @@ unsafe fn paired_blocks(m: usize, n: usize, k: usize, a: Operand, b: Operand, c:
                 // contraction block, else the first rows of the next block.
                 let next = if i0 + tile_rows < whole {
                     a.ptr.wrapping_add((i0 + tile_rows) * a.rows + p0 * a.cols)
-                } else if p0 + KC < k && whole > 0 {
-                    a.ptr.wrapping_add((p0 + KC) * a.cols)
+                } else if p0 + block < k && whole > 0 {
+                    a.ptr.wrapping_add((p0 + block) * a.cols)
                 } else {
                     std::ptr::null()
                 };
@@ -463,5 +478,19 @@ mod tests {
             assert!(super::super::sgemm::streams_rows(k, row_major, KC, STEP), "{m}x{n}x{k} streams rows");
         }
         triple_loop::check_orders(&shapes, 5, paired_gemm, paired_blocks);
+    }
+
+    /// Products with a column-major `a` (coefficient weight gradients) run in
+    /// column order: block after block of [`COLUMN_BLOCK`] steps, whatever
+    /// the thread split (whole tiles, ragged last tiles and blocks).
+    #[test]
+    fn column_order_adds_its_blocks_in_order_whatever_the_split() {
+        if !available() {
+            println!("skipped: this host has no AVX-512F, its products of 17 to 24 columns use sgemm");
+            return;
+        }
+        let shapes = [(64, 24, 300), (37, 20, 129), (16, 17, 65), (90, 23, KC + 3)];
+        let stride = super::super::sgemm::COLUMN_MIN_STRIDE + 5;
+        triple_loop::check_column_order(&shapes, stride, COLUMN_BLOCK, paired_gemm);
     }
 }

@@ -360,6 +360,12 @@ macro_rules! entry_point {
             unsafe {
                 if !blocks_only && n <= <$tile>::NR && streams_rows(k, a, KC, <$tile>::NR) {
                     sgemm_row_streams::<$tile>(m, n, k, a, b, c, accumulate);
+                } else if !blocks_only
+                    && n <= <$tile>::NR
+                    && <$tile>::READS_COLUMNS_IN_PLACE
+                    && streams_columns(k, a)
+                {
+                    sgemm_column_streams::<$tile>(m, n, k, a, b, c, accumulate);
                 } else {
                     sgemm_blocks::<$tile>(m, n, k, a, b, c, accumulate);
                 }
@@ -405,6 +411,53 @@ pub(crate) fn streams_rows(k: usize, a: Operand, block: usize, packed_step: usiz
     let row_major = a.cols == 1 && a.rows > 1;
     row_major && k > block && k.div_ceil(block) * block * packed_step <= ROW_STREAMS_MAX_PACKED_B
 }
+
+/// Contraction steps a block holds in column order ([`streams_columns`]):
+/// each block's steps are that many rows of the activations read side by
+/// side, so few enough for the hardware prefetcher to follow each as a
+/// stream, and enough that a tile's arithmetic outweighs loading and storing
+/// its part of `c` once a block. Measured on xHC's `4096 x 32 x 2048` router
+/// weight gradient on two threads (means of 40 calls over 8 operand sets):
+/// 16 steps 4.4-5.1 ms, 32 steps 3.4-3.7, 64 steps 3.9-4.2, 128 steps
+/// 12.5-13.9 (KC = 256 in block order: 5.8-9.7).
+pub(crate) const COLUMN_BLOCK: usize = 32;
+
+/// Floats past its own rows that each step of a tile in column order
+/// prefetches in that step's row of the activations: four 14-row tiles
+/// ahead, the lines the tile after next reaches while this one computes.
+/// Measured as for [`COLUMN_BLOCK`]: none 4.5-5.0 ms, 28 floats 3.8-4.0, 56
+/// floats 3.3-3.6.
+const COLUMN_AHEAD: usize = 56;
+
+/// Whether a product with a column-major `a` (a weight gradient's transposed
+/// activations, `x^T @ dy`) under a single column tile walks every tile
+/// through one short block of [`COLUMN_BLOCK`] steps before the next block
+/// ([`sgemm_column_streams`], and the same order in [`super::paired_gemm`]
+/// with its own block) instead of a block of rows through [`KC`] steps.
+///
+/// Why: `a`'s step `p` is row `p` of the activations, so in block order a
+/// block of 112 rows of `c` over 256 steps reads 448 bytes of each of 256
+/// activation rows a whole row apart, 256 short runs no prefetcher follows
+/// (the connections' coefficient and router weight gradients, MATH.md §4.3,
+/// §6.2, ran at a third of their roofline). In column order the tiles walk
+/// along a block's few rows, each row one sequential stream, and each tile
+/// prefetches the lines of the tile after next. Every element still adds
+/// its blocks in order from step 0, so the bits do not depend on the
+/// thread split. In training steps (`WIDEN_PROFILE=all`, three alternating
+/// runs each, D = 256, 4 layers, batch 8 x 256): xHC's `4096 x 32 x 2048`
+/// products 42.9 / 54.6 / 47.6 → 25.5 / 24.5 / 25.0 ms a step and its
+/// `1024 x 32 x 2048` 6.6 / 8.0 / 7.4 → 4.4 / 3.9 / 4.1.
+pub(crate) fn streams_columns(k: usize, a: Operand) -> bool {
+    is_column_major(a) && a.cols >= COLUMN_MIN_STRIDE && k > COLUMN_BLOCK
+}
+
+/// Floats between a column-major `a`'s steps from which [`streams_columns`]
+/// takes a product: a 4 KiB page, so each step starts a page of its own.
+/// Below it a block's steps lie close together and block order reads them
+/// as one sequential run: VWN's `64 x 24 x 32768` coefficient weight
+/// gradients (256 bytes a step) took 9.6 / 11.5 ms a step in block order,
+/// 14.4 / 12.6 in column order.
+pub(crate) const COLUMN_MIN_STRIDE: usize = 1024;
 
 /// In row order ([`streams_rows`]), what the tile of `rows` rows of a
 /// row-major `a` at row `i` prefetches while it computes the contraction
@@ -628,6 +681,67 @@ unsafe fn sgemm_row_streams<T: Tile>(
                     // SAFETY: as above, with the packed sliver.
                     unsafe {
                         T::micro_kernel::<true>(kc, sliver, b_sliver, tile, rows, n, load_c, std::ptr::null())
+                    };
+                }
+            }
+        }
+    });
+}
+
+/// The product in column order ([`streams_columns`]): for each block of
+/// [`COLUMN_BLOCK`] steps, `b`'s block packed, then every `MR`-row tile of
+/// `c` in order, reading its rows of the column-major `a` in place and
+/// prefetching [`COLUMN_AHEAD`] floats ahead in each step; a ragged last
+/// tile is packed block by block.
+///
+/// # Safety
+/// As for [`sgemm_on`], with `T`'s set available, `n <= NR`, a column-major
+/// `a` and `T::READS_COLUMNS_IN_PLACE`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn sgemm_column_streams<T: Tile>(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: Operand,
+    b: Operand,
+    c: Output,
+    accumulate: bool,
+) {
+    let (mr, nr) = (T::MR, T::NR);
+    PACKED.with_borrow_mut(|packed| {
+        let lines = (COLUMN_BLOCK * (nr + mr)).div_ceil(16);
+        if packed.len() < lines {
+            packed.resize(lines, Line([0.0; 16]));
+        }
+        let pb = packed.as_mut_ptr().cast::<f32>();
+        // SAFETY: the packing holds one block of b, then one sliver of a.
+        let pa = unsafe { pb.add(COLUMN_BLOCK * nr) };
+        let whole = m / mr * mr;
+        for pc in (0..k).step_by(COLUMN_BLOCK) {
+            let kc = COLUMN_BLOCK.min(k - pc);
+            let load_c = accumulate || pc > 0;
+            // SAFETY: steps pc..pc + kc of b's n <= NR columns (caller).
+            unsafe { pack_b::<T>(b, pc, 0, kc, n, pb) };
+            for ir in (0..m).step_by(mr) {
+                let rows = mr.min(m - ir);
+                // SAFETY: row ir of c is below m.
+                let tile = Output { ptr: unsafe { c.ptr.add(ir * c.ldc) }, ..c };
+                if ir < whole {
+                    // SAFETY: rows ir.., step pc of a.
+                    let sliver = Operand { ptr: unsafe { a.ptr.add(ir + pc * a.cols) }, ..a };
+                    // A hint only: the address need not be inside `a`.
+                    let prefetch = sliver.ptr.wrapping_add(COLUMN_AHEAD);
+                    // SAFETY: MR rows one apart over kc steps of a, kc packed
+                    // steps of b, the tile clipped to c's rows and n columns.
+                    unsafe { T::micro_kernel::<true>(kc, sliver, pb, tile, rows, n, load_c, prefetch) };
+                } else {
+                    // SAFETY: the ragged rows' block fits the sliver after b.
+                    unsafe { pack_a::<T>(a, ir, pc, rows, kc, pa) };
+                    let sliver = Operand { ptr: pa, rows: 1, cols: mr };
+                    // SAFETY: as above, with the packed sliver.
+                    unsafe {
+                        T::micro_kernel::<true>(kc, sliver, pb, tile, rows, n, load_c, std::ptr::null())
                     };
                 }
             }
@@ -1412,6 +1526,73 @@ pub(crate) mod triple_loop {
         }
     }
 
+    /// For each shape, with a column-major `a` whose steps are `stride`
+    /// floats apart (a weight gradient's transposed activations, `m` of a
+    /// row's columns) and a row-major `b`: the product gives the bits of the
+    /// same product taken block after block of `block` steps, each
+    /// accumulated into `c` in order from step 0, and of its rows computed as
+    /// two bands split at a row that is not a tile boundary (a thread split);
+    /// and the values of an f64 loop.
+    pub(crate) fn check_column_order(
+        shapes: &[(usize, usize, usize)],
+        stride: usize,
+        block: usize,
+        product: Product,
+    ) {
+        for (case, &(m, n, k)) in shapes.iter().enumerate() {
+            let seed = case as u64 + 40;
+            let (a, b) = (values(k * stride, seed * 5 + 1), values(k * n, seed * 5 + 2));
+            let start = values(m * n, seed * 5 + 3);
+            let a_at = |row: usize, step: usize| Operand {
+                ptr: a[step * stride + row..].as_ptr(),
+                rows: 1,
+                cols: stride,
+            };
+            let b_at = |step: usize| Operand { ptr: b[step * n..].as_ptr(), rows: n, cols: 1 };
+            let out =
+                |c: &mut [f32], row: usize| Output { ptr: c[row * n..].as_mut_ptr(), ldc: n, stream: false };
+            let bits = |c: &[f32]| c.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
+            for accumulate in [false, true] {
+                let mut whole = start.clone();
+                // SAFETY: a holds k steps of `stride` floats (m of them read), b k x n, c m x n.
+                unsafe { product(m, n, k, a_at(0, 0), b_at(0), out(&mut whole, 0), accumulate) };
+                let mut blocks = start.clone();
+                for p in (0..k).step_by(block) {
+                    let steps = block.min(k - p);
+                    // SAFETY: steps p..p + steps of both operands.
+                    unsafe {
+                        product(m, n, steps, a_at(0, p), b_at(p), out(&mut blocks, 0), accumulate || p > 0)
+                    };
+                }
+                assert!(
+                    bits(&whole) == bits(&blocks),
+                    "{m}x{n}x{k} accumulate={accumulate}: not block by block"
+                );
+                let mut bands = start.clone();
+                let split = m / 2 + 3;
+                // SAFETY: rows 0..split, then split..m, of a and c.
+                unsafe {
+                    product(split, n, k, a_at(0, 0), b_at(0), out(&mut bands, 0), accumulate);
+                    product(m - split, n, k, a_at(split, 0), b_at(0), out(&mut bands, split), accumulate);
+                }
+                assert!(bits(&whole) == bits(&bands), "{m}x{n}x{k} accumulate={accumulate}: bands differ");
+                for i in 0..m {
+                    for j in 0..n {
+                        let mut want = if accumulate { f64::from(start[i * n + j]) } else { 0.0 };
+                        for p in 0..k {
+                            want += f64::from(a[p * stride + i]) * f64::from(b[p * n + j]);
+                        }
+                        let (got, tol) = (f64::from(whole[i * n + j]), 1e-5 * (k as f64).sqrt() + 1e-6);
+                        assert!(
+                            (got - want).abs() <= tol * (1.0 + want.abs()),
+                            "{m}x{n}x{k} ({i},{j}): {got} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
     /// One product of shape `m x n x k` with operands in the given layouts,
     /// computed by `product(a, b, c, accumulate)` into a line-aligned `c` of
     /// row length `ldc` (streamed if `stream`), against an f64 triple loop;
@@ -1552,6 +1733,35 @@ mod tests {
         let long = Operand { ptr: std::ptr::null(), rows: 8192, cols: 1 };
         assert!(!streams_rows(8192, long, KC, 32));
         assert!(!streams_rows(1000, Operand { ptr: std::ptr::null(), rows: 1, cols: 45 }, KC, 32));
+    }
+
+    /// Products with a column-major `a` under one column tile, over more than
+    /// one block of [`COLUMN_BLOCK`] steps, run in column order
+    /// ([`streams_columns`]) on the AVX-512 tile: block after block, whatever
+    /// the thread split (whole tiles, a ragged last tile and block, a single
+    /// tile, fewer columns than a vector).
+    #[test]
+    fn column_order_adds_its_blocks_in_order_whatever_the_split() {
+        if Isa::host() != Some(Isa::Avx512) {
+            println!(
+                "skipped: this host has no AVX-512F, whose tile alone reads column-major slivers in place"
+            );
+            return;
+        }
+        let shapes = [(60, 32, 200), (29, 24, 97), (14, 32, 65), (45, 5, 128), (130, 17, 2 * KC + 7)];
+        let stride = COLUMN_MIN_STRIDE + 3;
+        for &(m, n, k) in &shapes {
+            let column_major = Operand { ptr: std::ptr::null(), rows: 1, cols: stride };
+            assert!(streams_columns(k, column_major), "{m}x{n}x{k} streams columns");
+        }
+        unsafe fn avx512(m: usize, n: usize, k: usize, a: Operand, b: Operand, c: Output, acc: bool) {
+            unsafe { sgemm_on(Isa::Avx512, m, n, k, a, b, c, acc) }
+        }
+        triple_loop::check_column_order(&shapes, stride, COLUMN_BLOCK, avx512);
+        // A single block, steps close together, a row-major a: block order as before.
+        assert!(!streams_columns(COLUMN_BLOCK, Operand { ptr: std::ptr::null(), rows: 1, cols: 4096 }));
+        assert!(!streams_columns(32768, Operand { ptr: std::ptr::null(), rows: 1, cols: 64 }));
+        assert!(!streams_columns(1000, Operand { ptr: std::ptr::null(), rows: 1000, cols: 1 }));
     }
 
     /// The AVX2 tile for a column-major `a`, which [`sgemm_on`] gives only
