@@ -931,8 +931,17 @@ impl Tile for Avx512 {
     const MC: usize = 14 * 8;
     /// 14 rows are 56 of a line's 64 bytes.
     const READS_COLUMNS_IN_PLACE: bool = true;
-    /// Not measured with this tile: sliver by sliver, as it was tuned.
-    const ROW_BANDS_MAX_STEPS: usize = 0;
+    /// The connections' coefficient input gradients (`dy @ W^T` over 20 to
+    /// 32 coefficients, MATH.md §4.3, §6.2) and nothing of the backbone's
+    /// (attention's 64-step products stay sliver by sliver, as tuned). In
+    /// training steps (`WIDEN_PROFILE=all`, three alternating runs each, D =
+    /// 256, 4 layers, batch 8 x 256): mHC's `2048 x 1024 x 24` 11.9 / 9.8 /
+    /// 10.4 → 6.5 / 6.2 / 7.4 ms a step, xHC's `2048 x 1024 x 32` 7.2 / 6.2 /
+    /// 6.2 → 4.3 / 3.4 / 3.9 and `2048 x 1024 x 20` 5.1 / 4.2 / 4.7 → 2.9 /
+    /// 2.4 / 2.8, VWN's `32768 x 64 x 24` 10.1 / 8.3 / 10.3 → 9.1 / 6.7 /
+    /// 8.2. xHC's streamed `2048 x 4096 x 32` (32 MiB) stays sliver by
+    /// sliver: band by band it took the same time in the step.
+    const ROW_BANDS_MAX_STEPS: usize = 32;
 
     #[inline]
     #[target_feature(enable = "avx512f")]
