@@ -1,12 +1,12 @@
 //! `passes::split_norm_projections` on every spec's training graph: RMS norm
-//! projections (mHC's coefficients, xHC's active maps) become statistic,
-//! product and scaling, LayerNorm projections (xHC's router) stay, and the
-//! loss and every parameter gradient keep their values (f64 reference executor).
+//! projections (mHC's coefficients, xHC's active maps) and LayerNorm ones
+//! (xHC's router) become statistics, product and scaling, and the loss and
+//! every parameter gradient keep their values (f64 reference executor).
 
 mod passes_util;
 
-use ir::graph::{Graph, NodeId, Op};
-use ir::passes::{fuse, split_norm_projections, GroupKind};
+use ir::graph::{Graph, NodeId, Op, ReduceOp, Region};
+use ir::passes::{fuse, prepare_for_fusion, split_norm_projections, GroupKind};
 use passes_util::{load, name, shrink, spec_files, training_graph, Reference};
 
 const B: usize = 2;
@@ -21,20 +21,67 @@ fn projections(g: &Graph, centered: bool) -> usize {
 
 #[test]
 fn split_projections_keep_loss_and_gradients_of_every_spec() {
-    let mut split_somewhere = false;
+    let (mut split_rms, mut split_centered) = (false, false);
     for (seed, path) in spec_files().into_iter().enumerate() {
         let reference = Reference::of(&path, seed as u64 + 7);
         let name = &reference.name;
         let mut split = reference.lowered.graph.clone();
         let (rms, centered) = (projections(&split, false), projections(&split, true));
         let rewritten = split_norm_projections(&mut split, &reference.grads);
-        assert_eq!(rewritten, rms, "{name}: every RMS projection is split");
-        assert_eq!(projections(&split, false), 0, "{name}");
-        assert_eq!(projections(&split, true), centered, "{name}: LayerNorm projections stay");
-        split_somewhere |= rewritten > 0;
+        assert_eq!(rewritten, rms + centered, "{name}: every projection is split");
+        assert_eq!(projections(&split, false) + projections(&split, true), 0, "{name}");
+        split_rms |= rms > 0;
+        split_centered |= centered > 0;
         reference.assert_kept_by(&split, 1e-10);
     }
-    assert!(split_somewhere, "no spec has an RMS norm projection to split");
+    assert!(split_rms && split_centered, "no spec has an RMS and a LayerNorm projection to split");
+}
+
+/// In xHC the router's LayerNorm statistics join the forward group that
+/// routes (TopK) and gathers the active streams from the same state (MATH.md
+/// §6.2–§6.4), which has every row in hand: no kernel after the router's
+/// GEMM reads the state for the statistics alone, as the projection's own
+/// kernel did.
+#[test]
+fn the_routers_statistics_join_the_group_that_gathers_from_the_state() {
+    let path = spec_files().into_iter().find(|p| name(p) == "xhc").expect("specs/xhc.ron");
+    let spec = shrink(load(&path));
+    let (mut lowered, pairs) = training_graph(&spec, B, T);
+    let grads: Vec<NodeId> = pairs.iter().map(|&(_, g)| g).collect();
+    let g = &mut lowered.graph;
+    let routers = projections(g, true);
+    assert!(routers > 0, "xHC routes");
+    prepare_for_fusion(g, &grads).expect("prepares");
+    assert_eq!(projections(g, true), 0, "every router's projection is split");
+    let fused = fuse(g, &grads).expect("fuses");
+    // The value a node's first operand views (through reshapes and
+    // broadcasts: the first state is the embedding broadcast to N streams).
+    let viewed = |id: NodeId| {
+        let mut v = g.inputs(id)[0];
+        while matches!(g.node(v).op, Op::Reshape { .. } | Op::Broadcast { .. }) {
+            v = g.inputs(v)[0];
+        }
+        v
+    };
+    let nodes_of = |grp: &ir::passes::FusionGroup, op: &dyn Fn(&Op) -> bool| -> Vec<NodeId> {
+        grp.nodes.iter().copied().filter(|&id| op(&g.node(id).op)).collect()
+    };
+    let mut routing = 0;
+    for grp in &fused.groups {
+        let forward = grp.nodes.iter().all(|&id| g.node(id).role.region != Region::Backward);
+        if !forward || nodes_of(grp, &|op| matches!(op, Op::TopK { .. })).is_empty() {
+            continue;
+        }
+        routing += 1;
+        // μ = mean(x) over the flattened state, and the gathers of its rows.
+        let means = nodes_of(grp, &|op| matches!(op, Op::Reduce { op: ReduceOp::Mean, .. }));
+        let means: Vec<NodeId> =
+            means.into_iter().filter(|&m| matches!(g.node(g.inputs(m)[0]).op, Op::Reshape { .. })).collect();
+        let gathers = nodes_of(grp, &|op| matches!(op, Op::Gather { .. }));
+        let shared = means.iter().any(|&m| gathers.iter().any(|&x| viewed(m) == viewed(x)));
+        assert!(shared, "{}: no statistic of the state it gathers from: {}", grp.id, grp.reason);
+    }
+    assert_eq!(routing, routers, "one forward routing group per router");
 }
 
 /// In mHC the statistic joins a token-local group (the one that reads the
