@@ -198,6 +198,20 @@ thread_local! {
     static PACKED: RefCell<Vec<Line>> = const { RefCell::new(Vec::new()) };
 }
 
+/// Runs `f` on this thread's packing space, grown to at least `floats`
+/// floats in whole 64-byte lines, from its first float.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn with_packing<R>(floats: usize, f: impl FnOnce(*mut f32) -> R) -> R {
+    PACKED.with_borrow_mut(|packed| {
+        let lines = floats.div_ceil(16);
+        if packed.len() < lines {
+            packed.resize(lines, Line([0.0; 16]));
+        }
+        f(packed.as_mut_ptr().cast::<f32>())
+    })
+}
+
 /// One cache line of floats.
 #[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
@@ -523,12 +537,9 @@ unsafe fn sgemm_blocks<T: Tile>(
     //   x 256 products).
     let prefetches_next_block =
         (a.rows == 1 && a.cols > 1) || (a.cols == 1 && a.rows > 1 && a.rows <= KC && n <= nr);
-    PACKED.with_borrow_mut(|packed| {
-        if packed.len() < a_lines + b_lines {
-            packed.resize(a_lines + b_lines, Line([0.0; 16]));
-        }
-        let (pa, pb) = packed.split_at_mut(a_lines);
-        let (pa, pb) = (pa.as_mut_ptr().cast::<f32>(), pb.as_mut_ptr().cast::<f32>());
+    with_packing((a_lines + b_lines) * 16, |pa| {
+        // SAFETY: the packing holds a_lines of a's block, then b's panel.
+        let pb = unsafe { pa.add(a_lines * 16) };
         for jc in (0..n).step_by(NC) {
             let nc = NC.min(n - jc);
             for pc in (0..k).step_by(KC) {
@@ -643,12 +654,7 @@ unsafe fn sgemm_row_streams<T: Tile>(
 ) {
     let (mr, nr) = (T::MR, T::NR);
     let b_floats = k.div_ceil(KC) * KC * nr;
-    PACKED.with_borrow_mut(|packed| {
-        let lines = (b_floats + mr * KC).div_ceil(16);
-        if packed.len() < lines {
-            packed.resize(lines, Line([0.0; 16]));
-        }
-        let pb = packed.as_mut_ptr().cast::<f32>();
+    with_packing(b_floats + mr * KC, |pb| {
         // SAFETY: the packing holds b_floats for b, then one sliver of KC steps.
         let pa = unsafe { pb.add(b_floats) };
         for pc in (0..k).step_by(KC) {
@@ -709,12 +715,7 @@ unsafe fn sgemm_column_streams<T: Tile>(
     accumulate: bool,
 ) {
     let (mr, nr) = (T::MR, T::NR);
-    PACKED.with_borrow_mut(|packed| {
-        let lines = (COLUMN_BLOCK * (nr + mr)).div_ceil(16);
-        if packed.len() < lines {
-            packed.resize(lines, Line([0.0; 16]));
-        }
-        let pb = packed.as_mut_ptr().cast::<f32>();
+    with_packing(COLUMN_BLOCK * (nr + mr), |pb| {
         // SAFETY: the packing holds one block of b, then one sliver of a.
         let pa = unsafe { pb.add(COLUMN_BLOCK * nr) };
         let whole = m / mr * mr;
