@@ -181,3 +181,73 @@ fn table_shows_the_figures_of_the_json_report() {
     let read = text.lines().find(|l| l.trim_start().starts_with("traffic read ")).expect("traffic row");
     assert!(read.split_whitespace().any(|w| w == "2.00"), "{read}");
 }
+
+#[test]
+fn specs_larger_than_this_machine_are_refused_before_lowering() {
+    // ~3 TiB to train (64 blocks at D = 16384): under the fixed ceiling, so it
+    // validates, but more than this machine holds; lowering it would allocate GBs of
+    // parameter inits first.
+    let big = TempSpec::new("too-big", "Model(name: \"big\", d_model: 16384, heads: 128, layers: 64)\n");
+    let host = std::fs::read_to_string("/proc/meminfo").ok();
+    let Some(host) = host else { return };
+    assert!(!host.is_empty());
+    let started = std::time::Instant::now();
+    let out = widen_check(&big.0, true);
+    assert!(!out.status.success());
+    let r = parse(&out);
+    let e = &r["errors"][0];
+    assert_eq!(e["path"], "layers", "{r}");
+    let message = e["message"].as_str().unwrap();
+    assert!(message.contains("GiB of memory available") && message.contains("block weights"), "{message}");
+    assert!(started.elapsed().as_secs() < 30, "refused without building the graph");
+
+    let out = widen_check(&big.0, false);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.starts_with("error: layers: training needs about"), "{stderr}");
+}
+
+#[test]
+fn report_includes_the_training_memory_estimate() {
+    let file = Path::new(env!("CARGO_MANIFEST_DIR")).join("specs").join("tiny.ron");
+    let r = parse(&widen_check(&file, true));
+    let m = &r["training_memory"];
+    assert!(float(m, "total_bytes") > 0.0 && float(m, "params") > 0.0, "{r}");
+    let params = uint(&r["params"], "total") as f64;
+    assert!((float(m, "params") / params - 1.0).abs() < 0.1, "{m} vs {params}");
+    let out = widen_check(&file, false);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("training  about") && text.contains("GiB per step"), "{text}");
+}
+
+#[test]
+fn the_issues_bad_inputs_are_clear_errors() {
+    for (tag, text, path, parts) in [
+        ("vocab", "Model(vocab: 100)", "vocab", &["vocab = 100", ">= 256", "byte-level"][..]),
+        ("name", "Model(name: \"../../x\")", "name", &["A-Z a-z 0-9 . _ -"][..]),
+        (
+            "sinkhorn",
+            "Model(residual: Mhc(sinkhorn_iters: 1000000000))",
+            "residual.sinkhorn_iters",
+            &["<= 1000"][..],
+        ),
+        ("mtp", "Model(mtp: (depth: 8), train: (seq_len: 8))", "mtp.depth", &["< train.seq_len"][..]),
+        ("ghc", "Model(residual: Ghc(m: 4, n: 18446744073709551615))", "residual.n", &["<= 1024"][..]),
+    ] {
+        let file = TempSpec::new(tag, text);
+        let out = widen_check(&file.0, true);
+        assert!(!out.status.success(), "{tag}");
+        let r = parse(&out);
+        let errors = r["errors"].as_array().unwrap();
+        let e = errors.iter().find(|e| e["path"] == path).unwrap_or_else(|| panic!("{tag}: {r}"));
+        for part in parts {
+            assert!(e["message"].as_str().unwrap().contains(part), "{tag}: {e}");
+        }
+    }
+    // A BOM is accepted; a negative size names the field and its range.
+    let bom = TempSpec::new("bom", "\u{feff}Model(name: \"bom\")");
+    assert!(widen_check(&bom.0, true).status.success());
+    let negative = TempSpec::new("negative", "Model(train: (batch: -4))");
+    let r = parse(&widen_check(&negative.0, true));
+    let message = r["errors"][0]["message"].as_str().unwrap();
+    assert!(message.contains("in `train.batch`: -4 is not valid") && message.contains("1..=1048576"), "{r}");
+}

@@ -65,7 +65,7 @@ rule!(
     "name",
     ["name = \"\"", "non-empty"]
 );
-rule!(vocab_at_least_2, |s| s.vocab = 1, |s| s.vocab = 2, "vocab", ["vocab = 1", ">= 2"]);
+rule!(vocab_at_least_256, |s| s.vocab = 255, |s| s.vocab = 256, "vocab", ["vocab = 255", ">= 256"]);
 rule!(
     d_model_at_least_1,
     |s| {

@@ -10,10 +10,10 @@
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use ir::cost::{cost_report, CostReport};
+use ir::cost::{cost_report, gib, training_memory, CostReport, TrainingMemory};
 use ir::lower::LowerError;
 use ir::passes::fused_connection_traffic;
-use ir::spec::{load_spec, SpecLoadError};
+use ir::spec::{host_memory_bytes, load_spec, SpecLoadError};
 use serde_json::{json, Value};
 
 #[derive(clap::Args)]
@@ -38,6 +38,14 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let spec = match load_spec(&args.spec) {
         Ok(spec) => spec,
         Err(err) => return Ok(fail(&args, &load_problems(err))),
+    };
+    // Validation refuses only what no machine holds; before lowering (which allocates
+    // parameter inits) the estimate must also fit this machine (issue #33). Where the
+    // memory cannot be read the estimate is still printed.
+    let memory = match host_memory_bytes().map(|bytes| spec.check_fits(bytes)) {
+        Some(Ok(memory)) => memory,
+        Some(Err(e)) => return Ok(fail(&args, &[Problem { path: e.path, message: e.message, at: None }])),
+        None => training_memory(&spec),
     };
     let report = match cost_report(&spec) {
         Ok(report) => report,
@@ -66,10 +74,11 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                 "fused_traffic_per_sublayer".into(),
                 json!({ "read": fused.this.0, "write": fused.this.1 }),
             );
+            map.insert("training_memory".into(), serde_json::to_value(memory)?);
         }
         println!("{}", serde_json::to_string_pretty(&value)?);
     } else {
-        print!("{}", table(&args.spec, &report, &fused));
+        print!("{}", table(&args.spec, &report, &fused, &memory));
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -137,7 +146,7 @@ struct FusedTraffic {
     residual: (f64, f64),
 }
 
-fn table(path: &Path, r: &CostReport, fused: &FusedTraffic) -> String {
+fn table(path: &Path, r: &CostReport, fused: &FusedTraffic, memory: &TrainingMemory) -> String {
     let mut out = String::new();
     let mut line = |s: String| {
         out.push_str(s.trim_end());
@@ -148,6 +157,13 @@ fn table(path: &Path, r: &CostReport, fused: &FusedTraffic) -> String {
     line(format!(
         "  backbone  D = {}, L = {}, V = {}; counted on the graph at batch 1, T = {}",
         r.d_model, r.layers, r.vocab, r.seq_len
+    ));
+    line(format!(
+        "  training  about {:.2} GiB per step: {:.2} GiB weights, gradients and moments, {:.2} GiB activations \
+         (closed-form estimate)",
+        gib(memory.total_bytes),
+        gib(memory.param_bytes),
+        gib(memory.activation_bytes)
     ));
     line(String::new());
 

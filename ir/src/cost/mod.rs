@@ -32,9 +32,13 @@
 //!   every intermediate (no recompute, no fusion). MoE routed-expert outputs count
 //!   their active fraction.
 
+mod memory;
 mod ops;
 mod paper;
 
+pub use memory::{
+    gib, training_memory, MemoryShare, TrainingMemory, BYTES_PER_ACTIVATION, TRAIN_BYTES_PER_PARAM,
+};
 pub use ops::{op_cost, stored_elements, OpCost};
 pub use paper::{paper_figures, PaperFigures};
 

@@ -111,7 +111,18 @@ pub(crate) trait Scheme {
 
 /// Lowers a spec into its forward training graph for a `batch x seq_len` step.
 pub fn lower(spec: &ModelSpec, batch: usize, seq_len: usize) -> Result<Lowered, LowerError> {
-    spec.validate().map_err(LowerError::Invalid)?;
+    spec.validate_graph().map_err(LowerError::Invalid)?;
+    // MATH.md §7.1: module k trains on the first T - k positions of this graph's T.
+    if spec.mtp.depth >= seq_len {
+        return Err(LowerError::Invalid(vec![FieldError {
+            path: "mtp.depth".into(),
+            message: format!(
+                "mtp.depth = {} must be < the graph's sequence length {seq_len} (MTP module k trains on \
+                 the first T - k positions)",
+                spec.mtp.depth
+            ),
+        }]));
+    }
     if spec.tie_embeddings {
         if let crate::spec::ResidualSpec::Ghc(g) = &spec.residual {
             if g.embed_mode == crate::spec::EmbedMode::Full && g.n != g.m {

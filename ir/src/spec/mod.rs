@@ -9,12 +9,15 @@
 //! `gram_schmidt`) are `Option`s; use the resolving accessors
 //! ([`ModelSpec::kv_heads`], [`ModelSpec::head_dim`], ...) rather than the raw field.
 
+mod fits;
+pub mod limits;
 mod names;
 mod parse;
 mod ron_tree;
 mod validate;
 mod virtual_width;
 
+pub use fits::host_memory_bytes;
 pub use names::UnknownName;
 pub use parse::{load_spec, parse_spec, SpecLoadError};
 pub use validate::FieldError;
@@ -26,9 +29,10 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields, rename = "Model")]
 pub struct ModelSpec {
-    /// Human-readable name, used in reports and output folders.
+    /// Name of reports and of the run's folder under `runs/`: 1..=64 characters from
+    /// `A-Za-z0-9._-`, not `.` or `..` (one safe path component).
     pub name: String,
-    /// Vocabulary size V [>= 2]. 256 = byte-level text.
+    /// Vocabulary size V [>= 256 to train: every corpus is byte-level; >= 2 for a graph].
     pub vocab: usize,
     /// Backbone width D (= C) [>= 1].
     pub d_model: usize,

@@ -8,10 +8,12 @@
 
 use std::fmt;
 
+use super::limits::{integer_limit, MAX_CONV_KERNELS, MAX_NAME_LEN, MAX_PATH_LEN, MAX_TRAINING_BYTES};
 use super::{
     AdamWSpec, DataSpec, FfnSpec, Flash, ModelSpec, OptimizerSpec, Parametrization, ReduceNorm, ResidualSpec,
-    ScheduleSpec,
+    ScheduleSpec, SyntheticCorpus,
 };
+use crate::cost::{gib, training_memory};
 
 /// One validation problem: the field path and a message naming the bad value and what is valid.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -31,12 +33,62 @@ impl fmt::Display for FieldError {
 impl std::error::Error for FieldError {}
 
 impl ModelSpec {
-    /// Checks every rule and returns all violations (MATH.md §10).
+    /// Checks every rule and returns all violations (MATH.md §10): the graph rules of
+    /// [`ModelSpec::validate_graph`] plus the rules of a training run (a `name` that is
+    /// safe as a folder name, a `vocab` that covers the byte-level corpus).
     pub fn validate(&self) -> Result<(), Vec<FieldError>> {
+        let mut c = Checker { trainable: true, ..Checker::default() };
+        self.check_run(&mut c);
+        self.check_graph(&mut c);
+        c.finish()
+    }
+
+    /// The rules a graph needs: every structural rule, every size and loop bound
+    /// ([`super::limits`]) and the training-memory ceiling. [`crate::lower::lower`] runs
+    /// these; a spec that only feeds a graph (gradient checks with a tiny `vocab`, say)
+    /// need not be trainable on the byte corpora.
+    pub fn validate_graph(&self) -> Result<(), Vec<FieldError>> {
         let mut c = Checker::default();
-        self.check_backbone(&mut c);
-        self.check_ffn(&mut c);
-        self.check_residual(&mut c);
+        self.check_graph(&mut c);
+        c.finish()
+    }
+
+    /// Rules of a training run, beyond the graph.
+    fn check_run(&self, c: &mut Checker) {
+        check_name(c, &self.name);
+    }
+
+    /// `vocab` covers the training corpus when the spec is to be trained (`validate`),
+    /// and is at least 2 (a softmax) for a graph alone (`validate_graph`).
+    fn check_vocab(&self, c: &mut Checker) {
+        if !c.trainable {
+            c.at_least("vocab", self.vocab, 2);
+            return;
+        }
+        // Every corpus widen trains on is byte-level (the synthetic grammar and text
+        // files alike): token ids are the bytes 0..=255, so a smaller vocabulary would
+        // index the embedding and the logits out of bounds (issue #33).
+        let corpus = match &self.train.data {
+            DataSpec::Synthetic(SyntheticCorpus::Default) => "Synthetic(Default)".to_string(),
+            DataSpec::Text(path) => format!("Text({:?})", path.chars().take(80).collect::<String>()),
+        };
+        if self.vocab < 256 {
+            c.fail(
+                "vocab",
+                format!(
+                    "vocab = {} must be >= 256: train.data = {corpus} is byte-level, so token ids \
+                     are the bytes 0..=255",
+                    self.vocab
+                ),
+            );
+        }
+    }
+
+    fn check_graph(&self, c: &mut Checker) {
+        let before = c.errors.len();
+        self.check_backbone(c);
+        self.check_ffn(c);
+        self.check_residual(c);
         c.non_negative("mtp.lambda", self.mtp.lambda);
         if let Parametrization::MuP(mup) = &self.parametrization {
             if mup.base_width < 1 || mup.base_width > self.d_model {
@@ -51,22 +103,139 @@ impl ModelSpec {
             c.positive("parametrization.attn_mult", mup.attn_mult);
             c.positive("parametrization.output_mult", mup.output_mult);
         }
-        self.check_train(&mut c);
-        if c.errors.is_empty() {
-            Ok(())
-        } else {
-            Err(c.errors)
+        self.check_train(c);
+        self.check_bounds(c);
+        // The estimate reads every size; with any size already refused it would only
+        // repeat that error in other words.
+        if c.errors.len() == before {
+            self.check_memory_ceiling(c);
+        }
+    }
+
+    /// Upper bounds of every integer field ([`super::limits::INTEGER_LIMITS`]; lower
+    /// bounds are the rules above, with their own messages).
+    fn check_bounds(&self, c: &mut Checker) {
+        for (path, value) in self.integer_fields() {
+            let row = path.split('[').next().and_then(integer_limit);
+            if let Some(limit) = row {
+                if value > limit.max {
+                    c.fail(&path, format!("{path} = {value} must be <= {} ({})", limit.max, limit.why));
+                }
+            }
+        }
+        if let ResidualSpec::Xhc(x) = &self.residual {
+            if x.conv_kernels.len() > MAX_CONV_KERNELS {
+                c.fail(
+                    "residual.conv_kernels",
+                    format!(
+                        "residual.conv_kernels has {} kernels; at most {MAX_CONV_KERNELS} (each adds a \
+                         component to every augmented sublayer; the paper uses 3)",
+                        x.conv_kernels.len()
+                    ),
+                );
+            }
+        }
+        // MATH.md §7.1: module k predicts token t + k + 1 from the first T - k positions;
+        // k = T leaves no position and the graph would have empty tensors.
+        if self.mtp.depth >= self.train.seq_len && self.train.seq_len >= 2 {
+            c.fail(
+                "mtp.depth",
+                format!(
+                    "mtp.depth = {} must be < train.seq_len = {} (MTP module k trains on the first \
+                     T - k positions, so every module needs at least one)",
+                    self.mtp.depth, self.train.seq_len
+                ),
+            );
+        }
+    }
+
+    /// Every integer field with its path and value (list items as `path[i]`).
+    pub(crate) fn integer_fields(&self) -> Vec<(String, u64)> {
+        let u = |x: usize| x as u64;
+        let mut out: Vec<(String, u64)> = vec![
+            ("vocab".into(), u(self.vocab)),
+            ("d_model".into(), u(self.d_model)),
+            ("layers".into(), u(self.layers)),
+            ("heads".into(), u(self.heads)),
+        ];
+        if let Some(kv) = self.kv_heads {
+            out.push(("kv_heads".into(), u(kv)));
+        }
+        if let Some(h) = self.head_dim {
+            out.push(("head_dim".into(), u(h)));
+        }
+        match &self.ffn {
+            FfnSpec::SwiGlu(s) => out.extend(s.hidden.map(|h| ("ffn.hidden".into(), u(h)))),
+            FfnSpec::Moe(m) => out.extend([
+                ("ffn.experts".into(), u(m.experts)),
+                ("ffn.top_k".into(), u(m.top_k)),
+                ("ffn.shared".into(), u(m.shared)),
+                ("ffn.hidden".into(), u(m.hidden)),
+            ]),
+        }
+        match &self.residual {
+            ResidualSpec::Residual => {}
+            ResidualSpec::Hc(h) => out.push(("residual.n".into(), u(h.n))),
+            ResidualSpec::Fc(f) => out.push(("residual.m".into(), u(f.m))),
+            ResidualSpec::Mhc(m) => {
+                out.push(("residual.n".into(), u(m.n)));
+                out.push(("residual.sinkhorn_iters".into(), u(m.sinkhorn_iters)));
+            }
+            ResidualSpec::Ghc(g) => {
+                out.push(("residual.m".into(), u(g.m)));
+                out.push(("residual.n".into(), u(g.n)));
+            }
+            ResidualSpec::Xhc(x) => {
+                out.push(("residual.n".into(), u(x.n)));
+                out.push(("residual.k".into(), u(x.k)));
+                out.push(("residual.fixed".into(), u(x.fixed)));
+                for (i, &kernel) in x.conv_kernels.iter().enumerate() {
+                    out.push((format!("residual.conv_kernels[{i}]"), u(kernel)));
+                }
+                out.push(("residual.sinkhorn_iters".into(), u(x.sinkhorn_iters)));
+            }
+        }
+        out.push(("mtp.depth".into(), u(self.mtp.depth)));
+        match &self.parametrization {
+            Parametrization::Standard => {}
+            Parametrization::MuP(m) => out.push(("parametrization.base_width".into(), u(m.base_width))),
+        }
+        let t = &self.train;
+        out.extend([
+            ("train.seq_len".into(), u(t.seq_len)),
+            ("train.batch".into(), u(t.batch)),
+            ("train.steps".into(), u(t.steps)),
+            ("train.seed".into(), t.seed),
+            ("train.eval_every".into(), u(t.eval_every)),
+            ("train.eval_batches".into(), u(t.eval_batches)),
+            ("train.checkpoint_every".into(), u(t.checkpoint_every)),
+        ]);
+        let warmup = match &t.schedule {
+            ScheduleSpec::Constant(s) => s.warmup,
+            ScheduleSpec::Cosine(s) => s.warmup,
+            ScheduleSpec::Wsd(s) => s.warmup,
+        };
+        out.push(("train.schedule.warmup".into(), u(warmup)));
+        match &t.optimizer {
+            OptimizerSpec::AdamW(_) => {}
+            OptimizerSpec::Muon(m) => out.push(("train.optimizer.ns_steps".into(), u(m.ns_steps))),
+        }
+        out
+    }
+
+    /// The training-memory estimate against the fixed ceiling no machine exceeds.
+    fn check_memory_ceiling(&self, c: &mut Checker) {
+        let memory = training_memory(self);
+        let limit = MAX_TRAINING_BYTES as f64;
+        // `!(x <= limit)` also refuses an estimate that overflowed to infinity.
+        if !(memory.total_bytes <= limit) {
+            let (path, message) = memory_message(&memory, &format!("the {:.0} GiB ceiling", gib(limit)));
+            c.fail(path, format!("{message}; no machine holds that"));
         }
     }
 
     fn check_backbone(&self, c: &mut Checker) {
-        if self.name.trim().is_empty() {
-            c.fail(
-                "name",
-                format!("name = {:?} must be non-empty (it names reports and output folders)", self.name),
-            );
-        }
-        c.at_least("vocab", self.vocab, 2);
+        self.check_vocab(c);
         c.at_least("d_model", self.d_model, 1);
         c.at_least("layers", self.layers, 1);
         c.at_least("heads", self.heads, 1);
@@ -216,6 +385,15 @@ impl ModelSpec {
         if let DataSpec::Text(path) = &t.data {
             if path.trim().is_empty() {
                 c.fail("train.data", format!("train.data = Text({path:?}) must name a text file"));
+            } else if path.len() > MAX_PATH_LEN || path.contains('\0') {
+                let shown: String = path.chars().take(40).collect();
+                c.fail(
+                    "train.data",
+                    format!(
+                        "train.data = Text({shown:?}...) must be a file path of at most {MAX_PATH_LEN} bytes \
+                         without NUL characters"
+                    ),
+                );
             }
         }
         c.at_least("train.seq_len", t.seq_len, 2);
@@ -283,13 +461,66 @@ fn check_adamw(c: &mut Checker, at: &str, a: &AdamWSpec) {
     c.non_negative(&format!("{at}.weight_decay"), a.weight_decay);
 }
 
+/// `name` becomes one folder under `runs/` and part of file names, so it must be one
+/// safe path component (issue #33: `../../x` or `/tmp/x` wrote outside `runs/`).
+fn check_name(c: &mut Checker, name: &str) {
+    let valid = "1 to 64 characters from A-Z a-z 0-9 . _ -, not \".\" or \"..\" \
+                 (it names the run's folder under runs/)";
+    let shown: String = name.chars().take(MAX_NAME_LEN + 8).collect();
+    let shown = if shown.len() < name.len() { format!("{shown:?}...") } else { format!("{shown:?}") };
+    if name.is_empty() {
+        c.fail("name", format!("name = \"\" must be non-empty: {valid}"));
+    } else if name.chars().count() > MAX_NAME_LEN {
+        c.fail(
+            "name",
+            format!("name = {shown} is {} characters long; it must be {valid}", name.chars().count()),
+        );
+    } else if name == "." || name == ".." {
+        c.fail("name", format!("name = {shown} is not a folder name; it must be {valid}"));
+    } else if let Some(bad) =
+        name.chars().find(|ch| !(ch.is_ascii_alphanumeric() || matches!(ch, '.' | '_' | '-')))
+    {
+        c.fail("name", format!("name = {shown} contains {bad:?}; it must be {valid}"));
+    }
+}
+
+/// The error for an estimate above `limit`: the path of the largest share and a message
+/// with the estimate and each share in GiB.
+pub(crate) fn memory_message(memory: &crate::cost::TrainingMemory, limit: &str) -> (&'static str, String) {
+    let shares = memory.shares();
+    let top = shares[0];
+    let parts: Vec<String> = shares
+        .iter()
+        .filter(|s| s.bytes > 0.0)
+        .map(|s| format!("{} {:.1} GiB", s.what, gib(s.bytes)))
+        .collect();
+    let message = format!(
+        "training needs about {:.1} GiB, above {limit}; the largest share is {} (reduce `{}`); all shares: {}",
+        gib(memory.total_bytes),
+        top.what,
+        top.path,
+        parts.join(", ")
+    );
+    (top.path, message)
+}
+
 /// Collects problems; each helper writes `path = value must be ...`.
 #[derive(Default)]
 struct Checker {
     errors: Vec<FieldError>,
+    /// The spec is to be trained: the run's rules apply too.
+    trainable: bool,
 }
 
 impl Checker {
+    fn finish(self) -> Result<(), Vec<FieldError>> {
+        if self.errors.is_empty() {
+            Ok(())
+        } else {
+            Err(self.errors)
+        }
+    }
+
     fn fail(&mut self, path: &str, message: String) {
         self.errors.push(FieldError { path: path.to_string(), message });
     }

@@ -1,0 +1,290 @@
+//! A closed-form estimate of the memory one training step needs, computed from the
+//! spec alone, before any graph is built (issue #33: a spec too large for any machine
+//! must be refused before widen allocates for it).
+//!
+//! Everything else in [`crate::cost`] is counted on the lowered graph; this cannot be,
+//! because lowering a spec that is too large is exactly what must not happen. It uses
+//! the same parameter shapes as the lowering (and MATH.md's closed forms of the
+//! connection parameters, [`super::paper_figures`]), and the activation convention of
+//! the module doc (every stored op output, 4 bytes per element) reduced to dominant
+//! terms per token. The test `ir/tests/cost_memory.rs` checks it against the graph's
+//! counts for every spec in `specs/`.
+//!
+//! All arithmetic is in `f64`: a product of user sizes can only grow to infinity,
+//! never wrap or panic, and any comparison with a limit then refuses it.
+
+use serde::Serialize;
+
+use crate::spec::{EmbedMode, FfnSpec, Flash, ModelSpec, ResidualSpec};
+
+/// Bytes per parameter in training: the f32 weight, its gradient and two optimizer
+/// moments (AdamW; Muon keeps one momentum for hidden matrices, so this bounds it).
+pub const TRAIN_BYTES_PER_PARAM: f64 = 16.0;
+
+/// Bytes per stored activation element (f32; bf16 mode stores some state at 2, which
+/// this overestimates).
+pub const BYTES_PER_ACTIVATION: f64 = 4.0;
+
+/// The estimate, in parameters and bytes. See the module doc for the conventions.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct TrainingMemory {
+    /// Embedding tables (E, VWN's E_wide or E_base and W_expand).
+    pub embedding_params: f64,
+    /// Attention and FFN weights of the trunk's blocks.
+    pub block_params: f64,
+    /// Connection parameters of the residual scheme (trunk and collapse).
+    pub connection_params: f64,
+    /// Final norm and unembedding.
+    pub head_params: f64,
+    /// MTP modules (their own blocks, norms and mixing).
+    pub mtp_params: f64,
+    /// All parameters.
+    pub params: f64,
+    /// `params` x [`TRAIN_BYTES_PER_PARAM`].
+    pub param_bytes: f64,
+    /// Stored activations of one step at `train.batch` x `train.seq_len`.
+    pub activation_bytes: f64,
+    /// `param_bytes + activation_bytes`.
+    pub total_bytes: f64,
+}
+
+/// One share of the estimate and the spec fields that drive it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MemoryShare {
+    /// The field an error points at.
+    pub path: &'static str,
+    /// What the share is, naming every field that scales it.
+    pub what: &'static str,
+    pub bytes: f64,
+}
+
+impl TrainingMemory {
+    /// The shares of `total_bytes`, largest first.
+    pub fn shares(&self) -> Vec<MemoryShare> {
+        let b = TRAIN_BYTES_PER_PARAM;
+        let mut shares = vec![
+            MemoryShare {
+                path: "vocab",
+                what: "embedding and unembedding (vocab x d_model)",
+                bytes: (self.embedding_params + self.head_params) * b,
+            },
+            MemoryShare {
+                path: "layers",
+                what: "block weights (layers x d_model x heads / ffn width)",
+                bytes: self.block_params * b,
+            },
+            MemoryShare {
+                path: "residual",
+                what: "connection parameters (residual streams x d_model)",
+                bytes: self.connection_params * b,
+            },
+            MemoryShare { path: "mtp.depth", what: "MTP modules (mtp.depth)", bytes: self.mtp_params * b },
+            MemoryShare {
+                path: "train.batch",
+                what: "activations (train.batch x train.seq_len x layers x width)",
+                bytes: self.activation_bytes,
+            },
+        ];
+        // NaN cannot occur (every term is a product of non-negative finite or infinite
+        // sizes, and no term multiplies infinity by zero without a zero-sized spec being
+        // refused first), but compare totally anyway.
+        shares.sort_by(|a, b| b.bytes.total_cmp(&a.bytes));
+        shares
+    }
+}
+
+/// GiB, for messages.
+pub fn gib(bytes: f64) -> f64 {
+    bytes / (1u64 << 30) as f64
+}
+
+/// The estimate for `spec` at its own `train.batch` and `train.seq_len`.
+pub fn training_memory(spec: &ModelSpec) -> TrainingMemory {
+    let f = |x: usize| x as f64;
+    let (v, d, l) = (f(spec.vocab), f(spec.d_model), f(spec.layers));
+    let (h, hkv, dh) = (f(spec.heads), f(spec.kv_heads()), f(spec.head_dim()));
+    let tokens = f(spec.train.batch) * f(spec.train.seq_len);
+
+    // Per block: attention (W_q, W_k, W_v, W_o and the norm) and the FFN (MATH.md §1.3).
+    let attention = 2.0 * d * h * dh + 2.0 * d * hkv * dh + d;
+    let (ffn, ffn_act) = match &spec.ffn {
+        FfnSpec::SwiGlu(s) => {
+            let hidden = s.hidden.map(f).unwrap_or_else(|| default_hidden(d));
+            (3.0 * d * hidden + d, 4.0 * hidden)
+        }
+        // The reference computes every routed expert densely; shared experts are one
+        // SwiGLU of width shared x hidden.
+        FfnSpec::Moe(m) => {
+            let width = (f(m.experts) + f(m.shared)) * f(m.hidden);
+            (3.0 * d * width + d * f(m.experts) + d, 4.0 * width + 2.0 * f(m.experts))
+        }
+    };
+    let block = attention + ffn;
+
+    // Residual-state width per token (elements), the width of one slot of it (the
+    // lowering's `layout`), and the embedding shape.
+    let (state, slot, embedding) = match &spec.residual {
+        ResidualSpec::Residual => (d, d, v * d),
+        ResidualSpec::Fc(x) => (d, d / f(x.m.max(1)), v * d),
+        ResidualSpec::Hc(x) => (f(x.n) * d, d, v * d),
+        ResidualSpec::Mhc(x) => (f(x.n) * d, d, v * d),
+        ResidualSpec::Xhc(x) => (f(x.n) * d, d, v * d),
+        ResidualSpec::Ghc(g) => {
+            let segment = d / f(g.m.max(1));
+            let wide = f(g.n) * segment;
+            let embedding = match g.embed_mode {
+                EmbedMode::Full => v * wide,
+                EmbedMode::Expand => v * d + d * wide,
+            };
+            (wide, segment, embedding)
+        }
+    };
+    let connection = l * connection_params_per_block(spec, state) + collapse_params(spec, state);
+    let head = d + if spec.tie_embeddings { 0.0 } else { v * d };
+    // An MTP module: two norms over the state, the per-slot [2W, W] mixing, one block
+    // with its connections, its collapse and final norm (MATH.md §7.1, §5.7).
+    let depth = f(spec.mtp.depth);
+    let module = 2.0 * state
+        + 2.0 * slot * slot
+        + block
+        + connection_params_per_block(spec, state)
+        + collapse_params(spec, state)
+        + d;
+    let mtp = depth * module;
+    let params = embedding + l * block + connection + head + mtp;
+
+    // Activations per token: per block, the attention sublayer's norm, q/k/v, output and
+    // projection; the FFN's inner width; and the connection's copies of the state on
+    // both sublayers. Then the logits and their softmax on every head.
+    let attention_act = 4.0 * d + 2.0 * (h + hkv) * dh;
+    // Each sublayer's connection keeps a few copies of the state and, when dynamic,
+    // about six intermediates (projection, scale, activation, offset) of every mixing
+    // coefficient it generates per token.
+    // xHC reads and writes only the k active streams (MATH.md §6.6).
+    let touched = match &spec.residual {
+        ResidualSpec::Xhc(x) => f(x.k) * d,
+        ResidualSpec::Residual
+        | ResidualSpec::Hc(_)
+        | ResidualSpec::Fc(_)
+        | ResidualSpec::Mhc(_)
+        | ResidualSpec::Ghc(_) => state,
+    };
+    let connection_act = 2.0 * (6.0 * touched + 6.0 * coefficients_per_token(spec));
+    let per_block = attention_act + ffn_act + 2.0 * d + connection_act;
+    let heads = 1.0 + depth;
+    let per_token = (l + depth) * per_block + heads * 2.0 * v + state;
+    let activation_bytes = tokens * per_token * BYTES_PER_ACTIVATION;
+
+    let param_bytes = params * TRAIN_BYTES_PER_PARAM;
+    TrainingMemory {
+        embedding_params: embedding,
+        block_params: l * block,
+        connection_params: connection,
+        head_params: head,
+        mtp_params: mtp,
+        params,
+        param_bytes,
+        activation_bytes,
+        total_bytes: param_bytes + activation_bytes,
+    }
+}
+
+/// [`FfnSpec::default_hidden`] in `f64`, so a huge `d_model` cannot overflow.
+fn default_hidden(d: f64) -> f64 {
+    let multiple = if d < 96.0 { 8.0 } else { 256.0 };
+    ((8.0 * d / 3.0).ceil() / multiple).ceil() * multiple
+}
+
+/// Connection parameters of one block (two sublayers), from MATH.md's closed forms
+/// where they exist, else the dominant projection terms of the lowering.
+fn connection_params_per_block(spec: &ModelSpec, state: f64) -> f64 {
+    let d = spec.d_model as f64;
+    match &spec.residual {
+        ResidualSpec::Residual => 0.0,
+        ResidualSpec::Hc(x) => {
+            let n = x.n as f64;
+            2.0 * (2.0 * d + d * (n + 2.0) + n * (n + 2.0) + 2.0)
+        }
+        ResidualSpec::Fc(x) => {
+            let m = x.m.max(1) as f64;
+            2.0 * (d / m * (2.0 * m + 2.0) + m * (2.0 * m + 1.0) + 2.0)
+        }
+        ResidualSpec::Mhc(x) => {
+            let n = x.n as f64;
+            2.0 * (n * d * (n * n + 2.0 * n) + n * n + 2.0 * n + 3.0)
+        }
+        ResidualSpec::Ghc(g) => {
+            let (m, n) = (g.m.max(1) as f64, g.n as f64);
+            2.0 * ((d / m) * (2.0 * m + n + 1.0) + 3.0 * n * (2.0 * m + n))
+        }
+        ResidualSpec::Xhc(x) => {
+            // Routing over all N streams, maps over the k active ones with K_r
+            // components, the temporal kernels (MATH.md §6.9), per sublayer.
+            let (big_n, k) = (x.n as f64, x.k as f64);
+            let k_r = x.conv_kernels.len() as f64 + 1.0;
+            let kernels: f64 = x.conv_kernels.iter().map(|&kappa| kappa as f64).sum();
+            // xHC-Flash routes once per block or per two blocks (MATH.md §6.10, §6.11).
+            let routings = match x.flash {
+                Flash::None => 2.0,
+                Flash::Block => 1.0,
+                Flash::TwoBlock => 0.5,
+            };
+            routings * 2.0 * big_n * big_n * d
+                + 2.0 * ((k * k * k + k * k * k_r) * d + kernels * d + 2.0 * state)
+        }
+    }
+}
+
+/// Mixing coefficients a sublayer generates per token (dynamic schemes; MATH.md §2.3,
+/// §3, §4.2, §5.5, §6.2).
+fn coefficients_per_token(spec: &ModelSpec) -> f64 {
+    match &spec.residual {
+        ResidualSpec::Residual => 0.0,
+        ResidualSpec::Hc(x) => {
+            let n = x.n as f64;
+            if x.dynamic {
+                n * (n + 2.0)
+            } else {
+                0.0
+            }
+        }
+        ResidualSpec::Fc(x) => {
+            let m = x.m as f64;
+            if x.dynamic {
+                m * (2.0 * m + 1.0)
+            } else {
+                0.0
+            }
+        }
+        ResidualSpec::Mhc(x) => {
+            let n = x.n as f64;
+            n * (n + 2.0)
+        }
+        ResidualSpec::Ghc(g) => {
+            let (m, n) = (g.m as f64, g.n as f64);
+            if g.dynamic {
+                n * (n + 2.0 * m)
+            } else {
+                0.0
+            }
+        }
+        ResidualSpec::Xhc(x) => {
+            let (big_n, k) = (x.n as f64, x.k as f64);
+            let k_r = x.conv_kernels.len() as f64 + 1.0;
+            2.0 * big_n + k * k + k * k_r
+        }
+    }
+}
+
+/// Parameters of the collapse before the head (VWN's GroupNorm and W_reduce).
+fn collapse_params(spec: &ModelSpec, state: f64) -> f64 {
+    let d = spec.d_model as f64;
+    match &spec.residual {
+        ResidualSpec::Ghc(_) => state * d + 2.0 * state,
+        ResidualSpec::Residual
+        | ResidualSpec::Hc(_)
+        | ResidualSpec::Fc(_)
+        | ResidualSpec::Mhc(_)
+        | ResidualSpec::Xhc(_) => 0.0,
+    }
+}
