@@ -291,3 +291,74 @@ Model(
     let mup = text.replace("parametrization: Standard", "parametrization: MuP(base_width: 128)");
     ModelSpec::from_ron_str(&mup).unwrap_or_else(|e| panic!("{e}"));
 }
+
+fn syntax_message(text: &str) -> String {
+    match parse_spec(text, "bad.ron") {
+        Err(SpecLoadError::Syntax { message, .. }) => message,
+        other => panic!("{text}: expected a syntax error, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_byte_order_mark_is_accepted() {
+    let spec = parse_spec("\u{feff}Model(name: \"bom\", layers: 3)", "bom.ron").expect("a BOM is skipped");
+    assert_eq!((spec.name.as_str(), spec.layers), ("bom", 3));
+    let file = TempFile::new("bom.ron", "\u{feff}Model(name: \"bom\")");
+    assert_eq!(load_spec(&file.0).expect("valid").name, "bom");
+}
+
+#[test]
+fn non_ascii_field_names_are_reported_whole() {
+    let names = unknown_names("Model(\n  vöcab: 256,\n  名前: \"x\",\n)");
+    assert_eq!(names.len(), 2, "{names:?}");
+    assert_eq!((names[0].path.as_str(), names[0].line, names[0].col), ("vöcab", 2, 3));
+    assert!(names[0].message.contains("unknown field `vöcab`"), "{}", names[0].message);
+    assert!(names[0].message.contains("did you mean `vocab`?"), "{}", names[0].message);
+    assert!(names[1].message.contains("unknown field `名前`"), "{}", names[1].message);
+}
+
+#[test]
+fn bad_whole_numbers_name_the_field_and_its_range() {
+    for (text, field, written, range) in [
+        ("Model(train: (batch: -4))", "train.batch", "-4", "a whole number in 1..=1048576"),
+        ("Model(layers: 2.5)", "layers", "2.5", "a whole number in 1..=1024"),
+        ("Model(vocab: 1e99)", "vocab", "1e99", "a whole number in 256..=2147483648"),
+        ("Model(residual: Ghc(m: 2, n: 4.5))", "residual.n", "4.5", "a whole number in 1..=1024"),
+        ("Model(train: (seed: -1))", "train.seed", "-1", "a whole number >= 0"),
+        ("Model(layers: 99999999999999999999999)", "layers", "99999999999999999999999", "1..=1024"),
+        ("Model(residual: Xhc(conv_kernels: [4, -8]))", "residual.conv_kernels", "-8", "1..=1024"),
+        ("Model(train: (optimizer: Muon(ns_steps: 0.5)))", "train.optimizer.ns_steps", "0.5", "1..=100"),
+    ] {
+        let message = syntax_message(text);
+        assert!(message.starts_with(&format!("in `{field}`: {written} is not valid")), "{text}: {message}");
+        assert!(message.contains(range), "{text}: {message}");
+    }
+}
+
+#[test]
+fn duplicate_fields_are_named() {
+    let message = syntax_message("Model(vocab: 256, vocab: 300)");
+    assert!(message.contains("vocab") && message.to_lowercase().contains("duplicate"), "{message}");
+}
+
+#[test]
+fn deep_nesting_is_an_error_not_a_crash() {
+    for depth in [200, 100_000] {
+        let text = format!("Model(residual: {}{})", "(".repeat(depth), ")".repeat(depth));
+        assert!(parse_spec(&text, "deep.ron").is_err());
+        let text = format!("Model(train: (data: Text({})))", "[".repeat(depth));
+        assert!(parse_spec(&text, "deep.ron").is_err());
+    }
+}
+
+#[test]
+fn non_finite_floats_are_refused_by_field() {
+    let errors = match ModelSpec::from_ron_str(
+        "Model(norm_eps: NaN, rope_base: inf, mtp: (lambda: NaN), train: (clip: -inf, val_fraction: NaN))",
+    ) {
+        Err(SpecLoadError::Invalid { errors, .. }) => errors,
+        other => panic!("expected Invalid, got {other:?}"),
+    };
+    let paths: Vec<&str> = errors.iter().map(|e| e.path.as_str()).collect();
+    assert_eq!(paths, ["norm_eps", "rope_base", "mtp.lambda", "train.clip", "train.val_fraction"]);
+}

@@ -16,6 +16,7 @@ use std::path::Path;
 
 use ron::extensions::Extensions;
 
+use super::limits::integer_limit;
 use super::names::{unknown_names, UnknownName};
 use super::{ron_tree, FieldError, ModelSpec};
 
@@ -75,6 +76,9 @@ pub fn load_spec(path: &Path) -> Result<ModelSpec, SpecLoadError> {
 ///
 /// `path` only labels errors.
 pub fn parse_spec(text: &str, path: &str) -> Result<ModelSpec, SpecLoadError> {
+    // Editors on Windows save UTF-8 with a byte-order mark; it is not RON, and `ron`
+    // would report "Expected opening `(`" at the first character (issue #33).
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     // The tree reader covers the RON that specs use; on anything it cannot read,
     // `ron`'s own error (below) is the one to show.
     let tree = ron_tree::parse(text).ok();
@@ -87,13 +91,50 @@ pub fn parse_spec(text: &str, path: &str) -> Result<ModelSpec, SpecLoadError> {
     ron_options().from_str(text).map_err(|e: ron::error::SpannedError| {
         let (line, col) = (e.position.line, e.position.col);
         // `ron` says what it expected but not for which field; the tree knows.
-        let field = tree.as_ref().and_then(|t| ron_tree::field_at(t, ron_tree::Pos { line, col }));
+        let field = tree.as_ref().and_then(|t| ron_tree::value_at(t, ron_tree::Pos { line, col }));
         let message = match field {
-            Some(field) => format!("in `{field}`: {}", e.code),
+            Some((field, value)) => match bad_integer(&field, value) {
+                Some(message) => message,
+                None => format!("in `{field}`: {}", e.code),
+            },
             None => e.code.to_string(),
         };
         SpecLoadError::Syntax { path: path.to_string(), line, col, message }
     })
+}
+
+/// For an integer field holding a number that is not a whole number in range
+/// (`-4`, `2.5`, `1e99`, a 30-digit literal), the message naming the field and its
+/// valid range ([`super::limits`]); `ron` alone says "Expected integer" or
+/// "Expected comma" without either (issue #33).
+fn bad_integer(field: &str, value: &ron_tree::Node) -> Option<String> {
+    let limit = integer_limit(field)?;
+    let written = match value {
+        ron_tree::Node::Number(raw) => Some(raw),
+        // A list of integers (`conv_kernels`): its first bad item.
+        ron_tree::Node::List(items) => items.iter().find_map(|item| match item {
+            ron_tree::Node::Number(raw) if !is_unsigned(raw) => Some(raw),
+            _ => None,
+        }),
+        _ => None,
+    }?;
+    if is_unsigned(written) {
+        return None;
+    }
+    Some(format!("in `{field}`: {written} is not valid; `{field}` must be {}", limit.describe()))
+}
+
+/// Whether `raw` is an unsigned integer literal that fits in 64 bits, as `ron` reads them.
+fn is_unsigned(raw: &str) -> bool {
+    let digits: String = raw.chars().filter(|&c| c != '_').collect();
+    let digits = digits.strip_prefix('+').unwrap_or(&digits);
+    let (radix, body) = match digits.get(..2) {
+        Some("0x") => (16, &digits[2..]),
+        Some("0o") => (8, &digits[2..]),
+        Some("0b") => (2, &digits[2..]),
+        _ => (10, digits),
+    };
+    !body.is_empty() && u64::from_str_radix(body, radix).is_ok()
 }
 
 impl ModelSpec {

@@ -4,8 +4,9 @@
 //! unknown-name check in [`super::names`] needs every field name with its line and
 //! column, so the spec text is first read into this small tree. It keeps only what
 //! that check needs: the shape of the value (struct, tuple, list, map, identifier,
-//! scalar) and field names with positions. Scalars are kept as raw text; `ron`
-//! itself does the typed parse afterwards.
+//! scalar) and field names with positions. Numbers are kept as raw text (so that a
+//! bad integer can be quoted with its field's valid range); `ron` itself does the
+//! typed parse afterwards.
 
 /// A 1-based line and column (columns count characters).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,8 +31,10 @@ pub(crate) struct Field {
 pub(crate) enum Node {
     /// A bare identifier: `true`, `None`, `GroupNorm`, `inf`.
     Ident(String),
-    /// A number, string or character literal, as written.
+    /// A string or character literal.
     Scalar,
+    /// A number, as written (`-4`, `2.5`, `1e99`, `0x10`, `-inf`).
+    Number(String),
     /// `Name(k: v, ...)` or `(k: v, ...)`.
     Struct { name: Option<String>, fields: Vec<Field> },
     /// `Name(a, b)`, `(a, b)`, `Name()` or `()`.
@@ -67,9 +70,15 @@ pub(crate) fn parse(text: &str) -> Result<Node, SyntaxError> {
 
 /// The path (`residual.n`) of the innermost field whose value starts at or before
 /// `pos`: the field a typed-parse error at `pos` is about.
+#[cfg(test)]
 pub(crate) fn field_at(root: &Node, pos: Pos) -> Option<String> {
-    fn visit(node: &Node, path: &str, pos: Pos, best: &mut Option<(Pos, String)>) {
-        let children: Vec<(&Node, String, Option<Pos>)> = match node {
+    value_at(root, pos).map(|(path, _)| path)
+}
+
+/// [`field_at`], with the field's value.
+pub(crate) fn value_at(root: &Node, pos: Pos) -> Option<(String, &Node)> {
+    fn visit<'a>(node: &'a Node, path: &str, pos: Pos, best: &mut Option<(Pos, String, &'a Node)>) {
+        let children: Vec<(&'a Node, String, Option<Pos>)> = match node {
             Node::Struct { fields, .. } => fields
                 .iter()
                 .map(|f| {
@@ -81,7 +90,7 @@ pub(crate) fn field_at(root: &Node, pos: Pos) -> Option<String> {
                 items.iter().map(|n| (n, path.to_string(), None)).collect()
             }
             Node::Map(entries) => entries.iter().map(|(_, v)| (v, path.to_string(), None)).collect(),
-            Node::Ident(_) | Node::Scalar => Vec::new(),
+            Node::Ident(_) | Node::Scalar | Node::Number(_) => Vec::new(),
         };
         for (child, child_path, start) in children {
             if let Some(start) = start {
@@ -89,8 +98,8 @@ pub(crate) fn field_at(root: &Node, pos: Pos) -> Option<String> {
                 if key > (pos.line, pos.col) {
                     continue;
                 }
-                if best.as_ref().is_none_or(|(b, _)| key >= (b.line, b.col)) {
-                    *best = Some((start, child_path.clone()));
+                if best.as_ref().is_none_or(|(b, _, _)| key >= (b.line, b.col)) {
+                    *best = Some((start, child_path.clone(), child));
                 }
             }
             visit(child, &child_path, pos, best);
@@ -98,7 +107,7 @@ pub(crate) fn field_at(root: &Node, pos: Pos) -> Option<String> {
     }
     let mut best = None;
     visit(root, "", pos, &mut best);
-    best.map(|(_, path)| path)
+    best.map(|(_, path, node)| (path, node))
 }
 
 /// Nesting deeper than this is refused rather than risking the stack.
@@ -437,6 +446,7 @@ impl Parser {
     /// A number as written: sign, digits, `_`, `.`, radix prefixes, exponent,
     /// and the signed identifiers `-inf` / `+NaN`. `ron` checks the digits.
     fn number(&mut self) -> Result<Node, SyntaxError> {
+        let start = self.at;
         if matches!(self.peek(), Some('+' | '-')) {
             self.bump();
         }
@@ -455,17 +465,20 @@ impl Parser {
         if len == 0 {
             Err(self.error("expected a number"))
         } else {
-            Ok(Node::Scalar)
+            Ok(Node::Number(self.chars[start..self.at].iter().collect()))
         }
     }
 }
 
+/// Identifiers are read with any Unicode letters, although RON's are ASCII: a field
+/// name like `vöcab` is then reported whole by the unknown-name check, with its
+/// suggestion, instead of `ron` stopping at `v` (issue #33).
 fn is_ident_start(c: char) -> bool {
-    c.is_ascii_alphabetic() || c == '_'
+    c.is_alphabetic() || c == '_'
 }
 
 fn is_ident_continue(c: char) -> bool {
-    c.is_ascii_alphanumeric() || c == '_'
+    c.is_alphanumeric() || c == '_'
 }
 
 #[cfg(test)]
