@@ -38,7 +38,10 @@ fn train_writes_the_run_folder_and_sample_continues_the_prompt() {
     let o = widen(&dir, &resume);
     assert!(!o.status.success());
     let e = stderr(&o);
-    assert!(e.contains("ckpt-4.safetensors") && e.contains("final.safetensors") && e.contains("--overwrite"), "{e}");
+    assert!(
+        e.contains("ckpt-4.safetensors") && e.contains("final.safetensors") && e.contains("--overwrite"),
+        "{e}"
+    );
     assert_eq!(std::fs::read_to_string(run.join("metrics.jsonl")).unwrap(), lines, "nothing was replaced");
     let o = widen(&dir, &[&resume[..], &["--overwrite"]].concat());
     assert!(o.status.success(), "{}", stderr(&o));
@@ -173,9 +176,13 @@ fn a_second_run_on_the_same_folder_is_refused_naming_the_first() {
     let o = widen(&dir, &["train", "spec.ron", "--device", "reference", "--out", "run"]);
     let e = stderr(&o);
     assert!(!o.status.success());
-    assert!(e.contains("in use by another training run") && e.contains(&format!("pid {}", first.id())), "{e}");
+    assert!(
+        e.contains("in use by another training run") && e.contains(&format!("pid {}", first.id())),
+        "{e}"
+    );
     // A resume into the folder is refused the same way.
-    let resume = ["train", "spec.ron", "--device", "reference", "--out", "run", "--resume", "run/ckpt-2.safetensors"];
+    let resume =
+        ["train", "spec.ron", "--device", "reference", "--out", "run", "--resume", "run/ckpt-2.safetensors"];
     let o = widen(&dir, &resume);
     assert!(stderr(&o).contains("in use by another training run"), "{}", stderr(&o));
     signal(&first, "TERM");
@@ -210,13 +217,20 @@ fn a_failed_save_keeps_and_names_the_last_good_checkpoint() {
     assert_eq!(o.status.code(), Some(1), "{e}");
     assert!(e.contains("cannot save the checkpoint of step 3"), "{e}");
     assert!(e.contains("the last good checkpoint is run/ckpt-2.safetensors at step 2"), "{e}");
-    assert!(e.contains("continue with: widen train spec.ron --steps 3 --out run --resume run/ckpt-2.safetensors"), "{e}");
+    assert!(
+        e.contains("continue with: widen train spec.ron --steps 3 --out run --resume run/ckpt-2.safetensors"),
+        "{e}"
+    );
     let mut names: Vec<String> = std::fs::read_dir(dir.join("run"))
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .collect();
     names.sort();
-    assert_eq!(names, ["ckpt-2.safetensors", "final.safetensors", "metrics.jsonl", "run.lock"], "no .tmp left");
+    assert_eq!(
+        names,
+        ["ckpt-2.safetensors", "final.safetensors", "metrics.jsonl", "run.lock"],
+        "no .tmp left"
+    );
     assert_eq!(std::fs::read(dir.join("run/ckpt-2.safetensors")).unwrap(), good);
     assert_eq!(metrics(&dir.join("run")).len(), 3);
     std::fs::remove_dir_all(dir).unwrap();
@@ -242,7 +256,19 @@ fn a_run_extends_with_a_longer_step_budget_but_not_another_model() {
     assert_eq!(steps, (1..=8).collect::<Vec<_>>());
 
     std::fs::write(dir.join("wide.ron"), spec.replace("d_model: 16", "d_model: 32")).unwrap();
-    let o = widen(&dir, &["train", "wide.ron", "--device", "reference", "--out", "wide", "--resume", "run/ckpt-4.safetensors"]);
+    let o = widen(
+        &dir,
+        &[
+            "train",
+            "wide.ron",
+            "--device",
+            "reference",
+            "--out",
+            "wide",
+            "--resume",
+            "run/ckpt-4.safetensors",
+        ],
+    );
     let e = stderr(&o);
     assert!(!o.status.success());
     assert!(e.contains("differs at: d_model") && e.contains("ckpt-4.safetensors"), "{e}");
@@ -271,7 +297,8 @@ fn sample_refuses_a_diverged_checkpoint_and_an_absurd_token_count() {
     assert!(!o.status.success());
     assert!(o.stdout.is_empty(), "no garbage on stdout");
     assert!(e.contains("final.safetensors") && e.contains("`embed`") && e.contains("non-finite"), "{e}");
-    let resume = ["train", "spec.ron", "--device", "reference", "--out", "run", "--resume", "run/final.safetensors"];
+    let resume =
+        ["train", "spec.ron", "--device", "reference", "--out", "run", "--resume", "run/final.safetensors"];
     let o = widen(&dir, &resume);
     assert!(stderr(&o).contains("`embed`"), "{}", stderr(&o));
     std::fs::remove_dir_all(dir).unwrap();

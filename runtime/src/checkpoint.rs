@@ -140,7 +140,8 @@ pub fn first_non_finite<'a>(
 
 /// The first parameter or optimizer tensor, by name, that is not finite.
 pub fn first_non_finite_state(params: &ParamSet, optimizer: Option<&Optimizer>) -> Option<(String, f32)> {
-    let mut all: Vec<(String, &[f32])> = params.iter().map(|p| (p.name.clone(), p.value.as_slice())).collect();
+    let mut all: Vec<(String, &[f32])> =
+        params.iter().map(|p| (p.name.clone(), p.value.as_slice())).collect();
     if let Some(opt) = optimizer {
         all.extend(opt.state_tensors().into_iter().map(|(name, _, values)| (name, values)));
     }

@@ -94,7 +94,7 @@ pub enum TrainError {
         step: u64,
         last_good: Option<(PathBuf, u64)>,
         #[source]
-        source: CheckpointError,
+        source: Box<CheckpointError>,
     },
     #[error("interrupted after step {step}; the run is saved in {}", checkpoint.display())]
     Interrupted { step: u64, checkpoint: PathBuf },
@@ -232,7 +232,8 @@ pub fn train(
         .append(true)
         .open(&metrics_path)
         .map_err(|source| TrainError::Io { path: metrics_path.clone(), source })?;
-    let signals = if opts.catch_signals { Some(signals::catch().map_err(TrainError::Signals)?) } else { None };
+    let signals =
+        if opts.catch_signals { Some(signals::catch().map_err(TrainError::Signals)?) } else { None };
     let mut saver = Saver { spec, metrics_path: &metrics_path, last_good };
 
     let peak_lr = match &spec.train.optimizer {
@@ -329,7 +330,7 @@ impl Saver<'_> {
             .map_err(|source| TrainError::Io { path: self.metrics_path.to_path_buf(), source })?;
         let state = TrainState { step, data_rng: sampler.state() };
         checkpoint::save(path, self.spec, params, Some(optimizer), &state).map_err(|source| {
-            TrainError::SaveFailed { step, last_good: self.last_good.clone(), source }
+            TrainError::SaveFailed { step, last_good: self.last_good.clone(), source: Box::new(source) }
         })?;
         self.last_good = Some((path.to_path_buf(), step));
         Ok(())
@@ -411,8 +412,10 @@ mod folder {
             }
             Err(std::fs::TryLockError::Error(e)) => return Err(io(&path)(e)),
         }
-        let started =
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+        let started = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
         let command: Vec<String> = std::env::args().collect();
         let record = serde_json::json!({
             "pid": std::process::id(),
@@ -429,8 +432,10 @@ mod folder {
         let pid = v.get("pid")?.as_u64()?;
         let command = v.get("command").and_then(|c| c.as_str()).unwrap_or("?");
         let started = v.get("started_unix").and_then(|s| s.as_u64()).unwrap_or(0);
-        let now =
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
         Some(format!("pid {pid} (`{command}`), started {} s ago", now.saturating_sub(started)))
     }
 

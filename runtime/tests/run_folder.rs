@@ -170,7 +170,8 @@ fn a_finished_run_extends_in_its_own_folder() {
     let first = metrics(&out);
     let mut long = tiny_spec(7);
     long.train.schedule = ScheduleSpec::Constant(ConstantSpec { warmup: 3 });
-    let report = train_spec(&long, Device::Reference, &opts(&out, Some(out.join("final.safetensors")))).unwrap();
+    let report =
+        train_spec(&long, Device::Reference, &opts(&out, Some(out.join("final.safetensors")))).unwrap();
     assert_eq!(report.steps, 7);
     assert_eq!(report.losses.len(), 3);
     let all = metrics(&out);
@@ -205,7 +206,8 @@ fn run_folders_are_never_mixed() {
     assert_eq!(metrics(&b), whole, "steps 1-2 copied, 3-4 trained again bit for bit");
     assert_eq!(rest.losses.len(), 2);
     // Resuming into a folder holding another run is refused too.
-    let err = train_spec(&spec, Device::Reference, &opts(&b, Some(a.join("ckpt-2.safetensors")))).unwrap_err();
+    let err =
+        train_spec(&spec, Device::Reference, &opts(&b, Some(a.join("ckpt-2.safetensors")))).unwrap_err();
     assert!(matches!(err, TrainError::WouldReplace { .. }), "{err}");
     for d in [a, b] {
         std::fs::remove_dir_all(d).unwrap();

@@ -29,7 +29,13 @@ fn temp_dir(tag: &str) -> PathBuf {
 }
 
 fn opts(out: &Path, resume: Option<PathBuf>) -> TrainOptions {
-    TrainOptions { out_dir: out.to_path_buf(), resume, progress: Progress::Silent, catch_signals: false, overwrite: false }
+    TrainOptions {
+        out_dir: out.to_path_buf(),
+        resume,
+        progress: Progress::Silent,
+        catch_signals: false,
+        overwrite: false,
+    }
 }
 
 fn metric_losses(path: &Path) -> Vec<(u64, f64)> {

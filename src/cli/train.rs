@@ -76,7 +76,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             );
         }
     }
-    let out_dir = args.out.unwrap_or_else(|| PathBuf::from("runs").join(&spec.name));
+    let out_dir = args.out.clone().unwrap_or_else(|| PathBuf::from("runs").join(&spec.name));
     let opts = TrainOptions {
         out_dir: out_dir.clone(),
         resume: args.resume.clone(),
@@ -135,8 +135,8 @@ fn resume_command(args: &Args, out_dir: &Path, checkpoint: &Path) -> String {
 
 /// `word` as a POSIX shell reads it back: unchanged when it is plain, else in single quotes.
 fn quote(word: &str) -> String {
-    let plain = !word.is_empty()
-        && word.chars().all(|c| c.is_ascii_alphanumeric() || "-_./=:,+@%".contains(c));
+    let plain =
+        !word.is_empty() && word.chars().all(|c| c.is_ascii_alphanumeric() || "-_./=:,+@%".contains(c));
     if plain {
         word.to_string()
     } else {
