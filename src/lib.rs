@@ -42,6 +42,8 @@ pub use runtime::executor::Device;
 /// (the same pipeline and files as `widen train`, DESIGN.md §1).
 pub trait Train: VirtualWidth {
     /// Trains with progress lines on stderr; returns the losses and the checkpoint path.
+    /// Ctrl-C (or SIGTERM) during the run saves a checkpoint and returns
+    /// [`runtime::train::TrainError::Interrupted`] naming it.
     fn train(
         device: Device,
         out_dir: impl Into<std::path::PathBuf>,
@@ -52,6 +54,8 @@ pub trait Train: VirtualWidth {
             out_dir: out_dir.into(),
             resume: None,
             progress: runtime::train::Progress::Auto { every },
+            catch_signals: true,
+            overwrite: false,
         };
         runtime::train::train_spec(&spec, device, &opts)
     }

@@ -216,6 +216,7 @@ fields!(TrainSpec {
     eval_batches,
     val_fraction,
     checkpoint_every,
+    keep_last,
 });
 fields!(AdamWSpec { lr, betas, eps, weight_decay });
 fields!(MuonSpec { lr, momentum, nesterov, ns_steps, scale, weight_decay, adamw });

@@ -14,8 +14,22 @@
 //! sampler's generator state, four hex words). Together with the optimizer
 //! tensors this is everything a resumed run needs to continue bit for bit.
 //!
-//! Files are written to a temporary name and renamed into place, so an
-//! interrupted save never destroys an earlier checkpoint.
+//! Files are written to a temporary name, synced and renamed into place, so an
+//! interrupted or failed save never destroys an earlier checkpoint; a save that
+//! fails (a full disk, a file size limit) removes its temporary file.
+//!
+//! **Only finite values.** [`save`] refuses a parameter or optimizer tensor that
+//! holds NaN or an infinity, and [`Checkpoint::read`] refuses such a file, naming
+//! the first bad tensor (by name order): a diverged step must never become the
+//! "last good" checkpoint that `widen sample` or `--resume` then trusts.
+//!
+//! **What a resume may change.** [`Checkpoint::check_spec`] compares the specs
+//! field by field. A resume may change only [`RESUMABLE_FIELDS`]: the step budget
+//! (and the warmup `--steps` rescales with it), the data and its validation split,
+//! the evaluation and checkpoint cadence and the retention. Everything else (the
+//! architecture, the residual scheme, the optimizer and its settings, clipping,
+//! the seed, batch and sequence length, the name) is the model being trained,
+//! and a difference in any of it is refused naming the field.
 
 use crate::optim::Optimizer;
 use crate::params::ParamSet;
@@ -38,7 +52,11 @@ pub enum CheckpointError {
     Corrupt { path: PathBuf, message: String },
     #[error("checkpoint {path} has format version {found}; this build reads version {FORMAT_VERSION}")]
     Version { path: PathBuf, found: String },
-    #[error("checkpoint {path} was written for a different spec (differs at: {})", differences.join(", "))]
+    #[error(
+        "checkpoint {path} was written for a different model (differs at: {}); a resume may change only {}",
+        differences.join(", "),
+        RESUMABLE_FIELDS.join(", ")
+    )]
     SpecMismatch { path: PathBuf, differences: Vec<String> },
     #[error("checkpoint {path} has no tensor `{tensor}` that this model needs")]
     MissingTensor { path: PathBuf, tensor: String },
@@ -50,6 +68,13 @@ pub enum CheckpointError {
     UnexpectedTensor { path: PathBuf, tensor: String },
     #[error("cannot write checkpoint {path}: {message}")]
     Serialize { path: PathBuf, message: String },
+    #[error(
+        "checkpoint {path}: tensor `{tensor}` holds a non-finite value ({value}); the run diverged \
+         before this checkpoint was written, so it cannot be used"
+    )]
+    NonFiniteTensor { path: PathBuf, tensor: String, value: f32 },
+    #[error("refusing to write checkpoint {path}: tensor `{tensor}` holds a non-finite value ({value})")]
+    NonFiniteSave { path: PathBuf, tensor: String, value: f32 },
     #[error(
         "cannot write checkpoint {path}: the optimizer's moments are still on the device that stepped it \
          (`StepExecutor::sync_optimizer` brings them back)"
@@ -72,6 +97,58 @@ fn canonical_value(spec: &ModelSpec) -> serde_json::Value {
     serde_json::to_value(&s).expect("a ModelSpec always serializes to JSON")
 }
 
+/// The spec fields (paths in the spec's JSON form) a resumed run may change:
+/// they decide how long and on what the run continues, not what is trained.
+/// `train.schedule.warmup` is here because `--steps` rescales it (the learning
+/// rate schedule is recomputed for the new step budget, see `train`).
+pub const RESUMABLE_FIELDS: &[&str] = &[
+    "train.steps",
+    "train.schedule.warmup",
+    "train.data",
+    "train.val_fraction",
+    "train.eval_every",
+    "train.eval_batches",
+    "train.checkpoint_every",
+    "train.keep_last",
+];
+
+/// `spec` as JSON without the [`RESUMABLE_FIELDS`], which a resume may change.
+fn frozen_value(spec: &ModelSpec) -> serde_json::Value {
+    let mut v = serde_json::to_value(spec).expect("a ModelSpec always serializes to JSON");
+    if let Some(train) = v.get_mut("train").and_then(|t| t.as_object_mut()) {
+        for field in RESUMABLE_FIELDS.iter().filter_map(|f| f.strip_prefix("train.")) {
+            train.remove(field);
+        }
+        // The schedule is an enum: `{"Cosine": {"warmup": .., ..}}`; its kind and the
+        // other parameters stay frozen.
+        if let Some(kind) = train.get_mut("schedule").and_then(|s| s.as_object_mut()) {
+            kind.values_mut().filter_map(|p| p.as_object_mut()).for_each(|p| {
+                p.remove("warmup");
+            });
+        }
+    }
+    v
+}
+
+/// The first tensor of `tensors` (in the order given) holding NaN or an infinity,
+/// with that value.
+pub fn first_non_finite<'a>(
+    tensors: impl IntoIterator<Item = (&'a str, &'a [f32])>,
+) -> Option<(&'a str, f32)> {
+    tensors.into_iter().find_map(|(name, values)| values.iter().find(|v| !v.is_finite()).map(|&v| (name, v)))
+}
+
+/// The first parameter or optimizer tensor, by name, that is not finite.
+pub fn first_non_finite_state(params: &ParamSet, optimizer: Option<&Optimizer>) -> Option<(String, f32)> {
+    let mut all: Vec<(String, &[f32])> =
+        params.iter().map(|p| (p.name.clone(), p.value.as_slice())).collect();
+    if let Some(opt) = optimizer {
+        all.extend(opt.state_tensors().into_iter().map(|(name, _, values)| (name, values)));
+    }
+    all.sort_by(|a, b| a.0.cmp(&b.0));
+    first_non_finite(all.iter().map(|(n, v)| (n.as_str(), *v))).map(|(n, v)| (n.to_string(), v))
+}
+
 /// The spec fingerprint recorded in checkpoints (see the module doc).
 pub fn spec_hash(spec: &ModelSpec) -> String {
     format!("{:016x}", fnv1a64(canonical_value(spec).to_string().as_bytes()))
@@ -86,14 +163,17 @@ pub fn save(
     state: &TrainState,
 ) -> Result<(), CheckpointError> {
     let ser_err = |message: String| CheckpointError::Serialize { path: path.to_path_buf(), message };
+    if optimizer.is_some_and(|opt| opt.moments_on_device()) {
+        return Err(CheckpointError::MomentsOnDevice { path: path.to_path_buf() });
+    }
+    if let Some((tensor, value)) = first_non_finite_state(params, optimizer) {
+        return Err(CheckpointError::NonFiniteSave { path: path.to_path_buf(), tensor, value });
+    }
     let mut owned: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
     for p in params.iter() {
         owned.push((p.name.clone(), p.shape.dims().to_vec(), f32_bytes(&p.value)));
     }
     if let Some(opt) = optimizer {
-        if opt.moments_on_device() {
-            return Err(CheckpointError::MomentsOnDevice { path: path.to_path_buf() });
-        }
         for (name, dims, values) in opt.state_tensors() {
             owned.push((name, dims.to_vec(), f32_bytes(values)));
         }
@@ -118,20 +198,61 @@ pub fn save(
     write_atomic(path, &bytes)
 }
 
+/// The temporary name a save of `path` writes first: `.<name>.tmp` beside it.
+pub fn temp_path(path: &Path) -> PathBuf {
+    let file_name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    path.with_file_name(format!(".{file_name}.tmp"))
+}
+
+/// Writes `bytes` to the temporary name, syncs it, renames it over `path` and
+/// syncs the folder, so `path` is either the old file or the whole new one. On
+/// failure the temporary file is removed: a full disk must not fill up further
+/// with partial checkpoints.
 fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
     use std::io::Write;
     let io = |source| CheckpointError::Io { path: path.to_path_buf(), source };
-    let file_name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    let tmp = path.with_file_name(format!(".{file_name}.tmp"));
-    let mut f = std::fs::File::create(&tmp).map_err(io)?;
-    f.write_all(bytes).map_err(io)?;
-    f.sync_all().map_err(io)?;
-    drop(f);
-    std::fs::rename(&tmp, path).map_err(io)
+    let tmp = temp_path(path);
+    let written = std::fs::File::create(&tmp).and_then(|mut f| {
+        f.write_all(bytes)?;
+        f.sync_all()
+    });
+    if let Err(e) = written.and_then(|()| std::fs::rename(&tmp, path)) {
+        // Best effort: the write error is what the caller needs to see.
+        let _ = std::fs::remove_file(&tmp);
+        return Err(io(e));
+    }
+    // The rename is durable once the folder is synced; where a folder cannot be
+    // opened for that (some platforms), the file itself is already synced.
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        if let Ok(d) = std::fs::File::open(dir) {
+            let _ = d.sync_all();
+        }
+    }
+    Ok(())
 }
 
 fn f32_bytes(values: &[f32]) -> Vec<u8> {
     values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+/// The step recorded in a checkpoint's header, read without its tensors (the
+/// training loop uses it to tell what a resume would replace in a run folder).
+pub fn read_step(path: &Path) -> Result<u64, CheckpointError> {
+    use std::io::Read;
+    let corrupt = |message: String| CheckpointError::Corrupt { path: path.to_path_buf(), message };
+    let io = |source| CheckpointError::Io { path: path.to_path_buf(), source };
+    let mut file = std::fs::File::open(path).map_err(io)?;
+    let mut len = [0u8; 8];
+    file.read_exact(&mut len).map_err(io)?;
+    // safetensors caps headers at 100 MB; a larger length is garbage, not a header to allocate.
+    let n = usize::try_from(u64::from_le_bytes(len)).ok().filter(|&n| n <= 100_000_000);
+    let n = n.ok_or_else(|| corrupt("header length is out of range".into()))?;
+    let mut header = vec![0u8; n];
+    file.read_exact(&mut header).map_err(io)?;
+    let header: serde_json::Value =
+        serde_json::from_slice(&header).map_err(|e| corrupt(format!("header: {e}")))?;
+    let step = header.get("__metadata__").and_then(|m| m.get("step")).and_then(|s| s.as_str());
+    step.and_then(|s| s.parse().ok()).ok_or_else(|| corrupt("header has no numeric `step`".into()))
 }
 
 /// A checkpoint read into memory.
@@ -186,6 +307,16 @@ impl Checkpoint {
                 view.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
             tensors.insert(name, (view.shape().to_vec(), values));
         }
+        let mut names: Vec<&String> = tensors.keys().collect();
+        names.sort();
+        let bad = first_non_finite(names.into_iter().map(|n| (n.as_str(), tensors[n].1.as_slice())));
+        if let Some((tensor, value)) = bad {
+            return Err(CheckpointError::NonFiniteTensor {
+                path: path.to_path_buf(),
+                tensor: tensor.to_string(),
+                value,
+            });
+        }
         Ok(Checkpoint {
             path: path.to_path_buf(),
             spec,
@@ -195,17 +326,37 @@ impl Checkpoint {
         })
     }
 
-    /// Errors unless `spec` has this checkpoint's hash, naming the fields that differ.
-    pub fn check_spec(&self, spec: &ModelSpec) -> Result<(), CheckpointError> {
-        if spec_hash(spec) == self.spec_hash {
-            return Ok(());
-        }
+    /// Whether a run of `spec` may continue from this checkpoint: errors naming
+    /// the fields that differ outside [`RESUMABLE_FIELDS`] (see the module doc);
+    /// otherwise returns the resumable fields that `spec` changes.
+    pub fn check_spec(&self, spec: &ModelSpec) -> Result<Vec<String>, CheckpointError> {
         let mut differences = Vec::new();
-        diff_values("", &canonical_value(&self.spec), &canonical_value(spec), &mut differences);
-        if differences.is_empty() {
-            differences.push("spec_hash".into());
+        diff_values("", &frozen_value(&self.spec), &frozen_value(spec), &mut differences);
+        if !differences.is_empty() {
+            return Err(CheckpointError::SpecMismatch { path: self.path.clone(), differences });
         }
-        Err(CheckpointError::SpecMismatch { path: self.path.clone(), differences })
+        let mut paths = Vec::new();
+        let (ours, theirs) = (serde_json::to_value(&self.spec), serde_json::to_value(spec));
+        if let (Ok(a), Ok(b)) = (ours, theirs) {
+            diff_values("", &a, &b, &mut paths);
+        }
+        // Name the field, not the path inside its value (`train.data`, not
+        // `train.data.Text`; `train.schedule.warmup`, not `train.schedule.Cosine.warmup`).
+        let mut changed: Vec<String> = Vec::new();
+        for path in paths {
+            let field = RESUMABLE_FIELDS.iter().find(|f| {
+                path == **f
+                    || path.starts_with(&format!("{f}."))
+                    || (**f == "train.schedule.warmup"
+                        && path.starts_with("train.schedule.")
+                        && path.ends_with(".warmup"))
+            });
+            let name = field.map_or(path, |f| f.to_string());
+            if !changed.contains(&name) {
+                changed.push(name);
+            }
+        }
+        Ok(changed)
     }
 
     /// Every tensor (parameters and optimizer state) as `(name, shape, values)`, sorted by name.

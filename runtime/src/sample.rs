@@ -12,6 +12,11 @@ use crate::params::{ParamError, ParamSet};
 use crate::rng::Rng;
 use std::path::Path;
 
+/// The most bytes one [`generate`] call produces. Each byte is a forward pass of
+/// the model, so a larger request is a mistake, not a long run; bounding it keeps
+/// a typo such as `--tokens 100000000000000` from aborting on allocation.
+pub const MAX_TOKENS: usize = 1 << 20;
+
 /// Sampling knobs.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SampleOptions {
@@ -29,6 +34,8 @@ pub struct SampleOptions {
 pub enum SampleError {
     #[error("temperature {0} must be finite and >= 0")]
     Temperature(f64),
+    #[error("tokens = {0} is more than the {MAX_TOKENS} bytes one sampling call generates")]
+    Tokens(usize),
     #[error("the model has vocabulary {vocab}; byte-level sampling needs 256")]
     Vocab { vocab: usize },
     #[error(transparent)]
@@ -49,6 +56,10 @@ pub fn sample_checkpoint(
     prompt: &[u8],
     opts: &SampleOptions,
 ) -> Result<Vec<u8>, SampleError> {
+    if opts.tokens > MAX_TOKENS {
+        return Err(SampleError::Tokens(opts.tokens));
+    }
+    // `read` refuses a checkpoint holding a non-finite value, naming the tensor.
     let ckpt = Checkpoint::read(checkpoint)?;
     let spec = &ckpt.spec;
     let lowered = ir::lower::lower(spec, 1, spec.train.seq_len)?;
@@ -69,6 +80,9 @@ pub fn generate(
 ) -> Result<Vec<u8>, SampleError> {
     if !(opts.temperature.is_finite() && opts.temperature >= 0.0) {
         return Err(SampleError::Temperature(opts.temperature));
+    }
+    if opts.tokens > MAX_TOKENS {
+        return Err(SampleError::Tokens(opts.tokens));
     }
     if vocab != 256 {
         return Err(SampleError::Vocab { vocab });

@@ -4,15 +4,40 @@
 //!
 //! Outputs in the run folder:
 //! - `metrics.jsonl`: one JSON object per step (`step`, `device`, `loss`, `lr`,
-//!   `grad_norm`, `tokens_per_s`, and `val_loss` when evaluated). A fresh run
-//!   refuses to overwrite an earlier run's metrics; a resumed run keeps the
-//!   lines up to the checkpoint's step and appends after them.
-//! - `ckpt-<step>.safetensors` every `checkpoint_every` steps, and
-//!   `final.safetensors` at the end (see [`crate::checkpoint`]).
+//!   `grad_norm`, `tokens_per_s`, and `val_loss` when evaluated), flushed after
+//!   every step and synced to disk before every checkpoint, so a checkpoint never
+//!   outlives the metrics of the steps it holds.
+//! - `ckpt-<step>.safetensors` every `checkpoint_every` steps (only the newest
+//!   `keep_last` of them when that is set), and `final.safetensors` at the end
+//!   (see [`crate::checkpoint`]).
+//! - `run.lock`: locked while a run writes the folder (and naming that run), so a
+//!   second run on the same folder is refused instead of interleaving metrics and
+//!   overwriting checkpoints.
 //!
-//! A NaN or infinite loss stops the run with an error naming the step; what
-//! was written before that step stays on disk. Steps are numbered from 1: step
-//! k is the k-th optimizer update, and `ckpt-k` holds the state after it.
+//! **Nothing is lost or replaced silently.** A fresh run refuses a folder that
+//! holds metrics or checkpoints. A resume continues in the checkpoint's own
+//! folder (metrics lines after the checkpoint's step, written by a run that
+//! stopped before its next checkpoint, are dropped with a note), or in a new
+//! folder (which gets the checkpoint's metrics up to its step); it refuses to
+//! replace results past its step (a later checkpoint or final file, or another
+//! run's files) unless [`TrainOptions::overwrite`] says so.
+//!
+//! **Stopping.** A NaN or infinite loss stops the run with an error naming the
+//! step; what was written before that step stays on disk. Parameters are checked
+//! before every save: a non-finite one stops the run without a checkpoint of it.
+//! With [`TrainOptions::catch_signals`], Ctrl-C (SIGINT) or SIGTERM finishes the
+//! running step, saves `ckpt-<step>` and returns [`TrainError::Interrupted`]; a
+//! second signal ends the process at once. A save that fails (a full disk) stops
+//! the run with [`TrainError::SaveFailed`], naming the last good checkpoint.
+//!
+//! **Resuming** (see [`crate::checkpoint::RESUMABLE_FIELDS`] for what may
+//! change): the run continues bit for bit from the checkpoint's step. A resume
+//! with another step budget recomputes the learning-rate schedule for the new
+//! total from the resumed step on (the LR at each later step is the one a fresh
+//! run of that many steps would use), and says so.
+//!
+//! Steps are numbered from 1: step k is the k-th optimizer update, and `ckpt-k`
+//! holds the state after it.
 
 use crate::checkpoint::{self, Checkpoint, CheckpointError, TrainState};
 use crate::data::{BatchSampler, Corpus, DataError};
@@ -21,10 +46,18 @@ use crate::init::{init_params, InitError};
 use crate::optim::schedule::lr_multiplier;
 use crate::optim::Optimizer;
 use crate::params::ParamSet;
-use ir::spec::{ModelSpec, OptimizerSpec};
+use ir::spec::{ModelSpec, OptimizerSpec, ScheduleSpec};
+use std::fs::File;
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
+
+/// The metrics file in a run folder.
+pub const METRICS_FILE: &str = "metrics.jsonl";
+/// The last checkpoint of a finished run.
+pub const FINAL_CHECKPOINT: &str = "final.safetensors";
+/// The lock file of a run folder.
+pub const LOCK_FILE: &str = "run.lock";
 
 /// Errors that stop a run.
 #[derive(Debug, thiserror::Error)]
@@ -32,14 +65,41 @@ pub enum TrainError {
     #[error("cannot write {path}")]
     Io { path: PathBuf, source: std::io::Error },
     #[error(
-        "{path} already holds metrics of an earlier run; choose another --out folder, \
-         remove it, or pass --resume to continue that run"
+        "{path} belongs to an earlier run; choose another --out folder, remove it, \
+         or pass --resume with one of that run's checkpoints to continue it"
     )]
-    MetricsExist { path: PathBuf },
+    RunExists { path: PathBuf },
+    #[error(
+        "run folder {dir} is in use by another training run ({holder}); wait for it to finish, \
+         stop it, or choose another --out folder"
+    )]
+    Locked { dir: PathBuf, holder: String },
+    #[error(
+        "resuming {checkpoint} (step {step}) in {dir} would replace {}; pass --out with a new \
+         folder to continue there, or --overwrite to replace them",
+        replaced.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+    )]
+    WouldReplace { checkpoint: PathBuf, step: u64, dir: PathBuf, replaced: Vec<PathBuf> },
     #[error("checkpoint {path} is at step {step}, past this run's {total} steps")]
     ResumePastEnd { path: PathBuf, step: u64, total: usize },
     #[error("{what} is {value} at step {step}; stopping (earlier checkpoints and metrics are kept)")]
     NonFinite { step: u64, what: &'static str, value: f32 },
+    #[error(
+        "tensor `{tensor}` is {value} after step {step}; stopping without checkpointing it ({})",
+        last_good_text(last_good)
+    )]
+    Diverged { step: u64, tensor: String, value: f32, last_good: Option<(PathBuf, u64)> },
+    #[error("cannot save the checkpoint of step {step} ({})", last_good_text(last_good))]
+    SaveFailed {
+        step: u64,
+        last_good: Option<(PathBuf, u64)>,
+        #[source]
+        source: Box<CheckpointError>,
+    },
+    #[error("interrupted after step {step}; the run is saved in {}", checkpoint.display())]
+    Interrupted { step: u64, checkpoint: PathBuf },
+    #[error("cannot catch Ctrl-C and SIGTERM")]
+    Signals(#[source] std::io::Error),
     #[error("cannot set up the device")]
     Device(#[source] StepError),
     #[error("training step {step} failed")]
@@ -54,11 +114,31 @@ pub enum TrainError {
     Init(#[from] InitError),
 }
 
+fn last_good_text(last_good: &Option<(PathBuf, u64)>) -> String {
+    match last_good {
+        Some((path, step)) => format!("the last good checkpoint is {} at step {step}", path.display()),
+        None => "no checkpoint of this run was written".to_string(),
+    }
+}
+
+impl TrainError {
+    /// The checkpoint to continue this run from with `--resume`, where the run
+    /// stopped for a reason a resume gets past: an interruption or a failed save.
+    pub fn resume_from(&self) -> Option<&Path> {
+        match self {
+            TrainError::Interrupted { checkpoint, .. } => Some(checkpoint),
+            TrainError::SaveFailed { last_good, .. } => last_good.as_ref().map(|(p, _)| p.as_path()),
+            _ => None,
+        }
+    }
+}
+
 /// How progress is shown on stderr.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Progress {
     /// Refresh one line in place when stderr is a terminal; otherwise print a
-    /// line every `every` steps and at every evaluation.
+    /// line every `every` steps and at every evaluation. Notes (what a resume
+    /// changes or drops) go to stderr too.
     Auto { every: usize },
     /// Nothing on stderr.
     Silent,
@@ -72,6 +152,13 @@ pub struct TrainOptions {
     /// Continue from this checkpoint.
     pub resume: Option<PathBuf>,
     pub progress: Progress,
+    /// Catch Ctrl-C (SIGINT) and SIGTERM while training: finish the step, save a
+    /// checkpoint and return [`TrainError::Interrupted`]; a second signal ends the
+    /// process at once. Outside a run the signals keep their default action.
+    pub catch_signals: bool,
+    /// Let a resume replace results past its checkpoint in `out_dir` (later
+    /// checkpoints, a later final checkpoint, their metrics, or another run's files).
+    pub overwrite: bool,
 }
 
 /// What a finished run did.
@@ -109,29 +196,35 @@ pub fn train(
 ) -> Result<TrainReport, TrainError> {
     let out = &opts.out_dir;
     std::fs::create_dir_all(out).map_err(|source| TrainError::Io { path: out.clone(), source })?;
+    // Held until this function returns: no other run writes this folder meanwhile.
+    let _lock = folder::lock(out)?;
+    let notes = Notes(opts.progress);
+    folder::remove_partial_files(out, &notes);
     let [batch, window] = exec.token_shape();
     corpus.check_window(window)?;
     let total = spec.train.steps;
     let mut optimizer = Optimizer::new(spec, &params);
-    let metrics_path = out.join("metrics.jsonl");
+    let metrics_path = out.join(METRICS_FILE);
 
-    let (start, mut sampler) = match &opts.resume {
+    let (start, mut sampler, last_good) = match &opts.resume {
         Some(path) => {
             let ckpt = Checkpoint::read(path)?;
-            ckpt.check_spec(spec)?;
+            let changed = ckpt.check_spec(spec)?;
             if ckpt.state.step > total as u64 {
                 return Err(TrainError::ResumePastEnd { path: path.clone(), step: ckpt.state.step, total });
             }
             ckpt.restore_params(&mut params)?;
             ckpt.restore_optimizer(&mut optimizer)?;
-            truncate_metrics(&metrics_path, ckpt.state.step)?;
-            (ckpt.state.step, BatchSampler::from_state(ckpt.state.data_rng, batch, window))
+            folder::prepare_resume(out, &ckpt, opts.overwrite, &notes)?;
+            note_resume_changes(&ckpt, spec, &changed, &notes);
+            let step = ckpt.state.step;
+            (step, BatchSampler::from_state(ckpt.state.data_rng, batch, window), Some((path.clone(), step)))
         }
         None => {
-            if std::fs::metadata(&metrics_path).map(|m| m.len() > 0).unwrap_or(false) {
-                return Err(TrainError::MetricsExist { path: metrics_path });
+            if let Some(path) = folder::run_files(out)?.into_iter().next() {
+                return Err(TrainError::RunExists { path });
             }
-            (0, BatchSampler::train(spec.train.seed, batch, window))
+            (0, BatchSampler::train(spec.train.seed, batch, window), None)
         }
     };
     let mut metrics = std::fs::OpenOptions::new()
@@ -139,6 +232,9 @@ pub fn train(
         .append(true)
         .open(&metrics_path)
         .map_err(|source| TrainError::Io { path: metrics_path.clone(), source })?;
+    let signals =
+        if opts.catch_signals { Some(signals::catch().map_err(TrainError::Signals)?) } else { None };
+    let mut saver = Saver { spec, metrics_path: &metrics_path, last_good };
 
     let peak_lr = match &spec.train.optimizer {
         OptimizerSpec::AdamW(a) => a.lr,
@@ -185,25 +281,434 @@ pub fn train(
         progress.show(step, loss, peak_lr * lr_mult, tokens_per_s, evaluate.then_some(val_loss).flatten());
 
         let every = spec.train.checkpoint_every as u64;
-        if every > 0 && step.is_multiple_of(every) {
-            exec.sync_optimizer(&mut optimizer).map_err(|source| TrainError::Step { step, source })?;
-            let state = TrainState { step, data_rng: sampler.state() };
-            checkpoint::save(
-                &out.join(format!("ckpt-{step}.safetensors")),
-                spec,
-                &params,
-                Some(&optimizer),
-                &state,
-            )?;
+        let interrupted = signals.as_ref().is_some_and(signals::Guard::stop_requested);
+        if (every > 0 && step.is_multiple_of(every)) || (interrupted && step < total as u64) {
+            let path = out.join(format!("ckpt-{step}.safetensors"));
+            saver.save(exec, &params, &mut optimizer, &sampler, step, &path, &metrics)?;
+            folder::keep_newest(out, spec.train.keep_last, &notes);
+        }
+        if interrupted && step < total as u64 {
+            drop(progress);
+            let checkpoint = out.join(format!("ckpt-{step}.safetensors"));
+            return Err(TrainError::Interrupted { step, checkpoint });
         }
     }
     drop(progress);
-    let final_checkpoint = out.join("final.safetensors");
+    let final_checkpoint = out.join(FINAL_CHECKPOINT);
     let steps = optimizer.steps_taken();
-    exec.sync_optimizer(&mut optimizer).map_err(|source| TrainError::Step { step: steps, source })?;
-    let state = TrainState { step: steps, data_rng: sampler.state() };
-    checkpoint::save(&final_checkpoint, spec, &params, Some(&optimizer), &state)?;
+    saver.save(exec, &params, &mut optimizer, &sampler, steps, &final_checkpoint, &metrics)?;
     Ok(TrainReport { losses, val_loss, steps, final_checkpoint, metrics: metrics_path })
+}
+
+/// Saves checkpoints and remembers the last one that was written whole.
+struct Saver<'a> {
+    spec: &'a ModelSpec,
+    metrics_path: &'a Path,
+    last_good: Option<(PathBuf, u64)>,
+}
+
+impl Saver<'_> {
+    /// Checks that the state is finite, syncs the metrics up to this step, then
+    /// writes the checkpoint atomically. A failure names the last good checkpoint.
+    #[allow(clippy::too_many_arguments)]
+    fn save(
+        &mut self,
+        exec: &mut dyn StepExecutor,
+        params: &ParamSet,
+        optimizer: &mut Optimizer,
+        sampler: &BatchSampler,
+        step: u64,
+        path: &Path,
+        metrics: &File,
+    ) -> Result<(), TrainError> {
+        exec.sync_optimizer(optimizer).map_err(|source| TrainError::Step { step, source })?;
+        if let Some((tensor, value)) = checkpoint::first_non_finite_state(params, Some(optimizer)) {
+            return Err(TrainError::Diverged { step, tensor, value, last_good: self.last_good.clone() });
+        }
+        metrics
+            .sync_data()
+            .map_err(|source| TrainError::Io { path: self.metrics_path.to_path_buf(), source })?;
+        let state = TrainState { step, data_rng: sampler.state() };
+        checkpoint::save(path, self.spec, params, Some(optimizer), &state).map_err(|source| {
+            TrainError::SaveFailed { step, last_good: self.last_good.clone(), source: Box::new(source) }
+        })?;
+        self.last_good = Some((path.to_path_buf(), step));
+        Ok(())
+    }
+}
+
+/// Notes on stderr about what a run does to its folder, unless progress is silent.
+struct Notes(Progress);
+
+impl Notes {
+    fn say(&self, message: impl std::fmt::Display) {
+        match self.0 {
+            Progress::Auto { .. } => eprintln!("note: {message}"),
+            Progress::Silent => {}
+        }
+    }
+}
+
+/// Says which resumable fields the run changes and, when the step budget or
+/// warmup changes, how the learning-rate schedule continues.
+fn note_resume_changes(ckpt: &Checkpoint, spec: &ModelSpec, changed: &[String], notes: &Notes) {
+    if changed.is_empty() {
+        return;
+    }
+    notes.say(format!("resuming {} with changed {}", ckpt.path.display(), changed.join(", ")));
+    let (planned, total) = (ckpt.spec.train.steps, spec.train.steps);
+    let step = ckpt.state.step as usize;
+    let warmup = |s: &ScheduleSpec| match s {
+        ScheduleSpec::Constant(c) => c.warmup,
+        ScheduleSpec::Cosine(c) => c.warmup,
+        ScheduleSpec::Wsd(w) => w.warmup,
+    };
+    if (planned, warmup(&ckpt.spec.train.schedule)) != (total, warmup(&spec.train.schedule)) && step < total {
+        let now = lr_multiplier(&spec.train.schedule, step, total);
+        let was = if step < planned {
+            format!(" (the planned run's: {:.4})", lr_multiplier(&ckpt.spec.train.schedule, step, planned))
+        } else {
+            String::new()
+        };
+        notes.say(format!(
+            "the learning-rate schedule is recomputed for {total} steps (the checkpoint's run planned \
+             {planned}); from step {} on each step's rate is that of a fresh {total}-step run: \
+             multiplier {now:.4} at step {}{was}",
+            step + 1,
+            step + 1
+        ));
+    }
+}
+
+/// The run folder: its lock, the files of a run in it, and what a resume does to them.
+mod folder {
+    use super::{Notes, TrainError, FINAL_CHECKPOINT, LOCK_FILE, METRICS_FILE};
+    use crate::checkpoint::{self, Checkpoint};
+    use std::fs::File;
+    use std::path::{Path, PathBuf};
+
+    fn io(path: &Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
+        move |source| TrainError::Io { path: path.to_path_buf(), source }
+    }
+
+    /// Locks `dir` for this run (an advisory lock on `run.lock`, released when the
+    /// file closes, so a crashed run leaves no stale lock) and records who holds it.
+    pub(super) fn lock(dir: &Path) -> Result<File, TrainError> {
+        use std::io::Write;
+        let path = dir.join(LOCK_FILE);
+        let mut file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .map_err(io(&path))?;
+        match file.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => {
+                let holder = std::fs::read_to_string(&path).ok().and_then(|t| describe_holder(&t));
+                let holder = holder.unwrap_or_else(|| "it has not said which".to_string());
+                return Err(TrainError::Locked { dir: dir.to_path_buf(), holder });
+            }
+            Err(std::fs::TryLockError::Error(e)) => return Err(io(&path)(e)),
+        }
+        let started = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
+        let command: Vec<String> = std::env::args().collect();
+        let record = serde_json::json!({
+            "pid": std::process::id(),
+            "command": command.join(" "),
+            "started_unix": started,
+        });
+        file.set_len(0).and_then(|()| writeln!(file, "{record}")).map_err(io(&path))?;
+        Ok(file)
+    }
+
+    /// "pid 123 (`widen train spec.ron`), started 5 s ago" from a lock file's record.
+    fn describe_holder(text: &str) -> Option<String> {
+        let v: serde_json::Value = serde_json::from_str(text.trim()).ok()?;
+        let pid = v.get("pid")?.as_u64()?;
+        let command = v.get("command").and_then(|c| c.as_str()).unwrap_or("?");
+        let started = v.get("started_unix").and_then(|s| s.as_u64()).unwrap_or(0);
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
+        Some(format!("pid {pid} (`{command}`), started {} s ago", now.saturating_sub(started)))
+    }
+
+    /// Removes the temporary files an interrupted save or metrics rewrite left
+    /// (`.<name>.tmp`, `metrics.jsonl.tmp`); only a run holding the lock writes
+    /// them, so none of them is in use.
+    pub(super) fn remove_partial_files(dir: &Path, notes: &Notes) {
+        let Ok(entries) = std::fs::read_dir(dir) else { return };
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let partial = (name.starts_with('.') && name.ends_with(".safetensors.tmp"))
+                || name == format!("{METRICS_FILE}.tmp");
+            if partial && std::fs::remove_file(entry.path()).is_ok() {
+                notes.say(format!("removed {}, left by an interrupted save", entry.path().display()));
+            }
+        }
+    }
+
+    /// `ckpt-<step>.safetensors` files in `dir`, by step.
+    pub(super) fn step_checkpoints(dir: &Path) -> Result<Vec<(u64, PathBuf)>, TrainError> {
+        let entries = match std::fs::read_dir(dir) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(io(dir)(e)),
+        };
+        let mut found = Vec::new();
+        for entry in entries {
+            let entry = entry.map_err(io(dir))?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let step = name.strip_prefix("ckpt-").and_then(|n| n.strip_suffix(".safetensors"));
+            if let Some(step) = step.and_then(|s| s.parse::<u64>().ok()) {
+                found.push((step, entry.path()));
+            }
+        }
+        found.sort();
+        Ok(found)
+    }
+
+    /// The files of a run in `dir`: a non-empty metrics file and checkpoints.
+    pub(super) fn run_files(dir: &Path) -> Result<Vec<PathBuf>, TrainError> {
+        let mut files = Vec::new();
+        let metrics = dir.join(METRICS_FILE);
+        if std::fs::metadata(&metrics).is_ok_and(|m| m.len() > 0) {
+            files.push(metrics);
+        }
+        let last = dir.join(FINAL_CHECKPOINT);
+        if last.exists() {
+            files.push(last);
+        }
+        files.extend(step_checkpoints(dir)?.into_iter().map(|(_, p)| p));
+        Ok(files)
+    }
+
+    fn same_folder(a: &Path, b: &Path) -> bool {
+        let canon = |p: &Path| {
+            let p = if p.as_os_str().is_empty() { Path::new(".") } else { p };
+            std::fs::canonicalize(p).ok()
+        };
+        matches!((canon(a), canon(b)), (Some(x), Some(y)) if x == y)
+    }
+
+    /// Readies `dir` for a run continuing from `ckpt` (see the module doc of
+    /// `train`): refuses, or with `overwrite` removes, what the resume would
+    /// replace; keeps the metrics up to the checkpoint's step.
+    pub(super) fn prepare_resume(
+        dir: &Path,
+        ckpt: &Checkpoint,
+        overwrite: bool,
+        notes: &Notes,
+    ) -> Result<(), TrainError> {
+        let step = ckpt.state.step;
+        let home = ckpt.path.parent().unwrap_or(Path::new("."));
+        let own = same_folder(home, dir);
+        let replaced: Vec<PathBuf> = if own {
+            let mut later: Vec<PathBuf> =
+                step_checkpoints(dir)?.into_iter().filter(|(s, _)| *s > step).map(|(_, p)| p).collect();
+            let last = dir.join(FINAL_CHECKPOINT);
+            // An unreadable final file is still a result: count it as later.
+            if last.exists() && checkpoint::read_step(&last).map_or(true, |s| s > step) {
+                later.push(last);
+            }
+            later
+        } else {
+            run_files(dir)?
+        };
+        if !replaced.is_empty() {
+            if !overwrite {
+                return Err(TrainError::WouldReplace {
+                    checkpoint: ckpt.path.clone(),
+                    step,
+                    dir: dir.to_path_buf(),
+                    replaced,
+                });
+            }
+            for path in &replaced {
+                std::fs::remove_file(path).map_err(io(path))?;
+                notes.say(format!("--overwrite: removed {}", path.display()));
+            }
+        }
+        let metrics = dir.join(METRICS_FILE);
+        if own {
+            let dropped = truncate_metrics(&metrics, step)?;
+            if dropped > 0 {
+                notes.say(format!(
+                    "dropped {dropped} line(s) of {} after step {step} (or unreadable), written after the \
+                     checkpoint by a run that stopped before its next one; this run writes those steps again",
+                    metrics.display()
+                ));
+            }
+            keep_final_as_step_checkpoint(dir, step, notes)?;
+        } else {
+            copy_metrics(&home.join(METRICS_FILE), &metrics, step, notes)?;
+        }
+        Ok(())
+    }
+
+    /// Resuming from (or at the step of) the final checkpoint in its own folder
+    /// replaces that file at the end; keep its state as `ckpt-<step>` first.
+    fn keep_final_as_step_checkpoint(dir: &Path, step: u64, notes: &Notes) -> Result<(), TrainError> {
+        let last = dir.join(FINAL_CHECKPOINT);
+        let kept = dir.join(format!("ckpt-{step}.safetensors"));
+        if last.exists() && !kept.exists() && checkpoint::read_step(&last).is_ok_and(|s| s == step) {
+            let tmp = checkpoint::temp_path(&kept);
+            std::fs::copy(&last, &tmp).and_then(|_| std::fs::rename(&tmp, &kept)).map_err(io(&kept))?;
+            notes.say(format!("kept {} as {} before continuing", last.display(), kept.display()));
+        }
+        Ok(())
+    }
+
+    /// Keeps only the metrics lines with `step <= last` (a resumed run replays the
+    /// steps after its checkpoint), rewriting the file atomically; returns how
+    /// many lines were dropped (later or unreadable ones).
+    fn truncate_metrics(path: &Path, last: u64) -> Result<usize, TrainError> {
+        let text = match std::fs::read_to_string(path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
+            Err(source) => return Err(TrainError::Io { path: path.to_path_buf(), source }),
+        };
+        let (kept, dropped) = lines_up_to(&text, last);
+        if dropped > 0 {
+            write_synced(path, &kept)?;
+        }
+        Ok(dropped)
+    }
+
+    /// Starts a new run folder's metrics with the checkpoint's run's lines up to
+    /// its step, so the folder holds the whole run's record.
+    fn copy_metrics(from: &Path, to: &Path, last: u64, notes: &Notes) -> Result<(), TrainError> {
+        let Ok(text) = std::fs::read_to_string(from) else {
+            notes.say(format!("{} is missing; {} starts at step {}", from.display(), to.display(), last + 1));
+            return Ok(());
+        };
+        let (kept, _) = lines_up_to(&text, last);
+        write_synced(to, &kept)?;
+        notes.say(format!("{} starts with the lines of {} up to step {last}", to.display(), from.display()));
+        Ok(())
+    }
+
+    /// The lines of a metrics file with `step <= last`, and how many others there were.
+    fn lines_up_to(text: &str, last: u64) -> (String, usize) {
+        let (mut kept, mut dropped) = (String::new(), 0);
+        for line in text.lines() {
+            let step = serde_json::from_str::<serde_json::Value>(line)
+                .ok()
+                .and_then(|v| v.get("step").and_then(|s| s.as_u64()));
+            if step.is_some_and(|s| s <= last) {
+                kept.push_str(line);
+                kept.push('\n');
+            } else {
+                dropped += 1;
+            }
+        }
+        (kept, dropped)
+    }
+
+    fn write_synced(path: &Path, text: &str) -> Result<(), TrainError> {
+        use std::io::Write;
+        let tmp = path.with_extension("jsonl.tmp");
+        let written = File::create(&tmp).and_then(|mut f| {
+            f.write_all(text.as_bytes())?;
+            f.sync_all()
+        });
+        written.and_then(|()| std::fs::rename(&tmp, path)).map_err(|source| {
+            let _ = std::fs::remove_file(&tmp);
+            TrainError::Io { path: path.to_path_buf(), source }
+        })
+    }
+
+    /// Deletes all but the newest `keep` step checkpoints (none when `keep` is 0).
+    pub(super) fn keep_newest(dir: &Path, keep: usize, notes: &Notes) {
+        if keep == 0 {
+            return;
+        }
+        let Ok(all) = step_checkpoints(dir) else { return };
+        for (_, path) in all.iter().rev().skip(keep) {
+            if let Err(e) = std::fs::remove_file(path) {
+                notes.say(format!("cannot remove old checkpoint {} (train.keep_last): {e}", path.display()));
+            }
+        }
+    }
+}
+
+/// Ctrl-C and SIGTERM during a run (`TrainOptions::catch_signals`).
+///
+/// The handlers are registered once per process, through `signal-hook`, and
+/// stay: on a signal they (1) end the process by the signal's default action if a
+/// stop was already requested (the second Ctrl-C), (2) request a stop, and (3)
+/// end the process by the default action if no run is catching signals, so
+/// outside a run the signals behave as if no handler were installed.
+mod signals {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Arc, Mutex, OnceLock};
+
+    struct Flags {
+        stop: Arc<AtomicBool>,
+        idle: Arc<AtomicBool>,
+        /// Runs in this process catching signals.
+        active: Mutex<usize>,
+    }
+
+    static FLAGS: OnceLock<Flags> = OnceLock::new();
+    static REGISTERED: Mutex<bool> = Mutex::new(false);
+
+    fn flags() -> std::io::Result<&'static Flags> {
+        let flags = FLAGS.get_or_init(|| Flags {
+            stop: Arc::new(AtomicBool::new(false)),
+            idle: Arc::new(AtomicBool::new(true)),
+            active: Mutex::new(0),
+        });
+        let mut registered = REGISTERED.lock().unwrap_or_else(|e| e.into_inner());
+        if !*registered {
+            use signal_hook::consts::{SIGINT, SIGTERM};
+            use signal_hook::flag;
+            for sig in [SIGINT, SIGTERM] {
+                flag::register_conditional_default(sig, Arc::clone(&flags.stop))?;
+                flag::register(sig, Arc::clone(&flags.stop))?;
+                flag::register_conditional_default(sig, Arc::clone(&flags.idle))?;
+            }
+            *registered = true;
+        }
+        Ok(flags)
+    }
+
+    /// A run catching signals; dropping it lets the signals act by default again
+    /// once no other run in the process catches them.
+    pub(super) struct Guard(&'static Flags);
+
+    pub(super) fn catch() -> std::io::Result<Guard> {
+        let flags = flags()?;
+        let mut active = flags.active.lock().unwrap_or_else(|e| e.into_inner());
+        if *active == 0 {
+            flags.stop.store(false, Ordering::SeqCst);
+            flags.idle.store(false, Ordering::SeqCst);
+        }
+        *active += 1;
+        Ok(Guard(flags))
+    }
+
+    impl Guard {
+        pub(super) fn stop_requested(&self) -> bool {
+            self.0.stop.load(Ordering::SeqCst)
+        }
+    }
+
+    impl Drop for Guard {
+        fn drop(&mut self) {
+            let mut active = self.0.active.lock().unwrap_or_else(|e| e.into_inner());
+            *active -= 1;
+            if *active == 0 {
+                self.0.idle.store(true, Ordering::SeqCst);
+            }
+        }
+    }
 }
 
 /// Mean loss over `eval_batches` validation batches drawn from a fresh sampler.
@@ -223,30 +728,6 @@ fn validation_loss(
         sum += f64::from(exec.loss(params, &tokens)?);
     }
     Ok((sum / n as f64) as f32)
-}
-
-/// Keeps only the metrics lines with `step <= last` (a resumed run replays
-/// the steps after its checkpoint), rewriting the file atomically.
-fn truncate_metrics(path: &Path, last: u64) -> Result<(), TrainError> {
-    let text = match std::fs::read_to_string(path) {
-        Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-        Err(source) => return Err(TrainError::Io { path: path.to_path_buf(), source }),
-    };
-    let kept: String = text
-        .lines()
-        .filter(|line| {
-            serde_json::from_str::<serde_json::Value>(line)
-                .ok()
-                .and_then(|v| v.get("step").and_then(|s| s.as_u64()))
-                .is_some_and(|s| s <= last)
-        })
-        .map(|line| format!("{line}\n"))
-        .collect();
-    let tmp = path.with_extension("jsonl.tmp");
-    std::fs::write(&tmp, kept)
-        .and_then(|_| std::fs::rename(&tmp, path))
-        .map_err(|source| TrainError::Io { path: path.to_path_buf(), source })
 }
 
 /// The progress display on stderr.

@@ -105,7 +105,13 @@ fn bf16_model_trains_on_the_cpu_device() {
     }
     let out = std::env::temp_dir().join(format!("widen-mixed-precision-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&out);
-    let opts = TrainOptions { out_dir: out.clone(), resume: None, progress: Progress::Silent };
+    let opts = TrainOptions {
+        out_dir: out.clone(),
+        resume: None,
+        progress: Progress::Silent,
+        catch_signals: false,
+        overwrite: false,
+    };
     let report = train_spec(&spec, Device::Cpu, &opts).expect("trains");
     std::fs::remove_dir_all(&out).expect("remove the run folder");
     let losses: Vec<f64> = report.losses.iter().map(|&l| f64::from(l)).collect();

@@ -29,7 +29,13 @@ fn temp_dir(tag: &str) -> PathBuf {
 }
 
 fn opts(out: &Path, resume: Option<PathBuf>) -> TrainOptions {
-    TrainOptions { out_dir: out.to_path_buf(), resume, progress: Progress::Silent }
+    TrainOptions {
+        out_dir: out.to_path_buf(),
+        resume,
+        progress: Progress::Silent,
+        catch_signals: false,
+        overwrite: false,
+    }
 }
 
 fn metric_losses(path: &Path) -> Vec<(u64, f64)> {
@@ -66,7 +72,7 @@ fn same_seed_gives_identical_losses_and_another_seed_does_not() {
     assert!(lines.iter().all(|l| l["tokens_per_s"].as_f64().unwrap() > 0.0 && l["lr"].as_f64().is_some()));
     // A fresh run never overwrites an earlier run's metrics.
     let err = train_spec(&spec, Device::Reference, &opts(&a, None)).unwrap_err();
-    assert!(matches!(err, TrainError::MetricsExist { .. }), "{err}");
+    assert!(matches!(err, TrainError::RunExists { .. }), "{err}");
     for d in [a, b, c] {
         std::fs::remove_dir_all(d).unwrap();
     }
@@ -109,8 +115,13 @@ fn resume_matches(device: Device) {
         assert!(bits(va) == bits(vb), "tensor {na} differs after resume");
     }
 
-    // Resuming in the original folder drops the metrics after the checkpoint and appends.
-    let again = train_spec(&spec, device, &opts(&full, Some(full.join("ckpt-3.safetensors")))).unwrap();
+    // Resuming in the original folder would replace the later checkpoints: refused
+    // unless asked for; with --overwrite it drops the metrics after the checkpoint and appends.
+    let err = train_spec(&spec, device, &opts(&full, Some(full.join("ckpt-3.safetensors")))).unwrap_err();
+    assert!(matches!(err, TrainError::WouldReplace { .. }), "{err}");
+    assert_eq!(metric_losses(&full.join("metrics.jsonl")).len(), 6, "a refused resume changes nothing");
+    let overwrite = TrainOptions { overwrite: true, ..opts(&full, Some(full.join("ckpt-3.safetensors"))) };
+    let again = train_spec(&spec, device, &overwrite).unwrap();
     assert_eq!(again.losses, whole.losses[3..].to_vec());
     let steps: Vec<u64> = metric_losses(&full.join("metrics.jsonl")).iter().map(|(s, _)| *s).collect();
     assert_eq!(steps, vec![1, 2, 3, 4, 5, 6]);

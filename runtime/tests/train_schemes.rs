@@ -46,7 +46,13 @@ fn assert_trains(spec: &ModelSpec) -> (f64, f64) {
     let name = &spec.name;
     let out = std::env::temp_dir().join(format!("widen-train-schemes-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&out);
-    let opts = TrainOptions { out_dir: out.clone(), resume: None, progress: Progress::Silent };
+    let opts = TrainOptions {
+        out_dir: out.clone(),
+        resume: None,
+        progress: Progress::Silent,
+        catch_signals: false,
+        overwrite: false,
+    };
     let started = std::time::Instant::now();
     let report = train_spec(spec, Device::Reference, &opts).unwrap_or_else(|e| panic!("{name}: {e}"));
     std::fs::remove_dir_all(&out).expect("remove the run folder");

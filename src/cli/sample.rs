@@ -14,7 +14,7 @@ pub struct Args {
     /// Text to continue.
     #[arg(long)]
     pub prompt: String,
-    /// Bytes to generate.
+    /// Bytes to generate (at most 1048576).
     #[arg(long, default_value_t = 200)]
     pub tokens: usize,
     /// Softmax temperature; 0 is greedy.
@@ -32,6 +32,12 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    anyhow::ensure!(
+        args.tokens <= runtime::sample::MAX_TOKENS,
+        "--tokens {} is more than {}, the most one `widen sample` generates",
+        args.tokens,
+        runtime::sample::MAX_TOKENS
+    );
     let opts = SampleOptions {
         tokens: args.tokens,
         temperature: args.temperature,

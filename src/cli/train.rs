@@ -1,11 +1,15 @@
 //! `widen train`: train a model from a spec on the Cpu device (the default),
 //! the reference executor or the Cuda device (DESIGN.md §7).
+//!
+//! Ctrl-C or SIGTERM saves the run and exits with status 130, printing the
+//! command that continues it; so does a failed save, naming the last good
+//! checkpoint (status 1). See `runtime::train` for what a run refuses.
 
 use anyhow::Context;
 use ir::spec::{load_spec, DataSpec};
 use runtime::executor::Device;
-use runtime::train::{train_spec, Progress, TrainOptions};
-use std::path::PathBuf;
+use runtime::train::{train_spec, Progress, TrainError, TrainOptions};
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 /// The device to run on: the reference interpreter, or the compiled Plan on
@@ -43,9 +47,14 @@ pub struct Args {
     /// Run folder for metrics and checkpoints [default: runs/<spec name>].
     #[arg(long)]
     pub out: Option<PathBuf>,
-    /// Continue from a checkpoint of the same spec.
+    /// Continue from a checkpoint of the same model. A resume may change the step
+    /// budget, the data and the evaluation and checkpoint cadence, nothing else.
     #[arg(long)]
     pub resume: Option<PathBuf>,
+    /// Let --resume replace the run folder's results past the checkpoint's step
+    /// (later checkpoints, the final checkpoint, their metrics).
+    #[arg(long, requires = "resume")]
+    pub overwrite: bool,
     /// Where to run.
     #[arg(long, value_enum, default_value = "cpu")]
     pub device: DeviceArg,
@@ -67,15 +76,31 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             );
         }
     }
-    let out_dir = args.out.unwrap_or_else(|| PathBuf::from("runs").join(&spec.name));
+    let out_dir = args.out.clone().unwrap_or_else(|| PathBuf::from("runs").join(&spec.name));
     let opts = TrainOptions {
         out_dir: out_dir.clone(),
-        resume: args.resume,
+        resume: args.resume.clone(),
         progress: Progress::Auto { every: (spec.train.steps / 20).max(1) },
+        catch_signals: true,
+        overwrite: args.overwrite,
     };
     let device = Device::from(args.device);
-    let report = train_spec(&spec, device, &opts)
-        .with_context(|| format!("training {} (run folder {})", args.spec.display(), out_dir.display()))?;
+    let report = match train_spec(&spec, device, &opts) {
+        Ok(report) => report,
+        Err(err) => {
+            let Some(checkpoint) = err.resume_from().map(Path::to_path_buf) else {
+                return Err(err).with_context(|| {
+                    format!("training {} (run folder {})", args.spec.display(), out_dir.display())
+                });
+            };
+            let interrupted = matches!(err, TrainError::Interrupted { .. });
+            let err = anyhow::Error::new(err);
+            eprintln!("{}{err:#}", if interrupted { "" } else { "error: " });
+            eprintln!("continue with: {}", resume_command(&args, &out_dir, &checkpoint));
+            // 130 = 128 + SIGINT, what a shell reports for a run stopped by Ctrl-C.
+            return Ok(if interrupted { ExitCode::from(130) } else { ExitCode::FAILURE });
+        }
+    };
     let last = report.losses.last().map(|l| format!("{l:.4}")).unwrap_or_else(|| "-".into());
     let val = report.val_loss.map(|v| format!(", validation loss {v:.4}")).unwrap_or_default();
     eprintln!(
@@ -86,4 +111,35 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         report.metrics.display()
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// The `widen train` command that continues this run from `checkpoint`: the same
+/// spec, data, step budget, device and run folder.
+fn resume_command(args: &Args, out_dir: &Path, checkpoint: &Path) -> String {
+    let mut words = vec!["widen".to_string(), "train".to_string(), quote(&args.spec.display().to_string())];
+    if let Some(data) = &args.data {
+        words.extend(["--data".to_string(), quote(&data.display().to_string())]);
+    }
+    if let Some(steps) = args.steps {
+        words.extend(["--steps".to_string(), steps.to_string()]);
+    }
+    words.extend(["--out".to_string(), quote(&out_dir.display().to_string())]);
+    words.extend(["--resume".to_string(), quote(&checkpoint.display().to_string())]);
+    match args.device {
+        DeviceArg::Cpu => {}
+        DeviceArg::Reference => words.extend(["--device".to_string(), "reference".to_string()]),
+        DeviceArg::Cuda => words.extend(["--device".to_string(), "cuda".to_string()]),
+    }
+    words.join(" ")
+}
+
+/// `word` as a POSIX shell reads it back: unchanged when it is plain, else in single quotes.
+fn quote(word: &str) -> String {
+    let plain =
+        !word.is_empty() && word.chars().all(|c| c.is_ascii_alphanumeric() || "-_./=:,+@%".contains(c));
+    if plain {
+        word.to_string()
+    } else {
+        format!("'{}'", word.replace('\'', "'\\''"))
+    }
 }

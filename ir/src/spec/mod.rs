@@ -608,6 +608,10 @@ pub struct TrainSpec {
     pub val_fraction: f64,
     /// Checkpoint every this many steps (0 = only at the end); default 0.
     pub checkpoint_every: usize,
+    /// Keep only the newest this many `ckpt-<step>` files of a run, deleting older
+    /// ones after each save (0 = keep all), so frequent checkpoints do not fill the
+    /// disk; `final.safetensors` is always kept. Default 0.
+    pub keep_last: usize,
 }
 
 impl Default for TrainSpec {
@@ -625,6 +629,7 @@ impl Default for TrainSpec {
             eval_batches: 4,
             val_fraction: 0.1,
             checkpoint_every: 0,
+            keep_last: 0,
         }
     }
 }

@@ -231,7 +231,9 @@ pub fn set_steps(spec: &mut ModelSpec, steps: usize) -> Option<WarmupRescale> {
         return None;
     }
     let from = *warmup;
-    *warmup = (from * steps / planned.max(1)).min(steps.saturating_sub(1));
+    // In u128: `from * steps` overflows usize for a large spec warmup and --steps.
+    let scaled = from as u128 * steps as u128 / planned.max(1) as u128;
+    *warmup = usize::try_from(scaled).unwrap_or(usize::MAX).min(steps.saturating_sub(1));
     Some(WarmupRescale { steps, planned, from, to: *warmup })
 }
 

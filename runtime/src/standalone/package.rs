@@ -159,11 +159,12 @@ fn main_rs(spec: &ModelSpec, plan: &Plan) -> TokenStream {
     );
     let usage = format!(
         "Trains the model `{name}` (spec hash {spec_hash}); built by `widen build`.\n\n\
-         usage: {{program}} [--steps N] [--data FILE] [--out DIR] [--resume CKPT] [--device cpu|reference|cuda]\n\n\
+         usage: {{program}} [--steps N] [--data FILE] [--out DIR] [--resume CKPT [--overwrite]] [--device cpu|reference|cuda]\n\n\
          \x20 --steps N       optimizer steps [default: {steps}]; a warmup longer than the run is scaled down\n\
          \x20 --data FILE     train on this byte-level text file [default: {data:?}]\n\
          \x20 --out DIR       run folder for metrics.jsonl and checkpoints [default: runs/{name}]\n\
          \x20 --resume CKPT   continue from a checkpoint of this model\n\
+         \x20 --overwrite     let --resume replace the run folder's results past the checkpoint\n\
          \x20 --device D      cpu: the embedded Plan on every core (kernels built by the system C compiler, `CC`) [default]\n\
          \x20                 reference: the reference interpreter of the unfused graph\n\
          \x20                 cuda: the embedded Plan on the GPU\n\
@@ -199,6 +200,7 @@ fn main_rs(spec: &ModelSpec, plan: &Plan) -> TokenStream {
             data: Option<PathBuf>,
             out: Option<PathBuf>,
             resume: Option<PathBuf>,
+            overwrite: bool,
             device: DeviceArg,
         }
 
@@ -211,7 +213,8 @@ fn main_rs(spec: &ModelSpec, plan: &Plan) -> TokenStream {
                 .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
                 .unwrap_or_else(|| #name.to_string());
             let usage = USAGE.replace("{program}", &program);
-            let mut args = Args { steps: None, data: None, out: None, resume: None, device: DeviceArg::Cpu };
+            let mut args =
+                Args { steps: None, data: None, out: None, resume: None, overwrite: false, device: DeviceArg::Cpu };
             while let Some(arg) = argv.next() {
                 let arg = arg.to_string_lossy().into_owned();
                 let (flag, inline) = match arg.split_once('=') {
@@ -241,6 +244,7 @@ fn main_rs(spec: &ModelSpec, plan: &Plan) -> TokenStream {
                     "--data" => args.data = Some(PathBuf::from(value()?)),
                     "--out" => args.out = Some(PathBuf::from(value()?)),
                     "--resume" => args.resume = Some(PathBuf::from(value()?)),
+                    "--overwrite" => args.overwrite = true,
                     "--device" => {
                         args.device = match value()?.as_str() {
                             "cpu" => DeviceArg::Cpu,
@@ -260,8 +264,14 @@ fn main_rs(spec: &ModelSpec, plan: &Plan) -> TokenStream {
             Ok(runtime::standalone::codec::decode_plan(json)?)
         }
 
-        fn run() -> anyhow::Result<()> {
-            let Some(args) = parse_args()? else { return Ok(()) };
+        /// How a run ended: finished, or stopped with a checkpoint to continue from.
+        enum Outcome {
+            Done,
+            Stopped { interrupted: bool },
+        }
+
+        fn run() -> anyhow::Result<Outcome> {
+            let Some(args) = parse_args()? else { return Ok(Outcome::Done) };
             let mut spec = ir::spec::ModelSpec::from_ron_str(SPEC_RON).context("reading the embedded spec")?;
             if let Some(data) = &args.data {
                 spec.train.data = ir::spec::DataSpec::Text(data.display().to_string());
@@ -294,11 +304,41 @@ fn main_rs(spec: &ModelSpec, plan: &Plan) -> TokenStream {
             };
             let opts = runtime::train::TrainOptions {
                 out_dir: out_dir.clone(),
-                resume: args.resume,
+                resume: args.resume.clone(),
                 progress: runtime::train::Progress::Auto { every: (spec.train.steps / 20).max(1) },
+                catch_signals: true,
+                overwrite: args.overwrite,
             };
-            let report = runtime::train::train(&spec, exec.as_mut(), params, &corpus, &opts)
-                .with_context(|| format!("training {} (run folder {})", spec.name, out_dir.display()))?;
+            let report = match runtime::train::train(&spec, exec.as_mut(), params, &corpus, &opts) {
+                Ok(report) => report,
+                Err(err) => {
+                    let Some(checkpoint) = err.resume_from().map(PathBuf::from) else {
+                        return Err(err).with_context(|| {
+                            format!("training {} (run folder {})", spec.name, out_dir.display())
+                        });
+                    };
+                    let interrupted = matches!(err, runtime::train::TrainError::Interrupted { .. });
+                    let err = anyhow::Error::new(err);
+                    eprintln!("{}{err:#}", if interrupted { "" } else { "error: " });
+                    let program = std::env::args().next().unwrap_or_else(|| #name.to_string());
+                    let mut command = vec![program];
+                    if let Some(steps) = args.steps {
+                        command.extend(["--steps".to_string(), steps.to_string()]);
+                    }
+                    if let Some(data) = &args.data {
+                        command.extend(["--data".to_string(), data.display().to_string()]);
+                    }
+                    command.extend(["--out".to_string(), out_dir.display().to_string()]);
+                    command.extend(["--resume".to_string(), checkpoint.display().to_string()]);
+                    match args.device {
+                        DeviceArg::Cpu => {}
+                        DeviceArg::Reference => command.extend(["--device".to_string(), "reference".to_string()]),
+                        DeviceArg::Cuda => command.extend(["--device".to_string(), "cuda".to_string()]),
+                    }
+                    eprintln!("continue with: {}", command.join(" "));
+                    return Ok(Outcome::Stopped { interrupted });
+                }
+            };
             let last = report.losses.last().map(|l| format!("{l:.4}")).unwrap_or_else(|| "-".into());
             let val = report.val_loss.map(|v| format!(", validation loss {v:.4}")).unwrap_or_default();
             eprintln!(
@@ -308,12 +348,15 @@ fn main_rs(spec: &ModelSpec, plan: &Plan) -> TokenStream {
                 report.final_checkpoint.display(),
                 report.metrics.display()
             );
-            Ok(())
+            Ok(Outcome::Done)
         }
 
         fn main() -> ExitCode {
             match run() {
-                Ok(()) => ExitCode::SUCCESS,
+                Ok(Outcome::Done) => ExitCode::SUCCESS,
+                // 130 = 128 + SIGINT, what a shell reports for a run stopped by Ctrl-C.
+                Ok(Outcome::Stopped { interrupted: true }) => ExitCode::from(130),
+                Ok(Outcome::Stopped { interrupted: false }) => ExitCode::FAILURE,
                 Err(err) => {
                     eprintln!("error: {err:#}");
                     ExitCode::FAILURE
