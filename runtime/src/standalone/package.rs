@@ -312,6 +312,11 @@ fn main_rs(spec: &ModelSpec, plan: &Plan) -> TokenStream {
         }
 
         fn main() -> ExitCode {
+            // A file-size limit fails the write that crosses it with an error
+            // naming the file, instead of a silent SIGXFSZ death.
+            if let Err(err) = runtime::process::report_file_size_limit_as_error() {
+                eprintln!("warning: cannot handle SIGXFSZ ({err})");
+            }
             match run() {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(err) => {
