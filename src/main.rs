@@ -31,6 +31,12 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    // Before anything is written: a file-size limit then fails the write
+    // that crosses it with an error naming the file, instead of killing the
+    // process with SIGXFSZ and no message.
+    if let Err(err) = runtime::process::report_file_size_limit_as_error() {
+        eprintln!("warning: cannot handle SIGXFSZ ({err}); a file-size limit would end widen silently");
+    }
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Check(args) => cli::check::run(args),

@@ -133,3 +133,29 @@ fn build_errors_say_what_to_fix() {
     assert!(!dir.join("b").exists(), "no binary after a failed build");
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// `widen build -o PATH` refuses, before building anything, to replace a file
+/// that is not a trainer an earlier build wrote (unless `--force`), and never
+/// replaces the spec itself.
+#[test]
+fn build_refuses_to_overwrite_what_it_did_not_build() {
+    let dir = common::workdir("build-overwrite", None);
+    let cache = dir.join("cache");
+    let notes = dir.join("notes.txt");
+    std::fs::write(&notes, "my notes").unwrap();
+    let o = widen(&cache).arg("build").arg(spec_path()).arg("-o").arg(&notes).output().unwrap();
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    assert!(e.contains("notes.txt") && e.contains("--force"), "{e}");
+    assert_eq!(std::fs::read_to_string(&notes).unwrap(), "my notes");
+
+    let spec = dir.join("spec.ron");
+    std::fs::copy(spec_path(), &spec).unwrap();
+    let text = std::fs::read_to_string(&spec).unwrap();
+    let o = widen(&cache).arg("build").arg(&spec).arg("-o").arg(&spec).arg("--force").output().unwrap();
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("is the spec"), "{}", stderr(&o));
+    assert_eq!(std::fs::read_to_string(&spec).unwrap(), text);
+    assert!(!cache.join("build").exists(), "refused before building");
+    std::fs::remove_dir_all(dir).unwrap();
+}

@@ -131,3 +131,60 @@ fn bench_writes_both_rows_as_json() {
     assert!(table.contains("baseline") && table.contains("Ghc"), "{table}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `widen compile -o DIR` replaces only what an earlier compile wrote: a
+/// folder holding a file of an output's name that no compile wrote is refused
+/// before anything is written (the file kept), unless `--force`; the spec is
+/// never overwritten, even forced.
+#[test]
+fn compile_refuses_to_overwrite_files_it_did_not_write() {
+    let dir = common::workdir("compile-overwrite", None);
+    let out = dir.join("out");
+    std::fs::create_dir_all(&out).unwrap();
+    std::fs::write(out.join("plan.txt"), "my plan").unwrap();
+    let o = widen(&dir, &["compile", &spec("tiny.ron"), "-o", "out"]);
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    assert!(e.contains("plan.txt") && e.contains("--force"), "{e}");
+    assert_eq!(read(&out, "plan.txt"), "my plan");
+    assert!(!out.join("graph.txt").exists(), "nothing was written");
+
+    // The spec inside the output folder under an output's name: refused even with --force.
+    let tiny = std::fs::read_to_string(spec("tiny.ron")).unwrap();
+    let inside = dir.join("inside");
+    std::fs::create_dir_all(&inside).unwrap();
+    std::fs::write(inside.join("graph.txt"), &tiny).unwrap();
+    let o = widen(&dir, &["compile", "inside/graph.txt", "-o", "inside", "--force"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("spec"), "{}", stderr(&o));
+    assert_eq!(read(&inside, "graph.txt"), tiny);
+
+    // Forced, it writes; then the folder is a compile's and recompiles unforced.
+    let o = widen(&dir, &["compile", &spec("tiny.ron"), "-o", "out", "--force"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_ne!(read(&out, "plan.txt"), "my plan");
+    let o = widen(&dir, &["compile", &spec("tiny.ron"), "-o", "out"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// A file-size limit (`ulimit -f`) that a write crosses is an error naming
+/// the file, not a silent death by SIGXFSZ.
+#[cfg(unix)]
+#[test]
+fn a_file_size_limit_is_a_write_error() {
+    use std::os::unix::process::ExitStatusExt;
+    let dir = common::workdir("compile-fsize", None);
+    // 16 blocks (8 or 16 KiB, by the shell's block size): graph.txt is larger.
+    let o = std::process::Command::new("sh")
+        .current_dir(&dir)
+        .args(["-c", "ulimit -f 16 && exec \"$0\" \"$@\"", env!("CARGO_BIN_EXE_widen")])
+        .args(["compile", &spec("tiny.ron"), "-o", "out"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.signal(), None, "killed by a signal: {}", stderr(&o));
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let e = stderr(&o);
+    assert!(e.contains("cannot write") && e.contains("graph.txt") && e.contains("too large"), "{e}");
+    std::fs::remove_dir_all(dir).unwrap();
+}

@@ -7,7 +7,13 @@
 //! stay close to the reference executor) into a shared object that is
 //! cached under [`default_cache_dir`] by a SHA-256 of (source, compiler
 //! `--version`, flags, host CPU), written atomically (compile to a temporary
-//! name, then rename) and loaded with `libloading`. Kernels are compiled on the
+//! name, then rename) and loaded with `libloading`. Beside each shared object
+//! a `.sha256` file holds its digest; a cached object is used only when it
+//! still has that digest and loads, and is otherwise rebuilt (a corrupt cache
+//! entry never fails a run: reliability rule, issue #33). Concurrent
+//! compiles of one key each write their own temporary files and rename them
+//! into place, so a reader sees a whole object or none, and a digest that
+//! does not match the object beside it only costs a rebuild. Kernels are compiled on the
 //! machine that runs them, so `-march=native` lets the compiler use its vector
 //! units (AVX-512 where present) without changing IEEE results; the host CPU in
 //! the key keeps a cache folder shared between different machines from handing
@@ -31,6 +37,7 @@ use std::ffi::c_void;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -91,14 +98,44 @@ pub enum CcError {
     Symbol { file: PathBuf, symbol: String, source: libloading::Error },
     #[error("kernel `{kernel}` is not part of {}", file.display())]
     UnknownKernel { kernel: String, file: PathBuf },
-    #[error("{}: {source}", path.display())]
-    Io { path: PathBuf, source: std::io::Error },
+    #[error(
+        "the kernel cache {} cannot be written ({source}); set WIDEN_CACHE_DIR to a writable \
+         folder with free space (or make this one writable)",
+        dir.display()
+    )]
+    Cache { dir: PathBuf, source: std::io::Error },
     #[error(transparent)]
     Kernel(#[from] KernelError),
 }
 
-fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> CcError + '_ {
-    move |source| CcError::Io { path: path.to_path_buf(), source }
+/// An error writing into the cache folder `dir`: it names the folder and
+/// `WIDEN_CACHE_DIR`, never the temporary file that failed.
+fn cache_err(dir: &Path) -> impl FnOnce(std::io::Error) -> CcError + '_ {
+    move |source| CcError::Cache { dir: dir.to_path_buf(), source }
+}
+
+/// The hex SHA-256 of `bytes`.
+fn digest(bytes: &[u8]) -> String {
+    Sha256::digest(bytes).iter().fold(String::with_capacity(64), |mut s, b| {
+        let _ = write!(s, "{b:02x}");
+        s
+    })
+}
+
+/// The file beside a cached shared object holding its digest.
+fn digest_path(so: &Path) -> PathBuf {
+    let mut name = so.as_os_str().to_owned();
+    name.push(".sha256");
+    PathBuf::from(name)
+}
+
+/// Whether the cached object `so` is the one its compile wrote: its digest
+/// file exists and matches its bytes. Any read failure counts as a mismatch.
+fn verified(so: &Path) -> bool {
+    match (std::fs::read(so), std::fs::read_to_string(digest_path(so))) {
+        (Ok(bytes), Ok(want)) => digest(&bytes) == want.trim(),
+        _ => false,
+    }
 }
 
 /// Where compiled modules are cached: `$WIDEN_CACHE_DIR`, else
@@ -209,51 +246,81 @@ impl Compiler {
 
     /// Compiles C source into a shared object in the cache (or reuses the
     /// cached one with the same key) and loads it.
+    ///
+    /// A cached object is reused only when it matches its digest and loads;
+    /// a corrupt, truncated or unloadable one is rebuilt in its place.
     pub fn compile_source(&self, source: &str) -> Result<Library, CcError> {
         let key = self.key(source);
         let so = self.cache_dir.join(format!("widen-{key}.so"));
-        let cached = so.is_file();
-        if !cached {
-            std::fs::create_dir_all(&self.cache_dir).map_err(io_err(&self.cache_dir))?;
-            let c = self.cache_dir.join(format!("widen-{key}.c"));
-            write_atomic(&c, source.as_bytes())?;
-            let tmp = temp_name(&so);
-            let (program, args) = self.command.split_first().expect("Compiler::new rejects empty commands");
-            let out = Command::new(program)
-                .args(args)
-                .args(&self.flags)
-                .arg("-o")
-                .arg(&tmp)
-                .arg(&c)
-                .arg("-lm")
-                .output()
-                .map_err(|source| CcError::CompilerNotFound { compiler: self.command.join(" "), source })?;
-            if !out.status.success() {
-                let _ = std::fs::remove_file(&tmp);
-                let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-                return Err(CcError::Compile { compiler: self.command.join(" "), file: c, stderr });
+        if so.is_file() && verified(&so) {
+            // SAFETY: the library is our own generated C (its digest is the
+            // one our compile recorded): it has no initializers with side effects.
+            if let Ok(lib) = unsafe { libloading::Library::new(&so) } {
+                return Ok(Library { lib: Arc::new(lib), path: so, cached: true, kernels: None });
             }
-            std::fs::rename(&tmp, &so).map_err(io_err(&so))?;
         }
-        // SAFETY: the library is our own generated C: it has no initializers
-        // with side effects.
+        self.build(&key, source, &so)?;
+        // SAFETY: as above; the object was just compiled from `source`.
         let lib = unsafe { libloading::Library::new(&so) }
             .map_err(|source| CcError::Load { file: so.clone(), source })?;
-        Ok(Library { lib: Arc::new(lib), path: so, cached, kernels: None })
+        Ok(Library { lib: Arc::new(lib), path: so, cached: false, kernels: None })
+    }
+
+    /// Compiles `source` into `so`: the source, the object and its digest are
+    /// each written under a temporary name and renamed into place, the
+    /// digest before the object, so no reader ever sees a partial file.
+    fn build(&self, key: &str, source: &str, so: &Path) -> Result<(), CcError> {
+        let dir = &self.cache_dir;
+        std::fs::create_dir_all(dir).map_err(cache_err(dir))?;
+        let c = dir.join(format!("widen-{key}.c"));
+        write_atomic(&c, source.as_bytes()).map_err(cache_err(dir))?;
+        let tmp = temp_name(so);
+        let (program, args) = self.command.split_first().expect("Compiler::new rejects empty commands");
+        let out = Command::new(program)
+            .args(args)
+            .args(&self.flags)
+            .arg("-o")
+            .arg(&tmp)
+            .arg(&c)
+            .arg("-lm")
+            .output()
+            .map_err(|source| CcError::CompilerNotFound { compiler: self.command.join(" "), source })?;
+        let built = std::fs::read(&tmp);
+        let (true, Ok(bytes)) = (out.status.success(), built) else {
+            let _ = std::fs::remove_file(&tmp);
+            let mut stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+            if out.status.success() {
+                stderr = format!("the compiler reported success but wrote no object\n{stderr}");
+            }
+            return Err(CcError::Compile { compiler: self.command.join(" "), file: c, stderr });
+        };
+        let placed = write_atomic(&digest_path(so), digest(&bytes).as_bytes())
+            .and_then(|()| std::fs::rename(&tmp, so));
+        if placed.is_err() {
+            let _ = std::fs::remove_file(&tmp);
+        }
+        placed.map_err(cache_err(dir))
     }
 }
 
-/// A unique sibling name for atomic writes.
+/// A unique sibling name for atomic writes: the process id, the time and a
+/// per-process counter, so neither two processes nor two threads of one
+/// process compiling the same key ever share a temporary file.
 fn temp_name(path: &Path) -> PathBuf {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
     let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
     let name = path.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned());
-    path.with_file_name(format!(".{name}.{}.{nanos}.tmp", std::process::id()))
+    path.with_file_name(format!(".{name}.{}.{nanos}.{n}.tmp", std::process::id()))
 }
 
-fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CcError> {
+fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let tmp = temp_name(path);
-    std::fs::write(&tmp, bytes).map_err(io_err(&tmp))?;
-    std::fs::rename(&tmp, path).map_err(io_err(path))
+    let written = std::fs::write(&tmp, bytes).and_then(|()| std::fs::rename(&tmp, path));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written
 }
 
 /// A loaded C module.

@@ -392,3 +392,76 @@ fn exp_kernels_are_vectorized_by_gcc() {
     });
     assert!(vectorized, "the SiLU item loop stays scalar under {:?}:\n{report}", compiler.flags());
 }
+
+/// A cached object that no longer is what its compile wrote (garbage,
+/// truncated, emptied) is rebuilt in place instead of failing every run
+/// until someone deletes the cache.
+#[test]
+fn a_corrupt_cached_object_is_rebuilt() {
+    let tmp = TempCache::new("corrupt");
+    let cc = tmp.compiler();
+    let first = cc.compile_kernels(&[common::rmsnorm()]).expect("compiles");
+    let good = std::fs::read(first.path()).expect("object exists");
+    drop(first);
+    let corruptions: [(&str, Vec<u8>); 3] = [
+        ("garbage", b"this is not a shared object".to_vec()),
+        ("truncated", good[..good.len() / 2].to_vec()),
+        ("empty", Vec::new()),
+    ];
+    for (what, bytes) in corruptions {
+        let so = cc.compile_kernels(&[common::rmsnorm()]).expect("compiles").path().to_path_buf();
+        std::fs::write(&so, &bytes).unwrap();
+        let lib = cc.compile_kernels(&[common::rmsnorm()]).unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert!(!lib.from_cache(), "{what}: the corrupt object was used");
+        assert!(lib.entry("rmsnorm").is_ok(), "{what}: the rebuilt object has the kernel");
+        let again = cc.compile_kernels(&[common::rmsnorm()]).expect("compiles");
+        assert!(again.from_cache(), "{what}: the rebuilt object is cached again");
+    }
+}
+
+/// A cache folder that cannot be created or written is reported as the cache,
+/// with the variable that moves it, never as a temporary file's error.
+#[test]
+fn an_unusable_cache_names_widen_cache_dir() {
+    let tmp = TempCache::new("unusable");
+    std::fs::create_dir_all(&tmp.0).unwrap();
+    let file = tmp.0.join("a-file");
+    std::fs::write(&file, "x").unwrap();
+    let dir = file.join("cache");
+    let cc = Compiler::new(&std::env::var("CC").unwrap_or_else(|_| "cc".into()), dir.clone()).expect("cc");
+    let err = cc.compile_kernels(&[common::rmsnorm()]).unwrap_err();
+    assert!(matches!(&err, CcError::Cache { dir: d, .. } if *d == dir), "{err:?}");
+    let msg = err.to_string();
+    assert!(msg.contains("WIDEN_CACHE_DIR") && msg.contains(&*dir.to_string_lossy()), "{msg}");
+    assert!(!msg.contains(".tmp"), "{msg}");
+}
+
+/// Several compiles of one module at once (threads here, processes alike:
+/// every temporary name is unique) all load a whole object, and leave one
+/// verified object and no temporary files.
+#[test]
+fn concurrent_compiles_of_one_key_do_not_corrupt_the_cache() {
+    let tmp = TempCache::new("concurrent");
+    let cc = tmp.compiler();
+    let paths: Vec<PathBuf> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..4)
+            .map(|_| {
+                let cc = cc.clone();
+                s.spawn(move || {
+                    let lib = cc.compile_kernels(&[common::rmsnorm()]).expect("compiles");
+                    lib.entry("rmsnorm").expect("loads whole");
+                    lib.path().to_path_buf()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("no panic")).collect()
+    });
+    assert!(paths.windows(2).all(|w| w[0] == w[1]), "{paths:?}");
+    assert!(cc.compile_kernels(&[common::rmsnorm()]).expect("compiles").from_cache());
+    let leftovers: Vec<_> = std::fs::read_dir(cc.cache_dir())
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".tmp"))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+}

@@ -20,6 +20,16 @@ use std::collections::HashMap;
 pub enum StepError {
     #[error("token batch has {got} ids, the model graph takes {expected} ([batch, seq_len + 1])")]
     TokenCount { got: usize, expected: usize },
+    #[error(
+        "token id {id} at row {row}, position {col} of the batch is outside the model's vocabulary \
+         0..{vocab}; the data holds ids the spec's `vocab` does not cover (byte-level text needs \
+         vocab >= 256)"
+    )]
+    TokenOutOfRange { id: i32, row: usize, col: usize, vocab: usize },
+    #[error(
+        "the compiled plan's logits ({len} values) are not [batch, seq_len, vocab] for tokens {shape:?}"
+    )]
+    NoVocabulary { len: usize, shape: [usize; 2] },
     #[error("the graph produced no {what}")]
     MissingOutput { what: &'static str },
     #[error(transparent)]
@@ -41,6 +51,56 @@ pub enum StepError {
     MomentsOnDevice,
     #[error("the Plan's update runs AdamW only, and a parameter follows Muon")]
     NotAdamW,
+}
+
+/// Checks a token batch before any device sees it: `[batch, seq_len + 1]`
+/// ids (`shape`), each in `0..vocab`.
+///
+/// This is where every index a kernel reads from data is checked. The token
+/// ids are the only data-dependent indices of a Plan: the embedding gather
+/// (`Gather` axis 0 over the `[vocab, d]` table, forward), its gradient's
+/// scatter-add into the table's gradient (backward, a write), and the
+/// cross-entropy targets of the main head and of every MTP module (read in
+/// the forward pass, written at in its gradient; the logits' last axis is
+/// `vocab` wide) all index with slices of this one batch, so one pass over it
+/// here bounds them all. Every other index a kernel reads from a buffer is
+/// computed by a kernel and in range by construction: `TopK` (xHC's stream
+/// routing, MoE's expert choice; `codegen::emit::item::topk`) writes exactly
+/// `k - fixed` ids from `fixed..n` after the `fixed` ones, ranking under a
+/// total order that places NaN scores too, and graph shape inference
+/// (`ir::graph`) requires `fixed <= k <= n`; the `Gather`, `ScatterAdd` and
+/// `ScatterRows` over the stream or expert axis read only those ids.
+///
+/// The compiled kernels do not bound-check their indices (a check per load
+/// in the hot loops), so a batch that fails here must never reach them: an id
+/// outside `0..vocab` would read, and in the backward pass write, outside the
+/// embedding's and the logits' buffers. Reliability rule (issue #33): no
+/// compiled kernel is handed an index it can write out of bounds with.
+pub fn check_tokens(tokens: &[i32], shape: [usize; 2], vocab: usize) -> Result<(), StepError> {
+    let expected = shape[0] * shape[1];
+    if tokens.len() != expected {
+        return Err(StepError::TokenCount { got: tokens.len(), expected });
+    }
+    // One comparison per id: a negative id is a huge unsigned one.
+    match tokens.iter().position(|&t| t as u32 as usize >= vocab) {
+        None => Ok(()),
+        Some(i) => {
+            let width = shape[1].max(1);
+            Err(StepError::TokenOutOfRange { id: tokens[i], row: i / width, col: i % width, vocab })
+        }
+    }
+}
+
+/// The vocabulary of a compiled training Plan: the last axis of its `logits`
+/// output `[batch, seq_len, vocab]` for tokens of `token_shape`. Lowering
+/// gives the embedding table, every head and every cross-entropy the same
+/// `vocab` (`ir::lower`), so this is the bound of every token index.
+pub(crate) fn plan_vocab(logits_len: usize, token_shape: [usize; 2]) -> Result<usize, StepError> {
+    let positions = token_shape[0] * token_shape[1].saturating_sub(1);
+    if positions == 0 || logits_len == 0 || !logits_len.is_multiple_of(positions) {
+        return Err(StepError::NoVocabulary { len: logits_len, shape: token_shape });
+    }
+    Ok(logits_len / positions)
 }
 
 /// What the training loop and the sampler need from a device.
@@ -223,6 +283,8 @@ pub struct ReferenceExecutor {
     /// sampling-only executor never differentiates).
     grads: Option<Vec<NodeId>>,
     token_shape: [usize; 2],
+    /// The last axis of the logits: token ids must lie in `0..vocab`.
+    vocab: usize,
 }
 
 impl ReferenceExecutor {
@@ -230,7 +292,8 @@ impl ReferenceExecutor {
     /// input, `loss` the scalar training loss, `logits` the main head's output.
     pub fn new(graph: Graph, tokens: NodeId, loss: NodeId, logits: NodeId) -> Self {
         let token_shape = token_shape_of(&graph, tokens);
-        ReferenceExecutor { graph, tokens, loss, logits, grads: None, token_shape }
+        let vocab = graph.node(logits).shape.dims().last().copied().unwrap_or(0);
+        ReferenceExecutor { graph, tokens, loss, logits, grads: None, token_shape, vocab }
     }
 
     /// An executor for the output of `ir::lower::lower`.
@@ -239,10 +302,7 @@ impl ReferenceExecutor {
     }
 
     fn sources(&self, params: &ParamSet, tokens: &[i32]) -> Result<HashMap<NodeId, Value<f32>>, StepError> {
-        let expected = self.token_shape[0] * self.token_shape[1];
-        if tokens.len() != expected {
-            return Err(StepError::TokenCount { got: tokens.len(), expected });
-        }
+        check_tokens(tokens, self.token_shape, self.vocab)?;
         let mut sources = HashMap::with_capacity(params.len() + 1);
         for p in params.iter() {
             sources.insert(p.node, Value::Float(Tensor::new(p.shape.clone(), p.value.clone())));

@@ -7,6 +7,7 @@
 //! - [`device`]: devices that execute a compiled Plan (the Cpu device).
 //! - [`executor`]: the device boundary ([`executor::StepExecutor`]) and the reference executor.
 //! - [`parity`]: a compiled device against the reference executor.
+//! - [`process`]: what every widen program sets up at startup (file-size limits as write errors).
 //! - [`train`]: the training loop; [`sample`]: text generation.
 //! - [`standalone`]: `widen build`, a spec compiled into a standalone trainer binary.
 
@@ -18,6 +19,7 @@ pub mod init;
 pub mod optim;
 pub mod params;
 pub mod parity;
+pub mod process;
 pub mod rng;
 pub mod sample;
 pub mod standalone;

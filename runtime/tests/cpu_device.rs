@@ -409,6 +409,20 @@ fn unsound_plans_are_rejected_at_load() {
     past.buffers[W.0].len = D * F - 1;
     assert!(matches!(try_load(past), Some(CpuError::Plan(PlanError::Gemm { step: 1, .. }))));
 
+    // Sizes whose ends overflow: a scratch placement, a buffer's bytes, a
+    // GEMM's batch extent. Each is a load error, not a wrapped (short) arena.
+    let mut placed = test_plan();
+    placed.buffers[H.0].role = BufferRole::Scratch { offset: usize::MAX - 8 };
+    assert!(matches!(try_load(placed), Some(CpuError::Plan(PlanError::TooLarge { .. }))));
+    let mut huge = test_plan();
+    huge.buffers[Y.0].len = usize::MAX / 2;
+    assert!(matches!(try_load(huge), Some(CpuError::Plan(PlanError::TooLarge { .. }))));
+    let mut strided = test_plan();
+    if let Step::Gemm(g) = &mut strided.steps[1] {
+        (g.batch, g.stride_b) = (3, usize::MAX / 2);
+    }
+    assert!(matches!(try_load(strided), Some(CpuError::Plan(PlanError::Gemm { step: 1, .. }))));
+
     // Wrong arity and unknown buffers.
     let mut arity = test_plan();
     arity.steps[0] = Step::Kernel { kernel: 0, args: vec![X, SCALE, BIAS] };

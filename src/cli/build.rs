@@ -18,11 +18,24 @@ pub struct Args {
     /// Show cargo's progress while the binary builds.
     #[arg(short, long)]
     pub verbose: bool,
+    /// Overwrite the output path even when it is not a trainer an earlier
+    /// `widen build` wrote.
+    #[arg(long)]
+    pub force: bool,
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let spec = load_spec(&args.spec)?;
-    let opts = BuildOptions { verbose: args.verbose, ..BuildOptions::from_env() };
+    // The spec is the one file --force never replaces: the build has read it,
+    // but it is the user's only copy of the model.
+    let same = |a: &std::path::Path, b: &std::path::Path| matches!((std::fs::canonicalize(a), std::fs::canonicalize(b)), (Ok(a), Ok(b)) if a == b);
+    if same(&args.spec, &args.output) {
+        anyhow::bail!(
+            "the output path {} is the spec being built; give the binary another path",
+            args.output.display()
+        );
+    }
+    let opts = BuildOptions { verbose: args.verbose, force: args.force, ..BuildOptions::from_env() };
     eprintln!(
         "building a standalone trainer for {} (cargo build --release in {}; the first build compiles the runtime)",
         spec.name,

@@ -15,6 +15,10 @@
 //! | `plan.txt`    | the launch list with buffer names and sizes, and the arena size   |
 //! | `kernels.tsv` | per step: bytes read and written, FLOPs, arithmetic intensity     |
 //!
+//! The folder also gets `.widen-compile`, which marks it as a compile's output:
+//! files of these names in a folder without it are the user's, and compiling
+//! there is refused unless `--force` is given.
+//!
 //! Bytes follow the fusion contract (every kernel reads each input buffer once
 //! and writes each output once: DESIGN.md §5), so they are the buffer sizes of
 //! its parameters. FLOPs count float arithmetic and math calls of the kernel
@@ -347,6 +351,62 @@ pub struct Args {
     /// Compile for this sequence length instead of `train.seq_len`.
     #[arg(long)]
     pub seq_len: Option<usize>,
+    /// Overwrite files of these names in the output folder even when an
+    /// earlier `widen compile` did not write them.
+    #[arg(long)]
+    pub force: bool,
+}
+
+/// Every file `widen compile` writes into its output folder.
+const OUTPUTS: &[&str] = &[
+    "graph.txt",
+    "graph.dot",
+    "fused.txt",
+    "fused.dot",
+    "fusion.txt",
+    "kernels.c",
+    "kernels.cu",
+    "kernels.ptx",
+    "kernels.ptx.txt",
+    "plan.txt",
+    "plan.cuda.txt",
+    "kernels.tsv",
+    MARKER,
+];
+
+/// Written first into the output folder: it marks the folder as one
+/// `widen compile` wrote, whose files a later compile may replace.
+const MARKER: &str = ".widen-compile";
+
+/// Refuses an output folder where compiling would replace files an earlier
+/// `widen compile` did not write (reliability rule, issue #33: no command
+/// overwrites a user's files unasked): the folder may be missing, hold none
+/// of [`OUTPUTS`], or hold the [`MARKER`] of an earlier compile; `--force`
+/// overrides. The spec itself is never overwritten.
+fn check_out_dir(out: &std::path::Path, spec: &std::path::Path, force: bool) -> anyhow::Result<()> {
+    if out.exists() && !out.is_dir() {
+        anyhow::bail!("the output folder {} is a file; give a folder (-o DIR)", out.display());
+    }
+    let spec = std::fs::canonicalize(spec).ok();
+    let existing: Vec<&str> = OUTPUTS.iter().copied().filter(|name| out.join(name).exists()).collect();
+    if let Some(name) =
+        existing.iter().find(|name| spec.is_some() && std::fs::canonicalize(out.join(name)).ok() == spec)
+    {
+        anyhow::bail!(
+            "compiling into {} would overwrite the spec {name} with an output of the same name; \
+             choose another output folder",
+            out.display()
+        );
+    }
+    if force || existing.is_empty() || out.join(MARKER).is_file() {
+        return Ok(());
+    }
+    anyhow::bail!(
+        "{} already holds {} that widen compile did not write; choose an empty or new output folder, \
+         or pass --force to overwrite them",
+        out.display(),
+        existing.join(", ")
+    )
 }
 
 /// The GPU architecture PTX is generated for (DESIGN.md §6: sm_90).
@@ -354,6 +414,7 @@ const ARCH: &str = "sm_90";
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let spec = load_spec(&args.spec)?;
+    check_out_dir(&args.out, &args.spec, args.force)?;
     let batch = args.batch.unwrap_or(spec.train.batch);
     let seq_len = args.seq_len.unwrap_or(spec.train.seq_len);
     let lowered = ir::lower::lower(&spec, batch, seq_len)?;
@@ -375,6 +436,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         let path = out.join(name);
         std::fs::write(&path, text).with_context(|| format!("cannot write {}", path.display()))
     };
+    // The marker first: a compile that stops part way leaves a folder the
+    // next compile may still write into.
+    write(MARKER, "written by widen compile; a later widen compile may replace the files of this folder\n")?;
     write("graph.txt", &ir::graph::to_text(graph))?;
     write("graph.dot", &ir::graph::to_dot(graph))?;
     write("fused.txt", &fused_text(graph, &fused))?;

@@ -309,6 +309,12 @@ fn group_norm(b: &mut Block, cx: &ItemOp, groups: usize, eps: f64) {
 /// xHC routing (MATH.md §6.2, `ir::exec::connection::topk`): the fixed slots,
 /// then each remaining index whose rank (higher score first, NaN last, lower
 /// index first) is below k − fixed, in ascending index order.
+///
+/// Index safety: every id written lies in `0..n` by construction (the fixed
+/// ones are `0..fixed`, the rest loop variables over `fixed..n`), and the
+/// order ranks every score, NaN included, so exactly k − fixed of them are
+/// written after the fixed slots (graph inference requires fixed ≤ k ≤ n):
+/// the `Gather`/`ScatterRows` that read these ids stay in bounds.
 fn topk(b: &mut Block, cx: &ItemOp, k: usize, fixed: usize) {
     let x = cx.ins[0].clone();
     let n = cx.in_dims[0].last().copied().unwrap_or(1);
@@ -526,6 +532,11 @@ fn matmul(b: &mut Block, cx: &ItemOp, trans_a: bool, trans_b: bool) {
 }
 
 /// out[p, j, r] = x[p, idx[p, j], r] (`ir::exec::movement::gather`).
+///
+/// Index safety: the kernel does not bound `idx`. Its ids are either token ids
+/// (the embedding lookup), which `runtime::executor::check_tokens` holds to
+/// `0..vocab` before any batch is uploaded, or [`topk`]'s, in range by
+/// construction.
 fn gather(b: &mut Block, cx: &ItemOp, axis: usize) {
     let xd = cx.in_dims[0];
     let p: usize = numel(&xd[..axis]);
@@ -544,6 +555,12 @@ fn gather(b: &mut Block, cx: &ItemOp, axis: usize) {
 /// base with src rows added at (or written over) the indexed rows
 /// (`ir::exec::movement::scatter_add` / `scatter_rows`); the item holds whole
 /// `[S, R..]` blocks, so every indexed row is its own.
+///
+/// Index safety: a scatter-add writes at `idx` unchecked; its ids are token
+/// ids (the embedding's gradient, and the cross-entropy gradient's one-hot
+/// targets over the vocabulary axis), checked by `runtime::executor::check_tokens`
+/// before upload, or [`topk`]'s. `ScatterRows` compares each id with the row it
+/// writes, so only its reads follow an id, and those come from [`topk`].
 fn scatter(b: &mut Block, cx: &ItemOp, axis: usize, add: bool) {
     let o = cx.node.shape.dims();
     let p: usize = numel(&o[..axis]);

@@ -287,6 +287,10 @@ const LOSS_BLOCKS: usize = 16;
 /// block's partial; then one item adds the partials in order and divides by
 /// the row count. As a single block the loss ran on one CPU thread (0.47 ms
 /// of a step at the benchmark size) and one GPU multiprocessor.
+///
+/// Index safety: the targets (token ids) pick the logit each row subtracts
+/// unchecked; `runtime::executor::check_tokens` holds them to `0..vocab`, the
+/// logits' last axis, before any batch is uploaded.
 fn cross_entropy(graph: &Graph, id: NodeId, name: &str) -> Result<Lowering, EmitError> {
     let inputs = graph.inputs(id);
     let v = graph.node(inputs[0]).shape.last();

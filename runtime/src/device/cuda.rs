@@ -75,7 +75,7 @@ use ir::DType;
 use super::executor::{first_loss, Interface};
 use super::plan_check::{self, PlanError};
 use super::update::{Held, PlanBuffers, PlanUpdate};
-use crate::executor::{train_step_on_host, StepError, StepExecutor, StepStats, UpdateSettings};
+use crate::executor::{check_tokens, train_step_on_host, StepError, StepExecutor, StepStats, UpdateSettings};
 use crate::optim::Optimizer;
 use crate::params::{ParamSet, ParamVersion};
 
@@ -291,6 +291,8 @@ impl Layout {
         let mut arena_len = [0usize; 4];
         arena_len[0] = plan.arena_len;
         plan_check::check_buffer_ids(plan)?;
+        // Before any `offset + len` below: no placement's end overflows.
+        plan_check::check_sizes(plan)?;
         let mut placements = Vec::with_capacity(plan.buffers.len());
         for d in &plan.buffers {
             placements.push(match d.role {
@@ -924,6 +926,8 @@ pub struct CudaExecutor {
     io: Interface,
     update: Option<PlanUpdate>,
     token_shape: [usize; 2],
+    /// Token ids must lie in `0..vocab` ([`check_tokens`], before every upload).
+    vocab: usize,
     /// The version of the parameter set the device's parameter buffers hold.
     resident: Option<ParamVersion>,
     /// Whose moments the Plan's optimizer state buffers hold.
@@ -935,8 +939,9 @@ impl CudaExecutor {
     /// `token_shape` (`[batch, seq_len + 1]`).
     pub fn new(device: CudaDevice, token_shape: [usize; 2]) -> Result<CudaExecutor, StepError> {
         let io = Interface::of(device.plan())?;
+        let vocab = io.vocab(device.plan(), token_shape)?;
         let update = PlanUpdate::of(device.plan());
-        Ok(CudaExecutor { device, io, update, token_shape, resident: None, held: None })
+        Ok(CudaExecutor { device, io, update, token_shape, vocab, resident: None, held: None })
     }
 
     /// The underlying device (profiling, direct buffer access). The caller
@@ -952,10 +957,7 @@ impl CudaExecutor {
     /// and the tokens, then queues the Plan's gradient steps, or every step
     /// with `update`.
     fn run(&mut self, params: &ParamSet, tokens: &[i32], update: bool) -> Result<(), StepError> {
-        let expected = self.token_shape[0] * self.token_shape[1];
-        if tokens.len() != expected {
-            return Err(StepError::TokenCount { got: tokens.len(), expected });
-        }
+        check_tokens(tokens, self.token_shape, self.vocab)?;
         let upload = self.resident != Some(params.version());
         self.resident = None;
         if upload {
@@ -1016,6 +1018,8 @@ impl StepExecutor for CudaExecutor {
         optimizer: &mut Optimizer,
         settings: UpdateSettings,
     ) -> Result<StepStats, StepError> {
+        // Before the update's state is touched: a refused batch changes nothing.
+        check_tokens(tokens, self.token_shape, self.vocab)?;
         if !self.update.as_ref().is_some_and(|u| u.takes(params, optimizer)) {
             return train_step_on_host(self, params, tokens, optimizer, settings);
         }

@@ -9,7 +9,9 @@
 
 use super::cpu::{CpuDevice, CpuError, CpuOptions};
 use super::update::{Held, PlanBuffers, PlanUpdate};
-use crate::executor::{update_on_host, StepError, StepExecutor, StepStats, UpdateSettings};
+use crate::executor::{
+    check_tokens, plan_vocab, update_on_host, StepError, StepExecutor, StepStats, UpdateSettings,
+};
 use crate::optim::{Optimizer, UpdateTarget};
 use crate::params::{ParamSet, ParamVersion};
 use codegen::compile::{compile, fused_partition, CompileError, Request, Target};
@@ -50,6 +52,16 @@ impl Interface {
             .collect::<Vec<_>>();
         let grads = params.iter().filter_map(|(n, _, g)| g.map(|g| (n.clone(), g))).collect();
         Ok(Interface { tokens, loss, logits: output("logits"), params, grads })
+    }
+
+    /// The vocabulary bounding the token ids of `plan` for batches of
+    /// `token_shape` (the last axis of its `logits` output,
+    /// [`crate::executor::plan_vocab`]): what [`check_tokens`] holds every
+    /// batch to before it is uploaded.
+    pub(super) fn vocab(&self, plan: &Plan, token_shape: [usize; 2]) -> Result<usize, StepError> {
+        let logits = self.logits.ok_or(StepError::MissingOutput { what: "logits" })?;
+        let len = plan.buffers.get(logits.0).map_or(0, |b| b.len);
+        plan_vocab(len, token_shape)
     }
 
     /// The gradient of every parameter of `params`, in its order, read by
@@ -136,6 +148,8 @@ enum State {
 pub struct CpuExecutor {
     state: State,
     token_shape: [usize; 2],
+    /// Token ids must lie in `0..vocab` ([`check_tokens`], before every upload).
+    vocab: usize,
     /// The version of the parameter set the device's parameter buffers hold.
     resident: Option<ParamVersion>,
     /// Whose moments the Plan's optimizer state buffers hold.
@@ -148,9 +162,11 @@ impl CpuExecutor {
     pub fn from_lowered(lowered: Lowered, opts: CpuOptions) -> CpuExecutor {
         let dims = lowered.graph.node(lowered.tokens).shape.dims().to_vec();
         let token_shape = [dims.first().copied().unwrap_or(1), dims.get(1).copied().unwrap_or(1)];
+        let vocab = lowered.graph.node(lowered.logits).shape.dims().last().copied().unwrap_or(0);
         CpuExecutor {
             state: State::Pending(Box::new(lowered), opts),
             token_shape,
+            vocab,
             resident: None,
             held: None,
         }
@@ -161,9 +177,16 @@ impl CpuExecutor {
     /// gradient buffer per parameter.
     pub fn new(device: CpuDevice, token_shape: [usize; 2]) -> Result<CpuExecutor, StepError> {
         let io = Interface::of(device.plan())?;
+        let vocab = io.vocab(device.plan(), token_shape)?;
         let update = PlanUpdate::of(device.plan());
         let loaded = Loaded { device, io, update };
-        Ok(CpuExecutor { state: State::Ready(Box::new(loaded)), token_shape, resident: None, held: None })
+        Ok(CpuExecutor {
+            state: State::Ready(Box::new(loaded)),
+            token_shape,
+            vocab,
+            resident: None,
+            held: None,
+        })
     }
 
     /// The loaded device, compiling the Plan first if needed. The caller may
@@ -203,10 +226,7 @@ impl CpuExecutor {
         tokens: &[i32],
         update: bool,
     ) -> Result<&mut Loaded, StepError> {
-        let expected = self.token_shape[0] * self.token_shape[1];
-        if tokens.len() != expected {
-            return Err(StepError::TokenCount { got: tokens.len(), expected });
-        }
+        check_tokens(tokens, self.token_shape, self.vocab)?;
         let upload = self.resident != Some(params.version());
         self.resident = None;
         let l = self.loaded()?;
@@ -324,6 +344,8 @@ impl StepExecutor for CpuExecutor {
         optimizer: &mut Optimizer,
         settings: UpdateSettings,
     ) -> Result<StepStats, StepError> {
+        // Before the update's state is touched: a refused batch changes nothing.
+        check_tokens(tokens, self.token_shape, self.vocab)?;
         if self.loaded()?.update.as_ref().is_some_and(|u| u.takes(params, optimizer)) {
             return self.train_step_in_plan(params, tokens, optimizer, settings);
         }

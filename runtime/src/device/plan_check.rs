@@ -47,6 +47,38 @@ pub enum PlanError {
     ConstantDType { id: usize, role: String, dtype: DType },
     #[error("chain {index} (steps {start}..{end} over {entries} entries): {what}")]
     Chain { index: usize, start: usize, end: usize, entries: usize, what: String },
+    #[error("{what} is too large to address (more than {MAX_BYTES} bytes)")]
+    TooLarge { what: String },
+}
+
+/// The most bytes one allocation may span (Rust's `isize::MAX` rule), less
+/// the slack a device adds to an arena to align it.
+const MAX_BYTES: usize = isize::MAX as usize - 4096;
+
+/// Checks that every buffer, every scratch placement (offset + length) and
+/// each arena fits in an allocation, so the sizes and ends the devices and
+/// the other checks compute cannot overflow: a wrapped end would size an
+/// arena short and let a kernel run past it (reliability rule, issue #33: a
+/// malformed Plan is a load error, never memory corruption).
+pub fn check_sizes(plan: &Plan) -> Result<(), PlanError> {
+    let fits = |elements: Option<usize>, dtype: DType| {
+        elements.and_then(|n| n.checked_mul(dtype.size_bytes())).is_some_and(|b| b <= MAX_BYTES)
+    };
+    if !fits(Some(plan.arena_len), DType::F32) {
+        return Err(PlanError::TooLarge { what: format!("the f32 arena of {} elements", plan.arena_len) });
+    }
+    for d in &plan.buffers {
+        let end = match d.role {
+            BufferRole::Scratch { offset } => offset.checked_add(d.len),
+            _ => Some(d.len),
+        };
+        if !fits(end, d.dtype) {
+            return Err(PlanError::TooLarge {
+                what: format!("buffer #{} ({} x {}, {:?})", d.id.0, d.len, d.dtype, d.role),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Checks the Plan's chains ([`Chain`]): in step order, disjoint, within the
@@ -92,8 +124,10 @@ pub fn check_buffer_ids(plan: &Plan) -> Result<(), PlanError> {
 /// exist; a kernel gets one buffer per parameter, of the parameter's element
 /// type and at least its length; a buffer a kernel writes overlaps none of
 /// its other arguments; GEMM operands are f32 and long enough for every
-/// batch entry, and the output overlaps neither input.
+/// batch entry, and the output overlaps neither input. Runs
+/// [`check_sizes`] first, so no extent it computes overflows.
 pub fn check_steps(plan: &Plan) -> Result<(), PlanError> {
+    check_sizes(plan)?;
     let count = plan.buffers.len();
     for (step, s) in plan.steps.iter().enumerate() {
         let known = |id: &BufferId| {
@@ -170,10 +204,13 @@ fn check_kernel_args(
 
 fn check_gemm(plan: &Plan, step: usize, g: &Gemm) -> Result<(), PlanError> {
     let err = |what: String| PlanError::Gemm { step, what };
+    let product = |x: usize, y: usize, what: &str| {
+        x.checked_mul(y).ok_or_else(|| err(format!("operand {what}: {x} x {y} elements overflow")))
+    };
     for (name, id, stride, size, offset) in [
-        ("a", g.a, g.stride_a, g.m * g.k, g.offsets[0]),
-        ("b", g.b, g.stride_b, g.k * g.n, g.offsets[1]),
-        ("c", g.c, g.stride_c, g.m * g.n, g.offsets[2]),
+        ("a", g.a, g.stride_a, product(g.m, g.k, "a")?, g.offsets[0]),
+        ("b", g.b, g.stride_b, product(g.k, g.n, "b")?, g.offsets[1]),
+        ("c", g.c, g.stride_c, product(g.m, g.n, "c")?, g.offsets[2]),
     ] {
         let d = &plan.buffers[id.0];
         // Inputs may be bf16 (mixed precision, MATH.md §6.12); the product is f32.
@@ -184,7 +221,19 @@ fn check_gemm(plan: &Plan, step: usize, g: &Gemm) -> Result<(), PlanError> {
                 id.0, d.dtype
             )));
         }
-        let need = if g.batch == 0 { 0 } else { offset + (g.batch - 1) * stride + size };
+        // Checked: a product whose extent overflows reaches past any buffer.
+        let need = if g.batch == 0 {
+            Some(0)
+        } else {
+            size.checked_add(offset).and_then(|n| n.checked_add((g.batch - 1).checked_mul(stride)?))
+        };
+        let Some(need) = need else {
+            return Err(err(format!(
+                "operand {name} (buffer #{}): {} batches of {size} with stride {stride} from offset \
+                 {offset} overflow",
+                id.0, g.batch
+            )));
+        };
         if d.len < need {
             return Err(err(format!(
                 "operand {name} (buffer #{}) holds {} elements, {} batches of {size} with stride {stride} \

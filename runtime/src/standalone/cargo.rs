@@ -151,15 +151,51 @@ fn staging(output: &Path) -> PathBuf {
     output.with_file_name(format!(".{name}.widen-build-{}", std::process::id()))
 }
 
+/// Bytes every standalone trainer holds: its `--help` text says "built by
+/// `widen build`" (`super::package`'s generated `main`), stored verbatim in the
+/// binary. Finding them in an existing file is how [`check_output`] knows the
+/// file is an earlier `widen build` output that may be replaced.
+pub const BUILT_MARKER: &[u8] = b"; built by `widen build`.";
+
+/// Whether `path` is a file an earlier `widen build` wrote: it holds
+/// [`BUILT_MARKER`]. Read in chunks (the path may name a large data file);
+/// anything unreadable is not.
+pub fn is_built_output(path: &Path) -> bool {
+    use std::io::Read;
+    let Ok(mut file) = std::fs::File::open(path) else { return false };
+    let keep = BUILT_MARKER.len() - 1;
+    let mut window: Vec<u8> = Vec::with_capacity(keep + (1 << 20));
+    let mut chunk = vec![0u8; 1 << 20];
+    loop {
+        let n = match file.read(&mut chunk) {
+            Ok(0) | Err(_) => return false,
+            Ok(n) => n,
+        };
+        window.extend_from_slice(&chunk[..n]);
+        if window.windows(BUILT_MARKER.len()).any(|w| w == BUILT_MARKER) {
+            return true;
+        }
+        // Keep the tail a marker split across two chunks starts in.
+        let cut = window.len().saturating_sub(keep);
+        window.drain(..cut);
+    }
+}
+
 /// Checks before building that `output` can be written: not a folder, its
-/// folder exists (created if missing) and accepts a new file.
-pub fn check_output(output: &Path) -> Result<(), BuildError> {
+/// folder exists (created if missing) and accepts a new file, and it is not
+/// an existing file that an earlier `widen build` did not write, unless
+/// `force` (reliability rule, issue #33: a build never overwrites a user's
+/// file, the spec included, unasked).
+pub fn check_output(output: &Path, force: bool) -> Result<(), BuildError> {
     let err = |source| BuildError::Output { path: output.to_path_buf(), source };
     if output.is_dir() {
         return Err(err(std::io::Error::other("it is a folder; give the path of the binary to write")));
     }
     if output.file_name().is_none() {
         return Err(err(std::io::Error::other("it names no file")));
+    }
+    if !force && output.symlink_metadata().is_ok() && !is_built_output(output) {
+        return Err(BuildError::Overwrite { path: output.to_path_buf() });
     }
     if let Some(parent) = output.parent().filter(|p| !p.as_os_str().is_empty()) {
         if let Some(file) = parent.ancestors().find(|a| a.is_file()) {
@@ -216,10 +252,39 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let file = dir.join("file");
         std::fs::write(&file, "x").unwrap();
-        assert!(matches!(check_output(&file.join("bin")), Err(BuildError::Output { .. })));
-        assert!(matches!(check_output(&dir), Err(BuildError::Output { .. })));
-        check_output(&dir.join("sub/bin")).unwrap();
+        assert!(matches!(check_output(&file.join("bin"), false), Err(BuildError::Output { .. })));
+        assert!(matches!(check_output(&dir, false), Err(BuildError::Output { .. })));
+        check_output(&dir.join("sub/bin"), false).unwrap();
         assert!(dir.join("sub").is_dir() && !dir.join("sub/bin").exists());
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// An existing file is replaced only when an earlier `widen build` wrote
+    /// it, or with `force`; the refusal names the file and `--force`.
+    #[test]
+    fn only_earlier_build_outputs_are_overwritten_unforced() {
+        let dir = std::env::temp_dir().join(format!("widen-build-overwrite-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mine = dir.join("notes.txt");
+        std::fs::write(&mine, "my notes").unwrap();
+        let err = check_output(&mine, false).unwrap_err();
+        assert!(matches!(&err, BuildError::Overwrite { path } if *path == mine), "{err:?}");
+        let msg = err.to_string();
+        assert!(msg.contains("notes.txt") && msg.contains("--force"), "{msg}");
+        assert_eq!(std::fs::read_to_string(&mine).unwrap(), "my notes");
+        check_output(&mine, true).unwrap();
+
+        let built = dir.join("trainer");
+        let mut bytes = b"\x7fELF....".to_vec();
+        bytes.extend_from_slice(BUILT_MARKER);
+        bytes.extend_from_slice(b"....");
+        std::fs::write(&built, bytes).unwrap();
+        check_output(&built, false).unwrap();
+        // The marker across the boundary of two read chunks is still found.
+        let mut split = vec![0u8; (1 << 20) - 5];
+        split.extend_from_slice(BUILT_MARKER);
+        std::fs::write(&built, split).unwrap();
+        assert!(is_built_output(&built));
         std::fs::remove_dir_all(dir).unwrap();
     }
 }

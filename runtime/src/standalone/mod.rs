@@ -35,6 +35,7 @@ mod cargo;
 pub mod codec;
 mod package;
 
+pub use cargo::{is_built_output, BUILT_MARKER};
 pub use package::{compile_plans, generate, widen_root, Package};
 
 use crate::executor::StepError;
@@ -74,6 +75,11 @@ pub enum BuildError {
     Io { path: PathBuf, source: std::io::Error },
     #[error("cannot write the binary to {path}")]
     Output { path: PathBuf, source: std::io::Error },
+    #[error(
+        "{path} exists and is not a trainer `widen build` wrote; give another output path, \
+         or pass --force to overwrite it"
+    )]
+    Overwrite { path: PathBuf },
 }
 
 /// How [`build`] runs.
@@ -86,6 +92,9 @@ pub struct BuildOptions {
     pub cargo: OsString,
     /// Echo cargo's progress while building.
     pub verbose: bool,
+    /// Replace an existing output file even when no earlier `widen build`
+    /// wrote it ([`cargo::check_output`]).
+    pub force: bool,
 }
 
 impl BuildOptions {
@@ -95,6 +104,7 @@ impl BuildOptions {
             cache_dir: codegen::cc::default_cache_dir(),
             cargo: cargo::default_cargo(),
             verbose: false,
+            force: false,
         }
     }
 }
@@ -121,7 +131,7 @@ pub struct Built {
 /// Compiles `spec` into a standalone trainer at `output` (see the module docs).
 pub fn build(spec: &ModelSpec, output: &Path, opts: &BuildOptions) -> Result<Built, BuildError> {
     let started = Instant::now();
-    cargo::check_output(output)?;
+    cargo::check_output(output, opts.force)?;
     let cargo_version = cargo::version(&opts.cargo)?;
     let package = generate(spec)?;
     let build_dir = opts.cache_dir.join("build");
@@ -149,27 +159,66 @@ pub fn build(spec: &ModelSpec, output: &Path, opts: &BuildOptions) -> Result<Bui
     })
 }
 
-/// Writes the package unless its folder is already complete. The folder is
-/// named by the hash of its contents and `Cargo.toml` is written last, so an
-/// existing `Cargo.toml` means the same files are there; leaving them
-/// untouched keeps their timestamps, and cargo's rebuild check, unchanged.
+/// The file in a package folder listing the SHA-256 of every file written
+/// there: written last, so its presence means the folder was complete.
+const STAMP: &str = ".widen-package.sha256";
+
+/// Writes the package unless its folder already holds it whole. The folder
+/// is named by the hash of its contents; every file is written under a
+/// temporary name and renamed into place, and [`STAMP`] last, listing each
+/// file's digest. A folder whose files all match its stamp is left untouched
+/// (keeping their timestamps, and cargo's rebuild check, unchanged); one with
+/// a missing, truncated or altered file, or no stamp (a write cut short), is
+/// written again, so a damaged build cache repairs itself instead of failing
+/// every build (reliability rule, issue #33). Two builds of one spec at once
+/// write identical files atomically, so neither sees the other's partial one.
 fn write_package(package: &Package, dir: &Path) -> Result<(), BuildError> {
-    let manifest = Path::new("Cargo.toml");
-    if dir.join(manifest).is_file() {
+    if package_intact(dir) {
         return Ok(());
     }
-    let mut files: Vec<&(PathBuf, String)> = package.files.iter().filter(|(p, _)| p != manifest).collect();
-    files.extend(package.files.iter().filter(|(p, _)| p == manifest));
-    for (rel, text) in files {
+    let mut stamp = String::new();
+    for (rel, text) in &package.files {
         let path = dir.join(rel);
-        let io = |source| BuildError::Io { path: path.clone(), source };
-        if let Some(parent) = path.parent() {
-            std::fs::create_dir_all(parent).map_err(io)?;
-        }
         let text = if rel.extension().is_some_and(|e| e == "rs") { rustfmt(text) } else { text.clone() };
-        std::fs::write(&path, text).map_err(io)?;
+        write_atomic(&path, text.as_bytes())?;
+        stamp.push_str(&format!("{}  {}\n", sha256_hex(text.as_bytes()), rel.display()));
     }
-    Ok(())
+    write_atomic(&dir.join(STAMP), stamp.as_bytes())
+}
+
+/// Whether `dir` holds a complete package: a [`STAMP`] whose every listed
+/// file exists with the listed digest.
+fn package_intact(dir: &Path) -> bool {
+    let Ok(stamp) = std::fs::read_to_string(dir.join(STAMP)) else { return false };
+    let mut lines = stamp.lines().peekable();
+    lines.peek().is_some()
+        && lines.all(|line| {
+            line.split_once("  ").is_some_and(|(digest, rel)| {
+                std::fs::read(dir.join(rel)).is_ok_and(|bytes| sha256_hex(&bytes) == digest)
+            })
+        })
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Writes `bytes` to a unique sibling of `path` and renames it over `path`.
+fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), BuildError> {
+    let io = |source| BuildError::Io { path: path.to_path_buf(), source };
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent).map_err(io)?;
+    }
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let tmp = path.with_file_name(format!(".{name}.{}.{n}.tmp", std::process::id()));
+    let written = std::fs::write(&tmp, bytes).and_then(|()| std::fs::rename(&tmp, path));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written.map_err(io)
 }
 
 /// `rustfmt`-formatted source for people reading the generated package;
@@ -240,6 +289,43 @@ pub fn set_steps(spec: &mut ModelSpec, steps: usize) -> Option<WarmupRescale> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A package folder with a damaged or missing file, or without its stamp
+    /// (a write cut short), is written again; a whole one is left untouched.
+    #[test]
+    fn a_damaged_package_folder_is_rewritten() {
+        let dir = std::env::temp_dir().join(format!("widen-package-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let package = Package {
+            files: vec![
+                (PathBuf::from("Cargo.toml"), "[package]\nname = \"x\"\n".into()),
+                (PathBuf::from("src/plan.json"), "{\"kernels\": []}".into()),
+            ],
+            name: "x".into(),
+            hash: "h".into(),
+            kernels: 0,
+            steps: 0,
+        };
+        write_package(&package, &dir).unwrap();
+        assert!(package_intact(&dir));
+        let plan = dir.join("src/plan.json");
+        let stamp_time = std::fs::metadata(dir.join(STAMP)).and_then(|m| m.modified()).unwrap();
+        write_package(&package, &dir).unwrap();
+        let again = std::fs::metadata(dir.join(STAMP)).and_then(|m| m.modified()).unwrap();
+        assert_eq!(stamp_time, again, "a whole package is not rewritten");
+        for damage in ["truncate", "remove", "unstamp"] {
+            match damage {
+                "truncate" => std::fs::write(&plan, "{\"ker").unwrap(),
+                "remove" => std::fs::remove_file(&plan).unwrap(),
+                _ => std::fs::remove_file(dir.join(STAMP)).unwrap(),
+            }
+            assert!(!package_intact(&dir), "{damage}");
+            write_package(&package, &dir).unwrap();
+            assert_eq!(std::fs::read_to_string(&plan).unwrap(), "{\"kernels\": []}", "{damage}");
+            assert!(package_intact(&dir), "{damage}");
+        }
+        std::fs::remove_dir_all(dir).unwrap();
+    }
 
     #[test]
     fn short_runs_keep_the_warmup_fraction() {

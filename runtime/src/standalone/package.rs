@@ -352,6 +352,11 @@ fn main_rs(spec: &ModelSpec, plan: &Plan) -> TokenStream {
         }
 
         fn main() -> ExitCode {
+            // A file-size limit fails the write that crosses it with an error
+            // naming the file, instead of a silent SIGXFSZ death.
+            if let Err(err) = runtime::process::report_file_size_limit_as_error() {
+                eprintln!("warning: cannot handle SIGXFSZ ({err})");
+            }
             match run() {
                 Ok(Outcome::Done) => ExitCode::SUCCESS,
                 // 130 = 128 + SIGINT, what a shell reports for a run stopped by Ctrl-C.
