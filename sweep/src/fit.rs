@@ -103,7 +103,7 @@ pub fn linear(x: &[f64], y: &[f64]) -> Result<LinearFit, FitError> {
 
 /// Fits the law `loss = a + b·log2(axis)` (docs/math.md §5).
 pub fn log2_law(axis: &[f64], loss: &[f64]) -> Result<LinearFit, FitError> {
-    if let Some(index) = axis.iter().position(|&v| !(v > 0.0)) {
+    if let Some(index) = axis.iter().position(|&v| v.is_nan() || v <= 0.0) {
         return Err(FitError::NonPositive { index, value: axis[index] });
     }
     let x: Vec<f64> = axis.iter().map(|v| v.log2()).collect();

@@ -116,6 +116,26 @@ fn draw_err<E: std::error::Error + Send + Sync>(
     move |e| PlotError::Draw { plot, message: e.to_string() }
 }
 
+/// `3200` as `3.2k`, `2.5e6` as `2.5M`: tick labels a reader takes in at a glance.
+fn si(x: f64) -> String {
+    let a = x.abs();
+    let (v, unit) = match a {
+        _ if a >= 1e12 => (x / 1e12, "T"),
+        _ if a >= 1e9 => (x / 1e9, "G"),
+        _ if a >= 1e6 => (x / 1e6, "M"),
+        _ if a >= 1e3 => (x / 1e3, "k"),
+        _ => (x, ""),
+    };
+    let text = format!("{v:.2}");
+    let text = text.trim_end_matches('0').trim_end_matches('.');
+    format!("{text}{unit}")
+}
+
+/// Head room above the tallest bar, so the legend (one line per point) clears the bars.
+fn headroom(points: usize) -> f64 {
+    (1.15 + 0.08 * points as f64).min(2.5)
+}
+
 /// A padded range around finite values; a single value gets a unit-wide range.
 fn range(values: impl Iterator<Item = f64>, pad: f64) -> Option<(f64, f64)> {
     let (lo, hi) = values
@@ -183,7 +203,7 @@ pub fn loss_curves(data: &LossCurves) -> Result<String, PlotError> {
                 .configure_mesh()
                 .x_desc("tokens trained")
                 .y_desc("loss (nats per byte)")
-                .x_label_formatter(&|x| format!("{x:.3e}"))
+                .x_label_formatter(&|x| si(*x))
                 .draw()
                 .map_err(draw_err(PLOT))?;
             for (i, (p, b)) in data.points.iter().zip(&bands).enumerate() {
@@ -344,6 +364,9 @@ pub fn frontier(data: &FrontierPlot) -> Result<String, PlotError> {
     Ok(svg)
 }
 
+/// One panel of plot (d): area, title, y label, y range.
+type Panel<'a, 'b> = (&'a DrawingArea<SVGBackend<'b>, Shift>, &'static str, &'static str, (f64, f64));
+
 /// Plot (d): ms/step and overhead over the plain-residual twin, one bar per point.
 pub fn speed(data: &SpeedPlot) -> Result<String, PlotError> {
     const PLOT: &str = "speed";
@@ -361,9 +384,14 @@ pub fn speed(data: &SpeedPlot) -> Result<String, PlotError> {
         root.fill(&WHITE).map_err(draw_err(PLOT))?;
         let root = root.titled(&data.title, (FONT, 22)).map_err(draw_err(PLOT))?;
         let (left, right) = root.split_horizontally(SIZE.0 / 2);
-        let panels: [(&DrawingArea<SVGBackend, Shift>, &str, &str, (f64, f64)); 2] = [
-            (&left, "time per step", "ms per step", (0.0, ms_max * 1.15)),
-            (&right, "overhead over the plain-residual twin", "overhead (%)", (p0.min(0.0), p1.max(0.0))),
+        let panels: [Panel; 2] = [
+            (&left, "time per step", "ms per step", (0.0, ms_max * headroom(n))),
+            (
+                &right,
+                "overhead over the plain-residual twin",
+                "overhead (%)",
+                (p0.min(0.0), p1.max(0.0) + (p1 - p0).abs() * (headroom(n) - 1.0)),
+            ),
         ];
         for (k, (area, title, ydesc, (y0, y1))) in panels.into_iter().enumerate() {
             let mut chart = ChartBuilder::on(area)
@@ -474,6 +502,15 @@ mod tests {
         for needle in ["GHC over r", "training loss", "validation loss"] {
             assert!(has_text(&doc, needle), "missing title {needle:?}");
         }
+    }
+
+    #[test]
+    fn tick_labels_use_si_prefixes() {
+        assert_eq!(si(3200.0), "3.2k");
+        assert_eq!(si(2.5e6), "2.5M");
+        assert_eq!(si(1e12), "1T");
+        assert_eq!(si(640.0), "640");
+        assert_eq!(si(0.5), "0.5");
     }
 
     #[test]
