@@ -32,3 +32,4 @@ pub use budget::{Budget, BudgetError, BudgetPlan};
 pub use file::{Axis, Combine, OnInvalid, Sweep, SweepError};
 pub use fit::{FitError, LinearFit};
 pub use point::{expand, InvalidPoint, Plan, PlanError, Point, PointError, Run};
+pub use results::{PointResult, RunMetrics, RunOutcome, Stat, Status};

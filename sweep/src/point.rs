@@ -196,8 +196,6 @@ pub fn expand(sweep: &Sweep) -> Result<Plan, PlanError> {
             Err(error) => invalid.push(InvalidPoint { name, values, error }),
         }
     }
-    let total = points.len() + invalid.len();
-
     if sweep.baseline {
         let swept = points.len();
         for i in 0..swept {
@@ -242,6 +240,7 @@ pub fn expand(sweep: &Sweep) -> Result<Plan, PlanError> {
     if points.is_empty() {
         return Err(PlanError::NothingValid { invalid });
     }
+    let total = points.len() + invalid.len();
     if !invalid.is_empty() {
         match sweep.on_invalid {
             OnInvalid::Refuse => return Err(PlanError::Refused { total, invalid }),

@@ -124,6 +124,8 @@ pub struct PointResult {
     pub values: Vec<AxisValue>,
     /// The plain-residual point compared against, if the sweep has baselines.
     pub baseline: Option<String>,
+    /// `"status": "ok"`, or `"status": "failed", "reason": "..."`.
+    #[serde(flatten)]
     pub status: Status,
     /// Every seed of the point.
     pub seeds: Vec<u64>,
@@ -185,7 +187,7 @@ impl PointResult {
             seeds: point.runs.iter().map(|r| r.seed).collect(),
             seeds_finished: done.len(),
             params_total: cost.params.total,
-            params_non_embedding: cost.params.total - cost.params.embedding,
+            params_non_embedding: cost.params.total.saturating_sub(cost.params.embedding),
             flops_per_token_forward: cost.flops_per_token.forward,
             flops_per_token_train: cost.flops_per_token.train,
             connection_bytes_per_sublayer: cost.traffic_per_sublayer.bytes,
@@ -462,6 +464,11 @@ mod tests {
         write_json(&dir.join("results.json"), &axes, &r).unwrap();
         write_csv(&dir.join("results.csv"), &axes, &r).unwrap();
         let back = read_json(&dir.join("results.json")).unwrap();
+        let raw: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("results.json")).unwrap()).unwrap();
+        assert_eq!(raw["points"][1]["status"], "failed");
+        assert_eq!(raw["points"][1]["reason"], "seed 1: NaN loss at step 7");
+        assert_eq!(raw["points"][0]["status"], "ok");
         assert_eq!(back, ResultsFile { axes: axes.clone(), points: r.clone() });
         let mut names: Vec<String> = std::fs::read_dir(&dir)
             .unwrap()
