@@ -1,0 +1,173 @@
+//! Steps per point from the sweep's budget.
+//!
+//! A fair comparison fixes what every point may spend: the same number of training
+//! tokens, the same training FLOPs, or the same number of steps. Tokens per step are
+//! `batch · seq_len`; training FLOPs per token come from the cost model
+//! ([`ir::cost::cost_report`]: `flops_per_token.train`, 3 × forward, counted from the
+//! lowered graph). Steps are rounded to the nearest whole step, so the tokens (or
+//! FLOPs) a point actually trains are within half a step of the budget; at least one
+//! step is always trained. The plan reports what is actually trained, which is what
+//! results and fits must use.
+
+use ir::cost::cost_report;
+use ir::spec::ModelSpec;
+use serde::{Deserialize, Serialize};
+
+/// What every point of a sweep may spend.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub enum Budget {
+    /// Training tokens per point: equal data.
+    Tokens(u64),
+    /// Training FLOPs per point (3 × forward, the cost model's convention): equal compute.
+    Flops(f64),
+    /// Optimizer steps per point.
+    Steps(u64),
+}
+
+impl Budget {
+    /// A budget must train something: a positive amount, and for FLOPs a finite one.
+    pub fn check(&self) -> Result<(), String> {
+        match *self {
+            Budget::Tokens(0) => Err("Tokens(0) trains nothing; give a token count >= 1".into()),
+            Budget::Steps(0) => Err("Steps(0) trains nothing; give a step count >= 1".into()),
+            Budget::Flops(f) if !(f.is_finite() && f > 0.0) => {
+                Err(format!("Flops({f}) must be a finite FLOP count > 0"))
+            }
+            Budget::Tokens(_) | Budget::Steps(_) | Budget::Flops(_) => Ok(()),
+        }
+    }
+}
+
+/// What one point trains under a budget.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct BudgetPlan {
+    /// Optimizer steps (`train.steps` of the point's runs).
+    pub steps: usize,
+    /// batch · seq_len.
+    pub tokens_per_step: u64,
+    /// Tokens actually trained: steps · tokens_per_step.
+    pub tokens: u64,
+    /// Training FLOPs per token (cost model, 3 × forward).
+    pub train_flops_per_token: u64,
+    /// Training FLOPs actually spent: tokens · train_flops_per_token.
+    pub flops: f64,
+}
+
+/// Errors planning a point's budget.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum BudgetError {
+    /// The cost model could not lower the spec.
+    #[error("the cost model cannot count this spec: {0}")]
+    Cost(String),
+    /// `train.batch · train.seq_len` is zero, so no step trains a token.
+    #[error("train.batch · train.seq_len is 0; both must be >= 1")]
+    NoTokensPerStep,
+    /// The cost model counted no FLOPs, so a FLOP budget gives no step count.
+    #[error("the cost model counts 0 training FLOPs per token, so a FLOP budget fixes no step count")]
+    NoFlops,
+    /// The budget itself is not usable (see [`Budget::check`]).
+    #[error("{0}")]
+    Budget(String),
+}
+
+/// Plans `spec`'s steps under `budget`, counting the spec's cost with the cost model.
+/// `spec` should be valid: the cost model lowers it.
+pub fn plan(budget: &Budget, spec: &ModelSpec) -> Result<BudgetPlan, BudgetError> {
+    let report = cost_report(spec).map_err(|e| BudgetError::Cost(e.to_string()))?;
+    plan_with(budget, spec.train.batch, spec.train.seq_len, report.flops_per_token.train)
+}
+
+/// [`plan`] with the cost already known: `train_flops_per_token` for a batch of `batch`
+/// sequences of `seq_len` tokens.
+pub fn plan_with(
+    budget: &Budget,
+    batch: usize,
+    seq_len: usize,
+    train_flops_per_token: u64,
+) -> Result<BudgetPlan, BudgetError> {
+    budget.check().map_err(BudgetError::Budget)?;
+    let tokens_per_step = (batch as u64).saturating_mul(seq_len as u64);
+    if tokens_per_step == 0 {
+        return Err(BudgetError::NoTokensPerStep);
+    }
+    let steps: u64 = match *budget {
+        Budget::Steps(n) => n,
+        // Nearest whole step, in integers so large budgets round exactly.
+        Budget::Tokens(n) => (n / tokens_per_step) + u64::from(2 * (n % tokens_per_step) >= tokens_per_step),
+        Budget::Flops(f) => {
+            if train_flops_per_token == 0 {
+                return Err(BudgetError::NoFlops);
+            }
+            (f / (train_flops_per_token as f64 * tokens_per_step as f64)).round() as u64
+        }
+    }
+    .max(1);
+    let tokens = steps.saturating_mul(tokens_per_step);
+    Ok(BudgetPlan {
+        steps: usize::try_from(steps).unwrap_or(usize::MAX),
+        tokens_per_step,
+        tokens,
+        train_flops_per_token,
+        flops: tokens as f64 * train_flops_per_token as f64,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ir::spec::{GhcSpec, ResidualSpec};
+
+    fn tiny(residual: ResidualSpec) -> ModelSpec {
+        let mut s = ModelSpec { d_model: 32, residual, ..ModelSpec::default() };
+        s.train.batch = 4;
+        s.train.seq_len = 16;
+        s
+    }
+
+    #[test]
+    fn equal_flops_within_one_step_for_every_point() {
+        let specs = [
+            tiny(ResidualSpec::Residual),
+            tiny(ResidualSpec::Ghc(GhcSpec { m: 2, n: 4, ..GhcSpec::default() })),
+            tiny(ResidualSpec::Ghc(GhcSpec { m: 2, n: 16, ..GhcSpec::default() })),
+        ];
+        let budget = 3e11;
+        let mut fpts = Vec::new();
+        for spec in &specs {
+            let p = plan(&Budget::Flops(budget), spec).unwrap();
+            let fpt = cost_report(spec).unwrap().flops_per_token.train;
+            assert_eq!(p.train_flops_per_token, fpt);
+            assert!(p.steps > 1, "the budget is large enough not to clamp");
+            let step_flops = p.tokens_per_step as f64 * fpt as f64;
+            assert!(
+                (p.tokens as f64 * fpt as f64 - budget).abs() <= step_flops,
+                "tokens {} x FLOPs/token {fpt} vs budget {budget}: more than one step ({step_flops}) apart",
+                p.tokens
+            );
+            assert_eq!(p.flops, p.tokens as f64 * fpt as f64);
+            fpts.push(fpt);
+        }
+        assert!(fpts[0] < fpts[1] && fpts[1] < fpts[2], "wider streams cost more per token: {fpts:?}");
+    }
+
+    #[test]
+    fn tokens_round_to_the_nearest_step_and_steps_are_exact() {
+        // 64 tokens per step.
+        let p = |b| plan_with(&b, 4, 16, 1000).unwrap();
+        assert_eq!(p(Budget::Tokens(6400)).steps, 100);
+        assert_eq!(p(Budget::Tokens(6431)).steps, 100);
+        assert_eq!(p(Budget::Tokens(6432)).steps, 101);
+        assert_eq!(p(Budget::Tokens(10)).steps, 1, "at least one step");
+        let s = p(Budget::Steps(7));
+        assert_eq!((s.steps, s.tokens, s.flops), (7, 448, 448_000.0));
+        assert_eq!(p(Budget::Flops(64_000.0 * 3.4)).steps, 3);
+    }
+
+    #[test]
+    fn unusable_budgets_and_shapes_are_errors() {
+        assert_eq!(plan_with(&Budget::Steps(1), 0, 16, 10), Err(BudgetError::NoTokensPerStep));
+        assert_eq!(plan_with(&Budget::Flops(1e9), 1, 16, 0), Err(BudgetError::NoFlops));
+        assert!(matches!(plan_with(&Budget::Flops(f64::NAN), 1, 16, 10), Err(BudgetError::Budget(_))));
+        assert!(matches!(plan_with(&Budget::Tokens(0), 1, 16, 10), Err(BudgetError::Budget(_))));
+    }
+}

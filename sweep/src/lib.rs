@@ -1,0 +1,35 @@
+//! widen's configuration sweeps: the data and the arithmetic behind `widen sweep`.
+//!
+//! A sweep asks one question of many models: at equal tokens (or equal training
+//! FLOPs), how does loss move with a spec field such as the virtual width r, the
+//! stream count n or the MTP depth, and is it worth the overhead? This crate holds
+//! everything about a sweep that does not train:
+//!
+//! - [`file`]: the sweep as data: a RON sweep file, or the CLI shorthand
+//!   (`--set residual.n=4,8,16 --seeds 3 --budget flops=2e14`).
+//! - [`point`]: setting spec field paths on a base spec, naming points, and the
+//!   expansion into validated (point, seed) runs with their folders.
+//! - [`budget`]: steps per point from a token, FLOP or step budget (the cost model
+//!   gives the training FLOPs per token).
+//! - [`fit`] and [`frontier`]: the log-linear law `L = a + b·log2(x)` of
+//!   docs/math.md §5 with standard errors, and the loss-vs-compute frontier.
+//! - [`results`]: per-point results aggregated over seeds, written as
+//!   `results.csv` and `results.json`.
+//! - [`plot`]: the four SVG plots, drawn with `plotters` from plain data structs.
+//!
+//! Training the runs, resuming and recording failures belong to the runner that
+//! calls this crate.
+
+pub mod budget;
+pub mod file;
+pub mod fit;
+pub mod frontier;
+pub mod plot;
+pub mod point;
+pub mod results;
+
+pub use budget::{Budget, BudgetError, BudgetPlan};
+pub use file::{Axis, Combine, OnInvalid, Sweep, SweepError};
+pub use fit::{FitError, LinearFit};
+pub use point::{expand, InvalidPoint, Plan, PlanError, Point, PointError, Run};
+pub use results::{PointResult, RunMetrics, RunOutcome, Stat, Status};

@@ -1,0 +1,661 @@
+//! The sweep's four plots, as SVG drawn with `plotters`.
+//!
+//! Each plot takes a plain data struct, so the runner (or `widen report`, from a
+//! results folder) fills it and gets SVG text back:
+//!
+//! - [`loss_curves`] (a): training and validation loss against tokens, one line per
+//!   point (the mean over seeds) with a band from the seeds' minimum to maximum.
+//! - [`law`] (b): final validation loss against log2 of the swept axis, the fitted
+//!   line `L = a + b·log2(x)` of docs/math.md §5 and its equation with standard errors.
+//! - [`frontier`] (c): validation loss against training FLOPs (log axis), the
+//!   non-dominated points joined and filled ([`crate::frontier`]).
+//! - [`speed`] (d): milliseconds per step and overhead over the plain-residual twin,
+//!   one bar per point.
+//!
+//! Every point is its own series: its own colour and a legend entry with its name.
+//! Series are drawn with 2-pixel strokes and axes with 1-pixel ones. Text is left
+//! to the SVG viewer's sans-serif font (no font files are read). Points with a
+//! non-finite value (failed runs) are left out of a plot rather than drawn at
+//! infinity.
+
+use plotters::coord::Shift;
+use plotters::prelude::*;
+
+use crate::fit::{log2_law, FitError, LinearFit};
+
+const SIZE: (u32, u32) = (1200, 560);
+const FONT: &str = "sans-serif";
+
+/// Errors drawing a plot.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum PlotError {
+    /// Nothing finite to draw.
+    #[error("{plot}: no point has finite values to draw")]
+    NoData { plot: &'static str },
+    /// The plotting library failed.
+    #[error("{plot}: drawing failed: {message}")]
+    Draw { plot: &'static str, message: String },
+}
+
+/// One point's curves for [`loss_curves`]: per seed, `(tokens, loss)` pairs.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct PointCurves {
+    pub label: String,
+    pub train: Vec<Vec<(f64, f64)>>,
+    pub val: Vec<Vec<(f64, f64)>>,
+}
+
+/// Data of plot (a).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct LossCurves {
+    pub title: String,
+    pub points: Vec<PointCurves>,
+}
+
+/// One point of plot (b): the swept axis value and the final validation loss.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LawPoint {
+    pub label: String,
+    /// The axis value x (> 0); plotted at log2(x).
+    pub x: f64,
+    /// Mean final validation loss (nats).
+    pub loss: f64,
+}
+
+/// Data of plot (b).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct LawPlot {
+    pub title: String,
+    /// The axis' name as it should read in `log2(...)`, e.g. `r` or `residual.n`.
+    pub axis: String,
+    pub points: Vec<LawPoint>,
+}
+
+/// One point of plot (c).
+#[derive(Debug, Clone, PartialEq)]
+pub struct CostPoint {
+    pub label: String,
+    /// Training FLOPs the point spent.
+    pub flops: f64,
+    /// Mean final validation loss (nats).
+    pub loss: f64,
+}
+
+/// Data of plot (c).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct FrontierPlot {
+    pub title: String,
+    pub points: Vec<CostPoint>,
+}
+
+/// One bar pair of plot (d).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SpeedBar {
+    pub label: String,
+    pub ms_per_step: f64,
+    /// Ratio to the plain-residual twin minus one, if the sweep has twins.
+    pub overhead: Option<f64>,
+}
+
+/// Data of plot (d).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct SpeedPlot {
+    pub title: String,
+    pub bars: Vec<SpeedBar>,
+}
+
+/// The i-th series colour.
+fn color(i: usize) -> RGBColor {
+    let c = Palette99::pick(i).to_rgba();
+    RGBColor(c.0, c.1, c.2)
+}
+
+fn draw_err<E: std::error::Error + Send + Sync>(
+    plot: &'static str,
+) -> impl Fn(DrawingAreaErrorKind<E>) -> PlotError {
+    move |e| PlotError::Draw { plot, message: e.to_string() }
+}
+
+/// `3200` as `3.2k`, `2.5e6` as `2.5M`: tick labels a reader takes in at a glance.
+fn si(x: f64) -> String {
+    let a = x.abs();
+    let (v, unit) = match a {
+        _ if a >= 1e12 => (x / 1e12, "T"),
+        _ if a >= 1e9 => (x / 1e9, "G"),
+        _ if a >= 1e6 => (x / 1e6, "M"),
+        _ if a >= 1e3 => (x / 1e3, "k"),
+        _ => (x, ""),
+    };
+    let text = format!("{v:.2}");
+    let text = text.trim_end_matches('0').trim_end_matches('.');
+    format!("{text}{unit}")
+}
+
+/// Head room above the tallest bar, so the legend (one line per point) clears the bars.
+fn headroom(points: usize) -> f64 {
+    (1.15 + 0.08 * points as f64).min(2.5)
+}
+
+/// A padded range around finite values; a single value gets a unit-wide range.
+fn range(values: impl Iterator<Item = f64>, pad: f64) -> Option<(f64, f64)> {
+    let (lo, hi) = values
+        .filter(|v| v.is_finite())
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| (lo.min(v), hi.max(v)));
+    if !lo.is_finite() {
+        return None;
+    }
+    let span = hi - lo;
+    if span <= f64::EPSILON * hi.abs().max(1.0) {
+        let w = (lo.abs() * 0.05).max(0.5);
+        return Some((lo - w, hi + w));
+    }
+    Some((lo - pad * span, hi + pad * span))
+}
+
+/// Per x: (x, mean, min, max) over the seeds that have a finite value there.
+pub fn band(per_seed: &[Vec<(f64, f64)>]) -> Vec<(f64, f64, f64, f64)> {
+    let mut xs: Vec<f64> = per_seed.iter().flatten().map(|p| p.0).filter(|x| x.is_finite()).collect();
+    xs.sort_by(f64::total_cmp);
+    xs.dedup();
+    xs.into_iter()
+        .filter_map(|x| {
+            let ys: Vec<f64> = per_seed
+                .iter()
+                .flat_map(|s| s.iter().filter(|p| p.0 == x && p.1.is_finite()).map(|p| p.1))
+                .collect();
+            if ys.is_empty() {
+                return None;
+            }
+            let mean = ys.iter().sum::<f64>() / ys.len() as f64;
+            let lo = ys.iter().copied().fold(f64::INFINITY, f64::min);
+            let hi = ys.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            Some((x, mean, lo, hi))
+        })
+        .collect()
+}
+
+fn legend_box(c: RGBColor) -> impl Fn((i32, i32)) -> Rectangle<(i32, i32)> {
+    move |(x, y)| Rectangle::new([(x, y - 5), (x + 14, y + 5)], c.filled())
+}
+
+/// Plot (a): train and validation loss against tokens, per point.
+pub fn loss_curves(data: &LossCurves) -> Result<String, PlotError> {
+    const PLOT: &str = "loss curves";
+    let bands: Vec<(Vec<_>, Vec<_>)> = data.points.iter().map(|p| (band(&p.train), band(&p.val))).collect();
+    let all = || bands.iter().flat_map(|(t, v)| t.iter().chain(v));
+    let (x0, x1) = range(all().map(|b| b.0), 0.0).ok_or(PlotError::NoData { plot: PLOT })?;
+    let (y0, y1) = range(all().flat_map(|b| [b.2, b.3]), 0.05).ok_or(PlotError::NoData { plot: PLOT })?;
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
+        root.fill(&WHITE).map_err(draw_err(PLOT))?;
+        let root = root.titled(&data.title, (FONT, 22)).map_err(draw_err(PLOT))?;
+        let (left, right) = root.split_horizontally(SIZE.0 / 2);
+        for (area, which, title) in [(&left, 0, "training loss"), (&right, 1, "validation loss")] {
+            let mut chart = ChartBuilder::on(area)
+                .caption(title, (FONT, 18))
+                .margin(12)
+                .x_label_area_size(44)
+                .y_label_area_size(64)
+                .build_cartesian_2d(x0..x1, y0..y1)
+                .map_err(draw_err(PLOT))?;
+            chart
+                .configure_mesh()
+                .x_desc("tokens trained")
+                .y_desc("loss (nats per byte)")
+                .x_label_formatter(&|x| si(*x))
+                .draw()
+                .map_err(draw_err(PLOT))?;
+            for (i, (p, b)) in data.points.iter().zip(&bands).enumerate() {
+                let b = if which == 0 { &b.0 } else { &b.1 };
+                let c = color(i);
+                let mut outline: Vec<(f64, f64)> = b.iter().map(|q| (q.0, q.3)).collect();
+                outline.extend(b.iter().rev().map(|q| (q.0, q.2)));
+                chart
+                    .draw_series(std::iter::once(Polygon::new(outline, c.mix(0.18).filled())))
+                    .map_err(draw_err(PLOT))?;
+                chart
+                    .draw_series(LineSeries::new(b.iter().map(|q| (q.0, q.1)), c.stroke_width(2)))
+                    .map_err(draw_err(PLOT))?
+                    .label(p.label.as_str())
+                    .legend(legend_box(c));
+            }
+            chart
+                .configure_series_labels()
+                .background_style(WHITE.mix(0.85))
+                .border_style(BLACK)
+                .label_font((FONT, 13))
+                .position(SeriesLabelPosition::UpperRight)
+                .draw()
+                .map_err(draw_err(PLOT))?;
+        }
+        root.present().map_err(draw_err(PLOT))?;
+    }
+    Ok(svg)
+}
+
+/// Plot (b): final validation loss against log2 of the axis, with the fitted law.
+/// Returns the SVG and the fit (or why there is none: fewer than 3 points, all equal).
+pub fn law(data: &LawPlot) -> Result<(String, Result<LinearFit, FitError>), PlotError> {
+    const PLOT: &str = "loss vs log2(axis)";
+    let pts: Vec<(usize, &LawPoint)> = data
+        .points
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| p.x > 0.0 && p.x.is_finite() && p.loss.is_finite())
+        .collect();
+    let xs: Vec<f64> = pts.iter().map(|(_, p)| p.x).collect();
+    let ls: Vec<f64> = pts.iter().map(|(_, p)| p.loss).collect();
+    let fit = log2_law(&xs, &ls);
+    let (x0, x1) = range(xs.iter().map(|x| x.log2()), 0.08).ok_or(PlotError::NoData { plot: PLOT })?;
+    let (y0, y1) = range(ls.iter().copied(), 0.15).ok_or(PlotError::NoData { plot: PLOT })?;
+    let xlabel = format!("log2({})", data.axis);
+    let caption = match &fit {
+        Ok(f) => format!("fit: {}   (R² = {:.3}, n = {})", f.equation("L", &xlabel), f.r2, f.n),
+        Err(e) => format!("no fit: {e}"),
+    };
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
+        root.fill(&WHITE).map_err(draw_err(PLOT))?;
+        let root = root.titled(&data.title, (FONT, 22)).map_err(draw_err(PLOT))?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(&caption, (FONT, 16))
+            .margin(14)
+            .x_label_area_size(44)
+            .y_label_area_size(70)
+            .build_cartesian_2d(x0..x1, y0..y1)
+            .map_err(draw_err(PLOT))?;
+        chart
+            .configure_mesh()
+            .x_desc(format!("{xlabel} (swept axis, log2 scale)"))
+            .y_desc("final validation loss (nats per byte)")
+            .draw()
+            .map_err(draw_err(PLOT))?;
+        if let Ok(f) = &fit {
+            chart
+                .draw_series(LineSeries::new(
+                    [(x0, f.predict(x0)), (x1, f.predict(x1))],
+                    BLACK.stroke_width(1),
+                ))
+                .map_err(draw_err(PLOT))?
+                .label(f.equation("L", &xlabel))
+                .legend(|(x, y)| PathElement::new([(x, y), (x + 14, y)], BLACK.stroke_width(1)));
+        }
+        for (i, p) in &pts {
+            let c = color(*i);
+            chart
+                .draw_series(std::iter::once(Circle::new((p.x.log2(), p.loss), 6, c.filled())))
+                .map_err(draw_err(PLOT))?
+                .label(format!("{} ({} = {})", p.label, data.axis, p.x))
+                .legend(legend_box(c));
+        }
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .label_font((FONT, 13))
+            .position(SeriesLabelPosition::UpperRight)
+            .draw()
+            .map_err(draw_err(PLOT))?;
+        root.present().map_err(draw_err(PLOT))?;
+    }
+    Ok((svg, fit))
+}
+
+/// Plot (c): validation loss against training FLOPs (log axis), frontier highlighted.
+pub fn frontier(data: &FrontierPlot) -> Result<String, PlotError> {
+    const PLOT: &str = "loss vs compute";
+    let pairs: Vec<(f64, f64)> = data
+        .points
+        .iter()
+        .map(|p| if p.flops > 0.0 { (p.flops, p.loss) } else { (f64::NAN, p.loss) })
+        .collect();
+    let on = crate::frontier::frontier(&pairs);
+    let usable: Vec<usize> =
+        (0..pairs.len()).filter(|&i| pairs[i].0.is_finite() && pairs[i].1.is_finite()).collect();
+    let (lx0, lx1) =
+        range(usable.iter().map(|&i| pairs[i].0.log10()), 0.08).ok_or(PlotError::NoData { plot: PLOT })?;
+    let (y0, y1) = range(usable.iter().map(|&i| pairs[i].1), 0.15).ok_or(PlotError::NoData { plot: PLOT })?;
+    let (x0, x1) = (10f64.powf(lx0), 10f64.powf(lx1));
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
+        root.fill(&WHITE).map_err(draw_err(PLOT))?;
+        let root = root.titled(&data.title, (FONT, 22)).map_err(draw_err(PLOT))?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption("filled: on the frontier (no cheaper point has lower or equal loss)", (FONT, 16))
+            .margin(14)
+            .x_label_area_size(44)
+            .y_label_area_size(70)
+            .build_cartesian_2d((x0..x1).log_scale(), y0..y1)
+            .map_err(draw_err(PLOT))?;
+        chart
+            .configure_mesh()
+            .x_desc("training FLOPs (log scale)")
+            .y_desc("final validation loss (nats per byte)")
+            .x_label_formatter(&|x| format!("{x:.1e}"))
+            .draw()
+            .map_err(draw_err(PLOT))?;
+        chart
+            .draw_series(LineSeries::new(on.iter().map(|&i| pairs[i]), BLACK.stroke_width(1)))
+            .map_err(draw_err(PLOT))?
+            .label("frontier")
+            .legend(|(x, y)| PathElement::new([(x, y), (x + 14, y)], BLACK.stroke_width(1)));
+        for &i in &usable {
+            let c = color(i);
+            let style = if on.contains(&i) { c.filled() } else { c.stroke_width(2) };
+            chart
+                .draw_series(std::iter::once(Circle::new(pairs[i], 6, style)))
+                .map_err(draw_err(PLOT))?
+                .label(data.points[i].label.as_str())
+                .legend(legend_box(c));
+        }
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .label_font((FONT, 13))
+            .position(SeriesLabelPosition::UpperRight)
+            .draw()
+            .map_err(draw_err(PLOT))?;
+        root.present().map_err(draw_err(PLOT))?;
+    }
+    Ok(svg)
+}
+
+/// One panel of plot (d): area, title, y label, y range.
+type Panel<'a, 'b> = (&'a DrawingArea<SVGBackend<'b>, Shift>, &'static str, &'static str, (f64, f64));
+
+/// Plot (d): ms/step and overhead over the plain-residual twin, one bar per point.
+pub fn speed(data: &SpeedPlot) -> Result<String, PlotError> {
+    const PLOT: &str = "speed";
+    let n = data.bars.len();
+    let ms_max = data.bars.iter().map(|b| b.ms_per_step).filter(|v| v.is_finite()).fold(f64::NAN, f64::max);
+    if !ms_max.is_finite() {
+        return Err(PlotError::NoData { plot: PLOT });
+    }
+    let pct: Vec<Option<f64>> =
+        data.bars.iter().map(|b| b.overhead.filter(|o| o.is_finite()).map(|o| 100.0 * o)).collect();
+    let (p0, p1) = range(pct.iter().flatten().copied().chain([0.0]), 0.1).unwrap_or((-1.0, 1.0));
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
+        root.fill(&WHITE).map_err(draw_err(PLOT))?;
+        let root = root.titled(&data.title, (FONT, 22)).map_err(draw_err(PLOT))?;
+        let (left, right) = root.split_horizontally(SIZE.0 / 2);
+        let panels: [Panel; 2] = [
+            (&left, "time per step", "ms per step", (0.0, ms_max * headroom(n))),
+            (
+                &right,
+                "overhead over the plain-residual twin",
+                "overhead (%)",
+                (p0.min(0.0), p1.max(0.0) + (p1 - p0).abs() * (headroom(n) - 1.0)),
+            ),
+        ];
+        for (k, (area, title, ydesc, (y0, y1))) in panels.into_iter().enumerate() {
+            let mut chart = ChartBuilder::on(area)
+                .caption(title, (FONT, 18))
+                .margin(12)
+                .x_label_area_size(44)
+                .y_label_area_size(64)
+                .build_cartesian_2d(-0.5..(n as f64 - 0.5), y0..y1)
+                .map_err(draw_err(PLOT))?;
+            chart
+                .configure_mesh()
+                .disable_x_mesh()
+                .x_labels(n.max(1))
+                .x_label_formatter(&|x| format!("#{}", x.round() as i64 + 1))
+                .x_desc("point (see legend)")
+                .y_desc(ydesc)
+                .draw()
+                .map_err(draw_err(PLOT))?;
+            for (i, b) in data.bars.iter().enumerate() {
+                let value = if k == 0 { Some(b.ms_per_step).filter(|v| v.is_finite()) } else { pct[i] };
+                let Some(value) = value else { continue };
+                let c = color(i);
+                let x = i as f64;
+                chart
+                    .draw_series(std::iter::once(Rectangle::new(
+                        [(x - 0.35, 0.0), (x + 0.35, value)],
+                        c.filled(),
+                    )))
+                    .map_err(draw_err(PLOT))?
+                    .label(format!("#{} {}", i + 1, b.label))
+                    .legend(legend_box(c));
+            }
+            chart
+                .configure_series_labels()
+                .background_style(WHITE.mix(0.85))
+                .border_style(BLACK)
+                .label_font((FONT, 13))
+                .position(SeriesLabelPosition::UpperRight)
+                .draw()
+                .map_err(draw_err(PLOT))?;
+        }
+        root.present().map_err(draw_err(PLOT))?;
+    }
+    Ok(svg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The `#rrggbb` of series `i`, as the SVG writes it.
+    fn hex(i: usize) -> String {
+        let c = color(i);
+        format!("#{:02X}{:02X}{:02X}", c.0, c.1, c.2)
+    }
+
+    /// Elements named `tag` whose `attr` is series `i`'s colour.
+    fn count(doc: &roxmltree::Document, tag: &str, attr: &str, i: usize) -> usize {
+        let want = hex(i);
+        doc.descendants()
+            .filter(|n| {
+                n.has_tag_name(tag) && n.attribute(attr).is_some_and(|v| v.eq_ignore_ascii_case(&want))
+            })
+            .count()
+    }
+
+    fn texts(doc: &roxmltree::Document) -> Vec<String> {
+        doc.descendants()
+            .filter(|n| n.has_tag_name("text"))
+            .filter_map(|n| n.text().map(String::from))
+            .collect()
+    }
+
+    fn curves(label: &str, base: f64) -> PointCurves {
+        let seed = |shift: f64| (1..=5).map(|s| (s as f64 * 640.0, base + 2.0 / s as f64 + shift)).collect();
+        PointCurves {
+            label: label.into(),
+            train: vec![seed(0.0), seed(0.1)],
+            val: vec![seed(0.05), seed(0.15)],
+        }
+    }
+
+    fn parse(svg: &str) -> roxmltree::Document<'_> {
+        roxmltree::Document::parse(svg).unwrap_or_else(|e| panic!("not XML: {e}"))
+    }
+
+    fn has_text(doc: &roxmltree::Document, needle: &str) -> bool {
+        texts(doc).iter().any(|t| t.contains(needle))
+    }
+
+    #[test]
+    fn loss_curves_hold_a_line_and_band_per_point_in_each_panel() {
+        let data = LossCurves {
+            title: "GHC over r".into(),
+            points: vec![curves("residual.r-1", 1.0), curves("residual.r-2", 1.2), curves("a<b & c", 1.4)],
+        };
+        let svg = loss_curves(&data).unwrap();
+        let doc = parse(&svg);
+        for i in 0..3 {
+            assert_eq!(count(&doc, "polyline", "stroke", i), 2, "one mean line per panel for point {i}");
+            assert_eq!(count(&doc, "polygon", "fill", i), 2, "one min-max band per panel for point {i}");
+            assert_eq!(count(&doc, "rect", "fill", i), 2, "one legend entry per panel for point {i}");
+        }
+        assert_eq!(count(&doc, "polyline", "stroke", 3), 0, "no fourth series");
+        for needle in ["residual.r-1", "residual.r-2", "a<b & c", "tokens trained", "loss (nats per byte)"] {
+            assert!(has_text(&doc, needle), "missing text {needle:?}");
+        }
+        for needle in ["GHC over r", "training loss", "validation loss"] {
+            assert!(has_text(&doc, needle), "missing title {needle:?}");
+        }
+    }
+
+    #[test]
+    fn tick_labels_use_si_prefixes() {
+        assert_eq!(si(3200.0), "3.2k");
+        assert_eq!(si(2.5e6), "2.5M");
+        assert_eq!(si(1e12), "1T");
+        assert_eq!(si(640.0), "640");
+        assert_eq!(si(0.5), "0.5");
+    }
+
+    #[test]
+    fn band_is_mean_min_max_over_seeds() {
+        let b = band(&[vec![(1.0, 2.0), (2.0, 1.0)], vec![(1.0, 4.0), (2.0, f64::NAN)], vec![(1.0, 3.0)]]);
+        assert_eq!(b, [(1.0, 3.0, 2.0, 4.0), (2.0, 1.0, 1.0, 1.0)]);
+    }
+
+    fn law_data(n: usize) -> LawPlot {
+        let xs = [1.0, 1.5, 2.0, 4.0, 8.0];
+        LawPlot {
+            title: "final loss vs r".into(),
+            axis: "r".into(),
+            points: xs[..n]
+                .iter()
+                .enumerate()
+                .map(|(i, &x)| LawPoint {
+                    label: format!("residual.r-{x}"),
+                    x,
+                    loss: 1.6 - 0.01 * f64::log2(x) + [0.001, -0.001][i % 2],
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn law_plot_has_a_marker_per_point_and_the_fitted_equation() {
+        let (svg, fit) = law(&law_data(5)).unwrap();
+        let fit = fit.unwrap();
+        assert!((fit.b + 0.01).abs() < 3.0 * fit.se_b.max(1e-9) + 1e-3, "{fit:?}");
+        let doc = parse(&svg);
+        for i in 0..5 {
+            assert_eq!(count(&doc, "circle", "fill", i), 1, "one marker for point {i}");
+            assert_eq!(count(&doc, "rect", "fill", i), 1, "one legend entry for point {i}");
+        }
+        let eq = fit.equation("L", "log2(r)");
+        assert!(has_text(&doc, &eq), "the equation {eq:?} is shown");
+        assert!(has_text(&doc, "R² = ") && has_text(&doc, "log2(r) (swept axis, log2 scale)"));
+        assert!(has_text(&doc, "final validation loss (nats per byte)"));
+
+        // Two points: no fit, said so, and the points are still drawn.
+        let (svg, fit) = law(&law_data(2)).unwrap();
+        assert!(matches!(fit, Err(FitError::TooFew { n: 2 })));
+        let doc = parse(&svg);
+        assert!(has_text(&doc, "no fit: 2 points"));
+        assert_eq!(count(&doc, "circle", "fill", 1), 1);
+    }
+
+    #[test]
+    fn frontier_plot_fills_exactly_the_frontier_points() {
+        let pts = [(1e12, 2.0), (2e12, 1.8), (3e12, 1.9), (4e12, 1.7), (5e12, f64::NAN)];
+        let data = FrontierPlot {
+            title: "loss vs compute".into(),
+            points: pts
+                .iter()
+                .enumerate()
+                .map(|(i, &(flops, loss))| CostPoint { label: format!("p{i}"), flops, loss })
+                .collect(),
+        };
+        let doc_text = frontier(&data).unwrap();
+        let doc = parse(&doc_text);
+        for i in [0, 1, 3] {
+            assert_eq!(count(&doc, "circle", "fill", i), 1, "point {i} is on the frontier: filled");
+            assert_eq!(count(&doc, "circle", "stroke", i), 0);
+        }
+        assert_eq!(count(&doc, "circle", "stroke", 2), 1, "point 2 is dominated: hollow");
+        assert_eq!(count(&doc, "circle", "fill", 2), 0);
+        assert_eq!(
+            count(&doc, "circle", "stroke", 4) + count(&doc, "circle", "fill", 4),
+            0,
+            "failed point left out"
+        );
+        assert!(has_text(&doc, "training FLOPs (log scale)") && has_text(&doc, "frontier"));
+    }
+
+    #[test]
+    fn speed_plot_has_a_bar_per_point_and_panel() {
+        let data = SpeedPlot {
+            title: "cost per step".into(),
+            bars: vec![
+                SpeedBar { label: "baseline".into(), ms_per_step: 10.0, overhead: Some(0.0) },
+                SpeedBar { label: "residual.n-4".into(), ms_per_step: 12.0, overhead: Some(0.2) },
+                SpeedBar { label: "residual.n-8".into(), ms_per_step: 15.0, overhead: None },
+            ],
+        };
+        let doc_text = speed(&data).unwrap();
+        let doc = parse(&doc_text);
+        // Bar + legend entry in each panel that has a value.
+        assert_eq!(count(&doc, "rect", "fill", 0), 4);
+        assert_eq!(count(&doc, "rect", "fill", 1), 4);
+        assert_eq!(count(&doc, "rect", "fill", 2), 2, "no overhead: only the ms/step bar");
+        assert!(
+            has_text(&doc, "ms per step")
+                && has_text(&doc, "overhead (%)")
+                && has_text(&doc, "#2 residual.n-4")
+        );
+    }
+
+    #[test]
+    fn nothing_finite_is_an_error() {
+        assert_eq!(loss_curves(&LossCurves::default()), Err(PlotError::NoData { plot: "loss curves" }));
+        assert!(matches!(law(&LawPlot::default()), Err(PlotError::NoData { .. })));
+        let nan = FrontierPlot {
+            title: String::new(),
+            points: vec![CostPoint { label: "x".into(), flops: 1.0, loss: f64::NAN }],
+        };
+        assert!(matches!(frontier(&nan), Err(PlotError::NoData { .. })));
+        let none = SpeedPlot {
+            title: String::new(),
+            bars: vec![SpeedBar { label: "x".into(), ms_per_step: f64::NAN, overhead: None }],
+        };
+        assert!(matches!(speed(&none), Err(PlotError::NoData { .. })));
+    }
+
+    #[test]
+    #[ignore = "writes the four plots to $WIDEN_PLOT_DIR for viewing"]
+    fn write_examples() {
+        let dir = std::path::PathBuf::from(std::env::var("WIDEN_PLOT_DIR").unwrap_or_else(|_| "/tmp".into()));
+        let a = LossCurves {
+            title: "loss curves".into(),
+            points: vec![curves("a", 1.0), curves("b", 1.2), curves("c", 1.4)],
+        };
+        std::fs::write(dir.join("a.svg"), loss_curves(&a).unwrap()).unwrap();
+        std::fs::write(dir.join("b.svg"), law(&law_data(5)).unwrap().0).unwrap();
+        let c = FrontierPlot {
+            title: "loss vs compute".into(),
+            points: (0..4)
+                .map(|i| CostPoint {
+                    label: format!("p{i}"),
+                    flops: 1e12 * (i + 1) as f64,
+                    loss: [2.0, 1.8, 1.9, 1.7][i],
+                })
+                .collect(),
+        };
+        std::fs::write(dir.join("c.svg"), frontier(&c).unwrap()).unwrap();
+        let d = SpeedPlot {
+            title: "cost per step".into(),
+            bars: (0..4)
+                .map(|i| SpeedBar {
+                    label: format!("p{i}"),
+                    ms_per_step: 10.0 + i as f64,
+                    overhead: Some(0.1 * i as f64),
+                })
+                .collect(),
+        };
+        std::fs::write(dir.join("d.svg"), speed(&d).unwrap()).unwrap();
+    }
+}
