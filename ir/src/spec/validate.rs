@@ -227,8 +227,8 @@ impl ModelSpec {
     fn check_memory_ceiling(&self, c: &mut Checker) {
         let memory = training_memory(self);
         let limit = MAX_TRAINING_BYTES as f64;
-        // `!(x <= limit)` also refuses an estimate that overflowed to infinity.
-        if !(memory.total_bytes <= limit) {
+        // An estimate that overflowed to infinity is above the limit too.
+        if memory.total_bytes.is_nan() || memory.total_bytes > limit {
             let (path, message) = memory_message(&memory, &format!("the {:.0} GiB ceiling", gib(limit)));
             c.fail(path, format!("{message}; no machine holds that"));
         }
