@@ -303,3 +303,30 @@ fn sample_refuses_a_diverged_checkpoint_and_an_absurd_token_count() {
     assert!(stderr(&o).contains("`embed`"), "{}", stderr(&o));
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// A spec that validates (under the fixed ceiling) but needs more memory than this
+/// machine has is refused by `train`, `compile` and `build` before anything is
+/// lowered or allocated, naming the field and the estimate.
+#[test]
+fn specs_larger_than_this_machine_are_refused_before_building() {
+    if std::fs::read_to_string("/proc/meminfo").is_err() {
+        eprintln!("skipped: /proc/meminfo is not readable, so the machine's memory is unknown");
+        return;
+    }
+    let big = "Model(name: \"big\", d_model: 16384, heads: 128, layers: 64)\n";
+    let dir = common::workdir("train-too-big", Some(big));
+    for args in [
+        &["train", "spec.ron", "--steps", "2"][..],
+        &["compile", "spec.ron", "-o", "out"][..],
+        &["build", "spec.ron", "-o", "trainer"][..],
+    ] {
+        let started = Instant::now();
+        let o = widen(&dir, args);
+        let e = stderr(&o);
+        assert!(!o.status.success(), "{args:?}: {e}");
+        assert!(e.contains("layers: training needs about") && e.contains("GiB of memory available"), "{e}");
+        assert!(started.elapsed() < Duration::from_secs(30), "{args:?} refused without building");
+    }
+    assert!(!dir.join("runs/big").join("metrics.jsonl").exists());
+    assert!(!dir.join("trainer").exists());
+}

@@ -10,7 +10,7 @@
 //! name, then rename) and loaded with `libloading`. Beside each shared object
 //! a `.sha256` file holds its digest; a cached object is used only when it
 //! still has that digest and loads, and is otherwise rebuilt (a corrupt cache
-//! entry never fails a run: reliability rule, issue #33). Concurrent
+//! entry never fails a run: see README, "What widen guarantees"). Concurrent
 //! compiles of one key each write their own temporary files and rename them
 //! into place, so a reader sees a whole object or none, and a digest that
 //! does not match the object beside it only costs a rebuild. Kernels are compiled on the

@@ -1,4 +1,4 @@
-//! Fuzzing the spec front end (issue #33): any bytes in, a `Result` out; never a
+//! Fuzzing the spec front end (README, "What widen guarantees"): any bytes in, a `Result` out; never a
 //! panic, an abort, or more than a bounded amount of memory.
 //!
 //! Each input goes through what `widen check` does: UTF-8 decoding (as `load_spec`

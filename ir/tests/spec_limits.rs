@@ -1,4 +1,4 @@
-//! Bounds on everything a user can type into a spec (issue #33): a byte corpus needs
+//! Bounds on everything a user can type into a spec (README, "What widen guarantees"): a byte corpus needs
 //! `vocab >= 256`, `name` is one safe path component, every integer has an upper bound
 //! with its reason, the training-memory estimate has a fixed ceiling and a machine
 //! check, and MTP depth stays below the sequence length.

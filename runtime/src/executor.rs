@@ -74,7 +74,7 @@ pub enum StepError {
 /// The compiled kernels do not bound-check their indices (a check per load
 /// in the hot loops), so a batch that fails here must never reach them: an id
 /// outside `0..vocab` would read, and in the backward pass write, outside the
-/// embedding's and the logits' buffers. Reliability rule (issue #33): no
+/// embedding's and the logits' buffers. Reliability rule (README, "What widen guarantees"): no
 /// compiled kernel is handed an index it can write out of bounds with.
 pub fn check_tokens(tokens: &[i32], shape: [usize; 2], vocab: usize) -> Result<(), StepError> {
     let expected = shape[0] * shape[1];

@@ -9,7 +9,7 @@
 /// `SIGXFSZ`, which prints nothing and leaves a half-written run behind.
 /// With the signal handled (the handler only records it), the write returns
 /// `EFBIG` ("File too large") and the error paths that already report failed
-/// writes name the file (reliability rule, issue #33: a fault of the
+/// writes name the file (see README, "What widen guarantees": a fault of the
 /// environment is reported, never a silent exit). The disposition is a
 /// handler rather than `SIG_IGN` so that programs this process starts (the C
 /// compiler, cargo) get the default back when they exec.

@@ -62,6 +62,9 @@ pub const LOCK_FILE: &str = "run.lock";
 /// Errors that stop a run.
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {
+    /// The spec's training memory estimate exceeds this machine's memory.
+    #[error("{}: {}", .0.path, .0.message)]
+    TooLarge(ir::spec::FieldError),
     #[error("cannot write {path}")]
     Io { path: PathBuf, source: std::io::Error },
     #[error(
@@ -177,7 +180,14 @@ pub struct TrainReport {
 /// Lowers `spec` for its batch and sequence length, initializes the parameters
 /// from its seed (or restores them from `opts.resume`), loads its data and trains
 /// on `device`.
+///
+/// Before anything is allocated, the spec's estimated training memory must fit this
+/// machine ([`ModelSpec::check_fits`]); validation alone only bounds it by what no
+/// machine holds.
 pub fn train_spec(spec: &ModelSpec, device: Device, opts: &TrainOptions) -> Result<TrainReport, TrainError> {
+    if let Some(bytes) = ir::spec::host_memory_bytes() {
+        spec.check_fits(bytes).map_err(TrainError::TooLarge)?;
+    }
     let window = spec.train.seq_len + 1;
     let corpus = Corpus::load(&spec.train.data, spec.train.val_fraction, window)?;
     let lowered = ir::lower::lower(spec, spec.train.batch, spec.train.seq_len)?;

@@ -294,6 +294,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     for path in &args.specs {
         let mut spec = load_spec(path)?;
         args.backbone.apply(&mut spec);
+        super::fits_this_machine(&spec)?;
         let plain = !matches!(spec.residual, ResidualSpec::Residual);
         let baseline = spec.with_plain_residual();
         jobs.push((path, spec, !plain));

@@ -26,6 +26,7 @@ pub struct Args {
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let spec = load_spec(&args.spec)?;
+    super::fits_this_machine(&spec)?;
     // The spec is the one file --force never replaces: the build has read it,
     // but it is the user's only copy of the model.
     let same = |a: &std::path::Path, b: &std::path::Path| matches!((std::fs::canonicalize(a), std::fs::canonicalize(b)), (Ok(a), Ok(b)) if a == b);

@@ -40,7 +40,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         Err(err) => return Ok(fail(&args, &load_problems(err))),
     };
     // Validation refuses only what no machine holds; before lowering (which allocates
-    // parameter inits) the estimate must also fit this machine (issue #33). Where the
+    // parameter inits) the estimate must also fit this machine (README, "What widen guarantees"). Where the
     // memory cannot be read the estimate is still printed.
     let memory = match host_memory_bytes().map(|bytes| spec.check_fits(bytes)) {
         Some(Ok(memory)) => memory,

@@ -379,7 +379,7 @@ const OUTPUTS: &[&str] = &[
 const MARKER: &str = ".widen-compile";
 
 /// Refuses an output folder where compiling would replace files an earlier
-/// `widen compile` did not write (reliability rule, issue #33: no command
+/// `widen compile` did not write (see README, "What widen guarantees": no command
 /// overwrites a user's files unasked): the folder may be missing, hold none
 /// of [`OUTPUTS`], or hold the [`MARKER`] of an earlier compile; `--force`
 /// overrides. The spec itself is never overwritten.
@@ -417,6 +417,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     check_out_dir(&args.out, &args.spec, args.force)?;
     let batch = args.batch.unwrap_or(spec.train.batch);
     let seq_len = args.seq_len.unwrap_or(spec.train.seq_len);
+    let mut sized = spec.clone();
+    (sized.train.batch, sized.train.seq_len) = (batch, seq_len);
+    super::fits_this_machine(&sized)?;
     let lowered = ir::lower::lower(&spec, batch, seq_len)?;
     let training = TrainingGraph::new(lowered).context("differentiating the model graph")?;
     let graph = &training.graph;

@@ -107,6 +107,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
 fn check(path: &Path, device: Device, args: &Args) -> anyhow::Result<runtime::parity::ParityReport> {
     let mut spec = load_spec(path)?;
     args.backbone.apply(&mut spec);
+    super::fits_this_machine(&spec)?;
     let lowered = ir::lower::lower(&spec, spec.train.batch, spec.train.seq_len)?;
     let mut exec =
         device.executor(lowered).with_context(|| format!("setting up the {} device", device.name()))?;

@@ -1,5 +1,5 @@
 //! A closed-form estimate of the memory one training step needs, computed from the
-//! spec alone, before any graph is built (issue #33: a spec too large for any machine
+//! spec alone, before any graph is built (README, "What widen guarantees": a spec too large for any machine
 //! must be refused before widen allocates for it).
 //!
 //! Everything else in [`crate::cost`] is counted on the lowered graph; this cannot be,

@@ -1,4 +1,4 @@
-//! Whether a spec's training fits this machine (issue #33): the host-dependent half of
+//! Whether a spec's training fits this machine (README, "What widen guarantees"): the host-dependent half of
 //! the memory bound, next to the fixed ceiling that [`ModelSpec::validate`] applies.
 //!
 //! Validation must give the same answer everywhere (the derive macro runs it at compile

@@ -5,7 +5,7 @@
 //! at all (`batch: -4`, `layers: 2.5`, `vocab: 1e99`), so the two can never disagree.
 //!
 //! Upper bounds exist so that nothing a user types can make widen hang, overflow or
-//! allocate without limit (issue #33). Sizes that only cost memory (`d_model`,
+//! allocate without limit (README, "What widen guarantees"). Sizes that only cost memory (`d_model`,
 //! `vocab`, `train.batch`, ...) have generous bounds that merely keep later arithmetic
 //! in range; what binds them in practice is the training-memory estimate
 //! ([`crate::cost::training_memory`]), checked against [`MAX_TRAINING_BYTES`] here and

@@ -77,7 +77,7 @@ pub fn load_spec(path: &Path) -> Result<ModelSpec, SpecLoadError> {
 /// `path` only labels errors.
 pub fn parse_spec(text: &str, path: &str) -> Result<ModelSpec, SpecLoadError> {
     // Editors on Windows save UTF-8 with a byte-order mark; it is not RON, and `ron`
-    // would report "Expected opening `(`" at the first character (issue #33).
+    // would report "Expected opening `(`" at the first character (README, "What widen guarantees").
     let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     // The tree reader covers the RON that specs use; on anything it cannot read,
     // `ron`'s own error (below) is the one to show.
@@ -106,7 +106,7 @@ pub fn parse_spec(text: &str, path: &str) -> Result<ModelSpec, SpecLoadError> {
 /// For an integer field holding a number that is not a whole number in range
 /// (`-4`, `2.5`, `1e99`, a 30-digit literal), the message naming the field and its
 /// valid range ([`super::limits`]); `ron` alone says "Expected integer" or
-/// "Expected comma" without either (issue #33).
+/// "Expected comma" without either (README, "What widen guarantees").
 fn bad_integer(field: &str, value: &ron_tree::Node) -> Option<String> {
     let limit = integer_limit(field)?;
     let written = match value {

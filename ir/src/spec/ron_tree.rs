@@ -472,7 +472,7 @@ impl Parser {
 
 /// Identifiers are read with any Unicode letters, although RON's are ASCII: a field
 /// name like `vöcab` is then reported whole by the unknown-name check, with its
-/// suggestion, instead of `ron` stopping at `v` (issue #33).
+/// suggestion, instead of `ron` stopping at `v` (README, "What widen guarantees").
 fn is_ident_start(c: char) -> bool {
     c.is_alphabetic() || c == '_'
 }

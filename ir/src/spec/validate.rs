@@ -67,7 +67,7 @@ impl ModelSpec {
         }
         // Every corpus widen trains on is byte-level (the synthetic grammar and text
         // files alike): token ids are the bytes 0..=255, so a smaller vocabulary would
-        // index the embedding and the logits out of bounds (issue #33).
+        // index the embedding and the logits out of bounds (README, "What widen guarantees").
         let corpus = match &self.train.data {
             DataSpec::Synthetic(SyntheticCorpus::Default) => "Synthetic(Default)".to_string(),
             DataSpec::Text(path) => format!("Text({:?})", path.chars().take(80).collect::<String>()),
@@ -462,7 +462,7 @@ fn check_adamw(c: &mut Checker, at: &str, a: &AdamWSpec) {
 }
 
 /// `name` becomes one folder under `runs/` and part of file names, so it must be one
-/// safe path component (issue #33: `../../x` or `/tmp/x` wrote outside `runs/`).
+/// safe path component (README, "What widen guarantees": `../../x` or `/tmp/x` wrote outside `runs/`).
 fn check_name(c: &mut Checker, name: &str) {
     let valid = "1 to 64 characters from A-Z a-z 0-9 . _ -, not \".\" or \"..\" \
                  (it names the run's folder under runs/)";

@@ -58,7 +58,7 @@ const MAX_BYTES: usize = isize::MAX as usize - 4096;
 /// Checks that every buffer, every scratch placement (offset + length) and
 /// each arena fits in an allocation, so the sizes and ends the devices and
 /// the other checks compute cannot overflow: a wrapped end would size an
-/// arena short and let a kernel run past it (reliability rule, issue #33: a
+/// arena short and let a kernel run past it (see README, "What widen guarantees": a
 /// malformed Plan is a load error, never memory corruption).
 pub fn check_sizes(plan: &Plan) -> Result<(), PlanError> {
     let fits = |elements: Option<usize>, dtype: DType| {

@@ -327,6 +327,7 @@ pub(crate) unsafe fn sgemm_on(
 /// # Safety
 /// As for [`sgemm_on`].
 #[cfg(all(test, target_arch = "x86_64"))]
+#[allow(clippy::too_many_arguments)]
 unsafe fn sgemm_blocks_on(
     isa: Isa,
     m: usize,

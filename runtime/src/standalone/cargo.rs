@@ -184,7 +184,7 @@ pub fn is_built_output(path: &Path) -> bool {
 /// Checks before building that `output` can be written: not a folder, its
 /// folder exists (created if missing) and accepts a new file, and it is not
 /// an existing file that an earlier `widen build` did not write, unless
-/// `force` (reliability rule, issue #33: a build never overwrites a user's
+/// `force` (see README, "What widen guarantees": a build never overwrites a user's
 /// file, the spec included, unasked).
 pub fn check_output(output: &Path, force: bool) -> Result<(), BuildError> {
     let err = |source| BuildError::Output { path: output.to_path_buf(), source };

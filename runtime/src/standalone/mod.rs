@@ -170,7 +170,7 @@ const STAMP: &str = ".widen-package.sha256";
 /// (keeping their timestamps, and cargo's rebuild check, unchanged); one with
 /// a missing, truncated or altered file, or no stamp (a write cut short), is
 /// written again, so a damaged build cache repairs itself instead of failing
-/// every build (reliability rule, issue #33). Two builds of one spec at once
+/// every build (see README, "What widen guarantees"). Two builds of one spec at once
 /// write identical files atomically, so neither sees the other's partial one.
 fn write_package(package: &Package, dir: &Path) -> Result<(), BuildError> {
     if package_intact(dir) {
