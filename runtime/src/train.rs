@@ -164,6 +164,20 @@ pub struct TrainOptions {
     pub overwrite: bool,
 }
 
+impl TrainOptions {
+    /// A fresh run into `out_dir` as a library caller (a test, a sweep) starts it: no
+    /// progress output, signals left to the caller, nothing resumed or replaced.
+    pub fn quiet(out_dir: PathBuf) -> TrainOptions {
+        TrainOptions {
+            out_dir,
+            resume: None,
+            progress: Progress::Silent,
+            catch_signals: false,
+            overwrite: false,
+        }
+    }
+}
+
 /// What a finished run did.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TrainReport {

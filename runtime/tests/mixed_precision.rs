@@ -10,7 +10,7 @@ use runtime::data::{BatchSampler, Corpus};
 use runtime::device::executor::TrainingGraph;
 use runtime::executor::{Device, ReferenceExecutor, StepExecutor};
 use runtime::init::init_params;
-use runtime::train::{train_spec, Progress, TrainOptions};
+use runtime::train::{train_spec, TrainOptions};
 
 mod spec_fixture;
 use spec_fixture::{shrunk_spec, Shrink};
@@ -105,13 +105,7 @@ fn bf16_model_trains_on_the_cpu_device() {
     }
     let out = std::env::temp_dir().join(format!("widen-mixed-precision-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&out);
-    let opts = TrainOptions {
-        out_dir: out.clone(),
-        resume: None,
-        progress: Progress::Silent,
-        catch_signals: false,
-        overwrite: false,
-    };
+    let opts = TrainOptions::quiet(out.clone());
     let report = train_spec(&spec, Device::Cpu, &opts).expect("trains");
     std::fs::remove_dir_all(&out).expect("remove the run folder");
     let losses: Vec<f64> = report.losses.iter().map(|&l| f64::from(l)).collect();

@@ -5,7 +5,7 @@ use ir::spec::{AdamWSpec, ConstantSpec, ModelSpec, OptimizerSpec, ResidualSpec, 
 use runtime::checkpoint::{self, Checkpoint, CheckpointError, TrainState};
 use runtime::executor::Device;
 use runtime::init::init_params;
-use runtime::train::{train_spec, Progress, TrainError, TrainOptions};
+use runtime::train::{train_spec, TrainError, TrainOptions};
 use std::path::{Path, PathBuf};
 
 fn tiny_spec(steps: usize) -> ModelSpec {
@@ -28,13 +28,7 @@ fn temp_dir(tag: &str) -> PathBuf {
 }
 
 fn opts(out: &Path, resume: Option<PathBuf>) -> TrainOptions {
-    TrainOptions {
-        out_dir: out.to_path_buf(),
-        resume,
-        progress: Progress::Silent,
-        catch_signals: false,
-        overwrite: false,
-    }
+    TrainOptions { resume, ..TrainOptions::quiet(out.to_path_buf()) }
 }
 
 /// `(step, loss)` of every metrics line.

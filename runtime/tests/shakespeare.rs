@@ -8,7 +8,7 @@
 
 use ir::spec::{load_spec, DataSpec};
 use runtime::executor::Device;
-use runtime::train::{train_spec, Progress, TrainOptions};
+use runtime::train::{train_spec, TrainOptions};
 use std::path::Path;
 
 const TEXT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/data/tinyshakespeare.txt");
@@ -49,13 +49,7 @@ fn tiny_spec_learns_tinyshakespeare_beyond_byte_frequencies() {
 
     let out = std::env::temp_dir().join(format!("widen-shakespeare-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&out);
-    let opts = TrainOptions {
-        out_dir: out.clone(),
-        resume: None,
-        progress: Progress::Silent,
-        catch_signals: false,
-        overwrite: false,
-    };
+    let opts = TrainOptions::quiet(out.clone());
     let started = std::time::Instant::now();
     let report = train_spec(&spec, Device::Reference, &opts).unwrap_or_else(|e| panic!("training: {e}"));
     let seconds = started.elapsed().as_secs_f64();

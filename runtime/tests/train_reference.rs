@@ -6,7 +6,7 @@
 use ir::spec::{AdamWSpec, ConstantSpec, ModelSpec, MuonSpec, OptimizerSpec, ScheduleSpec};
 use runtime::checkpoint::Checkpoint;
 use runtime::executor::Device;
-use runtime::train::{train_spec, Progress, TrainError, TrainOptions};
+use runtime::train::{train_spec, TrainError, TrainOptions};
 use std::path::{Path, PathBuf};
 
 fn tiny_spec(steps: usize) -> ModelSpec {
@@ -29,13 +29,7 @@ fn temp_dir(tag: &str) -> PathBuf {
 }
 
 fn opts(out: &Path, resume: Option<PathBuf>) -> TrainOptions {
-    TrainOptions {
-        out_dir: out.to_path_buf(),
-        resume,
-        progress: Progress::Silent,
-        catch_signals: false,
-        overwrite: false,
-    }
+    TrainOptions { resume, ..TrainOptions::quiet(out.to_path_buf()) }
 }
 
 fn metric_losses(path: &Path) -> Vec<(u64, f64)> {

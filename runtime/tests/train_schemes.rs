@@ -5,7 +5,7 @@
 
 use ir::spec::{ConstantSpec, Flash, ModelSpec, MuonSpec, OptimizerSpec, ResidualSpec, ScheduleSpec};
 use runtime::executor::Device;
-use runtime::train::{train_spec, Progress, TrainOptions};
+use runtime::train::{train_spec, TrainOptions};
 use std::path::PathBuf;
 
 mod spec_fixture;
@@ -46,13 +46,7 @@ fn assert_trains(spec: &ModelSpec) -> (f64, f64) {
     let name = &spec.name;
     let out = std::env::temp_dir().join(format!("widen-train-schemes-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&out);
-    let opts = TrainOptions {
-        out_dir: out.clone(),
-        resume: None,
-        progress: Progress::Silent,
-        catch_signals: false,
-        overwrite: false,
-    };
+    let opts = TrainOptions::quiet(out.clone());
     let started = std::time::Instant::now();
     let report = train_spec(spec, Device::Reference, &opts).unwrap_or_else(|e| panic!("{name}: {e}"));
     std::fs::remove_dir_all(&out).expect("remove the run folder");
