@@ -5,42 +5,24 @@ use ir::spec::{AdamWSpec, ConstantSpec, ModelSpec, OptimizerSpec, ResidualSpec, 
 use runtime::checkpoint::{self, Checkpoint, CheckpointError, TrainState};
 use runtime::executor::Device;
 use runtime::init::init_params;
-use runtime::train::{train_spec, TrainError, TrainOptions};
+use runtime::train::{train_spec, TrainError};
 use std::path::{Path, PathBuf};
 
+mod run_fixture;
+
+use run_fixture::opts;
+
 fn tiny_spec(steps: usize) -> ModelSpec {
-    let mut spec =
-        ModelSpec { name: "run-folder".into(), d_model: 16, layers: 1, heads: 2, ..ModelSpec::default() };
-    spec.train.seq_len = 16;
-    spec.train.batch = 2;
-    spec.train.steps = steps;
-    spec.train.eval_every = 100;
-    spec.train.eval_batches = 1;
-    spec.train.schedule = ScheduleSpec::Constant(ConstantSpec { warmup: 1 });
-    spec.train.optimizer = OptimizerSpec::AdamW(AdamWSpec { lr: 1e-2, ..AdamWSpec::default() });
-    spec
+    run_fixture::tiny_spec("run-folder", steps, 100, 1)
 }
 
 fn temp_dir(tag: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("widen-run-folder-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    dir
-}
-
-fn opts(out: &Path, resume: Option<PathBuf>) -> TrainOptions {
-    TrainOptions { resume, ..TrainOptions::quiet(out.to_path_buf()) }
+    run_fixture::temp_dir("run-folder", tag)
 }
 
 /// `(step, loss)` of every metrics line.
 fn metrics(dir: &Path) -> Vec<(u64, f64)> {
-    std::fs::read_to_string(dir.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap())
-        })
-        .collect()
+    run_fixture::metric_losses(&dir.join("metrics.jsonl"))
 }
 
 fn files(dir: &Path) -> Vec<String> {

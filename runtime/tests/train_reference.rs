@@ -7,40 +7,18 @@ use ir::spec::{AdamWSpec, ConstantSpec, ModelSpec, MuonSpec, OptimizerSpec, Sche
 use runtime::checkpoint::Checkpoint;
 use runtime::executor::Device;
 use runtime::train::{train_spec, TrainError, TrainOptions};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
+
+mod run_fixture;
+
+use run_fixture::{metric_losses, opts};
 
 fn tiny_spec(steps: usize) -> ModelSpec {
-    let mut spec =
-        ModelSpec { name: "tiny-test".into(), d_model: 16, layers: 1, heads: 2, ..ModelSpec::default() };
-    spec.train.seq_len = 16;
-    spec.train.batch = 2;
-    spec.train.steps = steps;
-    spec.train.eval_every = 3;
-    spec.train.eval_batches = 1;
-    spec.train.schedule = ScheduleSpec::Constant(ConstantSpec { warmup: 2 });
-    spec.train.optimizer = OptimizerSpec::AdamW(AdamWSpec { lr: 1e-2, ..AdamWSpec::default() });
-    spec
+    run_fixture::tiny_spec("tiny-test", steps, 3, 2)
 }
 
 fn temp_dir(tag: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("widen-train-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    dir
-}
-
-fn opts(out: &Path, resume: Option<PathBuf>) -> TrainOptions {
-    TrainOptions { resume, ..TrainOptions::quiet(out.to_path_buf()) }
-}
-
-fn metric_losses(path: &Path) -> Vec<(u64, f64)> {
-    std::fs::read_to_string(path)
-        .unwrap()
-        .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap())
-        })
-        .collect()
+    run_fixture::temp_dir("train", tag)
 }
 
 #[test]
