@@ -56,6 +56,7 @@ pub trait Train: VirtualWidth {
             progress: runtime::train::Progress::Auto { every },
             catch_signals: true,
             overwrite: false,
+            on_step: None,
         };
         runtime::train::train_spec(&spec, device, &opts)
     }

@@ -6,7 +6,9 @@
 //! - `metrics.jsonl`: one JSON object per step (`step`, `device`, `loss`, `lr`,
 //!   `grad_norm`, `tokens_per_s`, and `val_loss` when evaluated), flushed after
 //!   every step and synced to disk before every checkpoint, so a checkpoint never
-//!   outlives the metrics of the steps it holds.
+//!   outlives the metrics of the steps it holds. `loss` is the training objective
+//!   (with MTP terms); `val_loss` is the main head's next-token loss alone, so
+//!   models of any MTP depth compare on it.
 //! - `ckpt-<step>.safetensors` every `checkpoint_every` steps (only the newest
 //!   `keep_last` of them when that is set), and `final.safetensors` at the end
 //!   (see [`crate::checkpoint`]).
@@ -162,6 +164,45 @@ pub struct TrainOptions {
     /// Let a resume replace results past its checkpoint in `out_dir` (later
     /// checkpoints, a later final checkpoint, their metrics, or another run's files).
     pub overwrite: bool,
+    /// Called after every step, once its metrics line is written: a caller that
+    /// drives many runs (a sweep) shows its own progress from it.
+    pub on_step: Option<StepObserver>,
+}
+
+/// What a step reports to a [`StepObserver`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepEvent {
+    /// The step just taken (from 1).
+    pub step: u64,
+    /// The run's step budget.
+    pub total: u64,
+    /// Its training loss.
+    pub loss: f32,
+    /// The validation loss, when this step evaluated.
+    pub val_loss: Option<f32>,
+}
+
+/// A callback run after every training step ([`TrainOptions::on_step`]).
+#[derive(Clone)]
+pub struct StepObserver(pub std::sync::Arc<dyn Fn(StepEvent) + Send + Sync>);
+
+impl StepObserver {
+    pub fn new(f: impl Fn(StepEvent) + Send + Sync + 'static) -> StepObserver {
+        StepObserver(std::sync::Arc::new(f))
+    }
+}
+
+impl std::fmt::Debug for StepObserver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("StepObserver")
+    }
+}
+
+impl PartialEq for StepObserver {
+    /// Two observers are equal when they are the same callback.
+    fn eq(&self, other: &StepObserver) -> bool {
+        std::sync::Arc::ptr_eq(&self.0, &other.0)
+    }
 }
 
 impl TrainOptions {
@@ -174,6 +215,7 @@ impl TrainOptions {
             progress: Progress::Silent,
             catch_signals: false,
             overwrite: false,
+            on_step: None,
         }
     }
 }
@@ -303,6 +345,10 @@ pub fn train(
             .and_then(|_| metrics.flush())
             .map_err(|source| TrainError::Io { path: metrics_path.clone(), source })?;
         progress.show(step, loss, peak_lr * lr_mult, tokens_per_s, evaluate.then_some(val_loss).flatten());
+        if let Some(observer) = &opts.on_step {
+            let val_loss = evaluate.then_some(val_loss).flatten();
+            (observer.0)(StepEvent { step, total: total as u64, loss, val_loss });
+        }
 
         let every = spec.train.checkpoint_every as u64;
         let interrupted = signals.as_ref().is_some_and(signals::Guard::stop_requested);
@@ -749,9 +795,34 @@ fn validation_loss(
     let mut sum = 0.0f64;
     for _ in 0..n {
         let tokens = sampler.next_batch(corpus.validation());
-        sum += f64::from(exec.loss(params, &tokens)?);
+        sum += if spec.mtp.depth == 0 {
+            f64::from(exec.loss(params, &tokens)?)
+        } else {
+            next_token_loss(&exec.logits(params, &tokens)?, &tokens, batch, window)
+        };
     }
     Ok((sum / n as f64) as f32)
+}
+
+/// Mean next-token cross-entropy (nats) of the main head's `logits`
+/// `[batch, window - 1, vocab]` against `tokens` `[batch, window]`: the validation
+/// loss of a model with MTP modules, whose training loss also holds their
+/// weighted terms (docs/math.md §7.1), so that validation compares models of any
+/// MTP depth on the one quantity they share.
+fn next_token_loss(logits: &[f32], tokens: &[i32], batch: usize, window: usize) -> f64 {
+    let positions = batch * (window - 1);
+    let vocab = logits.len() / positions.max(1);
+    let mut sum = 0.0f64;
+    for b in 0..batch {
+        for t in 0..window - 1 {
+            let row = &logits[(b * (window - 1) + t) * vocab..][..vocab];
+            let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)) as f64;
+            let lse = max + row.iter().map(|&x| (x as f64 - max).exp()).sum::<f64>().ln();
+            let target = tokens[b * window + t + 1] as usize;
+            sum += lse - row[target] as f64;
+        }
+    }
+    sum / positions as f64
 }
 
 /// The progress display on stderr.
@@ -793,5 +864,29 @@ impl Drop for ProgressLine {
         if self.open {
             let _ = writeln!(std::io::stderr());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ir::spec::ModelSpec;
+
+    /// The validation loss of a model with MTP modules is computed from the main
+    /// head's logits; on a model without them it must equal the graph's own loss.
+    #[test]
+    fn next_token_loss_matches_the_graph_loss_without_mtp() {
+        let mut spec = ModelSpec { d_model: 16, layers: 1, heads: 2, ..ModelSpec::default() };
+        spec.train.batch = 2;
+        spec.train.seq_len = 8;
+        let (batch, window) = (2, 9);
+        let lowered = ir::lower::lower(&spec, batch, window - 1).unwrap();
+        let params = init_params(&lowered.graph, 3).unwrap();
+        let mut exec = Device::Reference.executor(lowered).unwrap();
+        let tokens: Vec<i32> = (0..batch * window).map(|i| ((i * 37 + 11) % 256) as i32).collect();
+        let graph = f64::from(exec.loss(&params, &tokens).unwrap());
+        let ours = next_token_loss(&exec.logits(&params, &tokens).unwrap(), &tokens, batch, window);
+        assert!((graph - ours).abs() < 1e-4 * graph, "graph loss {graph}, from logits {ours}");
+        assert!(ours > 1.0, "an untrained byte model's loss is near ln 256, got {ours}");
     }
 }

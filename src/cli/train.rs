@@ -83,6 +83,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         progress: Progress::Auto { every: (spec.train.steps / 20).max(1) },
         catch_signals: true,
         overwrite: args.overwrite,
+        on_step: None,
     };
     let device = Device::from(args.device);
     let report = match train_spec(&spec, device, &opts) {

@@ -308,6 +308,7 @@ fn main_rs(spec: &ModelSpec, plan: &Plan) -> TokenStream {
                 progress: runtime::train::Progress::Auto { every: (spec.train.steps / 20).max(1) },
                 catch_signals: true,
                 overwrite: args.overwrite,
+                on_step: None,
             };
             let report = match runtime::train::train(&spec, exec.as_mut(), params, &corpus, &opts) {
                 Ok(report) => report,
