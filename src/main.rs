@@ -28,6 +28,12 @@ enum Command {
     Build(cli::build::Args),
     /// Compare a compiled device against the reference executor.
     Parity(cli::parity::Args),
+    /// Train a family of models over spec fields and compare them (results, fits, plots).
+    Sweep(cli::sweep::Args),
+    /// Rewrite a sweep folder's results and plots and print its table.
+    Report(cli::report::Args),
+    /// Draw one run's loss curves as SVG.
+    Plot(cli::plot::Args),
 }
 
 fn main() -> ExitCode {
@@ -46,6 +52,9 @@ fn main() -> ExitCode {
         Command::Bench(args) => cli::bench::run(args),
         Command::Build(args) => cli::build::run(args),
         Command::Parity(args) => cli::parity::run(args),
+        Command::Sweep(args) => cli::sweep::run(args),
+        Command::Report(args) => cli::report::run(args),
+        Command::Plot(args) => cli::plot::run(args),
     };
     match result {
         Ok(code) => code,

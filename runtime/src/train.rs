@@ -4,7 +4,7 @@
 //!
 //! Outputs in the run folder:
 //! - `metrics.jsonl`: one JSON object per step (`step`, `device`, `loss`, `lr`,
-//!   `grad_norm`, `tokens_per_s`, and `val_loss` when evaluated), flushed after
+//!   `grad_norm`, `tokens_per_s`, `tokens` trained so far, and `val_loss` when evaluated), flushed after
 //!   every step and synced to disk before every checkpoint, so a checkpoint never
 //!   outlives the metrics of the steps it holds. `loss` is the training objective
 //!   (with MTP terms); `val_loss` is the main head's next-token loss alone, so
@@ -330,6 +330,7 @@ pub fn train(
             "lr": peak_lr * lr_mult,
             "grad_norm": grad_norm,
             "tokens_per_s": tokens_per_s,
+            "tokens": step * (batch * (window - 1)) as u64,
         });
         let evaluate = step.is_multiple_of(spec.train.eval_every.max(1) as u64) || step == total as u64;
         if evaluate {

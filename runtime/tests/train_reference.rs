@@ -42,6 +42,8 @@ fn same_seed_gives_identical_losses_and_another_seed_does_not() {
         lines.iter().filter(|l| l.get("val_loss").is_some()).map(|l| l["step"].as_u64().unwrap()).collect();
     assert_eq!(with_val, vec![3, 4]);
     assert!(lines.iter().all(|l| l["tokens_per_s"].as_f64().unwrap() > 0.0 && l["lr"].as_f64().is_some()));
+    let per_step = (spec.train.batch * spec.train.seq_len) as u64;
+    assert!(lines.iter().all(|l| l["tokens"].as_u64() == Some(l["step"].as_u64().unwrap() * per_step)));
     // A fresh run never overwrites an earlier run's metrics.
     let err = train_spec(&spec, Device::Reference, &opts(&a, None)).unwrap_err();
     assert!(matches!(err, TrainError::RunExists { .. }), "{err}");

@@ -5,7 +5,10 @@ pub mod build;
 pub mod check;
 pub mod compile;
 pub mod parity;
+pub mod plot;
+pub mod report;
 pub mod sample;
+pub mod sweep;
 pub mod train;
 
 /// Refuses a spec whose estimated training memory exceeds this machine's, before

@@ -3,7 +3,7 @@
 //! A sweep asks one question of many models: at equal tokens (or equal training
 //! FLOPs), how does loss move with a spec field such as the virtual width r, the
 //! stream count n or the MTP depth, and is it worth the overhead? This crate holds
-//! everything about a sweep that does not train:
+//! everything about a sweep:
 //!
 //! - [`file`]: the sweep as data: a RON sweep file, or the CLI shorthand
 //!   (`--set residual.n=4,8,16 --seeds 3 --budget flops=2e14`).
@@ -17,8 +17,9 @@
 //!   `results.csv` and `results.json`.
 //! - [`plot`]: the four SVG plots, drawn with `plotters` from plain data structs.
 //!
-//! Training the runs, resuming and recording failures belong to the runner that
-//! calls this crate.
+//! - [`runner`]: training every (point, seed) run into its own folder, resuming an
+//!   interrupted sweep, recording failures, and writing results and plots
+//!   ([`Sweep::run`], [`report`]).
 
 pub mod budget;
 pub mod file;
@@ -27,9 +28,11 @@ pub mod frontier;
 pub mod plot;
 pub mod point;
 pub mod results;
+pub mod runner;
 
 pub use budget::{Budget, BudgetError, BudgetPlan};
 pub use file::{Axis, Combine, OnInvalid, Sweep, SweepError};
 pub use fit::{FitError, LinearFit};
 pub use point::{expand, InvalidPoint, Plan, PlanError, Point, PointError, Run};
 pub use results::{PointResult, RunMetrics, RunOutcome, Stat, Status};
+pub use runner::{report, SweepOptions, SweepReport, SweepRunError};

@@ -35,7 +35,7 @@ use std::fmt;
 use std::path::PathBuf;
 
 use ir::spec::{parse_spec, FieldError, ModelSpec, ResidualSpec, SpecLoadError};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 
@@ -46,7 +46,7 @@ use crate::file::{Combine, OnInvalid, Sweep, SweepError};
 pub const RATIO_AXIS: &str = "residual.r";
 
 /// One point of a sweep: a valid spec and the runs (one per seed) that train it.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Point {
     /// Folder name (see the module doc for the rule).
     pub name: String,
@@ -67,7 +67,7 @@ pub struct Point {
 }
 
 /// One (point, seed) run.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Run {
     pub seed: u64,
     /// `<point>/seed-<seed>`, relative to the sweep folder.

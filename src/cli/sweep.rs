@@ -1,0 +1,199 @@
+//! `widen sweep`: train a family of models that differ in spec fields and compare
+//! them at equal tokens, equal training FLOPs or equal steps.
+//!
+//! ```text
+//! widen sweep SPEC --set residual.r=1,2,4 --seeds 3 --budget tokens=2e6 --baseline --out DIR
+//! widen sweep SWEEP.ron --out DIR
+//! ```
+//!
+//! The first form builds the sweep from the shorthand; the second reads a sweep file
+//! (see `sweep::file`), which says everything the shorthand flags would. The library
+//! does the work (`sweep::runner`): one run folder per (point, seed), results and
+//! plots after every run, failures recorded, a rerun continuing where it stopped.
+//! Ctrl-C saves the running run and exits with status 130; the same command
+//! continues. Exit status 1 when any point failed, after the others finished.
+
+use anyhow::Context;
+use ir::spec::{load_spec, DataSpec};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use sweep::{OnInvalid, Status, Sweep, SweepOptions, SweepReport, SweepRunError};
+
+use super::train::DeviceArg;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// A model spec (with --set) or a sweep file (`Sweep(base: ..., axes: {...}, ...)`).
+    pub spec: PathBuf,
+    /// An axis: a spec field path and its values, `residual.n=4,8,16`. Repeat for
+    /// more axes; every combination is a point.
+    #[arg(long = "set", value_name = "PATH=V1,V2,...")]
+    pub sets: Vec<String>,
+    /// Seeds per point: a count (3 = seeds 0, 1, 2) or a list (1,7).
+    #[arg(long, default_value = "1")]
+    pub seeds: String,
+    /// How long each point trains: tokens=N, flops=F (steps from the cost model's
+    /// training FLOPs per token) or steps=N [default: the spec's train.steps].
+    #[arg(long)]
+    pub budget: Option<String>,
+    /// Also train each point's plain-residual twin and report the overhead over it.
+    #[arg(long)]
+    pub baseline: bool,
+    /// Run the valid points when some are invalid (default: refuse the sweep).
+    #[arg(long)]
+    pub skip_invalid: bool,
+    /// Sweep folder [default: sweeps/<spec name>].
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Train every point on this byte-level text file instead of the spec's data.
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// Train again the runs recorded as failed.
+    #[arg(long)]
+    pub retry_failed: bool,
+    /// Where every run trains.
+    #[arg(long, value_enum, default_value = "cpu")]
+    pub device: DeviceArg,
+}
+
+pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    let mut sweep = load(&args)?;
+    if let Some(data) = &args.data {
+        sweep.base.train.data = DataSpec::Text(data.display().to_string());
+    }
+    let out = args.out.clone().unwrap_or_else(|| PathBuf::from("sweeps").join(&sweep.base.name));
+    let opts = SweepOptions {
+        out_dir: out.clone(),
+        device: args.device.into(),
+        progress: true,
+        catch_signals: true,
+        retry_failed: args.retry_failed,
+    };
+    match sweep.run(&opts) {
+        Ok(report) => {
+            print_report(&report);
+            Ok(if report.failed > 0 { ExitCode::FAILURE } else { ExitCode::SUCCESS })
+        }
+        Err(err @ SweepRunError::Interrupted { .. }) => {
+            eprintln!("{err}");
+            eprintln!("results so far: {}", out.join(sweep::runner::RESULTS_CSV).display());
+            // 130 = 128 + SIGINT, what a shell reports for a run stopped by Ctrl-C.
+            Ok(ExitCode::from(130))
+        }
+        Err(err) => Err(err).with_context(|| format!("sweep {} into {}", args.spec.display(), out.display())),
+    }
+}
+
+/// A sweep file when the file is one (its first item is `Sweep(`), else a spec and
+/// the shorthand flags.
+fn load(args: &Args) -> anyhow::Result<Sweep> {
+    let text = std::fs::read_to_string(&args.spec)
+        .with_context(|| format!("cannot read {}", args.spec.display()))?;
+    if is_sweep_file(&text) {
+        anyhow::ensure!(
+            args.sets.is_empty() && args.budget.is_none() && args.seeds == "1",
+            "{} is a sweep file: it gives the axes, seeds and budget, so --set, --seeds and --budget \
+             do not apply (edit the file instead)",
+            args.spec.display()
+        );
+        let mut sweep = Sweep::load(&args.spec)?;
+        sweep.baseline |= args.baseline;
+        if args.skip_invalid {
+            sweep.on_invalid = OnInvalid::Skip;
+        }
+        return Ok(sweep);
+    }
+    let base = load_spec(&args.spec)?;
+    let budget = args.budget.clone().unwrap_or_else(|| format!("steps={}", base.train.steps));
+    let mut sweep =
+        Sweep::from_cli(base, &args.spec.display().to_string(), &args.sets, &args.seeds, &budget)?;
+    sweep.baseline = args.baseline;
+    sweep.on_invalid = if args.skip_invalid { OnInvalid::Skip } else { OnInvalid::Refuse };
+    Ok(sweep)
+}
+
+/// Whether RON text is a sweep file: its first token after comments is `Sweep`.
+fn is_sweep_file(text: &str) -> bool {
+    let mut rest = text.trim_start_matches('\u{feff}');
+    loop {
+        rest = rest.trim_start();
+        if let Some(after) = rest.strip_prefix("//") {
+            rest = after.split_once('\n').map_or("", |(_, r)| r);
+        } else if let Some(after) = rest.strip_prefix("/*") {
+            rest = after.split_once("*/").map_or("", |(_, r)| r);
+        } else {
+            break;
+        }
+    }
+    rest.strip_prefix("Sweep").is_some_and(|r| r.trim_start().starts_with('('))
+}
+
+/// The results table, the skipped points and the fitted laws, on stdout.
+pub fn print_report(report: &SweepReport) {
+    let width = report.results.iter().map(|r| r.point.len()).max().unwrap_or(5).max(5);
+    println!(
+        "{:<width$}  {:>6}  {:>17}  {:>9}  {:>9}  {:>9}  status",
+        "point", "seeds", "val loss (nats)", "bits/byte", "ms/step", "overhead"
+    );
+    for r in &report.results {
+        let val = match (r.val_loss.mean, r.val_loss.std) {
+            (Some(m), Some(s)) => format!("{m:.4} ± {s:.4}"),
+            (Some(m), None) => format!("{m:.4}"),
+            _ => "-".into(),
+        };
+        let opt = |v: Option<f64>, f: &dyn Fn(f64) -> String| v.map(f).unwrap_or_else(|| "-".into());
+        println!(
+            "{:<width$}  {:>6}  {:>17}  {:>9}  {:>9}  {:>9}  {}",
+            r.point,
+            format!("{}/{}", r.seeds_finished, r.seeds.len()),
+            val,
+            opt(r.val_bits_per_byte, &|b| format!("{b:.4}")),
+            opt(r.ms_per_step.mean, &|m| format!("{m:.2}")),
+            opt(r.overhead_ms_per_step, &|o| format!("{:+.1}%", 100.0 * o)),
+            match &r.status {
+                Status::Ok => "ok".to_string(),
+                Status::Failed(reason) => format!("failed: {reason}"),
+            }
+        );
+    }
+    for (name, reason) in &report.invalid {
+        println!("skipped (invalid) {name}: {reason}");
+    }
+    for law in &report.laws {
+        match &law.fit {
+            Ok(fit) => println!(
+                "law over {}: {}, R² = {:.3}, n = {} ({})",
+                law.axis,
+                fit.equation("L", &format!("log2({})", law.axis)),
+                fit.r2,
+                fit.n,
+                law.file.display()
+            ),
+            Err(e) => println!("law over {}: no fit ({e})", law.axis),
+        }
+    }
+    println!(
+        "{} runs trained, {} reused, {} failed; results in {} ({}, {}, {}/)",
+        report.trained,
+        report.reused,
+        report.failed,
+        report.dir.display(),
+        sweep::runner::RESULTS_CSV,
+        sweep::runner::RESULTS_JSON,
+        sweep::runner::PLOTS_DIR
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_sweep_file;
+
+    #[test]
+    fn sweep_files_are_told_from_specs() {
+        assert!(is_sweep_file("// a sweep\n/* of r */ Sweep(base: \"a.ron\")"));
+        assert!(is_sweep_file("\u{feff}Sweep (base: \"a.ron\")"));
+        assert!(!is_sweep_file("Model(name: \"sweep\")"));
+        assert!(!is_sweep_file("(name: \"Sweep\")"));
+        assert!(!is_sweep_file("Sweeping(x: 1)"));
+    }
+}
