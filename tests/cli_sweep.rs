@@ -1,0 +1,381 @@
+//! `widen sweep`, `widen report` and `widen plot` as a user runs them: a tiny sweep
+//! end to end, equal-FLOP budgets, a failing point, an interrupted and a killed
+//! sweep resumed, a changed sweep refused, and the CUDA device refused without a driver.
+
+mod common;
+
+use common::{stderr, widen};
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A D = 32 GHC model; `residual.r` moves n with m = 2.
+const SPEC: &str = r#"Model(
+    name: "sweep-tiny",
+    vocab: 256, d_model: 32, layers: 1, heads: 2,
+    residual: Ghc(m: 2, n: 4),
+    train: (seq_len: 16, batch: 2, steps: 3, eval_every: 2, eval_batches: 1,
+            optimizer: AdamW(lr: 1e-2), schedule: Constant(warmup: 0)),
+)
+"#;
+
+/// `results.csv` as (header, rows as column -> value).
+fn read_csv(path: &Path) -> (Vec<String>, Vec<BTreeMap<String, String>>) {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let mut lines = text.lines();
+    let header: Vec<String> = lines.next().unwrap().split(',').map(String::from).collect();
+    let rows = lines
+        .map(|l| {
+            let cells = split_csv(l);
+            assert_eq!(cells.len(), header.len(), "row {l:?}");
+            header.iter().cloned().zip(cells).collect()
+        })
+        .collect();
+    (header, rows)
+}
+
+/// One CSV line's cells (quoted cells may hold commas).
+fn split_csv(line: &str) -> Vec<String> {
+    let (mut cells, mut cell, mut quoted) = (Vec::new(), String::new(), false);
+    let mut chars = line.chars().peekable();
+    while let Some(c) = chars.next() {
+        match (c, quoted) {
+            ('"', true) if chars.peek() == Some(&'"') => {
+                cell.push('"');
+                chars.next();
+            }
+            ('"', _) => quoted = !quoted,
+            (',', false) => cells.push(std::mem::take(&mut cell)),
+            _ => cell.push(c),
+        }
+    }
+    cells.push(cell);
+    cells
+}
+
+fn num(row: &BTreeMap<String, String>, col: &str) -> f64 {
+    row[col].parse().unwrap_or_else(|_| panic!("{col} = {:?} is not a number", row[col]))
+}
+
+fn svg(path: &Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// Non-black stroke colours of `polyline`s and how many each has.
+fn series_strokes(doc: &roxmltree::Document) -> BTreeMap<String, usize> {
+    let mut out = BTreeMap::new();
+    for n in doc.descendants().filter(|n| n.has_tag_name("polyline")) {
+        if let Some(c) = n.attribute("stroke").filter(|c| !c.eq_ignore_ascii_case("#000000")) {
+            *out.entry(c.to_string()).or_default() += 1;
+        }
+    }
+    out
+}
+
+fn texts(doc: &roxmltree::Document) -> Vec<String> {
+    doc.descendants()
+        .filter(|n| n.has_tag_name("text"))
+        .filter_map(|n| n.text())
+        .map(|t| t.trim().into())
+        .collect()
+}
+
+#[test]
+fn a_tiny_sweep_writes_every_run_row_and_plot() {
+    let dir = common::workdir("sweep-e2e", Some(SPEC));
+    let args = ["sweep", "spec.ron", "--set", "residual.r=1,2,4", "--seeds", "2", "--device", "reference"];
+    let o = widen(&dir, &[&args[..], &["--out", "sw"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("6 runs trained, 0 reused, 0 failed"), "{out}");
+    let e = stderr(&o);
+    for needle in [
+        "point 1/3 residual.r-1 seed 0 (run 1/6)",
+        "point 3/3 residual.r-4 seed 1 (run 6/6)",
+        "ETA",
+        "elapsed",
+    ] {
+        assert!(e.contains(needle), "progress lacks {needle:?}: {e}");
+    }
+
+    let sw = dir.join("sw");
+    let points = ["residual.r-1", "residual.r-2", "residual.r-4"];
+    for p in points {
+        for s in [0, 1] {
+            for f in ["metrics.jsonl", "final.safetensors", "outcome.json"] {
+                assert!(sw.join(p).join(format!("seed-{s}")).join(f).exists(), "{p}/seed-{s}/{f} missing");
+            }
+        }
+    }
+    let (header, rows) = read_csv(&sw.join("results.csv"));
+    let mut want = vec!["residual.r".to_string()];
+    want.extend(sweep::results::COLUMNS.iter().map(|c| c.to_string()));
+    assert_eq!(header, want);
+    assert_eq!(rows.len(), 3);
+    let tokens_per_step = 2.0 * 16.0;
+    for (row, (p, r)) in rows.iter().zip(points.iter().zip(["1", "2", "4"])) {
+        assert_eq!((row["point"].as_str(), row["residual.r"].as_str()), (*p, r));
+        assert_eq!(
+            (row["status"].as_str(), row["reason"].as_str(), row["seeds"].as_str()),
+            ("ok", "", "0;1")
+        );
+        assert_eq!(num(row, "seeds_finished"), 2.0);
+        assert_eq!(num(row, "tokens_trained"), 3.0 * tokens_per_step);
+        let val = num(row, "val_loss_mean");
+        assert!(val > 3.0 && val < 7.0, "an early byte model's loss is near ln 256: {val}");
+        assert!((num(row, "val_bits_per_byte") - val / std::f64::consts::LN_2).abs() < 1e-9);
+        assert!(num(row, "val_loss_std") >= 0.0 && num(row, "train_loss_std") >= 0.0);
+        assert!(num(row, "params_total") > num(row, "params_non_embedding"));
+        assert!(num(row, "flops_per_token_train") == 3.0 * num(row, "flops_per_token_forward"));
+        assert!(
+            num(row, "ms_per_step_mean") > 0.0 && num(row, "tokens_per_s") > 0.0 && num(row, "wall_s") > 0.0
+        );
+        assert_eq!(
+            (row["overhead_ms_per_step"].as_str(), row["baseline"].as_str()),
+            ("", ""),
+            "no --baseline"
+        );
+    }
+    // Wider streams cost more: parameters, FLOPs and connection bytes grow with r.
+    for col in ["params_total", "flops_per_token_train", "connection_bytes_per_sublayer"] {
+        assert!(num(&rows[0], col) < num(&rows[1], col) && num(&rows[1], col) < num(&rows[2], col), "{col}");
+    }
+
+    // Plots: XML, one series per point.
+    let plots = sw.join("plots");
+    let loss = svg(&plots.join("loss.svg"));
+    let doc = roxmltree::Document::parse(&loss).expect("loss.svg is XML");
+    let strokes = series_strokes(&doc);
+    assert_eq!(strokes.len(), 3, "one colour per point: {strokes:?}");
+    assert!(strokes.values().all(|&n| n == 2), "a training and a validation line per point: {strokes:?}");
+    for (name, marks) in [("law.svg", 3), ("frontier.svg", 3)] {
+        let text = svg(&plots.join(name));
+        let doc = roxmltree::Document::parse(&text).unwrap_or_else(|e| panic!("{name} is not XML: {e}"));
+        let circles = doc.descendants().filter(|n| n.has_tag_name("circle")).count();
+        assert_eq!(circles, marks, "{name}: one marker per point");
+        let t = texts(&doc);
+        assert!(points.iter().all(|p| t.iter().any(|x| x.contains(p))), "{name} legend: {t:?}");
+    }
+    let speed = svg(&plots.join("speed.svg"));
+    let t = texts(&roxmltree::Document::parse(&speed).expect("speed.svg is XML"));
+    for (i, p) in points.iter().enumerate() {
+        // Without --baseline there is no overhead to draw: one legend, in the time panel.
+        assert_eq!(t.iter().filter(|x| **x == format!("#{} {p}", i + 1)).count(), 1, "speed legend: {t:?}");
+    }
+    let out_text = String::from_utf8_lossy(&o.stdout);
+    assert!(out_text.contains("law over residual.r: L = "), "{out_text}");
+
+    // `widen report` rebuilds the same results from the folder.
+    let before = std::fs::read_to_string(sw.join("results.json")).unwrap();
+    std::fs::remove_file(sw.join("results.csv")).unwrap();
+    std::fs::remove_dir_all(&plots).unwrap();
+    let o = widen(&dir, &["report", "sw"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(std::fs::read_to_string(sw.join("results.json")).unwrap(), before);
+    assert!(sw.join("results.csv").exists() && plots.join("law.svg").exists());
+    assert!(String::from_utf8_lossy(&o.stdout).contains("residual.r-4"));
+
+    // `widen plot` draws one run.
+    let o = widen(&dir, &["plot", "sw/residual.r-2/seed-1"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let one = svg(&sw.join("residual.r-2/seed-1/loss.svg"));
+    let doc = roxmltree::Document::parse(&one).expect("XML");
+    assert_eq!(series_strokes(&doc).len(), 1);
+
+    // The same command again trains nothing.
+    let o = widen(&dir, &[&args[..], &["--out", "sw"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("0 runs trained, 6 reused"));
+    // Another budget into the same folder is another sweep: refused, naming the point and field.
+    let o = widen(&dir, &[&args[..], &["--out", "sw", "--budget", "steps=5"]].concat());
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    assert!(e.contains("residual.r-1") && e.contains("train.steps") && e.contains("another --out"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn equal_flop_budgets_train_each_point_to_the_budget_within_a_step() {
+    let dir = common::workdir("sweep-flops", Some(SPEC));
+    std::fs::write(
+        dir.join("sweep.ron"),
+        r#"// a sweep file: zip two axes, with the plain-residual baseline
+        Sweep(base: "spec.ron", axes: {"residual.r": [1, 4], "d_model": [32, 64]}, combine: Zip,
+              seeds: [5], budget: Flops(4e8), baseline: true)"#,
+    )
+    .unwrap();
+    let o = widen(&dir, &["sweep", "sweep.ron", "--device", "reference", "--out", "sw"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let (header, rows) = read_csv(&dir.join("sw/results.csv"));
+    assert_eq!(&header[..3], ["residual.r", "d_model", "point"]);
+    let names: Vec<&str> = rows.iter().map(|r| r["point"].as_str()).collect();
+    assert_eq!(
+        names,
+        ["residual.r-1_d_model-32", "residual.r-4_d_model-64", "baseline_d_model-32", "baseline_d_model-64"]
+    );
+    let mut steps = Vec::new();
+    for row in &rows {
+        let per_token = num(row, "flops_per_token_train");
+        let tokens = num(row, "tokens_trained");
+        let one_step = 32.0 * per_token;
+        assert!(
+            (tokens * per_token - 4e8).abs() <= one_step,
+            "{}: {tokens} tokens x {per_token}",
+            row["point"]
+        );
+        assert_eq!(row["seeds"], "5");
+        steps.push(tokens / 32.0);
+    }
+    // Costlier points get fewer steps; every point has its twin and an overhead.
+    assert!(steps[1] < steps[0], "{steps:?}");
+    assert_eq!(rows[0]["baseline"], "baseline_d_model-32");
+    assert_eq!(rows[1]["baseline"], "baseline_d_model-64");
+    assert!(num(&rows[1], "overhead_train_flops") > 0.0);
+    assert_eq!(num(&rows[2], "overhead_train_flops"), 0.0);
+    let speed = svg(&dir.join("sw/plots/speed.svg"));
+    let t = texts(&roxmltree::Document::parse(&speed).expect("speed.svg is XML"));
+    for (i, p) in names.iter().enumerate() {
+        assert_eq!(t.iter().filter(|x| **x == format!("#{} {p}", i + 1)).count(), 2, "both panels: {t:?}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_failing_point_is_recorded_and_the_others_finish() {
+    let dir = common::workdir("sweep-fail", Some(SPEC));
+    let o = widen(
+        &dir,
+        &[
+            "sweep",
+            "spec.ron",
+            "--set",
+            "train.optimizer.lr=1e-2,1e300",
+            "--device",
+            "reference",
+            "--out",
+            "sw",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(1), "a failed point makes the exit status 1: {}", stderr(&o));
+    assert!(stderr(&o).contains("FAILED"), "{}", stderr(&o));
+    let (_, rows) = read_csv(&dir.join("sw/results.csv"));
+    assert_eq!(rows[0]["status"], "ok");
+    assert!(num(&rows[0], "val_loss_mean").is_finite());
+    assert_eq!(rows[1]["status"], "failed");
+    assert!(rows[1]["reason"].starts_with("seed 0: "), "{}", rows[1]["reason"]);
+    assert!(rows[1]["reason"].contains("step"), "the reason names the step: {}", rows[1]["reason"]);
+    assert_eq!(rows[1]["val_loss_mean"], "");
+    // A rerun keeps the failure (it is a result) unless asked to retry it.
+    let o = widen(
+        &dir,
+        &[
+            "sweep",
+            "spec.ron",
+            "--set",
+            "train.optimizer.lr=1e-2,1e300",
+            "--device",
+            "reference",
+            "--out",
+            "sw",
+        ],
+    );
+    assert!(String::from_utf8_lossy(&o.stdout).contains("0 runs trained, 2 reused, 1 failed"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Waits until `path` exists; false after `limit`.
+fn wait_for(path: &Path, limit: Duration) -> bool {
+    let start = Instant::now();
+    while !path.exists() {
+        if start.elapsed() > limit {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    true
+}
+
+#[test]
+fn an_interrupted_or_killed_sweep_resumes_without_redoing_finished_runs() {
+    let spec = SPEC.replace("steps: 3,", "steps: 3, checkpoint_every: 20,");
+    let dir = common::workdir("sweep-resume", Some(&spec));
+    let args = [
+        "sweep",
+        "spec.ron",
+        "--set",
+        "residual.r=1,2",
+        "--seeds",
+        "2",
+        "--budget",
+        "steps=120",
+        "--device",
+        "reference",
+        "--out",
+        "sw",
+    ];
+    let start = |dir: &Path| {
+        Command::new(env!("CARGO_BIN_EXE_widen"))
+            .current_dir(dir)
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let sw = dir.join("sw");
+    let first = sw.join("residual.r-1/seed-0");
+
+    // Ctrl-C once the second run has a checkpoint: it is saved, exit 130.
+    let child = start(&dir);
+    assert!(wait_for(&sw.join("residual.r-1/seed-1/ckpt-20.safetensors"), Duration::from_secs(60)));
+    let finished = std::fs::read_to_string(first.join("outcome.json")).unwrap();
+    let metrics = std::fs::read_to_string(first.join("metrics.jsonl")).unwrap();
+    Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap();
+    let o = child.wait_with_output().unwrap();
+    assert_eq!(o.status.code(), Some(130), "{}", stderr(&o));
+    assert!(stderr(&o).contains("run the same command again"), "{}", stderr(&o));
+    assert!(!sw.join("residual.r-1/seed-1/outcome.json").exists());
+
+    // Rerun, then SIGKILL while a later run trains: no message, no cleanup.
+    let child = start(&dir);
+    assert!(wait_for(&sw.join("residual.r-2/seed-0/ckpt-20.safetensors"), Duration::from_secs(60)));
+    Command::new("kill").args(["-KILL", &child.id().to_string()]).status().unwrap();
+    let _ = child.wait_with_output().unwrap();
+
+    // The last rerun finishes the rest; the first run was never trained again.
+    let o = widen(&dir, &args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    let trained: usize =
+        out.split(" runs trained").next().unwrap().rsplit('\n').next().unwrap().trim().parse().unwrap();
+    assert!(trained <= 2, "at most the killed run and the one after it train again: {out}");
+    assert_eq!(std::fs::read_to_string(first.join("outcome.json")).unwrap(), finished);
+    assert_eq!(std::fs::read_to_string(first.join("metrics.jsonl")).unwrap(), metrics);
+    // The interrupted run continued from its checkpoint: one metrics line per step.
+    for run in ["residual.r-1/seed-1", "residual.r-2/seed-0", "residual.r-2/seed-1"] {
+        let lines = std::fs::read_to_string(sw.join(run).join("metrics.jsonl")).unwrap();
+        let steps: Vec<u64> = lines
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["step"].as_u64().unwrap())
+            .collect();
+        assert_eq!(steps, (1..=120).collect::<Vec<u64>>(), "{run}");
+    }
+    let (_, rows) = read_csv(&sw.join("results.csv"));
+    assert!(rows.iter().all(|r| r["status"] == "ok" && r["seeds_finished"] == "2"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn cuda_sweeps_are_refused_cleanly_without_a_driver() {
+    if widen::runtime::device::cuda::driver_available() {
+        eprintln!("skipped: this machine has a CUDA driver");
+        return;
+    }
+    let dir = common::workdir("sweep-cuda", Some(SPEC));
+    let o = widen(&dir, &["sweep", "spec.ron", "--set", "residual.r=1,2", "--device", "cuda", "--out", "sw"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("no CUDA driver"), "{}", stderr(&o));
+    assert!(!dir.join("sw/residual.r-1").exists(), "nothing ran");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
