@@ -28,6 +28,12 @@
 pub use codegen;
 pub use ir;
 pub use runtime;
+pub use sweep;
+
+/// A configuration sweep: build one from a file ([`Sweep::load`]), from the CLI
+/// shorthand ([`Sweep::from_cli`]) or from a derived model ([`SweepModel::sweep`]),
+/// then [`Sweep::run`] it.
+pub use sweep::{Sweep, SweepOptions, SweepReport};
 
 /// The trait: `T::spec()` and `T::graph()`.
 pub use ir::spec::VirtualWidth;
@@ -63,3 +69,39 @@ pub trait Train: VirtualWidth {
 }
 
 impl<T: VirtualWidth> Train for T {}
+
+/// Sweeps from Rust, for every [`VirtualWidth`] type: the model is the base spec,
+/// and the arguments are those of `widen sweep`'s shorthand (`--set`, `--seeds`,
+/// `--budget`). The sweep runs with [`Sweep::run`] into a folder of runs, results and
+/// plots, exactly as `widen sweep` writes it.
+///
+/// ```
+/// use widen::{Device, SweepModel, SweepOptions, VirtualWidth};
+///
+/// #[derive(VirtualWidth)]
+/// #[widen(vocab = 256, d_model = 32, layers = 1, heads = 2, residual = ghc(m = 2, r = 2))]
+/// #[widen(train(seq_len = 16, batch = 2, eval_every = 2, eval_batches = 1, schedule = constant(warmup = 0)))]
+/// struct Tiny;
+///
+/// let dir = std::env::temp_dir().join(format!("widen-doc-sweep-{}", std::process::id()));
+/// let mut sweep = Tiny::sweep(&["residual.r=1,2"], "2", "steps=2").unwrap();
+/// sweep.baseline = true;
+/// let report = sweep.run(&SweepOptions { device: Device::Reference, ..SweepOptions::new(&dir) }).unwrap();
+/// // Two points and their plain-residual twin, two seeds each.
+/// assert_eq!(report.results.len(), 3);
+/// assert!(report.results.iter().all(|r| r.seeds_finished == 2 && r.val_loss.mean.is_some()));
+/// assert!(dir.join("results.csv").exists() && dir.join("plots/loss.svg").exists());
+/// # std::fs::remove_dir_all(&dir).unwrap();
+/// ```
+pub trait SweepModel: VirtualWidth {
+    /// A sweep over this model: `sets` are axes (`"residual.n=4,8,16"`), `seeds` a
+    /// count or a list (`"3"`, `"1,7"`), `budget` `tokens=N`, `flops=F` or `steps=N`.
+    /// Errors name the argument that is wrong.
+    fn sweep(sets: &[&str], seeds: &str, budget: &str) -> Result<Sweep, sweep::SweepError> {
+        let spec = Self::spec();
+        let source = format!("#[derive(VirtualWidth)] {}", std::any::type_name::<Self>());
+        Sweep::from_cli(spec, &source, sets, seeds, budget)
+    }
+}
+
+impl<T: VirtualWidth> SweepModel for T {}
