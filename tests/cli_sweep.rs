@@ -205,6 +205,12 @@ fn equal_flop_budgets_train_each_point_to_the_budget_within_a_step() {
               seeds: [5], budget: Flops(4e8), baseline: true)"#,
     )
     .unwrap();
+    // --dry-run shows the plan and trains nothing.
+    let o = widen(&dir, &["sweep", "sweep.ron", "--dry-run", "--out", "sw"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let plan = String::from_utf8_lossy(&o.stdout);
+    assert!(plan.contains("4 points, 4 runs") && plan.contains("baseline_d_model-64"), "{plan}");
+    assert!(!dir.join("sw").exists());
     let o = widen(&dir, &["sweep", "sweep.ron", "--device", "reference", "--out", "sw"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let (header, rows) = read_csv(&dir.join("sw/results.csv"));
@@ -281,6 +287,27 @@ fn a_failing_point_is_recorded_and_the_others_finish() {
         ],
     );
     assert!(String::from_utf8_lossy(&o.stdout).contains("0 runs trained, 2 reused, 1 failed"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn invalid_points_are_refused_or_skipped_naming_the_field() {
+    let dir = common::workdir("sweep-invalid", Some(SPEC));
+    let set = ["sweep", "spec.ron", "--set", "d_model=32,33", "--device", "reference", "--out", "sw"];
+    let o = widen(&dir, &set);
+    assert_eq!(o.status.code(), Some(1));
+    let e = stderr(&o);
+    assert!(e.contains("d_model-33") && e.contains("d_model") && e.contains("Skip"), "{e}");
+    assert!(!dir.join("sw").exists(), "a refused sweep trains nothing");
+    let o = widen(&dir, &[&set[..], &["--skip-invalid"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("skipped (invalid) d_model-33: invalid spec: d_model = 33"), "{out}");
+    assert!(out.contains("1 runs trained"), "{out}");
+    // A path the spec does not have names the fields that exist there.
+    let o = widen(&dir, &["sweep", "spec.ron", "--set", "residual.q=1,2", "--out", "sw2"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("`residual.q`") && stderr(&o).contains("its fields are"), "{}", stderr(&o));
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -841,7 +841,10 @@ impl ProgressLine {
 
     fn show(&mut self, step: u64, loss: f32, lr: f64, tokens_per_s: f64, val: Option<f32>) {
         let Progress::Auto { every } = self.mode else { return };
-        let val = val.map(|v| format!("  val {v:.4}")).unwrap_or_default();
+        // Every widen corpus is bytes, one token each: nats per token are nats per byte.
+        let val = val
+            .map(|v| format!("  val {v:.4} ({:.3} bits/byte)", f64::from(v) / std::f64::consts::LN_2))
+            .unwrap_or_default();
         let line =
             format!("step {step}/{}  loss {loss:.4}  lr {lr:.3e}  {tokens_per_s:.0} tok/s{val}", self.total);
         let mut err = std::io::stderr().lock();

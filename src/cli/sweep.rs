@@ -54,12 +54,20 @@ pub struct Args {
     /// Where every run trains.
     #[arg(long, value_enum, default_value = "cpu")]
     pub device: DeviceArg,
+    /// Validate every point and print the plan (steps, tokens and training FLOPs per
+    /// point, the invalid points and why) without training.
+    #[arg(long)]
+    pub dry_run: bool,
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let mut sweep = load(&args)?;
     if let Some(data) = &args.data {
         sweep.base.train.data = DataSpec::Text(data.display().to_string());
+    }
+    if args.dry_run {
+        print_plan(&sweep::expand(&sweep)?);
+        return Ok(ExitCode::SUCCESS);
     }
     let out = args.out.clone().unwrap_or_else(|| PathBuf::from("sweeps").join(&sweep.base.name));
     let opts = SweepOptions {
@@ -128,6 +136,35 @@ fn is_sweep_file(text: &str) -> bool {
     rest.strip_prefix("Sweep").is_some_and(|r| r.trim_start().starts_with('('))
 }
 
+/// What a sweep would train, on stdout.
+fn print_plan(plan: &sweep::Plan) {
+    let width = plan.points.iter().map(|p| p.name.len()).max().unwrap_or(5).max(5);
+    println!(
+        "{:<width$}  {:>6}  {:>8}  {:>12}  {:>12}  {:>10}",
+        "point", "seeds", "steps", "tokens", "train FLOPs", "baseline"
+    );
+    for p in &plan.points {
+        println!(
+            "{:<width$}  {:>6}  {:>8}  {:>12}  {:>12.3e}  {:>10}",
+            p.name,
+            p.runs.len(),
+            p.budget.steps,
+            p.budget.tokens,
+            p.budget.flops,
+            p.baseline.as_deref().unwrap_or("-")
+        );
+    }
+    for bad in &plan.invalid {
+        println!("skipped (invalid) {bad}");
+    }
+    let runs: usize = plan.points.iter().map(|p| p.runs.len()).sum();
+    let flops: f64 = plan.points.iter().map(|p| p.budget.flops * p.runs.len() as f64).sum();
+    println!(
+        "{} points, {runs} runs, {flops:.3e} training FLOPs in all; nothing trained (--dry-run)",
+        plan.points.len()
+    );
+}
+
 /// The results table, the skipped points and the fitted laws, on stdout.
 pub fn print_report(report: &SweepReport) {
     let width = report.results.iter().map(|r| r.point.len()).max().unwrap_or(5).max(5);
@@ -156,6 +193,10 @@ pub fn print_report(report: &SweepReport) {
             }
         );
     }
+    println!(
+        "losses are validation next-token losses in nats per byte (the vocabulary is the 256 byte \
+         values); bits/byte = nats / ln 2; ± is the standard deviation over seeds"
+    );
     for (name, reason) in &report.invalid {
         println!("skipped (invalid) {name}: {reason}");
     }
