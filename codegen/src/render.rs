@@ -1,4 +1,4 @@
-//! One C-family printer with two dialects (DESIGN.md §6).
+//! One C-family printer with two dialects (docs/architecture.md §6).
 //!
 //! All kernels of a Plan become one translation unit. The output is stable
 //! (no hashes, no addresses, fixed four-space indentation, one statement per
@@ -100,7 +100,7 @@ const CUDA_PRELUDE: &str = "#define WIDEN_INF_F32 __int_as_float(0x7f800000)
 ";
 
 /// bf16 <-> f32 with round-to-nearest-even; NaNs stay (quiet) NaNs. `widen_round_bf16`
-/// below is the in-register cast to bf16 of mixed precision (MATH.md §6.12).
+/// below is the in-register cast to bf16 of mixed precision (docs/math.md §6.12).
 const C_BF16: &str = "
 static inline float widen_bf16_to_f32(uint16_t h) {
     union { uint32_t u; float f; } v;
@@ -174,7 +174,7 @@ static inline float widen_expf(float x) {
 ";
 
 /// f32 `tanh` for the C dialect, vectorizable like [`C_EXPF`] (tanh gates
-/// the dynamic HC and GHC coefficients, MATH.md §2.3, §5.5): the Cephes odd
+/// the dynamic HC and GHC coefficients, docs/math.md §2.3, §5.5): the Cephes odd
 /// polynomial below |x| = 0.625 (in fused multiply-adds where the target has
 /// them, as `exp`'s), `1 - 2 / (exp(2|x|) + 1)` above it (which
 /// reaches exactly 1 once the exponential overflows), the sign restored with
@@ -585,7 +585,7 @@ impl Printer {
         }
     }
 
-    /// Loop fission of a block-per-item body for C (DESIGN.md §6).
+    /// Loop fission of a block-per-item body for C (docs/architecture.md §6).
     fn c_fission(&mut self, body: &[Stmt], threads: u32) {
         let mut segments: Vec<(&[Stmt], Option<&Stmt>)> = Vec::new();
         let mut begin = 0;

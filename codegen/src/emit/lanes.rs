@@ -2,7 +2,7 @@
 //! innermost (C target).
 //!
 //! mHC's and xHC's stream-mixing matrices are small (n×n, n = 4) and their
-//! Sinkhorn-Knopp projection (MATH.md §4.2) is `2·t_max` dependent half-steps:
+//! Sinkhorn-Knopp projection (docs/math.md §4.2) is `2·t_max` dependent half-steps:
 //! a column or row sum, its reciprocal, a scaling, each waiting on the last.
 //! As one item per token ([`super::item`]) that chain runs at the latency of
 //! scalar adds and divisions: about 2 µs per token forward and backward at

@@ -1,5 +1,5 @@
 //! The host's arithmetic and memory ceilings, measured: the two rates a
-//! roofline floor of a Plan divides by (DESIGN.md §10 judges fused kernels
+//! roofline floor of a Plan divides by (docs/architecture.md §10 judges fused kernels
 //! against the memory bandwidth; on the Cpu device a step mixes
 //! compute-bound GEMMs and memory-bound kernels, so both rates are needed).
 //!

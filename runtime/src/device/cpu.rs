@@ -1,4 +1,4 @@
-//! The Cpu device: executes a [`Plan`] in host memory (DESIGN.md §6, §7).
+//! The Cpu device: executes a [`Plan`] in host memory (docs/architecture.md §6, §7).
 //!
 //! Loading a Plan
 //! - allocates one vector per persistent buffer (parameters, gradients,
@@ -29,7 +29,7 @@
 //!    intersecting arena ranges are rejected);
 //! 3. items are independent: the item ranges handed to different threads write
 //!    disjoint elements. This is the contract of the kernel IR's grids (an
-//!    item owns its outputs; reductions over items are two-phase, DESIGN.md §5)
+//!    item owns its outputs; reductions over items are two-phase, docs/architecture.md §5)
 //!    that the code generator upholds; it cannot be checked here.
 
 use super::plan_check::{self, PlanError};
@@ -79,7 +79,7 @@ impl Default for CpuOptions {
 }
 
 /// Host storage of one element type. `Bf16` is kept as raw bits (the
-/// kernels convert on load and store, MATH.md §6.12).
+/// kernels convert on load and store, docs/math.md §6.12).
 #[derive(Debug, Clone, PartialEq)]
 enum HostVec {
     F32(Vec<f32>),
@@ -792,7 +792,7 @@ fn literal(e: &Expr) -> Option<i64> {
     }
 }
 
-/// An f32 copy of a bf16 GEMM input (MATH.md §6.12: bf16 operands, f32
+/// An f32 copy of a bf16 GEMM input (docs/math.md §6.12: bf16 operands, f32
 /// accumulation), covering `batch` entries of `size` elements `stride` apart;
 /// `None` for an f32 input, which the GEMM reads in place. Widening is exact,
 /// so the product equals an f32 GEMM of the rounded values.

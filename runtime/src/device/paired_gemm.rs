@@ -2,7 +2,7 @@
 //! (`c (=|+=) a @ b`), two rows of `c` to three vectors, with AVX-512.
 //!
 //! Why its own kernel: the connections' coefficient projections have 24
-//! outputs per row (mHC's `φ`, VWN's `α | β`, MATH.md §4.3, §5.3) or 20
+//! outputs per row (mHC's `φ`, VWN's `α | β`, docs/math.md §4.3, §5.3) or 20
 //! (xHC's maps). [`super::sgemm`]'s tile has two 16-column vectors per row, so
 //! a quarter (24 columns) to three eighths (20) of its FMAs compute padding.
 //! Here rows `i` and `i + 1` of `c`, `2n` floats, share three vectors: the

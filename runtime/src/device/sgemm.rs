@@ -4,7 +4,7 @@
 //! Why its own kernel: the `gemm` crate reaches AVX-512 only on a nightly
 //! compiler, so on stable it runs 256-bit FMAs, which use half of an
 //! AVX-512 core's arithmetic (a Zen 5 core retires two 512-bit FMAs per
-//! cycle). The backbone's projections are most of a training step (DESIGN.md
+//! cycle). The backbone's projections are most of a training step (docs/architecture.md
 //! §6), so they decide its speed. On AVX2 hosts the crate's kernels are
 //! 256-bit too; there this kernel's 6 x 16 tile takes the products whose `a`
 //! is row-major and read in place (the projections forward and the input
@@ -409,7 +409,7 @@ const ROW_STREAMS_MAX_PACKED_B: usize = 1 << 17;
 /// ([`sgemm_row_streams`], and the same order in [`super::paired_gemm`])
 /// instead of every tile through one block at a time: for a row-major `a`
 /// read in place whose rows span several blocks of `block` steps (a router
-/// or coefficient projection over a whole expanded state, MATH.md §4.3,
+/// or coefficient projection over a whole expanded state, docs/math.md §4.3,
 /// §6.2: `2048 x 32 x 4096` for xHC), with all of `b`, `packed_step` floats a
 /// step, within [`ROW_STREAMS_MAX_PACKED_B`].
 ///
@@ -453,7 +453,7 @@ const COLUMN_AHEAD: usize = 56;
 /// Why: `a`'s step `p` is row `p` of the activations, so in block order a
 /// block of 112 rows of `c` over 256 steps reads 448 bytes of each of 256
 /// activation rows a whole row apart, 256 short runs no prefetcher follows
-/// (the connections' coefficient and router weight gradients, MATH.md §4.3,
+/// (the connections' coefficient and router weight gradients, docs/math.md §4.3,
 /// §6.2, ran at a third of their roofline). In column order the tiles walk
 /// along a block's few rows, each row one sequential stream, and each tile
 /// prefetches the lines of the tile after next. Every element still adds
@@ -934,7 +934,7 @@ impl Tile for Avx512 {
     /// 14 rows are 56 of a line's 64 bytes.
     const READS_COLUMNS_IN_PLACE: bool = true;
     /// The connections' coefficient input gradients (`dy @ W^T` over 20 to
-    /// 32 coefficients, MATH.md §4.3, §6.2) and nothing of the backbone's
+    /// 32 coefficients, docs/math.md §4.3, §6.2) and nothing of the backbone's
     /// (attention's 64-step products stay sliver by sliver, as tuned). In
     /// training steps (`WIDEN_PROFILE=all`, three alternating runs each, D =
     /// 256, 4 layers, batch 8 x 256): mHC's `2048 x 1024 x 24` 11.9 / 9.8 /
@@ -1120,7 +1120,7 @@ struct Avx2Rows<const ROWS: usize, const VECTORS: usize>;
 type Avx2 = Avx2Rows<{ AVX2_TILE.0 }, { AVX2_TILE.1 / 8 }>;
 
 /// The AVX2 tile for products of 17 to 24 columns (the connections'
-/// coefficient projections, MATH.md §4.3, §5.5, §6.2): 3 rows of three
+/// coefficient projections, docs/math.md §4.3, §5.5, §6.2): 3 rows of three
 /// vectors, so that 24 columns compute no padding where [`Avx2`]'s two
 /// vectors a row pad them to 32 (a quarter of its FMAs; three eighths at
 /// xHC's 20). Measured on one thread against the 6 x 16 tile, medians of 40
