@@ -246,12 +246,8 @@ const PREFETCH_MIN_PHASES: usize = 4;
 /// for the next item's rows to be prefetched: below it an item's arithmetic
 /// is too short to hide their loads behind, and the prefetches only add to a
 /// stream the hardware already runs (xHC's write-back, 0.37 FLOP/byte, got
-/// 10 % slower with them; every kernel from 0.6 FLOP/byte up got faster).
-/// Between the two, xHC's routing and dense read (0.43: TopK and a weighted
-/// sum over all 16 streams) ran 34.1-40.8 ms a step with them against
-/// 38.7-46.6 without (six alternating profiles), its first write-back
-/// (0.41) 6.4-7.8 against 7.2-8.5 ms; its two per-token norms and VWN's
-/// embedding norm (0.48) ran the same, within 0.3 ms a step.
+/// slower with them; every kernel from 0.6 FLOP/byte up got faster, and
+/// between the two, at 0.41 to 0.48, they helped or changed nothing).
 const PREFETCH_MIN_INTENSITY: f64 = 0.4;
 
 /// A byte range of the next item's row of one parameter.
@@ -279,9 +275,8 @@ struct RowPrefetch {
 /// out-of-order execution does not reach past an item's arithmetic. Measured
 /// on VWN's largest gradient kernel (2 threads, operands in memory), the
 /// time was the sum of the two; fetched a share per phase, the next item's
-/// rows arrive while this item computes (a third faster in a harness; the
-/// prefetching kernels of VWN, mHC and xHC 15 % to 30 % faster in training
-/// steps). Fetching them all at the item's start changed nothing: the burst
+/// rows arrive while this item computes, in a harness and in training
+/// steps. Fetching them all at the item's start changed nothing: the burst
 /// waits on the cache's miss buffers as the demand loads did.
 fn next_item_prefetches(k: &Kernel) -> Vec<Vec<RowPrefetch>> {
     let Grid::ThreadPerItem { n, .. } = k.grid else { return Vec::new() };

@@ -327,8 +327,8 @@ const FOLD_ROWS_PARTIALS: usize = 2048;
 /// Longest rows [`fold_rows`] takes, in lane steps. Its lanes live in memory,
 /// a load and a store per step; one row at a time they stay in a register,
 /// which wins once the steps outweigh the pairwise combination: mHC's 4 x 4
-/// Gram products over C = 256 (16 steps) took 0.55 µs a token in rows at
-/// once against 0.34 µs one row at a time.
+/// Gram products over C = 256 (16 steps) ran slower folded together than
+/// one row at a time.
 const FOLD_ROWS_STEPS: usize = 4;
 
 /// [`fold`] of `rows` rows of `n` elements at once (C target): `f(row(r), j)`
@@ -764,8 +764,8 @@ fn restricted(
 /// four AVX-512 vectors, or a whole row when rows are shorter. Finer splits
 /// (one item per element) leave the item loop with per-element index
 /// arithmetic (divisions by the row widths) that the C compiler does not
-/// vectorize: mHC's stream write (`H_res·x + H_post·y`, docs/math.md §4.1) ran at
-/// 18 GB/s as one item per element. Two threads need only a few items each;
+/// vectorize: mHC's stream write (`H_res·x + H_post·y`, docs/math.md §4.1) ran
+/// far below the memory's rate as one item per element. Two threads need only a few items each;
 /// the GPU wants every thread it can get.
 const CPU_MIN_ITEM_ELEMENTS: usize = 64;
 
@@ -1085,9 +1085,7 @@ const COLUMN_BLOCK: usize = 16;
 /// item walks the rows once per block, reading its block of each row: one
 /// line a row at a 1 KiB stride over VWN's 256-wide gain gradients, against
 /// four adjacent lines, 256 contiguous bytes a row, and a quarter of the
-/// passes. VWN's token sums went
-/// 3.9-4.4 → 2.3-2.6 ms a step in the profile (three alternating runs; 128
-/// columns measured the same as 64). Each column is still summed over the
+/// passes; 128 columns gained nothing over 64. Each column is still summed over the
 /// rows in order from zero, bit for bit.
 const C_COLUMN_BLOCK: usize = 64;
 

@@ -285,8 +285,8 @@ const LOSS_BLOCKS: usize = 16;
 /// lanes take rows `first + lane`, `first + lane + 256`, ..., each adding
 /// logsumexp − logit[target], and a block reduction sums the lanes into the
 /// block's partial; then one item adds the partials in order and divides by
-/// the row count. As a single block the loss ran on one CPU thread (0.47 ms
-/// of a step at the benchmark size) and one GPU multiprocessor.
+/// the row count. As a single block the loss ran on one CPU thread and one
+/// GPU multiprocessor.
 ///
 /// Index safety: the targets (token ids) pick the logit each row subtracts
 /// unchecked; `runtime::executor::check_tokens` holds them to `0..vocab`, the
@@ -340,9 +340,7 @@ fn cross_entropy(graph: &Graph, id: NodeId, name: &str) -> Result<Lowering, Emit
 /// row: eight AVX2 vectors (four AVX-512 ones) of f32, eight independent
 /// chains of additions. A strip of one vector per register set kept two
 /// chains on AVX2, and each tap waited on the last tap's addition; with eight
-/// the taps' loads set the pace (xHC's convolution kernels, four alternating
-/// profiles of training steps: 42.2-43.6 → 38.5-40.7 ms a step, the input
-/// gradient's 9.8-10.2 → 7.3-8.0).
+/// the taps' loads set the pace.
 const CHANNEL_STRIP_WIDE: usize = 64;
 
 /// Channels per strip where [`CHANNEL_STRIP_WIDE`] does not divide the row:
@@ -379,8 +377,7 @@ fn channel_strip(target: Target, c: usize) -> usize {
 /// at the rate of the local row's loads and stores. Here each strip of
 /// `strip` channels keeps its sums in that many variables, which the
 /// C compiler packs into one vector, through all the terms, and stores them
-/// once (xHC's three forward convolutions, κ = 4, 8, 12 over C = 256, one
-/// thread, operands in cache: 0.34-0.38 → 0.27-0.28 µs a token). Each channel
+/// once. Each channel
 /// adds the same terms in the same order from the same start, so the sums are
 /// bit for bit the row form's. A row that is not a whole number of strips
 /// keeps the row form, in a local array of `c` elements of `ty`.

@@ -47,10 +47,10 @@ const MAX_TOP_LEVEL: usize = 1024;
 
 /// How much work every lane may repeat, per unit of work split across the
 /// lanes: the repeated part costs `LANES` times its thread-per-item share,
-/// and pays when the split part's loads, consecutive now, dominate. Measured
-/// on an H200 at 16, kernels repeating 1.1-3.5 times their split work (xHC's
-/// temporal augmentation and its kernel gradient, as they were then) ran 2.4x
-/// slower than one thread per token; at 1 none did.
+/// and pays when the split part's loads, consecutive now, dominate. On an
+/// H200 a limit of 16 let kernels that repeat a few times their split work
+/// (xHC's temporal augmentation and its kernel gradient, as they were then)
+/// run slower than one thread per token; at 1 none did.
 const REPEATED_WORK_PER_SPLIT_WORK: u64 = 1;
 
 /// Most work (operations, loads and stores) every lane may repeat per item.
@@ -436,8 +436,8 @@ fn lane_owned_arrays(body: &[Stmt], lanes: i64) -> Owned {
 /// shorter. The lanes of a warp then access the same slot of their local
 /// memory at once, which the GPU interleaves across lanes into consecutive
 /// words; with whole rows, lane `l` accessed element `l + LANES·k` of its
-/// own row, 32 scattered lines per access (xHC's temporal augmentation ran at
-/// 22 GB/s so, against 42 one thread per token).
+/// own row, 32 scattered lines per access (xHC's temporal augmentation then
+/// ran slower than with one thread per token).
 fn compacted(body: Vec<Stmt>, owned: &HashSet<String>) -> Vec<Stmt> {
     if owned.is_empty() {
         return body;

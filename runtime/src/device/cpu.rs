@@ -102,8 +102,8 @@ impl HostVec {
     /// all of the vector now. A zeroed vector is allocated as untouched pages
     /// that are mapped on their first write; without this, the first run of
     /// a Plan pays a page fault for each page of its arena, its gradients and
-    /// its optimizer state (a weight gradient's GEMM took 3.0 ms instead of
-    /// 1.8 on its first run), and a profile that includes that run charges
+    /// its optimizer state (a weight gradient's GEMM ran markedly slower on
+    /// its first run), and a profile that includes that run charges
     /// the faults to whichever step writes a page first.
     fn map_pages(&mut self) {
         const PAGE: usize = 4096;
