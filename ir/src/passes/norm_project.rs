@@ -25,8 +25,8 @@
 //! concatenated. In xHC the statistics and the scaling join the routing
 //! kernel after the GEMM, which gathers the active streams from the same
 //! state; kept whole, the projection's own kernel read the 16-stream state
-//! once more for them (33.5 MB a sublayer at the README's bench config: the
-//! Plan moves 5.846 → 5.599 GB a step).
+//! once more for them (33.5 MB a sublayer at the bench config of
+//! docs/performance.md: the Plan moves 5.846 → 5.599 GB a step).
 //!
 //! The pass runs after autodiff: the backward pass keeps the op's own gradient
 //! rule, and its readers of the op's value read the rewritten value instead.
