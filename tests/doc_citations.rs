@@ -35,7 +35,7 @@ fn sources(dir: &Path, out: &mut Vec<PathBuf>) {
             }
         } else if kind.is_file() {
             let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
-            if EXTENSIONS.contains(&ext) || (dir.ends_with(".ci") && name == "run") {
+            if EXTENSIONS.contains(&ext) || (dir.file_name().is_some_and(|d| d == ".ci") && name == "run") {
                 out.push(path);
             }
         }
