@@ -1,6 +1,6 @@
-//! A model defined in Rust with `#[derive(VirtualWidth)]` (DESIGN.md §1): a small
-//! Virtual Width Network (MATH.md §5, m = 4 segments, n = 16 slots, so r = 4)
-//! with one MTP module (MATH.md §7). The attributes are checked at compile time
+//! A model defined in Rust with `#[derive(VirtualWidth)]` (docs/architecture.md §1): a small
+//! Virtual Width Network (docs/math.md §5, m = 4 segments, n = 16 slots, so r = 4)
+//! with one MTP module (docs/math.md §7). The attributes are checked at compile time
 //! by the same validation as a RON spec; this program prints the spec as RON,
 //! lowers it and trains it for a few steps on the Cpu device (`Tiny::train`).
 //!

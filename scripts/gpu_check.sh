@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check (DESIGN.md §9 item 6, §10): one prepared run on a CUDA machine
+# GPU check (docs/architecture.md §9 item 6, §10): one prepared run on a CUDA machine
 # with no Rust toolchain and no network. Results go to $OUT as JSON + logs.
 #
 # Usage

@@ -1,10 +1,10 @@
 //! widen: a compiler for transformer language models with expanded residual streams.
 //!
-//! This crate is the CLI and a facade over the pipeline crates (DESIGN.md §2):
+//! This crate is the CLI and a facade over the pipeline crates (docs/architecture.md §2):
 //! [`ir`] (spec, graph, autodiff, cost model, reference executor), [`codegen`]
 //! (kernels and renderers) and [`runtime`] (devices, optimizers, training).
 //!
-//! A model can be a RON file or a Rust type (DESIGN.md §1). The derive checks
+//! A model can be a RON file or a Rust type (docs/architecture.md §1). The derive checks
 //! the spec with the same `ModelSpec::validate` as the RON path, at compile time,
 //! and reports each problem at the attribute key that caused it:
 //!
@@ -45,7 +45,7 @@ pub use runtime::executor::Device;
 /// Training from Rust in one line, for every [`VirtualWidth`] type:
 /// `Tiny::train(Device::Cpu, "runs/tiny")?` compiles the model for the device, trains
 /// it with the spec's `train` section and saves metrics and checkpoints in the folder
-/// (the same pipeline and files as `widen train`, DESIGN.md §1).
+/// (the same pipeline and files as `widen train`, docs/architecture.md §1).
 pub trait Train: VirtualWidth {
     /// Trains with progress lines on stderr; returns the losses and the checkpoint path.
     /// Ctrl-C (or SIGTERM) during the run saves a checkpoint and returns

@@ -1,5 +1,5 @@
 //! `#[derive(VirtualWidth)]`: compile-pass and compile-fail cases (tests/derive/),
-//! and the derive-versus-RON equivalence of DESIGN.md §2: a derive and a RON file
+//! and the derive-versus-RON equivalence of docs/architecture.md §2: a derive and a RON file
 //! saying the same things give equal specs and identical graphs.
 
 use std::path::Path;

@@ -1,4 +1,4 @@
-"""Whole-training-step benchmark of the PyTorch counterparts (DESIGN.md §10).
+"""Whole-training-step benchmark of the PyTorch counterparts (docs/architecture.md §10).
 
 For each residual scheme and the plain-residual baseline of the same backbone, times
 full training steps (forward, backward, global-norm clip, AdamW step) on random byte

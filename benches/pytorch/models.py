@@ -1,23 +1,23 @@
-"""PyTorch (eager) counterparts of the models widen lowers, for the DESIGN.md §10
+"""PyTorch (eager) counterparts of the models widen lowers, for the docs/architecture.md §10
 side-by-side benchmark.
 
-Every model shares one backbone (MATH.md §1): byte vocabulary, pre-norm blocks of
+Every model shares one backbone (docs/math.md §1): byte vocabulary, pre-norm blocks of
 causal multi-head attention with half-split RoPE and a SwiGLU feed-forward, final
 RMSNorm and an untied unembedding. Only the residual stream differs:
 
-- ``residual``: the plain pre-norm residual h <- h + F(h) (MATH.md §1.3);
-- ``vwn``: Virtual Width Networks with dynamic GHC (MATH.md §5.1-§5.6), reduced by
+- ``residual``: the plain pre-norm residual h <- h + F(h) (docs/math.md §1.3);
+- ``vwn``: Virtual Width Networks with dynamic GHC (docs/math.md §5.1-§5.6), reduced by
   GroupNorm + W_reduce before the head (§5.2);
 - ``mhc``: manifold-constrained hyper-connections with Sinkhorn-Knopp mixing
-  (MATH.md §4.2-§4.4);
-- ``xhc``: full expanded hyper-connections (MATH.md §6.2-§6.7): routing, dense read,
+  (docs/math.md §4.2-§4.4);
+- ``xhc``: full expanded hyper-connections (docs/math.md §6.2-§6.7): routing, dense read,
   active-set maps, temporal augmentation with Gram-Schmidt on the MLP sublayers and a
   sparse write-back.
 
-The code follows the papers' equations as written in MATH.md (the per-token state is
+The code follows the papers' equations as written in docs/math.md (the per-token state is
 one row per stream; the VWN matrices A and B are kept in the paper's layout, so the
 read is Å^T H', the carry Â^T H' and the write B^T Z). Parameter shapes and inits
-follow the DECISIONs of MATH.md, so parameter counts match widen's for the same
+follow the DECISIONs of docs/math.md, so parameter counts match widen's for the same
 configuration (``count_params``).
 """
 
@@ -34,7 +34,7 @@ SCHEMES = ("residual", "vwn", "mhc", "xhc")
 
 
 def default_ffn_hidden(d: int) -> int:
-    """SwiGLU width: round_up(8D/3, 256) (Llama, MATH.md §1.2), or round_up(8D/3, 8)
+    """SwiGLU width: round_up(8D/3, 256) (Llama, docs/math.md §1.2), or round_up(8D/3, 8)
     for D < 96 so that tiny models stay tiny."""
     raw = -(-8 * d // 3)
     multiple = 8 if d < 96 else 256
@@ -43,7 +43,7 @@ def default_ffn_hidden(d: int) -> int:
 
 @dataclass
 class Config:
-    """Backbone and scheme hyper-parameters (defaults: MATH.md §1.2 and the papers'
+    """Backbone and scheme hyper-parameters (defaults: docs/math.md §1.2 and the papers'
     settings used by widen's specs)."""
 
     vocab: int = 256
@@ -78,7 +78,7 @@ class Config:
 
 
 def rms_norm(x: torch.Tensor, eps: float, gain: torch.Tensor | None = None) -> torch.Tensor:
-    """x (mean x^2 + eps)^(-1/2), times the gain (MATH.md §1.3)."""
+    """x (mean x^2 + eps)^(-1/2), times the gain (docs/math.md §1.3)."""
     y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return y if gain is None else y * gain
 
@@ -88,7 +88,7 @@ def normal(shape, std: float) -> nn.Parameter:
 
 
 def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
-    """Sinkhorn-Knopp over the last two axes (MATH.md §4.2, paper Eq. 9): exp, then
+    """Sinkhorn-Knopp over the last two axes (docs/math.md §4.2, paper Eq. 9): exp, then
     `iters` rounds of column then row normalization. Subtracting each column's max
     before exp leaves the result unchanged, because a column normalization comes first.
     Autograd differentiates the finite, unrolled iteration (§4.5)."""
@@ -116,7 +116,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class Attention(nn.Module):
     """Attention sublayer F(u) = MHA(RMSNorm(u)) W_o with causal mask, half-split RoPE
-    and logit scale 1/sqrt(d_h) (MATH.md §1.3). Weights in the `x @ W` convention."""
+    and logit scale 1/sqrt(d_h) (docs/math.md §1.3). Weights in the `x @ W` convention."""
 
     def __init__(self, cfg: Config):
         super().__init__()
@@ -144,7 +144,7 @@ class Attention(nn.Module):
 
 
 class SwiGlu(nn.Module):
-    """FFN sublayer F(u) = (silu(x W_1) * (x W_3)) W_2 with x = RMSNorm(u) (MATH.md §1.3)."""
+    """FFN sublayer F(u) = (silu(x W_1) * (x W_3)) W_2 with x = RMSNorm(u) (docs/math.md §1.3)."""
 
     def __init__(self, cfg: Config):
         super().__init__()
@@ -177,7 +177,7 @@ class PlainConnection(nn.Module):
 
 
 class GhcConnection(nn.Module):
-    """Dynamic GHC (MATH.md §5.3, §5.5) on the over-width state H' `[B, T, n, d_b]`.
+    """Dynamic GHC (docs/math.md §5.3, §5.5) on the over-width state H' `[B, T, n, d_b]`.
 
     Paper layout: A = [Å | Â] in R^{n x (m+n)} (read, carry) and B in R^{m x n} (write),
     A(H') = S_α ∘ tanh(H̄' W_α / τ) + A and B(H') = S_β ∘ tanh(H̄' W_β / τ)^T + B with
@@ -220,7 +220,7 @@ class GhcConnection(nn.Module):
 
 
 class MhcConnection(nn.Module):
-    """mHC (MATH.md §4.1-§4.2) on n streams `[B, T, n, C]`:
+    """mHC (docs/math.md §4.1-§4.2) on n streams `[B, T, n, C]`:
     x' = RMSNorm(vec X) (no gain: folded into φ), H̃ = α ⊙ (x' φ) + b split [pre | post | res],
     H_pre = σ, H_post = 2σ, H_res = Sinkhorn(mat(H̃_res)) (t_max = 20);
     X' = H_res X + H_post^T F(H_pre X).
@@ -253,7 +253,7 @@ class MhcConnection(nn.Module):
 
 
 class XhcConnection(nn.Module):
-    """Full xHC (MATH.md §6.2-§6.6) on N streams `[B, T, N, C]`, one sublayer:
+    """Full xHC (docs/math.md §6.2-§6.6) on N streams `[B, T, N, C]`, one sublayer:
 
     s = σ(LN(vec X) W^r); I = fixed streams 0..m_f-1, then the top k - m_f other
     streams by s in ascending stream index; p = (1 for fixed, s_I for routed).
@@ -309,7 +309,7 @@ class XhcConnection(nn.Module):
     def augment(self, out: torch.Tensor) -> torch.Tensor:
         """Y `[B, T, K_r, C]`: out, then the causal depthwise convolutions of out made
         orthogonal per token by modified Gram-Schmidt with the relative guard
-        <v, v> + eps_rel <out, out> + 1e-20 (MATH.md §6.5)."""
+        <v, v> + eps_rel <out, out> + 1e-20 (docs/math.md §6.5)."""
         if not self.kernels:
             return out.unsqueeze(2)
         t = out.shape[1]
@@ -354,7 +354,7 @@ CONNECTIONS = {
 class Model(nn.Module):
     """Byte-level language model: stream creation, L blocks of (attention, FFN), each
     sublayer wrapped by the scheme's connection, collapse, final RMSNorm, unembedding,
-    mean next-token cross-entropy (MATH.md §1.3)."""
+    mean next-token cross-entropy (docs/math.md §1.3)."""
 
     def __init__(self, cfg: Config, scheme: str):
         super().__init__()
@@ -424,7 +424,7 @@ class Model(nn.Module):
 
 
 # Parameters without weight decay: norm gains, embeddings, static connection matrices,
-# scales, gates and biases (MATH.md §1.2, §4.4, §5.6, §6.7).
+# scales, gates and biases (docs/math.md §1.2, §4.4, §5.6, §6.7).
 NO_DECAY = (
     "norm", "embed", "a_static", "b_static", "s_alpha", "s_beta", "alpha", "bias", "b_pre", "b_res", "b_post",
     "reduce_gain", "reduce_bias",

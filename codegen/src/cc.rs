@@ -1,4 +1,4 @@
-//! The system C compiler driver (DESIGN.md §6, CPU device).
+//! The system C compiler driver (docs/architecture.md §6, CPU device).
 //!
 //! All kernels of a Plan are one C translation unit, compiled once with
 //! `cc -O3 -fPIC -shared -ffp-contract=off -fno-math-errno -fno-trapping-math -std=c11
@@ -48,7 +48,7 @@ use crate::kernel::{Kernel, KernelError};
 use crate::render::render_c;
 
 /// Flags passed to the compiler before the source file.
-/// `-O3` rather than DESIGN.md's `-O2`: GCC's `-O2` vectorizes only loops
+/// `-O3` rather than `-O2`: GCC's `-O2` vectorizes only loops
 /// whose trip count needs no epilogue, which leaves the item loops of
 /// elementwise kernels (SiLU, sigmoid, softmax) scalar; `-O3` changes no
 /// arithmetic. `-fno-math-errno`: the kernels never read `errno`, and without the flag

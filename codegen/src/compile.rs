@@ -1,5 +1,5 @@
 //! From a differentiated graph and a partition of its nodes to a [`Plan`]
-//! (DESIGN.md §2, §5, §7).
+//! (docs/architecture.md §2, §5, §7).
 //!
 //! A partition is a list of node groups in execution order (from
 //! [`ir::passes::fuse()`] via [`fused_partition`], or [`one_op_per_group`]).
@@ -197,7 +197,7 @@ fn gemm_shape(graph: &Graph, id: NodeId) -> Option<GemmShape> {
 
 /// A weight gradient as one GEMM: `id` sums a `MatMul{trans_a}` over all its
 /// batch axes (a chain of leading-axis sums), so `Σ_b a_bᵀ·b_b` is `aᵀ·b` with
-/// the batch axes folded into the contraction (MATH.md §1.4). The MatMul and
+/// the batch axes folded into the contraction (docs/math.md §1.4). The MatMul and
 /// the inner sums must feed nothing else and have no role.
 fn summed_gemm(graph: &Graph, id: NodeId, roles: &BTreeMap<NodeId, Vec<BufferRole>>) -> Option<GemmForm> {
     let is_sum0 = |x: NodeId| {
@@ -730,7 +730,7 @@ fn for_target(kernel: Kernel, target: Target) -> Kernel {
 /// declares before loop fusion. On the C target, where that bound stops a
 /// unit, the longest prefix whose arrays that survive optimization fit is
 /// found by bisection ([`measured_items`]): elementwise chains over a token's
-/// whole xHC state (the stream gradient's pieces, MATH.md §6.8) become
+/// whole xHC state (the stream gradient's pieces, docs/math.md §6.8) become
 /// scalars, so the pieces are summed in one pass rather than each written by
 /// a kernel of its own and read back. On the GPU the bound stays: a thread's
 /// scratch must fit registers and L1.
@@ -830,7 +830,7 @@ impl Residency for UnitResidency<'_> {
 /// ancestors are the few coefficient logits, where the other cut would read
 /// the N·C stream state twice; in its backward the stream gradients feed both
 /// the Sinkhorn gradient and the other outputs, so everything but the logit
-/// gradient's assembly runs first (MATH.md §4.5). A group with two or more
+/// gradient's assembly runs first (docs/math.md §4.5). A group with two or more
 /// such nodes keeps its order.
 fn around_own_step(
     graph: &Graph,
@@ -1017,7 +1017,7 @@ impl PlanBuilder {
     /// Pushes a lowering's steps with fresh scratch buffers for its
     /// temporaries, except that a table (a launch that reads nothing and
     /// writes only a temporary no other step of the lowering writes, such as
-    /// attention's RoPE angles, MATH.md §1.3) is computed once per Plan: a
+    /// attention's RoPE angles, docs/math.md §1.3) is computed once per Plan: a
     /// later identical launch reuses the first one's buffer, whose life then
     /// spans every user. Each layer's attention forward and backward would
     /// otherwise recompute the same table in f64.
@@ -1105,7 +1105,7 @@ impl PlanBuilder {
 
     /// GEMM operands of one element type: a GEMM runs on two f32 or two bf16 inputs
     /// (cuBLAS GemmEx takes one input type), so when a bf16 operand meets an f32 one
-    /// (the backward of a bf16 projection, MATH.md §6.12) the bf16 one is widened, exactly,
+    /// (the backward of a bf16 projection, docs/math.md §6.12) the bf16 one is widened, exactly,
     /// into an f32 scratch copy first.
     fn gemm_operands(&mut self, a: BufferId, b: BufferId) -> (BufferId, BufferId) {
         let (da, db) = (self.buffers[a.0].dtype, self.buffers[b.0].dtype);

@@ -1,5 +1,5 @@
 //! `codegen`: the kernel IR, the C / CUDA renderers and the compiler drivers
-//! (DESIGN.md §6).
+//! (docs/architecture.md §6).
 //!
 //! - [`kernel`]: a small structured AST with concrete sizes, and a builder.
 //! - [`render`]: one C-family printer with a C and a CUDA dialect.

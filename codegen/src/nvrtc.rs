@@ -1,4 +1,4 @@
-//! The NVRTC driver (DESIGN.md §6 and §9 item 5).
+//! The NVRTC driver (docs/architecture.md §6 and §9 item 5).
 //!
 //! NVRTC is loaded at run time (`libnvrtc.so.13`, then `libnvrtc.so`, found
 //! through the dynamic loader, so `LD_LIBRARY_PATH` is honoured); there is no

@@ -1,4 +1,4 @@
-//! AdamW inside the Plan (DESIGN.md §2: the graph carries gradients *and* the
+//! AdamW inside the Plan (docs/architecture.md §2: the graph carries gradients *and* the
 //! optimizer; §7: parameters, gradients and optimizer state are persistent
 //! buffers that stay on the device across steps).
 //!
@@ -6,7 +6,7 @@
 //! 1. for each gradient, sums of squares over fixed chunks of it, in f64, one
 //!    block per chunk;
 //! 2. one kernel that adds the chunk sums in gradient order into the global
-//!    norm, and from it and the loss derives the clip factor (MATH.md §10:
+//!    norm, and from it and the loss derives the clip factor (docs/math.md §10:
 //!    PyTorch's `clip_grad_norm_` rule with its 1e-6 guard) and whether the
 //!    step applies (the runtime asked for it and the loss is finite);
 //! 3. for each parameter, the AdamW update of the parameter and its two

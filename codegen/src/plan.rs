@@ -1,4 +1,4 @@
-//! The compiled Plan: kernels + launch list + buffer plan (DESIGN.md §2, §7).
+//! The compiled Plan: kernels + launch list + buffer plan (docs/architecture.md §2, §7).
 //!
 //! A Plan is what a device executes for one training step (forward, backward
 //! and, when included, the optimizer). It is produced by `codegen::compile`

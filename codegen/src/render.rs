@@ -1,4 +1,4 @@
-//! One C-family printer with two dialects (DESIGN.md §6).
+//! One C-family printer with two dialects (docs/architecture.md §6).
 //!
 //! All kernels of a Plan become one translation unit. The output is stable
 //! (no hashes, no addresses, fixed four-space indentation, one statement per
@@ -100,7 +100,7 @@ const CUDA_PRELUDE: &str = "#define WIDEN_INF_F32 __int_as_float(0x7f800000)
 ";
 
 /// bf16 <-> f32 with round-to-nearest-even; NaNs stay (quiet) NaNs. `widen_round_bf16`
-/// below is the in-register cast to bf16 of mixed precision (MATH.md §6.12).
+/// below is the in-register cast to bf16 of mixed precision (docs/math.md §6.12).
 const C_BF16: &str = "
 static inline float widen_bf16_to_f32(uint16_t h) {
     union { uint32_t u; float f; } v;
@@ -174,7 +174,7 @@ static inline float widen_expf(float x) {
 ";
 
 /// f32 `tanh` for the C dialect, vectorizable like [`C_EXPF`] (tanh gates
-/// the dynamic HC and GHC coefficients, MATH.md §2.3, §5.5): the Cephes odd
+/// the dynamic HC and GHC coefficients, docs/math.md §2.3, §5.5): the Cephes odd
 /// polynomial below |x| = 0.625 (in fused multiply-adds where the target has
 /// them, as `exp`'s), `1 - 2 / (exp(2|x|) + 1)` above it (which
 /// reaches exactly 1 once the exponential overflows), the sign restored with
@@ -246,12 +246,8 @@ const PREFETCH_MIN_PHASES: usize = 4;
 /// for the next item's rows to be prefetched: below it an item's arithmetic
 /// is too short to hide their loads behind, and the prefetches only add to a
 /// stream the hardware already runs (xHC's write-back, 0.37 FLOP/byte, got
-/// 10 % slower with them; every kernel from 0.6 FLOP/byte up got faster).
-/// Between the two, xHC's routing and dense read (0.43: TopK and a weighted
-/// sum over all 16 streams) ran 34.1-40.8 ms a step with them against
-/// 38.7-46.6 without (six alternating profiles), its first write-back
-/// (0.41) 6.4-7.8 against 7.2-8.5 ms; its two per-token norms and VWN's
-/// embedding norm (0.48) ran the same, within 0.3 ms a step.
+/// slower with them; every kernel from 0.6 FLOP/byte up got faster, and
+/// between the two, at 0.41 to 0.48, they helped or changed nothing).
 const PREFETCH_MIN_INTENSITY: f64 = 0.4;
 
 /// A byte range of the next item's row of one parameter.
@@ -279,9 +275,8 @@ struct RowPrefetch {
 /// out-of-order execution does not reach past an item's arithmetic. Measured
 /// on VWN's largest gradient kernel (2 threads, operands in memory), the
 /// time was the sum of the two; fetched a share per phase, the next item's
-/// rows arrive while this item computes (a third faster in a harness; the
-/// prefetching kernels of VWN, mHC and xHC 15 % to 30 % faster in training
-/// steps). Fetching them all at the item's start changed nothing: the burst
+/// rows arrive while this item computes, in a harness and in training
+/// steps. Fetching them all at the item's start changed nothing: the burst
 /// waits on the cache's miss buffers as the demand loads did.
 fn next_item_prefetches(k: &Kernel) -> Vec<Vec<RowPrefetch>> {
     let Grid::ThreadPerItem { n, .. } = k.grid else { return Vec::new() };
@@ -585,7 +580,7 @@ impl Printer {
         }
     }
 
-    /// Loop fission of a block-per-item body for C (DESIGN.md §6).
+    /// Loop fission of a block-per-item body for C (docs/architecture.md §6).
     fn c_fission(&mut self, body: &[Stmt], threads: u32) {
         let mut segments: Vec<(&[Stmt], Option<&Stmt>)> = Vec::new();
         let mut begin = 0;

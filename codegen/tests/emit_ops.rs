@@ -291,7 +291,7 @@ fn has_kept_loop(stmts: &[Stmt]) -> bool {
 }
 
 /// Per-token statistics of many short rows, as VWN's connection takes them
-/// (per-segment means over C/m and `[m, 4] x [4, n]` dot products, MATH.md
+/// (per-segment means over C/m and `[m, 4] x [4, n]` dot products, docs/math.md
 /// §5.3): on the C target an item folds all its rows at once, on the GPU one
 /// row at a time, its sums split across the lanes of a block (another fixed
 /// order). Both match the reference, for 16 lanes (64-wide rows) and 8
@@ -345,7 +345,7 @@ fn rows_folded_together_match_one_row_at_a_time_bitwise() {
     }
 }
 
-/// A per-token stream mix plus a broadcast row (mHC's write, MATH.md §4.1):
+/// A per-token stream mix plus a broadcast row (mHC's write, docs/math.md §4.1):
 /// on the C target one item owns a whole 64-wide row (per-element items left
 /// divisions by the row widths in the index math), on the GPU one element.
 #[test]
@@ -533,7 +533,7 @@ fn temporal_augment_and_its_gradients() {
 /// gradient sum each channel's taps in strips held in variables where a row
 /// is whole strips (64 channels at C = 128, 16 at C = 32), in a local row
 /// otherwise (C = 20): all add the same taps in the same order from 0 as the
-/// reference's f32 loop (MATH.md §6.5), so without Gram–Schmidt the outputs
+/// reference's f32 loop (docs/math.md §6.5), so without Gram–Schmidt the outputs
 /// are its bits. Kernels of 12 taps over 14 tokens cover the truncated taps
 /// at the start of each sequence.
 #[test]

@@ -1,4 +1,4 @@
-//! bf16 mixed precision in the CUDA dialect (MATH.md §6.12): every kernel of
+//! bf16 mixed precision in the CUDA dialect (docs/math.md §6.12): every kernel of
 //! `specs/mhc-bf16.ron` (tiny, differentiated, fused and one op per group) compiles
 //! under NVRTC for sm_90 with no warnings and no spills, and the Plan really holds bf16
 //! buffers and rounds in registers.

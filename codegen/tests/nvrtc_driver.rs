@@ -1,5 +1,5 @@
 //! Every canonical kernel compiles under NVRTC to PTX and an sm_90 CUBIN with
-//! no spills and no warnings (DESIGN.md §9 item 5). NVRTC comes from the
+//! no spills and no warnings (docs/architecture.md §9 item 5). NVRTC comes from the
 //! `nvidia-cuda-nvrtc` wheel that `.ci/run` installs; in CI (CI=true) its
 //! absence is a failure, elsewhere the NVRTC tests skip with a message.
 

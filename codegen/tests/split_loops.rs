@@ -171,7 +171,7 @@ fn loops_that_gain_nothing_are_left_alone() {
 
 /// `c = x − μ[l / G]`, then `(c²)` through local rows, over a token's `4·G`
 /// elements: the centring of a group statistic as the item emitter writes it
-/// (VWN's output norm over 4 groups of 256, MATH.md §5.1), a shift per
+/// (VWN's output norm over 4 groups of 256, docs/math.md §5.1), a shift per
 /// element where `G` is a power of two, and three local-array reads and
 /// writes at `l` that strip-mining turns into `lo·G + li`.
 fn group_centring(groups: usize, group: usize) -> Kernel {

@@ -207,7 +207,7 @@ fn kernels_whose_iterations_or_lanes_depend_on_each_other_keep_one_thread_per_it
 }
 
 /// A row built in a local array over several loops, as the row-form product
-/// accumulates `[m, 4] × [4, C/m]` (VWN, MATH.md §5.3): `acc = 2x; acc += x;
+/// accumulates `[m, 4] × [4, C/m]` (VWN, docs/math.md §5.3): `acc = 2x; acc += x;
 /// y = 3·acc`. When only those loops touch the array, each at its own
 /// variable, every lane keeps its own elements and all three loops split.
 fn row_form(read_one_element_too: bool) -> Kernel {
@@ -263,7 +263,7 @@ fn a_row_only_its_loops_touch_is_kept_by_lanes_and_its_loops_split() {
     assert!(!builds_split, "a row read at a fixed element is built by every lane");
 }
 
-/// Two rows of one local array (xHC's temporal features `[r, C]`, MATH.md
+/// Two rows of one local array (xHC's temporal features `[r, C]`, docs/math.md
 /// §6.5), built at offsets `0` and `offset`, then copied out whole: lanes
 /// keep their own elements when the offset is a multiple of the lanes (the
 /// element of `c + offset` is then the lane of `c`'s), not otherwise.
@@ -297,7 +297,7 @@ fn rows_at_offsets_that_are_multiples_of_the_lanes_stay_with_their_lanes() {
     assert!(!builds_split, "an offset of 8 would hand a row's elements to other lanes");
 }
 
-/// A triangular nest (Gram–Schmidt's projections, MATH.md §6.5): `for j in
+/// A triangular nest (Gram–Schmidt's projections, docs/math.md §6.5): `for j in
 /// 0..3 { for i in 0..j + 1 { if i == j { … } else { … } } }` around long
 /// loops, two sibling loops declaring the same scalar. Unrolled, its copies
 /// have literal bounds and no branch, and every long loop splits; the spread

@@ -1,4 +1,4 @@
-//! Element types. Defined once here and reused by every crate (DESIGN.md §4).
+//! Element types. Defined once here and reused by every crate (docs/architecture.md §4).
 
 use serde::{Deserialize, Serialize};
 
@@ -9,7 +9,7 @@ pub enum DType {
     F32,
     /// IEEE double precision: the reference executor's gradient-check mode.
     F64,
-    /// bfloat16: residual state and matmul operands in GPU mixed precision (MATH.md §6.12).
+    /// bfloat16: residual state and matmul operands in GPU mixed precision (docs/math.md §6.12).
     Bf16,
     /// 32-bit signed integers: token ids and routing indices.
     I32,
@@ -31,7 +31,7 @@ impl DType {
     }
 
     /// The type arithmetic on values of this type is carried out in: `Bf16` is a storage
-    /// type whose values are widened exactly to f32 before any arithmetic (MATH.md §6.12),
+    /// type whose values are widened exactly to f32 before any arithmetic (docs/math.md §6.12),
     /// every other type computes in itself.
     pub fn compute(self) -> DType {
         match self {
@@ -58,7 +58,7 @@ impl std::fmt::Display for DType {
 }
 
 /// Rounds an f32 to the nearest bfloat16 value, returned as the exactly representable f32
-/// (MATH.md §6.12): round to nearest, ties to even; NaN stays NaN (quieted); values beyond
+/// (docs/math.md §6.12): round to nearest, ties to even; NaN stays NaN (quieted); values beyond
 /// the largest finite bf16 round to ±inf like any IEEE narrowing. Every backend rounds with
 /// this rule, so the reference executor and the generated kernels agree bit for bit.
 pub fn round_bf16(x: f32) -> f32 {

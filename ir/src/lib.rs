@@ -1,6 +1,6 @@
 //! `ir`: the front half of widen.
 //!
-//! Data flows one way (DESIGN.md §2): a [`spec::ModelSpec`] (from RON or the
+//! Data flows one way (docs/architecture.md §2): a [`spec::ModelSpec`] (from RON or the
 //! derive) is validated, lowered to a [`graph::Graph`], differentiated and
 //! costed. The reference executor in [`exec`] is the oracle every other
 //! backend is tested against.

@@ -1,5 +1,5 @@
 //! Tensor shapes. Sizes are concrete: a graph is built for one batch size and
-//! sequence length (DESIGN.md §6: "a Plan is compiled for its shapes").
+//! sequence length (docs/architecture.md §6: "a Plan is compiled for its shapes").
 
 use serde::{Deserialize, Serialize};
 

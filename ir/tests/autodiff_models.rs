@@ -1,4 +1,4 @@
-//! Whole-model gradients (DESIGN.md §9.2): every spec in `specs/` lowers to a graph
+//! Whole-model gradients (docs/architecture.md §9.2): every spec in `specs/` lowers to a graph
 //! that autodiff differentiates with respect to every parameter, and at tiny sizes the
 //! gradients match central differences of the f64 reference executor.
 
@@ -126,7 +126,7 @@ fn every_spec_matches_central_differences_at_tiny_size() {
         let mut spec = shrink(load(&path));
         // bf16 rounding is piecewise constant, so central differences cannot see through it;
         // its straight-through rule is tested on its own (tests/mixed_precision.rs) and the
-        // rest of the model's math is checked here in f32 (MATH.md §6.12).
+        // rest of the model's math is checked here in f32 (docs/math.md §6.12).
         spec.precision = ir::spec::Precision::F32;
         let mut lowered = lower(&spec, B, T).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         let pairs = differentiate(&mut lowered);

@@ -1,4 +1,4 @@
-//! Gradient checks (DESIGN.md §9.2): every op's derivative rule against central
+//! Gradient checks (docs/architecture.md §9.2): every op's derivative rule against central
 //! differences of the f64 reference executor. The loss is Σ y ⊙ w with fixed random
 //! weights w, so a rule that, say, transposes or mirrors an adjoint cannot pass.
 
@@ -394,7 +394,7 @@ fn causal_attention_with_gqa_and_rope() {
     }
 }
 
-/// 20 iterations at n = 4 as in mHC (MATH.md §4.5), plus short iterations with a large
+/// 20 iterations at n = 4 as in mHC (docs/math.md §4.5), plus short iterations with a large
 /// eps: there the column-max shift is not cancelled by the first column normalization,
 /// so its gradient (to each column's maximum) is exercised.
 #[test]

@@ -139,7 +139,7 @@ fn mtp_module_parameters_go_to_the_mtp_bucket() {
     let plain = count_spec(&small(16)).unwrap();
     let spec = ModelSpec { mtp: MtpSpec { depth: 1, ..MtpSpec::default() }, ..small(16) };
     let with_mtp = count_spec(&spec).unwrap();
-    // MATH.md §7.3: 2D² (W_mix) + 3D (two fusion norms and the module's final norm) + one
+    // docs/math.md §7.3: 2D² (W_mix) + 3D (two fusion norms and the module's final norm) + one
     // block; the embedding and the unembedding are shared.
     let block = 4 * d * d + 3 * d * 128 + 2 * d;
     assert_eq!(with_mtp.params.mtp as usize, 2 * d * d + 3 * d + block);

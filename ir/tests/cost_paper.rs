@@ -1,4 +1,4 @@
-//! The cost model's graph counts against the papers' closed forms (MATH.md §1.5,
+//! The cost model's graph counts against the papers' closed forms (docs/math.md §1.5,
 //! §4.7, §5.9, §6.9, §9.2 items 3 and 5). The figures are counted from the lowered
 //! graph; the formulas here are independent of the counting code.
 
@@ -66,7 +66,7 @@ fn plain_residual_traffic_is_2_read_1_write_and_no_overhead() {
     assert!((report.traffic_per_sublayer.read - 2.0).abs() < 1e-12);
     assert!((report.traffic_per_sublayer.write - 1.0).abs() < 1e-12);
     assert_eq!(report.connection_flops_per_sublayer, 0.0);
-    // The all-ops count has the residual add: D per sublayer (MATH.md §9.1).
+    // The all-ops count has the residual add: D per sublayer (docs/math.md §9.1).
     assert!((report.connection_flops_per_sublayer_all_ops - 128.0).abs() < 1e-9);
     assert_eq!(report.overhead_vs_residual.params, 0.0);
     assert_eq!(report.overhead_vs_residual.flops, 0.0);
@@ -96,7 +96,7 @@ fn ghc_connection_flops_are_48d_at_2_3_and_2592d_at_8_64() {
         for s in &report.sublayers {
             assert!(rel(s.connection_flops, expected) < 1e-9, "sublayer {}: {}", s.index, s.connection_flops);
         }
-        // The closed form of MATH.md §5.9 agrees (it is the papers' own convention).
+        // The closed form of docs/math.md §5.9 agrees (it is the papers' own convention).
         let paper = paper_figures(&spec).connection_flops_per_sublayer_d.unwrap();
         assert!((paper - per_d).abs() < 1e-9, "{paper}");
         assert!(report.overhead_vs_residual.flops > 0.0);
@@ -114,7 +114,7 @@ fn mhc_traffic_is_34c_at_n4_and_130c_at_n16() {
         let report = cost_report(&spec).unwrap();
         let t = report.traffic_per_sublayer;
         assert!(rel(t.total, expected) < 0.01, "n = {n}: {} + {} = {}", t.read, t.write, t.total);
-        // Read and write separately: (5n+1)C and (3n+1)C (MATH.md §4.7).
+        // Read and write separately: (5n+1)C and (3n+1)C (docs/math.md §4.7).
         assert!(rel(t.read, (5 * n + 1) as f64) < 0.01, "read {}", t.read);
         assert!(rel(t.write, (3 * n + 1) as f64) < 0.01, "write {}", t.write);
     }
@@ -151,7 +151,7 @@ fn xhc_traffic_is_73_5c() {
     let report = cost_report(&xhc(4096)).unwrap();
     let t = report.traffic_per_sublayer;
     assert!(rel(t.total, 73.5) < 0.01, "{} + {} = {}", t.read, t.write, t.total);
-    // Attention 53C / 17C, MLP 57C / 20C (MATH.md §6.9).
+    // Attention 53C / 17C, MLP 57C / 20C (docs/math.md §6.9).
     let attn = &report.sublayers[0];
     let mlp = &report.sublayers[1];
     assert!(rel(attn.traffic_read, 53.0) < 0.01 && rel(attn.traffic_write, 17.0) < 0.01, "{attn:?}");

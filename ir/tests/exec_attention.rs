@@ -1,4 +1,4 @@
-//! CausalAttention in the reference executor (MATH.md §1.3): against a naive
+//! CausalAttention in the reference executor (docs/math.md §1.3): against a naive
 //! per-element implementation written here (RoPE by its defining formula), plus
 //! causality and the GQA head mapping, in f32 and f64.
 

@@ -1,4 +1,4 @@
-//! Connection ops in the reference executor: Sinkhorn (MATH.md §4.2), TopK routing
+//! Connection ops in the reference executor: Sinkhorn (docs/math.md §4.2), TopK routing
 //! (§6.2), TemporalAugment (§6.5) and NormProject (§4.3, §6.2), each against an
 //! independent computation written here, in f32 and f64.
 

@@ -1,4 +1,4 @@
-//! Snapshot tests of canonical graph dumps (DESIGN.md §4: stable node numbering, so
+//! Snapshot tests of canonical graph dumps (docs/architecture.md §4: stable node numbering, so
 //! dumps of the same spec are identical and can be diffed). Set
 //! `WIDEN_UPDATE_SNAPSHOTS=1` to rewrite the expected files after an intended change.
 

@@ -1,6 +1,6 @@
 //! HC, FC and GHC (VWN) lowering: graph well-formedness, parameter names, shapes and
-//! inits, the MATH.md parameter-count and FLOP formulas counted on the graph, and the
-//! init equivalences of MATH.md §9.2.1 on the f64 reference executor.
+//! inits, the docs/math.md parameter-count and FLOP formulas counted on the graph, and the
+//! init equivalences of docs/math.md §9.2.1 on the f64 reference executor.
 
 use ir::exec::{run, Tensor, Value};
 use ir::graph::{Graph, Init, NodeId, Op, ParamClass, Region};
@@ -56,7 +56,7 @@ fn param_count(graph: &Graph, prefix: &str) -> usize {
         .sum()
 }
 
-/// Connection FLOPs of one trunk sublayer per token, in the MATH.md §5.9 convention:
+/// Connection FLOPs of one trunk sublayer per token, in the docs/math.md §5.9 convention:
 /// 2 per multiply-add of every MatMul, 4 per element of every RmsNorm.
 fn connection_flops_per_token(graph: &Graph, sublayer: usize) -> f64 {
     let mut flops = 0usize;
@@ -113,7 +113,7 @@ fn hc_parameters_have_documented_names_shapes_and_inits() {
     let low = lowered(&spec);
     let g = &low.graph;
     assert_eq!(param(g, "embed").0, &[32, 16]);
-    // Home stream e_{l mod n} rotates with the global sublayer index (MATH.md §2.4).
+    // Home stream e_{l mod n} rotates with the global sublayer index (docs/math.md §2.4).
     for (l, name) in ["blocks.0.attn", "blocks.0.ffn", "blocks.1.attn", "blocks.1.ffn"].iter().enumerate() {
         let (dims, init, class) = param(g, &format!("{name}.conn.h_pre"));
         assert_eq!(dims, &[1, 3]);
@@ -137,7 +137,7 @@ fn hc_parameters_have_documented_names_shapes_and_inits() {
 
 #[test]
 fn hc_output_projection_std_follows_the_sqrt_n_knob() {
-    // Base std: init_std / sqrt(2L) (MATH.md §1.2), then the HC multiplier (§2.4).
+    // Base std: init_std / sqrt(2L) (docs/math.md §1.2), then the HC multiplier (§2.4).
     let base = 0.02 / 2.0;
     for (mult, factor) in
         [(OutProjStdMult::One, 1.0), (OutProjStdMult::InvSqrtN, 0.5), (OutProjStdMult::SqrtN, 2.0)]
@@ -179,7 +179,7 @@ fn ghc_parameters_have_documented_names_shapes_and_inits() {
     let stat = ParamClass::ConnectionStatic;
     assert_eq!(param(g, &format!("{p}.h_pre")), (&[2, 3][..], &Init::Eye, stat));
     assert_eq!(param(g, &format!("{p}.h_res")), (&[3, 3][..], &Init::Eye, stat));
-    // B = [[1, 0, 1], [0, 1, 0]] (cyclic, MATH.md §5.6) stored output-major as B^T [3, 2].
+    // B = [[1, 0, 1], [0, 1, 0]] (cyclic, docs/math.md §5.6) stored output-major as B^T [3, 2].
     let cyclic = Init::Values(vec![1.0, 0.0, 0.0, 1.0, 1.0, 0.0]);
     assert_eq!(param(g, &format!("{p}.h_post")), (&[3, 2][..], &cyclic, stat));
     assert_eq!(param(g, &format!("{p}.norm")), (&[8][..], &Init::Ones, ParamClass::Gain));
@@ -190,7 +190,7 @@ fn ghc_parameters_have_documented_names_shapes_and_inits() {
     assert_eq!(param(g, &format!("{p}.s_pre")), (&[2, 3][..], &one, stat));
     assert_eq!(param(g, &format!("{p}.s_res")), (&[3, 3][..], &one, stat));
     assert_eq!(param(g, &format!("{p}.s_post")), (&[3, 2][..], &one, stat));
-    // r = 1.5: no GroupNorm by default (MATH.md §5.2); block-identity W_reduce [D', D].
+    // r = 1.5: no GroupNorm by default (docs/math.md §5.2); block-identity W_reduce [D', D].
     assert!(g.param_by_name("reduce.norm").is_none());
     assert_eq!(param(g, "reduce.w"), (&[24, 16][..], &Init::Eye, ParamClass::Hidden));
 }
@@ -245,19 +245,19 @@ fn connection_parameter_counts_match_math_formulas() {
     let d = 16;
     let count = |residual: ResidualSpec| param_count(&lowered(&tiny(residual)).graph, "blocks.1.attn.conn.");
     for n in [1, 2, 4] {
-        // MATH.md §2.4: SHC n(n+2); DHC |θ_norm| + D(n+2) + n(n+2) + 2.
+        // docs/math.md §2.4: SHC n(n+2); DHC |θ_norm| + D(n+2) + n(n+2) + 2.
         assert_eq!(count(hc(n, false, GenNorm::LayerNorm)), n * (n + 2), "SHC n = {n}");
         assert_eq!(count(hc(n, true, GenNorm::LayerNorm)), 2 * d + d * (n + 2) + n * (n + 2) + 2);
         assert_eq!(count(hc(n, true, GenNorm::RmsNorm)), d + d * (n + 2) + n * (n + 2) + 2);
     }
     for m in [1, 2, 4] {
-        // MATH.md §3: SFC m(2m+1); DFC D/m + (D/m)(2m+1) + m(2m+1) + 2.
+        // docs/math.md §3: SFC m(2m+1); DFC D/m + (D/m)(2m+1) + m(2m+1) + 2.
         let df = d / m;
         assert_eq!(count(fc(m, false)), m * (2 * m + 1), "SFC m = {m}");
         assert_eq!(count(fc(m, true)), df + df * (2 * m + 1) + m * (2 * m + 1) + 2, "DFC m = {m}");
     }
     for (m, n) in [(1, 1), (2, 3), (4, 16), (8, 64)] {
-        // MATH.md §5.9: (D/m)(2m+n) + D/m + 2n(2m+n).
+        // docs/math.md §5.9: (D/m)(2m+n) + D/m + 2n(2m+n).
         let db = d / m;
         let expected = db * (2 * m + n) + db + 2 * n * (2 * m + n);
         assert_eq!(count(ResidualSpec::Ghc(ghc(m, n, true))), expected, "DGHC ({m}, {n})");
@@ -284,7 +284,7 @@ fn hc_connection_flops_match_math_2_6() {
     let d = 16.0;
     for n in [2usize, 4] {
         let nf = n as f64;
-        // Width connection 2n(n+1)D, depth (write) 2nD as one MatMul (MATH.md §2.6).
+        // Width connection 2n(n+1)D, depth (write) 2nD as one MatMul (docs/math.md §2.6).
         let low = lowered(&tiny(hc(n, false, GenNorm::RmsNorm)));
         let stat = 2.0 * nf * (nf + 1.0) * d + 2.0 * nf * d;
         assert_eq!(connection_flops_per_token(&low.graph, 0), stat, "SHC n = {n}");
@@ -313,13 +313,13 @@ fn generator_multipliers(graph: &Graph) -> Vec<f64> {
 
 #[test]
 fn generator_multipliers_follow_tau_and_mup() {
-    // SP: 1/τ with τ = √d_b (MATH.md §5.5); d_b = 64/4 = 16.
+    // SP: 1/τ with τ = √d_b (docs/math.md §5.5); d_b = 64/4 = 16.
     let wide =
         |residual, parametrization| ModelSpec { d_model: 64, heads: 4, parametrization, ..tiny(residual) };
     let g = ResidualSpec::Ghc(ghc(4, 8, true));
     let low = lowered(&wide(g.clone(), Parametrization::Standard));
     assert_eq!(generator_multipliers(&low.graph), vec![0.25]);
-    // muP at w = 64/16 = 4: τ_eff = √(d_b,base) · w = √4 · 4 = 8 (MATH.md §8.1).
+    // muP at w = 64/16 = 4: τ_eff = √(d_b,base) · w = √4 · 4 = 8 (docs/math.md §8.1).
     let mup = Parametrization::MuP(MupSpec { base_width: 16, ..MupSpec::default() });
     let low = lowered(&wide(g, mup.clone()));
     assert_eq!(generator_multipliers(&low.graph), vec![0.125]);
@@ -336,7 +336,7 @@ fn generator_multipliers_follow_tau_and_mup() {
 }
 
 // ---------------------------------------------------------------------------------
-// Init equivalences on the f64 reference executor (MATH.md §9.2.1).
+// Init equivalences on the f64 reference executor (docs/math.md §9.2.1).
 
 /// splitmix64: a small seeded generator for test fixtures.
 struct Rng(u64);

@@ -1,4 +1,4 @@
-//! mHC (MATH.md §4) and xHC (§6, incl. Flash §6.10 and Flash-4sub §6.11) lowering:
+//! mHC (docs/math.md §4) and xHC (§6, incl. Flash §6.10 and Flash-4sub §6.11) lowering:
 //! well-formed graphs, the papers' parameter counts and unfused traffic (§4.7, §6.9),
 //! and the invariants of §9.2 evaluated on the f64 reference executor.
 
@@ -44,7 +44,7 @@ fn per_token(shape: &[usize]) -> f64 {
     }
 }
 
-/// Unfused residual-stream traffic per trunk sublayer in units of C (MATH.md §4.7, §6.9):
+/// Unfused residual-stream traffic per trunk sublayer in units of C (docs/math.md §4.7, §6.9):
 /// for every non-view connection op, the per-token elements of its non-parameter inputs
 /// and of its output. A Gather reads only the rows it gathers; ScatterRows is free (its
 /// producer writes into the destination rows, §6.6).
@@ -134,7 +134,7 @@ fn mhc_and_xhc_variants_lower_and_check() {
 
 #[test]
 fn mup_folds_one_over_width_into_the_gates() {
-    // w = 64 / 16 = 4: alpha_eff = alpha / 4 on every gate (MATH.md §8.1), and the
+    // w = 64 / 16 = 4: alpha_eff = alpha / 4 on every gate (docs/math.md §8.1), and the
     // router logits (no gate) get the 1/w multiplier directly.
     let mup = |residual| {
         let mut s = spec(64, residual);
@@ -272,7 +272,7 @@ fn xhc_flash_traffic_is_51c_per_sublayer() {
     let n = per.len() as f64;
     let read = per.values().map(|v| v.0).sum::<f64>() / n;
     let write = per.values().map(|v| v.1).sum::<f64>() / n;
-    // MATH.md §6.9: xHC-Flash 36C + 15C, including conv and correction traffic.
+    // docs/math.md §6.9: xHC-Flash 36C + 15C, including conv and correction traffic.
     within(read, 36.0, 0.01, "Flash read");
     within(write, 15.0, 0.01, "Flash write");
 }
@@ -347,7 +347,7 @@ fn xhc_temporal_augmentation_follows_spec() {
     assert_eq!(gs, vec![false; 4]);
 }
 
-// ---- reference-executor checks (MATH.md §9.2) ----
+// ---- reference-executor checks (docs/math.md §9.2) ----
 
 /// FNV-1a of a parameter name: the same name gets the same values in every graph.
 fn seed_of(name: &str) -> u64 {

@@ -1,4 +1,4 @@
-//! bf16 mixed precision in the graph IR (MATH.md §6.12): the `Cast` op's type rule, its
+//! bf16 mixed precision in the graph IR (docs/math.md §6.12): the `Cast` op's type rule, its
 //! reference semantics in the f32 and f64 executors, the mixed-operand type rules, and its
 //! straight-through derivative rule.
 

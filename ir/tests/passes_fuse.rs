@@ -1,6 +1,6 @@
 //! `passes::fuse` on every spec's training graph and on small hand-built graphs:
 //! a valid partition, heavy ops alone, token-local regions fused, and the fused
-//! connection traffic against MATH.md §4.7 and the unfused count.
+//! connection traffic against docs/math.md §4.7 and the unfused count.
 
 mod passes_util;
 
@@ -263,7 +263,7 @@ fn stencil_input_comes_from_an_earlier_group() {
     assert!(fused.group(fused.group_of(aug).unwrap()).reason.contains("stencil"));
 }
 
-/// MATH.md §4.7: fused mHC reads at most (3n+1)C and writes (n+1)C per sublayer (plus
+/// docs/math.md §4.7: fused mHC reads at most (3n+1)C and writes (n+1)C per sublayer (plus
 /// the n² + 2n coefficient elements of the paper's unfused accounting).
 #[test]
 fn mhc_fused_connection_traffic_meets_the_paper_bound() {
@@ -303,7 +303,7 @@ fn ghc_and_xhc_fused_traffic_is_below_unfused() {
     assert!(checked >= 3, "expected GHC and xHC specs in specs/");
 }
 
-/// The centred term of a LayerNorm-projection gradient, `(x − μ) · s` (MATH.md
+/// The centred term of a LayerNorm-projection gradient, `(x − μ) · s` (docs/math.md
 /// §6.8), shares `x − μ` with the variance, so fusion alone leaves it in the
 /// group before the GEMM, written and read back by the group after it; that
 /// group reads `x` anyway. `rematerialize` copies the two-node chain for it;
@@ -371,7 +371,7 @@ fn cheap_chains_are_recomputed_by_the_group_that_reads_them() {
 
 /// A gain shared by every token and every slot gets its gradient as a sum over
 /// rows that merge tokens and slots (`[B·T·n, d]`, DGHC's per-slot norm gain,
-/// MATH.md §5.5). `sum_within_tokens_first` sums each token's `n` rows first, so the
+/// docs/math.md §5.5). `sum_within_tokens_first` sums each token's `n` rows first, so the
 /// token-local group writes one row per token instead of `n`, and the
 /// reduction reads `1/n` of what it read; the value changes only by rounding.
 #[test]
@@ -426,7 +426,7 @@ fn token_sums_over_merged_rows_sum_within_each_token_first() {
     }
 }
 
-/// SwiGLU's backward (MATH.md §1.3): the gate's gradient `dh ⊙ up ⊙
+/// SwiGLU's backward (docs/math.md §1.3): the gate's gradient `dh ⊙ up ⊙
 /// silu'(gate)` and the up projection's `dh ⊙ silu(gate)` both read `dh`.
 /// Fusion merges the two readers so that `dh` is read once; `rematerialize`
 /// then recomputes `silu(gate)` in that backward kernel from `gate`, which it
@@ -487,7 +487,7 @@ fn swiglu_backward_reads_dh_once_and_recomputes_silu() {
     assert_eq!(run(&g), want, "the same gradients, bit for bit");
 }
 
-/// mHC's read `x_pre = H_pre · x` (MATH.md §4.1) feeds the backbone's
+/// mHC's read `x_pre = H_pre · x` (docs/math.md §4.1) feeds the backbone's
 /// RMSNorm through a reshape, and the norm's gradient reads it back in the
 /// backward kernel that also forms `dH_pre = dx_pre · xᵀ` from the state and
 /// the coefficients. `rematerialize` recomputes the short per-token product

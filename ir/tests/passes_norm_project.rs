@@ -38,7 +38,7 @@ fn split_projections_keep_loss_and_gradients_of_every_spec() {
 }
 
 /// In xHC the router's LayerNorm statistics join the forward group that
-/// routes (TopK) and gathers the active streams from the same state (MATH.md
+/// routes (TopK) and gathers the active streams from the same state (docs/math.md
 /// §6.2–§6.4), which has every row in hand: no kernel after the router's
 /// GEMM reads the state for the statistics alone, as the projection's own
 /// kernel did.

@@ -1,5 +1,5 @@
 //! Reading spec text and files: syntax errors, unknown names, the RON extensions
-//! specs rely on, load-time validation, and the `to_ron` round trip (DESIGN.md §3).
+//! specs rely on, load-time validation, and the `to_ron` round trip (docs/architecture.md §3).
 
 use std::path::{Path, PathBuf};
 
@@ -146,7 +146,7 @@ fn options_read_without_some_and_none_means_default() {
     let spec = parse_spec("Model(residual: Ghc(m: 2, n: 4, reduce_norm: None))", "t.ron").expect("parses");
     let ResidualSpec::Ghc(g) = &spec.residual else { panic!("ghc expected") };
     assert_eq!(g.reduce_norm, None);
-    assert_eq!(g.reduce_norm(), ReduceNorm::GroupNorm, "None resolves to the MATH.md §5.2 default");
+    assert_eq!(g.reduce_norm(), ReduceNorm::GroupNorm, "None resolves to the docs/math.md §5.2 default");
 }
 
 #[test]
@@ -254,7 +254,7 @@ fn to_ron_is_readable() {
     assert!(text.lines().count() > 20, "pretty-printed one field per line:\n{text}");
 }
 
-/// The example in DESIGN.md §3, verbatim: the documented syntax must stay valid.
+/// The example in docs/architecture.md §3, verbatim: the documented syntax must stay valid.
 #[test]
 fn design_doc_example_loads() {
     let text = r#"

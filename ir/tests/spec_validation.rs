@@ -1,4 +1,4 @@
-//! One test per validation rule of `ModelSpec::validate` (MATH.md §10, §5.1–5.2, §6.1).
+//! One test per validation rule of `ModelSpec::validate` (docs/math.md §10, §5.1–5.2, §6.1).
 //!
 //! Each test breaks one rule and checks that an error names the field path, the
 //! bad value and the valid range; then it moves the value to the edge of the valid
@@ -57,7 +57,7 @@ fn default_spec_is_valid() {
     assert_eq!(ModelSpec::default().validate(), Ok(()));
 }
 
-// Backbone (MATH.md §10 "Model / backbone").
+// Backbone (docs/math.md §10 "Model / backbone").
 rule!(
     name_non_empty,
     |s| s.name = String::new(),
@@ -195,7 +195,7 @@ rule!(
     ["ffn.hidden = 0", ">= 1"]
 );
 
-// Residual schemes (MATH.md §10 "Residual connection").
+// Residual schemes (docs/math.md §10 "Residual connection").
 rule!(
     hc_n_at_least_1,
     |s| s.residual = ResidualSpec::Hc(HcSpec { n: 0, ..HcSpec::default() }),

@@ -1,6 +1,6 @@
 //! Builds an `ir::spec::ModelSpec` from parsed `#[widen(...)]` arguments.
 //!
-//! Every key is the RON field name (DESIGN.md §3, MATH.md §10) and every
+//! Every key is the RON field name (docs/architecture.md §3, docs/math.md §10) and every
 //! unlisted field keeps the same default the RON path gives it, so a derive and
 //! a RON file with the same values produce equal specs. While building, the
 //! source range of every key is recorded under its field path (`residual.k`),
@@ -354,7 +354,7 @@ impl FromValue for ResidualSpec {
     }
 }
 
-/// GHC with the convenience key `r` (MATH.md §5.1: r = n/m), so `ghc(m = 4, r = 4)`
+/// GHC with the convenience key `r` (docs/math.md §5.1: r = n/m), so `ghc(m = 4, r = 4)`
 /// means n = 16. Giving both `n` and `r` is an error rather than a silent override.
 fn ghc(v: &Variant, path: &str, cx: &mut Cx) -> GhcSpec {
     let mut spec = GhcSpec::default();

@@ -1,4 +1,4 @@
-//! `#[derive(VirtualWidth)]`: a model spec written as Rust attributes (DESIGN.md §1, §3).
+//! `#[derive(VirtualWidth)]`: a model spec written as Rust attributes (docs/architecture.md §1, §3).
 //!
 //! ```text
 //! #[derive(VirtualWidth)]
@@ -11,7 +11,7 @@
 //! The attributes say what a RON spec says: keys are the RON field names, and
 //! variants are written snake_case (`residual = xhc(flash = two_block)`); see
 //! the `syntax` module for the grammar. Conveniences beyond RON: `ghc(r = ..)` for
-//! n = r * m (MATH.md §5.1), a bare boolean key means `true`, `none` clears an
+//! n = r * m (docs/math.md §5.1), a bare boolean key means `true`, `none` clears an
 //! optional field (`clip = none`), and `name` defaults to the type's name in
 //! kebab case. Keys go on the type only; `#[widen]` on fields is rejected.
 //!

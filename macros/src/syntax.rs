@@ -1,6 +1,6 @@
 //! The `#[widen(...)]` attribute grammar.
 //!
-//! It mirrors RON (DESIGN.md §3) with Rust-attribute punctuation: `key = value`
+//! It mirrors RON (docs/architecture.md §3) with Rust-attribute punctuation: `key = value`
 //! instead of `key: value`, snake_case variant names instead of PascalCase, and
 //! `key(a = 1, b = 2)` as a shorthand for a struct-valued field:
 //!

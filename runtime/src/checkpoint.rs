@@ -1,4 +1,4 @@
-//! Checkpoints: one safetensors file per save (DESIGN.md §7).
+//! Checkpoints: one safetensors file per save (docs/architecture.md §7).
 //!
 //! **Tensor names.**
 //! - `<param>`: each parameter under its graph name (`ParamInfo::name`, e.g.

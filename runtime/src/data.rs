@@ -1,5 +1,5 @@
 //! Training data: byte-level tokens (vocab 256), a train/validation split and
-//! deterministic random windows (DESIGN.md §7).
+//! deterministic random windows (docs/architecture.md §7).
 //!
 //! A batch is `batch` windows of `seq_len + 1` consecutive bytes; the graph
 //! slices inputs and next-token targets from each window itself. Windows start

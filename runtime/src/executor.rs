@@ -1,9 +1,9 @@
-//! The device boundary of the training loop (DESIGN.md §7): a [`StepExecutor`]
+//! The device boundary of the training loop (docs/architecture.md §7): a [`StepExecutor`]
 //! turns parameters and a token batch into a loss, gradients or logits. The
 //! loop, optimizers, data and checkpoints never look past this trait, so a
 //! compiled CPU or CUDA plan plugs in beside the [`ReferenceExecutor`], and a
 //! data-parallel executor can all-reduce gradients before returning them
-//! (DESIGN.md §11).
+//! (docs/architecture.md §11).
 
 use crate::optim::clip::{clip_scale, global_norm};
 use crate::optim::{Optimizer, UpdateTarget};
@@ -125,7 +125,7 @@ pub trait StepExecutor {
     fn logits(&mut self, params: &ParamSet, tokens: &[i32]) -> Result<Vec<f32>, StepError>;
 
     /// One training step: the loss and gradients of `tokens`, global-norm
-    /// clipping, and `optimizer`'s update of `params` (DESIGN.md §7). A loss
+    /// clipping, and `optimizer`'s update of `params` (docs/architecture.md §7). A loss
     /// that is not finite leaves `params` and the optimizer untouched; the
     /// caller decides what to do about it.
     ///
@@ -208,7 +208,7 @@ pub fn update_on_host<'a, G: AsRef<[f32]> + Sync>(
     StepStats { loss, grad_norm }
 }
 
-/// The devices a model can run on (DESIGN.md §7).
+/// The devices a model can run on (docs/architecture.md §7).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Device {
     /// The unfused graph on the reference interpreter (`ir::exec`), in f32.

@@ -1,5 +1,5 @@
 //! Parameter initialization: executes the `Init` rule each `Param` node
-//! records (MATH.md §1.2, §2.4, §4.4, §5.6, §6.7 decide the rules; the
+//! records (docs/math.md §1.2, §2.4, §4.4, §5.6, §6.7 decide the rules; the
 //! lowering writes them into the graph, this module only draws the numbers).
 //!
 //! Each parameter draws from its own stream `Rng::stream(seed, name)`, so a

@@ -1,7 +1,7 @@
-//! Devices, executor, optimizers, data and the training loop (DESIGN.md §7).
+//! Devices, executor, optimizers, data and the training loop (docs/architecture.md §7).
 //!
 //! - [`init`]: parameter initialization from the graph's `Init` rules.
-//! - [`optim`]: AdamW, Muon, muP LR scaling, clipping, schedules (MATH.md §8).
+//! - [`optim`]: AdamW, Muon, muP LR scaling, clipping, schedules (docs/math.md §8).
 //! - [`data`]: byte-level corpora, train/validation split, batch sampling.
 //! - [`checkpoint`]: safetensors checkpoints with resume state.
 //! - [`device`]: devices that execute a compiled Plan (the Cpu device).

@@ -22,7 +22,7 @@ pub struct Param {
 ///
 /// A set carries a [`ParamVersion`]: a compiled device keeps its own copy of
 /// the parameters and uploads them again only when the set it is handed is
-/// another one, or has been written since (DESIGN.md §7: parameters stay on
+/// another one, or has been written since (docs/architecture.md §7: parameters stay on
 /// the device across steps). Every mutable access bumps the version, so no
 /// write can be missed.
 #[derive(Debug)]

@@ -1,4 +1,4 @@
-//! Device-vs-reference parity (DESIGN.md §9.4, §9.6): one model, the same
+//! Device-vs-reference parity (docs/architecture.md §9.4, §9.6): one model, the same
 //! initial parameters and the same token batches on a compiled device (the
 //! fused Plan) and on the reference executor (the unfused graph), compared.
 //!
@@ -16,7 +16,7 @@
 //!   its Plan runs, `codegen::optimizer`): the largest difference in units
 //!   of the learning rate, the size of one step.
 //!
-//! Adam divides each gradient by its running RMS (MATH.md §8), which turns
+//! Adam divides each gradient by its running RMS (docs/math.md §8), which turns
 //! rounding noise on a gradient entry that is itself at noise level (around
 //! 1e-9) into a step of O(1) learning rates. The optimizers of the comparison
 //! therefore run with eps = [`ADAM_EPS`] instead of the spec's (typically
@@ -52,7 +52,7 @@ impl Tolerances {
     /// after the steps 1e-3 learning rates.
     pub const FP32: Tolerances = Tolerances { loss: 1e-5, tensor: 1e-4, params_lr: 1e-3 };
 
-    /// bf16 mixed precision (MATH.md §6.12): both paths round the state and the
+    /// bf16 mixed precision (docs/math.md §6.12): both paths round the state and the
     /// projection operands to bf16 with the same rule, but an f32-rounding difference
     /// upstream can move a value across a bf16 rounding boundary, a change of one bf16
     /// ulp (up to 2^-7 relative) in that element, which every later layer sees. Loss

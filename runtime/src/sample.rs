@@ -1,5 +1,5 @@
 //! Text generation from a trained model: temperature and top-k sampling over
-//! bytes, seeded (DESIGN.md §7).
+//! bytes, seeded (docs/architecture.md §7).
 //!
 //! The model graph has a fixed window `[1, seq_len + 1]`. The context (the
 //! last `seq_len` bytes generated so far) is placed at positions `0..len` and

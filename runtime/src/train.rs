@@ -1,4 +1,4 @@
-//! The training loop (DESIGN.md §7). Per step: sample a batch, forward and
+//! The training loop (docs/architecture.md §7). Per step: sample a batch, forward and
 //! backward on a [`StepExecutor`], clip the global gradient norm, take an
 //! optimizer step at the scheduled LR; validate every `eval_every` steps.
 //!

@@ -1,4 +1,4 @@
-//! Fused vs reference (DESIGN.md §9.4): every spec in `specs/`, shrunk, runs
+//! Fused vs reference (docs/architecture.md §9.4): every spec in `specs/`, shrunk, runs
 //! one training step on the Cpu device (the fused Plan from `codegen::compile`)
 //! and on the reference executor (the unfused graph), both in f32, and then
 //! five optimizer steps on each.

@@ -1,4 +1,4 @@
-//! Whole-loss gradient checks for every residual scheme (DESIGN.md §9.2): autodiff's
+//! Whole-loss gradient checks for every residual scheme (docs/architecture.md §9.2): autodiff's
 //! gradient of the training loss against central differences of the f64 reference
 //! executor, for EVERY element of EVERY parameter, at tiny sizes (V = 11, D = 8, H = 2,
 //! T = 5, B = 2; xHC N = 4, k = 2, m_f = 1, kernels [2, 3]).
@@ -7,11 +7,11 @@
 //! zero-initialized generators and identity-initialized mixings are checked away from
 //! the points where their gradient terms vanish.
 //!
-//! The loss is only piecewise smooth where a hard TopK routes (xHC routing, MATH.md
+//! The loss is only piecewise smooth where a hard TopK routes (xHC routing, docs/math.md
 //! §6.8; MoE experts): the token window is chosen so that every TopK decision has a
 //! score margin of at least [`MIN_MARGIN`] at the base point, and every finite-difference
 //! evaluation must reproduce the base point's routing exactly. The row clamp of xHC
-//! (MATH.md §6.4) sits at its kink by construction (Sinkhorn ends on a row
+//! (docs/math.md §6.4) sits at its kink by construction (Sinkhorn ends on a row
 //! normalization, so the row sums are 1), but both sides of that kink agree there
 //! because the row sums are identically 1: it needs no guard.
 
@@ -195,8 +195,8 @@ fn xhc(flash: Flash, temporal_aug: AugSublayers) -> XhcSpec {
 }
 
 /// In full xHC the first sublayer's active rows are equal copies of the replicated
-/// embedding (MATH.md §6.7), and a row-stochastic H_res maps equal rows to themselves
-/// (MATH.md §6.4), so that sublayer's H_res generator cannot move the loss.
+/// embedding (docs/math.md §6.7), and a row-stochastic H_res maps equal rows to themselves
+/// (docs/math.md §6.4), so that sublayer's H_res generator cannot move the loss.
 const FIRST_RES: [&str; 3] =
     ["blocks.0.attn.conn.res", "blocks.0.attn.conn.b_res", "blocks.0.attn.conn.alpha_res"];
 
@@ -220,7 +220,7 @@ fn hc_dynamic() {
     check(&tiny_spec("hc-dynamic", hc(true)), 3, &[]);
 }
 
-/// DHC with the other generator norm and activation (MATH.md §2.3).
+/// DHC with the other generator norm and activation (docs/math.md §2.3).
 #[test]
 fn hc_dynamic_rmsnorm_identity() {
     let residual = ResidualSpec::Hc(HcSpec {
@@ -247,7 +247,7 @@ fn mhc() {
     check(&tiny_spec("mhc", ResidualSpec::Mhc(MhcSpec { n: 4, ..MhcSpec::default() })), 7, &[]);
 }
 
-/// The factorized over-width embedding E_base W_expand with U tied to E_base (MATH.md §5.2).
+/// The factorized over-width embedding E_base W_expand with U tied to E_base (docs/math.md §5.2).
 #[test]
 fn ghc_expand_embedding_tied() {
     let residual =
@@ -255,14 +255,14 @@ fn ghc_expand_embedding_tied() {
     check(&ModelSpec { tie_embeddings: true, ..tiny_spec("ghc-expand-tied", residual) }, 22, &[]);
 }
 
-/// muP forward multipliers on the readout and the dynamic generators (MATH.md §8.1).
+/// muP forward multipliers on the readout and the dynamic generators (docs/math.md §8.1).
 #[test]
 fn ghc_mup() {
     let parametrization = Parametrization::MuP(MupSpec { base_width: 4, ..MupSpec::default() });
     check(&ModelSpec { parametrization, ..tiny_spec("ghc-mup", ghc(2, 4, true)) }, 23, &[]);
 }
 
-/// mHC with the other init conventions, a read floor and a mean collapse (MATH.md §4.4).
+/// mHC with the other init conventions, a read floor and a mean collapse (docs/math.md §4.4).
 #[test]
 fn mhc_zero_bias_xavier_mean() {
     let residual = ResidualSpec::Mhc(MhcSpec {
@@ -306,7 +306,7 @@ fn xhc_full_attention_augmented() {
     check(&xhc_spec("xhc-aug-attn", xhc(Flash::None, AugSublayers::MlpAndAttention)), 13, &FIRST_RES);
 }
 
-/// Softmax router and no Gram–Schmidt (the Muon setting, MATH.md §6.5).
+/// Softmax router and no Gram–Schmidt (the Muon setting, docs/math.md §6.5).
 #[test]
 fn xhc_softmax_router_without_gram_schmidt() {
     let cfg =
@@ -314,7 +314,7 @@ fn xhc_softmax_router_without_gram_schmidt() {
     check(&xhc_spec("xhc-softmax-nogs", cfg), 14, &FIRST_RES);
 }
 
-/// Every active stream routed: TopK picks 2 of 4 (MATH.md §6.2).
+/// Every active stream routed: TopK picks 2 of 4 (docs/math.md §6.2).
 #[test]
 fn xhc_without_fixed_streams() {
     check(

@@ -1,4 +1,4 @@
-//! MTP alignment (MATH.md §9.2.6, §7.1), checked by behaviour on the f64 reference
+//! MTP alignment (docs/math.md §9.2.6, §7.1), checked by behaviour on the f64 reference
 //! executor: module k at position i consumes Emb(t_{i+k}) and the module k − 1 hidden
 //! state at position i, attends causally, and its loss target is t_{i+k+1}; the last k
 //! positions have no module-k prediction, and L^k averages over exactly T − k positions.
@@ -45,8 +45,8 @@ fn mtp_spec(name: &str, residual: ResidualSpec, depth: usize) -> ModelSpec {
     ModelSpec { mtp: MtpSpec { depth, ..MtpSpec::default() }, ..tiny_spec(name, residual) }
 }
 
-/// The three MTP settings checked: depth 2 on GHC (the VWN head, MATH.md §5.7), depth 1
-/// on mHC and on xHC (the replicated-stream form, MATH.md §7.2).
+/// The three MTP settings checked: depth 2 on GHC (the VWN head, docs/math.md §5.7), depth 1
+/// on mHC and on xHC (the replicated-stream form, docs/math.md §7.2).
 fn specs() -> Vec<ModelSpec> {
     vec![
         mtp_spec("mtp2-ghc", ResidualSpec::Ghc(GhcSpec { m: 2, n: 4, ..GhcSpec::default() }), 2),
@@ -137,7 +137,7 @@ fn per_position_ce(logits: &[f64], targets: &[i32], vocab: usize) -> Vec<f64> {
 
 /// Module k's targets are w[k + 1..=T] per row, its logits cover the T − k valid positions,
 /// and L^k is the mean of the per-position losses over exactly those positions; the total
-/// is L_main + λ/K Σ_k L^k (MATH.md §7.1 DECISION: normalized by T − k).
+/// is L_main + λ/K Σ_k L^k (docs/math.md §7.1 DECISION: normalized by T − k).
 #[test]
 fn module_targets_are_shifted_by_k_and_the_loss_averages_over_t_minus_k_positions() {
     for (seed, spec) in specs().into_iter().enumerate() {

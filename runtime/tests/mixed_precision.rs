@@ -1,4 +1,4 @@
-//! bf16 mixed precision end to end (MATH.md §6.12) on `specs/mhc-bf16.ron`: the model's
+//! bf16 mixed precision end to end (docs/math.md §6.12) on `specs/mhc-bf16.ron`: the model's
 //! loss at init stays close to the same model in f32, the fused Plan stores the residual
 //! state in 2-byte buffers and so moves fewer activation bytes, and it trains on the Cpu
 //! device.
@@ -80,7 +80,7 @@ fn bf16_plan_stores_the_state_in_two_byte_buffers() {
     let bf16_states = bf16.buffers.iter().filter(|d| d.dtype == DType::Bf16 && d.len == state_len).count();
     assert!(bf16_states > 0, "no bf16 buffer of the state's size {state_len}");
     assert!(f32.buffers.iter().all(|d| d.dtype != DType::Bf16), "the f32 Plan holds bf16 buffers");
-    // Parameters and gradients stay f32 (master weights, MATH.md §6.12).
+    // Parameters and gradients stay f32 (master weights, docs/math.md §6.12).
     let persistent =
         |d: &&codegen::plan::BufferDecl| matches!(d.role, BufferRole::Param { .. } | BufferRole::Grad { .. });
     assert!(bf16.buffers.iter().filter(persistent).all(|d| d.dtype == DType::F32));

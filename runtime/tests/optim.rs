@@ -1,4 +1,4 @@
-//! Optimizers, schedules and clipping against hand-computed values (MATH.md §8, §10).
+//! Optimizers, schedules and clipping against hand-computed values (docs/math.md §8, §10).
 
 use ir::graph::{Graph, Init, Op, ParamClass, ParamInfo};
 use ir::spec::{
@@ -233,7 +233,7 @@ fn check_ns_range(rows: usize, cols: usize) {
     assert_eq!(x.len(), rows * cols);
     let sv = singular_values(&x, rows, cols);
     let (lo, hi) = sv.iter().fold((f64::MAX, f64::MIN), |(lo, hi), &s| (lo.min(s), hi.max(s)));
-    // MATH.md §9.2.7: rectangular Gaussian inputs land in ≈ [0.68, 1.14].
+    // docs/math.md §9.2.7: rectangular Gaussian inputs land in ≈ [0.68, 1.14].
     assert!(lo >= 0.6 && hi <= 1.2, "{rows}x{cols}: singular values in [{lo}, {hi}]");
 }
 

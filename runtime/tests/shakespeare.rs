@@ -1,4 +1,4 @@
-//! End to end (DESIGN.md §9.7): `specs/tiny.ron` trained on tinyshakespeare with the
+//! End to end (docs/architecture.md §9.7): `specs/tiny.ron` trained on tinyshakespeare with the
 //! reference executor reaches a validation loss well below the unigram entropy of the
 //! text, within a fixed step budget. A unigram model (byte frequencies, no context) can
 //! do no better than that entropy, so the gap is what the model learned from context.

@@ -1,4 +1,4 @@
-//! Every spec in `specs/` trains (DESIGN.md §9): shrunk to a fast size, f32 on the
+//! Every spec in `specs/` trains (docs/architecture.md §9): shrunk to a fast size, f32 on the
 //! reference executor, on the built-in synthetic corpus, the mean loss of the last steps
 //! is clearly below the mean of the first steps. Also MoE routing and Muon on a GHC
 //! (virtual-width) model, whose hidden matrices include W_reduce and the MTP mixers.
@@ -22,7 +22,7 @@ fn spec_path(file: &str) -> PathBuf {
 }
 
 /// The spec file at a size that trains in seconds: D = 32, one block (two for the
-/// two-block xHC-Flash, MATH.md §6.11), 4 windows of 32 bytes per step, a short constant
+/// two-block xHC-Flash, docs/math.md §6.11), 4 windows of 32 bytes per step, a short constant
 /// schedule and no evaluation until the last step. The residual scheme, MTP, FFN kind
 /// and optimizer stay as the file says.
 fn shrunk(file: &str) -> ModelSpec {
@@ -173,7 +173,7 @@ fn xhc_trains() {
     assert_trains(&shrunk("xhc.ron"));
 }
 
-/// Muon (MATH.md §8.2) on the hidden matrices of a VWN model with an MTP module, AdamW
+/// Muon (docs/math.md §8.2) on the hidden matrices of a VWN model with an MTP module, AdamW
 /// on the rest.
 #[test]
 fn muon_trains_a_ghc_model() {

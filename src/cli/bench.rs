@@ -2,7 +2,7 @@
 //! [--profile-kernels FILE]`:
 //! whole training steps (forward, backward, clipping, optimizer update) per
 //! second, each spec side by side with the plain-residual model of the same
-//! backbone (DESIGN.md §10: the overhead ratio the papers report).
+//! backbone (docs/architecture.md §10: the overhead ratio the papers report).
 //!
 //! Every model of the run is built up front; timed steps are then interleaved
 //! (one step of each model per round) so that a noisy machine slows all of
@@ -388,7 +388,7 @@ fn is_connection(role: &BufferRole) -> bool {
     }
 }
 
-/// Per-kernel bandwidth of every model's Plan (DESIGN.md §10): each step
+/// Per-kernel bandwidth of every model's Plan (docs/architecture.md §10): each step
 /// timed with CUDA events over `reps` runs (`CudaDevice::profile`), each
 /// kernel's fewest bytes (arguments read once, written once) over its median
 /// time, against the device-to-device copy bandwidth measured the same way

@@ -1,5 +1,5 @@
 //! `widen check SPEC [--json]`: validate a spec and print its cost report
-//! (DESIGN.md §8; the figures and their conventions are documented in `ir::cost`).
+//! (docs/architecture.md §8; the figures and their conventions are documented in `ir::cost`).
 //!
 //! Exit status 0 for a valid spec, 1 when the file cannot be read, is not RON, or
 //! breaks validation rules. With `--json`, stdout is exactly one JSON object in both
@@ -60,7 +60,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             return Ok(fail(&args, &[problem]));
         }
     };
-    // Fused-kernel traffic next to the unfused count (DESIGN.md §8): the same batch-1
+    // Fused-kernel traffic next to the unfused count (docs/architecture.md §8): the same batch-1
     // graph, partitioned by the fusion pass.
     let fused = FusedTraffic {
         this: fused_connection_traffic(&spec)?,
@@ -277,7 +277,7 @@ fn table(path: &Path, r: &CostReport, fused: &FusedTraffic, memory: &TrainingMem
     ));
     line(String::new());
     line(format!(
-        "papers' = contractions at 2 FLOPs per MAC and norms at 4 per element (MATH.md §5.9); \
+        "papers' = contractions at 2 FLOPs per MAC and norms at 4 per element (docs/math.md §5.9); \
          paper = closed form of {}",
         r.paper.source
     ));

@@ -1,5 +1,5 @@
 //! `widen compile SPEC -o DIR [--explain] [--batch B] [--seq-len T]`: everything the compiler produces
-//! for one training step of a spec, as files to read and diff (DESIGN.md §1,
+//! for one training step of a spec, as files to read and diff (docs/architecture.md §1,
 //! §4–§6):
 //!
 //! | file          | contents                                                         |
@@ -20,7 +20,7 @@
 //! there is refused unless `--force` is given.
 //!
 //! Bytes follow the fusion contract (every kernel reads each input buffer once
-//! and writes each output once: DESIGN.md §5), so they are the buffer sizes of
+//! and writes each output once: docs/architecture.md §5), so they are the buffer sizes of
 //! its parameters. FLOPs count float arithmetic and math calls of the kernel
 //! IR per item, times loop trip counts and items; loops whose bounds are not
 //! compile-time literals count once and mark the row as a lower bound.
@@ -409,7 +409,7 @@ fn check_out_dir(out: &std::path::Path, spec: &std::path::Path, force: bool) -> 
     )
 }
 
-/// The GPU architecture PTX is generated for (DESIGN.md §6: sm_90).
+/// The GPU architecture PTX is generated for (docs/architecture.md §6: sm_90).
 const ARCH: &str = "sm_90";
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {

@@ -1,6 +1,6 @@
 //! `widen parity SPEC... [--device cpu|cuda] [--steps N] [--json FILE]`: each
 //! spec on a compiled device against the reference executor, from the same
-//! initial parameters and batches (DESIGN.md §9.4, §9.6): the loss, the
+//! initial parameters and batches (docs/architecture.md §9.4, §9.6): the loss, the
 //! validation loss, the logits, every gradient and every parameter after N
 //! optimizer steps, each held to an f32 tolerance ([`runtime::parity`]).
 //!

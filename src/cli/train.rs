@@ -1,5 +1,5 @@
 //! `widen train`: train a model from a spec on the Cpu device (the default),
-//! the reference executor or the Cuda device (DESIGN.md §7).
+//! the reference executor or the Cuda device (docs/architecture.md §7).
 //!
 //! Ctrl-C or SIGTERM saves the run and exits with status 130, printing the
 //! command that continues it; so does a failed save, naming the last good

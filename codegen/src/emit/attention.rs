@@ -1,5 +1,5 @@
 //! Causal attention and its gradients as library GEMMs around small row
-//! kernels (MATH.md §1.3, §1.4; DESIGN.md §5 "heavy ops are kernels of their
+//! kernels (docs/math.md §1.3, §1.4; docs/architecture.md §5 "heavy ops are kernels of their
 //! own").
 //!
 //! The operands are first copied to head-major rows `[B, H, T, dh]` (RoPE
@@ -196,7 +196,7 @@ impl Dims {
 }
 
 /// The RoPE table `[T, dh/2]` of (cos φ, sin φ), φ = t·base^(-2i/dh), computed
-/// in f64 and rounded once as the reference does (MATH.md §1.3).
+/// in f64 and rounded once as the reference does (docs/math.md §1.3).
 fn rope_table(
     graph: &Graph,
     d: &Dims,
@@ -482,7 +482,7 @@ fn gather_back(
         copy_row(k, &names, d, cs.as_ref(), &|e| src.at(from.clone() + e), &store, &t, true);
         return kb.finish();
     }
-    // Sum the query heads h with g(h) = g (MATH.md §1.3) into a local row first.
+    // Sum the query heads h with g(h) = g (docs/math.md §1.3) into a local row first.
     let acc = k.local_array("acc", ty, d.dh);
     k.for_("e", ix(0), ix(d.dh), |b, e| b.store(&acc, e, lit(ty, 0.0)));
     k.for_("hh", ix(0), ix(d.h), |b, hh| {

@@ -237,7 +237,7 @@ fn softmax(b: &mut Block, cx: &ItemOp) {
     });
 }
 
-/// x · (mean x² + ε)^-1/2 ⊙ g per row (MATH.md §1.3, `ir::exec::norms::rms_norm`).
+/// x · (mean x² + ε)^-1/2 ⊙ g per row (docs/math.md §1.3, `ir::exec::norms::rms_norm`).
 fn rms_norm(b: &mut Block, cx: &ItemOp, eps: f64) {
     let x = cx.ins[0].clone();
     let gain = cx.ins.get(1).cloned();
@@ -267,7 +267,7 @@ fn rms_norm(b: &mut Block, cx: &ItemOp, eps: f64) {
 }
 
 /// (x − mean)·(var + ε)^-1/2 per group of the last axis, then the per-channel
-/// affine (MATH.md §5.2, `ir::exec::norms::group_norm`); LayerNorm is one group.
+/// affine (docs/math.md §5.2, `ir::exec::norms::group_norm`); LayerNorm is one group.
 fn group_norm(b: &mut Block, cx: &ItemOp, groups: usize, eps: f64) {
     let x = cx.ins[0].clone();
     let affine = (cx.ins.len() == 3).then(|| (cx.ins[1].clone(), cx.ins[2].clone()));
@@ -306,7 +306,7 @@ fn group_norm(b: &mut Block, cx: &ItemOp, groups: usize, eps: f64) {
     });
 }
 
-/// xHC routing (MATH.md §6.2, `ir::exec::connection::topk`): the fixed slots,
+/// xHC routing (docs/math.md §6.2, `ir::exec::connection::topk`): the fixed slots,
 /// then each remaining index whose rank (higher score first, NaN last, lower
 /// index first) is below k − fixed, in ascending index order.
 ///
@@ -404,7 +404,7 @@ fn matmul(b: &mut Block, cx: &ItemOp, trans_a: bool, trans_b: bool) {
     let (bk, bn) = if trans_b { (1, k) } else { (n, 1) };
     let (x, y) = (cx.ins[0].clone(), cx.ins[1].clone());
     // Both operands contiguous along K (op(b) = a transposed row-major b, as in
-    // mHC's `4 x 4` stream Gram products over C, MATH.md §4.5, or xHC's
+    // mHC's `4 x 4` stream Gram products over C, docs/math.md §4.5, or xHC's
     // one-row projections, §6.4): one lane-split dot product per output
     // element vectorizes over K. The row form vectorizes over N instead, but
     // must first stage op(b) transposed element by element, which only pays
@@ -428,7 +428,7 @@ fn matmul(b: &mut Block, cx: &ItemOp, trans_a: bool, trans_b: bool) {
                 // Contraction steps in groups: the row accumulator (a stack array
                 // the compiler keeps in memory) is loaded and stored once per group
                 // instead of once per step, which was a store-to-load chain on
-                // narrow rows (n = 16 in VWN, MATH.md §5.3). Rows of one vector
+                // narrow rows (n = 16 in VWN, docs/math.md §5.3). Rows of one vector
                 // take the widest group ([`row_k_group`]). The first group
                 // initializes the accumulator and the last one stores the row, so
                 // a single group (mHC's K = n = 4 stream mixes) is one pass with
@@ -483,7 +483,7 @@ fn matmul(b: &mut Block, cx: &ItemOp, trans_a: bool, trans_b: bool) {
             // transposed (`[K, N]`, row-major) so the column loop reads it
             // contiguously. The copy runs along the stage's rows, columns
             // innermost: the compiler then writes each row as one vector
-            // (VWN's 16 x 64 segment products, MATH.md §5.3); innermost along
+            // (VWN's 16 x 64 segment products, docs/math.md §5.3); innermost along
             // K it stored element by element, a sixth of the kernel's time.
             let stage = Val::Buffer(b.local_array(&cx.fresh("bt"), cx.ty(), k * n));
             let Val::Buffer(bt) = &stage else { unreachable!("constructed as a buffer") };
@@ -572,7 +572,7 @@ fn scatter(b: &mut Block, cx: &ItemOp, axis: usize, add: bool) {
     if !add {
         // Each output row written once, from the source row whose index names
         // it or else from the base (the indices are distinct): xHC's write-back
-        // (MATH.md §6.6) copied all N base rows, then wrote the k active rows
+        // (docs/math.md §6.6) copied all N base rows, then wrote the k active rows
         // over them again.
         let qn = cx.fresh("q");
         b.for_(&qn, ix(0), ix(q), |b, qq| {
@@ -626,7 +626,7 @@ fn scatter(b: &mut Block, cx: &ItemOp, axis: usize, add: bool) {
 }
 
 /// One Sinkhorn half-step on the n×n matrix at `mb` of `m`: every column
-/// (`by_column`) or every row divided by its sum plus `eps` (MATH.md §4.2). The
+/// (`by_column`) or every row divided by its sum plus `eps` (docs/math.md §4.2). The
 /// direction is a compile-time choice, so the indices are static, and each line
 /// multiplies by one reciprocal instead of dividing n times: n× fewer divisions,
 /// the slowest scalar op of the per-token Sinkhorn loops, for ≤ 1 ulp more
@@ -695,7 +695,7 @@ fn exp_shifted(
     });
 }
 
-/// Sinkhorn-Knopp per n×n matrix (MATH.md §4.2, `ir::exec::connection::sinkhorn`).
+/// Sinkhorn-Knopp per n×n matrix (docs/math.md §4.2, `ir::exec::connection::sinkhorn`).
 fn sinkhorn(b: &mut Block, cx: &ItemOp, iters: usize, eps: f64) {
     let n = cx.node.shape.last();
     let nn = n * n;
@@ -715,7 +715,7 @@ fn sinkhorn(b: &mut Block, cx: &ItemOp, iters: usize, eps: f64) {
 }
 
 /// The VJP of Sinkhorn per matrix, unrolled through the recomputed iteration
-/// (MATH.md §4.5, `ir::exec::backward_ops::sinkhorn_grad`).
+/// (docs/math.md §4.5, `ir::exec::backward_ops::sinkhorn_grad`).
 fn sinkhorn_grad(b: &mut Block, cx: &ItemOp, iters: usize, eps: f64) {
     let n = cx.node.shape.last();
     let nn = n * n;
@@ -794,7 +794,7 @@ fn sinkhorn_grad(b: &mut Block, cx: &ItemOp, iters: usize, eps: f64) {
     });
 }
 
-/// `Cast` (MATH.md §6.12): a cast to bf16 rounds in registers, since its value may stay in
+/// `Cast` (docs/math.md §6.12): a cast to bf16 rounds in registers, since its value may stay in
 /// a local array of the kernel rather than pass through a bf16 store; a cast to f32 or f64
 /// converts the loaded value (widening a bf16 value is exact).
 fn cast(b: &mut Block, cx: &ItemOp, to: ir::DType) {

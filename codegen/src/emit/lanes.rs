@@ -2,11 +2,11 @@
 //! innermost (C target).
 //!
 //! mHC's and xHC's stream-mixing matrices are small (n×n, n = 4) and their
-//! Sinkhorn-Knopp projection (MATH.md §4.2) is `2·t_max` dependent half-steps:
+//! Sinkhorn-Knopp projection (docs/math.md §4.2) is `2·t_max` dependent half-steps:
 //! a column or row sum, its reciprocal, a scaling, each waiting on the last.
 //! As one item per token ([`super::item`]) that chain runs at the latency of
-//! scalar adds and divisions: about 2 µs per token forward and backward at
-//! t_max = 20, more than the rest of the connection's per-token work. Here one
+//! scalar adds and divisions, at t_max = 20 longer than the rest of the
+//! connection's per-token work. Here one
 //! item owns `LANES` consecutive matrices, every local is stored lane-minor
 //! (`[element][lane]`) and every loop body is straight-line code inside a loop
 //! over the lanes, so the C compiler vectorizes across matrices: one vector
@@ -93,12 +93,10 @@ enum LaneOffsets {
     /// its first lane loop stays scalar either way (GCC vectorizes neither the
     /// array's store nor the strided loads, which it groups by their common
     /// stride and then finds no vector type for), its indices get cheap and
-    /// its last lane loop, the stores, vectorizes. In a C harness on one
-    /// thread mHC's forward kernel went 0.28 → 0.22 ms a call, in the step's
-    /// profile 2.0-2.2 → 1.6-1.7 ms a step. The gradient keeps the array: its first
-    /// lane loop (the column maxima and their rows) vectorizes only with the
-    /// array's opaque indices, as gathers, and with the affine offsets its
-    /// profile went 2.7 → 3.5-4.0 ms a step.
+    /// its last lane loop, the stores, vectorizes, so the forward kernel gets
+    /// faster. The gradient keeps the array: its first lane loop (the column
+    /// maxima and their rows) vectorizes only with the array's opaque
+    /// indices, as gathers, and with the affine offsets it got slower.
     Affine { matrix: usize },
     /// An array of the lanes' offsets, the last block's spare lanes clamped to
     /// the last matrix.

@@ -1,4 +1,4 @@
-//! Lowering of graph nodes into kernel IR (DESIGN.md §5, §6).
+//! Lowering of graph nodes into kernel IR (docs/architecture.md §5, §6).
 //!
 //! A *fused kernel* runs a list of nodes over a 1-D grid of `n` items. Every
 //! value the kernel produces is split the same way: item `i` owns the flat
@@ -58,7 +58,7 @@ impl Target {
     /// floats (128 KiB, within a core's L2) hold a token's whole xHC state
     /// (N·C = 16·256 at the bench width) several times over, so the state
     /// gradient of a sublayer (a LayerNorm's gradient plus the routed pieces,
-    /// MATH.md §6.8) is assembled in one pass instead of one kernel per op,
+    /// docs/math.md §6.8) is assembled in one pass instead of one kernel per op,
     /// each re-reading the state from memory; with half that, the backward
     /// moved 7.6 GB a step instead of 6.7. On the GPU 512 keeps a thread's
     /// scratch small enough for registers and L1.
@@ -247,7 +247,7 @@ const WIDE_FOLD_LANES: usize = 16;
 /// Long folds run as [`WIDE_FOLD_LANES`] or [`FOLD_LANES`] interleaved
 /// partial folds (lane `w` of `W` takes `j ≡ w mod W`), combined pairwise and
 /// then into `init`: a serial chain of dependent float adds over a 4096-wide row costs one add latency per
-/// element (xHC's LayerNorm over N·C, MATH.md §6.2; `-ffp-contract=off` and no
+/// element (xHC's LayerNorm over N·C, docs/math.md §6.2; `-ffp-contract=off` and no
 /// fast-math, so the C compiler keeps the order), while independent lanes
 /// pipeline and vectorize. The order is fixed, so results stay deterministic and
 /// thread-count independent; they differ from the reference executor's in-order
@@ -327,8 +327,8 @@ const FOLD_ROWS_PARTIALS: usize = 2048;
 /// Longest rows [`fold_rows`] takes, in lane steps. Its lanes live in memory,
 /// a load and a store per step; one row at a time they stay in a register,
 /// which wins once the steps outweigh the pairwise combination: mHC's 4 x 4
-/// Gram products over C = 256 (16 steps) took 0.55 µs a token in rows at
-/// once against 0.34 µs one row at a time.
+/// Gram products over C = 256 (16 steps) ran slower folded together than
+/// one row at a time.
 const FOLD_ROWS_STEPS: usize = 4;
 
 /// [`fold`] of `rows` rows of `n` elements at once (C target): `f(row(r), j)`
@@ -338,7 +338,7 @@ const FOLD_ROWS_STEPS: usize = 4;
 /// [`fold`].
 ///
 /// Why: an item holding many short rows (VWN's per-segment means and its
-/// `[m, 4] x [4, n]` dot products over C/m = 64, MATH.md §5.3) folded them one
+/// `[m, 4] x [4, n]` dot products over C/m = 64, docs/math.md §5.3) folded them one
 /// row at a time, and GCC vectorized that loop across rows, reading each lane
 /// of each row with a permute: 40 % of the kernel. Here the lanes of all rows
 /// sit in one array, row-major, so every lane step is a contiguous vector op
@@ -764,8 +764,8 @@ fn restricted(
 /// four AVX-512 vectors, or a whole row when rows are shorter. Finer splits
 /// (one item per element) leave the item loop with per-element index
 /// arithmetic (divisions by the row widths) that the C compiler does not
-/// vectorize: mHC's stream write (`H_res·x + H_post·y`, MATH.md §4.1) ran at
-/// 18 GB/s as one item per element. Two threads need only a few items each;
+/// vectorize: mHC's stream write (`H_res·x + H_post·y`, docs/math.md §4.1) ran
+/// far below the memory's rate as one item per element. Two threads need only a few items each;
 /// the GPU wants every thread it can get.
 const CPU_MIN_ITEM_ELEMENTS: usize = 64;
 
@@ -984,7 +984,7 @@ const BLOCK_REDUCE_LANES: u32 = 256;
 
 /// Whether `id` sums (or averages) over a long outer axis, `BLOCK_REDUCE_MIN_ROWS`
 /// rows or more with columns inside them: a reduction over tokens, such as a
-/// parameter gradient (MATH.md §1.4), rather than a per-token norm statistic.
+/// parameter gradient (docs/math.md §1.4), rather than a per-token norm statistic.
 pub fn is_token_reduction(graph: &Graph, id: NodeId) -> bool {
     let Op::Reduce { op, axis, .. } = graph.node(id).op else { return false };
     let Some(&input) = graph.inputs(id).first() else { return false };
@@ -999,7 +999,7 @@ pub fn is_token_reduction(graph: &Graph, id: NodeId) -> bool {
 /// pairwise sums) combines the lanes, so `outer · inner` blocks of
 /// [`BLOCK_REDUCE_LANES`] threads share the work where the column-blocked form
 /// would have a few dozen threads each walk thousands of rows (parameter
-/// gradients summed over tokens, MATH.md §1.4). Over the innermost axis
+/// gradients summed over tokens, docs/math.md §1.4). Over the innermost axis
 /// (`inner` = 1) the lanes' loads are contiguous. The summation order is the
 /// tree's, not the sequential one: results match the reference to f32
 /// rounding, not bit for bit.
@@ -1085,9 +1085,7 @@ const COLUMN_BLOCK: usize = 16;
 /// item walks the rows once per block, reading its block of each row: one
 /// line a row at a 1 KiB stride over VWN's 256-wide gain gradients, against
 /// four adjacent lines, 256 contiguous bytes a row, and a quarter of the
-/// passes. VWN's token sums went
-/// 3.9-4.4 → 2.3-2.6 ms a step in the profile (three alternating runs; 128
-/// columns measured the same as 64). Each column is still summed over the
+/// passes; 128 columns gained nothing over 64. Each column is still summed over the
 /// rows in order from zero, bit for bit.
 const C_COLUMN_BLOCK: usize = 64;
 
@@ -1099,7 +1097,7 @@ const C_COLUMN_ITEMS: usize = 4;
 const ROW_BLOCK: usize = 8;
 
 /// A sum or mean over a non-innermost axis (a token reduction such as a bias
-/// or gain gradient, MATH.md §1.4) as its own kernel: each item owns a block
+/// or gain gradient, docs/math.md §1.4) as its own kernel: each item owns a block
 /// of up to `COLUMN_BLOCK` adjacent output columns and walks the reduced
 /// axis once, adding each input row's block into per-column accumulators.
 /// Every load is then contiguous and the accumulators vectorize across

@@ -1,4 +1,4 @@
-//! Ops lowered on grids of their own (DESIGN.md §5 "heavy ops are kernels of
+//! Ops lowered on grids of their own (docs/architecture.md §5 "heavy ops are kernels of
 //! their own"): causal attention and its gradient (in [`super::attention`]),
 //! the cross-entropy loss and xHC's temporal augmentation and its gradient. Operands are read through
 //! [`Reader`], so views fold into their index math like everywhere else.
@@ -13,7 +13,7 @@ use crate::kernel::{
     i64, item, lane, select, Access, Block, Buf, Expr, Grid, KernelBuilder, ReduceOp, Ty, Unroll,
 };
 
-/// ε_abs of the Gram–Schmidt guard (MATH.md §6.5 DECISION; `ir::exec` uses the same).
+/// ε_abs of the Gram–Schmidt guard (docs/math.md §6.5 DECISION; `ir::exec` uses the same).
 const GS_EPS_ABS: f64 = 1e-20;
 
 /// Lanes of the block-per-item loss kernel.
@@ -188,7 +188,7 @@ fn memory(
 }
 
 /// The projection of the normalized rows computed from the rows themselves
-/// (MATH.md §4.3, §6.2), as the reference computes it: one GEMM `x·W` over
+/// (docs/math.md §4.3, §6.2), as the reference computes it: one GEMM `x·W` over
 /// all rows, the column sums of `W` (for the centred columns), then one
 /// kernel per row with the row's statistics: `ρ_c·(dot − Σw·μ)` for the first
 /// `centered` columns (LayerNorm statistics), `ρ_r·dot` for the rest (RMS).
@@ -280,13 +280,13 @@ fn norm_project(
 /// count, so the order of the sum does not depend on the thread split.
 const LOSS_BLOCKS: usize = 16;
 
-/// Mean softmax cross-entropy (MATH.md §1.3 "Loss") in two phases. First
+/// Mean softmax cross-entropy (docs/math.md §1.3 "Loss") in two phases. First
 /// [`LOSS_BLOCKS`] blocks each take a contiguous slice of the rows, whose
 /// lanes take rows `first + lane`, `first + lane + 256`, ..., each adding
 /// logsumexp − logit[target], and a block reduction sums the lanes into the
 /// block's partial; then one item adds the partials in order and divides by
-/// the row count. As a single block the loss ran on one CPU thread (0.47 ms
-/// of a step at the benchmark size) and one GPU multiprocessor.
+/// the row count. As a single block the loss ran on one CPU thread and one
+/// GPU multiprocessor.
 ///
 /// Index safety: the targets (token ids) pick the logit each row subtracts
 /// unchecked; `runtime::executor::check_tokens` holds them to `0..vocab`, the
@@ -340,9 +340,7 @@ fn cross_entropy(graph: &Graph, id: NodeId, name: &str) -> Result<Lowering, Emit
 /// row: eight AVX2 vectors (four AVX-512 ones) of f32, eight independent
 /// chains of additions. A strip of one vector per register set kept two
 /// chains on AVX2, and each tap waited on the last tap's addition; with eight
-/// the taps' loads set the pace (xHC's convolution kernels, four alternating
-/// profiles of training steps: 42.2-43.6 → 38.5-40.7 ms a step, the input
-/// gradient's 9.8-10.2 → 7.3-8.0).
+/// the taps' loads set the pace.
 const CHANNEL_STRIP_WIDE: usize = 64;
 
 /// Channels per strip where [`CHANNEL_STRIP_WIDE`] does not divide the row:
@@ -379,8 +377,7 @@ fn channel_strip(target: Target, c: usize) -> usize {
 /// at the rate of the local row's loads and stores. Here each strip of
 /// `strip` channels keeps its sums in that many variables, which the
 /// C compiler packs into one vector, through all the terms, and stores them
-/// once (xHC's three forward convolutions, κ = 4, 8, 12 over C = 256, one
-/// thread, operands in cache: 0.34-0.38 → 0.27-0.28 µs a token). Each channel
+/// once. Each channel
 /// adds the same terms in the same order from the same start, so the sums are
 /// bit for bit the row form's. A row that is not a whole number of strips
 /// keeps the row form, in a local array of `c` elements of `ty`.
@@ -456,7 +453,7 @@ impl Ta<'_> {
     }
 
     /// The causal depthwise convolutions g_j at token `tok` into the local
-    /// `dst`, g_j at `at[j]` (MATH.md §6.5): Σ_{i < κ_j, i ≤ t} w_j[i] ⊙ x[tok − i],
+    /// `dst`, g_j at `at[j]` (docs/math.md §6.5): Σ_{i < κ_j, i ≤ t} w_j[i] ⊙ x[tok − i],
     /// in [`channel_strips`]; every channel adds its taps in order from 0.
     fn convs(&self, b: &mut Block, tok: &Expr, dst: &Buf, at: &[usize]) {
         let n = self.names;
@@ -524,7 +521,7 @@ impl GsArrays {
 }
 
 /// Modified Gram–Schmidt of one token, forward record and reverse sweep
-/// (MATH.md §6.5, §6.8; `ir::exec::backward_ops::gram_schmidt_back`): writes
+/// (docs/math.md §6.5, §6.8; `ir::exec::backward_ops::gram_schmidt_back`): writes
 /// d g_j into `dg` (rows of C from `dg_at + j·C`) and, when asked, d out's
 /// direct part into `direct` (C from its offset). The projections run as
 /// loops over (j, i) with the record in local arrays, which keeps the body
@@ -611,7 +608,7 @@ fn gs_back(
     }
 }
 
-/// TemporalAugment (MATH.md §6.5) with one item per token: the causal
+/// TemporalAugment (docs/math.md §6.5) with one item per token: the causal
 /// convolutions, then Gram–Schmidt against `out` and the earlier rows. The
 /// projections run column by column (every later row on v_i, then on
 /// v_{i+1}), which computes the same values as row by row and lets each
@@ -662,7 +659,7 @@ fn temporal(
     finish(k, r)
 }
 
-/// The gradients of one TemporalAugment (MATH.md §6.8) w.r.t. `out`
+/// The gradients of one TemporalAugment (docs/math.md §6.8) w.r.t. `out`
 /// (`outs[0]`) and the kernels (`outs[j]`), whichever are present: the
 /// TemporalAugmentGrad nodes sharing their inputs. With Gram–Schmidt, a first
 /// kernel runs each token's reverse sweep once (one item per token) into

@@ -148,7 +148,7 @@ pub enum MathFn {
     Max,
     Min,
     /// The nearest bf16 value of an `f32`, as an `f32` (round to nearest even, NaN stays
-    /// NaN): a cast to bf16 computed in registers (MATH.md §6.12), printed through the
+    /// NaN): a cast to bf16 computed in registers (docs/math.md §6.12), printed through the
     /// renderer's `widen_f32_to_bf16` / `widen_bf16_to_f32` pair so it matches a bf16
     /// store and `ir::dtype::round_bf16` bit for bit.
     RoundBf16,

@@ -1,6 +1,6 @@
 //! Loop fusion and scalar replacement inside one item's body.
 //!
-//! The item emitter (DESIGN.md §5) writes one loop per graph op of a fused
+//! The item emitter (docs/architecture.md §5) writes one loop per graph op of a fused
 //! region, each storing its result to a per-item local array that the next
 //! op's loop reads back: a VWN connection backward over a 1024-wide over-width
 //! row runs a dozen such passes, with a dozen 4 KiB arrays that no longer fit
@@ -14,7 +14,7 @@
 //! 2. turns a local array that is written and read only at the loop variable
 //!    of one loop, read after it is written, into a scalar of that loop, and
 //! 3. computes a local array that is a function of read-only parameters alone
-//!    (the squares of a row before its mean, MATH.md §4.3's RMS statistic)
+//!    (the squares of a row before its mean, docs/math.md §4.3's RMS statistic)
 //!    where it is read, when that costs no more arithmetic: the array then never
 //!    exists. On the GPU a 256-element array of this kind is promoted to
 //!    registers next to the rest of a fused body and spills; on the CPU it is
@@ -119,7 +119,7 @@ fn merge_loops(stmts: Vec<Stmt>) -> Vec<Stmt> {
 /// `stmts` with each loop of one iteration from zero replaced by its body,
 /// where the body no longer names the loop's variable (the index
 /// simplifier folds its one value in) and declares no name that the other
-/// statements declare: a row-form product over an item's one row (MATH.md
+/// statements declare: a row-form product over an item's one row (docs/math.md
 /// §4.3's `H_res` mixing, one stream an item) is then scalars and one
 /// elementwise loop at the item's level, which [`merge_loops`] may merge with
 /// the loops around it.

@@ -1,4 +1,4 @@
-//! The kernel IR: a small structured AST with concrete sizes (DESIGN.md §6).
+//! The kernel IR: a small structured AST with concrete sizes (docs/architecture.md §6).
 //!
 //! A [`Kernel`] is a list of typed buffer parameters, a 1-D launch [`Grid`] and
 //! a body of [`Stmt`]s. The body describes the work of **one item** of the
@@ -90,7 +90,7 @@ impl Access {
 pub struct Param {
     pub name: String,
     /// Storage type. `Bf16` is storage only: loads widen to f32 and stores
-    /// round to nearest even (MATH.md §6.12 keeps arithmetic in f32).
+    /// round to nearest even (docs/math.md §6.12 keeps arithmetic in f32).
     pub dtype: DType,
     pub access: Access,
     /// Length in elements; the runtime allocates and checks it.
@@ -114,7 +114,7 @@ pub enum Grid {
     /// Each item is processed by a cooperating block of `threads` lanes that
     /// may use [`Stmt::Barrier`] and [`Stmt::BlockReduce`]. In CUDA one block
     /// per item; in C the body is split at barriers into serial loops over the
-    /// lanes (loop fission, DESIGN.md §6), so the same index math runs on CPU.
+    /// lanes (loop fission, docs/architecture.md §6), so the same index math runs on CPU.
     BlockPerItem { n: usize, threads: u32 },
 }
 
@@ -241,7 +241,7 @@ pub enum Unroll {
     /// No request: the compiler decides.
     #[default]
     Auto,
-    /// Unroll completely (small stream/segment axes, DESIGN.md §5).
+    /// Unroll completely (small stream/segment axes, docs/architecture.md §5).
     Full,
     /// Keep it a loop: a loop over one vector's lanes, which the compiler
     /// then vectorizes as the innermost loop. Unrolled into the enclosing

@@ -1,7 +1,7 @@
 //! Index simplification: rewrites the integer index arithmetic of a kernel
 //! into an equivalent, cheaper form before the kernel enters a Plan.
 //!
-//! Fused kernels address their operands through chains of views (DESIGN.md
+//! Fused kernels address their operands through chains of views (docs/architecture.md
 //! §6), so a single load index often re-derives the same coordinates several
 //! times with `/` and `%` by constants that are not powers of two, each of
 //! which costs a multiply-high and shifts per element. Interval (range)
@@ -302,7 +302,7 @@ impl Simplifier {
                     _ => None,
                 };
                 // A loop of one iteration (a row-form product's rows of one
-                // item, MATH.md §4.3) binds its variable to one value, which
+                // item, docs/math.md §4.3) binds its variable to one value, which
                 // indices may then fold in ([`super::fuse_loops`] drops the
                 // loop itself).
                 let def = match range {

@@ -2,7 +2,7 @@
 //! index-set splitting at comparison thresholds.
 //!
 //! The item emitter addresses a segmented over-width row (VWN's `n/m · D`
-//! state, MATH.md §5.1, or xHC's `N` streams, §6.1) with one flat loop and
+//! state, docs/math.md §5.1, or xHC's `N` streams, §6.1) with one flat loop and
 //! recovers the segment and the offset as `l / d_b` and `l % d_b`; a
 //! concatenation of coefficient blocks (DGHC's `[A | B]` columns, §5.5)
 //! selects its source with `l % 24 < 4 ? … : …`. Both keep the C compiler
@@ -41,7 +41,7 @@ const LONG_LOOP: u64 = 64;
 /// it for affine indices (`lo·c + li`, one more integer operation per use,
 /// which the compiler folds into the addresses anyway), and VWN's group
 /// statistics over a token's four 256-wide groups (`x[l] − μ[l / 256]`,
-/// MATH.md §5.1) stayed a 1024-iteration loop reading μ by gather at 8.
+/// docs/math.md §5.1) stayed a 1024-iteration loop reading μ by gather at 8.
 const LONG_LOOP_DIVISION: u64 = 16;
 
 /// Applies both rewrites to a thread-per-item kernel whose indices are

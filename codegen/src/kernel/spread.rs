@@ -1,5 +1,5 @@
 //! Thread-per-item kernels spread over a block of lanes, for the GPU
-//! (DESIGN.md §5, §6, §10).
+//! (docs/architecture.md §5, §6, §10).
 //!
 //! A fused token-local kernel runs one thread per item (a token) and walks
 //! the item's rows (`C`, `n·C` or `N·C` floats) in loops. On the GPU the 32
@@ -21,7 +21,7 @@
 //!   barrier or reduction.
 //!
 //! Small loops (at most [`UNROLL_MAX_TRIPS`] iterations) around long ones are
-//! unrolled first, so that mHC's `n × n` Gram products over `C` (MATH.md §4.2)
+//! unrolled first, so that mHC's `n × n` Gram products over `C` (docs/math.md §4.2)
 //! become top-level loops the lanes can share.
 //!
 //! A kernel whose shape does not fit (no long loop to split, a long loop that
@@ -47,10 +47,10 @@ const MAX_TOP_LEVEL: usize = 1024;
 
 /// How much work every lane may repeat, per unit of work split across the
 /// lanes: the repeated part costs `LANES` times its thread-per-item share,
-/// and pays when the split part's loads, consecutive now, dominate. Measured
-/// on an H200 at 16, kernels repeating 1.1-3.5 times their split work (xHC's
-/// temporal augmentation and its kernel gradient, as they were then) ran 2.4x
-/// slower than one thread per token; at 1 none did.
+/// and pays when the split part's loads, consecutive now, dominate. On an
+/// H200 a limit of 16 let kernels that repeat a few times their split work
+/// (xHC's temporal augmentation and its kernel gradient, as they were then)
+/// run slower than one thread per token; at 1 none did.
 const REPEATED_WORK_PER_SPLIT_WORK: u64 = 1;
 
 /// Most work (operations, loads and stores) every lane may repeat per item.
@@ -139,7 +139,7 @@ fn split(s: Stmt, partials: &[(String, String, Ty)], lanes: i64) -> Stmt {
 
 /// A top-level `if` whose branches' long loops the lanes may share without a
 /// barrier or a reduction inside the branch (xHC's row scatter: copy the
-/// routed row or the kept one, MATH.md §6.4): the `if` with those loops
+/// routed row or the kept one, docs/math.md §6.4): the `if` with those loops
 /// split, and their work. The condition is the same on every lane (it
 /// reads only values every lane has alike).
 fn split_branches(s: &Stmt, lanes: i64, owned: &Owned) -> Option<(Stmt, u64)> {
@@ -281,7 +281,7 @@ fn with_unique_names(mut stmts: Vec<Stmt>, seen: &mut HashSet<String>, renames: 
 /// `stmts` with integer arithmetic and comparisons of literals folded and
 /// every `if` on a literal condition replaced by its branch: a copy of a
 /// triangular loop nest (`for i in 0..j + 1`, `if i == j`, Gram–Schmidt's
-/// projections, MATH.md §6.5) then has literal bounds and no branch.
+/// projections, docs/math.md §6.5) then has literal bounds and no branch.
 fn with_literals_folded(stmts: Vec<Stmt>) -> Vec<Stmt> {
     let fold = |e: &Expr| -> Option<Expr> {
         let folded = e.rewrite(&|x| match x {
@@ -404,7 +404,7 @@ fn splittable(s: &Stmt, lanes: i64, owned: &Owned) -> Option<Vec<(String, Ty)>> 
 /// trips, at that loop's variable (plus a multiple of `lanes`), and each such
 /// loop splits. Such an array
 /// holds a row the item builds in several loops (VWN's row-form products
-/// accumulate `[m, 4] × [4, C/m]` into one, MATH.md §5.3); lane `l` then
+/// accumulate `[m, 4] × [4, C/m]` into one, docs/math.md §5.3); lane `l` then
 /// builds and reads elements `l, l + LANES, …` only.
 fn lane_owned_arrays(body: &[Stmt], lanes: i64) -> Owned {
     let lets = let_definitions(body);
@@ -436,8 +436,8 @@ fn lane_owned_arrays(body: &[Stmt], lanes: i64) -> Owned {
 /// shorter. The lanes of a warp then access the same slot of their local
 /// memory at once, which the GPU interleaves across lanes into consecutive
 /// words; with whole rows, lane `l` accessed element `l + LANES·k` of its
-/// own row, 32 scattered lines per access (xHC's temporal augmentation ran at
-/// 22 GB/s so, against 42 one thread per token).
+/// own row, 32 scattered lines per access (xHC's temporal augmentation then
+/// ran slower than with one thread per token).
 fn compacted(body: Vec<Stmt>, owned: &HashSet<String>) -> Vec<Stmt> {
     if owned.is_empty() {
         return body;
@@ -538,7 +538,7 @@ fn touches(s: &Stmt, a: &str) -> bool {
 /// Whether `index` is `v + k` for a literal `k` that is a multiple of
 /// [`LANES`]: element `index` then belongs to the lane of iteration `v` in
 /// every loop from 0 by 1 (several rows of one array, each a multiple of
-/// `LANES` long, as xHC's temporal features `[r, C]`, MATH.md §6.5).
+/// `LANES` long, as xHC's temporal features `[r, C]`, docs/math.md §6.5).
 fn is_lane_element(index: &Expr, v: &str) -> bool {
     let offset = index.rewrite(&|x| match x {
         Expr::Var { name, .. } if name == v => Some(Expr::I64(0)),

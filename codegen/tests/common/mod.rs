@@ -12,7 +12,7 @@ pub const ROWS: usize = 5;
 pub const D: usize = 48;
 pub const EPS: f32 = 1e-6;
 
-/// RMSNorm per row: a reduction loop, then a scaling loop (MATH.md §0.1 norm).
+/// RMSNorm per row: a reduction loop, then a scaling loop (docs/math.md §0.1 norm).
 pub fn rmsnorm() -> Kernel {
     let mut k = KernelBuilder::new("rmsnorm", Grid::ThreadPerItem { n: ROWS, block: 128 });
     let x = k.param("x", DType::F32, Access::Read, ROWS * D);
@@ -79,7 +79,7 @@ pub const S: usize = 4;
 pub const C: usize = 8;
 
 /// Stream mixing per token, `out[t, s, c] = sum_r h_mix[s, r] * h[t, r, c]`
-/// (output-major mixing matrix, MATH.md §0.2), through an unrolled local array.
+/// (output-major mixing matrix, docs/math.md §0.2), through an unrolled local array.
 pub fn stream_mix() -> Kernel {
     let mut k = KernelBuilder::new("stream_mix", Grid::ThreadPerItem { n: TOKENS, block: 128 });
     let h = k.param("h", DType::F32, Access::Read, TOKENS * S * C);

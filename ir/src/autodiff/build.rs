@@ -34,7 +34,7 @@ impl Builder<'_> {
         self.g.add_source(Op::Constant { value }, shape, dtype, None)
     }
 
-    /// Zeros shaped like `like`, in its compute type (adjoints are never bf16, MATH.md §6.12).
+    /// Zeros shaped like `like`, in its compute type (adjoints are never bf16, docs/math.md §6.12).
     pub fn zeros_like(&mut self, like: NodeId) -> NodeId {
         let (shape, dtype) = (self.shape(like), self.dtype(like).compute());
         self.constant(0.0, shape, dtype)

@@ -1,11 +1,11 @@
-//! Reverse-mode autodiff as a graph-to-graph pass (DESIGN.md §4): one derivative
+//! Reverse-mode autodiff as a graph-to-graph pass (docs/architecture.md §4): one derivative
 //! rule per op in one table (`rules`). TopK indices carry no gradient; an op with no rule
 //! is an error, never a silent zero.
 //!
 //! The sweep visits, in reverse topological order, only the float nodes that lie on a
 //! path from a `wrt` node to the loss; adjoints reaching a node along several uses are
 //! summed with `Add`. Integer values (token ids, routing indices) stop the path: the
-//! function is piecewise constant in them (MATH.md §6.8, hard TopK).
+//! function is piecewise constant in them (docs/math.md §6.8, hard TopK).
 
 mod build;
 mod rules;

@@ -1,5 +1,5 @@
 //! The derivative table: one vector-Jacobian rule per op, in one match
-//! (DESIGN.md §4). Each arm receives the output adjoint `dy` and returns the
+//! (docs/architecture.md §4). Each arm receives the output adjoint `dy` and returns the
 //! adjoint of every input the sweep asked for (`needs`), shaped like that input.
 //! Rules are graph-building code: derivatives are expressed with the primitive
 //! ops wherever that is natural, and with a backward op (`*Grad`) for composites
@@ -31,7 +31,7 @@ pub(super) fn vjp(b: &mut Builder, y: NodeId, dy: NodeId, needs: &[bool]) -> Res
             out[1] = dr.map(|d| b.sum_to(d, &b.shape(r))).transpose()?;
         }
         Op::Affine { mul, .. } => out[0] = Some(b.affine(dy, mul, 0.0)?),
-        // Straight-through (MATH.md §6.12 DECISION): rounding to bf16 is treated as the
+        // Straight-through (docs/math.md §6.12 DECISION): rounding to bf16 is treated as the
         // identity, and gradients stay in the input's compute type, so the adjoint of a bf16
         // value is f32 and a gradient is never rounded to bf16.
         Op::Cast { .. } => {
@@ -324,7 +324,7 @@ fn binary(
 }
 
 /// RMSNorm statistics over the last axis, recomputed from x: (x̂ = xρ, ρ) with
-/// ρ = (mean x² + ε)^(-1/2) (MATH.md §1.3).
+/// ρ = (mean x² + ε)^(-1/2) (docs/math.md §1.3).
 fn rms_stats(b: &mut Builder, x: NodeId, eps: f64) -> Result<(NodeId, NodeId), GraphError> {
     let x2 = b.unary(UnaryOp::Square, x)?;
     let ms = b.mean_last(x2)?;
@@ -333,7 +333,7 @@ fn rms_stats(b: &mut Builder, x: NodeId, eps: f64) -> Result<(NodeId, NodeId), G
     Ok((b.mul(x, rho)?, rho))
 }
 
-/// RMSNorm VJP (MATH.md §1.4) given the adjoint of x̂: dx = ρ (dx̂ − x̂ mean(x̂ ⊙ dx̂)).
+/// RMSNorm VJP (docs/math.md §1.4) given the adjoint of x̂: dx = ρ (dx̂ − x̂ mean(x̂ ⊙ dx̂)).
 fn rms_back(b: &mut Builder, xhat: NodeId, rho: NodeId, dxhat: NodeId) -> Result<NodeId, GraphError> {
     let p = b.mul(xhat, dxhat)?;
     let m = b.mean_last(p)?;
@@ -389,7 +389,7 @@ fn affine_adjoints(
 }
 
 /// NormProject (x [.., K], w [K, M], y = x̂ w): the first `centered` columns are
-/// LayerNorm(x) w[:, ..centered], the rest RMSNorm(x) w[:, centered..] (MATH.md §4.3,
+/// LayerNorm(x) w[:, ..centered], the rest RMSNorm(x) w[:, centered..] (docs/math.md §4.3,
 /// §6.2–6.3). Works on x flattened to [N, K].
 ///
 /// The normalized x̂ is never formed: with s the per-row scale (LayerNorm's 1/σ,
@@ -401,7 +401,7 @@ fn affine_adjoints(
 /// mean_K(dx̂) = dy · Σ_K w / K and mean_K(x̂ ⊙ dx̂) = dy · y / K (x̂ w = y). At the
 /// xHC state width (K = N·C = 4096, M = 2N) that turns two `[N, K]` normalized
 /// copies, two dx̂ products and two norm VJPs over K into one `K = 32` product,
-/// one weight product over x and one elementwise pass (MATH.md §6.9's traffic).
+/// one weight product over x and one elementwise pass (docs/math.md §6.9's traffic).
 /// The centred term keeps `x − μ` (not `x s² − μ s²`) so a large mean does not
 /// cancel.
 #[allow(clippy::too_many_arguments)]

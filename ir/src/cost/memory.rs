@@ -4,7 +4,7 @@
 //!
 //! Everything else in [`crate::cost`] is counted on the lowered graph; this cannot be,
 //! because lowering a spec that is too large is exactly what must not happen. It uses
-//! the same parameter shapes as the lowering (and MATH.md's closed forms of the
+//! the same parameter shapes as the lowering (and docs/math.md's closed forms of the
 //! connection parameters, [`super::paper_figures`]), and the activation convention of
 //! the module doc (every stored op output, 4 bytes per element) reduced to dominant
 //! terms per token. The test `ir/tests/cost_memory.rs` checks it against the graph's
@@ -105,7 +105,7 @@ pub fn training_memory(spec: &ModelSpec) -> TrainingMemory {
     let (h, hkv, dh) = (f(spec.heads), f(spec.kv_heads()), f(spec.head_dim()));
     let tokens = f(spec.train.batch) * f(spec.train.seq_len);
 
-    // Per block: attention (W_q, W_k, W_v, W_o and the norm) and the FFN (MATH.md §1.3).
+    // Per block: attention (W_q, W_k, W_v, W_o and the norm) and the FFN (docs/math.md §1.3).
     let attention = 2.0 * d * h * dh + 2.0 * d * hkv * dh + d;
     let (ffn, ffn_act) = match &spec.ffn {
         FfnSpec::SwiGlu(s) => {
@@ -142,7 +142,7 @@ pub fn training_memory(spec: &ModelSpec) -> TrainingMemory {
     let connection = l * connection_params_per_block(spec, state) + collapse_params(spec, state);
     let head = d + if spec.tie_embeddings { 0.0 } else { v * d };
     // An MTP module: two norms over the state, the per-slot [2W, W] mixing, one block
-    // with its connections, its collapse and final norm (MATH.md §7.1, §5.7).
+    // with its connections, its collapse and final norm (docs/math.md §7.1, §5.7).
     let depth = f(spec.mtp.depth);
     let module = 2.0 * state
         + 2.0 * slot * slot
@@ -160,7 +160,7 @@ pub fn training_memory(spec: &ModelSpec) -> TrainingMemory {
     // Each sublayer's connection keeps a few copies of the state and, when dynamic,
     // about six intermediates (projection, scale, activation, offset) of every mixing
     // coefficient it generates per token.
-    // xHC reads and writes only the k active streams (MATH.md §6.6).
+    // xHC reads and writes only the k active streams (docs/math.md §6.6).
     let touched = match &spec.residual {
         ResidualSpec::Xhc(x) => f(x.k) * d,
         ResidualSpec::Residual
@@ -195,7 +195,7 @@ fn default_hidden(d: f64) -> f64 {
     ((8.0 * d / 3.0).ceil() / multiple).ceil() * multiple
 }
 
-/// Connection parameters of one block (two sublayers), from MATH.md's closed forms
+/// Connection parameters of one block (two sublayers), from docs/math.md's closed forms
 /// where they exist, else the dominant projection terms of the lowering.
 fn connection_params_per_block(spec: &ModelSpec, state: f64) -> f64 {
     let d = spec.d_model as f64;
@@ -219,11 +219,11 @@ fn connection_params_per_block(spec: &ModelSpec, state: f64) -> f64 {
         }
         ResidualSpec::Xhc(x) => {
             // Routing over all N streams, maps over the k active ones with K_r
-            // components, the temporal kernels (MATH.md §6.9), per sublayer.
+            // components, the temporal kernels (docs/math.md §6.9), per sublayer.
             let (big_n, k) = (x.n as f64, x.k as f64);
             let k_r = x.conv_kernels.len() as f64 + 1.0;
             let kernels: f64 = x.conv_kernels.iter().map(|&kappa| kappa as f64).sum();
-            // xHC-Flash routes once per block or per two blocks (MATH.md §6.10, §6.11).
+            // xHC-Flash routes once per block or per two blocks (docs/math.md §6.10, §6.11).
             let routings = match x.flash {
                 Flash::None => 2.0,
                 Flash::Block => 1.0,
@@ -235,7 +235,7 @@ fn connection_params_per_block(spec: &ModelSpec, state: f64) -> f64 {
     }
 }
 
-/// Mixing coefficients a sublayer generates per token (dynamic schemes; MATH.md §2.3,
+/// Mixing coefficients a sublayer generates per token (dynamic schemes; docs/math.md §2.3,
 /// §3, §4.2, §5.5, §6.2).
 fn coefficients_per_token(spec: &ModelSpec) -> f64 {
     match &spec.residual {

@@ -1,10 +1,10 @@
-//! The cost model (DESIGN.md §8): parameters, FLOPs, residual-stream memory traffic
+//! The cost model (docs/architecture.md §8): parameters, FLOPs, residual-stream memory traffic
 //! and activation memory of a spec, each also as overhead against the same backbone
 //! with a plain residual.
 //!
 //! Everything is **counted from the lowered graph**: the report walks the nodes of
 //! [`crate::lower::lower`]'s forward graph and sums the per-op table of [`op_cost`].
-//! The closed-form formulas of MATH.md are not evaluated to produce the figures; they
+//! The closed-form formulas of docs/math.md are not evaluated to produce the figures; they
 //! appear only next to them ([`PaperFigures`]) and in the tests that check the counts.
 //!
 //! Conventions (all per token = graph totals / (B·T) of the trunk; the check graph is
@@ -19,13 +19,13 @@
 //!   whatever its region; the shared embedding and U stay in their trunk buckets.
 //! - **FLOPs.** `flops_per_token.forward` counts every op of the forward graph, trunk
 //!   and MTP modules ("all ops", [`OpCost::flops`]); `train` = 3 × forward, the
-//!   convention of MATH.md §1.5 (backward ≈ 2 × forward). Connection FLOPs per
-//!   sublayer use the papers' convention ([`OpCost::flops_papers`], MATH.md §5.9,
+//!   convention of docs/math.md §1.5 (backward ≈ 2 × forward). Connection FLOPs per
+//!   sublayer use the papers' convention ([`OpCost::flops_papers`], docs/math.md §5.9,
 //!   §6.9) and are the mean over the trunk's 2L sublayers of the
 //!   [`Region::Connection`] nodes outside MTP modules.
 //! - **Traffic.** Elements read and written per token by the trunk's
 //!   [`Region::Connection`] nodes, in units of D, mean over the 2L sublayers; the plain
-//!   residual gives 2 / 1 (MATH.md §1.5). Parameters, views and `ScatterRows` move
+//!   residual gives 2 / 1 (docs/math.md §1.5). Parameters, views and `ScatterRows` move
 //!   nothing ([`op_cost`]).
 //! - **Activation memory.** Bytes of every non-view op output of the forward graph per
 //!   token at 4 bytes per element: what an unfused reverse pass keeps if it stores
@@ -234,7 +234,7 @@ impl GraphCounts {
 pub struct FlopsPerToken {
     /// All ops of the forward graph (trunk + MTP), rounded to an integer.
     pub forward: u64,
-    /// 3 × forward (MATH.md §1.5).
+    /// 3 × forward (docs/math.md §1.5).
     pub train: u64,
     /// The forward count by region.
     pub by_region: RegionFlops,
@@ -250,7 +250,7 @@ pub struct Traffic {
     /// read + write, in units of D.
     pub total: f64,
     /// (read + write) · D · bytes per element of the residual state (4 for f32, 2 for bf16,
-    /// MATH.md §6.12).
+    /// docs/math.md §6.12).
     pub bytes: f64,
 }
 
@@ -283,7 +283,7 @@ pub struct Baseline {
     pub activation_bytes_per_token: u64,
 }
 
-/// The cost report of one spec (the `widen check --json` payload, DESIGN.md §8).
+/// The cost report of one spec (the `widen check --json` payload, docs/architecture.md §8).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct CostReport {
     pub name: String,
@@ -298,7 +298,7 @@ pub struct CostReport {
     /// Connection parameters per block, mean over the trunk (collapse excluded).
     pub connection_params_per_block: f64,
     pub flops_per_token: FlopsPerToken,
-    /// Connection FLOPs per sublayer per token, papers' convention (MATH.md §5.9).
+    /// Connection FLOPs per sublayer per token, papers' convention (docs/math.md §5.9).
     pub connection_flops_per_sublayer: f64,
     /// The same in units of D.
     pub connection_flops_per_sublayer_d: f64,
@@ -308,7 +308,7 @@ pub struct CostReport {
     pub activation_bytes_per_token: u64,
     pub overhead_vs_residual: Overhead,
     pub baseline: Baseline,
-    /// MATH.md's closed forms, for comparison.
+    /// docs/math.md's closed forms, for comparison.
     pub paper: PaperFigures,
     /// Per trunk sublayer.
     pub sublayers: Vec<SublayerCost>,

@@ -11,9 +11,9 @@ use crate::graph::{Graph, NodeId, Op};
 pub struct OpCost {
     /// FLOPs counting every op ("all ops"): contractions at 2 per multiply-accumulate,
     /// elementwise ops at 1 per output element (transcendentals included), norms at
-    /// 3–7 per element, attention at 4·H·d_h per query and key (MATH.md §1.5).
+    /// 3–7 per element, attention at 4·H·d_h per query and key (docs/math.md §1.5).
     pub flops: f64,
-    /// FLOPs in the papers' convention (MATH.md §5.9, §6.9): only contractions
+    /// FLOPs in the papers' convention (docs/math.md §5.9, §6.9): only contractions
     /// (MatMul, the matmul part of NormProject) at 2 per multiply-accumulate and norms
     /// at 4 per normalized element; everything else is memory-bound and counts 0.
     pub flops_papers: f64,
@@ -35,13 +35,13 @@ impl OpCost {
 }
 
 /// Elements a consumer of `id` really loads from memory. Parameters are excluded (the
-/// traffic model of MATH.md §2.6, §4.7, §6.9 counts activations only). Views are
+/// traffic model of docs/math.md §2.6, §4.7, §6.9 counts activations only). Views are
 /// resolved to what they view: a slice counts at most its own elements, a concat the
 /// sum of its parts, and a broadcast depends on what it expands:
 /// - over the token axes (axes 0 and 1 of the output, `[B, T, ..]`), from a source
 ///   that lacks them (a static matrix, a scalar): the source's elements, read once;
 /// - over inner axes only (the replicated embedding that creates the streams,
-///   MATH.md §0.3): every element, since the papers' traffic model reads a
+///   docs/math.md §0.3): every element, since the papers' traffic model reads a
 ///   materialized state in every sublayer, the first one included.
 pub fn stored_elements(graph: &Graph, id: NodeId) -> usize {
     let node = graph.node(id);
@@ -77,7 +77,7 @@ fn expands_token_axes(source: &[usize], out: &[usize]) -> bool {
 /// Traffic rules: an op reads each non-parameter input once ([`stored_elements`]) and
 /// writes its output once. Sources and views move nothing. A `Gather` reads only the
 /// rows it gathers (plus the indices). `ScatterRows` moves nothing: its producer writes
-/// straight into the destination rows (MATH.md §6.6), so the rows are counted at the
+/// straight into the destination rows (docs/math.md §6.6), so the rows are counted at the
 /// producer.
 pub fn op_cost(graph: &Graph, id: NodeId) -> OpCost {
     let node = graph.node(id);
@@ -96,7 +96,7 @@ pub fn op_cost(graph: &Graph, id: NodeId) -> OpCost {
         | Op::Slice { .. }
         | Op::Concat { .. } => (0.0, 0.0, 0.0, 0.0),
         Op::Unary(_) | Op::Binary(_) | Op::Affine { .. } => (out, 0.0, reads_all(), out),
-        // A precision conversion moves data but does no arithmetic (MATH.md §6.12).
+        // A precision conversion moves data but does no arithmetic (docs/math.md §6.12).
         Op::Cast { .. } => (0.0, 0.0, reads_all(), out),
         // One add (or compare) per input element.
         Op::Reduce { .. } => (in_numel(0), 0.0, reads_all(), out),
@@ -133,7 +133,7 @@ pub fn op_cost(graph: &Graph, id: NodeId) -> OpCost {
         Op::GroupNorm { .. } => (7.0 * out, 4.0 * out, reads_all(), out),
         // Statistics pass over x (4·K per row, +K for the mean when some columns are
         // centred), the projection (2·K·M per row) and the folded normalization of each
-        // output (2 per output) (MATH.md §4.3).
+        // output (2 per output) (docs/math.md §4.3).
         Op::NormProject { centered, .. } => {
             let k = graph.node(inputs[0]).shape.last() as f64;
             let m = node.shape.last() as f64;
@@ -146,7 +146,7 @@ pub fn op_cost(graph: &Graph, id: NodeId) -> OpCost {
         // max, exp, sum over the vocabulary, plus the target pick: ~4V per row.
         Op::SoftmaxCrossEntropy => (4.0 * in_numel(0), 0.0, reads_all(), out),
         Op::CausalAttention { .. } => (attention_flops(&in_dims(0)), 0.0, reads_all(), out),
-        // (1 + 4·iters)·n² per matrix (MATH.md §4.7).
+        // (1 + 4·iters)·n² per matrix (docs/math.md §4.7).
         Op::Sinkhorn { iters, .. } => ((1 + 4 * iters) as f64 * out, 0.0, reads_all(), out),
         Op::TemporalAugment { gram_schmidt, .. } => {
             let kernels: Vec<Vec<usize>> = (1..inputs.len()).map(in_dims).collect();
@@ -167,13 +167,13 @@ pub fn op_cost(graph: &Graph, id: NodeId) -> OpCost {
 }
 
 /// Causal attention on q `[B, T, H, d_h]`: query t attends to t + 1 keys, so the mean is
-/// t̄ = (T + 1)/2 and each key costs 4·H·d_h (QK^T and PV at 2 per MAC, MATH.md §1.5).
+/// t̄ = (T + 1)/2 and each key costs 4·H·d_h (QK^T and PV at 2 per MAC, docs/math.md §1.5).
 fn attention_flops(q: &[usize]) -> f64 {
     let (b, t, h, dh) = (q[0] as f64, q[1] as f64, q[2] as f64, q[3] as f64);
     4.0 * h * dh * b * t * (t + 1.0) / 2.0
 }
 
-/// xHC temporal augmentation on out `[B, T, C]` (MATH.md §6.9): causal depthwise
+/// xHC temporal augmentation on out `[B, T, C]` (docs/math.md §6.9): causal depthwise
 /// convolutions 2·C·Σκ per token, plus Gram–Schmidt ≈ 4·C per projection over the
 /// K_r(K_r − 1)/2 pairs of the K_r = r + 1 components.
 fn temporal_augment_flops(out: &[usize], kernels: &[Vec<usize>], gram_schmidt: bool) -> f64 {

@@ -1,6 +1,6 @@
-//! The papers' closed-form per-sublayer costs, as MATH.md states them, shown next to
+//! The papers' closed-form per-sublayer costs, as docs/math.md states them, shown next to
 //! the graph's counts. They are dominant-term formulas with the conventions of each
-//! paper (e.g. mHC's norm at 2 FLOPs per element, MATH.md §4.7; the residual's and HC's
+//! paper (e.g. mHC's norm at 2 FLOPs per element, docs/math.md §4.7; the residual's and HC's
 //! scale-and-add terms, §9.1), so they agree with the counted figures only up to the
 //! terms they leave out or add; the counts are the authoritative numbers. Only GHC's
 //! §5.9 table uses exactly the counted papers' convention.
@@ -9,11 +9,11 @@ use serde::Serialize;
 
 use crate::spec::{AugSublayers, Flash, GenNorm, ModelSpec, OptimizerSpec, ResidualSpec, XhcSpec};
 
-/// Closed-form figures for a spec's residual scheme. `None` where MATH.md gives no
+/// Closed-form figures for a spec's residual scheme. `None` where docs/math.md gives no
 /// formula for the configuration.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct PaperFigures {
-    /// The MATH.md sections the formulas come from.
+    /// The docs/math.md sections the formulas come from.
     pub source: String,
     /// Connection FLOPs per sublayer per token, in units of D, mean over attention and FFN.
     pub connection_flops_per_sublayer_d: Option<f64>,
@@ -25,12 +25,12 @@ pub struct PaperFigures {
     pub connection_params_per_block: Option<f64>,
 }
 
-/// The closed forms of MATH.md §1.5, §2.6, §3, §4.7, §5.9, §6.9 and §9.1 for `spec`.
+/// The closed forms of docs/math.md §1.5, §2.6, §3, §4.7, §5.9, §6.9 and §9.1 for `spec`.
 pub fn paper_figures(spec: &ModelSpec) -> PaperFigures {
     let d = spec.d_model as f64;
     match &spec.residual {
         ResidualSpec::Residual => PaperFigures {
-            source: "MATH.md §1.5, §9.1".into(),
+            source: "docs/math.md §1.5, §9.1".into(),
             connection_flops_per_sublayer_d: Some(1.0),
             traffic_read: Some(2.0),
             traffic_write: Some(1.0),
@@ -53,7 +53,7 @@ pub fn paper_figures(spec: &ModelSpec) -> PaperFigures {
                 (2.0 * n * (n + 1.0) + 3.0 * n, n * (n + 2.0))
             };
             PaperFigures {
-                source: "MATH.md §2.4, §2.6, §9.1".into(),
+                source: "docs/math.md §2.4, §2.6, §9.1".into(),
                 connection_flops_per_sublayer_d: Some(flops),
                 traffic_read: Some(5.0 * n + 1.0 + small),
                 traffic_write: Some(3.0 * n + 1.0 + small),
@@ -71,7 +71,7 @@ pub fn paper_figures(spec: &ModelSpec) -> PaperFigures {
                 (4.0 * m + 1.0, m * (2.0 * m + 1.0))
             };
             PaperFigures {
-                source: "MATH.md §3, §9.1".into(),
+                source: "docs/math.md §3, §9.1".into(),
                 connection_flops_per_sublayer_d: Some(flops),
                 traffic_read: None,
                 traffic_write: None,
@@ -83,7 +83,7 @@ pub fn paper_figures(spec: &ModelSpec) -> PaperFigures {
             let sinkhorn = (1.0 + 4.0 * mhc.sinkhorn_iters as f64) * n * n;
             let small = (n * n + 2.0 * n) / d;
             PaperFigures {
-                source: "MATH.md §4.7, §9.1".into(),
+                source: "docs/math.md §4.7, §9.1".into(),
                 connection_flops_per_sublayer_d: Some(
                     2.0 * n * (n * n + 2.0 * n) + 2.0 * n * n + 6.0 * n + sinkhorn / d,
                 ),
@@ -104,7 +104,7 @@ pub fn paper_figures(spec: &ModelSpec) -> PaperFigures {
                 (r * 2.0 * (m + n) + 2.0 * n, n * (2.0 * m + n))
             };
             PaperFigures {
-                source: "MATH.md §5.9, §9.1".into(),
+                source: "docs/math.md §5.9, §9.1".into(),
                 connection_flops_per_sublayer_d: Some(flops),
                 traffic_read: None,
                 traffic_write: None,
@@ -115,7 +115,7 @@ pub fn paper_figures(spec: &ModelSpec) -> PaperFigures {
     }
 }
 
-/// xHC (MATH.md §6.9). The attention sublayer has K_r = 1 unless it is augmented too.
+/// xHC (docs/math.md §6.9). The attention sublayer has K_r = 1 unless it is augmented too.
 fn xhc_figures(spec: &ModelSpec, x: &XhcSpec) -> PaperFigures {
     let (big_n, k) = (x.n as f64, x.k as f64);
     let r = x.conv_kernels.len();
@@ -146,7 +146,7 @@ fn xhc_figures(spec: &ModelSpec, x: &XhcSpec) -> PaperFigures {
     let (fm, rm, wm, pm) = sublayer(mlp_aug);
     match x.flash {
         Flash::None => PaperFigures {
-            source: "MATH.md §6.9, §9.1".into(),
+            source: "docs/math.md §6.9, §9.1".into(),
             connection_flops_per_sublayer_d: Some((fa + fm) / 2.0),
             traffic_read: Some((ra + rm) / 2.0),
             traffic_write: Some((wa + wm) / 2.0),
@@ -160,7 +160,7 @@ fn xhc_figures(spec: &ModelSpec, x: &XhcSpec) -> PaperFigures {
                 _ => (26.5, 13.5),
             };
             PaperFigures {
-                source: "MATH.md §6.9".into(),
+                source: "docs/math.md §6.9".into(),
                 connection_flops_per_sublayer_d: None,
                 traffic_read: defaults.then_some(read),
                 traffic_write: defaults.then_some(write),

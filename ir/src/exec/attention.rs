@@ -1,4 +1,4 @@
-//! Causal self-attention with GQA and optional half-split RoPE (MATH.md §1.3).
+//! Causal self-attention with GQA and optional half-split RoPE (docs/math.md §1.3).
 
 use super::reduce::softmax_row;
 use super::{Float, Tensor};
@@ -19,13 +19,13 @@ impl AttnDims {
         AttnDims { b: q[0], t: q[1], h: q[2], hkv: kv[2], dh: q[3] }
     }
 
-    /// The key/value head query head `h` reads: g(h) = floor(h · Hkv / H) (MATH.md §1.3).
+    /// The key/value head query head `h` reads: g(h) = floor(h · Hkv / H) (docs/math.md §1.3).
     pub(crate) fn kv_head(&self, h: usize) -> usize {
         h * self.hkv / self.h
     }
 }
 
-/// Rotates x [b, t, heads, dh] in place, half-split convention (MATH.md §1.3): for
+/// Rotates x [b, t, heads, dh] in place, half-split convention (docs/math.md §1.3): for
 /// i < dh/2, θ_i = base^(-2i/dh), φ = t·θ_i, and the pair (x_i, x_{i+dh/2}) turns by φ.
 /// `inverse` turns by -φ instead: the rotation is orthogonal, so that is also its VJP.
 pub(crate) fn rope_in_place<T: Float>(

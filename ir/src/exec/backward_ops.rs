@@ -1,7 +1,7 @@
 //! Reference implementations of the backward-only ops that autodiff appends to the
-//! op set (DESIGN.md §4): the derivatives of the composites whose backward is not
+//! op set (docs/architecture.md §4): the derivatives of the composites whose backward is not
 //! written with primitive ops. Each recomputes what it needs from the forward
-//! inputs (MATH.md §4.5: recompute rather than store), reusing the forward kernels.
+//! inputs (docs/math.md §4.5: recompute rather than store), reusing the forward kernels.
 //! The dispatch in `exec/mod.rs` handles every forward op and hands any other op to
 //! [`eval`] here.
 
@@ -47,7 +47,7 @@ fn dot<T: Float>(a: &[T], b: &[T]) -> T {
     a.iter().zip(b).fold(T::zero(), |s, (&x, &y)| s + x * y)
 }
 
-/// d q, d k or d v of causal attention (MATH.md §1.3–1.4), recomputing the
+/// d q, d k or d v of causal attention (docs/math.md §1.3–1.4), recomputing the
 /// probabilities row by row: dV += Pᵀ dO, dP = dO Vᵀ, dS = P ⊙ (dP − rowsum(dP ⊙ P)),
 /// dQ = scale · dS K, dK += scale · dSᵀ Q, then the inverse RoPE rotation (its VJP).
 pub(crate) fn causal_attention_grad<T: Float>(
@@ -112,7 +112,7 @@ pub(crate) fn causal_attention_grad<T: Float>(
 }
 
 /// VJP of Sinkhorn-Knopp on one n×n matrix, unrolled through the recomputed finite
-/// iteration (MATH.md §4.5): row step (G − rowsum(G ⊙ Y)) / ρ, column step
+/// iteration (docs/math.md §4.5): row step (G − rowsum(G ⊙ Y)) / ρ, column step
 /// (G − colsum(G ⊙ Y)) / κ, exp step G ⊙ M⁽⁰⁾; the column-max shift sends minus the
 /// column sum of G ⊙ M⁽⁰⁾ to the first maximum of each column (with eps > 0 the
 /// shift is not exactly cancelled by the first column normalization).
@@ -183,7 +183,7 @@ pub(crate) fn sinkhorn_grad<T: Float>(x: &Tensor<T>, dout: &Tensor<T>, iters: us
     Tensor { shape: x.shape.clone(), data }
 }
 
-/// The forward record of modified Gram–Schmidt for one token (MATH.md §6.5): for
+/// The forward record of modified Gram–Schmidt for one token (docs/math.md §6.5): for
 /// row j, the running residual before each projection and that projection's
 /// coefficient and denominator.
 struct GsRecord<T> {
@@ -244,7 +244,7 @@ fn gram_schmidt_back<T: Float>(rec: &GsRecord<T>, dy: &[T], eps_rel: T, dg: &mut
     dv[0].iter().zip(&rec.v[0]).map(|(&d, &o)| d + scale * o).collect()
 }
 
-/// Gradient of TemporalAugment (MATH.md §6.5, §6.8) with respect to input `wrt`
+/// Gradient of TemporalAugment (docs/math.md §6.5, §6.8) with respect to input `wrt`
 /// (0 = out, j = w_j): convolutions and Gram–Schmidt are recomputed, Gram–Schmidt is
 /// reversed per token, and each causal convolution's backward is a correlation with
 /// its kernel (d out[t − i] += w[i] ⊙ d g[t], d w[i] += Σ d g[t] ⊙ out[t − i]).

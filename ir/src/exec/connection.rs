@@ -1,4 +1,4 @@
-//! Residual-stream connection ops: Sinkhorn-Knopp (MATH.md §4.2), xHC routing TopK
+//! Residual-stream connection ops: Sinkhorn-Knopp (docs/math.md §4.2), xHC routing TopK
 //! (§6.2), temporal augmentation with modified Gram–Schmidt (§6.5) and the fused
 //! norm-then-project NormProject (§4.3, §6.2–6.3).
 
@@ -8,7 +8,7 @@ use super::{Float, Tensor};
 use crate::Shape;
 use std::cmp::Ordering;
 
-/// Sinkhorn-Knopp on one row-major n×n matrix (MATH.md §4.2): M = exp(x - colmax),
+/// Sinkhorn-Knopp on one row-major n×n matrix (docs/math.md §4.2): M = exp(x - colmax),
 /// then `iters` times divide each column by (its sum + eps), then each row by
 /// (its sum + eps). Subtracting the column max is exact because the first step is a
 /// column normalization; the last step is a row normalization, so with eps = 0 the
@@ -49,7 +49,7 @@ pub(crate) fn sinkhorn<T: Float>(x: &Tensor<T>, iters: usize, eps: f64) -> Tenso
 }
 
 /// Higher score first, NaN last, then lower index first: a total order, so the
-/// selection is deterministic (MATH.md §6.2: ties go to the lowest index).
+/// selection is deterministic (docs/math.md §6.2: ties go to the lowest index).
 fn routing_order<T: Float>(scores: &[T], a: usize, b: usize) -> Ordering {
     let (sa, sb) = (scores[a], scores[b]);
     let by_score = match (sa.is_nan(), sb.is_nan()) {
@@ -61,7 +61,7 @@ fn routing_order<T: Float>(scores: &[T], a: usize, b: usize) -> Ordering {
     by_score.then(a.cmp(&b))
 }
 
-/// xHC routing over the last axis (MATH.md §6.2): indices 0..fixed, then the
+/// xHC routing over the last axis (docs/math.md §6.2): indices 0..fixed, then the
 /// k - fixed highest-scoring indices among fixed..N in ascending index order.
 pub(crate) fn topk<T: Float>(
     scores: &Tensor<T>,
@@ -92,7 +92,7 @@ pub(crate) fn topk<T: Float>(
 }
 
 /// Causal depthwise convolution over t of x [B, T, C] with kernel w [κ, C]
-/// (MATH.md §6.5): g[b, t, c] = Σ_{i < κ, i ≤ t} w[i, c] · x[b, t - i, c]; positions
+/// (docs/math.md §6.5): g[b, t, c] = Σ_{i < κ, i ≤ t} w[i, c] · x[b, t - i, c]; positions
 /// before t = 0 count as zero.
 pub(crate) fn causal_depthwise_conv<T: Float>(x: &Tensor<T>, w: &Tensor<T>) -> Vec<T> {
     let (b, t, c) = (x.shape.0[0], x.shape.0[1], x.shape.0[2]);
@@ -117,10 +117,10 @@ fn dot<T: Float>(a: &[T], b: &[T]) -> T {
     a.iter().zip(b).fold(T::zero(), |s, (&x, &y)| s + x * y)
 }
 
-/// ε_abs of the Gram–Schmidt guard (MATH.md §6.5 DECISION).
+/// ε_abs of the Gram–Schmidt guard (docs/math.md §6.5 DECISION).
 pub(crate) const GS_EPS_ABS: f64 = 1e-20;
 
-/// Modified Gram–Schmidt for one token (MATH.md §6.5): `ys` holds r rows of length
+/// Modified Gram–Schmidt for one token (docs/math.md §6.5): `ys` holds r rows of length
 /// `out.len()`; row j is replaced by the residual of g_j after subtracting, one
 /// after the other, its projections on out, y_0, ..., y_{j-1}, each with the
 /// denominator ⟨v, v⟩ + eps_rel·⟨out, out⟩ + ε_abs.
@@ -144,7 +144,7 @@ pub(crate) fn gram_schmidt_token<T: Float>(out: &[T], ys: &mut [T], eps_rel: f64
     }
 }
 
-/// xHC temporal augmentation (MATH.md §6.5): out [B, T, C] and kernels w_j [κ_j, C]
+/// xHC temporal augmentation (docs/math.md §6.5): out [B, T, C] and kernels w_j [κ_j, C]
 /// -> [B, T, r, C] holding v_2..v_{r+1}: the causal convolutions g_j, made orthogonal
 /// per token to out and to each other when `gram_schmidt` is set.
 pub(crate) fn temporal_augment<T: Float>(
@@ -176,7 +176,7 @@ pub(crate) fn temporal_augment<T: Float>(
 }
 
 /// out[.., j] = ρ · (Σ_i x_i w_ij - c_j · μ · Σ_i w_ij): the projection of the
-/// normalized x computed from x itself (MATH.md §4.3, §6.2). For the first
+/// normalized x computed from x itself (docs/math.md §4.3, §6.2). For the first
 /// `centered` columns c_j = 1, μ = mean(x), ρ = (var(x) + eps)^-1/2 (LayerNorm
 /// statistics); for the rest c_j = 0, ρ = (mean(x²) + eps)^-1/2 (RMSNorm).
 pub(crate) fn norm_project<T: Float>(

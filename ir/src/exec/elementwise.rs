@@ -37,7 +37,7 @@ pub(crate) fn unary<T: Float>(op: UnaryOp, x: &Tensor<T>) -> Tensor<T> {
     Tensor { shape: x.shape.clone(), data: x.data.iter().map(|&v| f(v)).collect() }
 }
 
-/// Cast to `to` (MATH.md §6.12). Values of Bf16 nodes are held as their exact values in T,
+/// Cast to `to` (docs/math.md §6.12). Values of Bf16 nodes are held as their exact values in T,
 /// so a cast to Bf16 rounds each value onto the bf16 grid (in f64 directly, without a
 /// double rounding through f32) and a cast to F32 or F64 keeps the value: the executor
 /// runs F32 nodes in T, and widening a bf16 value is exact.

@@ -1,4 +1,4 @@
-//! The loss op: mean softmax cross-entropy (MATH.md §1.3 "Loss").
+//! The loss op: mean softmax cross-entropy (docs/math.md §1.3 "Loss").
 
 use super::{Float, Tensor};
 use crate::Shape;

@@ -1,4 +1,4 @@
-//! Batched matrix product through the `gemm` crate (DESIGN.md §5: heavy ops use a
+//! Batched matrix product through the `gemm` crate (docs/architecture.md §5: heavy ops use a
 //! real GEMM even in the reference, since CPU training runs on it).
 
 use super::movement::{broadcast_strides, StridedIter};

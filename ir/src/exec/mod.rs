@@ -1,5 +1,5 @@
 //! The reference executor: a plain Rust interpreter of the unfused graph,
-//! generic over f32 and f64 (DESIGN.md §2). It is the oracle every other
+//! generic over f32 and f64 (docs/architecture.md §2). It is the oracle every other
 //! backend is tested against, so clarity beats speed here, except for the heavy
 //! ops (MatMul through `gemm`, attention with contiguous inner loops), which CPU
 //! training of small models runs on.

@@ -1,4 +1,4 @@
-//! Movement ops. They are views in the op set (DESIGN.md §4) but the reference
+//! Movement ops. They are views in the op set (docs/architecture.md §4) but the reference
 //! materializes every result, so each op here is a plain copy with index math.
 //! Also gather/scatter, which move rows selected by i32 indices.
 
@@ -177,7 +177,7 @@ pub(crate) fn scatter_add<T: Float>(
     Ok(out)
 }
 
-/// base with rows [p, idx[p, j], ..] replaced by src[p, j, ..] (MATH.md §6.6). The
+/// base with rows [p, idx[p, j], ..] replaced by src[p, j, ..] (docs/math.md §6.6). The
 /// indices must be distinct within each p: a repeated row would make the result
 /// depend on write order.
 pub(crate) fn scatter_rows<T: Float>(

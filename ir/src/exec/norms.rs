@@ -1,5 +1,5 @@
-//! Normalizations over the last axis: RMSNorm (MATH.md §1.3), LayerNorm and
-//! GroupNorm (MATH.md §5.2). Variances are population variances (divide by the
+//! Normalizations over the last axis: RMSNorm (docs/math.md §1.3), LayerNorm and
+//! GroupNorm (docs/math.md §5.2). Variances are population variances (divide by the
 //! count), as in the papers' PyTorch references.
 
 use super::{Float, Tensor};
@@ -19,12 +19,12 @@ pub(crate) fn centered_stats<T: Float>(x: &[T], eps: T) -> (T, T) {
     (mu, T::one() / (var + eps).sqrt())
 }
 
-/// (mean(x^2) + eps)^-1/2 of one row: the RMSNorm scale ρ of MATH.md §1.3–1.4.
+/// (mean(x^2) + eps)^-1/2 of one row: the RMSNorm scale ρ of docs/math.md §1.3–1.4.
 pub(crate) fn rms_scale<T: Float>(x: &[T], eps: T) -> T {
     T::one() / (mean_square(x) + eps).sqrt()
 }
 
-/// x · (mean x² + ε)^-1/2 ⊙ g, per row of the last axis (MATH.md §1.3).
+/// x · (mean x² + ε)^-1/2 ⊙ g, per row of the last axis (docs/math.md §1.3).
 pub(crate) fn rms_norm<T: Float>(x: &Tensor<T>, gain: Option<&Tensor<T>>, eps: f64) -> Tensor<T> {
     let d = x.shape.last();
     let eps = T::from_f64(eps);

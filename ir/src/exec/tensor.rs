@@ -42,7 +42,7 @@ pub trait Float:
     fn cos(self) -> Self;
     fn abs(self) -> Self;
     fn is_nan(self) -> bool;
-    /// The nearest bf16 value, ties to even (MATH.md §6.12; [`crate::dtype::round_bf16`]).
+    /// The nearest bf16 value, ties to even (docs/math.md §6.12; [`crate::dtype::round_bf16`]).
     fn round_bf16(self) -> Self;
 
     fn zero() -> Self {

@@ -1,6 +1,6 @@
 //! Canonical text and DOT dumps. Nodes are numbered by their position in the
 //! deterministic topological order, so dumps of the same spec are identical and
-//! can be diffed and snapshot-tested (DESIGN.md §4).
+//! can be diffed and snapshot-tested (docs/architecture.md §4).
 
 use super::{Graph, Init, NodeId, Op, Region};
 use std::collections::HashMap;

@@ -1,4 +1,4 @@
-//! Shape and dtype inference, one rule per op (DESIGN.md §4).
+//! Shape and dtype inference, one rule per op (docs/architecture.md §4).
 
 use super::{GraphError, Op};
 use crate::{DType, Shape};
@@ -28,7 +28,7 @@ fn mismatch(op: &Op, detail: impl Into<String>, lhs: &Shape, rhs: &Shape) -> Gra
 }
 
 /// The type arithmetic on a float operand produces: Bf16 operands are widened to F32
-/// (MATH.md §6.12: bf16 is a storage type, arithmetic is f32).
+/// (docs/math.md §6.12: bf16 is a storage type, arithmetic is f32).
 fn float(op: &Op, inputs: &[Typed], slot: usize) -> Result<DType, GraphError> {
     let dt = inputs[slot].1;
     if dt.is_float() {
@@ -48,7 +48,7 @@ fn int(op: &Op, inputs: &[Typed], slot: usize) -> Result<(), GraphError> {
 }
 
 /// The common compute type of float operands: Bf16 mixes with F32 and gives F32 (a MatMul
-/// of bf16 operands accumulates and returns f32, MATH.md §6.12); F32 and F64 do not mix.
+/// of bf16 operands accumulates and returns f32, docs/math.md §6.12); F32 and F64 do not mix.
 fn same_dtype(op: &Op, inputs: &[Typed]) -> Result<DType, GraphError> {
     let first = float(op, inputs, 0)?;
     for (slot, &(_, dtype)) in inputs.iter().enumerate().skip(1) {
@@ -89,7 +89,7 @@ fn grad_of(
     if wrt >= n_forward {
         return Err(invalid(op, format!("wrt {wrt} is not one of the {n_forward} forward inputs")));
     }
-    // Gradients are never bf16 (MATH.md §6.12 DECISION): the adjoint of a bf16 operand is f32.
+    // Gradients are never bf16 (docs/math.md §6.12 DECISION): the adjoint of a bf16 operand is f32.
     Ok((inputs[wrt].0.clone(), inputs[wrt].1.compute()))
 }
 
@@ -260,7 +260,7 @@ pub(super) fn infer(op: &Op, inputs: &[Typed]) -> Result<(Shape, DType), GraphEr
                 });
             }
             // Replacing rows moves data, so equal storage types are kept (a bf16 state stays
-            // bf16); accumulating is arithmetic and computes in f32 (MATH.md §6.12).
+            // bf16); accumulating is arithmetic and computes in f32 (docs/math.md §6.12).
             let keeps_storage = matches!(op, Op::ScatterRows { .. }) && base_dt == src_dt;
             Ok((base.clone(), if keeps_storage { base_dt } else { base_compute }))
         }

@@ -1,5 +1,5 @@
 //! The graph IR: a petgraph `StableGraph` whose nodes are ops and whose edges
-//! carry the operand slot (DESIGN.md §4). Every node's shape and dtype are
+//! carry the operand slot (docs/architecture.md §4). Every node's shape and dtype are
 //! inferred when it is added, so a malformed graph is rejected at the op that
 //! makes it malformed, with both shapes in the error.
 
@@ -25,7 +25,7 @@ pub type NodeId = NodeIndex<u32>;
 pub enum Region {
     /// Token embedding and stream creation.
     Embedding,
-    /// Residual-stream machinery: coefficient generation, Read, Carry, Write (MATH.md §0.3).
+    /// Residual-stream machinery: coefficient generation, Read, Carry, Write (docs/math.md §0.3).
     Connection,
     /// The unchanged backbone sublayer F_l, including its own pre-norm.
     Backbone,

@@ -1,4 +1,4 @@
-//! The op set, defined once (DESIGN.md §4). Every op's semantics is its
+//! The op set, defined once (docs/architecture.md §4). Every op's semantics is its
 //! reference implementation in `exec`; every op's derivative is one rule in
 //! `autodiff`. Shapes follow NumPy broadcasting for elementwise binaries.
 
@@ -54,13 +54,13 @@ pub enum Init {
     Uniform {
         bound: f64,
     },
-    /// Rectangular identity: 1 where row == col (e.g. W_reduce = [I_D | 0], MATH.md §5.6).
+    /// Rectangular identity: 1 where row == col (e.g. W_reduce = [I_D | 0], docs/math.md §5.6).
     Eye,
     /// Explicit row-major values (small static connection matrices: GHC A/B, mHC b).
     Values(Vec<f64>),
 }
 
-/// How a parameter is treated by optimizers and muP (MATH.md §8.1, §8.2).
+/// How a parameter is treated by optimizers and muP (docs/math.md §8.1, §8.2).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum ParamClass {
     /// Embedding tables (E, E_wide, E_base): AdamW, no weight decay, muP vector-like.
@@ -74,7 +74,7 @@ pub enum ParamClass {
     Gain,
     /// Connection-coefficient generators that read a width-sized vector
     /// (HC W, mHC phi, GHC W_alpha/W_beta, xHC W^r/W^pre/W^res/W^post):
-    /// AdamW with weight decay, muP readout-like (MATH.md §8.1 DECISION).
+    /// AdamW with weight decay, muP readout-like (docs/math.md §8.1 DECISION).
     ConnectionProjection,
     /// Static connection parameters (A, B, b, S, alpha scalars): AdamW, no weight decay.
     ConnectionStatic,
@@ -85,7 +85,7 @@ pub enum ParamClass {
 }
 
 impl ParamClass {
-    /// Whether AdamW applies decoupled weight decay (MATH.md §1.2, §2.4, §5.6, §6.7).
+    /// Whether AdamW applies decoupled weight decay (docs/math.md §1.2, §2.4, §5.6, §6.7).
     pub fn weight_decay(self) -> bool {
         matches!(
             self,
@@ -127,7 +127,7 @@ pub enum Op {
     Binary(BinaryOp),
     /// a * x + b with constants, elementwise: (x).
     Affine { mul: f64, add: f64 },
-    /// Elementwise conversion to the float type `to`: (x). Mixed precision (MATH.md §6.12):
+    /// Elementwise conversion to the float type `to`: (x). Mixed precision (docs/math.md §6.12):
     /// `Bf16` is a storage type, so a cast to Bf16 rounds each value to the nearest bf16
     /// (ties to even, NaN stays NaN, overflow gives ±inf) and every consumer computes in
     /// f32 on the exactly widened value; a cast of a Bf16 value to F32 is exact.
@@ -154,47 +154,47 @@ pub enum Op {
     /// Inverse of `Gather`, accumulating: (base, idx, src) -> base with src added at idx.
     ScatterAdd { axis: usize },
     /// Row replacement: (base, idx, src) -> base with rows idx replaced by src
-    /// (indices distinct within each P). Used for xHC's sparse write-back (MATH.md §6.6).
+    /// (indices distinct within each P). Used for xHC's sparse write-back (docs/math.md §6.6).
     ScatterRows { axis: usize },
-    /// xHC routing over the last axis (MATH.md §6.2): (scores [.., N]) -> i32 [.., k]:
+    /// xHC routing over the last axis (docs/math.md §6.2): (scores [.., N]) -> i32 [.., k]:
     /// indices 0..fixed, then the k - fixed highest scores among the rest, in ascending
     /// index order; ties go to the lowest index. Not differentiable.
     TopK { k: usize, fixed: usize },
     /// Softmax over the last axis: (x).
     Softmax,
-    /// RMSNorm over the last axis: (x, gain `[d]`) or (x) without gain (MATH.md §1.3).
+    /// RMSNorm over the last axis: (x, gain `[d]`) or (x) without gain (docs/math.md §1.3).
     RmsNorm { eps: f64 },
     /// LayerNorm over the last axis: (x, gain, bias) or (x) without affine.
     LayerNorm { eps: f64 },
     /// GroupNorm over the last axis split into `groups` groups, per-channel affine:
-    /// (x, gain, bias) (MATH.md §5.2).
+    /// (x, gain, bias) (docs/math.md §5.2).
     GroupNorm { groups: usize, eps: f64 },
-    /// Projection of the normalized input, reading x once (mHC fused form, MATH.md §4.3;
+    /// Projection of the normalized input, reading x once (mHC fused form, docs/math.md §4.3;
     /// xHC fused router + pre, §6.2–6.3): (x [.., K], w [K, M]) -> [.., M]. The first
     /// `centered` output columns use LayerNorm statistics (mean-centred, no affine),
     /// the rest RMSNorm statistics (no gain: it is folded into w).
     NormProject { eps: f64, centered: usize },
     /// Mean softmax cross-entropy: (logits [.., V], targets i32 [..]) -> scalar.
     SoftmaxCrossEntropy,
-    /// Causal self-attention with optional half-split RoPE (MATH.md §1.3):
+    /// Causal self-attention with optional half-split RoPE (docs/math.md §1.3):
     /// (q [B, T, H, dh], k [B, T, Hkv, dh], v [B, T, Hkv, dh]) -> [B, T, H, dh].
     CausalAttention { scale: f64, rope_base: Option<f64> },
-    /// Sinkhorn-Knopp over the last two axes (MATH.md §4.2): (logits [.., n, n]).
+    /// Sinkhorn-Knopp over the last two axes (docs/math.md §4.2): (logits [.., n, n]).
     /// exp(x - colmax), then `iters` x (column normalize, row normalize), each sum + eps.
     Sinkhorn { iters: usize, eps: f64 },
-    /// xHC temporal augmentation (MATH.md §6.5): (out [B, T, C], w_1 [κ_1, C], ..., w_r [κ_r, C])
+    /// xHC temporal augmentation (docs/math.md §6.5): (out [B, T, C], w_1 [κ_1, C], ..., w_r [κ_r, C])
     /// -> [B, T, r, C] = v_2..v_{r+1}: causal depthwise convolutions g_j, then (optionally)
     /// modified Gram–Schmidt against out and the earlier components.
     TemporalAugment { gram_schmidt: bool, eps_rel: f64 },
     /// Backward of `CausalAttention`, added by autodiff: (q, k, v, dout) -> the gradient
-    /// of q, k or v (`wrt` = 0, 1, 2), recomputing the probabilities (MATH.md §1.4).
+    /// of q, k or v (`wrt` = 0, 1, 2), recomputing the probabilities (docs/math.md §1.4).
     CausalAttentionGrad { scale: f64, rope_base: Option<f64>, wrt: usize },
     /// Backward of `Sinkhorn`, added by autodiff: (logits, dout) -> d logits, unrolled
-    /// through every normalization of the recomputed finite iteration (MATH.md §4.5).
+    /// through every normalization of the recomputed finite iteration (docs/math.md §4.5).
     SinkhornGrad { iters: usize, eps: f64 },
     /// Backward of `TemporalAugment`, added by autodiff: (out, w_1, ..., w_r, dY) -> the
     /// gradient of input `wrt` (0 = out, j = w_j), recomputing the convolutions and the
-    /// Gram–Schmidt sweep (MATH.md §6.8).
+    /// Gram–Schmidt sweep (docs/math.md §6.8).
     TemporalAugmentGrad { gram_schmidt: bool, eps_rel: f64, wrt: usize },
 }
 
@@ -256,7 +256,7 @@ impl Op {
         }
     }
 
-    /// Pure views: no data is moved (DESIGN.md §4 "movement as views"). The cost model
+    /// Pure views: no data is moved (docs/architecture.md §4 "movement as views"). The cost model
     /// counts no traffic for them.
     pub fn is_view(&self) -> bool {
         matches!(
@@ -269,7 +269,7 @@ impl Op {
         )
     }
 
-    /// Heavy ops that are kernels of their own (DESIGN.md §5).
+    /// Heavy ops that are kernels of their own (docs/architecture.md §5).
     pub fn is_heavy(&self) -> bool {
         matches!(
             self,

@@ -1,5 +1,5 @@
 //! The unchanged backbone sublayers F_l, each including its own pre-RMSNorm
-//! (MATH.md §1.3; every HC-family paper applies the sublayer norm to the read
+//! (docs/math.md §1.3; every HC-family paper applies the sublayer norm to the read
 //! input, §2.2, §4.1, §5.3).
 
 use super::Cx;
@@ -8,7 +8,7 @@ use crate::graph::{GraphError, Init, NodeId, Op, ParamClass, UnaryOp};
 use crate::spec::{FfnSpec, MoeGate, Parametrization};
 
 /// Init std of an output projection (W_o, W_2): init_std / sqrt(2L) when depth-scaled
-/// (GPT-2/Megatron, MATH.md §1.2), times the scheme's multiplier (HC's 1/sqrt(n), §2.4).
+/// (GPT-2/Megatron, docs/math.md §1.2), times the scheme's multiplier (HC's 1/sqrt(n), §2.4).
 fn out_proj_std(cx: &Cx, scheme_mult: f64) -> f64 {
     let base = if cx.spec.out_proj_depth_scaled {
         cx.spec.init_std / ((2 * cx.spec.layers) as f64).sqrt()
@@ -18,7 +18,7 @@ fn out_proj_std(cx: &Cx, scheme_mult: f64) -> f64 {
     cx.hidden_std(base) * scheme_mult
 }
 
-/// Causal (GQA) self-attention with half-split RoPE: `[B, T, D] -> [B, T, D]` (MATH.md §1.3).
+/// Causal (GQA) self-attention with half-split RoPE: `[B, T, D] -> [B, T, D]` (docs/math.md §1.3).
 /// Logit scale 1/sqrt(d_h), or alpha_attn/d_h under muP (§8.1).
 pub(super) fn attention(cx: &mut Cx, u: NodeId, prefix: &str, out_mult: f64) -> Result<NodeId, GraphError> {
     let spec = cx.spec.clone();
@@ -125,7 +125,7 @@ fn moe(
         ParamClass::Hidden,
     );
     // Expert matmuls are backbone projections (bf16 operands under mixed precision); the
-    // router above and the gates stay f32 (MATH.md §6.12).
+    // router above and the gates stay f32 (docs/math.md §6.12).
     let flat = cx.reshape(x, &[1, b * t, d])?;
     let flat = cx.operand(flat)?;
     let gate = cx.project(flat, w1, false, false)?;

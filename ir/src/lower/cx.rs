@@ -50,7 +50,7 @@ impl Cx {
 
     /// First global sublayer index of the block being lowered: 0 for the trunk,
     /// 2L + 2(k - 1) inside MTP module k (so per-sublayer inits such as HC's home
-    /// stream e_{l mod n} keep rotating, MATH.md §2.4).
+    /// stream e_{l mod n} keep rotating, docs/math.md §2.4).
     pub fn mtp_sublayer_offset(&self) -> usize {
         match self.module {
             None => 0,
@@ -68,7 +68,7 @@ impl Cx {
         }
     }
 
-    /// muP width multiplier w = D / D_base (MATH.md §8.1); 1 under the standard parametrization.
+    /// muP width multiplier w = D / D_base (docs/math.md §8.1); 1 under the standard parametrization.
     pub fn width_mult(&self) -> f64 {
         match &self.spec.parametrization {
             Parametrization::Standard => 1.0,
@@ -76,7 +76,7 @@ impl Cx {
         }
     }
 
-    /// Init std of a hidden matrix: `std` in SP, std / sqrt(w) under muP (MATH.md §8.1).
+    /// Init std of a hidden matrix: `std` in SP, std / sqrt(w) under muP (docs/math.md §8.1).
     pub fn hidden_std(&self, std: f64) -> f64 {
         std / self.width_mult().sqrt()
     }
@@ -102,14 +102,14 @@ impl Cx {
 
     /// The value stored as residual state between sublayers: under `precision: Bf16` the
     /// state each Write (and the embedding) produces is rounded to bf16 and every consumer
-    /// reads that bf16 value (MATH.md §6.12); under F32 it is `x` itself.
+    /// reads that bf16 value (docs/math.md §6.12); under F32 it is `x` itself.
     pub fn state(&mut self, x: NodeId) -> Result<NodeId, GraphError> {
         self.bf16_if_mixed(x)
     }
 
     /// A backbone projection `a @ w` (transposes as in [`Cx::matmul_t`]). Under
     /// `precision: Bf16` both operands are read as bf16 (the f32 master weight is rounded
-    /// per step) and the product accumulates in f32 (MATH.md §6.12). Coefficient, routing,
+    /// per step) and the product accumulates in f32 (docs/math.md §6.12). Coefficient, routing,
     /// norm and Sinkhorn math never goes through here, so it stays f32.
     pub fn project(
         &mut self,
@@ -151,7 +151,7 @@ impl Cx {
         self.g.add(Op::Reduce { op: crate::graph::ReduceOp::Sum, axis, keepdim }, &[x])
     }
 
-    /// RMSNorm over the last axis with the spec's epsilon (MATH.md §1.3).
+    /// RMSNorm over the last axis with the spec's epsilon (docs/math.md §1.3).
     pub fn rms_norm(&mut self, x: NodeId, gain: Option<NodeId>) -> Result<NodeId, GraphError> {
         let eps = self.spec.norm_eps;
         match gain {

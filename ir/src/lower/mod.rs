@@ -1,8 +1,8 @@
 //! Lowering of a validated [`ModelSpec`] into the forward training graph.
 //!
 //! Every scheme lowers through the unified Read / Carry / Write form of
-//! MATH.md §0.3: the persistent state is a `[B, T, s, d_s]` tensor (one row per
-//! stream, stream axis next to the feature axis, MATH.md §0.2) and a `Scheme`
+//! docs/math.md §0.3: the persistent state is a `[B, T, s, d_s]` tensor (one row per
+//! stream, stream axis next to the feature axis, docs/math.md §0.2) and a `Scheme`
 //! decides how it is created from the embedding, how each sublayer reads it and
 //! writes back, and how it is collapsed before the final norm. The backbone
 //! sublayers (the `backbone` module) are shared by every scheme unchanged.
@@ -10,10 +10,10 @@
 //! Graph interface (used by the runtime): one `Input` node `tokens`, i32
 //! `[B, T + 1]` (a window: inputs are `tokens[:, :T]`, targets `tokens[:, 1:]`;
 //! MTP module k reads `tokens[:, k:T]` and predicts `tokens[:, k+1:]`,
-//! MATH.md §7.1), outputs `loss` (scalar), `logits` (`[B, T, V]`), `loss_main`
+//! docs/math.md §7.1), outputs `loss` (scalar), `logits` (`[B, T, V]`), `loss_main`
 //! and `loss_mtp{k}`.
 //!
-//! Mixed precision (`precision: Bf16`, MATH.md §6.12): the state the embedding and every
+//! Mixed precision (`precision: Bf16`, docs/math.md §6.12): the state the embedding and every
 //! sublayer produce passes through [`Cx::state`] here, in the shared skeleton (and in a
 //! scheme that overrides `Scheme::block` between its sublayers), and every backbone
 //! projection goes through [`Cx::project`]; both add a bf16 `Cast` only in bf16 mode, so
@@ -36,7 +36,7 @@ pub struct Lowered {
     pub graph: crate::graph::Graph,
     /// i32 `[B, T + 1]` token window.
     pub tokens: NodeId,
-    /// Scalar training loss: L_main + lambda/K * sum_k L^k (MATH.md §7.1).
+    /// Scalar training loss: L_main + lambda/K * sum_k L^k (docs/math.md §7.1).
     pub loss: NodeId,
     /// Main-head logits `[B, T, V]`.
     pub logits: NodeId,
@@ -51,7 +51,7 @@ pub enum LowerError {
     Graph(#[from] GraphError),
 }
 
-/// Whether a sublayer is attention or FFN (MATH.md §0.1: sublayer 2i is block i's attention,
+/// Whether a sublayer is attention or FFN (docs/math.md §0.1: sublayer 2i is block i's attention,
 /// 2i + 1 its FFN).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SublayerKind {
@@ -62,13 +62,13 @@ pub enum SublayerKind {
 /// A backbone sublayer F_l: `[B, T, D] -> [B, T, D]`, including its own pre-norm.
 pub type Branch<'b> = dyn FnMut(&mut Cx, NodeId) -> Result<NodeId, GraphError> + 'b;
 
-/// A residual-stream scheme in the unified form of MATH.md §0.3.
+/// A residual-stream scheme in the unified form of docs/math.md §0.3.
 pub(crate) trait Scheme {
     /// Per-token state layout `(s, d_s)`: s slots of width d_s.
     fn layout(&self) -> (usize, usize);
 
-    /// Stream creation (MATH.md §0.3): token ids `[B, T']` to the state `[B, T', s, d_s]`.
-    /// Also used for the next-token embedding of MTP modules (MATH.md §7.2), so the
+    /// Stream creation (docs/math.md §0.3): token ids `[B, T']` to the state `[B, T', s, d_s]`.
+    /// Also used for the next-token embedding of MTP modules (docs/math.md §7.2), so the
     /// embedding parameters must be created once (reuse them on later calls).
     fn embed(&mut self, cx: &mut Cx, ids: NodeId) -> Result<NodeId, GraphError>;
 
@@ -84,7 +84,7 @@ pub(crate) trait Scheme {
     ) -> Result<NodeId, GraphError>;
 
     /// One block (attention then FFN). Schemes that share decisions across a block
-    /// (xHC-Flash, MATH.md §6.10) override this.
+    /// (xHC-Flash, docs/math.md §6.10) override this.
     fn block(
         &mut self,
         cx: &mut Cx,
@@ -103,7 +103,7 @@ pub(crate) trait Scheme {
     fn collapse(&mut self, cx: &mut Cx, state: NodeId, module: Option<usize>) -> Result<NodeId, GraphError>;
 
     /// Multiplier on the init std of the output projections W_o, W_2 (HC's sqrt(n) rule,
-    /// MATH.md §2.4).
+    /// docs/math.md §2.4).
     fn out_proj_std_mult(&self) -> f64 {
         1.0
     }
@@ -112,7 +112,7 @@ pub(crate) trait Scheme {
 /// Lowers a spec into its forward training graph for a `batch x seq_len` step.
 pub fn lower(spec: &ModelSpec, batch: usize, seq_len: usize) -> Result<Lowered, LowerError> {
     spec.validate_graph().map_err(LowerError::Invalid)?;
-    // MATH.md §7.1: module k trains on the first T - k positions of this graph's T.
+    // docs/math.md §7.1: module k trains on the first T - k positions of this graph's T.
     if spec.mtp.depth >= seq_len {
         return Err(LowerError::Invalid(vec![FieldError {
             path: "mtp.depth".into(),
@@ -224,12 +224,12 @@ fn lower_block(
     cx.state(out)
 }
 
-/// The final norm and unembedding, shared by the trunk and the MTP modules (MATH.md §7.1).
+/// The final norm and unembedding, shared by the trunk and the MTP modules (docs/math.md §7.1).
 struct HeadParams {
     unembed: NodeId,
     /// U is E^T: multiply with a transposed embedding table.
     tied: bool,
-    /// muP readout forward multiplier output_mult / w (MATH.md §8.1), or 1.
+    /// muP readout forward multiplier output_mult / w (docs/math.md §8.1), or 1.
     readout_mult: f64,
 }
 
@@ -269,7 +269,7 @@ impl HeadParams {
     }
 }
 
-/// MTP module k on the expanded state (MATH.md §7.2): per-slot fusion of the previous
+/// MTP module k on the expanded state (docs/math.md §7.2): per-slot fusion of the previous
 /// hidden state with the next-token embedding, one block of the trunk's scheme, the
 /// scheme's collapse, an own RMSNorm and the shared head. Returns (L^k, module state).
 fn lower_mtp_module(
@@ -291,7 +291,7 @@ fn lower_mtp_module(
     let hidden = cx.slice(prev, 1, 0, len)?;
 
     // x'_j = W_mix^T [RMSNorm_h(h_j); RMSNorm_e(e_j)] with one W_mix shared by all slots.
-    // Norm gains are per slot and channel, size s*d_s (MATH.md §5.7 DECISION (a)).
+    // Norm gains are per slot and channel, size s*d_s (docs/math.md §5.7 DECISION (a)).
     cx.set_role(Role::new(Region::Connection).mtp(Some(k)));
     let prefix = format!("mtp.{k}");
     let h_gain = cx.param(&format!("{prefix}.hidden_norm"), &[s, ds], Init::Ones, ParamClass::Gain);
@@ -305,7 +305,7 @@ fn lower_mtp_module(
         ConcatOrder::EmbFirst => [e_norm, h_norm],
     };
     let fused_in = cx.concat(&parts, 3)?;
-    // W_mix init [I; I] / 2: the average of hidden and embedding (MATH.md §5.7 DECISION (c)).
+    // W_mix init [I; I] / 2: the average of hidden and embedding (docs/math.md §5.7 DECISION (c)).
     let mut mix_init = vec![0.0; 2 * ds * ds];
     for i in 0..ds {
         mix_init[i * ds + i] = 0.5;
@@ -323,7 +323,7 @@ fn lower_mtp_module(
     let logits = head.logits(cx, collapsed, &format!("{prefix}.final_norm"))?;
     cx.seq_len = saved_len;
     cx.set_role(Role::new(Region::Loss).mtp(Some(k)));
-    // Mean over the T - k valid positions (MATH.md §7.1 DECISION: per-valid normalization).
+    // Mean over the T - k valid positions (docs/math.md §7.1 DECISION: per-valid normalization).
     let loss = cx.g.add(Op::SoftmaxCrossEntropy, &[logits, targets])?;
     Ok((loss, state))
 }

@@ -1,8 +1,8 @@
 //! Products over rows that repeat one narrower row, computed at the narrower
-//! width (DESIGN.md §5; the first sublayer's connection, MATH.md §4.3, §6.2).
+//! width (docs/architecture.md §5; the first sublayer's connection, docs/math.md §4.3, §6.2).
 //!
 //! The first hyper-connection state is the embedding broadcast to its `n`
-//! streams (`x̄ = [e, e, …, e]`, MATH.md §4.1). Its coefficient projection
+//! streams (`x̄ = [e, e, …, e]`, docs/math.md §4.1). Its coefficient projection
 //! `x̄·W` (mHC's `φ`, xHC's router and maps) and, in the backward pass, that
 //! projection's weight gradient `x̄ᵀ·g` are GEMMs, which need their operand in
 //! memory: the broadcast, a view, was copied into an `n·C`-wide buffer
@@ -11,7 +11,7 @@
 //!
 //! With `W` split into its `n` row blocks `W_s` (`[C, m]` each):
 //! - `x̄·W = Σ_s e·W_s = e·(Σ_s W_s)`: a product of the embedding with the
-//!   folded weight. A norm projection of `x̄` (MATH.md §4.3) is the same
+//!   folded weight. A norm projection of `x̄` (docs/math.md §4.3) is the same
 //!   projection of `e` with the folded weight: the mean and the mean square of
 //!   `n` copies of a row are the row's own, and the folded weight's column
 //!   sums are `W`'s.

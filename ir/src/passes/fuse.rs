@@ -1,4 +1,4 @@
-//! Fusion partitioning (DESIGN.md §5): the graph's nodes are split into
+//! Fusion partitioning (docs/architecture.md §5): the graph's nodes are split into
 //! [`FusionGroup`]s, each of which a later stage lowers to one kernel.
 //!
 //! # Classes of nodes
@@ -19,7 +19,7 @@
 //!   `MatMul` contracting over tokens (a weight gradient), a `ScatterAdd` of token rows
 //!   into a shared table (the embedding gradient), the kernel gradient of
 //!   `TemporalAugment`. They are implemented two-phase: per-block partials over the
-//!   tokens, then a final reduction of the partials (DESIGN.md §5 rule 3). A chain of
+//!   tokens, then a final reduction of the partials (docs/architecture.md §5 rule 3). A chain of
 //!   token reductions that feed only each other (`Σ_B` then `Σ_T`) is one group, and
 //!   token-free ops that read the reduced value (a gradient's scaling or sign) join it
 //!   as an epilogue of the final phase.
@@ -29,11 +29,11 @@
 //!   stencil rule below).
 //!
 //! # Small MatMuls
-//! A `MatMul` is token-local (an unrolled loop inside the connection kernel, DESIGN.md
+//! A `MatMul` is token-local (an unrolled loop inside the connection kernel, docs/architecture.md
 //! §5.2) when it does not contract over a token axis, its rows and columns are not
 //! token axes (so the token axes are batch axes: one small product per token, the
 //! per-token stream contractions `[B, T, 1, s] @ [B, T, s, d]` of Read / Carry / Write,
-//! MATH.md §0.3), and either
+//! docs/math.md §0.3), and either
 //! - both operands are per-token (they carry the token axes): no operand is reused
 //!   across tokens, so a GEMM has nothing to gain, whatever the contraction length; or
 //! - the operand shared by all tokens holds at most [`SMALL_SHARED_OPERAND`] (64 × 64)
@@ -584,12 +584,12 @@ fn cluster(a: &Analysis) -> Clusters {
 
 /// Merges token-local groups that read the same per-token value and neither
 /// of which feeds the other (siblings), so that the value is read once
-/// (DESIGN.md §5: each input read once). Only values with token axes count: a
+/// (docs/architecture.md §5: each input read once). Only values with token axes count: a
 /// parameter or statistic shared by every token costs nothing to read twice.
 /// The rules of [`cluster`] hold (same phase and tokens, no stencil edge
 /// inside, the group graph acyclic).
 ///
-/// The case it was written for is the SwiGLU backward (MATH.md §1.3): the
+/// The case it was written for is the SwiGLU backward (docs/math.md §1.3): the
 /// gate's gradient `dh ⊙ up ⊙ silu'(gate)` and the up projection's `dh ⊙
 /// silu(gate)` are two kernels that both read `dh`; one kernel reads it once
 /// and has `gate` in hand, so that [`super::rematerialize`] computes
@@ -638,7 +638,7 @@ fn merge_siblings(a: &Analysis, cl: &mut Clusters) {
 /// values no longer written and read, less the inputs the first group no
 /// longer reads (all of them when the cone was the whole group).
 ///
-/// mHC's `H_res·x` (MATH.md §4.1, n·C per token), fused into the stream read,
+/// mHC's `H_res·x` (docs/math.md §4.1, n·C per token), fused into the stream read,
 /// was written and then read after the sublayer by the stream write; computed
 /// in the write, it costs one more read of x and saves the write and the read
 /// of n·C. In the backward, the norm-projection's `x · s` term of dx (§4.5, a
@@ -1104,7 +1104,7 @@ impl FusedGraph {
 /// [`crate::cost::GraphCounts::traffic_per_sublayer`]; the token ids read by the
 /// embedding and the final norm's output (head) are not sublayer traffic either.
 /// Because the branch's pre-norm fuses into the connection kernel, the figure includes
-/// the write of the branch input (MATH.md §4.7 counts it as the "C write" of the pre
+/// the write of the branch input (docs/math.md §4.7 counts it as the "C write" of the pre
 /// kernel; the unfused graph counts it as backbone).
 pub fn connection_traffic(
     graph: &Graph,

@@ -1,4 +1,4 @@
-//! Memory planning (DESIGN.md §7): where every value that crosses a group boundary
+//! Memory planning (docs/architecture.md §7): where every value that crosses a group boundary
 //! lives while a Plan runs.
 //!
 //! - **Persistent** values keep their buffer across steps: every `Param`, `Input` and

@@ -1,4 +1,4 @@
-//! Graph passes between autodiff and code generation (DESIGN.md §2, §5, §7):
+//! Graph passes between autodiff and code generation (docs/architecture.md §2, §5, §7):
 //! [`narrow_broadcast_products()`] (products over a broadcast state at the
 //! state's own width), [`split_norm_projections()`] (RMS projections as statistic, GEMM and scaling),
 //! [`simplify()`] (CSE and DCE), [`sum_within_tokens_first()`] (token reductions

@@ -1,13 +1,13 @@
 //! Norm projections split into their statistics, their product and their
 //! scaling, so that each part fuses where its operands already are
-//! (DESIGN.md §5; mHC's fused coefficient generation, MATH.md §4.3).
+//! (docs/architecture.md §5; mHC's fused coefficient generation, docs/math.md §4.3).
 //!
 //! `NormProject{centered: 0}(x, w) = (x·w) · rsqrt(mean(x²) + eps)`: one
 //! product with a matrix shared by all tokens and one RMS statistic of the
 //! row. As a single op it is a kernel of its own around the GEMM, and that
 //! kernel reads the row `x` (mHC's whole `n·C` state) again for the
 //! statistic after the GEMM has read it: in mHC's forward pass the state
-//! would be read four times per sublayer, against the paper's three (MATH.md
+//! would be read four times per sublayer, against the paper's three (docs/math.md
 //! §4.7, `(3n+1)C` read per sublayer).
 //!
 //! [`split_norm_projections`] rewrites the op as `mean(square(x))` (token
@@ -17,7 +17,7 @@
 //! rounding.
 //!
 //! A LayerNorm projection (`centered = c > 0`, xHC's router and pre-map over
-//! the whole `N·C` state, MATH.md §6.2–§6.3) splits the same way, with the
+//! the whole `N·C` state, docs/math.md §6.2–§6.3) splits the same way, with the
 //! centred statistics as the standalone kernel computes them: `μ = mean(x)`,
 //! `ρ_c = rsqrt(mean((x − μ)²) + eps)` (two passes over the row, token
 //! local), the column sums `Σ_i w_ij` (a reduction of the weight), and the
@@ -25,8 +25,8 @@
 //! concatenated. In xHC the statistics and the scaling join the routing
 //! kernel after the GEMM, which gathers the active streams from the same
 //! state; kept whole, the projection's own kernel read the 16-stream state
-//! once more for them (33.5 MB a sublayer at the README's bench config: the
-//! Plan moves 5.846 → 5.599 GB a step).
+//! once more for them (33.5 MB a sublayer at the bench config of
+//! docs/performance.md: the Plan moves 5.846 → 5.599 GB a step).
 //!
 //! The pass runs after autodiff: the backward pass keeps the op's own gradient
 //! rule, and its readers of the op's value read the rewritten value instead.

@@ -1,4 +1,4 @@
-//! Recomputation of cheap values where they are read (DESIGN.md §5).
+//! Recomputation of cheap values where they are read (docs/architecture.md §5).
 //!
 //! A fusion group writes each value a later group reads, and the later group
 //! reads it back: a round trip through memory of the value's size. When the
@@ -11,21 +11,21 @@
 //! and [`super::fuse()`] then computes the copy in the reader's group.
 //!
 //! The case it was written for is the centred term of a LayerNorm-projection
-//! gradient, `(x − μ) · s` over the xHC state (MATH.md §6.8,
+//! gradient, `(x − μ) · s` over the xHC state (docs/math.md §6.8,
 //! [`crate::autodiff`]'s NormProject rule): `x − μ` also feeds the variance,
 //! so the group before the weight-gradient product wrote the state-sized term
 //! and the group after it, which reads `x` anyway, read it back.
-//! DESIGN.md §5 rule 4 is kept for what it protects, work done twice:
+//! docs/architecture.md §5 rule 4 is kept for what it protects, work done twice:
 //! reductions and products are not copied, except a per-token product of at
 //! most [`SHORT_CONTRACTION`] terms an element ([`short_product`]), which
 //! costs what an elementwise chain does. That one is mHC's read `H_pre · x`
-//! (n = 4 terms), which MATH.md §4.5's recompute schedule recomputes in the
+//! (n = 4 terms), which docs/math.md §4.5's recompute schedule recomputes in the
 //! backward pass as the paper does: the kernel of its gradient reads the
 //! state and the coefficients anyway, so the forward need not write `x_pre`.
 //!
 //! A forward value that only a backward group reads is recomputed there too
 //! (the copy becomes a backward node, since fusion keeps the passes apart):
-//! SwiGLU's `silu(gate)` (MATH.md §1.3) was written by the forward for the
+//! SwiGLU's `silu(gate)` (docs/math.md §1.3) was written by the forward for the
 //! up projection's gradient `dh ⊙ silu(gate)` alone, and the backward kernel
 //! of both gate gradients reads `gate` anyway.
 
@@ -77,7 +77,7 @@ pub fn rematerialize(graph: &mut Graph, roots: &[NodeId]) -> Result<RematStats, 
         let members: HashSet<NodeId> = group.nodes.iter().copied().collect();
         // Fusion keeps the passes apart, so a copy runs in its reader's pass:
         // a forward value recomputed by a backward group is a backward node
-        // (activation recomputation, e.g. SwiGLU's `silu(gate)`, MATH.md §1.3).
+        // (activation recomputation, e.g. SwiGLU's `silu(gate)`, docs/math.md §1.3).
         let backward = graph.node(group.nodes[0]).role.region == Region::Backward;
         let mut reads: HashSet<NodeId> = members.clone();
         for &m in &group.nodes {
@@ -105,7 +105,7 @@ pub fn rematerialize(graph: &mut Graph, roots: &[NodeId]) -> Result<RematStats, 
             // Not read by a product: a per-token product in the group may run
             // as a batched GEMM step of its own, which reads the value from
             // memory, so the group would write the copy back (VWN's
-            // `[64 x 64] @ [64 x 8]` stream products in DGHC, MATH.md §5.5).
+            // `[64 x 64] @ [64 x 8]` stream products in DGHC, docs/math.md §5.5).
             let in_kernel = graph
                 .users(read_at)
                 .iter()
@@ -178,7 +178,7 @@ fn recomputable(op: &Op) -> bool {
 /// A per-token product over at most [`SHORT_CONTRACTION`] terms: both
 /// operands carry the output's batch axes (nothing is shared across tokens),
 /// so each output element costs a few multiply-adds, as an elementwise chain
-/// does. mHC's read `H_pre · x` (MATH.md §4.1) contracts the n = 4 streams.
+/// does. mHC's read `H_pre · x` (docs/math.md §4.1) contracts the n = 4 streams.
 fn short_product(graph: &Graph, id: NodeId) -> bool {
     let node = graph.node(id);
     let Op::MatMul { trans_a, .. } = node.op else { return false };

@@ -1,11 +1,11 @@
-//! Simplification before fusion (DESIGN.md §2): common-subexpression elimination and
+//! Simplification before fusion (docs/architecture.md §2): common-subexpression elimination and
 //! dead-code elimination. Neither changes any value: CSE only merges nodes that
 //! compute the same pure function of the same operands, and DCE only removes nodes no
 //! requested value depends on.
 //!
 //! Autodiff produces most of the duplicates: every `zeros_like` is a fresh zero
 //! constant, and the derivative rules of composite ops recompute shared statistics
-//! (MATH.md §1.4) once per use.
+//! (docs/math.md §1.4) once per use.
 
 use crate::graph::{Graph, NodeId, Op};
 use std::collections::{HashMap, HashSet};

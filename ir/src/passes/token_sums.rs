@@ -1,9 +1,9 @@
-//! Token reductions that sum within each token first (DESIGN.md §5, two-phase
+//! Token reductions that sum within each token first (docs/architecture.md §5, two-phase
 //! token reductions).
 //!
 //! A parameter shared by every token *and* every stream or slot of a token gets
 //! its gradient as one sum over rows that merge the two: DGHC's per-slot norm
-//! gain (MATH.md §5.5, one gain of size d_b for all n slots) gets
+//! gain (docs/math.md §5.5, one gain of size d_b for all n slots) gets
 //! `sum(reshape(g, [B·T·n, d_b]), axis 0)`. The fusion pass runs a token
 //! reduction in two phases: the token-local group
 //! writes the summed operand, one row per reduced row, and a reduction

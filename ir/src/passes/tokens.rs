@@ -1,6 +1,6 @@
 //! Token-axis analysis: which axes of every value index tokens.
 //!
-//! Fusion (DESIGN.md §5) rests on one property: an op is *token-local* when the part
+//! Fusion (docs/architecture.md §5) rests on one property: an op is *token-local* when the part
 //! of its output that belongs to one token depends only on that token's inputs. To
 //! decide it, every axis of every value is marked as a token axis or not, by forward
 //! propagation from the data input: the lowering's `Input` nodes are `[B, T + 1]`
@@ -11,7 +11,7 @@
 //! flags and the row/column flags of its operands, and so on).
 //!
 //! The flags are what the partitioner uses to tell a per-token contraction over the
-//! stream axis (`[B, T, 1, s] @ [B, T, s, d]`, MATH.md §0.3) from a projection whose rows
+//! stream axis (`[B, T, 1, s] @ [B, T, s, d]`, docs/math.md §0.3) from a projection whose rows
 //! are tokens (`[B, T, D] @ [D, F]`), and a reduction over streams from a reduction over
 //! tokens (a parameter gradient).
 

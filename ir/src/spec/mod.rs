@@ -1,4 +1,4 @@
-//! The model spec: everything a user says about a model (MATH.md §10).
+//! The model spec: everything a user says about a model (docs/math.md §10).
 //!
 //! A RON file holds one `Model(...)`; every field has a documented default so
 //! a minimal spec is a few lines. The derive macro builds the same
@@ -48,21 +48,21 @@ pub struct ModelSpec {
     pub ffn: FfnSpec,
     /// RMSNorm epsilon (> 0); default 1e-5.
     pub norm_eps: f64,
-    /// RoPE base (> 0); default 10000 (MATH.md §1.2).
+    /// RoPE base (> 0); default 10000 (docs/math.md §1.2).
     pub rope_base: f64,
-    /// Tie the unembedding to the embedding (U = E^T); default false (MATH.md §10 (D)).
+    /// Tie the unembedding to the embedding (U = E^T); default false (docs/math.md §10 (D)).
     pub tie_embeddings: bool,
-    /// Standard-parametrization init std (> 0); default 0.02 (MATH.md §1.2).
+    /// Standard-parametrization init std (> 0); default 0.02 (docs/math.md §1.2).
     pub init_std: f64,
-    /// Depth-scale the output projections W_o, W_2 by 1/sqrt(2L) (MATH.md §1.2); default true.
+    /// Depth-scale the output projections W_o, W_2 by 1/sqrt(2L) (docs/math.md §1.2); default true.
     pub out_proj_depth_scaled: bool,
     /// The residual-stream scheme.
     pub residual: ResidualSpec,
-    /// Multi-token prediction (MATH.md §7).
+    /// Multi-token prediction (docs/math.md §7).
     pub mtp: MtpSpec,
-    /// Standard or muP (MATH.md §8.1).
+    /// Standard or muP (docs/math.md §8.1).
     pub parametrization: Parametrization,
-    /// Numeric precision of the residual state and matmul operands (MATH.md §6.12).
+    /// Numeric precision of the residual state and matmul operands (docs/math.md §6.12).
     pub precision: Precision,
     /// Training configuration.
     pub train: TrainSpec,
@@ -104,7 +104,7 @@ impl ModelSpec {
         self.head_dim.unwrap_or(self.d_model.checked_div(self.heads).unwrap_or(0))
     }
 
-    /// Number of sublayers 2L (MATH.md §0.1: every HC-family paper counts a sublayer as a layer).
+    /// Number of sublayers 2L (docs/math.md §0.1: every HC-family paper counts a sublayer as a layer).
     pub fn sublayers(&self) -> usize {
         2 * self.layers
     }
@@ -120,7 +120,7 @@ impl ModelSpec {
 /// The feed-forward sublayer.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum FfnSpec {
-    /// SwiGLU: (silu(x W_1) * (x W_3)) W_2 (MATH.md §1.3).
+    /// SwiGLU: (silu(x W_1) * (x W_3)) W_2 (docs/math.md §1.3).
     SwiGlu(SwiGluSpec),
     /// Mixture of experts: top-k routed SwiGLU experts plus always-on shared experts.
     Moe(MoeSpec),
@@ -133,7 +133,7 @@ impl Default for FfnSpec {
 }
 
 impl FfnSpec {
-    /// The SwiGLU inner width F. Default round_up(8D/3, 256) (Llama convention, MATH.md §1.2),
+    /// The SwiGLU inner width F. Default round_up(8D/3, 256) (Llama convention, docs/math.md §1.2),
     /// except that for D < 96 it is round_up(8D/3, 8), so tiny models stay tiny.
     pub fn default_hidden(d_model: usize) -> usize {
         let raw = (8 * d_model).div_ceil(3);
@@ -181,21 +181,21 @@ pub enum MoeGate {
     Sigmoid,
 }
 
-/// The residual-stream scheme (MATH.md §0.3 unified Read / Carry / Write form).
+/// The residual-stream scheme (docs/math.md §0.3 unified Read / Carry / Write form).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub enum ResidualSpec {
-    /// Plain pre-norm residual (MATH.md §1).
+    /// Plain pre-norm residual (docs/math.md §1).
     #[default]
     Residual,
-    /// Hyper-connections, n streams (MATH.md §2).
+    /// Hyper-connections, n streams (docs/math.md §2).
     Hc(HcSpec),
-    /// Frac-connections, frac-rate m (MATH.md §3).
+    /// Frac-connections, frac-rate m (docs/math.md §3).
     Fc(FcSpec),
-    /// Manifold-constrained hyper-connections (MATH.md §4).
+    /// Manifold-constrained hyper-connections (docs/math.md §4).
     Mhc(MhcSpec),
-    /// Generalized hyper-connections / Virtual Width Networks (MATH.md §5).
+    /// Generalized hyper-connections / Virtual Width Networks (docs/math.md §5).
     Ghc(GhcSpec),
-    /// Expanded hyper-connections (MATH.md §6).
+    /// Expanded hyper-connections (docs/math.md §6).
     Xhc(XhcSpec),
 }
 
@@ -213,7 +213,7 @@ impl ResidualSpec {
     }
 }
 
-/// Elementwise activation used by HC/FC dynamic coefficient generation (MATH.md §2.3).
+/// Elementwise activation used by HC/FC dynamic coefficient generation (docs/math.md §2.3).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum GateAct {
     Tanh,
@@ -221,7 +221,7 @@ pub enum GateAct {
     Identity,
 }
 
-/// Norm applied to each stream before HC dynamic coefficient generation (MATH.md §2.3).
+/// Norm applied to each stream before HC dynamic coefficient generation (docs/math.md §2.3).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum GenNorm {
     /// HC Alg. 2 (the paper).
@@ -230,7 +230,7 @@ pub enum GenNorm {
     RmsNorm,
 }
 
-/// HC output-projection init multiplier (MATH.md §2.4 DECISION: divide by sqrt(n)).
+/// HC output-projection init multiplier (docs/math.md §2.4 DECISION: divide by sqrt(n)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum OutProjStdMult {
     One,
@@ -238,7 +238,7 @@ pub enum OutProjStdMult {
     SqrtN,
 }
 
-/// Hyper-connections (MATH.md §2).
+/// Hyper-connections (docs/math.md §2).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct HcSpec {
@@ -252,7 +252,7 @@ pub struct HcSpec {
     pub gen_norm: GenNorm,
     /// s_alpha = s_beta init (finite); default 0.01.
     pub scale_init: f64,
-    /// Output-projection init multiplier; default 1/sqrt(n) (MATH.md §2.4 DECISION).
+    /// Output-projection init multiplier; default 1/sqrt(n) (docs/math.md §2.4 DECISION).
     pub out_proj_std_mult: OutProjStdMult,
 }
 
@@ -269,7 +269,7 @@ impl Default for HcSpec {
     }
 }
 
-/// Frac-connections (MATH.md §3).
+/// Frac-connections (docs/math.md §3).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct FcSpec {
@@ -289,7 +289,7 @@ impl Default for FcSpec {
     }
 }
 
-/// mHC static-bias init (MATH.md §4.4).
+/// mHC static-bias init (docs/math.md §4.4).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum MhcBiasInit {
     /// b_pre = +3 home / -3 elsewhere, b_post = 0, b_res = 6I - 3 (DECISION, convention 1).
@@ -298,21 +298,21 @@ pub enum MhcBiasInit {
     Zero,
 }
 
-/// Init of connection projections (mHC phi, MATH.md §4.4).
+/// Init of connection projections (mHC phi, docs/math.md §4.4).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ProjInit {
     Zero,
     Xavier,
 }
 
-/// How the streams are collapsed before the final norm (MATH.md §4.4).
+/// How the streams are collapsed before the final norm (docs/math.md §4.4).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Collapse {
     Sum,
     Mean,
 }
 
-/// Manifold-constrained hyper-connections (MATH.md §4).
+/// Manifold-constrained hyper-connections (docs/math.md §4).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct MhcSpec {
@@ -352,7 +352,7 @@ impl Default for MhcSpec {
     }
 }
 
-/// VWN over-width embedding (MATH.md §5.2).
+/// VWN over-width embedding (docs/math.md §5.2).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum EmbedMode {
     /// E_wide in R^{V x D'}.
@@ -361,7 +361,7 @@ pub enum EmbedMode {
     Expand,
 }
 
-/// Norm before W_reduce (MATH.md §5.2).
+/// Norm before W_reduce (docs/math.md §5.2).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ReduceNorm {
     /// GroupNorm with group size D (r groups over D'); requires n % m == 0.
@@ -371,7 +371,7 @@ pub enum ReduceNorm {
     Off,
 }
 
-/// W_reduce init (MATH.md §5.6 DECISION).
+/// W_reduce init (docs/math.md §5.6 DECISION).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ReduceInit {
     /// [I_D | 0]: reads the first m slots, equivalent to the baseline at init.
@@ -380,7 +380,7 @@ pub enum ReduceInit {
     Normal,
 }
 
-/// Generalized hyper-connections / Virtual Width Networks (MATH.md §5).
+/// Generalized hyper-connections / Virtual Width Networks (docs/math.md §5).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct GhcSpec {
@@ -390,7 +390,7 @@ pub struct GhcSpec {
     pub n: usize,
     /// Dynamic (DGHC) coefficients; default true.
     pub dynamic: bool,
-    /// Temperature tau (> 0); default sqrt(d_b) (MATH.md §5.5).
+    /// Temperature tau (> 0); default sqrt(d_b) (docs/math.md §5.5).
     pub tau: Option<f64>,
     /// S_alpha, S_beta init; default 1.
     pub s_init: f64,
@@ -423,12 +423,12 @@ impl GhcSpec {
         d_model / self.m.max(1)
     }
 
-    /// Temperature, defaulting to sqrt(d_b) (MATH.md §5.5).
+    /// Temperature, defaulting to sqrt(d_b) (docs/math.md §5.5).
     pub fn tau(&self, d_model: usize) -> f64 {
         self.tau.unwrap_or((self.segment_width(d_model) as f64).sqrt())
     }
 
-    /// The reduce norm, defaulting to GroupNorm when r is an integer >= 2 (MATH.md §5.2 DECISION).
+    /// The reduce norm, defaulting to GroupNorm when r is an integer >= 2 (docs/math.md §5.2 DECISION).
     pub fn reduce_norm(&self) -> ReduceNorm {
         self.reduce_norm.unwrap_or(if self.n.is_multiple_of(self.m.max(1)) && self.n >= 2 * self.m {
             ReduceNorm::GroupNorm
@@ -438,14 +438,14 @@ impl GhcSpec {
     }
 }
 
-/// xHC router gate (MATH.md §6.2).
+/// xHC router gate (docs/math.md §6.2).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Router {
     Sigmoid,
     Softmax,
 }
 
-/// xHC-Flash sharing (MATH.md §6.10, §6.11).
+/// xHC-Flash sharing (docs/math.md §6.10, §6.11).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Flash {
     /// Full xHC: routing and maps per sublayer.
@@ -456,7 +456,7 @@ pub enum Flash {
     TwoBlock,
 }
 
-/// Which sublayers get temporal feature augmentation (MATH.md §6.5).
+/// Which sublayers get temporal feature augmentation (docs/math.md §6.5).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum AugSublayers {
     /// The paper's default.
@@ -464,7 +464,7 @@ pub enum AugSublayers {
     MlpAndAttention,
 }
 
-/// Expanded hyper-connections (MATH.md §6).
+/// Expanded hyper-connections (docs/math.md §6).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct XhcSpec {
@@ -480,13 +480,13 @@ pub struct XhcSpec {
     pub temporal_aug: AugSublayers,
     /// Gram-Schmidt on the augmented components; default true with AdamW, false with Muon (§8.2).
     pub gram_schmidt: Option<bool>,
-    /// Relative Gram-Schmidt guard (MATH.md §6.5 DECISION); default 1e-6.
+    /// Relative Gram-Schmidt guard (docs/math.md §6.5 DECISION); default 1e-6.
     pub gs_eps: f64,
     /// Router gate; default sigmoid.
     pub router: Router,
     /// Sinkhorn iterations over the active set [>= 1]; default 20.
     pub sinkhorn_iters: usize,
-    /// Row clamp after Sinkhorn (MATH.md §6.4); default true.
+    /// Row clamp after Sinkhorn (docs/math.md §6.4); default true.
     pub row_clamp: bool,
     /// alpha init; default 0.01.
     pub alpha_init: f64,
@@ -513,7 +513,7 @@ impl Default for XhcSpec {
     }
 }
 
-/// Order of the MTP concatenation (MATH.md §7.1).
+/// Order of the MTP concatenation (docs/math.md §7.1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ConcatOrder {
     /// [h; e], the paper's order (DECISION).
@@ -522,11 +522,11 @@ pub enum ConcatOrder {
     EmbFirst,
 }
 
-/// Multi-token prediction (MATH.md §7).
+/// Multi-token prediction (docs/math.md §7).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct MtpSpec {
-    /// Number of MTP modules K [>= 0]. MATH.md §10 lists the papers' default of 1
+    /// Number of MTP modules K [>= 0]. docs/math.md §10 lists the papers' default of 1
     /// (DeepSeek-V3); widen defaults to 0 so that a spec without an `mtp` field is a
     /// plain next-token model, and `mtp: (depth: 1)` opts in.
     pub depth: usize,
@@ -542,7 +542,7 @@ impl Default for MtpSpec {
     }
 }
 
-/// Standard parametrization or muP (MATH.md §8.1).
+/// Standard parametrization or muP (docs/math.md §8.1).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub enum Parametrization {
     #[default]
@@ -550,7 +550,7 @@ pub enum Parametrization {
     MuP(MupSpec),
 }
 
-/// muP knobs (MATH.md §8.1, §10).
+/// muP knobs (docs/math.md §8.1, §10).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct MupSpec {
@@ -570,7 +570,7 @@ impl Default for MupSpec {
     }
 }
 
-/// Numeric precision (MATH.md §6.12). Norm statistics, routing coefficients and Sinkhorn
+/// Numeric precision (docs/math.md §6.12). Norm statistics, routing coefficients and Sinkhorn
 /// stay fp32 in every mode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 pub enum Precision {
@@ -596,7 +596,7 @@ pub struct TrainSpec {
     pub optimizer: OptimizerSpec,
     /// Learning-rate schedule.
     pub schedule: ScheduleSpec,
-    /// Global gradient-norm clip (> 0), or none. Default 1.0 (MATH.md §10).
+    /// Global gradient-norm clip (> 0), or none. Default 1.0 (docs/math.md §10).
     pub clip: Option<f64>,
     /// RNG seed for init and data order.
     pub seed: u64,
@@ -654,12 +654,12 @@ pub enum SyntheticCorpus {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum OptimizerSpec {
     AdamW(AdamWSpec),
-    /// Muon for hidden matrices, AdamW for everything else (MATH.md §8.2).
+    /// Muon for hidden matrices, AdamW for everything else (docs/math.md §8.2).
     Muon(MuonSpec),
 }
 
 /// AdamW (decoupled weight decay). No decay on gains, biases, embeddings and static
-/// connection parameters (MATH.md §1.2, §2.4, §5.6).
+/// connection parameters (docs/math.md §1.2, §2.4, §5.6).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct AdamWSpec {
@@ -679,7 +679,7 @@ impl Default for AdamWSpec {
     }
 }
 
-/// Muon update scaling (MATH.md §8.2).
+/// Muon update scaling (docs/math.md §8.2).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum MuonScale {
     /// sqrt(max(1, out/in)) (Keller Jordan's original).
@@ -688,7 +688,7 @@ pub enum MuonScale {
     MatchRmsAdamW,
 }
 
-/// Muon knobs (MATH.md §8.2).
+/// Muon knobs (docs/math.md §8.2).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct MuonSpec {

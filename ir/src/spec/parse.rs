@@ -1,4 +1,4 @@
-//! Reading and writing spec files (DESIGN.md §3).
+//! Reading and writing spec files (docs/architecture.md §3).
 //!
 //! Loading goes: read the file, read the RON into a position-keeping tree
 //! ([`super::ron_tree`]), report every unknown field and variant name at once

@@ -1,4 +1,4 @@
-//! Spec validation: every rule of MATH.md §10, plus the structural constraints of
+//! Spec validation: every rule of docs/math.md §10, plus the structural constraints of
 //! §5.1–5.2 (VWN widths and the reduce GroupNorm) and §6.1 (xHC stream counts).
 //!
 //! All problems are collected, never just the first, so one run of the compiler
@@ -33,7 +33,7 @@ impl fmt::Display for FieldError {
 impl std::error::Error for FieldError {}
 
 impl ModelSpec {
-    /// Checks every rule and returns all violations (MATH.md §10): the graph rules of
+    /// Checks every rule and returns all violations (docs/math.md §10): the graph rules of
     /// [`ModelSpec::validate_graph`] plus the rules of a training run (a `name` that is
     /// safe as a folder name, a `vocab` that covers the byte-level corpus).
     pub fn validate(&self) -> Result<(), Vec<FieldError>> {
@@ -135,7 +135,7 @@ impl ModelSpec {
                 );
             }
         }
-        // MATH.md §7.1: module k predicts token t + k + 1 from the first T - k positions;
+        // docs/math.md §7.1: module k predicts token t + k + 1 from the first T - k positions;
         // k = T leaves no position and the graph would have empty tensors.
         if self.mtp.depth >= self.train.seq_len && self.train.seq_len >= 2 {
             c.fail(
@@ -324,7 +324,7 @@ impl ModelSpec {
                 c.finite("residual.alpha_init", m.alpha_init);
             }
             ResidualSpec::Ghc(g) => {
-                // MATH.md §5.1: D % m == 0 and n >= m; n need not be a multiple of m.
+                // docs/math.md §5.1: D % m == 0 and n >= m; n need not be a multiple of m.
                 c.at_least("residual.m", g.m, 1);
                 c.divides("residual.m", self.d_model, g.m);
                 if g.n < g.m {
@@ -334,7 +334,7 @@ impl ModelSpec {
                     c.positive("residual.tau", tau);
                 }
                 c.finite("residual.s_init", g.s_init);
-                // MATH.md §5.2: GroupNorm groups have size D, so D' = (n/m) D must split evenly.
+                // docs/math.md §5.2: GroupNorm groups have size D, so D' = (n/m) D must split evenly.
                 if g.reduce_norm == Some(ReduceNorm::GroupNorm) && g.m >= 1 && !g.n.is_multiple_of(g.m) {
                     c.fail(
                         "residual.reduce_norm",
@@ -365,7 +365,7 @@ impl ModelSpec {
                 c.at_least("residual.sinkhorn_iters", x.sinkhorn_iters, 1);
                 c.positive("residual.gs_eps", x.gs_eps);
                 c.finite("residual.alpha_init", x.alpha_init);
-                // MATH.md §6.11: one routing decision per two blocks needs whole pairs.
+                // docs/math.md §6.11: one routing decision per two blocks needs whole pairs.
                 if x.flash == Flash::TwoBlock && !self.layers.is_multiple_of(2) {
                     c.fail(
                         "residual.flash",

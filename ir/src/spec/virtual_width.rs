@@ -1,4 +1,4 @@
-//! The trait behind `#[derive(VirtualWidth)]` (DESIGN.md §1).
+//! The trait behind `#[derive(VirtualWidth)]` (docs/architecture.md §1).
 
 use super::ModelSpec;
 use crate::lower::{lower, LowerError, Lowered};
@@ -9,13 +9,13 @@ use crate::lower::{lower, LowerError, Lowered};
 /// name) implements it from `#[widen(...)]` attributes after running
 /// [`ModelSpec::validate`] at compile time, so `spec()` always returns a spec
 /// that passes the same checks as one loaded from RON, and everything after it
-/// is the RON path's pipeline (DESIGN.md §2).
+/// is the RON path's pipeline (docs/architecture.md §2).
 pub trait VirtualWidth {
     /// The model's spec, already validated.
     fn spec() -> ModelSpec;
 
     /// The forward training graph for one step of the spec's own `train.batch` x
-    /// `train.seq_len` (MATH.md §0.3 lowering).
+    /// `train.seq_len` (docs/math.md §0.3 lowering).
     fn graph() -> Result<Lowered, LowerError> {
         let spec = Self::spec();
         lower(&spec, spec.train.batch, spec.train.seq_len)

@@ -1,5 +1,5 @@
 //! The host's arithmetic and memory ceilings, measured: the two rates a
-//! roofline floor of a Plan divides by (DESIGN.md §10 judges fused kernels
+//! roofline floor of a Plan divides by (docs/architecture.md §10 judges fused kernels
 //! against the memory bandwidth; on the Cpu device a step mixes
 //! compute-bound GEMMs and memory-bound kernels, so both rates are needed).
 //!
@@ -104,9 +104,8 @@ const REPS: usize = 9;
 /// current cores, so at least 8, and must all stay in registers with the
 /// recurrence's two constants: a chain spilled to the stack adds a store and
 /// a load to its every step and halves the rate. AVX-512 has 32 vector
-/// registers (16 chains), AVX2 16 (12 chains: with 16, two Zen 3 cores read
-/// about 105 GFLOP/s against the 186 that 10 or 12 reach, and GEMMs beat
-/// the "ceiling").
+/// registers (16 chains), AVX2 16 (12 chains: with 16 some spill, the probe
+/// reads far below what 10 or 12 reach, and GEMMs beat the "ceiling").
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct VectorKind {
     name: &'static str,

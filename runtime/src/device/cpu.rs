@@ -1,4 +1,4 @@
-//! The Cpu device: executes a [`Plan`] in host memory (DESIGN.md §6, §7).
+//! The Cpu device: executes a [`Plan`] in host memory (docs/architecture.md §6, §7).
 //!
 //! Loading a Plan
 //! - allocates one vector per persistent buffer (parameters, gradients,
@@ -29,7 +29,7 @@
 //!    intersecting arena ranges are rejected);
 //! 3. items are independent: the item ranges handed to different threads write
 //!    disjoint elements. This is the contract of the kernel IR's grids (an
-//!    item owns its outputs; reductions over items are two-phase, DESIGN.md §5)
+//!    item owns its outputs; reductions over items are two-phase, docs/architecture.md §5)
 //!    that the code generator upholds; it cannot be checked here.
 
 use super::plan_check::{self, PlanError};
@@ -79,7 +79,7 @@ impl Default for CpuOptions {
 }
 
 /// Host storage of one element type. `Bf16` is kept as raw bits (the
-/// kernels convert on load and store, MATH.md §6.12).
+/// kernels convert on load and store, docs/math.md §6.12).
 #[derive(Debug, Clone, PartialEq)]
 enum HostVec {
     F32(Vec<f32>),
@@ -102,8 +102,8 @@ impl HostVec {
     /// all of the vector now. A zeroed vector is allocated as untouched pages
     /// that are mapped on their first write; without this, the first run of
     /// a Plan pays a page fault for each page of its arena, its gradients and
-    /// its optimizer state (a weight gradient's GEMM took 3.0 ms instead of
-    /// 1.8 on its first run), and a profile that includes that run charges
+    /// its optimizer state (a weight gradient's GEMM ran markedly slower on
+    /// its first run), and a profile that includes that run charges
     /// the faults to whichever step writes a page first.
     fn map_pages(&mut self) {
         const PAGE: usize = 4096;
@@ -792,7 +792,7 @@ fn literal(e: &Expr) -> Option<i64> {
     }
 }
 
-/// An f32 copy of a bf16 GEMM input (MATH.md §6.12: bf16 operands, f32
+/// An f32 copy of a bf16 GEMM input (docs/math.md §6.12: bf16 operands, f32
 /// accumulation), covering `batch` entries of `size` elements `stride` apart;
 /// `None` for an f32 input, which the GEMM reads in place. Widening is exact,
 /// so the product equals an f32 GEMM of the rounded values.

@@ -1,5 +1,5 @@
 //! The Cuda device: executes a [`Plan`] on an NVIDIA GPU through `cudarc`
-//! (DESIGN.md §6, §7).
+//! (docs/architecture.md §6, §7).
 //!
 //! Loading a Plan
 //! - checks that the CUDA driver library can be loaded *before* `cudarc`
@@ -42,7 +42,7 @@
 //! (true fp32, no TF32) so parity against the reference executor stays at
 //! fp32 rounding level.
 //!
-//! # bf16 plans (MATH.md §6.12)
+//! # bf16 plans (docs/math.md §6.12)
 //!
 //! A spec with `precision: Bf16` lowers to a graph whose residual state and
 //! projection operands pass through `Cast` to bf16: those buffers hold 2 bytes
@@ -628,7 +628,7 @@ impl CudaDevice {
         .map_err(cublas("sgemm_strided_batched"))
     }
 
-    /// A GEMM of bf16 inputs (MATH.md §6.12): `cublasGemmStridedBatchedEx` with
+    /// A GEMM of bf16 inputs (docs/math.md §6.12): `cublasGemmStridedBatchedEx` with
     /// `CUDA_R_16BF` A and B, an f32 C and f32 accumulation (`CUBLAS_COMPUTE_32F`), the
     /// same column-major mapping as the f32 path.
     fn gemm_bf16(&self, call: &BlasCall) -> Result<(), CudaError> {
@@ -767,7 +767,7 @@ fn step_cost(plan: &Plan, i: usize) -> (String, u64, u64) {
 
 /// Device-to-device copy bandwidth in bytes/s (bytes read plus bytes
 /// written), the memory ceiling fused kernels are judged against
-/// (DESIGN.md §10): the median of `reps` copies of `bytes`.
+/// (docs/architecture.md §10): the median of `reps` copies of `bytes`.
 pub fn copy_bandwidth(bytes: usize, reps: usize) -> Result<f64, CudaError> {
     let ctx = context(0)?;
     let stream = ctx.default_stream();

@@ -1,4 +1,4 @@
-//! The [`StepExecutor`] over a [`CpuDevice`] (DESIGN.md §7): the training
+//! The [`StepExecutor`] over a [`CpuDevice`] (docs/architecture.md §7): the training
 //! loop hands it host parameters and a token batch; it uploads them into the
 //! Plan's persistent buffers, runs the Plan, and reads back the loss, the
 //! gradients or the logits. Parameters are uploaded only when the set handed
@@ -113,7 +113,7 @@ impl TrainingGraph {
     }
 
     /// The Plan of one training step for the Cpu device, partitioned by
-    /// `ir::passes::fuse` (DESIGN.md §5).
+    /// `ir::passes::fuse` (docs/architecture.md §5).
     pub fn plan(&self) -> Result<Plan, StepError> {
         self.plan_for(Target::Cpu)
     }

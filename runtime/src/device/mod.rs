@@ -1,4 +1,4 @@
-//! Devices that execute a compiled [`codegen::plan::Plan`] (DESIGN.md §7).
+//! Devices that execute a compiled [`codegen::plan::Plan`] (docs/architecture.md §7).
 //!
 //! - [`cpu`]: the Cpu device: buffers in host memory, kernels compiled by the
 //!   system C compiler and run on a persistent thread pool, matrix products

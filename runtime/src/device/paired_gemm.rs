@@ -2,7 +2,7 @@
 //! (`c (=|+=) a @ b`), two rows of `c` to three vectors, with AVX-512.
 //!
 //! Why its own kernel: the connections' coefficient projections have 24
-//! outputs per row (mHC's `φ`, VWN's `α | β`, MATH.md §4.3, §5.3) or 20
+//! outputs per row (mHC's `φ`, VWN's `α | β`, docs/math.md §4.3, §5.3) or 20
 //! (xHC's maps). [`super::sgemm`]'s tile has two 16-column vectors per row, so
 //! a quarter (24 columns) to three eighths (20) of its FMAs compute padding.
 //! Here rows `i` and `i + 1` of `c`, `2n` floats, share three vectors: the
@@ -14,8 +14,8 @@
 //! [`PAIRS`] row pairs (or [`PAIRS_ROW_MAJOR`] when `a`'s rows each need a
 //! pointer) keeps its accumulators in registers, and prefetches the next
 //! tile's rows while it computes, as [`super::sgemm`] does for operands
-//! that stream from memory: without that, the kernel was 25 % faster with
-//! its operands in cache and up to half again slower in a training step.
+//! that stream from memory: without that, the kernel was faster than the
+//! general tile with its operands in cache but slower in a training step.
 //!
 //! Each product's sum over `k` runs in order within a [`KC`] block, blocks
 //! added in order through `c`, one FMA per step: deterministic and
@@ -49,16 +49,9 @@ const PAIRS_ROW_MAJOR: usize = 6;
 const KC: usize = 256;
 /// Contraction steps a block holds in column order (a column-major `a`,
 /// [`super::sgemm::streams_columns`]), for this kernel's 16-row tiles.
-/// Measured on mHC's `1024 x 24 x 2048` and xHC's `1024 x 20 x 2048`
-/// coefficient weight gradients on two threads (means of 40 calls over 8
-/// operand sets): 16 steps 1.6-2.4 ms, 32 steps 1.3-1.8, 48 steps 1.1-1.2,
-/// 64 steps 0.9-1.3, 128 steps 1.3-2.1 (KC = 256: 2.4-3.3). Each tile
-/// prefetches the next one's lines, as in block order: prefetching two to
-/// four tiles ahead measured the same within the host's noise. In training
-/// steps (`WIDEN_PROFILE=all`, three alternating runs each, D = 256, 4
-/// layers, batch 8 x 256) xHC's `1024 x 20 x 2048` products took 5.9 / 7.0 /
-/// 6.1 → 4.8 / 5.0 / 5.2 ms a step, mHC's `1024 x 24 x 2048` 9.9 / 11.9 /
-/// 10.3 → 8.6 / 9.3 / 8.3.
+/// 64 was the fastest of 16 to 128 on mHC's and xHC's coefficient weight
+/// gradients. Each tile prefetches the next one's lines, as in block order:
+/// prefetching two to four tiles ahead gained nothing.
 const COLUMN_BLOCK: usize = 64;
 /// Floats of one packed step of `b`: three vectors.
 const STEP: usize = 48;

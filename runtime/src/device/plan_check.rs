@@ -1,4 +1,4 @@
-//! Load-time checks of a [`Plan`] shared by every device (DESIGN.md §7).
+//! Load-time checks of a [`Plan`] shared by every device (docs/architecture.md §7).
 //!
 //! Both devices store a Plan's buffers the same way: one allocation per
 //! persistent buffer and one arena per element type, in which a scratch
@@ -213,7 +213,7 @@ fn check_gemm(plan: &Plan, step: usize, g: &Gemm) -> Result<(), PlanError> {
         ("c", g.c, g.stride_c, product(g.m, g.n, "c")?, g.offsets[2]),
     ] {
         let d = &plan.buffers[id.0];
-        // Inputs may be bf16 (mixed precision, MATH.md §6.12); the product is f32.
+        // Inputs may be bf16 (mixed precision, docs/math.md §6.12); the product is f32.
         let input_bf16 = name != "c" && d.dtype == DType::Bf16;
         if d.dtype != DType::F32 && !input_bf16 {
             return Err(err(format!(

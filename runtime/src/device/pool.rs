@@ -1,5 +1,5 @@
 //! A persistent pool of worker threads that runs one compiled kernel over
-//! contiguous item ranges (DESIGN.md §6: "the runtime splits each kernel's
+//! contiguous item ranges (docs/architecture.md §6: "the runtime splits each kernel's
 //! grid across threads").
 //!
 //! A Plan launches hundreds of kernels per training step; spawning threads

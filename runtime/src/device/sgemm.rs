@@ -4,7 +4,7 @@
 //! Why its own kernel: the `gemm` crate reaches AVX-512 only on a nightly
 //! compiler, so on stable it runs 256-bit FMAs, which use half of an
 //! AVX-512 core's arithmetic (a Zen 5 core retires two 512-bit FMAs per
-//! cycle). The backbone's projections are most of a training step (DESIGN.md
+//! cycle). The backbone's projections are most of a training step (docs/architecture.md
 //! §6), so they decide its speed. On AVX2 hosts the crate's kernels are
 //! 256-bit too; there this kernel's 6 x 16 tile takes the products whose `a`
 //! is row-major and read in place (the projections forward and the input
@@ -153,26 +153,19 @@ impl Isa {
     /// and `n` columns whose `a` is laid out as `a`, one of `batch` entries
     /// (else the `gemm` crate does). AVX-512 takes every product. AVX2 takes
     /// - a row-major `a` read in place over at least a packed block of rows
-    ///   (6 x 16 tile): in a training step (three alternating profiles,
-    ///   residual backbone) those ran 8 % faster than the `gemm` crate's;
+    ///   (6 x 16 tile): in training-step profiles those ran faster than the
+    ///   `gemm` crate's;
     /// - a row-major `a` of fewer rows in a batched product: attention's
     ///   per-head products, which the Cpu device runs in a chain with their
-    ///   operands in cache (`codegen::plan::Chain`). There, six alternating
-    ///   residual profiles: 60.3-62.0 ms a step against 67.8-70.7 in the
-    ///   crate, the score products (`Q·Kᵀ`, 64 rows) a fifth faster. Streamed
-    ///   from memory step by step, before chains, they had run 15 to 50 %
-    ///   faster in the crate;
+    ///   operands in cache (`codegen::plan::Chain`), where the tile beats the
+    ///   crate (streamed from memory step by step, before chains, the crate
+    ///   had been faster);
     /// - a column-major `a` under at most [`AVX2_TALL_MAX_COLS`] columns (16
     ///   x 6 tile): the weight gradients of routers and coefficient
-    ///   projections (`4096 x 32`, `1024 x 24` over 2048 tokens) ran twice as
-    ///   fast as in the crate, 64 to 128 columns 1.3 to 1.5 times. The
-    ///   backbone's wider ones (256 to 768 columns) had run the same in both;
-    ///   since the tile's packing reads the next block from cache
-    ///   (`NextColumns`), they run faster on it: alone, 40 calls from memory
-    ///   (medians), `768 x 256 x 2048` 9.2-9.5 ms against 10.9-11.1 in the
-    ///   crate, `256 x 768 x 2048` 9.4-10.1 against 9.9; in six alternating
-    ///   residual profiles the three weight gradients took 146-193 ms a step
-    ///   (median 166) against 155-195 (176).
+    ///   projections (`4096 x 32`, `1024 x 24` over 2048 tokens) and products
+    ///   of 64 to 128 columns run faster than in the crate. The backbone's
+    ///   wider ones (256 to 768 columns) gain too since the tile's packing
+    ///   reads the next block from cache (`NextColumns`).
     pub(crate) fn takes(self, m: usize, n: usize, a: Operand, batch: usize) -> bool {
         match self {
             Isa::Avx512 => true,
@@ -409,18 +402,16 @@ const ROW_STREAMS_MAX_PACKED_B: usize = 1 << 17;
 /// ([`sgemm_row_streams`], and the same order in [`super::paired_gemm`])
 /// instead of every tile through one block at a time: for a row-major `a`
 /// read in place whose rows span several blocks of `block` steps (a router
-/// or coefficient projection over a whole expanded state, MATH.md §4.3,
+/// or coefficient projection over a whole expanded state, docs/math.md §4.3,
 /// §6.2: `2048 x 32 x 4096` for xHC), with all of `b`, `packed_step` floats a
 /// step, within [`ROW_STREAMS_MAX_PACKED_B`].
 ///
 /// Why: in block order each tile reads one block's stretch of its rows (1 KiB
 /// of a 16 KiB row) and jumps to the next tile, so every row is a string of
 /// short streams the hardware prefetcher keeps losing, and prefetching the
-/// next tile's stretch did not help (xHC's router projections 11.3-12.3 ms a
-/// step → 12.7-14.4). Row by row, each of a tile's rows is one long
-/// sequential stream, and while it computes one block the tile prefetches
-/// its next (11.2-12.3 → 10.0-11.0 ms a step, and mHC's `2048 x 24 x 1024`
-/// projections 2.65-3.06 → 2.46-2.52). Each element still adds its blocks in
+/// next tile's stretch made it slower. Row by row, each of a tile's rows is
+/// one long sequential stream, and while it computes one block the tile
+/// prefetches its next. Each element still adds its blocks in
 /// order, so the result is the same bits.
 pub(crate) fn streams_rows(k: usize, a: Operand, block: usize, packed_step: usize) -> bool {
     let row_major = a.cols == 1 && a.rows > 1;
@@ -431,17 +422,15 @@ pub(crate) fn streams_rows(k: usize, a: Operand, block: usize, packed_step: usiz
 /// each block's steps are that many rows of the activations read side by
 /// side, so few enough for the hardware prefetcher to follow each as a
 /// stream, and enough that a tile's arithmetic outweighs loading and storing
-/// its part of `c` once a block. Measured on xHC's `4096 x 32 x 2048` router
-/// weight gradient on two threads (means of 40 calls over 8 operand sets):
-/// 16 steps 4.4-5.1 ms, 32 steps 3.4-3.7, 64 steps 3.9-4.2, 128 steps
-/// 12.5-13.9 (KC = 256 in block order: 5.8-9.7).
+/// its part of `c` once a block. 32 was the fastest of 16 to 128 on xHC's
+/// router weight gradient, the product this order is for.
 pub(crate) const COLUMN_BLOCK: usize = 32;
 
 /// Floats past its own rows that each step of a tile in column order
 /// prefetches in that step's row of the activations: four 14-row tiles
 /// ahead, the lines the tile after next reaches while this one computes.
-/// Measured as for [`COLUMN_BLOCK`]: none 4.5-5.0 ms, 28 floats 3.8-4.0, 56
-/// floats 3.3-3.6.
+/// Measured as for [`COLUMN_BLOCK`]: the farthest of none, 28 and 56 floats
+/// was the fastest.
 const COLUMN_AHEAD: usize = 56;
 
 /// Whether a product with a column-major `a` (a weight gradient's transposed
@@ -453,15 +442,12 @@ const COLUMN_AHEAD: usize = 56;
 /// Why: `a`'s step `p` is row `p` of the activations, so in block order a
 /// block of 112 rows of `c` over 256 steps reads 448 bytes of each of 256
 /// activation rows a whole row apart, 256 short runs no prefetcher follows
-/// (the connections' coefficient and router weight gradients, MATH.md §4.3,
+/// (the connections' coefficient and router weight gradients, docs/math.md §4.3,
 /// §6.2, ran at a third of their roofline). In column order the tiles walk
 /// along a block's few rows, each row one sequential stream, and each tile
 /// prefetches the lines of the tile after next. Every element still adds
 /// its blocks in order from step 0, so the bits do not depend on the
-/// thread split. In training steps (`WIDEN_PROFILE=all`, three alternating
-/// runs each, D = 256, 4 layers, batch 8 x 256): xHC's `4096 x 32 x 2048`
-/// products 42.9 / 54.6 / 47.6 → 25.5 / 24.5 / 25.0 ms a step and its
-/// `1024 x 32 x 2048` 6.6 / 8.0 / 7.4 → 4.4 / 3.9 / 4.1.
+/// thread split.
 pub(crate) fn streams_columns(k: usize, a: Operand) -> bool {
     is_column_major(a) && a.cols >= COLUMN_MIN_STRIDE && k > COLUMN_BLOCK
 }
@@ -469,9 +455,8 @@ pub(crate) fn streams_columns(k: usize, a: Operand) -> bool {
 /// Floats between a column-major `a`'s steps from which [`streams_columns`]
 /// takes a product: a 4 KiB page, so each step starts a page of its own.
 /// Below it a block's steps lie close together and block order reads them
-/// as one sequential run: VWN's `64 x 24 x 32768` coefficient weight
-/// gradients (256 bytes a step) took 9.6 / 11.5 ms a step in block order,
-/// 14.4 / 12.6 in column order.
+/// as one sequential run, faster than column order (VWN's `64 x 24 x 32768`
+/// coefficient weight gradients, 256 bytes a step).
 pub(crate) const COLUMN_MIN_STRIDE: usize = 1024;
 
 /// In row order ([`streams_rows`]), what the tile of `rows` rows of a
@@ -516,8 +501,7 @@ unsafe fn sgemm_blocks<T: Tile>(
     // holds each step's rows together, and a row-major sliver's `MR` rows of
     // `KC` steps (14 KiB with AVX-512) stay in L1 while the micro-kernel
     // walks the block's column slivers, so packing only copied what L1
-    // already serves (packing took about a tenth of a step; reading in place
-    // made the backbone's steps 5 % faster). Only a ragged last sliver is
+    // already serves. Only a ragged last sliver is
     // packed, with its zero padding. AVX2's 6-row sliver of a column-major
     // `a` holds 24 bytes of each step's line: read in place, its 256 lines
     // and the `b` sliver fill L1, and the backbone's weight gradients ran at
@@ -534,8 +518,7 @@ unsafe fn sgemm_blocks<T: Tile>(
     //   under a single column sliver (a coefficient projection's 24 outputs)
     //   is read once, sliver after sliver; wider products reuse each sliver
     //   from cache across their column slivers, and prefetching there only
-    //   took issue slots (measured 0.5 ms slower on the backbone's 2048 x 256
-    //   x 256 products).
+    //   takes issue slots (the backbone's products got slower).
     let prefetches_next_block =
         (a.rows == 1 && a.cols > 1) || (a.cols == 1 && a.rows > 1 && a.rows <= KC && n <= nr);
     with_packing((a_lines + b_lines) * 16, |pa| {
@@ -754,11 +737,8 @@ unsafe fn sgemm_column_streams<T: Tile>(
 /// The block of a column-major `a` (a weight gradient's activations) that
 /// [`sgemm_blocks`] packs next, prefetched in parts while the micro-kernels
 /// compute the current one: packing then reads from cache instead of waiting
-/// on memory between blocks of arithmetic. With whole slivers packed by plain
-/// copies (no masks), in training steps (two alternating profiles each):
-/// xHC's `4096 x 32 x 2048` router weight gradients 56.5-61.8 → 51.4-52.5 ms
-/// a step, VWN's `64 x 24 x 32768` 22.1-23.8 → 16.9-18.9, mHC's `1024 x 24 x
-/// 2048` 14.9-15.0 → 12.7-13.0.
+/// on memory between blocks of arithmetic. Whole slivers are packed by plain
+/// copies (no masks).
 #[cfg(target_arch = "x86_64")]
 struct NextColumns {
     /// The block's first row at its first step.
@@ -811,9 +791,8 @@ impl NextColumns {
 /// `a` (a weight gradient's activations): each step's rows are a short run
 /// (a block's 96 rows, six lines) a whole activation row after the last, a
 /// new page the hardware prefetcher has not seen, so without it packing
-/// waited on memory at every step. Measured on the `4096 x 32 x 2048` router
-/// weight gradient's half (one thread): 16.6 GFLOP/s without, 28.3 to 33.1
-/// with 4, 8 or 16 steps ahead.
+/// waited on memory at every step. 4, 8 or 16 steps ahead measured alike,
+/// all far faster than none (the router weight gradient).
 const PACK_AHEAD: usize = 8;
 
 /// Packs rows `i0..i0 + mc`, steps `p0..p0 + kc` of `a` as slivers of `MR`
@@ -934,15 +913,11 @@ impl Tile for Avx512 {
     /// 14 rows are 56 of a line's 64 bytes.
     const READS_COLUMNS_IN_PLACE: bool = true;
     /// The connections' coefficient input gradients (`dy @ W^T` over 20 to
-    /// 32 coefficients, MATH.md §4.3, §6.2) and nothing of the backbone's
-    /// (attention's 64-step products stay sliver by sliver, as tuned). In
-    /// training steps (`WIDEN_PROFILE=all`, three alternating runs each, D =
-    /// 256, 4 layers, batch 8 x 256): mHC's `2048 x 1024 x 24` 11.9 / 9.8 /
-    /// 10.4 → 6.5 / 6.2 / 7.4 ms a step, xHC's `2048 x 1024 x 32` 7.2 / 6.2 /
-    /// 6.2 → 4.3 / 3.4 / 3.9 and `2048 x 1024 x 20` 5.1 / 4.2 / 4.7 → 2.9 /
-    /// 2.4 / 2.8, VWN's `32768 x 64 x 24` 10.1 / 8.3 / 10.3 → 9.1 / 6.7 /
-    /// 8.2. xHC's streamed `2048 x 4096 x 32` (32 MiB) stays sliver by
-    /// sliver: band by band it took the same time in the step.
+    /// 32 coefficients, docs/math.md §4.3, §6.2) and nothing of the backbone's
+    /// (attention's 64-step products stay sliver by sliver, as tuned); band
+    /// by band these ran faster in training-step profiles. xHC's streamed
+    /// `2048 x 4096 x 32` (32 MiB) stays sliver by sliver: band by band it
+    /// gained nothing.
     const ROW_BANDS_MAX_STEPS: usize = 32;
 
     #[inline]
@@ -1120,13 +1095,11 @@ struct Avx2Rows<const ROWS: usize, const VECTORS: usize>;
 type Avx2 = Avx2Rows<{ AVX2_TILE.0 }, { AVX2_TILE.1 / 8 }>;
 
 /// The AVX2 tile for products of 17 to 24 columns (the connections'
-/// coefficient projections, MATH.md §4.3, §5.5, §6.2): 3 rows of three
+/// coefficient projections, docs/math.md §4.3, §5.5, §6.2): 3 rows of three
 /// vectors, so that 24 columns compute no padding where [`Avx2`]'s two
 /// vectors a row pad them to 32 (a quarter of its FMAs; three eighths at
-/// xHC's 20). Measured on one thread against the 6 x 16 tile, medians of 40
-/// interleaved calls: `1024 x 24 x 1024` 1.46 → 1.12 ms with `a` in cache,
-/// 1.81 → 1.26 from memory; `1024 x 20 x 1024` 1.68 → 1.20; `16384 x 24 x
-/// 64` 1.82 → 1.59. Four rows (12 accumulators, three `b` vectors and a
+/// xHC's 20); it beats the 6 x 16 tile on these shapes, operands in cache
+/// or not. Four rows (12 accumulators, three `b` vectors and a
 /// broadcast: all 16 registers) left the compiler none to spare: it kept
 /// one accumulator on the stack, and that accumulator's store and reload
 /// each step made the tile slower than the 6 x 16 one.
@@ -1141,10 +1114,9 @@ impl<const ROWS: usize, const VECTORS: usize> Tile for Avx2Rows<ROWS, VECTORS> {
     const MC: usize = AVX2_MIN_ROWS;
     /// 6 rows are 24 of a line's 64 bytes.
     const READS_COLUMNS_IN_PLACE: bool = false;
-    /// Measured in training steps (three alternating profiles each): mHC's
-    /// `2048 x 1024 x 24` coefficient input gradients 14.6-16.7 → 10.1-12.3
-    /// ms a step, VWN's `32768 x 24 x 64` and `32768 x 64 x 24` 20.5 → 16.2
-    /// and 14.1 → 12.5; the backbone's 256-step products did not change.
+    /// Band by band, the connections' short products (mHC's and VWN's
+    /// coefficient products) ran faster in training-step profiles; the
+    /// backbone's 256-step products did not change.
     const ROW_BANDS_MAX_STEPS: usize = 64;
 
     #[inline]
@@ -1288,8 +1260,8 @@ impl Tile for Avx2Tall {
     /// Packed, though 16 rows are a whole line: a weight gradient's steps lie
     /// a whole activation row apart (16 KiB for xHC's state), a stride that
     /// maps a sliver's lines to one or a few cache sets, where they evict each
-    /// other. Read in place, the router's weight gradient ran at 16.1 GFLOP/s
-    /// on one thread; packed, with [`PACK_AHEAD`], at 28 to 33.
+    /// other: read in place, the router's weight gradient ran at about half
+    /// the rate it reaches packed with [`PACK_AHEAD`].
     const READS_COLUMNS_IN_PLACE: bool = false;
     /// Its products (weight gradients) contract over every token.
     const ROW_BANDS_MAX_STEPS: usize = 0;

@@ -6,7 +6,7 @@
 //! p ← p − lr · (m / (1 − β1^t)) / (sqrt(v / (1 − β2^t)) + eps)
 //! ```
 //! `t` is the 1-based step count. Weight decay is 0 for groups without decay
-//! (gains, biases, embeddings, static connection parameters: MATH.md §1.2).
+//! (gains, biases, embeddings, static connection parameters: docs/math.md §1.2).
 
 /// Hyper-parameters of one AdamW update, already scaled by schedule and muP.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -1,4 +1,4 @@
-//! Global-norm gradient clipping (MATH.md §10: clip 1.0 by default).
+//! Global-norm gradient clipping (docs/math.md §10: clip 1.0 by default).
 
 use codegen::optimizer::{NORM_CHUNK, NORM_LANES};
 

@@ -1,12 +1,12 @@
 //! Optimizers: AdamW with parameter groups, Muon for hidden matrices, muP LR
-//! scaling, gradient clipping and LR schedules (DESIGN.md §7, MATH.md §8, §10).
+//! scaling, gradient clipping and LR schedules (docs/architecture.md §7, docs/math.md §8, §10).
 //!
-//! Routing (MATH.md §8.2 DECISION): with `OptimizerSpec::Muon`, parameters whose
+//! Routing (docs/math.md §8.2 DECISION): with `OptimizerSpec::Muon`, parameters whose
 //! class is `muon_eligible()` and whose rank is >= 2 get Muon; everything else
 //! gets AdamW with the spec's `adamw` settings. Weight decay applies only where
 //! `ParamClass::weight_decay()` says so.
 //!
-//! muP (MATH.md §8.1): with `Parametrization::MuP`, AdamW's LR for `Hidden`
+//! muP (docs/math.md §8.1): with `Parametrization::MuP`, AdamW's LR for `Hidden`
 //! parameters is divided by the width multiplier w = d_model / base_width, and
 //! their weight decay multiplied by w, so lr·wd stays width-invariant (the
 //! DECISION there). Muon's LR is not rescaled: its shape scale already adapts
@@ -28,7 +28,7 @@ use muon::{muon_update, MuonStep};
 pub enum Rule {
     /// AdamW with LR = peak · schedule · `lr_scale` and this effective weight decay.
     AdamW { lr_scale: f64, weight_decay: f64 },
-    /// Muon (MATH.md §8.2) with the spec's Muon settings.
+    /// Muon (docs/math.md §8.2) with the spec's Muon settings.
     Muon,
 }
 

@@ -1,9 +1,9 @@
 //! Muon: momentum, then an approximate orthogonalization of the update by a
-//! quintic Newton–Schulz iteration (MATH.md §8.2, after KellerJordan/Muon).
+//! quintic Newton–Schulz iteration (docs/math.md §8.2, after KellerJordan/Muon).
 //!
-//! **Orientation.** MATH.md writes W ∈ R^{out×in} (PyTorch's `Linear`). widen
+//! **Orientation.** docs/math.md writes W ∈ R^{out×in} (PyTorch's `Linear`). widen
 //! stores matrices `[in, out]` because the graph computes `x @ W`, so a stored
-//! matrix is the transpose of the one in MATH.md. Newton–Schulz commutes with
+//! matrix is the transpose of the one in docs/math.md. Newton–Schulz commutes with
 //! transposition (NS(Xᵀ) = NS(X)ᵀ), so the iteration is run on the stored
 //! matrix directly, transposed internally whenever it has more rows than
 //! columns so that the Gram matrix X·Xᵀ is the smaller one (the "if out > in:
@@ -12,11 +12,11 @@
 //!
 //! Parameters of rank > 2 (stacked experts `[E, in, out]`) are treated as a
 //! batch of matrices over their last two axes. The reference runtime computes
-//! in f32 (MATH.md notes bf16 on GPUs).
+//! in f32 (docs/math.md notes bf16 on GPUs).
 
 use ir::spec::MuonScale;
 
-/// Newton–Schulz coefficients (a, b, c) of MATH.md §8.2.
+/// Newton–Schulz coefficients (a, b, c) of docs/math.md §8.2.
 pub const NS_COEFFS: (f32, f32, f32) = (3.4445, -4.7750, 2.0315);
 
 /// Hyper-parameters of one Muon update, already scaled by the schedule.
@@ -91,7 +91,7 @@ fn transpose(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     out
 }
 
-/// The update scale for a stored `[in, out]` matrix (MATH.md §8.2).
+/// The update scale for a stored `[in, out]` matrix (docs/math.md §8.2).
 pub fn shape_scale(scale: MuonScale, fan_in: usize, fan_out: usize) -> f64 {
     match scale {
         MuonScale::Original => (fan_out as f64 / fan_in as f64).max(1.0).sqrt(),

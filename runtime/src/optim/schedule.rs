@@ -1,4 +1,4 @@
-//! Learning-rate schedules (DESIGN.md §7): a multiplier of the peak LR per step.
+//! Learning-rate schedules (docs/architecture.md §7): a multiplier of the peak LR per step.
 //!
 //! Steps are 0-based here (`step` = number of optimizer steps already taken).
 //! Warmup is linear, reaching the peak at the end of step `warmup - 1`, so the

@@ -1,4 +1,4 @@
-//! Standalone trainers (`widen build SPEC -o PATH`, DESIGN.md §1, §7): a spec
+//! Standalone trainers (`widen build SPEC -o PATH`, docs/architecture.md §1, §7): a spec
 //! compiled into one executable that trains the model with no spec file and no
 //! `widen` command at run time.
 //!
@@ -28,7 +28,7 @@
 //! parameters from the spec's seed, samples the same batches and runs the same
 //! Plan on the same device, so its `metrics.jsonl` carries the same losses.
 //! Kernels are C compiled by the system C compiler when the Plan is loaded on
-//! the Cpu device (DESIGN.md §6), so `--device cpu` needs `cc` (or `CC`) at run
+//! the Cpu device (docs/architecture.md §6), so `--device cpu` needs `cc` (or `CC`) at run
 //! time, as `widen train` does.
 
 mod cargo;
@@ -267,7 +267,7 @@ impl fmt::Display for WarmupRescale {
 /// the last step keeps its fraction of the planned run instead (so a short
 /// trial run of a spec still validates), with the rule `widen train --steps`
 /// applies, so a standalone run and a `widen train` run of the same length
-/// follow the same learning-rate schedule (MATH.md §8).
+/// follow the same learning-rate schedule (docs/math.md §8).
 pub fn set_steps(spec: &mut ModelSpec, steps: usize) -> Option<WarmupRescale> {
     let planned = spec.train.steps;
     spec.train.steps = steps;

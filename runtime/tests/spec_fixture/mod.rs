@@ -12,7 +12,7 @@ pub struct Shrink {
 }
 
 /// Loads `specs/<file>` and shrinks its backbone: d_model 32, 2 heads, one block (two
-/// where the scheme shares decisions across a block pair, MATH.md §6.11), the given
+/// where the scheme shares decisions across a block pair, docs/math.md §6.11), the given
 /// FFN widths, sequence length and batch, on the built-in synthetic corpus.
 pub fn shrunk_spec(file: &str, sizes: &Shrink) -> ModelSpec {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../specs").join(file);

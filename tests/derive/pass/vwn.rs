@@ -1,4 +1,4 @@
-//! A Virtual Width Network (MATH.md §5) with MoE, MTP and a full training block.
+//! A Virtual Width Network (docs/math.md §5) with MoE, MTP and a full training block.
 use widen::ir::spec::{FfnSpec, OptimizerSpec, ResidualSpec, ScheduleSpec};
 use widen::VirtualWidth;
 
@@ -9,7 +9,7 @@ use widen::VirtualWidth;
 #[widen(train(seq_len = 128, batch = 8, steps = 500, optimizer = adamw(lr = 3e-3), schedule = cosine(warmup = 50), seed = 0))]
 struct Tiny;
 
-/// `r` is the convenience for n = r * m (MATH.md §5.1).
+/// `r` is the convenience for n = r * m (docs/math.md §5.1).
 #[derive(VirtualWidth)]
 #[widen(d_model = 256, heads = 4, residual = ghc(m = 4, r = 4))]
 struct WithR;

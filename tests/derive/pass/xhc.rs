@@ -1,4 +1,4 @@
-//! An expanded-hyper-connections model (MATH.md §6) with every list and enum knob.
+//! An expanded-hyper-connections model (docs/math.md §6) with every list and enum knob.
 use widen::ir::spec::{AugSublayers, Flash, ResidualSpec, Router};
 use widen::VirtualWidth;
 

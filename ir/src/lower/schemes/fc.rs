@@ -1,4 +1,4 @@
-//! Frac-connections (MATH.md §3): the hidden state split into m fractions of width
+//! Frac-connections (docs/math.md §3): the hidden state split into m fractions of width
 //! D/m, state `[B, T, m, D/m]`; total width stays D.
 //!
 //! The paper's FC matrix [[0, B], [Y, A]] lowers to output-major matrices (§0.2):
@@ -43,7 +43,7 @@ impl Scheme for Fc {
         (self.spec.m, self.df)
     }
 
-    /// H^0 = reshape(E[tok], (m, D/m)) (MATH.md §3, Eq. 6).
+    /// H^0 = reshape(E[tok], (m, D/m)) (docs/math.md §3, Eq. 6).
     fn embed(&mut self, cx: &mut Cx, ids: NodeId) -> Result<NodeId, GraphError> {
         let (b, t) = (cx.shape(ids)[0], cx.shape(ids)[1]);
         let table = embedding_table(cx, &mut self.table);
@@ -51,7 +51,7 @@ impl Scheme for Fc {
         cx.reshape(h, &[b, t, self.spec.m, self.df])
     }
 
-    /// SFC or DFC (MATH.md §3) with the Pre-Norm-equivalent init of Eq. 15.
+    /// SFC or DFC (docs/math.md §3) with the Pre-Norm-equivalent init of Eq. 15.
     fn sublayer(
         &mut self,
         cx: &mut Cx,
@@ -88,7 +88,7 @@ impl Scheme for Fc {
         connect(cx, state, &mixing, WriteForm::PerSegment, branch)
     }
 
-    /// h_L = reshape(H_L, (D,)) (MATH.md §3).
+    /// h_L = reshape(H_L, (D,)) (docs/math.md §3).
     fn collapse(&mut self, cx: &mut Cx, state: NodeId, _module: Option<usize>) -> Result<NodeId, GraphError> {
         let dims = cx.shape(state).to_vec();
         cx.reshape(state, &[dims[0], dims[1], self.d])

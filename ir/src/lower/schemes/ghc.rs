@@ -1,4 +1,4 @@
-//! Generalized hyper-connections / Virtual Width Networks (MATH.md §5), and the
+//! Generalized hyper-connections / Virtual Width Networks (docs/math.md §5), and the
 //! Read / Carry / Write machinery HC (§2) and FC (§3) share with it: both are special
 //! cases of GHC (§5.4), HC with one backbone segment (m = 1), FC with n = m slots.
 //!
@@ -36,7 +36,7 @@ use crate::graph::{GraphError, Init, NodeId, Op, ParamClass, UnaryOp};
 use crate::lower::{Branch, Cx, Scheme, SublayerKind};
 use crate::spec::{EmbedMode, GateAct, GhcSpec, ModelSpec, Parametrization, ReduceInit, ReduceNorm};
 
-/// The output-major mixing matrices of one sublayer (MATH.md §0.2, §0.3): `read`
+/// The output-major mixing matrices of one sublayer (docs/math.md §0.2, §0.3): `read`
 /// `[.., m, s]`, `carry` `[.., s, s]` and `write` `[.., s, m]` (or `[.., s, 1]` for a
 /// per-segment scale). Static matrices are parameters broadcast over `[B, T]`; dynamic
 /// ones are per-token `[B, T, .., ..]` tensors.
@@ -51,11 +51,11 @@ pub(super) struct Mixing {
 pub(super) enum WriteForm {
     /// Slot i receives Σ_j write[i, j] Z[j]: one MatMul (HC, GHC).
     Matrix,
-    /// Slot i receives write[i] Z[i]: FC's per-fraction scale (MATH.md §3 DECISION), s = m.
+    /// Slot i receives write[i] Z[i]: FC's per-fraction scale (docs/math.md §3 DECISION), s = m.
     PerSegment,
 }
 
-/// One sublayer in the unified form (MATH.md §0.3): Read as one MatMul, the branch on
+/// One sublayer in the unified form (docs/math.md §0.3): Read as one MatMul, the branch on
 /// the flattened read, Carry as one MatMul, Write as one MatMul (or a per-segment scale),
 /// merged by one Add. `state` is `[B, T, s, d]`.
 pub(super) fn connect(
@@ -80,7 +80,7 @@ pub(super) fn connect(
     cx.add(carried, written)
 }
 
-/// Dynamic coefficients in the row-per-slot layout of VWN Alg. 2 (MATH.md §5.5; HC Alg. 2,
+/// Dynamic coefficients in the row-per-slot layout of VWN Alg. 2 (docs/math.md §5.5; HC Alg. 2,
 /// FC Eqs. 11–14 have the same shape): `act(mult · H̄ [W_alpha | W_beta])`, `[B, T, s, m + s + w]`,
 /// one MatMul over the normalized state `normed` `[B, T, s, d]`. Row i depends only on slot i.
 /// Its column blocks are slot i's read weights (m), carry weights (s) and write weights (w);
@@ -114,7 +114,7 @@ pub(super) fn generate(
 }
 
 /// `delta · scale + base`, matrix by matrix: the gated dynamic part plus the static
-/// matrices (MATH.md §2.3, §3, §5.5). Scales broadcast (HC/FC scalars, GHC S matrices).
+/// matrices (docs/math.md §2.3, §3, §5.5). Scales broadcast (HC/FC scalars, GHC S matrices).
 pub(super) fn scale_and_offset(
     cx: &mut Cx,
     delta: Mixing,
@@ -130,7 +130,7 @@ pub(super) fn scale_and_offset(
     Ok(Mixing { read, carry, write })
 }
 
-/// B^T `[n, m]` with the cyclic init of MATH.md §5.6: slot j receives segment j mod m.
+/// B^T `[n, m]` with the cyclic init of docs/math.md §5.6: slot j receives segment j mod m.
 fn cyclic_write(n: usize, m: usize) -> Vec<f64> {
     (0..n * m).map(|k| if (k / m) % m == k % m { 1.0 } else { 0.0 }).collect()
 }
@@ -144,7 +144,7 @@ pub(crate) struct Ghc {
     table: Option<NodeId>,
     /// W_expand (Expand mode), created once.
     expand: Option<NodeId>,
-    /// W_reduce, shared by the trunk and every MTP module (MATH.md §5.7 DECISION (b)).
+    /// W_reduce, shared by the trunk and every MTP module (docs/math.md §5.7 DECISION (b)).
     reduce: Option<NodeId>,
 }
 
@@ -161,7 +161,7 @@ impl Ghc {
 
     /// The temperature actually applied, τ_eff. Under muP the generators are readouts
     /// with a 1/w forward multiplier folded into τ: τ_eff = τ_base · w, where τ_base is
-    /// the knob's value at the base width (default √(d_b,base)) (MATH.md §8.1 DECISION).
+    /// the knob's value at the base width (default √(d_b,base)) (docs/math.md §8.1 DECISION).
     fn tau_eff(&self, cx: &Cx) -> f64 {
         match &cx.spec.parametrization {
             Parametrization::Standard => self.spec.tau(self.d),
@@ -169,7 +169,7 @@ impl Ghc {
         }
     }
 
-    /// W_reduce `[D', D]`, created on first use (MATH.md §5.6 DECISION: block identity,
+    /// W_reduce `[D', D]`, created on first use (docs/math.md §5.6 DECISION: block identity,
     /// or N(0, 1/D') which is already the muP hidden variance 1/fan_in).
     fn reduce_weight(&mut self, cx: &mut Cx) -> NodeId {
         let (wide, d) = (self.wide(), self.d);
@@ -186,7 +186,7 @@ impl Scheme for Ghc {
         (self.spec.n, self.db)
     }
 
-    /// The over-width embedding (MATH.md §5.2): E_wide[tok], or E_base[tok] W_expand, as n
+    /// The over-width embedding (docs/math.md §5.2): E_wide[tok], or E_base[tok] W_expand, as n
     /// slots of width d_b. Both tables draw N(0, init_std^2) like the baseline embedding
     /// (§5.6 DECISION); W_expand draws N(0, 1/D).
     fn embed(&mut self, cx: &mut Cx, ids: NodeId) -> Result<NodeId, GraphError> {
@@ -253,7 +253,7 @@ impl Scheme for Ghc {
         connect(cx, state, &mixing, WriteForm::Matrix, branch)
     }
 
-    /// Reduce (MATH.md §5.2, Alg. 1): GroupNorm with groups of size D (r = n/m groups over
+    /// Reduce (docs/math.md §5.2, Alg. 1): GroupNorm with groups of size D (r = n/m groups over
     /// D', per-channel affine) when enabled, then `x @ W_reduce` to `[B, T', D]`.
     fn collapse(&mut self, cx: &mut Cx, state: NodeId, module: Option<usize>) -> Result<NodeId, GraphError> {
         let dims = cx.shape(state).to_vec();
@@ -291,7 +291,7 @@ mod tests {
     fn cyclic_write_sends_segment_i_to_every_slot_congruent_to_i() {
         // (m, n) = (2, 3): B = [[1, 0, 1], [0, 1, 0]], stored as B^T [3, 2].
         assert_eq!(cyclic_write(3, 2), vec![1.0, 0.0, 0.0, 1.0, 1.0, 0.0]);
-        // n = m: the identity (MATH.md §5.4, FC).
+        // n = m: the identity (docs/math.md §5.4, FC).
         assert_eq!(cyclic_write(2, 2), vec![1.0, 0.0, 0.0, 1.0]);
     }
 }

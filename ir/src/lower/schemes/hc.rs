@@ -1,4 +1,4 @@
-//! Hyper-connections (MATH.md §2): n streams of width D, state `[B, T, n, D]`.
+//! Hyper-connections (docs/math.md §2): n streams of width D, state `[B, T, n, D]`.
 //!
 //! The paper's HC matrix [[0, B], [A_m, A_r]] lowers to output-major matrices (§0.2):
 //! H_pre = A_m^T `[1, n]` (read), H_res = A_r^T `[n, n]` (carry) and the write matrix
@@ -40,7 +40,7 @@ impl Scheme for Hc {
         (self.spec.n, self.d)
     }
 
-    /// H^0 = replicate(E[tok]): n identical rows as a broadcast view (MATH.md §2.1).
+    /// H^0 = replicate(E[tok]): n identical rows as a broadcast view (docs/math.md §2.1).
     fn embed(&mut self, cx: &mut Cx, ids: NodeId) -> Result<NodeId, GraphError> {
         let (b, t) = (cx.shape(ids)[0], cx.shape(ids)[1]);
         let table = embedding_table(cx, &mut self.table);
@@ -96,12 +96,12 @@ impl Scheme for Hc {
         connect(cx, state, &mixing, WriteForm::Matrix, branch)
     }
 
-    /// h = Σ_i h_i (MATH.md §2.1).
+    /// h = Σ_i h_i (docs/math.md §2.1).
     fn collapse(&mut self, cx: &mut Cx, state: NodeId, _module: Option<usize>) -> Result<NodeId, GraphError> {
         cx.sum(state, 2, false)
     }
 
-    /// The output projections' init std times 1/√n, √n or 1 (MATH.md §2.4 DECISION: 1/√n
+    /// The output projections' init std times 1/√n, √n or 1 (docs/math.md §2.4 DECISION: 1/√n
     /// damps the n-fold amplification of the final sum).
     fn out_proj_std_mult(&self) -> f64 {
         let root = (self.spec.n as f64).sqrt();

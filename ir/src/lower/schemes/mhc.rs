@@ -1,17 +1,17 @@
-//! Manifold-constrained hyper-connections, mHC (MATH.md §4): n streams of width C,
+//! Manifold-constrained hyper-connections, mHC (docs/math.md §4): n streams of width C,
 //! per-token coefficients generated from the whole flattened state.
 //!
-//! Per sublayer, in the fused form of MATH.md §4.3:
+//! Per sublayer, in the fused form of docs/math.md §4.3:
 //! ```text
 //! [h_pre, h_post, h_res] = NormProject(vec(X), phi)        reads nC once, norm folded after the matmul
 //! logits = [a_pre, a_post, a_res] * [h_pre, h_post, h_res] + b
 //! H_pre  = sigmoid(.) + pre_eps      [1, n]
 //! H_post = post_max * sigmoid(.)     [n, 1]   (already the transposed write vector)
-//! H_res  = Sinkhorn(mat(.))          [n, n]   output-major (MATH.md §0.2)
+//! H_res  = Sinkhorn(mat(.))          [n, n]   output-major (docs/math.md §0.2)
 //! u = H_pre X;   y = F(u);   X' = H_res X + H_post y
 //! ```
 //! Each application is one MatMul, so the unfused traffic is (5n+1)C read and
-//! (3n+1)C written plus the O(n²) coefficient terms (MATH.md §4.7).
+//! (3n+1)C written plus the O(n²) coefficient terms (docs/math.md §4.7).
 //!
 //! Parameter names (checkpoint keys), per sublayer prefix `P` (e.g. `blocks.0.attn`):
 //! - `P.conn.phi`   `[nC, n²+2n]`, columns `[phi_pre | phi_post | phi_res]` in that order
@@ -19,7 +19,7 @@
 //! - `P.conn.alpha` `[3]`: alpha_pre, alpha_post, alpha_res (init `alpha_init`, §4.4);
 //! - `P.conn.bias`  `[n²+2n]`, laid out like the columns of phi (init per `bias_init`, §4.4).
 //!
-//! Global: `embed` `[V, C]`, replicated into the n streams (MATH.md §4.4 DECISION).
+//! Global: `embed` `[V, C]`, replicated into the n streams (docs/math.md §4.4 DECISION).
 
 use crate::graph::Build;
 use crate::graph::{GraphError, Init, NodeId, Op, ParamClass, ReduceOp, UnaryOp};
@@ -38,7 +38,7 @@ impl Mhc {
         Mhc { cfg: cfg.clone(), d: spec.d_model, embedding: None }
     }
 
-    /// The static bias b = [b_pre | b_post | b_res] of sublayer l (MATH.md §4.4). The
+    /// The static bias b = [b_pre | b_post | b_res] of sublayer l (docs/math.md §4.4). The
     /// single-stream DECISION (convention 1): b_pre = +3 on the home stream l mod n and -3
     /// elsewhere, b_post = 0 (H_post = 1 at post_max = 2), b_res = 6I - 3 (H_res ≈ I).
     fn bias_init(&self, sublayer: usize) -> Vec<f64> {
@@ -58,7 +58,7 @@ impl Mhc {
     }
 }
 
-/// Stream creation by replication (MATH.md §4.4, §6.7 DECISION): the embedding row of
+/// Stream creation by replication (docs/math.md §4.4, §6.7 DECISION): the embedding row of
 /// each token copied into all `s` streams, `[B, T'] -> [B, T', s, C]`. The copy is a
 /// broadcast view: no data moves until a consumer reads the state.
 pub(crate) fn replicate_embedding(
@@ -74,7 +74,7 @@ pub(crate) fn replicate_embedding(
     cx.broadcast(h, &[b, t, s, d])
 }
 
-/// Sum of the streams, `[B, T', s, C] -> [B, T', C]` (MATH.md §0.3; HC, mHC, xHC), or
+/// Sum of the streams, `[B, T', s, C] -> [B, T', C]` (docs/math.md §0.3; HC, mHC, xHC), or
 /// their mean (the PaddleFleet option, §4.4). The final RMSNorm makes the two equivalent
 /// up to its epsilon.
 pub(crate) fn collapse_streams(cx: &mut Cx, state: NodeId, collapse: Collapse) -> Result<NodeId, GraphError> {
@@ -165,7 +165,7 @@ impl Scheme for Mhc {
 /// The per-column gate `[a_pre x n | a_post x n | a_res x n²]` of the fused coefficient
 /// vector, built from the `[3]` alpha parameter by views. Under muP the generator is a
 /// readout and its 1/w forward multiplier is folded into the gate, a_eff = a / w
-/// (MATH.md §8.1 DECISION).
+/// (docs/math.md §8.1 DECISION).
 fn alpha_per_column(cx: &mut Cx, alpha: NodeId, n: usize) -> Result<NodeId, GraphError> {
     let mut parts = Vec::with_capacity(3);
     for (i, width) in [n, n, n * n].into_iter().enumerate() {

@@ -1,4 +1,4 @@
-//! One module per residual-stream scheme (MATH.md §0.3 table).
+//! One module per residual-stream scheme (docs/math.md §0.3 table).
 
 mod fc;
 mod ghc;

@@ -1,5 +1,5 @@
-//! The plain pre-norm residual (MATH.md §1): one slot of width D.
-//! Read is the identity view, Carry + Write is h + y (MATH.md §0.3, first row).
+//! The plain pre-norm residual (docs/math.md §1): one slot of width D.
+//! Read is the identity view, Carry + Write is h + y (docs/math.md §0.3, first row).
 
 use crate::graph::Build;
 use crate::graph::{GraphError, Init, NodeId, Op, ParamClass};
@@ -17,7 +17,7 @@ impl PlainResidual {
     }
 }
 
-/// The V x D token embedding E ~ N(0, init_std^2), no weight decay (MATH.md §1.2).
+/// The V x D token embedding E ~ N(0, init_std^2), no weight decay (docs/math.md §1.2).
 /// Created once and shared with MTP modules and a tied head.
 pub(crate) fn embedding_table(cx: &mut Cx, slot: &mut Option<NodeId>) -> NodeId {
     if let Some(table) = *slot {

@@ -1,8 +1,8 @@
-//! Expanded hyper-connections, xHC (MATH.md §6): N streams of width C, of which k are
+//! Expanded hyper-connections, xHC (docs/math.md §6): N streams of width C, of which k are
 //! active per token and sublayer (m_f fixed plus k - m_f routed), a dense read over
 //! all N streams, mixing and write-back on the active set only.
 //!
-//! Per sublayer l (full xHC, MATH.md §6.2–§6.6):
+//! Per sublayer l (full xHC, docs/math.md §6.2–§6.6):
 //! ```text
 //! [r, h] = NormProject(vec(X), [W^r | W^pre], centered = N)    one read of the state:
 //!                                                              LayerNorm stats for the router,
@@ -16,7 +16,7 @@
 //! X' = ScatterRows(X, I, H_res X_act + (diag(p) H_post) Y)
 //! ```
 //! p is folded into the small k x K_r matrix so that the wide tensors are touched only
-//! by the ops of the MATH.md §6.9 traffic derivation: (2N + 5k + K_r)C read (+C for the
+//! by the ops of the docs/math.md §6.9 traffic derivation: (2N + 5k + K_r)C read (+C for the
 //! conv input) and (4k + K_r)C written per sublayer. The Flash variants (§6.10, §6.11)
 //! are in [`flash`].
 //!
@@ -69,19 +69,19 @@ fn logit(q: f64) -> f64 {
 
 impl Xhc {
     pub(crate) fn new(spec: &ModelSpec, cfg: &XhcSpec) -> Self {
-        // GS on unless resolved false: true with AdamW, false with Muon (MATH.md §6.5, §8.2).
+        // GS on unless resolved false: true with AdamW, false with Muon (docs/math.md §6.5, §8.2).
         let gram_schmidt =
             cfg.gram_schmidt.unwrap_or(!matches!(spec.train.optimizer, OptimizerSpec::Muon(_)));
         Xhc { cfg: cfg.clone(), d: spec.d_model, gram_schmidt, embedding: None, window: None }
     }
 
-    /// Whether a sublayer gets temporal augmentation (MATH.md §6.5: MLP side by default).
+    /// Whether a sublayer gets temporal augmentation (docs/math.md §6.5: MLP side by default).
     fn augmented(&self, kind: SublayerKind) -> bool {
         !self.cfg.conv_kernels.is_empty()
             && (kind == SublayerKind::Ffn || self.cfg.temporal_aug == AugSublayers::MlpAndAttention)
     }
 
-    /// Write-back components K_r of a sublayer (MATH.md §6.1).
+    /// Write-back components K_r of a sublayer (docs/math.md §6.1).
     fn components(&self, kind: SublayerKind) -> usize {
         if self.augmented(kind) {
             self.cfg.conv_kernels.len() + 1
@@ -90,7 +90,7 @@ impl Xhc {
         }
     }
 
-    /// Whether the router exists: with m_f = k every active stream is fixed (MATH.md §10).
+    /// Whether the router exists: with m_f = k every active stream is fixed (docs/math.md §10).
     fn routed(&self) -> bool {
         self.cfg.fixed < self.cfg.k
     }
@@ -100,7 +100,7 @@ impl Xhc {
     }
 
     /// A gate scalar alpha (init `alpha_init`, §6.7) as used in the forward pass: alpha / w
-    /// under muP, where the generator it gates is a readout (MATH.md §8.1 DECISION).
+    /// under muP, where the generator it gates is a readout (docs/math.md §8.1 DECISION).
     fn alpha(&self, cx: &mut Cx, name: &str) -> Result<NodeId, GraphError> {
         let a = cx.param(name, &[1], Init::Constant(self.cfg.alpha_init), ParamClass::ConnectionStatic);
         let w = cx.width_mult();
@@ -111,7 +111,7 @@ impl Xhc {
         }
     }
 
-    /// b_pre of sublayer l (MATH.md §6.7 DECISION): logit(0.95) on the home stream (fixed
+    /// b_pre of sublayer l (docs/math.md §6.7 DECISION): logit(0.95) on the home stream (fixed
     /// stream l mod m_f, or l mod N without fixed streams), logit(0.05 / (N - 1)) on every
     /// other stream, so that the total leakage is 5%.
     fn b_pre_init(&self, sublayer: usize) -> Vec<f64> {
@@ -121,7 +121,7 @@ impl Xhc {
         (0..n).map(|i| if i == home { logit(0.95) } else { other }).collect()
     }
 
-    /// The routing pass at the window-entry state (MATH.md §6.2–§6.3): one NormProject
+    /// The routing pass at the window-entry state (docs/math.md §6.2–§6.3): one NormProject
     /// over `[W^r | W^pre_{l_1} | ... ]` (router columns mean-centred), the router gate,
     /// TopK, the write gates p and one H_pre per sublayer in `pre_for`.
     fn route(&self, cx: &mut Cx, state: NodeId, pre_for: &[usize]) -> Result<Routing, GraphError> {
@@ -196,7 +196,7 @@ impl Xhc {
         Ok(Routing { idx, p: Some(p), pre })
     }
 
-    /// The active-set maps of MATH.md §6.4 from an active state `[B, T, k, C]`: one
+    /// The active-set maps of docs/math.md §6.4 from an active state `[B, T, k, C]`: one
     /// NormProject over `[W^res | W^post]` (RMS statistics), then H_res = Sinkhorn with
     /// the row clamp (when `mix`), and diag(p) H_post `[B, T, k, K_r]` with p folded in.
     fn active_maps(
@@ -263,7 +263,7 @@ impl Xhc {
     }
 
     /// Runs the branch on `u` `[B, T, C]` and returns Y `[B, T, K_r, C]`: the output,
-    /// followed on augmented sublayers by the temporal components (MATH.md §6.5).
+    /// followed on augmented sublayers by the temporal components (docs/math.md §6.5).
     fn branch_output(
         &self,
         cx: &mut Cx,
@@ -293,7 +293,7 @@ impl Xhc {
 }
 
 /// One sublayer on the active set: its maps, the branch, and the update
-/// X_act' = H_res X_act + (diag(p) H_post) Y (MATH.md §6.6), or X_act + (diag(p) H_post) Y
+/// X_act' = H_res X_act + (diag(p) H_post) Y (docs/math.md §6.6), or X_act + (diag(p) H_post) Y
 /// without mixing (the Flash variants' intermediate sublayers, §6.10–§6.11).
 pub(super) struct Step {
     /// The updated active state `[B, T, k, C]`.
@@ -338,7 +338,7 @@ fn label(cx: &mut Cx, node: NodeId, name: String) {
     cx.g.node_mut(node).label = Some(name);
 }
 
-/// Dense read (MATH.md §6.3): u = H_pre X as one MatMul, `[B, T, N] x [B, T, N, C] -> [B, T, C]`.
+/// Dense read (docs/math.md §6.3): u = H_pre X as one MatMul, `[B, T, N] x [B, T, N, C] -> [B, T, C]`.
 fn dense_read(cx: &mut Cx, pre: NodeId, state: NodeId) -> Result<NodeId, GraphError> {
     let d = cx.shape(state).to_vec();
     let (b, t, n, c) = (d[0], d[1], d[2], d[3]);
@@ -347,7 +347,7 @@ fn dense_read(cx: &mut Cx, pre: NodeId, state: NodeId) -> Result<NodeId, GraphEr
     cx.reshape(u, &[b, t, c])
 }
 
-/// The row clamp of MATH.md §6.4, H[i, :] /= max(Σ_j H[i, j], 1), from primitives on the
+/// The row clamp of docs/math.md §6.4, H[i, :] /= max(Σ_j H[i, j], 1), from primitives on the
 /// small `[B, T, k, k]` tensor.
 fn row_clamp(cx: &mut Cx, h: NodeId) -> Result<NodeId, GraphError> {
     let rows = cx.sum(h, 3, true)?;
@@ -365,7 +365,7 @@ impl Scheme for Xhc {
         replicate_embedding(cx, &mut self.embedding, ids, self.cfg.n)
     }
 
-    /// One full-xHC sublayer (MATH.md §6.2–§6.6).
+    /// One full-xHC sublayer (docs/math.md §6.2–§6.6).
     fn sublayer(
         &mut self,
         cx: &mut Cx,

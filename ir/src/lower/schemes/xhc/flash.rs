@@ -1,16 +1,16 @@
-//! xHC-Flash (MATH.md §6.10) and xHC-Flash-4sub (§6.11): one routing decision and one
+//! xHC-Flash (docs/math.md §6.10) and xHC-Flash-4sub (§6.11): one routing decision and one
 //! full-state read pass per sharing window (one block, or two blocks = four sublayers).
 //! Inside a window the intermediate sublayers only add their sparse writes to the active
 //! state; residual mixing and the scatter into the full state happen once, at the
 //! window's last MLP.
 //!
-//! Map sources (MATH.md §6.10 DECISION, extended to Flash-4sub): every H_pre comes
+//! Map sources (docs/math.md §6.10 DECISION, extended to Flash-4sub): every H_pre comes
 //! from the window-entry state X^(0); each sublayer's H_post, and the final H_res, come
 //! from the active state that sublayer sees (X_act^(0) for the first attention, X_act^(A)
 //! after it, ...), available without a full-state read.
 //!
 //! A Flash-4sub window opens on every even trunk block (validation requires an even
-//! number of blocks, MATH.md §10). MTP modules hold one block each and fall back to
+//! number of blocks, docs/math.md §10). MTP modules hold one block each and fall back to
 //! Flash.
 
 use super::{label, Routing, Xhc};
@@ -35,7 +35,7 @@ pub(super) struct Window {
 }
 
 impl Xhc {
-    /// xHC-Flash over one block (MATH.md §6.10).
+    /// xHC-Flash over one block (docs/math.md §6.10).
     pub(super) fn flash_block(
         &mut self,
         cx: &mut Cx,
@@ -79,7 +79,7 @@ impl Xhc {
         cx.g.add(Op::ScatterRows { axis: 2 }, &[state, routing.idx, mlp.x_act])
     }
 
-    /// xHC-Flash-4sub (MATH.md §6.11): opens a window on its first block and closes it on
+    /// xHC-Flash-4sub (docs/math.md §6.11): opens a window on its first block and closes it on
     /// the next; runs xHC-Flash in MTP modules.
     pub(super) fn flash_two_block(
         &mut self,
@@ -147,7 +147,7 @@ impl Xhc {
         let mid = cx.g.add(Op::ScatterRows { axis: 2 }, &[state, routing.idx, s2.x_act])?;
         label(cx, mid, format!("{}.state", Self::prefix(cx, first + 1)));
         // The state between the window's blocks is stored like every residual state (bf16
-        // under mixed precision, MATH.md §6.12); casting it here, not in the driver, keeps
+        // under mixed precision, docs/math.md §6.12); casting it here, not in the driver, keeps
         // `mid` the node the window's second block receives, so the window closes.
         let mid = cx.state(mid)?;
         self.window = Some(Window {
