@@ -311,6 +311,20 @@ fn invalid_points_are_refused_or_skipped_naming_the_field() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+#[test]
+fn a_sweep_runs_on_the_cpu_device() {
+    let dir = common::workdir("sweep-cpu", Some(SPEC));
+    let o =
+        widen(&dir, &["sweep", "spec.ron", "--set", "residual.r=1,2", "--budget", "steps=2", "--out", "sw"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let (_, rows) = read_csv(&dir.join("sw/results.csv"));
+    assert_eq!(rows.len(), 2);
+    assert!(rows.iter().all(|r| r["status"] == "ok" && num(r, "val_loss_mean").is_finite()));
+    let metrics = std::fs::read_to_string(dir.join("sw/residual.r-2/seed-0/metrics.jsonl")).unwrap();
+    assert!(metrics.lines().all(|l| l.contains(r#""device":"cpu""#)), "{metrics}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// Waits until `path` exists; false after `limit`.
 fn wait_for(path: &Path, limit: Duration) -> bool {
     let start = Instant::now();
