@@ -205,6 +205,9 @@ fn equal_flop_budgets_train_each_point_to_the_budget_within_a_step() {
               seeds: [5], budget: Flops(4e8), baseline: true)"#,
     )
     .unwrap();
+    let o = widen(&dir, &["check", "sweep.ron"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("is a sweep file") && stderr(&o).contains("--dry-run"), "{}", stderr(&o));
     // --dry-run shows the plan and trains nothing.
     let o = widen(&dir, &["sweep", "sweep.ron", "--dry-run", "--out", "sw"]);
     assert!(o.status.success(), "{}", stderr(&o));

@@ -35,6 +35,14 @@ struct Problem {
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    if std::fs::read_to_string(&args.spec).is_ok_and(|text| sweep::file::is_sweep_file(&text)) {
+        let message = format!(
+            "{} is a sweep file, not a spec; `widen sweep {} --dry-run` validates every point of it",
+            args.spec.display(),
+            args.spec.display()
+        );
+        return Ok(fail(&args, &[Problem { path: String::new(), message, at: None }]));
+    }
     let spec = match load_spec(&args.spec) {
         Ok(spec) => spec,
         Err(err) => return Ok(fail(&args, &load_problems(err))),

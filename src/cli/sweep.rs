@@ -97,7 +97,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
 fn load(args: &Args) -> anyhow::Result<Sweep> {
     let text = std::fs::read_to_string(&args.spec)
         .with_context(|| format!("cannot read {}", args.spec.display()))?;
-    if is_sweep_file(&text) {
+    if sweep::file::is_sweep_file(&text) {
         anyhow::ensure!(
             args.sets.is_empty() && args.budget.is_none() && args.seeds == "1",
             "{} is a sweep file: it gives the axes, seeds and budget, so --set, --seeds and --budget \
@@ -118,22 +118,6 @@ fn load(args: &Args) -> anyhow::Result<Sweep> {
     sweep.baseline = args.baseline;
     sweep.on_invalid = if args.skip_invalid { OnInvalid::Skip } else { OnInvalid::Refuse };
     Ok(sweep)
-}
-
-/// Whether RON text is a sweep file: its first token after comments is `Sweep`.
-fn is_sweep_file(text: &str) -> bool {
-    let mut rest = text.trim_start_matches('\u{feff}');
-    loop {
-        rest = rest.trim_start();
-        if let Some(after) = rest.strip_prefix("//") {
-            rest = after.split_once('\n').map_or("", |(_, r)| r);
-        } else if let Some(after) = rest.strip_prefix("/*") {
-            rest = after.split_once("*/").map_or("", |(_, r)| r);
-        } else {
-            break;
-        }
-    }
-    rest.strip_prefix("Sweep").is_some_and(|r| r.trim_start().starts_with('('))
 }
 
 /// What a sweep would train, on stdout.
@@ -223,18 +207,4 @@ pub fn print_report(report: &SweepReport) {
         sweep::runner::RESULTS_JSON,
         sweep::runner::PLOTS_DIR
     );
-}
-
-#[cfg(test)]
-mod tests {
-    use super::is_sweep_file;
-
-    #[test]
-    fn sweep_files_are_told_from_specs() {
-        assert!(is_sweep_file("// a sweep\n/* of r */ Sweep(base: \"a.ron\")"));
-        assert!(is_sweep_file("\u{feff}Sweep (base: \"a.ron\")"));
-        assert!(!is_sweep_file("Model(name: \"sweep\")"));
-        assert!(!is_sweep_file("(name: \"Sweep\")"));
-        assert!(!is_sweep_file("Sweeping(x: 1)"));
-    }
 }

@@ -436,6 +436,22 @@ fn split_top_level(s: &str) -> Vec<String> {
     out
 }
 
+/// Whether RON text is a sweep file: its first token after comments is `Sweep`.
+pub fn is_sweep_file(text: &str) -> bool {
+    let mut rest = text.trim_start_matches('\u{feff}');
+    loop {
+        rest = rest.trim_start();
+        if let Some(after) = rest.strip_prefix("//") {
+            rest = after.split_once('\n').map_or("", |(_, r)| r);
+        } else if let Some(after) = rest.strip_prefix("/*") {
+            rest = after.split_once("*/").map_or("", |(_, r)| r);
+        } else {
+            break;
+        }
+    }
+    rest.strip_prefix("Sweep").is_some_and(|r| r.trim_start().starts_with('('))
+}
+
 /// `--seeds 3` (seeds 0, 1, 2) or `--seeds 1,7`.
 pub fn parse_seeds(arg: &str) -> Result<Vec<u64>, SweepError> {
     let bad = || SweepError::BadSeeds { arg: arg.to_string() };
@@ -479,6 +495,15 @@ impl FromStr for Budget {
 mod tests {
     use super::*;
     use ir::spec::ResidualSpec;
+
+    #[test]
+    fn sweep_files_are_told_from_specs() {
+        assert!(is_sweep_file("// a sweep\n/* of r */ Sweep(base: \"a.ron\")"));
+        assert!(is_sweep_file("\u{feff}Sweep (base: \"a.ron\")"));
+        assert!(!is_sweep_file("Model(name: \"sweep\")"));
+        assert!(!is_sweep_file("(name: \"Sweep\")"));
+        assert!(!is_sweep_file("Sweeping(x: 1)"));
+    }
 
     fn parse(text: &str) -> Result<Sweep, SweepError> {
         Sweep::parse(text, "sweep.ron", Path::new("."))
