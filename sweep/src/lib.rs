@@ -16,11 +16,13 @@
 //! - [`results`]: per-point results aggregated over seeds, written as
 //!   `results.csv` and `results.json`.
 //! - [`plot`]: the four SVG plots, drawn with `plotters` from plain data structs.
+//! - [`coord_plot`]: the muP coordinate-check plot (activation RMS against width).
 //!
 //! Training the runs, resuming and recording failures belong to the runner that
 //! calls this crate.
 
 pub mod budget;
+pub mod coord_plot;
 pub mod file;
 pub mod fit;
 pub mod frontier;
