@@ -28,6 +28,8 @@ enum Command {
     Build(cli::build::Args),
     /// Compare a compiled device against the reference executor.
     Parity(cli::parity::Args),
+    /// muP coordinate check: activation size per layer across widths over a few steps.
+    CoordCheck(cli::coord_check::Args),
 }
 
 fn main() -> ExitCode {
@@ -46,6 +48,7 @@ fn main() -> ExitCode {
         Command::Bench(args) => cli::bench::run(args),
         Command::Build(args) => cli::build::run(args),
         Command::Parity(args) => cli::parity::run(args),
+        Command::CoordCheck(args) => cli::coord_check::run(args),
     };
     match result {
         Ok(code) => code,
