@@ -56,12 +56,18 @@ fn log_range(values: impl Iterator<Item = f64>, factor: f64) -> Option<(f64, f64
     lo.is_finite().then_some((lo / factor, hi * factor))
 }
 
-/// `512` as `512`, `0.0123` as `1.23e-2`: tick labels of a log axis.
+/// A log axis' tick label: `512`, `0.02`, `1.5`, or `3e-5` outside 0.001..10000.
 fn tick(x: f64) -> String {
-    if (1.0..1e4).contains(&x.abs()) && x.fract() == 0.0 {
-        format!("{x}")
+    if !(1e-3..1e4).contains(&x.abs()) {
+        return format!("{x:.0e}");
+    }
+    // Three significant digits, trailing zeros dropped.
+    let decimals = (2 - x.abs().log10().floor() as i32).max(0) as usize;
+    let text = format!("{x:.decimals$}");
+    if text.contains('.') {
+        text.trim_end_matches('0').trim_end_matches('.').to_string()
     } else {
-        format!("{x:.2e}")
+        text
     }
 }
 
@@ -178,6 +184,15 @@ mod tests {
                 })
                 .collect(),
         }
+    }
+
+    #[test]
+    fn tick_labels_are_short() {
+        assert_eq!(tick(512.0), "512");
+        assert_eq!(tick(0.02), "0.02");
+        assert_eq!(tick(0.0123456), "0.0123");
+        assert_eq!(tick(1.0), "1");
+        assert_eq!(tick(3e-5), "3e-5");
     }
 
     #[test]
