@@ -34,6 +34,8 @@ enum Command {
     Report(cli::report::Args),
     /// Draw one run's loss curves as SVG.
     Plot(cli::plot::Args),
+    /// muP coordinate check: activation size per layer across widths over a few steps.
+    CoordCheck(cli::coord_check::Args),
 }
 
 fn main() -> ExitCode {
@@ -55,6 +57,7 @@ fn main() -> ExitCode {
         Command::Sweep(args) => cli::sweep::run(args),
         Command::Report(args) => cli::report::run(args),
         Command::Plot(args) => cli::plot::run(args),
+        Command::CoordCheck(args) => cli::coord_check::run(args),
     };
     match result {
         Ok(code) => code,

@@ -4,6 +4,7 @@
 //! - [`optim`]: AdamW, Muon, muP LR scaling, clipping, schedules (docs/math.md §8).
 //! - [`data`]: byte-level corpora, train/validation split, batch sampling.
 //! - [`checkpoint`]: safetensors checkpoints with resume state.
+//! - [`coord`]: the muP coordinate check (activation size per layer across widths).
 //! - [`device`]: devices that execute a compiled Plan (the Cpu device).
 //! - [`executor`]: the device boundary ([`executor::StepExecutor`]) and the reference executor.
 //! - [`parity`]: a compiled device against the reference executor.
@@ -12,6 +13,7 @@
 //! - [`standalone`]: `widen build`, a spec compiled into a standalone trainer binary.
 
 pub mod checkpoint;
+pub mod coord;
 pub mod data;
 pub mod device;
 pub mod executor;

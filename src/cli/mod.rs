@@ -4,6 +4,7 @@ pub mod bench;
 pub mod build;
 pub mod check;
 pub mod compile;
+pub mod coord_check;
 pub mod parity;
 pub mod plot;
 pub mod report;

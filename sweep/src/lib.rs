@@ -16,12 +16,14 @@
 //! - [`results`]: per-point results aggregated over seeds, written as
 //!   `results.csv` and `results.json`.
 //! - [`plot`]: the four SVG plots, drawn with `plotters` from plain data structs.
+//! - [`coord_plot`]: the muP coordinate-check plot (activation RMS against width).
 //!
 //! - [`runner`]: training every (point, seed) run into its own folder, resuming an
 //!   interrupted sweep, recording failures, and writing results and plots
 //!   ([`Sweep::run`], [`report`]).
 
 pub mod budget;
+pub mod coord_plot;
 pub mod file;
 pub mod fit;
 pub mod frontier;

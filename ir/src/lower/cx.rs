@@ -18,6 +18,8 @@ pub struct Cx {
     pub module: Option<usize>,
     /// The V x D embedding table, when the scheme has one (for tied unembeddings).
     pub embedding_table: Option<NodeId>,
+    /// Named trunk activations recorded so far (see `Lowered::activations`).
+    pub activations: Vec<(String, NodeId)>,
 }
 
 impl Build for Cx {
@@ -32,11 +34,27 @@ impl Build for Cx {
 
 impl Cx {
     pub(crate) fn new(spec: &ModelSpec, batch: usize, seq_len: usize) -> Self {
-        Cx { g: Graph::new(), spec: spec.clone(), batch, seq_len, module: None, embedding_table: None }
+        Cx {
+            g: Graph::new(),
+            spec: spec.clone(),
+            batch,
+            seq_len,
+            module: None,
+            embedding_table: None,
+            activations: Vec::new(),
+        }
     }
 
     pub(crate) fn finish(self) -> Graph {
         self.g
+    }
+
+    /// Records a trunk activation under `name` (see `Lowered::activations`); nodes
+    /// of MTP modules are not recorded.
+    pub fn note_activation(&mut self, name: String, node: NodeId) {
+        if self.module.is_none() {
+            self.activations.push((name, node));
+        }
     }
 
     pub fn set_role(&mut self, role: Role) {

@@ -40,6 +40,12 @@ pub struct Lowered {
     pub loss: NodeId,
     /// Main-head logits `[B, T, V]`.
     pub logits: NodeId,
+    /// The trunk's activations by name, in evaluation order: `embed` (the state
+    /// stream creation produces), `blocks.{i}.attn` and `blocks.{i}.ffn` (each
+    /// backbone sublayer's output F_l before it is written back), `blocks.{i}.out`
+    /// (the state after block i) and `logits`. The coordinate check
+    /// (`runtime::coord`) evaluates these nodes to measure activation size per layer.
+    pub activations: Vec<(String, NodeId)>,
 }
 
 /// Errors while lowering.
@@ -151,8 +157,10 @@ pub fn lower(spec: &ModelSpec, batch: usize, seq_len: usize) -> Result<Lowered, 
 
     let mut state = scheme.embed(&mut cx, ids)?;
     state = cx.state(state)?;
+    cx.activations.push(("embed".into(), state));
     for block in 0..spec.layers {
         state = lower_block(&mut cx, scheme.as_mut(), state, block)?;
+        cx.activations.push((format!("blocks.{block}.out"), state));
     }
     let trunk_state = state;
 
@@ -166,6 +174,7 @@ pub fn lower(spec: &ModelSpec, batch: usize, seq_len: usize) -> Result<Lowered, 
     let loss_main = cx.g.add(Op::SoftmaxCrossEntropy, &[logits, targets])?;
     cx.g.set_output("loss_main", loss_main);
     cx.g.set_output("logits", logits);
+    cx.activations.push(("logits".into(), logits));
 
     let mut loss = loss_main;
     let depth = spec.mtp.depth;
@@ -189,8 +198,9 @@ pub fn lower(spec: &ModelSpec, batch: usize, seq_len: usize) -> Result<Lowered, 
         loss = cx.add(loss_main, weighted)?;
     }
     cx.g.set_output("loss", loss);
+    let activations = std::mem::take(&mut cx.activations);
     let graph = cx.finish();
-    Ok(Lowered { graph, tokens, loss, logits })
+    Ok(Lowered { graph, tokens, loss, logits, activations })
 }
 
 /// One transformer block through the scheme: sublayers `first` and `first + 1`
@@ -207,17 +217,19 @@ fn lower_block(
         let saved = cx.g.role();
         cx.set_role(Role::new(Region::Backbone).sublayer(first).mtp(cx.module));
         let prefix = cx.sublayer_prefix(first);
-        let y = backbone::attention(cx, u, &prefix, out_mult);
+        let y = backbone::attention(cx, u, &prefix, out_mult)?;
+        cx.note_activation(prefix, y);
         cx.set_role(saved);
-        y
+        Ok(y)
     };
     let mut ffn = |cx: &mut Cx, u: NodeId| {
         let saved = cx.g.role();
         cx.set_role(Role::new(Region::Backbone).sublayer(first + 1).mtp(cx.module));
         let prefix = cx.sublayer_prefix(first + 1);
-        let y = backbone::ffn(cx, u, &prefix, out_mult);
+        let y = backbone::ffn(cx, u, &prefix, out_mult)?;
+        cx.note_activation(prefix, y);
         cx.set_role(saved);
-        y
+        Ok(y)
     };
     cx.connection(first);
     let out = scheme.block(cx, state, first, &mut attn, &mut ffn)?;
