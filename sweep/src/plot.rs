@@ -4,7 +4,9 @@
 //! results folder) fills it and gets SVG text back:
 //!
 //! - [`loss_curves`] (a): training and validation loss against tokens, one line per
-//!   point (the mean over seeds) with a band from the seeds' minimum to maximum.
+//!   point (the mean over seeds) with a band from the seeds' minimum to maximum; the
+//!   training loss as a trailing mean over a fiftieth of the steps, and the y axis
+//!   fitted to the curves after the first tenth of the tokens.
 //! - [`law`] (b): final validation loss against log2 of the swept axis, the fitted
 //!   line `L = a + b·log2(x)` of docs/math.md §5 and its equation with standard errors.
 //! - [`frontier`] (c): validation loss against training FLOPs (log axis), the
@@ -152,6 +154,26 @@ fn range(values: impl Iterator<Item = f64>, pad: f64) -> Option<(f64, f64)> {
     Some((lo - pad * span, hi + pad * span))
 }
 
+/// Each point's y replaced by the mean of the last `window` finite values up to it:
+/// one batch's training loss is noisy, a short trailing mean shows the trend.
+pub fn trailing_mean(series: &[(f64, f64)], window: usize) -> Vec<(f64, f64)> {
+    let mut recent: std::collections::VecDeque<f64> = std::collections::VecDeque::new();
+    let mut sum = 0.0;
+    series
+        .iter()
+        .map(|&(x, y)| {
+            if y.is_finite() {
+                recent.push_back(y);
+                sum += y;
+                if recent.len() > window.max(1) {
+                    sum -= recent.pop_front().unwrap_or(0.0);
+                }
+            }
+            (x, if recent.is_empty() { f64::NAN } else { sum / recent.len() as f64 })
+        })
+        .collect()
+}
+
 /// Per x: (x, mean, min, max) over the seeds that have a finite value there.
 pub fn band(per_seed: &[Vec<(f64, f64)>]) -> Vec<(f64, f64, f64, f64)> {
     let mut xs: Vec<f64> = per_seed.iter().flatten().map(|p| p.0).filter(|x| x.is_finite()).collect();
@@ -181,17 +203,38 @@ fn legend_box(c: RGBColor) -> impl Fn((i32, i32)) -> Rectangle<(i32, i32)> {
 /// Plot (a): train and validation loss against tokens, per point.
 pub fn loss_curves(data: &LossCurves) -> Result<String, PlotError> {
     const PLOT: &str = "loss curves";
-    let bands: Vec<(Vec<_>, Vec<_>)> = data.points.iter().map(|p| (band(&p.train), band(&p.val))).collect();
+    let steps = data.points.iter().flat_map(|p| p.train.iter().map(Vec::len)).max().unwrap_or(0);
+    let window = (steps / 50).max(1);
+    let bands: Vec<(Vec<_>, Vec<_>)> = data
+        .points
+        .iter()
+        .map(|p| {
+            let smooth: Vec<Vec<(f64, f64)>> = p.train.iter().map(|s| trailing_mean(s, window)).collect();
+            (band(&smooth), band(&p.val))
+        })
+        .collect();
     let all = || bands.iter().flat_map(|(t, v)| t.iter().chain(v));
     let (x0, x1) = range(all().map(|b| b.0), 0.0).ok_or(PlotError::NoData { plot: PLOT })?;
-    let (y0, y1) = range(all().flat_map(|b| [b.2, b.3]), 0.05).ok_or(PlotError::NoData { plot: PLOT })?;
+    // The first steps' loss (near ln 256) would squeeze the part where points differ
+    // into a sliver: the y axis covers what the curves do after the first tenth of
+    // the tokens, and earlier values are drawn at its top edge.
+    let late = x0 + 0.1 * (x1 - x0);
+    let (y0, y1) = range(all().filter(|b| b.0 >= late).flat_map(|b| [b.2, b.3]), 0.08)
+        .or_else(|| range(all().flat_map(|b| [b.2, b.3]), 0.05))
+        .ok_or(PlotError::NoData { plot: PLOT })?;
+    let clamp = |y: f64| y.clamp(y0, y1);
+    let train_title = if window > 1 {
+        format!("training loss (mean of the last {window} steps)")
+    } else {
+        "training loss".into()
+    };
     let mut svg = String::new();
     {
         let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
         root.fill(&WHITE).map_err(draw_err(PLOT))?;
         let root = root.titled(&data.title, (FONT, 22)).map_err(draw_err(PLOT))?;
         let (left, right) = root.split_horizontally(SIZE.0 / 2);
-        for (area, which, title) in [(&left, 0, "training loss"), (&right, 1, "validation loss")] {
+        for (area, which, title) in [(&left, 0, train_title.as_str()), (&right, 1, "validation loss")] {
             let mut chart = ChartBuilder::on(area)
                 .caption(title, (FONT, 18))
                 .margin(12)
@@ -209,13 +252,13 @@ pub fn loss_curves(data: &LossCurves) -> Result<String, PlotError> {
             for (i, (p, b)) in data.points.iter().zip(&bands).enumerate() {
                 let b = if which == 0 { &b.0 } else { &b.1 };
                 let c = color(i);
-                let mut outline: Vec<(f64, f64)> = b.iter().map(|q| (q.0, q.3)).collect();
-                outline.extend(b.iter().rev().map(|q| (q.0, q.2)));
+                let mut outline: Vec<(f64, f64)> = b.iter().map(|q| (q.0, clamp(q.3))).collect();
+                outline.extend(b.iter().rev().map(|q| (q.0, clamp(q.2))));
                 chart
                     .draw_series(std::iter::once(Polygon::new(outline, c.mix(0.18).filled())))
                     .map_err(draw_err(PLOT))?;
                 chart
-                    .draw_series(LineSeries::new(b.iter().map(|q| (q.0, q.1)), c.stroke_width(2)))
+                    .draw_series(LineSeries::new(b.iter().map(|q| (q.0, clamp(q.1))), c.stroke_width(2)))
                     .map_err(draw_err(PLOT))?
                     .label(p.label.as_str())
                     .legend(legend_box(c));
@@ -317,7 +360,9 @@ pub fn frontier(data: &FrontierPlot) -> Result<String, PlotError> {
     let (lx0, lx1) =
         range(usable.iter().map(|&i| pairs[i].0.log10()), 0.08).ok_or(PlotError::NoData { plot: PLOT })?;
     let (y0, y1) = range(usable.iter().map(|&i| pairs[i].1), 0.15).ok_or(PlotError::NoData { plot: PLOT })?;
-    let (x0, x1) = (10f64.powf(lx0), 10f64.powf(lx1));
+    // The x axis is log10(FLOPs) on a linear scale, labelled in FLOPs: a sweep's costs
+    // often span less than a decade, where a log axis would show one tick label.
+    let at = |i: usize| (pairs[i].0.log10(), pairs[i].1);
     let mut svg = String::new();
     {
         let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
@@ -328,17 +373,17 @@ pub fn frontier(data: &FrontierPlot) -> Result<String, PlotError> {
             .margin(14)
             .x_label_area_size(44)
             .y_label_area_size(70)
-            .build_cartesian_2d((x0..x1).log_scale(), y0..y1)
+            .build_cartesian_2d(lx0..lx1, y0..y1)
             .map_err(draw_err(PLOT))?;
         chart
             .configure_mesh()
             .x_desc("training FLOPs (log scale)")
             .y_desc("final validation loss (nats per byte)")
-            .x_label_formatter(&|x| format!("{x:.1e}"))
+            .x_label_formatter(&|x| format!("{:.2e}", 10f64.powf(*x)))
             .draw()
             .map_err(draw_err(PLOT))?;
         chart
-            .draw_series(LineSeries::new(on.iter().map(|&i| pairs[i]), BLACK.stroke_width(1)))
+            .draw_series(LineSeries::new(on.iter().map(|&i| at(i)), BLACK.stroke_width(1)))
             .map_err(draw_err(PLOT))?
             .label("frontier")
             .legend(|(x, y)| PathElement::new([(x, y), (x + 14, y)], BLACK.stroke_width(1)));
@@ -346,7 +391,7 @@ pub fn frontier(data: &FrontierPlot) -> Result<String, PlotError> {
             let c = color(i);
             let style = if on.contains(&i) { c.filled() } else { c.stroke_width(2) };
             chart
-                .draw_series(std::iter::once(Circle::new(pairs[i], 6, style)))
+                .draw_series(std::iter::once(Circle::new(at(i), 6, style)))
                 .map_err(draw_err(PLOT))?
                 .label(data.points[i].label.as_str())
                 .legend(legend_box(c));
@@ -511,6 +556,14 @@ mod tests {
         assert_eq!(si(1e12), "1T");
         assert_eq!(si(640.0), "640");
         assert_eq!(si(0.5), "0.5");
+    }
+
+    #[test]
+    fn trailing_mean_averages_the_last_values_and_skips_non_finite_ones() {
+        let s = [(1.0, 4.0), (2.0, 2.0), (3.0, f64::NAN), (4.0, 6.0), (5.0, 0.0)];
+        let m: Vec<f64> = trailing_mean(&s, 2).iter().map(|p| p.1).collect();
+        assert_eq!(m, [4.0, 3.0, 3.0, 4.0, 3.0]);
+        assert_eq!(trailing_mean(&s[..2], 1), s[..2]);
     }
 
     #[test]
