@@ -57,7 +57,7 @@ use crate::plot::{
     self, CostPoint, FrontierPlot, LawPlot, LawPoint, LossCurves, PointCurves, SpeedBar, SpeedPlot,
 };
 use crate::point::{expand, Plan, PlanError, Point, RATIO_AXIS};
-use crate::results::{self, fill_overheads, PointResult, RunMetrics, RunOutcome, Status};
+use crate::results::{self, fill_overheads, PointResult, RunMetrics, RunOutcome};
 
 /// The expanded sweep in the folder.
 pub const PLAN_FILE: &str = "plan.json";
@@ -790,13 +790,5 @@ fn duration(s: f64) -> String {
         0..60 => format!("{s}s"),
         60..3600 => format!("{}m{:02}s", s / 60, s % 60),
         _ => format!("{}h{:02}m", s / 3600, (s % 3600) / 60),
-    }
-}
-
-/// `Status` text for tables.
-pub fn status_text(status: &Status) -> &str {
-    match status {
-        Status::Ok => "ok",
-        Status::Failed(_) => "failed",
     }
 }
