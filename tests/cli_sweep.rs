@@ -423,3 +423,22 @@ fn cuda_sweeps_are_refused_cleanly_without_a_driver() {
     assert!(!dir.join("sw/residual.r-1").exists(), "nothing ran");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The sweep file behind docs/sweeps.md stays a valid sweep of the points it documents.
+#[test]
+fn the_documented_sweep_file_expands_to_its_points() {
+    let dir = common::workdir("sweep-docs", None);
+    let file = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/sweeps/ghc-r.ron");
+    let o = widen(&dir, &["sweep", file.to_str().unwrap(), "--dry-run"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    for p in ["residual.r-1 ", "residual.r-1.5", "residual.r-2", "residual.r-4", "baseline"] {
+        assert!(out.contains(p), "{p} missing: {out}");
+    }
+    assert!(out.contains("5 points, 15 runs"), "{out}");
+    let csv =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/sweeps/ghc-r/results.csv"))
+            .unwrap();
+    assert_eq!(csv.lines().count(), 6, "the committed results hold the five points");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
