@@ -16,6 +16,8 @@ struct Cli {
 enum Command {
     /// Validate a spec and print its cost report.
     Check(cli::check::Args),
+    /// Print the reference of every spec field (docs/spec.md).
+    Spec(cli::spec::Args),
     /// Compile a spec and write graph dumps, kernels and the plan.
     Compile(cli::compile::Args),
     /// Train a model from a spec.
@@ -48,6 +50,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Check(args) => cli::check::run(args),
+        Command::Spec(args) => cli::spec::run(args),
         Command::Compile(args) => cli::compile::run(args),
         Command::Train(args) => cli::train::run(args),
         Command::Sample(args) => cli::sample::run(args),

@@ -9,6 +9,7 @@ pub mod parity;
 pub mod plot;
 pub mod report;
 pub mod sample;
+pub mod spec;
 pub mod sweep;
 pub mod train;
 

@@ -13,6 +13,7 @@ mod fits;
 pub mod limits;
 mod names;
 mod parse;
+pub mod reference;
 mod ron_tree;
 mod validate;
 mod virtual_width;
