@@ -1,31 +1,6 @@
 //! "Did you mean" suggestions for misspelled keys and variant names.
 
-/// Edit distance counting insertions, deletions, substitutions and swaps of two
-/// adjacent characters (optimal string alignment), so the common `dpeth` typo is
-/// one edit from `depth`.
-fn edit_distance(a: &str, b: &str) -> usize {
-    let a: Vec<char> = a.chars().collect();
-    let b: Vec<char> = b.chars().collect();
-    // d[i][j]: distance between a[..i] and b[..j].
-    let mut d = vec![vec![0usize; b.len() + 1]; a.len() + 1];
-    for (i, row) in d.iter_mut().enumerate() {
-        row[0] = i;
-    }
-    for (j, cell) in d[0].iter_mut().enumerate() {
-        *cell = j;
-    }
-    for i in 1..=a.len() {
-        for j in 1..=b.len() {
-            let cost = usize::from(a[i - 1] != b[j - 1]);
-            let mut best = (d[i - 1][j] + 1).min(d[i][j - 1] + 1).min(d[i - 1][j - 1] + cost);
-            if i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1] {
-                best = best.min(d[i - 2][j - 2] + 1);
-            }
-            d[i][j] = best;
-        }
-    }
-    d[a.len()][b.len()]
-}
+use ir::spec::edit_distance;
 
 /// The closest candidate, if it is close enough to be a plausible typo:
 /// within a third of the word's length (at least 1), so `d_modle` suggests

@@ -17,7 +17,7 @@ use serde::de::{self, DeserializeSeed, IntoDeserializer, Visitor};
 use serde::Deserialize;
 
 use super::ron_tree::{Field, Node, Pos};
-use super::ModelSpec;
+use super::{edit_distance, ModelSpec};
 
 /// An unknown field or variant name, with where it was written.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -67,8 +67,11 @@ pub(crate) fn unknown_names(root: &Node) -> Vec<UnknownName> {
 pub(crate) fn suggest<'k>(given: &str, valid: &[&'k str]) -> Option<&'k str> {
     let g = given.to_lowercase();
     let limit = if g.chars().count() <= 2 { 1 } else { (g.chars().count() / 3).max(2) };
-    let by_distance: Vec<(usize, &'k str)> =
-        valid.iter().map(|v| (levenshtein(&g, &v.to_lowercase()), *v)).filter(|(d, _)| *d <= limit).collect();
+    let by_distance: Vec<(usize, &'k str)> = valid
+        .iter()
+        .map(|v| (edit_distance(&g, &v.to_lowercase()), *v))
+        .filter(|(d, _)| *d <= limit)
+        .collect();
     if let Some(best) = unique_min(&by_distance) {
         return Some(best);
     }
@@ -97,22 +100,6 @@ fn contains_parts(outer: &str, inner: &str) -> bool {
     let outer: Vec<&str> = outer.split('_').collect();
     let inner: Vec<&str> = inner.split('_').collect();
     inner.len() < outer.len() && outer.windows(inner.len()).any(|w| w == inner.as_slice())
-}
-
-/// Levenshtein edit distance over characters (insert, delete, substitute; each costs 1).
-pub(crate) fn levenshtein(a: &str, b: &str) -> usize {
-    let b: Vec<char> = b.chars().collect();
-    let mut row: Vec<usize> = (0..=b.len()).collect();
-    for (i, ca) in a.chars().enumerate() {
-        let mut diagonal = row[0];
-        row[0] = i + 1;
-        for (j, cb) in b.iter().enumerate() {
-            let substitute = diagonal + usize::from(ca != *cb);
-            diagonal = row[j + 1];
-            row[j + 1] = substitute.min(row[j] + 1).min(row[j + 1] + 1);
-        }
-    }
-    row[b.len()]
 }
 
 /// Ends the walk of one branch.
@@ -478,11 +465,11 @@ mod tests {
     use super::*;
 
     #[test]
-    fn levenshtein_counts_edits() {
-        assert_eq!(levenshtein("", "abc"), 3);
-        assert_eq!(levenshtein("kitten", "sitting"), 3);
-        assert_eq!(levenshtein("lrr", "lr"), 1);
-        assert_eq!(levenshtein("same", "same"), 0);
+    fn edit_distance_counts_edits() {
+        assert_eq!(edit_distance("", "abc"), 3);
+        assert_eq!(edit_distance("kitten", "sitting"), 3);
+        assert_eq!(edit_distance("lrr", "lr"), 1);
+        assert_eq!(edit_distance("same", "same"), 0);
     }
 
     #[test]
