@@ -244,10 +244,9 @@ def causal_attention(q, k, v, scale, rope_base):
 def causal_depthwise_conv(x, w):
     """g[b, t, c] = sum_{i < kappa, i <= t} w[i, c] x[b, t - i, c] (docs/math.md §6.5)."""
     kappa, t = w.shape[0], x.shape[1]
-    g = torch.zeros_like(x)
-    for i in range(min(kappa, t)):
-        g[:, i:] = g[:, i:] + w[i] * x[:, : t - i]
-    return g
+    # x delayed by i positions (zeros before t = 0), times tap i.
+    terms = [w[i] * F.pad(x, (0, 0, i, 0))[:, :t] for i in range(min(kappa, t))]
+    return torch.stack(terms, 0).sum(0)
 
 
 def gram_schmidt(out, ys, eps_rel, eps_abs=1e-20):
