@@ -122,6 +122,9 @@ pub fn evaluate(checkpoint: &Path, device: Device, opts: &EvalOptions) -> Result
     })
 }
 
+/// A tensor of a dump file: name, dtype, shape and little-endian bytes.
+type DumpTensor = (String, Dtype, Vec<usize>, Vec<u8>);
+
 /// Writes the dump files of the first validation batch into `dir`.
 fn dump(
     dir: &Path,
@@ -151,7 +154,7 @@ fn dump(
     .collect();
     let f32_bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
     let token_bytes: Vec<u8> = tokens.iter().flat_map(|x| x.to_le_bytes()).collect();
-    let files: Vec<(&str, Vec<(String, Dtype, Vec<usize>, Vec<u8>)>)> = vec![
+    let files: Vec<(&str, Vec<DumpTensor>)> = vec![
         ("batch.safetensors", vec![("tokens".into(), Dtype::I32, vec![batch, window], token_bytes)]),
         (
             "logits.safetensors",
