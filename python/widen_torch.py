@@ -204,7 +204,8 @@ def norm_project(x, w, eps, centered):
 def sinkhorn(x, iters, eps):
     """Sinkhorn-Knopp over the last two axes (docs/math.md §4.2): exp(x - colmax), then
     `iters` times columns / (sum + eps), rows / (sum + eps)."""
-    m = torch.exp(x - x.max(-2, keepdim=True).values)
+    # The column max cancels in the first column normalization, so it carries no gradient.
+    m = torch.exp(x - x.max(-2, keepdim=True).values.detach())
     for _ in range(iters):
         m = m / (m.sum(-2, keepdim=True) + eps)
         m = m / (m.sum(-1, keepdim=True) + eps)
