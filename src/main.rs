@@ -24,6 +24,8 @@ enum Command {
     Train(cli::train::Args),
     /// Generate text from a checkpoint.
     Sample(cli::sample::Args),
+    /// A checkpoint's validation loss; optionally dump one batch's logits, loss and gradients.
+    Eval(cli::eval::Args),
     /// Measure training throughput against the plain-residual baseline.
     Bench(cli::bench::Args),
     /// Compile a spec into a standalone executable that trains the model.
@@ -54,6 +56,7 @@ fn main() -> ExitCode {
         Command::Compile(args) => cli::compile::run(args),
         Command::Train(args) => cli::train::run(args),
         Command::Sample(args) => cli::sample::run(args),
+        Command::Eval(args) => cli::eval::run(args),
         Command::Bench(args) => cli::bench::run(args),
         Command::Build(args) => cli::build::run(args),
         Command::Parity(args) => cli::parity::run(args),

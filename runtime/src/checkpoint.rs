@@ -13,6 +13,12 @@
 //! budget), `step` (optimizer steps taken) and `data_rng` (the training data
 //! sampler's generator state, four hex words). Together with the optimizer
 //! tensors this is everything a resumed run needs to continue bit for bit.
+//! Written by this build and optional when read (older files lack them):
+//! `spec_json` (the same spec as JSON, every field with its default filled in, for
+//! readers without a RON parser) and the training data's identity, `data_source`
+//! (the path, or `synthetic:Default`), `data_bytes` and `data_sha256` (of its
+//! bytes), so a resume on other data can say so. docs/checkpoints.md documents
+//! the format for readers outside widen.
 //!
 //! Files are written to a temporary name, synced and renamed into place, so an
 //! interrupted or failed save never destroys an earlier checkpoint; a save that
@@ -31,6 +37,7 @@
 //! the seed, batch and sequence length, the name) is the model being trained,
 //! and a difference in any of it is refused naming the field.
 
+use crate::data::DataIdentity;
 use crate::optim::Optimizer;
 use crate::params::ParamSet;
 use crate::rng::fnv1a64;
@@ -162,6 +169,18 @@ pub fn save(
     optimizer: Option<&Optimizer>,
     state: &TrainState,
 ) -> Result<(), CheckpointError> {
+    save_with_data(path, spec, params, optimizer, state, None)
+}
+
+/// [`save`], recording the identity of the data the run trains on.
+pub fn save_with_data(
+    path: &Path,
+    spec: &ModelSpec,
+    params: &ParamSet,
+    optimizer: Option<&Optimizer>,
+    state: &TrainState,
+    data: Option<&DataIdentity>,
+) -> Result<(), CheckpointError> {
     let ser_err = |message: String| CheckpointError::Serialize { path: path.to_path_buf(), message };
     if optimizer.is_some_and(|opt| opt.moments_on_device()) {
         return Err(CheckpointError::MomentsOnDevice { path: path.to_path_buf() });
@@ -183,10 +202,12 @@ pub fn save(
         let view = TensorView::new(Dtype::F32, dims.clone(), bytes).map_err(|e| ser_err(e.to_string()))?;
         views.push((name.as_str(), view));
     }
-    let metadata: HashMap<String, String> = [
+    let spec_json = serde_json::to_string(spec).map_err(|e| ser_err(e.to_string()))?;
+    let mut metadata: HashMap<String, String> = [
         ("format", FORMAT.to_string()),
         ("format_version", FORMAT_VERSION.to_string()),
         ("spec", spec.to_ron()),
+        ("spec_json", spec_json),
         ("spec_hash", spec_hash(spec)),
         ("step", state.step.to_string()),
         ("data_rng", state.data_rng.iter().map(|w| format!("{w:016x}")).collect::<Vec<_>>().join(" ")),
@@ -194,6 +215,11 @@ pub fn save(
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
     .collect();
+    if let Some(data) = data {
+        metadata.insert("data_source".into(), data.source.clone());
+        metadata.insert("data_bytes".into(), data.bytes.to_string());
+        metadata.insert("data_sha256".into(), data.sha256.clone());
+    }
     let bytes = safetensors::tensor::serialize(views, &Some(metadata)).map_err(|e| ser_err(e.to_string()))?;
     write_atomic(path, &bytes)
 }
@@ -263,6 +289,8 @@ pub struct Checkpoint {
     pub spec: ModelSpec,
     pub spec_hash: String,
     pub state: TrainState,
+    /// The data the run trained on, when the file records it.
+    pub data: Option<DataIdentity>,
     tensors: HashMap<String, (Vec<usize>, Vec<f32>)>,
 }
 
@@ -294,6 +322,14 @@ impl Checkpoint {
             .map_err(|e| corrupt(format!("header `data_rng`: {e}")))?;
         let data_rng: [u64; 4] =
             words.try_into().map_err(|_| corrupt("header `data_rng` must hold four words".into()))?;
+        let data = match (meta.get("data_source"), meta.get("data_bytes"), meta.get("data_sha256")) {
+            (Some(source), Some(bytes), Some(sha256)) => Some(DataIdentity {
+                source: source.clone(),
+                bytes: bytes.parse().map_err(|e| corrupt(format!("header `data_bytes`: {e}")))?,
+                sha256: sha256.clone(),
+            }),
+            _ => None,
+        };
         let mut tensors = HashMap::new();
         for (name, view) in st.tensors() {
             if view.dtype() != Dtype::F32 {
@@ -322,6 +358,7 @@ impl Checkpoint {
             spec,
             spec_hash: field("spec_hash")?,
             state: TrainState { step, data_rng },
+            data,
             tensors,
         })
     }

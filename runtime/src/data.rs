@@ -118,6 +118,45 @@ impl Corpus {
     pub fn validation(&self) -> &[u8] {
         &self.validation
     }
+
+    /// What the corpus is, for checkpoints: its source, its length and the SHA-256
+    /// of its bytes (both splits, in file order).
+    pub fn identity(&self) -> DataIdentity {
+        use sha2::Digest;
+        let mut hasher = sha2::Sha256::new();
+        hasher.update(&self.train);
+        hasher.update(&self.validation);
+        let sha256 = hasher.finalize().iter().map(|b| format!("{b:02x}")).collect();
+        DataIdentity {
+            source: self.source.clone(),
+            bytes: (self.train.len() + self.validation.len()) as u64,
+            sha256,
+        }
+    }
+}
+
+/// The identity of a training text, recorded in checkpoints so that a resume on
+/// other data can say so (`crate::checkpoint`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DataIdentity {
+    /// The path given (or `synthetic:Default`).
+    pub source: String,
+    /// Its length in bytes.
+    pub bytes: u64,
+    /// SHA-256 of its bytes, 64 lowercase hex digits.
+    pub sha256: String,
+}
+
+impl DataIdentity {
+    /// `path (N bytes, sha256 0123456789ab…)` for messages.
+    pub fn describe(&self) -> String {
+        format!(
+            "{} ({} bytes, sha256 {}…)",
+            self.source,
+            self.bytes,
+            &self.sha256[..self.sha256.len().min(12)]
+        )
+    }
 }
 
 /// Draws batches of random windows from a text.

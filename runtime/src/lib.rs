@@ -9,13 +9,15 @@
 //! - [`executor`]: the device boundary ([`executor::StepExecutor`]) and the reference executor.
 //! - [`parity`]: a compiled device against the reference executor.
 //! - [`process`]: what every widen program sets up at startup (file-size limits as write errors).
-//! - [`train`]: the training loop; [`sample`]: text generation.
+//! - [`train`]: the training loop; [`sample`]: text generation; [`eval`]: a
+//!   checkpoint's validation loss and a dump of its logits and gradients.
 //! - [`standalone`]: `widen build`, a spec compiled into a standalone trainer binary.
 
 pub mod checkpoint;
 pub mod coord;
 pub mod data;
 pub mod device;
+pub mod eval;
 pub mod executor;
 pub mod init;
 pub mod optim;

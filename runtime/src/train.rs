@@ -12,6 +12,8 @@
 //! - `ckpt-<step>.safetensors` every `checkpoint_every` steps (only the newest
 //!   `keep_last` of them when that is set), and `final.safetensors` at the end
 //!   (see [`crate::checkpoint`]).
+//! - `init.safetensors`: the initial state (step 0) alone, written by
+//!   [`write_initial`] (`widen train --steps 0`) instead of a run.
 //! - `run.lock`: locked while a run writes the folder (and naming that run), so a
 //!   second run on the same folder is refused instead of interleaving metrics and
 //!   overwriting checkpoints.
@@ -38,11 +40,14 @@
 //! total from the resumed step on (the LR at each later step is the one a fresh
 //! run of that many steps would use), and says so.
 //!
+//! A checkpoint records the identity of the data it was trained on (path, length,
+//! SHA-256); resuming on other data is allowed and said in a note.
+//!
 //! Steps are numbered from 1: step k is the k-th optimizer update, and `ckpt-k`
 //! holds the state after it.
 
 use crate::checkpoint::{self, Checkpoint, CheckpointError, TrainState};
-use crate::data::{BatchSampler, Corpus, DataError};
+use crate::data::{BatchSampler, Corpus, DataError, DataIdentity};
 use crate::executor::{Device, StepError, StepExecutor, StepStats, UpdateSettings};
 use crate::init::{init_params, InitError};
 use crate::optim::schedule::lr_multiplier;
@@ -58,6 +63,8 @@ use std::time::Instant;
 pub const METRICS_FILE: &str = "metrics.jsonl";
 /// The last checkpoint of a finished run.
 pub const FINAL_CHECKPOINT: &str = "final.safetensors";
+/// The initial checkpoint `--steps 0` writes (step 0, before any update).
+pub const INIT_CHECKPOINT: &str = "init.safetensors";
 /// The lock file of a run folder.
 pub const LOCK_FILE: &str = "run.lock";
 
@@ -252,6 +259,35 @@ pub fn train_spec(spec: &ModelSpec, device: Device, opts: &TrainOptions) -> Resu
     train(spec, exec.as_mut(), params, &corpus, opts)
 }
 
+/// Writes the initial state of a run of `spec` to `opts.out_dir/init.safetensors`
+/// without training: the parameters as initialized from the spec's seed, zero
+/// optimizer moments, step 0 and the training sampler's starting state, so that
+/// resuming from it continues exactly as a fresh run would. The data is loaded
+/// (and must fit a window) so that its identity is recorded. Like a fresh run, it
+/// refuses a folder that already holds a run's files.
+pub fn write_initial(spec: &ModelSpec, opts: &TrainOptions) -> Result<PathBuf, TrainError> {
+    let window = spec.train.seq_len + 1;
+    let corpus = Corpus::load(&spec.train.data, spec.train.val_fraction, window)?;
+    let lowered = ir::lower::lower(spec, spec.train.batch, spec.train.seq_len)?;
+    let params = init_params(&lowered.graph, spec.train.seed)?;
+    let out = &opts.out_dir;
+    std::fs::create_dir_all(out).map_err(|source| TrainError::Io { path: out.clone(), source })?;
+    let _lock = folder::lock(out)?;
+    folder::remove_partial_files(out, &Notes(opts.progress));
+    if let Some(path) = folder::run_files(out)?.into_iter().next() {
+        return Err(TrainError::RunExists { path });
+    }
+    let optimizer = Optimizer::new(spec, &params);
+    let state = TrainState {
+        step: 0,
+        data_rng: BatchSampler::train(spec.train.seed, spec.train.batch, window).state(),
+    };
+    let path = out.join(INIT_CHECKPOINT);
+    checkpoint::save_with_data(&path, spec, &params, Some(&optimizer), &state, Some(&corpus.identity()))
+        .map_err(|source| TrainError::SaveFailed { step: 0, last_good: None, source: Box::new(source) })?;
+    Ok(path)
+}
+
 /// Trains `params` (already initialized) on `corpus` with `exec`.
 pub fn train(
     spec: &ModelSpec,
@@ -271,6 +307,7 @@ pub fn train(
     let total = spec.train.steps;
     let mut optimizer = Optimizer::new(spec, &params);
     let metrics_path = out.join(METRICS_FILE);
+    let data = corpus.identity();
 
     let (start, mut sampler, last_good) = match &opts.resume {
         Some(path) => {
@@ -283,6 +320,7 @@ pub fn train(
             ckpt.restore_optimizer(&mut optimizer)?;
             folder::prepare_resume(out, &ckpt, opts.overwrite, &notes)?;
             note_resume_changes(&ckpt, spec, &changed, &notes);
+            note_data_change(&ckpt, &data, &notes);
             let step = ckpt.state.step;
             (step, BatchSampler::from_state(ckpt.state.data_rng, batch, window), Some((path.clone(), step)))
         }
@@ -300,7 +338,7 @@ pub fn train(
         .map_err(|source| TrainError::Io { path: metrics_path.clone(), source })?;
     let signals =
         if opts.catch_signals { Some(signals::catch().map_err(TrainError::Signals)?) } else { None };
-    let mut saver = Saver { spec, metrics_path: &metrics_path, last_good };
+    let mut saver = Saver { spec, metrics_path: &metrics_path, last_good, data: &data };
 
     let peak_lr = match &spec.train.optimizer {
         OptimizerSpec::AdamW(a) => a.lr,
@@ -334,8 +372,8 @@ pub fn train(
         });
         let evaluate = step.is_multiple_of(spec.train.eval_every.max(1) as u64) || step == total as u64;
         if evaluate {
-            let v = validation_loss(spec, exec, &params, corpus, batch, window)
-                .map_err(|source| TrainError::Step { step, source })?;
+            let v = validation_loss(spec, exec, &params, corpus, spec.train.eval_batches)
+                .map_err(|source| TrainError::Step { step, source })? as f32;
             if !v.is_finite() {
                 return Err(TrainError::NonFinite { step, what: "validation loss", value: v });
             }
@@ -376,6 +414,8 @@ struct Saver<'a> {
     spec: &'a ModelSpec,
     metrics_path: &'a Path,
     last_good: Option<(PathBuf, u64)>,
+    /// The data this run trains on, recorded in every checkpoint.
+    data: &'a DataIdentity,
 }
 
 impl Saver<'_> {
@@ -400,9 +440,12 @@ impl Saver<'_> {
             .sync_data()
             .map_err(|source| TrainError::Io { path: self.metrics_path.to_path_buf(), source })?;
         let state = TrainState { step, data_rng: sampler.state() };
-        checkpoint::save(path, self.spec, params, Some(optimizer), &state).map_err(|source| {
-            TrainError::SaveFailed { step, last_good: self.last_good.clone(), source: Box::new(source) }
-        })?;
+        checkpoint::save_with_data(path, self.spec, params, Some(optimizer), &state, Some(self.data))
+            .map_err(|source| TrainError::SaveFailed {
+                step,
+                last_good: self.last_good.clone(),
+                source: Box::new(source),
+            })?;
         self.last_good = Some((path.to_path_buf(), step));
         Ok(())
     }
@@ -451,9 +494,30 @@ fn note_resume_changes(ckpt: &Checkpoint, spec: &ModelSpec, changed: &[String], 
     }
 }
 
+/// Says so when a resumed run trains on other data than the checkpoint's run did
+/// (a change the resume allows; the comparison is by content, then by path).
+fn note_data_change(ckpt: &Checkpoint, data: &DataIdentity, notes: &Notes) {
+    let Some(old) = &ckpt.data else { return };
+    if (old.bytes, &old.sha256) != (data.bytes, &data.sha256) {
+        notes.say(format!(
+            "{} was trained on {}; this run continues on different data: {}",
+            ckpt.path.display(),
+            old.describe(),
+            data.describe()
+        ));
+    } else if old.source != data.source {
+        notes.say(format!(
+            "{} was trained on {}; this run reads the same bytes from {}",
+            ckpt.path.display(),
+            old.source,
+            data.source
+        ));
+    }
+}
+
 /// The run folder: its lock, the files of a run in it, and what a resume does to them.
 mod folder {
-    use super::{Notes, TrainError, FINAL_CHECKPOINT, LOCK_FILE, METRICS_FILE};
+    use super::{Notes, TrainError, FINAL_CHECKPOINT, INIT_CHECKPOINT, LOCK_FILE, METRICS_FILE};
     use crate::checkpoint::{self, Checkpoint};
     use std::fs::File;
     use std::path::{Path, PathBuf};
@@ -545,16 +609,19 @@ mod folder {
         Ok(found)
     }
 
-    /// The files of a run in `dir`: a non-empty metrics file and checkpoints.
+    /// The files of a run in `dir`: a non-empty metrics file and checkpoints
+    /// (the initial one included).
     pub(super) fn run_files(dir: &Path) -> Result<Vec<PathBuf>, TrainError> {
         let mut files = Vec::new();
         let metrics = dir.join(METRICS_FILE);
         if std::fs::metadata(&metrics).is_ok_and(|m| m.len() > 0) {
             files.push(metrics);
         }
-        let last = dir.join(FINAL_CHECKPOINT);
-        if last.exists() {
-            files.push(last);
+        for name in [FINAL_CHECKPOINT, INIT_CHECKPOINT] {
+            let path = dir.join(name);
+            if path.exists() {
+                files.push(path);
+            }
         }
         files.extend(step_checkpoints(dir)?.into_iter().map(|(_, p)| p));
         Ok(files)
@@ -782,17 +849,21 @@ mod signals {
     }
 }
 
-/// Mean loss over `eval_batches` validation batches drawn from a fresh sampler.
-fn validation_loss(
+/// The validation loss of `params`: the main head's mean next-token loss (nats
+/// per byte) over the first `batches` (at least 1) validation windows of
+/// `corpus`, drawn from a fresh `data.validation` sampler of the spec's seed, so
+/// every evaluation of a run, and `widen eval` of its checkpoints, scores the same
+/// windows. `exec` fixes the batch shape.
+pub fn validation_loss(
     spec: &ModelSpec,
     exec: &mut dyn StepExecutor,
     params: &ParamSet,
     corpus: &Corpus,
-    batch: usize,
-    window: usize,
-) -> Result<f32, StepError> {
+    batches: usize,
+) -> Result<f64, StepError> {
+    let [batch, window] = exec.token_shape();
     let mut sampler = BatchSampler::validation(spec.train.seed, batch, window);
-    let n = spec.train.eval_batches.max(1);
+    let n = batches.max(1);
     let mut sum = 0.0f64;
     for _ in 0..n {
         let tokens = sampler.next_batch(corpus.validation());
@@ -802,7 +873,7 @@ fn validation_loss(
             next_token_loss(&exec.logits(params, &tokens)?, &tokens, batch, window)
         };
     }
-    Ok((sum / n as f64) as f32)
+    Ok(sum / n as f64)
 }
 
 /// Mean next-token cross-entropy (nats) of the main head's `logits`
@@ -810,7 +881,7 @@ fn validation_loss(
 /// loss of a model with MTP modules, whose training loss also holds their
 /// weighted terms (docs/math.md §7.1), so that validation compares models of any
 /// MTP depth on the one quantity they share.
-fn next_token_loss(logits: &[f32], tokens: &[i32], batch: usize, window: usize) -> f64 {
+pub fn next_token_loss(logits: &[f32], tokens: &[i32], batch: usize, window: usize) -> f64 {
     let positions = batch * (window - 1);
     let vocab = logits.len() / positions.max(1);
     let mut sum = 0.0f64;

@@ -5,6 +5,7 @@ pub mod build;
 pub mod check;
 pub mod compile;
 pub mod coord_check;
+pub mod eval;
 pub mod parity;
 pub mod plot;
 pub mod report;

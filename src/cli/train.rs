@@ -41,7 +41,8 @@ pub struct Args {
     /// Train on this byte-level text file instead of the spec's data.
     #[arg(long)]
     pub data: Option<PathBuf>,
-    /// Number of optimizer steps (overrides `train.steps`).
+    /// Number of optimizer steps (overrides `train.steps`). 0 writes the initial
+    /// checkpoint `init.safetensors` (step 0) and trains nothing.
     #[arg(long)]
     pub steps: Option<usize>,
     /// Run folder for metrics and checkpoints [default: runs/<spec name>].
@@ -65,8 +66,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     if let Some(data) = &args.data {
         spec.train.data = DataSpec::Text(data.display().to_string());
     }
+    if args.steps == Some(0) {
+        return write_initial(&args, &spec);
+    }
     if let Some(steps) = args.steps {
-        anyhow::ensure!(steps >= 1, "--steps must be at least 1");
         // Same rule as standalone binaries, so both follow one schedule for one --steps.
         if let Some(w) = runtime::standalone::set_steps(&mut spec, steps) {
             eprintln!(
@@ -110,6 +113,27 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         device.name(),
         report.final_checkpoint.display(),
         report.metrics.display()
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `--steps 0`: the initial checkpoint alone (`runtime::train::write_initial`).
+fn write_initial(args: &Args, spec: &ir::spec::ModelSpec) -> anyhow::Result<ExitCode> {
+    anyhow::ensure!(
+        args.resume.is_none(),
+        "--steps 0 writes an initial checkpoint; it cannot --resume a run"
+    );
+    let out_dir = args.out.clone().unwrap_or_else(|| PathBuf::from("runs").join(&spec.name));
+    let opts = TrainOptions::quiet(out_dir.clone());
+    let path = runtime::train::write_initial(spec, &opts).with_context(|| {
+        format!("initializing {} (run folder {})", args.spec.display(), out_dir.display())
+    })?;
+    eprintln!(
+        "wrote the initial checkpoint {} (step 0, no training); continue with: widen train {} --out {} --resume {}",
+        path.display(),
+        quote(&args.spec.display().to_string()),
+        quote(&out_dir.display().to_string()),
+        quote(&path.display().to_string())
     );
     Ok(ExitCode::SUCCESS)
 }

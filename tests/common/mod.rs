@@ -31,3 +31,24 @@ pub fn stderr(o: &Output) -> String {
 pub fn spec_file(file: &str) -> String {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("specs").join(file).display().to_string()
 }
+
+/// The header of a safetensors file: `{name: {dtype, shape, data_offsets}, "__metadata__": {..}}`.
+pub fn safetensors_header(path: &Path) -> serde_json::Value {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    serde_json::from_slice(&bytes[8..8 + n]).unwrap()
+}
+
+/// The values of the f32 tensor `name` of a safetensors file.
+pub fn safetensors_f32(path: &Path, name: &str) -> Vec<f32> {
+    let bytes = std::fs::read(path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let entry = &header[name];
+    assert_eq!(entry["dtype"], "F32", "{name} in {}", path.display());
+    let (a, b) = (entry["data_offsets"][0].as_u64().unwrap(), entry["data_offsets"][1].as_u64().unwrap());
+    bytes[8 + n + a as usize..8 + n + b as usize]
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
