@@ -14,9 +14,10 @@
 // threads never reach (a divergent barrier) leaves the scheduler with no
 // fiber to resume; the launch then stops and reports it.
 //
-// `__shared__` variables are `static thread_local`: one instance per OS
-// thread, shared by the fibers of the block that runs, and blocks run one at
-// a time. A thread that returned no longer counts at barriers (as on the GPU).
+// `__shared__` variables are function `static`s: one instance, shared by
+// the fibers of the block that runs; blocks run one at a time, and launches of
+// one module from several OS threads take turns (a lock per module). A thread
+// that returned no longer counts at barriers (as on the GPU).
 //
 // Not modelled: warp-synchronous execution without `__syncwarp` or a shuffle
 // (lanes of a warp run one after another here, not in lock step), partial
@@ -34,6 +35,7 @@
 #include <sys/mman.h>
 #include <ucontext.h>
 
+#include <mutex>
 #include <utility>
 
 #if defined(__SANITIZE_THREAD__)
@@ -111,6 +113,9 @@ __asm__(
 #endif
 
 namespace widen_emu {
+// Internal linkage: each module has its own lock and state, even where
+// several are loaded into one process.
+namespace {
 
 struct Dim3 {
     unsigned int x, y, z;
@@ -138,7 +143,7 @@ struct Context {
 #endif
 };
 
-inline void switch_context(Context* save, Context* load) {
+WIDEN_EMU_INTERNAL void switch_context(Context* save, Context* load) {
 #if defined(WIDEN_EMU_ASM_SWITCH)
     widen_emu_switch(&save->sp, load->sp);
 #else
@@ -147,7 +152,7 @@ inline void switch_context(Context* save, Context* load) {
 }
 
 // Prepares `c` to start `entry` (which never returns) on the stack `[stack, stack + bytes)`.
-inline bool make_context(Context* c, char* stack, size_t bytes, void (*entry)()) {
+WIDEN_EMU_INTERNAL bool make_context(Context* c, char* stack, size_t bytes, void (*entry)()) {
 #if defined(WIDEN_EMU_ASM_SWITCH)
     uintptr_t top = ((uintptr_t)(stack + bytes)) & ~(uintptr_t)15;
     uint64_t* sp = (uint64_t*)top;
@@ -176,7 +181,6 @@ struct Fiber {
     char* stack;  // lowest usable byte (the guard page lies below)
     unsigned int lane;
     int wait;
-    bool entered;  // resumed at least once in the current block
 #if defined(WIDEN_EMU_TSAN)
     void* tsan;
 #endif
@@ -186,8 +190,9 @@ struct Fiber {
 };
 
 struct Warp {
-    unsigned int live;     // lanes not returned
-    unsigned int arrived;  // lanes at the warp barrier
+    unsigned int live;        // lanes not returned
+    unsigned int arrived;     // lanes at the warp barrier
+    unsigned int generation;  // warp barriers released so far
     uint64_t slot[WARP];   // shuffle exchange
 };
 
@@ -201,11 +206,15 @@ struct Launch {
     void (*body)(void*);
     void* arg;
     unsigned int live, arrived;  // threads of the block not returned, at the block barrier
+    unsigned int block_generation;  // block barriers released so far
     Warp warps[MAX_THREADS / WARP];
     char error[256];
 #if defined(WIDEN_EMU_TSAN)
     void* tsan_scheduler;
-    char block_sync, warp_sync[MAX_THREADS / WARP];  // addresses for the barrier annotations
+    // Addresses for the annotations: the start of a block, and the barriers
+    // by the parity of their generation (a lane released from one barrier
+    // must not acquire what the lanes that ran ahead released at the next).
+    char block_start, block_sync[2], warp_sync[MAX_THREADS / WARP][2];
 #endif
 #if defined(WIDEN_EMU_ASAN)
     const void* scheduler_stack;
@@ -233,7 +242,7 @@ struct StackPool {
     char* base = nullptr;
     unsigned int count = 0;
 
-    char* reserve(unsigned int n) {
+    WIDEN_EMU_INTERNAL char* reserve(unsigned int n) {
         if (n <= count) {
             return base;
         }
@@ -251,7 +260,7 @@ struct StackPool {
         return base;
     }
 
-    void release() {
+    WIDEN_EMU_INTERNAL void release() {
         if (base != nullptr) {
             munmap(base, (size_t)count * (STACK_BYTES + GUARD_BYTES));
         }
@@ -319,6 +328,7 @@ WIDEN_EMU_INTERNAL void release_block(Launch* l) {
         }
     }
     l->arrived = 0;
+    l->block_generation += 1;
 }
 
 WIDEN_EMU_INTERNAL void release_warp(Launch* l, unsigned int w) {
@@ -333,20 +343,22 @@ WIDEN_EMU_INTERNAL void release_warp(Launch* l, unsigned int w) {
         }
     }
     warp.arrived = 0;
+    warp.generation += 1;
 }
 
 WIDEN_EMU_INTERNAL void sync_block() {
     Launch* l = launch_slot();
     Fiber* f = l->current;
 #if defined(WIDEN_EMU_TSAN)
-    __tsan_release(&l->block_sync);
+    char* sync = &l->block_sync[l->block_generation & 1];
+    __tsan_release(sync);
 #endif
     f->wait = AT_BLOCK_BARRIER;
     l->arrived += 1;
     release_block(l);
     yield_to_scheduler();
 #if defined(WIDEN_EMU_TSAN)
-    __tsan_acquire(&l->block_sync);
+    __tsan_acquire(sync);
 #endif
 }
 
@@ -358,21 +370,22 @@ WIDEN_EMU_INTERNAL void sync_warp(unsigned int mask) {
     }
     unsigned int w = f->lane / WARP;
 #if defined(WIDEN_EMU_TSAN)
-    __tsan_release(&l->warp_sync[w]);
+    char* sync = &l->warp_sync[w][l->warps[w].generation & 1];
+    __tsan_release(sync);
 #endif
     f->wait = AT_WARP_BARRIER;
     l->warps[w].arrived += 1;
     release_warp(l, w);
     yield_to_scheduler();
 #if defined(WIDEN_EMU_TSAN)
-    __tsan_acquire(&l->warp_sync[w]);
+    __tsan_acquire(sync);
 #endif
 }
 
 // One shuffle: every lane deposits `v`, then reads the lane `source(lane)`
 // chose (its own value where that lies outside the lane's segment of `width`).
 template <class T, class Source>
-T shuffle(unsigned int mask, T v, int width, Source source) {
+WIDEN_EMU_INTERNAL T shuffle(unsigned int mask, T v, int width, Source source) {
     static_assert(sizeof(T) <= sizeof(uint64_t), "shuffles move at most 8 bytes");
     Launch* l = launch_slot();
     unsigned int lane = l->current->lane;
@@ -399,6 +412,10 @@ WIDEN_EMU_INTERNAL void fiber_main() {
 #if defined(WIDEN_EMU_ASAN)
     __sanitizer_finish_switch_fiber(nullptr, &l->scheduler_stack, &l->scheduler_stack_size);
 #endif
+#if defined(WIDEN_EMU_TSAN)
+    // The launch's inputs and the blocks before, not the other lanes' work.
+    __tsan_acquire(&l->block_start);
+#endif
     l->body(l->arg);
     l = launch_slot();
     f->wait = DONE;
@@ -415,7 +432,6 @@ WIDEN_EMU_INTERNAL bool start_fiber(Launch* l, Fiber* f) {
         return false;
     }
     f->wait = RUNNABLE;
-    f->entered = false;
     (void)l;
     return true;
 }
@@ -423,12 +439,10 @@ WIDEN_EMU_INTERNAL bool start_fiber(Launch* l, Fiber* f) {
 WIDEN_EMU_INTERNAL void resume(Launch* l, Fiber* f) {
     l->current = f;
 #if defined(WIDEN_EMU_TSAN)
-    // The first entry of a block synchronises (the fiber sees the launch's
-    // inputs and the blocks before); later ones do not, so lanes order their
-    // accesses only through the barrier annotations.
-    __tsan_switch_to_fiber(f->tsan, f->entered ? 1u : 0u);
+    // Without synchronisation: lanes order their accesses only through the
+    // barrier annotations (and the start of the block, see `fiber_main`).
+    __tsan_switch_to_fiber(f->tsan, 1u);
 #endif
-    f->entered = true;
 #if defined(WIDEN_EMU_ASAN)
     void* fake = nullptr;
     __sanitizer_start_switch_fiber(&fake, f->stack, STACK_BYTES);
@@ -479,10 +493,15 @@ WIDEN_EMU_INTERNAL int launch(unsigned int grid, unsigned int block, int order, 
         fibers[t].tsan = __tsan_create_fiber(0);
 #endif
     }
+    static std::mutex one_at_a_time;  // shared memory is one instance per module
+    std::lock_guard<std::mutex> turn(one_at_a_time);
     launch_slot() = l;
     int status = 0;
     for (unsigned int b = 0; b < grid && status == 0; ++b) {
         l->block_idx = Dim3{b, 0, 0};
+#if defined(WIDEN_EMU_TSAN)
+        __tsan_release(&l->block_start);
+#endif
         l->live = block;
         l->arrived = 0;
         for (unsigned int w = 0; w * WARP < block; ++w) {
@@ -564,6 +583,7 @@ int launch_kernel(void (*kernel)(P...), void** args, int nargs, unsigned int gri
                   &call);
 }
 
+}  // namespace
 }  // namespace widen_emu
 
 // ---- The CUDA surface ----
@@ -574,7 +594,7 @@ int launch_kernel(void (*kernel)(P...), void** args, int nargs, unsigned int gri
 #define __forceinline__ inline __attribute__((always_inline))
 #define __noinline__ __attribute__((noinline))
 #define __launch_bounds__(...)
-#define __shared__ static thread_local
+#define __shared__ static
 
 #define threadIdx (::widen_emu::thread_idx())
 #define blockIdx (::widen_emu::block_idx())

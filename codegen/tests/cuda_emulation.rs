@@ -62,8 +62,13 @@ fn emulator() -> Emulator {
 /// The training Plan the Cuda device loads for `spec` at test size.
 /// Also the random parameters and tokens, by buffer role.
 fn gpu_plan(spec: &str) -> (Plan, Vec<(BufferRole, Value<f32>)>) {
-    let (graph, request, vocab) = spec_training_graph(spec, 2, 8, |s| {
-        s.d_model = 16;
+    gpu_plan_sized(spec, 8, 16)
+}
+
+/// [`gpu_plan`] at batch 2, `seq_len` and `d_model`, one layer.
+fn gpu_plan_sized(spec: &str, seq_len: usize, d_model: usize) -> (Plan, Vec<(BufferRole, Value<f32>)>) {
+    let (graph, request, vocab) = spec_training_graph(spec, 2, seq_len, |s| {
+        s.d_model = d_model;
         s.layers = 1;
     });
     // As `TrainingGraph::plan_for(Target::Cuda)`: the update appended, the
@@ -263,8 +268,11 @@ struct Coverage {
 /// Runs the GPU Plan of `spec` on the host, checking every kernel step's
 /// emulated CUDA run against its C run.
 fn check_spec(spec: &str) -> Coverage {
+    check_plan(spec, gpu_plan(spec))
+}
+
+fn check_plan(spec: &str, (plan, named): (Plan, Vec<(BufferRole, Value<f32>)>)) -> Coverage {
     let start = Instant::now();
-    let (plan, named) = gpu_plan(spec);
     let c = c_compiler().compile_kernels(&plan.kernels).unwrap_or_else(|e| panic!("{spec}: {e}"));
     let emu = emulator().compile_kernels(&plan.kernels).unwrap_or_else(|e| panic!("{spec}: {e}"));
     let built = start.elapsed();
@@ -373,6 +381,16 @@ fn xhc_flash_kernels_match_c() {
 #[test]
 fn moe_kernels_match_c() {
     check_spec("moe");
+}
+
+/// At 256 tokens of width 64 the GPU Plan takes its larger forms: token
+/// reductions of parameter gradients as blocks of up to 256 threads, the
+/// embedding gradient a thread per column, attention's softmax a block per
+/// score row.
+#[test]
+fn residual_kernels_at_gpu_sizes_match_c() {
+    let cov = check_plan("residual d64 seq128", gpu_plan_sized("residual", 128, 64));
+    assert!(cov.block_kernels > 0);
 }
 
 /// The emulation detects a missing barrier: a block reduction of the GPU Plan
