@@ -2,9 +2,10 @@
 // the CPU (docs/architecture.md §6, "The CUDA dialect on the CPU").
 //
 // Execution model. A launch runs its blocks one after another on the calling
-// OS thread. Each CUDA thread of a block is a fiber (ucontext) with a stack of
-// its own; a scheduler resumes the block's live fibers round-robin, in lane
-// order or in reverse lane order (the launch's `order`), and a fiber runs
+// OS thread. Each CUDA thread of a block is a fiber with a stack of its own
+// (switched by a few instructions on x86-64 Linux, by ucontext elsewhere); a
+// scheduler resumes the block's live fibers round-robin, in lane order or in
+// reverse lane order (the launch's `order`), and a fiber runs
 // until it reaches a barrier or returns. `__syncthreads()` waits until every
 // live thread of the block has arrived, `__syncwarp()` and the shuffles until
 // every live lane of the warp has. So all lanes of a block run up to a
