@@ -64,6 +64,32 @@ use crate::render::render_c;
 pub const FLAGS: &[&str] =
     &["-O3", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-std=c11"];
 
+/// Flags of the C++ compiles of [`crate::cuda_emu`] (the CUDA dialect run on
+/// the CPU): the arithmetic flags of [`FLAGS`] (no FMA contraction, no
+/// `-ffast-math`), so a kernel's float operations are the ones its source
+/// names in both dialects; `-O1`, since these modules are compiled for tests,
+/// where compile time dominates, and the level changes no value.
+pub const CXX_FLAGS: &[&str] =
+    &["-O1", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-std=c++20"];
+
+/// The source language of a module.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Language {
+    /// C11 with [`FLAGS`] (the Cpu device's kernels).
+    C,
+    /// C++20 with [`CXX_FLAGS`] (the CUDA emulation).
+    Cxx,
+}
+
+impl Language {
+    fn extension(self) -> &'static str {
+        match self {
+            Language::C => "c",
+            Language::Cxx => "cpp",
+        }
+    }
+}
+
 /// Added to [`FLAGS`] when the compiler accepts it (some compilers reject it on
 /// some targets): code for the vector units of the machine that runs it.
 pub const NATIVE_FLAG: &str = "-march=native";
@@ -88,9 +114,9 @@ pub type EntryFn = unsafe extern "C" fn(args: *const *mut c_void, start: i64, en
 /// Failures of compiling or loading a C module.
 #[derive(Debug, Error)]
 pub enum CcError {
-    #[error("the C compiler `{compiler}` could not be run (set CC to a working compiler): {source}")]
+    #[error("the compiler `{compiler}` could not be run (set CC, or CXX for the CUDA emulation, to a working compiler): {source}")]
     CompilerNotFound { compiler: String, source: std::io::Error },
-    #[error("the C compiler `{compiler}` failed on {}:\n{stderr}", file.display())]
+    #[error("the compiler `{compiler}` failed on {}:\n{stderr}", file.display())]
     Compile { compiler: String, file: PathBuf, stderr: String },
     #[error("cannot load {}: {source}", file.display())]
     Load { file: PathBuf, source: libloading::Error },
@@ -165,6 +191,7 @@ pub struct Compiler {
     /// [`host_cpu`], read once: part of the cache key.
     host_cpu: String,
     cache_dir: PathBuf,
+    language: Language,
 }
 
 impl Compiler {
@@ -177,6 +204,21 @@ impl Compiler {
     /// `cc` is a command line (program and arguments, split on whitespace);
     /// runs `cc --version` once, since its output is part of the cache key.
     pub fn new(cc: &str, cache_dir: PathBuf) -> Result<Compiler, CcError> {
+        Compiler::for_language(cc, cache_dir, Language::C, &[])
+    }
+
+    /// A C++ compiler (`cxx`, a command line as for [`Compiler::new`]) with
+    /// [`CXX_FLAGS`] followed by `extra` flags, e.g. a sanitizer's.
+    pub fn cxx(cxx: &str, cache_dir: PathBuf, extra: &[&str]) -> Result<Compiler, CcError> {
+        Compiler::for_language(cxx, cache_dir, Language::Cxx, extra)
+    }
+
+    fn for_language(
+        cc: &str,
+        cache_dir: PathBuf,
+        language: Language,
+        extra: &[&str],
+    ) -> Result<Compiler, CcError> {
         let command: Vec<String> = cc.split_whitespace().map(String::from).collect();
         let Some((program, args)) = command.split_first() else {
             let source = std::io::Error::new(std::io::ErrorKind::InvalidInput, "empty compiler command");
@@ -193,14 +235,25 @@ impl Compiler {
             return Err(CcError::CompilerNotFound { compiler: cc.into(), source });
         }
         let version = String::from_utf8_lossy(&out.stdout).into_owned();
-        let native = Command::new(program)
-            .args(args)
-            .args([NATIVE_FLAG, "-fsyntax-only", "-x", "c", "-"])
-            .stdin(std::process::Stdio::null())
-            .output()
-            .is_ok_and(|o| o.status.success());
-        let flags = FLAGS.iter().copied().chain(native.then_some(NATIVE_FLAG)).map(String::from).collect();
-        Ok(Compiler { command, version, flags, host_cpu: host_cpu(), cache_dir })
+        let flags = match language {
+            Language::C => {
+                let native = Command::new(program)
+                    .args(args)
+                    .args([NATIVE_FLAG, "-fsyntax-only", "-x", "c", "-"])
+                    .stdin(std::process::Stdio::null())
+                    .output()
+                    .is_ok_and(|o| o.status.success());
+                FLAGS
+                    .iter()
+                    .copied()
+                    .chain(native.then_some(NATIVE_FLAG))
+                    .chain(extra.iter().copied())
+                    .collect()
+            }
+            Language::Cxx => CXX_FLAGS.iter().chain(extra).copied().collect::<Vec<_>>(),
+        };
+        let flags = flags.into_iter().map(String::from).collect();
+        Ok(Compiler { command, version, flags, host_cpu: host_cpu(), cache_dir, language })
     }
 
     /// The flags every compile passes before the source file.
@@ -225,6 +278,7 @@ impl Compiler {
             h.update(s.as_bytes());
         };
         part("widen-cc/1");
+        part(self.language.extension());
         self.command.iter().for_each(|c| part(c));
         part(&self.version);
         self.flags.iter().for_each(|f| part(f));
@@ -272,7 +326,7 @@ impl Compiler {
     fn build(&self, key: &str, source: &str, so: &Path) -> Result<(), CcError> {
         let dir = &self.cache_dir;
         std::fs::create_dir_all(dir).map_err(cache_err(dir))?;
-        let c = dir.join(format!("widen-{key}.c"));
+        let c = dir.join(format!("widen-{key}.{}", self.language.extension()));
         write_atomic(&c, source.as_bytes()).map_err(cache_err(dir))?;
         let tmp = temp_name(so);
         let (program, args) = self.command.split_first().expect("Compiler::new rejects empty commands");
@@ -342,6 +396,21 @@ impl Library {
     /// Whether the shared object came from the cache (no compiler run).
     pub fn from_cache(&self) -> bool {
         self.cached
+    }
+
+    /// The function `symbol` with the type `F`, and the library that keeps it valid.
+    ///
+    /// # Safety
+    /// `F` must be the function pointer type of `symbol`'s definition.
+    pub(crate) unsafe fn symbol<F: Copy>(
+        &self,
+        symbol: &str,
+    ) -> Result<(F, Arc<libloading::Library>), CcError> {
+        // SAFETY: the caller guarantees the type.
+        let f = unsafe { self.lib.get::<F>(symbol.as_bytes()) }
+            .map(|s| *s)
+            .map_err(|source| CcError::Symbol { file: self.path.clone(), symbol: symbol.into(), source })?;
+        Ok((f, Arc::clone(&self.lib)))
     }
 
     /// The entry point of kernel `name` (`widen_<name>_entry`).

@@ -4,11 +4,14 @@
 //! - [`kernel`]: a small structured AST with concrete sizes, and a builder.
 //! - [`render`]: one C-family printer with a C and a CUDA dialect.
 //! - [`cc`]: compiles a C module with the system compiler, caches and loads it.
+//! - [`cuda_emu`]: compiles the CUDA dialect as C++ with a header of CUDA
+//!   built-ins and runs its kernels on the CPU (block threads as fibers).
 //! - [`nvrtc`]: compiles a CUDA module with a dynamically loaded NVRTC and
 //!   reports per-kernel resources from the ptxas report.
 
 pub mod cc;
 pub mod compile;
+pub mod cuda_emu;
 pub mod emit;
 pub mod kernel;
 pub mod nvrtc;

@@ -256,17 +256,31 @@ pub fn compile(source: &str, arch: &str) -> Result<Compiled, NvrtcError> {
     let src = CString::new(source).map_err(|_| NvrtcError::NulInSource)?;
     let virt = format!("--gpu-architecture=compute_{digits}");
     let real = format!("--gpu-architecture={arch}");
-    // `--prec-div=false`: fp32 division as the hardware's approximate reciprocal-multiply
-    // (at most 2 ulp) instead of the IEEE round-to-nearest subroutine. That subroutine is
-    // a call, and in large fused kernels (Sinkhorn, norms) ptxas saves registers around it
-    // and reports the saves as spills; 2 ulp is far inside the fp32 parity tolerances the
-    // devices are held to (runtime::parity). Square roots stay IEEE.
-    let (ptx_log, ptx) = api.build(&src, &[&virt, "--prec-div=false"], false, arch)?;
-    let (cubin_log, cubin) =
-        api.build(&src, &[&real, "--prec-div=false", "--ptxas-options=-v"], true, arch)?;
+    let (ptx_log, ptx) = api.build(&src, &options(&virt, false), false, arch)?;
+    let (cubin_log, cubin) = api.build(&src, &options(&real, true), true, arch)?;
     let log = [ptx_log, cubin_log].into_iter().filter(|l| !l.is_empty()).collect::<Vec<_>>().join("\n");
     let resources = parse_ptxas_report(&log);
     Ok(Compiled { ptx: String::from_utf8_lossy(&ptx).into_owned(), cubin, log, resources })
+}
+
+/// The NVRTC options of a compile for `architecture` (a `--gpu-architecture=`
+/// flag), to a CUBIN with the ptxas report when `cubin`.
+///
+/// `--prec-div=false`: fp32 division as the hardware's approximate reciprocal-multiply
+/// (at most 2 ulp) instead of the IEEE round-to-nearest subroutine. That subroutine is
+/// a call, and in large fused kernels (Sinkhorn, norms) ptxas saves registers around it
+/// and reports the saves as spills; 2 ulp is far inside the fp32 parity tolerances the
+/// devices are held to (runtime::parity). Square roots stay IEEE.
+///
+/// `-lineinfo`: source line tables in the module (no change to the code), so a
+/// fault reported by `compute-sanitizer` or a profiler names the line of the
+/// generated CUDA source.
+pub fn options(architecture: &str, cubin: bool) -> Vec<&str> {
+    let mut o = vec![architecture, "--prec-div=false", "-lineinfo"];
+    if cubin {
+        o.push("--ptxas-options=-v");
+    }
+    o
 }
 
 /// The number before `unit` in `text` (`"12 bytes spill stores"` → 12).
@@ -310,4 +324,18 @@ pub fn parse_ptxas_report(log: &str) -> Vec<KernelResources> {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn both_compiles_carry_line_info_and_only_the_cubin_asks_for_the_report() {
+        let ptx = options("--gpu-architecture=compute_90", false);
+        assert_eq!(ptx, ["--gpu-architecture=compute_90", "--prec-div=false", "-lineinfo"]);
+        let cubin = options("--gpu-architecture=sm_90", true);
+        assert!(cubin.contains(&"-lineinfo") && cubin.contains(&"--prec-div=false"), "{cubin:?}");
+        assert_eq!(cubin.last(), Some(&"--ptxas-options=-v"));
+    }
 }

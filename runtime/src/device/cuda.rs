@@ -25,6 +25,12 @@
 //! ([`launch_config`]), GEMM steps as cuBLAS `sgemm` strided-batched calls
 //! ([`column_major_gemm`]), zero steps as `cuMemsetD8Async`.
 //!
+//! Launches are asynchronous, so a kernel's fault surfaces at some later call
+//! that waits. With `WIDEN_CUDA_SYNC=1` ([`SYNC_ENV`]) the device waits after
+//! every operation instead, and the first fault is reported with the kernel
+//! and the Plan step that raised it ([`CudaError::Fault`]); the module is
+//! compiled with `-lineinfo`, so `compute-sanitizer` names the source line.
+//!
 //! # Row-major GEMMs on column-major cuBLAS
 //!
 //! A row-major `[r, c]` matrix is, byte for byte, its column-major transpose
@@ -85,6 +91,20 @@ pub const DRIVER_LIBRARY: &str = "libcuda.so.1";
 /// The cuBLAS library matching the CUDA 13 driver.
 pub const CUBLAS_LIBRARY: &str = "libcublas.so.13";
 
+/// The environment variable that makes the device synchronise after every
+/// operation of the launch list (any value but empty and `0`).
+pub const SYNC_ENV: &str = "WIDEN_CUDA_SYNC";
+
+/// Whether a value of [`SYNC_ENV`] asks for a synchronisation after every operation.
+pub fn sync_requested(value: Option<&str>) -> bool {
+    value.map(str::trim).is_some_and(|v| !v.is_empty() && v != "0")
+}
+
+/// What a [`CudaError::Fault`] names: the operation and its step.
+pub fn fault_context(operation: &str, step: usize) -> String {
+    format!("{operation} at Plan step {step} (synchronised after every operation, {SYNC_ENV}=1)")
+}
+
 /// Largest `gridDim.x` of a 1-D launch.
 const MAX_GRID_X: usize = i32::MAX as usize;
 
@@ -118,6 +138,8 @@ pub enum CudaError {
     Plan(#[from] PlanError),
     #[error("kernel `{kernel}`: {what}")]
     Launch { kernel: String, what: String },
+    #[error("{context} failed: {source}")]
+    Fault { context: String, source: DriverError },
     #[error("GEMM: {what}")]
     Gemm { what: String },
     #[error("buffer #{id} does not exist: the plan has {count} buffers")]
@@ -393,6 +415,8 @@ pub struct CudaDevice {
     _memory: Vec<Allocation>,
     /// `sm_XY` of the device.
     arch: String,
+    /// Synchronise after every operation ([`SYNC_ENV`]).
+    sync: bool,
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -456,7 +480,8 @@ impl CudaDevice {
         let (ptrs, allocations) = allocate(&ctx, &stream, &plan, &layout)?;
         let ops = prepare(&plan, &ptrs)?;
         stream.synchronize().map_err(driver("filling constants"))?;
-        Ok(CudaDevice { plan, ctx, stream, blas, functions, ops, ptrs, _memory: allocations, arch })
+        let sync = sync_requested(std::env::var(SYNC_ENV).ok().as_deref());
+        Ok(CudaDevice { plan, ctx, stream, blas, functions, ops, ptrs, _memory: allocations, arch, sync })
     }
 
     /// The loaded Plan.
@@ -565,8 +590,23 @@ impl CudaDevice {
     fn issue(&self, i: usize) -> Result<(), CudaError> {
         for op in &self.ops[i] {
             self.issue_op(op)?;
+            if self.sync {
+                self.stream.synchronize().map_err(|source| CudaError::Fault {
+                    context: fault_context(&self.op_name(op), i),
+                    source,
+                })?;
+            }
         }
         Ok(())
+    }
+
+    /// How a fault names an operation: the kernel's symbol, or the kind of step.
+    fn op_name(&self, op: &Op) -> String {
+        match op {
+            Op::Launch { kernel, .. } => format!("kernel `{}`", self.plan.kernels[*kernel].symbol()),
+            Op::Blas(_) => "the cuBLAS GEMM".into(),
+            Op::Zero { .. } => "zeroing a buffer".into(),
+        }
     }
 
     fn issue_op(&self, op: &Op) -> Result<(), CudaError> {
@@ -1093,5 +1133,28 @@ impl PlanBuffers for CudaDevice {
 impl From<CudaError> for StepError {
     fn from(e: CudaError) -> StepError {
         StepError::Cuda(Box::new(e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sync_is_asked_for_by_any_value_but_empty_and_zero() {
+        assert!(!sync_requested(None));
+        assert!(!sync_requested(Some("")));
+        assert!(!sync_requested(Some("0")));
+        assert!(sync_requested(Some("1")));
+        assert!(sync_requested(Some(" yes ")));
+    }
+
+    #[test]
+    fn a_fault_names_the_kernel_and_its_step() {
+        let c = fault_context("kernel `widen_g004_rmsnorm`", 17);
+        assert_eq!(
+            c,
+            "kernel `widen_g004_rmsnorm` at Plan step 17 (synchronised after every operation, WIDEN_CUDA_SYNC=1)"
+        );
     }
 }
