@@ -20,7 +20,8 @@
 //!   malformed Plan is an error at load time, never an out-of-bounds access on
 //!   the GPU, and precomputes every launch.
 //!
-//! [`CudaDevice::run`] then issues the launch list in order on one stream:
+//! [`CudaDevice::run`] then issues the launch list in order on the device's own
+//! (non-blocking) stream, which its cuBLAS handle is bound to:
 //! kernels with the launch configuration of their [`Grid`]
 //! ([`launch_config`]), GEMM steps as cuBLAS `sgemm` strided-batched calls
 //! ([`column_major_gemm`]), zero steps as `cuMemsetD8Async`.
@@ -435,9 +436,9 @@ fn context(ordinal: usize) -> Result<Arc<CudaContext>, CudaError> {
         return Err(CudaError::NoCudaDriver);
     }
     let ctx = CudaContext::new(ordinal).map_err(driver(format!("opening GPU {ordinal}")))?;
-    // One stream and raw pointers: cudarc's per-slice event tracking (for
-    // several streams) has nothing to order.
-    // SAFETY: no cudarc slices exist on this context; all work is on one stream.
+    // Raw pointers, each used on the one stream of the device that owns it: cudarc's
+    // per-slice event tracking (for slices shared between streams) has nothing to order.
+    // SAFETY: no cudarc slices exist on this context; a device's work is on its stream.
     unsafe { ctx.disable_event_tracking() };
     Ok(ctx)
 }
@@ -475,7 +476,9 @@ impl CudaDevice {
         }
         let arch = arch_of(&ctx)?;
         let functions = compile(&ctx, &plan.kernels, &arch)?;
-        let stream = ctx.default_stream();
+        // The device's own non-blocking stream, with the cuBLAS handle bound to it: on
+        // the legacy default stream two devices in one process would wait on each other.
+        let stream = ctx.new_stream().map_err(driver("creating the device's stream"))?;
         let blas = CudaBlas::new(stream.clone()).map_err(cublas("creating the cuBLAS handle"))?;
         let (ptrs, allocations) = allocate(&ctx, &stream, &plan, &layout)?;
         let ops = prepare(&plan, &ptrs)?;
@@ -810,7 +813,7 @@ fn step_cost(plan: &Plan, i: usize) -> (String, u64, u64) {
 /// (docs/architecture.md §10): the median of `reps` copies of `bytes`.
 pub fn copy_bandwidth(bytes: usize, reps: usize) -> Result<f64, CudaError> {
     let ctx = context(0)?;
-    let stream = ctx.default_stream();
+    let stream = ctx.new_stream().map_err(driver("creating a stream"))?;
     let src = Allocation::zeroed(&ctx, &stream, bytes)?;
     // Non-zero contents, so no shortcut for zeroed memory flatters the rate.
     // SAFETY: `src` holds `bytes` bytes; the pattern fills bytes / 4 words.
