@@ -173,3 +173,21 @@ fn parity_on_cpu_passes_and_lists_every_gradient() {
     assert!(doc["specs"][1]["error"].as_str().unwrap().contains("absent.ron"), "{doc}");
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+#[test]
+fn parity_isolate_runs_each_spec_in_its_own_process_and_reports_a_broken_one() {
+    let dir = common::workdir("parity-isolate", None);
+    std::fs::write(dir.join("broken.ron"), "Model(d_model: 33)").unwrap();
+    let tiny = spec_file("tiny.ron");
+    let args =
+        ["parity", &tiny, "broken.ron", "--isolate", "--d-model", "32", "--layers", "1", "--seq-len", "8"];
+    let o = widen(&dir, &[&args[..], &["--batch", "2", "--steps", "1", "--json", "p.json"]].concat());
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("passed (own process)") && out.contains("1 of 2 specs"), "{out}");
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("p.json")).unwrap()).unwrap();
+    assert_eq!(doc["specs"][0]["report"]["passed"], true);
+    assert!(doc["specs"][1]["error"].as_str().is_some_and(|e| e.contains("d_model")), "{doc}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -8,7 +8,9 @@
 //! run at once), then every check out of tolerance; exits non-zero when any
 //! spec fails or cannot be run. The backbone can be shrunk
 //! for all specs at once (`--d-model 32 --layers 1 --seq-len 8 --batch 2`);
-//! by default each spec runs as written. The JSON file is rewritten after
+//! by default each spec runs as written. With `--isolate` each spec runs in its own
+//! process, so that a fault in one (on a GPU, a sticky context error poisons the
+//! whole process) fails only that spec. The JSON file is rewritten after
 //! every spec, so a run cut short still leaves the specs it finished.
 
 use super::bench::{parallel_map, Backbone};
@@ -54,6 +56,11 @@ pub struct Args {
     /// Also write the results as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// Run each spec in its own `widen parity` process, so that one spec's fault (a
+    /// GPU exception, a crash) is reported as that spec's error and the others still
+    /// run.
+    #[arg(long)]
+    pub isolate: bool,
     #[command(flatten)]
     pub backbone: Backbone,
 }
@@ -73,6 +80,16 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     };
     let records: Mutex<Vec<Option<Value>>> = Mutex::new(vec![None; args.specs.len()]);
     let outcomes = parallel_map(&args.specs, workers, |i, path| {
+        if args.isolate {
+            let (record, passed) = in_own_process(path, i, &args);
+            let mut records = records.lock().unwrap_or_else(|e| e.into_inner());
+            records[i] = Some(record);
+            return match &args.json {
+                Some(file) => write_json(file, device, &args, &records),
+                None => Ok(()),
+            }
+            .map(|()| passed);
+        }
         let (record, passed) = match check(path, device, &args) {
             Ok(report) => {
                 let mut lines = report.to_string();
@@ -101,6 +118,67 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     }
     println!("{passed} of {} specs within tolerance on {}", args.specs.len(), device.name());
     Ok(if passed == args.specs.len() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// Runs `widen parity` on one spec in a child process (its output passes through)
+/// and reads its record back from the child's JSON file; a child that ends without
+/// one (killed by a signal, a crash) is that spec's error, naming how it ended.
+fn in_own_process(path: &Path, i: usize, args: &Args) -> (Value, bool) {
+    let fail = |message: String| {
+        println!("{}: error: {message}", path.display());
+        (json!({ "path": path.display().to_string(), "error": message }), false)
+    };
+    let json_file = std::env::temp_dir().join(format!("widen-parity-{}-{i}.json", std::process::id()));
+    let exe = match std::env::current_exe() {
+        Ok(exe) => exe,
+        Err(e) => return fail(format!("cannot find the widen executable to run the spec in: {e}")),
+    };
+    let mut cmd = std::process::Command::new(exe);
+    cmd.arg("parity").arg(path).arg("--steps").arg(args.steps.to_string()).arg("--json").arg(&json_file);
+    cmd.arg("--device").arg(match args.device {
+        CompiledDevice::Cpu => "cpu",
+        CompiledDevice::Cuda => "cuda",
+    });
+    let b = &args.backbone;
+    for (flag, value) in [
+        ("--d-model", b.d_model),
+        ("--layers", b.layers),
+        ("--heads", b.heads),
+        ("--seq-len", b.seq_len),
+        ("--batch", b.batch),
+    ] {
+        if let Some(v) = value {
+            cmd.arg(flag).arg(v.to_string());
+        }
+    }
+    let status = match cmd.stdout(std::process::Stdio::null()).status() {
+        Ok(status) => status,
+        Err(e) => return fail(format!("cannot start a process for it: {e}")),
+    };
+    let record = std::fs::read_to_string(&json_file)
+        .ok()
+        .and_then(|text| serde_json::from_str::<Value>(&text).ok())
+        .and_then(|doc| doc["specs"].get(0).cloned());
+    let _ = std::fs::remove_file(&json_file);
+    match record {
+        Some(record) => {
+            let passed = record["report"]["passed"] == true;
+            match (&record["report"], &record["error"]) {
+                (Value::Null, Value::String(e)) => println!("{}: error: {e}", path.display()),
+                _ => {
+                    println!("{}: {} (own process)", path.display(), if passed { "passed" } else { "FAILED" })
+                }
+            }
+            (record, passed)
+        }
+        None => {
+            use std::os::unix::process::ExitStatusExt;
+            match status.signal() {
+                Some(sig) => fail(format!("its process was ended by signal {sig}")),
+                None => fail(format!("its process ended with {status} and left no result")),
+            }
+        }
+    }
 }
 
 /// Builds one spec (with the backbone overrides) on `device` and compares it.
