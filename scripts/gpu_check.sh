@@ -13,10 +13,19 @@
 #      into gpu-bin/ (ignored locally through .git/info/exclude, so it never
 #      shows up in commits). Carry that one folder to the GPU machine.
 #   2. On the GPU machine, from the repository root (specs/ must be there):
-#        OUT=/some/dir scripts/gpu_check.sh
-#      Budget: under 8 minutes; every section has its own timeout.
-#      TORCH=0 skips the PyTorch section (a rerun after a change to widen
-#      alone: PyTorch's figures do not move).
+#        OUT=/some/dir scripts/gpu_check.sh [smoke|full]
+#      Two stages, each section with its own timeout:
+#        smoke  (under 3 minutes) env, device, and parity of specs/tiny.ron and
+#               specs/mhc.ron one after the other: if any of them fails, the
+#               script stops there with summary.json saying what failed, so a
+#               broken build costs 3 minutes, not 10.
+#        full   (under 8 minutes) parity of every spec, bench + kernels, torch.
+#      No argument runs smoke, then full when smoke passed. TORCH=0 skips the
+#      PyTorch section (a rerun after a change to widen alone: PyTorch's
+#      figures do not move). Every parity run uses --isolate: each spec in its
+#      own process, so a GPU fault (a sticky context error) fails one spec only.
+#      WIDEN_CUDA_SYNC=1 is set for the smoke stage's parity, so a fault there
+#      names its kernel and Plan step.
 #
 # Sections and what each needs (timeouts add up to under 8 minutes)
 #   env        nvidia-smi, the libraries found (libcuda, libcublas, libnvrtc).
@@ -27,6 +36,7 @@
 #              the device-to-device copy bandwidth, and training steps whose
 #              update runs in the Plan against the same steps on the Cpu
 #              device.                                               (40 s)
+#   smoke      `widen parity` of tiny and mhc, one after the other (90 s).
 #   parity     `widen parity specs/*.ron --device cuda`: every spec as
 #              written, CUDA vs the reference executor from the same
 #              parameters and batches: loss, validation loss, logits, every
@@ -48,8 +58,8 @@
 #              same backbone (the image's PyTorch): the same schemes in
 #              fp32 with TF32 off, as widen's cuBLAS calls.          (100 s)
 #
-# Files under $OUT (at most 8): summary.json, env.txt, cuda_device.log,
-# parity.json, bench.json, kernels.json, torch.json, gpu_check.log.
+# Files under $OUT (at most 9): summary.json, env.txt, cuda_device.log,
+# smoke.json, parity.json, bench.json, kernels.json, torch.json, gpu_check.log.
 
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -70,6 +80,11 @@ if [[ "${1:-}" == "prepare" ]]; then
     exit 0
 fi
 
+STAGE=${1:-all}
+case "$STAGE" in
+    smoke|full|all) ;;
+    *) echo "usage: scripts/gpu_check.sh [prepare|smoke|full]" >&2; exit 2 ;;
+esac
 OUT=${OUT:?set OUT to the folder for results}
 mkdir -p "$OUT"
 LOG="$OUT/gpu_check.log"
@@ -84,17 +99,16 @@ lib_dirs=()
 for d in /usr/local/nvidia/lib64 /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
     [[ -d "$d" ]] && lib_dirs+=("$d")
 done
-py_dirs=$(python3 - <<'EOF' 2>/dev/null
-import glob, os, site
-roots = site.getsitepackages() + [site.getusersitepackages()]
-for root in roots:
-    for pat in ("nvidia/cu13/lib", "nvidia/*/lib"):
-        for d in glob.glob(os.path.join(root, pat)):
-            if glob.glob(os.path.join(d, "libcublas.so.13*")) or glob.glob(os.path.join(d, "libnvrtc.so.13*")):
-                print(d)
-EOF
-)
-while IFS= read -r d; do [[ -n "$d" ]] && lib_dirs+=("$d"); done <<< "$py_dirs"
+# The pip wheels' folders, found by globbing (no Python needed to look).
+shopt -s nullglob
+for d in /usr/lib/python3*/{site,dist}-packages/nvidia/{cu13,*}/lib \
+         /usr/local/lib/python3*/{site,dist}-packages/nvidia/{cu13,*}/lib \
+         "$HOME"/.local/lib/python3*/site-packages/nvidia/{cu13,*}/lib \
+         /opt/conda/lib/python3*/site-packages/nvidia/{cu13,*}/lib; do
+    libs=("$d"/libcublas.so.13* "$d"/libnvrtc.so.13*)
+    (( ${#libs[@]} > 0 )) && lib_dirs+=("$d")
+done
+shopt -u nullglob
 LD_LIBRARY_PATH="$(IFS=:; echo "${lib_dirs[*]}")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export LD_LIBRARY_PATH
 
@@ -118,6 +132,7 @@ log "env"
 cat "$OUT/env.txt" | tee -a "$LOG"
 
 status_device=missing
+status_smoke=missing
 status_parity=missing
 status_bench=missing
 status_kernels=missing
@@ -133,7 +148,9 @@ outcome() {
 }
 
 # ---------------------------------------------------------------- device
-if [[ -x "$BIN/cuda_device" ]]; then
+if [[ "$STAGE" == full ]]; then
+    status_device="not run (full stage: it runs in smoke)"
+elif [[ -x "$BIN/cuda_device" ]]; then
     log "device: $BIN/cuda_device"
     timeout 40 "$BIN/cuda_device" --test-threads=1 > "$OUT/cuda_device.log" 2>&1
     status_device=$(outcome $? passed)
@@ -145,12 +162,32 @@ else
 fi
 
 WIDEN="$BIN/widen"
-if [[ -x "$WIDEN" ]]; then
+
+# ---------------------------------------------------------------- smoke
+if [[ "$STAGE" != full ]]; then
+    if [[ -x "$WIDEN" ]]; then
+        log "smoke: parity of specs/tiny.ron and specs/mhc.ron, one after the other"
+        WIDEN_CUDA_SYNC=1 timeout 90 "$WIDEN" parity specs/tiny.ron specs/mhc.ron --device cuda --steps 5 \
+            --isolate --json "$OUT/smoke.json" 2>&1 | tee -a "$LOG"
+        status_smoke=$(outcome "${PIPESTATUS[0]}" passed)
+    else
+        log "smoke: $WIDEN missing (run 'scripts/gpu_check.sh prepare' and carry $BIN)"
+    fi
+    if [[ "$status_device" != passed || "$status_smoke" != passed ]]; then
+        log "smoke stage failed (device: $status_device, parity: $status_smoke): stopping before the full stage"
+        STAGE=stopped
+    fi
+fi
+
+if [[ "$STAGE" == smoke || "$STAGE" == stopped ]]; then
+    status_parity="not run ($STAGE)"; status_bench="not run ($STAGE)"
+    status_kernels="not run ($STAGE)"; status_torch="not run ($STAGE)"
+elif [[ -x "$WIDEN" ]]; then
     # ------------------------------------------------------------ parity
     # Exits non-zero when any spec is out of tolerance or cannot run;
     # parity.json is rewritten after every spec, so a timeout keeps the rest.
     log "parity: every spec in specs/"
-    timeout 80 "$WIDEN" parity specs/*.ron --device cuda --steps 5 --json "$OUT/parity.json" 2>&1 \
+    timeout 150 "$WIDEN" parity specs/*.ron --device cuda --steps 5 --isolate --json "$OUT/parity.json" 2>&1 \
         | tee -a "$LOG"
     status_parity=$(outcome "${PIPESTATUS[0]}" passed)
 
@@ -169,7 +206,9 @@ else
 fi
 
 # ---------------------------------------------------------------- torch
-if [[ "${TORCH:-1}" == 0 ]]; then
+if [[ "$STAGE" == smoke || "$STAGE" == stopped ]]; then
+    :
+elif [[ "${TORCH:-1}" == 0 ]]; then
     log "torch: skipped (TORCH=0)"
     status_torch=skipped
 else
@@ -182,9 +221,10 @@ else
 fi
 
 # ---------------------------------------------------------------- summary
-python3 - "$OUT" "$status_device" "$status_parity" "$status_bench" "$status_kernels" "$status_torch" <<'EOF'
+python3 - "$OUT" "$status_device" "$status_parity" "$status_bench" "$status_kernels" "$status_torch" \
+    "$status_smoke" "$STAGE" <<'EOF'
 import json, os, re, sys
-out, device, parity, bench, kernels, torch_status = sys.argv[1:7]
+out, device, parity, bench, kernels, torch_status, smoke, stage = sys.argv[1:9]
 tests = {}
 try:
     for line in open(f"{out}/cuda_device.log"):
@@ -194,7 +234,9 @@ try:
 except OSError:
     pass
 summary = {
+    "stage": stage,
     "device": {"status": device, "tests": tests},
+    "smoke": {"status": smoke, "file": "smoke.json" if os.path.exists(f"{out}/smoke.json") else None},
     "parity": {"status": parity, "file": "parity.json" if os.path.exists(f"{out}/parity.json") else None},
     "bench": {"status": bench, "file": "bench.json" if bench == "ran" else None},
     "kernels": {"status": kernels, "file": "kernels.json" if kernels == "ran" else None},
@@ -211,3 +253,7 @@ except (OSError, ValueError, KeyError):
 json.dump(summary, open(f"{out}/summary.json", "w"), indent=2)
 print(json.dumps(summary, indent=2))
 EOF
+
+# A stopped smoke stage is a failed check.
+[[ "$STAGE" == stopped ]] && exit 1
+exit 0
