@@ -10,8 +10,10 @@
 #        cargo build --release --bin widen
 #        cargo test --release --no-run -p widen-runtime --test cuda_device
 #      and copies target/release/widen and the cuda_device test executable
-#      into gpu-bin/ (ignored locally through .git/info/exclude, so it never
-#      shows up in commits). Carry that one folder to the GPU machine.
+#      into gpu-bin/, with the sm_90 CUBIN of every spec's GPU Plan in
+#      gpu-bin/cache (the GPU run points WIDEN_CACHE_DIR there). gpu-bin/ is
+#      ignored locally through .git/info/exclude, so it never shows up in
+#      commits. Carry that one folder to the GPU machine.
 #   2. On the GPU machine, from the repository root (specs/ must be there):
 #        OUT=/some/dir scripts/gpu_check.sh [smoke|full]
 #      Two stages, each section with its own timeout:
@@ -75,6 +77,14 @@ if [[ "${1:-}" == "prepare" ]]; then
     mkdir -p "$BIN"
     cp target/release/widen "$BIN/widen"
     cp "$test_exe" "$BIN/cuda_device"
+    # The sm_90 CUBIN of every spec's GPU Plan (as parity builds it), so the GPU
+    # machine loads them from $BIN/cache instead of compiling (needs NVRTC here).
+    rm -rf "$BIN/cache" "$BIN/compile-tmp"
+    for spec in specs/*.ron; do
+        WIDEN_CACHE_DIR="$BIN/cache" "$BIN/widen" compile "$spec" -o "$BIN/compile-tmp" --force > /dev/null
+    done
+    rm -rf "$BIN/compile-tmp"
+    echo "cached CUBINs: $(ls "$BIN/cache"/*.cubin 2>/dev/null | wc -l)"
     grep -qx '/gpu-bin/' .git/info/exclude 2>/dev/null || echo '/gpu-bin/' >> .git/info/exclude
     du -sh "$BIN"
     exit 0
@@ -86,6 +96,8 @@ case "$STAGE" in
     *) echo "usage: scripts/gpu_check.sh [prepare|smoke|full]" >&2; exit 2 ;;
 esac
 OUT=${OUT:?set OUT to the folder for results}
+# The CUBINs prepare built here: a Plan found there is not compiled again.
+[[ -d "$BIN/cache" ]] && export WIDEN_CACHE_DIR="$PWD/$BIN/cache"
 mkdir -p "$OUT"
 LOG="$OUT/gpu_check.log"
 : > "$LOG"

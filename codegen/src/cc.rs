@@ -141,7 +141,7 @@ fn cache_err(dir: &Path) -> impl FnOnce(std::io::Error) -> CcError + '_ {
 }
 
 /// The hex SHA-256 of `bytes`.
-fn digest(bytes: &[u8]) -> String {
+pub(crate) fn digest(bytes: &[u8]) -> String {
     Sha256::digest(bytes).iter().fold(String::with_capacity(64), |mut s, b| {
         let _ = write!(s, "{b:02x}");
         s
@@ -149,7 +149,7 @@ fn digest(bytes: &[u8]) -> String {
 }
 
 /// The file beside a cached shared object holding its digest.
-fn digest_path(so: &Path) -> PathBuf {
+pub(crate) fn digest_path(so: &Path) -> PathBuf {
     let mut name = so.as_os_str().to_owned();
     name.push(".sha256");
     PathBuf::from(name)
@@ -157,7 +157,7 @@ fn digest_path(so: &Path) -> PathBuf {
 
 /// Whether the cached object `so` is the one its compile wrote: its digest
 /// file exists and matches its bytes. Any read failure counts as a mismatch.
-fn verified(so: &Path) -> bool {
+pub(crate) fn verified(so: &Path) -> bool {
     match (std::fs::read(so), std::fs::read_to_string(digest_path(so))) {
         (Ok(bytes), Ok(want)) => digest(&bytes) == want.trim(),
         _ => false,
@@ -368,7 +368,7 @@ fn temp_name(path: &Path) -> PathBuf {
     path.with_file_name(format!(".{name}.{}.{nanos}.{n}.tmp", std::process::id()))
 }
 
-fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let tmp = temp_name(path);
     let written = std::fs::write(&tmp, bytes).and_then(|()| std::fs::rename(&tmp, path));
     if written.is_err() {

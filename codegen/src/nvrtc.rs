@@ -12,6 +12,7 @@
 //! per-kernel [`KernelResources`] so tests can require zero spills.
 
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use thiserror::Error;
@@ -32,6 +33,12 @@ pub enum NvrtcError {
     Arch { arch: String },
     #[error("the CUDA source contains a NUL byte")]
     NulInSource,
+    #[error(
+        "the kernel cache {} cannot be written ({message}); set WIDEN_CACHE_DIR to a writable \
+         folder with free space",
+        dir.display()
+    )]
+    Cache { dir: PathBuf, message: String },
 }
 
 type Program = *mut c_void;
@@ -261,6 +268,72 @@ pub fn compile(source: &str, arch: &str) -> Result<Compiled, NvrtcError> {
     let log = [ptx_log, cubin_log].into_iter().filter(|l| !l.is_empty()).collect::<Vec<_>>().join("\n");
     let resources = parse_ptxas_report(&log);
     Ok(Compiled { ptx: String::from_utf8_lossy(&ptx).into_owned(), cubin, log, resources })
+}
+
+/// What [`compile_cached`] builds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Output {
+    /// Machine code for the real architecture (`sm_XX`): what a device loads first.
+    Cubin,
+    /// PTX for the virtual architecture (`compute_XX`): compiled only when the driver
+    /// refuses the CUBIN (a GPU of another architecture than the one asked for).
+    Ptx,
+}
+
+/// One NVRTC output for `arch`, from the cache in `cache_dir` (the C kernels' cache,
+/// `cc::default_cache_dir`) when it holds it, else compiled and stored there.
+/// Returns the bytes and whether they came from the cache.
+///
+/// The key is the SHA-256 of the NVRTC version, the options and the source, so a
+/// Plan is compiled once per machine and NVRTC version; a file is used only when it
+/// matches the digest its compile recorded, and is rebuilt in place otherwise. A
+/// cache folder that cannot be written is an error naming it (the module would
+/// otherwise be recompiled on every load without a word).
+pub fn compile_cached(
+    source: &str,
+    arch: &str,
+    output: Output,
+    cache_dir: &Path,
+) -> Result<(Vec<u8>, bool), NvrtcError> {
+    use sha2::{Digest, Sha256};
+    let digits =
+        arch.strip_prefix("sm_").filter(|d| !d.is_empty() && d.chars().all(|c| c.is_ascii_alphanumeric()));
+    let Some(digits) = digits else {
+        return Err(NvrtcError::Arch { arch: arch.into() });
+    };
+    let api = api()?;
+    let (major, minor) = version()?;
+    let flag = match output {
+        Output::Cubin => format!("--gpu-architecture={arch}"),
+        Output::Ptx => format!("--gpu-architecture=compute_{digits}"),
+    };
+    let opts = options(&flag, false);
+    let mut h = Sha256::new();
+    for part in ["widen-nvrtc/1".to_string(), format!("{major}.{minor}"), opts.join(" "), source.to_string()]
+    {
+        h.update((part.len() as u64).to_le_bytes());
+        h.update(part.as_bytes());
+    }
+    let key: String = h.finalize()[..16].iter().map(|b| format!("{b:02x}")).collect();
+    let ext = match output {
+        Output::Cubin => "cubin",
+        Output::Ptx => "ptx",
+    };
+    let file = cache_dir.join(format!("widen-{key}.{ext}"));
+    if file.is_file() && crate::cc::verified(&file) {
+        if let Ok(bytes) = std::fs::read(&file) {
+            return Ok((bytes, true));
+        }
+    }
+    let src = CString::new(source).map_err(|_| NvrtcError::NulInSource)?;
+    let (_, bytes) = api.build(&src, &opts, output == Output::Cubin, arch)?;
+    let cache =
+        |e: std::io::Error| NvrtcError::Cache { dir: cache_dir.to_path_buf(), message: e.to_string() };
+    std::fs::create_dir_all(cache_dir).map_err(cache)?;
+    crate::cc::write_atomic(&crate::cc::digest_path(&file), crate::cc::digest(&bytes).as_bytes())
+        .map_err(cache)?;
+    crate::cc::write_atomic(&file, &bytes).map_err(cache)?;
+    Ok((bytes, false))
 }
 
 /// The NVRTC options of a compile for `architecture` (a `--gpu-architecture=`

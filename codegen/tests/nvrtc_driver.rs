@@ -91,3 +91,39 @@ ptxas info    : Used 7 registers, used 0 barriers
         ("widen_b", 7, 0, 0)
     );
 }
+
+#[test]
+fn modules_are_compiled_once_and_cached_by_content() {
+    if !nvrtc_present("modules_are_compiled_once_and_cached_by_content") {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("widen-nvrtc-cache-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let src = render_cuda(&common::all()).unwrap();
+    let (cubin, cached) = nvrtc::compile_cached(&src, "sm_90", nvrtc::Output::Cubin, &dir).unwrap();
+    assert!(!cached);
+    assert_eq!(&cubin[..4], b"\x7fELF", "a CUBIN is an ELF image");
+    let (again, cached) = nvrtc::compile_cached(&src, "sm_90", nvrtc::Output::Cubin, &dir).unwrap();
+    assert!(cached, "the second load compiles nothing");
+    assert_eq!(again, cubin);
+    // PTX is its own entry, compiled only when asked for.
+    let (ptx, cached) = nvrtc::compile_cached(&src, "sm_90", nvrtc::Output::Ptx, &dir).unwrap();
+    assert!(!cached && String::from_utf8_lossy(&ptx).contains(".target sm_90"));
+    // Another source is another key; a corrupted entry is rebuilt, not loaded.
+    let entries: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "cubin"))
+        .collect();
+    assert_eq!(entries.len(), 1);
+    std::fs::write(&entries[0], b"not a cubin").unwrap();
+    let (rebuilt, cached) = nvrtc::compile_cached(&src, "sm_90", nvrtc::Output::Cubin, &dir).unwrap();
+    assert!(!cached, "a file that fails its digest is compiled again");
+    assert_eq!(rebuilt, cubin);
+    // A cache folder that cannot be created is an error naming it.
+    let blocked = dir.join("file");
+    std::fs::write(&blocked, b"").unwrap();
+    let err = nvrtc::compile_cached(&src, "sm_90", nvrtc::Output::Cubin, &blocked.join("sub")).unwrap_err();
+    assert!(matches!(err, NvrtcError::Cache { .. }) && err.to_string().contains("WIDEN_CACHE_DIR"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

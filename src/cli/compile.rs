@@ -457,6 +457,11 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let ptx_note = if codegen::nvrtc::is_available() {
         let compiled = codegen::nvrtc::compile(&cuda, ARCH).context("NVRTC")?;
         write("kernels.ptx", &compiled.ptx)?;
+        // The Cuda device's CUBIN of this Plan, into the kernel cache: a Cuda device
+        // on an sm_90 GPU that shares the cache (WIDEN_CACHE_DIR) compiles nothing.
+        let cache = codegen::cc::default_cache_dir();
+        codegen::nvrtc::compile_cached(&cuda, ARCH, codegen::nvrtc::Output::Cubin, &cache)
+            .context("NVRTC")?;
         format!("kernels.ptx ({ARCH})")
     } else {
         let note = "NVRTC could not be loaded, so no PTX was generated. Put the NVRTC library \

@@ -7,7 +7,7 @@
 //!   [`CudaDevice::new`] returns [`CudaError::NoCudaDriver`];
 //! - renders all kernels as one CUDA translation unit
 //!   ([`codegen::render::render_cuda`]), compiles it with our NVRTC driver
-//!   ([`codegen::nvrtc::compile`]) for the device's own architecture
+//!   ([`codegen::nvrtc::compile_cached`]) for the device's own architecture
 //!   (`sm_90` on an H100/H200) and loads the CUBIN, falling back to the PTX
 //!   (JIT-compiled by the driver) if the CUBIN is rejected;
 //! - allocates every buffer once: one allocation per persistent buffer
@@ -847,12 +847,17 @@ fn compile(ctx: &Arc<CudaContext>, kernels: &[Kernel], arch: &str) -> Result<Vec
         return Ok(Vec::new());
     }
     let source = render_cuda(kernels)?;
-    let compiled = nvrtc::compile(&source, arch)?;
-    let module = match ctx.load_module(Ptx::from_binary(compiled.cubin)) {
+    // The CUBIN for this GPU's architecture, compiled once per Plan and cached like
+    // the C kernels; PTX (JIT-compiled by the driver) only when the CUBIN is refused.
+    let cache = codegen::cc::default_cache_dir();
+    let (cubin, _) = nvrtc::compile_cached(&source, arch, nvrtc::Output::Cubin, &cache)?;
+    let module = match ctx.load_module(Ptx::from_binary(cubin)) {
         Ok(m) => m,
-        Err(cubin) => ctx
-            .load_module(Ptx::from_src(compiled.ptx))
-            .map_err(|ptx| CudaError::ModuleLoad { cubin, ptx })?,
+        Err(cubin) => {
+            let (ptx, _) = nvrtc::compile_cached(&source, arch, nvrtc::Output::Ptx, &cache)?;
+            ctx.load_module(Ptx::from_src(String::from_utf8_lossy(&ptx).into_owned()))
+                .map_err(|ptx| CudaError::ModuleLoad { cubin, ptx })?
+        }
     };
     kernels
         .iter()
