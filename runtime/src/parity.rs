@@ -50,6 +50,20 @@ pub struct Tolerances {
 impl Tolerances {
     /// f32 rounding level: loss 1e-5, logits and gradients 1e-4, parameters
     /// after the steps 1e-3 learning rates.
+    ///
+    /// What differs between the devices and the reference on the same f32 inputs:
+    /// the order of summation (blocked GEMMs, tree reductions across threads), FMA
+    /// contraction (NVRTC contracts `a*b + c` by default, rounding once instead of
+    /// twice: at most half an ulp, 2^-24 relative, per contracted operation), the
+    /// device math functions (`expf`, `tanhf`, `rsqrtf` within 2 ulp; the C dialect's
+    /// own exp and tanh within 1-2 ulp) and division as reciprocal-multiply
+    /// (`--prec-div=false`, within 2 ulp). Each is an f32-rounding-sized change of a
+    /// single operation; through a sum of K terms such changes add up like the
+    /// summation's own rounding, about sqrt(K)·2^-24 relative for K of a few
+    /// thousand: around 1e-6, which is what the H200 run measured on the gradients
+    /// (docs/performance.md). 1e-4 leaves two orders of magnitude for reductions
+    /// over cancelling terms, while a wrong index, a missing term or a missing
+    /// barrier changes a gradient by far more.
     pub const FP32: Tolerances = Tolerances { loss: 1e-5, tensor: 1e-4, params_lr: 1e-3 };
 
     /// bf16 mixed precision (docs/math.md §6.12): both paths round the state and the
