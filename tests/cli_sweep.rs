@@ -253,19 +253,17 @@ fn equal_flop_budgets_train_each_point_to_the_budget_within_a_step() {
 #[test]
 fn a_failing_point_is_recorded_and_the_others_finish() {
     let dir = common::workdir("sweep-fail", Some(SPEC));
-    let o = widen(
-        &dir,
-        &[
-            "sweep",
-            "spec.ron",
-            "--set",
-            "train.optimizer.lr=1e-2,1e300",
-            "--device",
-            "reference",
-            "--out",
-            "sw",
-        ],
-    );
+    let args = [
+        "sweep",
+        "spec.ron",
+        "--set",
+        "train.optimizer.lr=1e-2,1e300",
+        "--device",
+        "reference",
+        "--out",
+        "sw",
+    ];
+    let o = widen(&dir, &args);
     assert_eq!(o.status.code(), Some(1), "a failed point makes the exit status 1: {}", stderr(&o));
     assert!(stderr(&o).contains("FAILED"), "{}", stderr(&o));
     let (_, rows) = read_csv(&dir.join("sw/results.csv"));
@@ -276,19 +274,7 @@ fn a_failing_point_is_recorded_and_the_others_finish() {
     assert!(rows[1]["reason"].contains("step"), "the reason names the step: {}", rows[1]["reason"]);
     assert_eq!(rows[1]["val_loss_mean"], "");
     // A rerun keeps the failure (it is a result) unless asked to retry it.
-    let o = widen(
-        &dir,
-        &[
-            "sweep",
-            "spec.ron",
-            "--set",
-            "train.optimizer.lr=1e-2,1e300",
-            "--device",
-            "reference",
-            "--out",
-            "sw",
-        ],
-    );
+    let o = widen(&dir, &args);
     assert!(String::from_utf8_lossy(&o.stdout).contains("0 runs trained, 2 reused, 1 failed"));
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -40,11 +40,7 @@ pub struct CoordPlot {
     pub panels: Vec<CoordPanel>,
 }
 
-/// The i-th layer's colour.
-fn color(i: usize) -> RGBColor {
-    let c = Palette99::pick(i).to_rgba();
-    RGBColor(c.0, c.1, c.2)
-}
+use crate::plot::color;
 
 fn drawable(p: &(f64, f64)) -> bool {
     p.0 > 0.0 && p.1 > 0.0 && p.0.is_finite() && p.1.is_finite()

@@ -106,8 +106,8 @@ pub struct SpeedPlot {
     pub bars: Vec<SpeedBar>,
 }
 
-/// The i-th series colour.
-fn color(i: usize) -> RGBColor {
+/// The i-th series colour (every sweep plot and the coordinate check use one palette).
+pub(crate) fn color(i: usize) -> RGBColor {
     let c = Palette99::pick(i).to_rgba();
     RGBColor(c.0, c.1, c.2)
 }
