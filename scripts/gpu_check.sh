@@ -66,25 +66,36 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-BIN=gpu-bin
+BIN=${GPU_BIN:-gpu-bin}
 
 if [[ "${1:-}" == "prepare" ]]; then
     set -e
-    cargo build --release --bin widen
-    test_exe=$(cargo test --release --no-run -p widen-runtime --test cuda_device 2>&1 \
-        | sed -n 's/.*(\(target\/release\/deps\/cuda_device-[0-9a-f]*\)).*/\1/p' | tail -n 1)
+    # PROFILE=debug reuses a test build (CI checks the preparation that way);
+    # the GPU machine gets the release build.
+    case "${PROFILE:-release}" in
+        release) cargo_profile=(--release); dir=release ;;
+        debug) cargo_profile=(); dir=debug ;;
+        *) echo "PROFILE must be release or debug" >&2; exit 2 ;;
+    esac
+    cargo build "${cargo_profile[@]}" --bin widen
+    test_exe=$(cargo test "${cargo_profile[@]}" --no-run -p widen-runtime --test cuda_device 2>&1 \
+        | sed -n "s/.*(\(target\/$dir\/deps\/cuda_device-[0-9a-f]*\)).*/\1/p" | tail -n 1)
     [[ -n "$test_exe" && -x "$test_exe" ]] || { echo "cuda_device test executable not found" >&2; exit 1; }
     mkdir -p "$BIN"
-    cp target/release/widen "$BIN/widen"
+    cp "target/$dir/widen" "$BIN/widen"
     cp "$test_exe" "$BIN/cuda_device"
     # The sm_90 CUBIN of every spec's GPU Plan (as parity builds it), so the GPU
     # machine loads them from $BIN/cache instead of compiling (needs NVRTC here).
     rm -rf "$BIN/cache" "$BIN/compile-tmp"
-    for spec in specs/*.ron; do
+    # PREPARE_SPECS narrows the list (CI checks the mechanism on two specs).
+    read -r -a specs <<< "${PREPARE_SPECS:-$(echo specs/*.ron)}"
+    for spec in "${specs[@]}"; do
         WIDEN_CACHE_DIR="$BIN/cache" "$BIN/widen" compile "$spec" -o "$BIN/compile-tmp" --force > /dev/null
     done
     rm -rf "$BIN/compile-tmp"
-    echo "cached CUBINs: $(ls "$BIN/cache"/*.cubin 2>/dev/null | wc -l)"
+    cubins=$(find "$BIN/cache" -name '*.cubin' 2>/dev/null | wc -l)
+    echo "cached CUBINs: $cubins for ${#specs[@]} specs"
+    (( cubins == ${#specs[@]} )) || { echo "NVRTC must be loadable here to build the CUBINs (LD_LIBRARY_PATH)" >&2; exit 1; }
     grep -qx '/gpu-bin/' .git/info/exclude 2>/dev/null || echo '/gpu-bin/' >> .git/info/exclude
     du -sh "$BIN"
     exit 0
