@@ -40,7 +40,7 @@ pub struct CoordPlot {
     pub panels: Vec<CoordPanel>,
 }
 
-use crate::plot::color;
+use crate::plot::{color, legend};
 
 fn drawable(p: &(f64, f64)) -> bool {
     p.0 > 0.0 && p.1 > 0.0 && p.0.is_finite() && p.1.is_finite()
@@ -118,14 +118,7 @@ pub fn coord_plot(data: &CoordPlot) -> Result<String, PlotError> {
                     .label(s.layer.as_str())
                     .legend(move |(x, y)| PathElement::new([(x, y), (x + 16, y)], c.stroke_width(2)));
             }
-            chart
-                .configure_series_labels()
-                .background_style(WHITE.mix(0.85))
-                .border_style(BLACK)
-                .label_font((FONT, 11))
-                .position(SeriesLabelPosition::UpperLeft)
-                .draw()
-                .map_err(&draw_err)?;
+            legend(&mut chart, 11, SeriesLabelPosition::UpperLeft).map_err(&draw_err)?;
         }
         root.present().map_err(&draw_err)?;
     }

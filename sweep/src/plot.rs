@@ -106,6 +106,21 @@ pub struct SpeedPlot {
     pub bars: Vec<SpeedBar>,
 }
 
+/// Draws a chart's legend as every sweep plot does: a light box with a black border.
+pub(crate) fn legend<'a, DB: DrawingBackend + 'a, CT: plotters::coord::CoordTranslate>(
+    chart: &mut ChartContext<'a, DB, CT>,
+    font_size: u32,
+    position: SeriesLabelPosition,
+) -> Result<(), DrawingAreaErrorKind<DB::ErrorType>> {
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .label_font((FONT, font_size))
+        .position(position)
+        .draw()
+}
+
 /// The i-th series colour (every sweep plot and the coordinate check use one palette).
 pub(crate) fn color(i: usize) -> RGBColor {
     let c = Palette99::pick(i).to_rgba();
@@ -263,14 +278,7 @@ pub fn loss_curves(data: &LossCurves) -> Result<String, PlotError> {
                     .label(p.label.as_str())
                     .legend(legend_box(c));
             }
-            chart
-                .configure_series_labels()
-                .background_style(WHITE.mix(0.85))
-                .border_style(BLACK)
-                .label_font((FONT, 13))
-                .position(SeriesLabelPosition::UpperRight)
-                .draw()
-                .map_err(draw_err(PLOT))?;
+            legend(&mut chart, 13, SeriesLabelPosition::UpperRight).map_err(draw_err(PLOT))?;
         }
         root.present().map_err(draw_err(PLOT))?;
     }
@@ -333,14 +341,7 @@ pub fn law(data: &LawPlot) -> Result<(String, Result<LinearFit, FitError>), Plot
                 .label(format!("{} ({} = {})", p.label, data.axis, p.x))
                 .legend(legend_box(c));
         }
-        chart
-            .configure_series_labels()
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .label_font((FONT, 13))
-            .position(SeriesLabelPosition::UpperRight)
-            .draw()
-            .map_err(draw_err(PLOT))?;
+        legend(&mut chart, 13, SeriesLabelPosition::UpperRight).map_err(draw_err(PLOT))?;
         root.present().map_err(draw_err(PLOT))?;
     }
     Ok((svg, fit))
@@ -396,14 +397,7 @@ pub fn frontier(data: &FrontierPlot) -> Result<String, PlotError> {
                 .label(data.points[i].label.as_str())
                 .legend(legend_box(c));
         }
-        chart
-            .configure_series_labels()
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .label_font((FONT, 13))
-            .position(SeriesLabelPosition::UpperRight)
-            .draw()
-            .map_err(draw_err(PLOT))?;
+        legend(&mut chart, 13, SeriesLabelPosition::UpperRight).map_err(draw_err(PLOT))?;
         root.present().map_err(draw_err(PLOT))?;
     }
     Ok(svg)
@@ -469,14 +463,7 @@ pub fn speed(data: &SpeedPlot) -> Result<String, PlotError> {
                     .label(format!("#{} {}", i + 1, b.label))
                     .legend(legend_box(c));
             }
-            chart
-                .configure_series_labels()
-                .background_style(WHITE.mix(0.85))
-                .border_style(BLACK)
-                .label_font((FONT, 13))
-                .position(SeriesLabelPosition::UpperRight)
-                .draw()
-                .map_err(draw_err(PLOT))?;
+            legend(&mut chart, 13, SeriesLabelPosition::UpperRight).map_err(draw_err(PLOT))?;
         }
         root.present().map_err(draw_err(PLOT))?;
     }
