@@ -78,7 +78,8 @@ if [[ "${1:-}" == "prepare" ]]; then
         *) echo "PROFILE must be release or debug" >&2; exit 2 ;;
     esac
     cargo build "${cargo_profile[@]}" --bin widen
-    test_exe=$(cargo test "${cargo_profile[@]}" --no-run -p widen-runtime --test cuda_device 2>&1 \
+    # --workspace: the test build CI has just made is reused as it is (no rebuild).
+    test_exe=$(cargo test "${cargo_profile[@]}" --workspace --no-run 2>&1 \
         | sed -n "s/.*(\(target\/$dir\/deps\/cuda_device-[0-9a-f]*\)).*/\1/p" | tail -n 1)
     [[ -n "$test_exe" && -x "$test_exe" ]] || { echo "cuda_device test executable not found" >&2; exit 1; }
     mkdir -p "$BIN"
