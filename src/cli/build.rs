@@ -22,6 +22,10 @@ pub struct Args {
     /// `widen build` wrote.
     #[arg(long)]
     pub force: bool,
+    /// The cargo profile to build with: `release`, or `dev` for a quicker build of a slower
+    /// trainer (same results).
+    #[arg(long, default_value = "release", value_parser = ["release", "dev"])]
+    pub profile: String,
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
@@ -36,10 +40,16 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             args.output.display()
         );
     }
-    let opts = BuildOptions { verbose: args.verbose, force: args.force, ..BuildOptions::from_env() };
+    let opts = BuildOptions {
+        verbose: args.verbose,
+        force: args.force,
+        profile: args.profile.clone(),
+        ..BuildOptions::from_env()
+    };
     eprintln!(
-        "building a standalone trainer for {} (cargo build --release in {}; the first build compiles the runtime)",
+        "building a standalone trainer for {} (cargo build --profile {} in {}; the first build compiles the runtime)",
         spec.name,
+        opts.profile,
         opts.cache_dir.join("build").display()
     );
     let built = build(&spec, &args.output, &opts)

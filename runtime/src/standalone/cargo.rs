@@ -42,9 +42,11 @@ pub struct Invocation<'a> {
     pub target_dir: Option<&'a Path>,
     /// Echo cargo's progress to stderr while building.
     pub verbose: bool,
+    /// The cargo profile (`--profile`): `release`, or `dev` for a quick build.
+    pub profile: &'a str,
 }
 
-/// Builds the package in release mode, offline first (everything is usually
+/// Builds the package with the requested cargo profile, offline first (everything is usually
 /// in the local registry cache already, and an offline build never waits on
 /// the network), then online if the offline resolution was what failed.
 /// Returns the executable and whether the online retry was needed.
@@ -76,7 +78,7 @@ fn mentions_offline(stderr: &[String]) -> bool {
 
 fn run(inv: &Invocation, offline: bool) -> Result<Run, BuildError> {
     let mut cmd = Command::new(inv.cargo);
-    cmd.arg("build").arg("--release").arg("--message-format=json-render-diagnostics");
+    cmd.arg("build").arg("--profile").arg(inv.profile).arg("--message-format=json-render-diagnostics");
     cmd.arg("--manifest-path").arg(inv.manifest);
     if offline {
         cmd.arg("--offline");

@@ -20,7 +20,7 @@
 //!
 //! [`build`] writes the package to `<cache>/build/<hash>` (`<cache>` is
 //! [`codegen::cc::default_cache_dir`]: `$WIDEN_CACHE_DIR`, else
-//! `~/.cache/widen`), runs `cargo build --release` on it with the shared
+//! `~/.cache/widen`), runs `cargo build --release` (or `--profile dev`) on it with the shared
 //! target folder `<cache>/build/target` (so the runtime and its dependencies
 //! compile once for all specs), and copies the binary to the output path.
 //!
@@ -95,6 +95,9 @@ pub struct BuildOptions {
     /// Replace an existing output file even when no earlier `widen build`
     /// wrote it ([`cargo::check_output`]).
     pub force: bool,
+    /// The cargo profile: `release` (the default) or `dev` (unoptimised: compiles in less
+    /// than half the time, trains slower, computes the same results).
+    pub profile: String,
 }
 
 impl BuildOptions {
@@ -105,6 +108,7 @@ impl BuildOptions {
             cargo: cargo::default_cargo(),
             verbose: false,
             force: false,
+            profile: "release".into(),
         }
     }
 }
@@ -144,6 +148,7 @@ pub fn build(spec: &ModelSpec, output: &Path, opts: &BuildOptions) -> Result<Bui
         manifest: &manifest,
         target_dir: (!cargo::env_target_dir()).then_some(target.as_path()),
         verbose: opts.verbose,
+        profile: &opts.profile,
     };
     let (executable, online) = cargo::build(&invocation)?;
     cargo::install(&executable, output)?;

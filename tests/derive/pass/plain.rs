@@ -10,7 +10,7 @@ struct PlainModel;
 #[widen(layers = 1)]
 struct Generic<T>(std::marker::PhantomData<T>);
 
-fn main() {
+pub fn main() {
     assert_eq!(PlainModel::spec(), ModelSpec { name: "plain-model".into(), ..ModelSpec::default() });
     assert_eq!(Generic::<u8>::spec().layers, 1);
     let lowered = PlainModel::graph().expect("the default spec lowers");

@@ -14,7 +14,7 @@ struct Tiny;
 #[widen(d_model = 256, heads = 4, residual = ghc(m = 4, r = 4))]
 struct WithR;
 
-fn main() {
+pub fn main() {
     let spec = Tiny::spec();
     assert_eq!(spec.name, "tiny-vwn");
     assert_eq!((spec.vocab, spec.d_model, spec.layers, spec.heads), (256, 256, 4, 4));

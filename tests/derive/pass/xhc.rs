@@ -8,7 +8,7 @@ use widen::VirtualWidth;
                        router = softmax, temporal_aug = mlp_and_attention, gram_schmidt = false))]
 struct Expanded;
 
-fn main() {
+pub fn main() {
     let spec = Expanded::spec();
     assert_eq!(spec.name, "expanded");
     assert_eq!(spec.kv_heads(), 2);
