@@ -269,7 +269,34 @@ fn grad_key(graph: &Graph, id: NodeId) -> Option<(GradKey, usize, usize)> {
         Op::TemporalAugmentGrad { gram_schmidt, eps_rel, wrt } => {
             (format!("temporal {gram_schmidt} {eps_rel:?}"), wrt, inputs.len() - 1)
         }
-        _ => return None,
+        Op::Input { .. }
+        | Op::Param(_)
+        | Op::Constant { .. }
+        | Op::Unary(_)
+        | Op::Binary(_)
+        | Op::Affine { .. }
+        | Op::Cast { .. }
+        | Op::Reduce { .. }
+        | Op::MatMul { .. }
+        | Op::Reshape { .. }
+        | Op::Permute { .. }
+        | Op::Broadcast { .. }
+        | Op::Slice { .. }
+        | Op::Concat { .. }
+        | Op::Gather { .. }
+        | Op::ScatterAdd { .. }
+        | Op::ScatterRows { .. }
+        | Op::TopK { .. }
+        | Op::Softmax
+        | Op::RmsNorm { .. }
+        | Op::LayerNorm { .. }
+        | Op::GroupNorm { .. }
+        | Op::NormProject { .. }
+        | Op::SoftmaxCrossEntropy
+        | Op::CausalAttention { .. }
+        | Op::Sinkhorn { .. }
+        | Op::TemporalAugment { .. }
+        | Op::SinkhornGrad { .. } => return None,
     };
     (wrt < slots).then_some(((inputs, attrs), wrt, slots))
 }
@@ -302,7 +329,36 @@ fn lower_siblings(
         Op::CausalAttentionGrad { .. } => {
             emit::attention_grads(graph, [outs[0], outs[1], outs[2]], name, target)
         }
-        _ => emit::temporal_grads(graph, &outs, name, target),
+        Op::TemporalAugmentGrad { .. } => emit::temporal_grads(graph, &outs, name, target),
+        // `grad_key` admits only the gradient ops above.
+        Op::Input { .. }
+        | Op::Param(_)
+        | Op::Constant { .. }
+        | Op::Unary(_)
+        | Op::Binary(_)
+        | Op::Affine { .. }
+        | Op::Cast { .. }
+        | Op::Reduce { .. }
+        | Op::MatMul { .. }
+        | Op::Reshape { .. }
+        | Op::Permute { .. }
+        | Op::Broadcast { .. }
+        | Op::Slice { .. }
+        | Op::Concat { .. }
+        | Op::Gather { .. }
+        | Op::ScatterAdd { .. }
+        | Op::ScatterRows { .. }
+        | Op::TopK { .. }
+        | Op::Softmax
+        | Op::RmsNorm { .. }
+        | Op::LayerNorm { .. }
+        | Op::GroupNorm { .. }
+        | Op::NormProject { .. }
+        | Op::SoftmaxCrossEntropy
+        | Op::CausalAttention { .. }
+        | Op::Sinkhorn { .. }
+        | Op::TemporalAugment { .. }
+        | Op::SinkhornGrad { .. } => return None,
     };
     Some(lowering.map(|l| (outs, l)))
 }
@@ -445,7 +501,34 @@ pub fn compile(graph: &Graph, partition: &[Vec<NodeId>], request: &Request) -> R
         match &graph.node(id).op {
             Op::Param(p) => roles.entry(id).or_default().push(BufferRole::Param { name: p.name.clone() }),
             Op::Input { name } => roles.entry(id).or_default().push(BufferRole::Input { name: name.clone() }),
-            _ => {}
+            Op::Constant { .. }
+            | Op::Unary(_)
+            | Op::Binary(_)
+            | Op::Affine { .. }
+            | Op::Cast { .. }
+            | Op::Reduce { .. }
+            | Op::MatMul { .. }
+            | Op::Reshape { .. }
+            | Op::Permute { .. }
+            | Op::Broadcast { .. }
+            | Op::Slice { .. }
+            | Op::Concat { .. }
+            | Op::Gather { .. }
+            | Op::ScatterAdd { .. }
+            | Op::ScatterRows { .. }
+            | Op::TopK { .. }
+            | Op::Softmax
+            | Op::RmsNorm { .. }
+            | Op::LayerNorm { .. }
+            | Op::GroupNorm { .. }
+            | Op::NormProject { .. }
+            | Op::SoftmaxCrossEntropy
+            | Op::CausalAttention { .. }
+            | Op::Sinkhorn { .. }
+            | Op::TemporalAugment { .. }
+            | Op::CausalAttentionGrad { .. }
+            | Op::SinkhornGrad { .. }
+            | Op::TemporalAugmentGrad { .. } => {}
         }
     }
     for (name, id) in &request.outputs {
@@ -567,7 +650,35 @@ pub fn compile(graph: &Graph, partition: &[Vec<NodeId>], request: &Request) -> R
         let mut rs = roles.get(&id).cloned().unwrap_or_default().into_iter();
         let primary = rs.next().unwrap_or(match node.op {
             Op::Constant { value } => BufferRole::Constant { value },
-            _ => BufferRole::Scratch { offset: 0 },
+            Op::Input { .. }
+            | Op::Param(_)
+            | Op::Unary(_)
+            | Op::Binary(_)
+            | Op::Affine { .. }
+            | Op::Cast { .. }
+            | Op::Reduce { .. }
+            | Op::MatMul { .. }
+            | Op::Reshape { .. }
+            | Op::Permute { .. }
+            | Op::Broadcast { .. }
+            | Op::Slice { .. }
+            | Op::Concat { .. }
+            | Op::Gather { .. }
+            | Op::ScatterAdd { .. }
+            | Op::ScatterRows { .. }
+            | Op::TopK { .. }
+            | Op::Softmax
+            | Op::RmsNorm { .. }
+            | Op::LayerNorm { .. }
+            | Op::GroupNorm { .. }
+            | Op::NormProject { .. }
+            | Op::SoftmaxCrossEntropy
+            | Op::CausalAttention { .. }
+            | Op::Sinkhorn { .. }
+            | Op::TemporalAugment { .. }
+            | Op::CausalAttentionGrad { .. }
+            | Op::SinkhornGrad { .. }
+            | Op::TemporalAugmentGrad { .. } => BufferRole::Scratch { offset: 0 },
         });
         let buf = b.buffer(node.shape.numel(), node.dtype, primary, Some(id.index()));
         b.node_buf.insert(id, buf);
@@ -617,7 +728,35 @@ pub fn compile(graph: &Graph, partition: &[Vec<NodeId>], request: &Request) -> R
                         Op::Sinkhorn { .. } | Op::SinkhornGrad { .. } if request.target == Target::Cpu => {
                             emit::lower_sinkhorn_lanes(graph, id, &name)?
                         }
-                        _ => None,
+                        Op::Input { .. }
+                        | Op::Param(_)
+                        | Op::Constant { .. }
+                        | Op::Unary(_)
+                        | Op::Binary(_)
+                        | Op::Affine { .. }
+                        | Op::Cast { .. }
+                        | Op::MatMul { .. }
+                        | Op::Reshape { .. }
+                        | Op::Permute { .. }
+                        | Op::Broadcast { .. }
+                        | Op::Slice { .. }
+                        | Op::Concat { .. }
+                        | Op::Gather { .. }
+                        | Op::ScatterAdd { .. }
+                        | Op::ScatterRows { .. }
+                        | Op::TopK { .. }
+                        | Op::Softmax
+                        | Op::RmsNorm { .. }
+                        | Op::LayerNorm { .. }
+                        | Op::GroupNorm { .. }
+                        | Op::NormProject { .. }
+                        | Op::SoftmaxCrossEntropy
+                        | Op::CausalAttention { .. }
+                        | Op::Sinkhorn { .. }
+                        | Op::TemporalAugment { .. }
+                        | Op::CausalAttentionGrad { .. }
+                        | Op::SinkhornGrad { .. }
+                        | Op::TemporalAugmentGrad { .. } => None,
                     },
                     None => None,
                 };
