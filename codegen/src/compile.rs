@@ -470,6 +470,9 @@ pub fn compile(graph: &Graph, partition: &[Vec<NodeId>], request: &Request) -> R
     Ok(plan)
 }
 
+/// The groups of a partition, checked, and the group of each node.
+type CheckedGroups = (Vec<Vec<NodeId>>, HashMap<NodeId, usize>);
+
 /// The partition's groups with sources dropped and members in topological order
 /// (each node once), with each node's group; an error where a node is unknown or
 /// listed twice, where a node the request needs is in no group, or where a group
@@ -479,7 +482,7 @@ fn checked_groups(
     partition: &[Vec<NodeId>],
     request: &Request,
     pos: &HashMap<NodeId, usize>,
-) -> Result<(Vec<Vec<NodeId>>, HashMap<NodeId, usize>), CompileError> {
+) -> Result<CheckedGroups, CompileError> {
     let mut groups: Vec<Vec<NodeId>> = Vec::new();
     let mut group_of: HashMap<NodeId, usize> = HashMap::new();
     for g in partition {
@@ -610,7 +613,7 @@ fn find_gemms(graph: &Graph, groups: &[Vec<NodeId>], roles: &BTreeMap<NodeId, Ve
         let compute: Vec<NodeId> = g.iter().copied().filter(|&id| !graph.node(id).op.is_view()).collect();
         let alone = compute.len() == 1;
         for &id in &compute {
-            let form = summed_gemm(graph, id, &roles).or_else(|| {
+            let form = summed_gemm(graph, id, roles).or_else(|| {
                 let shape = gemm_shape(graph, id)?;
                 (alone || shape.macs() >= GEMM_MIN_MACS).then_some(GemmForm {
                     matmul: id,
