@@ -269,7 +269,34 @@ fn grad_key(graph: &Graph, id: NodeId) -> Option<(GradKey, usize, usize)> {
         Op::TemporalAugmentGrad { gram_schmidt, eps_rel, wrt } => {
             (format!("temporal {gram_schmidt} {eps_rel:?}"), wrt, inputs.len() - 1)
         }
-        _ => return None,
+        Op::Input { .. }
+        | Op::Param(_)
+        | Op::Constant { .. }
+        | Op::Unary(_)
+        | Op::Binary(_)
+        | Op::Affine { .. }
+        | Op::Cast { .. }
+        | Op::Reduce { .. }
+        | Op::MatMul { .. }
+        | Op::Reshape { .. }
+        | Op::Permute { .. }
+        | Op::Broadcast { .. }
+        | Op::Slice { .. }
+        | Op::Concat { .. }
+        | Op::Gather { .. }
+        | Op::ScatterAdd { .. }
+        | Op::ScatterRows { .. }
+        | Op::TopK { .. }
+        | Op::Softmax
+        | Op::RmsNorm { .. }
+        | Op::LayerNorm { .. }
+        | Op::GroupNorm { .. }
+        | Op::NormProject { .. }
+        | Op::SoftmaxCrossEntropy
+        | Op::CausalAttention { .. }
+        | Op::Sinkhorn { .. }
+        | Op::TemporalAugment { .. }
+        | Op::SinkhornGrad { .. } => return None,
     };
     (wrt < slots).then_some(((inputs, attrs), wrt, slots))
 }
@@ -302,7 +329,36 @@ fn lower_siblings(
         Op::CausalAttentionGrad { .. } => {
             emit::attention_grads(graph, [outs[0], outs[1], outs[2]], name, target)
         }
-        _ => emit::temporal_grads(graph, &outs, name, target),
+        Op::TemporalAugmentGrad { .. } => emit::temporal_grads(graph, &outs, name, target),
+        // `grad_key` admits only the gradient ops above.
+        Op::Input { .. }
+        | Op::Param(_)
+        | Op::Constant { .. }
+        | Op::Unary(_)
+        | Op::Binary(_)
+        | Op::Affine { .. }
+        | Op::Cast { .. }
+        | Op::Reduce { .. }
+        | Op::MatMul { .. }
+        | Op::Reshape { .. }
+        | Op::Permute { .. }
+        | Op::Broadcast { .. }
+        | Op::Slice { .. }
+        | Op::Concat { .. }
+        | Op::Gather { .. }
+        | Op::ScatterAdd { .. }
+        | Op::ScatterRows { .. }
+        | Op::TopK { .. }
+        | Op::Softmax
+        | Op::RmsNorm { .. }
+        | Op::LayerNorm { .. }
+        | Op::GroupNorm { .. }
+        | Op::NormProject { .. }
+        | Op::SoftmaxCrossEntropy
+        | Op::CausalAttention { .. }
+        | Op::Sinkhorn { .. }
+        | Op::TemporalAugment { .. }
+        | Op::SinkhornGrad { .. } => return None,
     };
     Some(lowering.map(|l| (outs, l)))
 }
@@ -385,11 +441,48 @@ fn residency(
     Buffered { set }
 }
 
-/// Compiles `graph` for the node groups of `partition` into a Plan.
+/// Compiles `graph` for the node groups of `partition` into a Plan, in phases: the
+/// partition checked, buffer roles, GEMMs, units, buffers, then the steps.
 pub fn compile(graph: &Graph, partition: &[Vec<NodeId>], request: &Request) -> Result<Plan, CompileError> {
     let order = graph.topo_order();
     let pos: HashMap<NodeId, usize> = order.iter().enumerate().map(|(i, &id)| (id, i)).collect();
-    // Groups: sources dropped, members in topological order, each node once.
+    let (mut groups, group_of) = checked_groups(graph, partition, request, &pos)?;
+    let roles = buffer_roles(graph, request)?;
+    let gemms = find_gemms(graph, &groups, &roles);
+    order_groups(graph, &mut groups, &gemms, request.target);
+    let (units, res) = units_and_residency(graph, &groups, &group_of, &gemms, request.target)?;
+    let mut b = PlanBuilder { target: request.target, ..PlanBuilder::default() };
+    let extra = allocate_buffers(graph, &mut b, &res, &roles, &pos);
+    let copied = fill_and_copy_sources(graph, &mut b, &roles, &extra, &pos);
+    lower_units(graph, &mut b, &units, &gemms, &res, &extra, &copied)?;
+    b.plan_arena();
+    let mut plan = Plan {
+        kernels: b.kernels,
+        steps: b.steps,
+        buffers: b.buffers,
+        arena_len: b.arena_len,
+        update_start: None,
+        chains: b.chains,
+    };
+    if request.update {
+        crate::optimizer::append_adamw(&mut plan, request.target)?;
+    }
+    Ok(plan)
+}
+
+/// The groups of a partition, checked, and the group of each node.
+type CheckedGroups = (Vec<Vec<NodeId>>, HashMap<NodeId, usize>);
+
+/// The partition's groups with sources dropped and members in topological order
+/// (each node once), with each node's group; an error where a node is unknown or
+/// listed twice, where a node the request needs is in no group, or where a group
+/// reads a value a later group computes.
+fn checked_groups(
+    graph: &Graph,
+    partition: &[Vec<NodeId>],
+    request: &Request,
+    pos: &HashMap<NodeId, usize>,
+) -> Result<CheckedGroups, CompileError> {
     let mut groups: Vec<Vec<NodeId>> = Vec::new();
     let mut group_of: HashMap<NodeId, usize> = HashMap::new();
     for g in partition {
@@ -439,13 +532,45 @@ pub fn compile(graph: &Graph, partition: &[Vec<NodeId>], request: &Request) -> R
         }
     }
 
-    // Roles.
+    Ok((groups, group_of))
+}
+
+/// The roles of the buffers the runtime sees: parameters, inputs, named outputs and
+/// gradients (named after their parameter).
+fn buffer_roles(graph: &Graph, request: &Request) -> Result<BTreeMap<NodeId, Vec<BufferRole>>, CompileError> {
     let mut roles: BTreeMap<NodeId, Vec<BufferRole>> = BTreeMap::new();
     for id in graph.node_ids() {
         match &graph.node(id).op {
             Op::Param(p) => roles.entry(id).or_default().push(BufferRole::Param { name: p.name.clone() }),
             Op::Input { name } => roles.entry(id).or_default().push(BufferRole::Input { name: name.clone() }),
-            _ => {}
+            Op::Constant { .. }
+            | Op::Unary(_)
+            | Op::Binary(_)
+            | Op::Affine { .. }
+            | Op::Cast { .. }
+            | Op::Reduce { .. }
+            | Op::MatMul { .. }
+            | Op::Reshape { .. }
+            | Op::Permute { .. }
+            | Op::Broadcast { .. }
+            | Op::Slice { .. }
+            | Op::Concat { .. }
+            | Op::Gather { .. }
+            | Op::ScatterAdd { .. }
+            | Op::ScatterRows { .. }
+            | Op::TopK { .. }
+            | Op::Softmax
+            | Op::RmsNorm { .. }
+            | Op::LayerNorm { .. }
+            | Op::GroupNorm { .. }
+            | Op::NormProject { .. }
+            | Op::SoftmaxCrossEntropy
+            | Op::CausalAttention { .. }
+            | Op::Sinkhorn { .. }
+            | Op::TemporalAugment { .. }
+            | Op::CausalAttentionGrad { .. }
+            | Op::SinkhornGrad { .. }
+            | Op::TemporalAugmentGrad { .. } => {}
         }
     }
     for (name, id) in &request.outputs {
@@ -458,21 +583,37 @@ pub fn compile(graph: &Graph, partition: &[Vec<NodeId>], request: &Request) -> R
         roles.entry(g).or_default().push(BufferRole::Grad { name: info.name.clone() });
     }
 
-    // GEMMs: a MatMul alone in its group (besides views) that one stride per
-    // operand expresses, a large MatMul anywhere, and a weight gradient (a
-    // token-contracting MatMul under the sums over its batch axes) as one GEMM
-    // contracting over every token.
+    Ok(roles)
+}
+
+/// Which nodes run as a library GEMM, and what that forces into memory.
+struct Gemms {
+    forms: HashMap<NodeId, GemmForm>,
+    /// Views a GEMM reads as memory: copied right before the first GEMM that reads
+    /// them, wherever the partition lists them (a partition may list a view in a
+    /// group that runs after one of its consumers).
+    views: HashSet<NodeId>,
+    /// Nodes that have a buffer whatever the units: role nodes and GEMM operands.
+    forced: HashSet<NodeId>,
+    /// Nodes computed inside another node's GEMM: never materialized.
+    absorbed: HashSet<NodeId>,
+    /// Nodes on a grid of their own: GEMMs and standalone ops.
+    own_grid: HashSet<NodeId>,
+}
+
+/// GEMMs: a MatMul alone in its group (besides views) that one stride per
+/// operand expresses, a large MatMul anywhere, and a weight gradient (a
+/// token-contracting MatMul under the sums over its batch axes) as one GEMM
+/// contracting over every token.
+fn find_gemms(graph: &Graph, groups: &[Vec<NodeId>], roles: &BTreeMap<NodeId, Vec<BufferRole>>) -> Gemms {
     let mut gemms: HashMap<NodeId, GemmForm> = HashMap::new();
-    // Views a GEMM reads as memory: copied right before the first GEMM that reads
-    // them, wherever the partition lists them (a partition may list a view in a
-    // group that runs after one of its consumers).
     let mut gemm_views: HashSet<NodeId> = HashSet::new();
     let mut forced: HashSet<NodeId> = roles.keys().copied().collect();
-    for g in &groups {
+    for g in groups {
         let compute: Vec<NodeId> = g.iter().copied().filter(|&id| !graph.node(id).op.is_view()).collect();
         let alone = compute.len() == 1;
         for &id in &compute {
-            let form = summed_gemm(graph, id, &roles).or_else(|| {
+            let form = summed_gemm(graph, id, roles).or_else(|| {
                 let shape = gemm_shape(graph, id)?;
                 (alone || shape.macs() >= GEMM_MIN_MACS).then_some(GemmForm {
                     matmul: id,
@@ -492,7 +633,6 @@ pub fn compile(graph: &Graph, partition: &[Vec<NodeId>], request: &Request) -> R
             }
         }
     }
-    // Nodes computed inside another node's GEMM: never materialized.
     let absorbed: HashSet<NodeId> = gemms.values().flat_map(|f| f.absorbed.iter().copied()).collect();
     gemms.retain(|id, _| !absorbed.contains(id));
     let own_grid: HashSet<NodeId> = groups
@@ -502,63 +642,87 @@ pub fn compile(graph: &Graph, partition: &[Vec<NodeId>], request: &Request) -> R
         .filter(|&id| gemms.contains_key(&id) || emit::is_standalone(&graph.node(id).op))
         .collect();
 
-    // A group is ordered around its Sinkhorn lanes form where it has one (the
-    // other steps of its own there, temporal convolutions, are cheap to
-    // place), around its GEMM or standalone kernel otherwise.
-    let lanes = |id: NodeId| request.target == Target::Cpu && emit::has_lanes_form(graph, id);
-    let own_kernel = |id: NodeId| own_grid.contains(&id);
-    for g in &mut groups {
-        let pivot: &dyn Fn(NodeId) -> bool = if g.iter().any(|&id| lanes(id)) { &lanes } else { &own_kernel };
-        around_own_step(graph, g, &forced, pivot);
-    }
+    Gemms { forms: gemms, views: gemm_views, forced, absorbed, own_grid }
+}
 
-    // Units: greedy maximal runs of each group that share one item split.
-    let group_unit: HashMap<NodeId, usize> = group_of.clone();
+/// A group is ordered around its Sinkhorn lanes form where it has one (the
+/// other steps of its own there, temporal convolutions, are cheap to
+/// place), around its GEMM or standalone kernel otherwise.
+fn order_groups(graph: &Graph, groups: &mut [Vec<NodeId>], gemms: &Gemms, target: Target) {
+    let lanes = |id: NodeId| target == Target::Cpu && emit::has_lanes_form(graph, id);
+    let own_kernel = |id: NodeId| gemms.own_grid.contains(&id);
+    for g in groups {
+        let pivot: &dyn Fn(NodeId) -> bool = if g.iter().any(|&id| lanes(id)) { &lanes } else { &own_kernel };
+        around_own_step(graph, g, &gemms.forced, pivot);
+    }
+}
+
+/// Units: greedy maximal runs of each group that share one item split, and the
+/// residency of values once the units are known.
+fn units_and_residency(
+    graph: &Graph,
+    groups: &[Vec<NodeId>],
+    group_of: &HashMap<NodeId, usize>,
+    gemms: &Gemms,
+    target: Target,
+) -> Result<(Vec<Unit>, Buffered), CompileError> {
+    let Gemms { forms, views, forced, absorbed, own_grid } = gemms;
     let all: Vec<NodeId> = groups.iter().flatten().copied().collect();
     let all: Vec<NodeId> = all.into_iter().filter(|id| !absorbed.contains(id)).collect();
-    let trial_res = residency(graph, &all, &group_unit, &own_grid, &forced);
+    let trial_res = residency(graph, &all, group_of, own_grid, forced);
     let mut units: Vec<Unit> = Vec::new();
-    for g in &groups {
+    for g in groups {
         // Runs of ordinary nodes between the nodes that take a kernel of their own.
         let mut run: Vec<NodeId> = Vec::new();
-        for &id in g.iter().filter(|id| !gemm_views.contains(id) && !absorbed.contains(id)) {
+        for &id in g.iter().filter(|id| !views.contains(id) && !absorbed.contains(id)) {
             let own = if own_grid.contains(&id) {
-                Some(if gemms.contains_key(&id) { Unit::Gemm(id) } else { Unit::Standalone(id) })
+                Some(if forms.contains_key(&id) { Unit::Gemm(id) } else { Unit::Standalone(id) })
             } else if graph.node(id).op.is_view() && trial_res.has_buffer(id) {
                 // A view copied for its role: a copy kernel of its own, parallel over
                 // its elements rather than tied to the items of the ops around it.
-                let n = emit::itemize(graph, &[id], &trial_res, request.target).unwrap_or(1);
+                let n = emit::itemize(graph, &[id], &trial_res, target).unwrap_or(1);
                 Some(Unit::Fused { nodes: vec![id], n })
-            } else if request.target == Target::Cpu && emit::has_lanes_form(graph, id) {
+            } else if target == Target::Cpu && emit::has_lanes_form(graph, id) {
                 // A Sinkhorn projection runs on blocks of matrices, vectorized
                 // across tokens (`emit::lower_sinkhorn_lanes`); its operands and
                 // result are a few values per token.
                 Some(Unit::Fused { nodes: vec![id], n: 1 })
-            } else if request.target == Target::Cuda && emit::is_token_reduction(graph, id) {
+            } else if target == Target::Cuda && emit::is_token_reduction(graph, id) {
                 // On the GPU a reduction over tokens is a kernel of its own, so it
                 // can run block-parallel (`emit::lower_column_reduce`) instead of
                 // taking the few items of its consumers (a scalar gain gradient
                 // would otherwise be one thread summing every token).
-                let n = emit::itemize(graph, &[id], &trial_res, request.target).unwrap_or(1);
+                let n = emit::itemize(graph, &[id], &trial_res, target).unwrap_or(1);
                 Some(Unit::Fused { nodes: vec![id], n })
             } else {
                 None
             };
             if let Some(unit) = own {
-                split_run(graph, &std::mem::take(&mut run), &trial_res, request.target, &mut units)?;
+                split_run(graph, &std::mem::take(&mut run), &trial_res, target, &mut units)?;
                 units.push(unit);
             } else {
                 run.push(id);
             }
         }
-        split_run(graph, &run, &trial_res, request.target, &mut units)?;
+        split_run(graph, &run, &trial_res, target, &mut units)?;
     }
     let unit_of: HashMap<NodeId, usize> =
         units.iter().enumerate().flat_map(|(u, unit)| unit.nodes().iter().map(move |&id| (id, u))).collect();
-    let res = residency(graph, &all, &unit_of, &own_grid, &forced);
+    let res = residency(graph, &all, &unit_of, own_grid, forced);
 
-    // Buffers.
-    let mut b = PlanBuilder { target: request.target, ..PlanBuilder::default() };
+    Ok((units, res))
+}
+
+/// A plan buffer for every resident node: its first role, else a constant's
+/// value or scratch. Returns the further buffers of nodes with more than one
+/// role (a parameter that is also an output), filled by copies.
+fn allocate_buffers(
+    graph: &Graph,
+    b: &mut PlanBuilder,
+    res: &Buffered,
+    roles: &BTreeMap<NodeId, Vec<BufferRole>>,
+    pos: &HashMap<NodeId, usize>,
+) -> Vec<(NodeId, BufferId)> {
     let mut extra: Vec<(NodeId, BufferId)> = Vec::new();
     let mut node_ids: Vec<NodeId> = res.set.iter().copied().collect();
     node_ids.sort_by_key(|id| pos[id]);
@@ -567,7 +731,35 @@ pub fn compile(graph: &Graph, partition: &[Vec<NodeId>], request: &Request) -> R
         let mut rs = roles.get(&id).cloned().unwrap_or_default().into_iter();
         let primary = rs.next().unwrap_or(match node.op {
             Op::Constant { value } => BufferRole::Constant { value },
-            _ => BufferRole::Scratch { offset: 0 },
+            Op::Input { .. }
+            | Op::Param(_)
+            | Op::Unary(_)
+            | Op::Binary(_)
+            | Op::Affine { .. }
+            | Op::Cast { .. }
+            | Op::Reduce { .. }
+            | Op::MatMul { .. }
+            | Op::Reshape { .. }
+            | Op::Permute { .. }
+            | Op::Broadcast { .. }
+            | Op::Slice { .. }
+            | Op::Concat { .. }
+            | Op::Gather { .. }
+            | Op::ScatterAdd { .. }
+            | Op::ScatterRows { .. }
+            | Op::TopK { .. }
+            | Op::Softmax
+            | Op::RmsNorm { .. }
+            | Op::LayerNorm { .. }
+            | Op::GroupNorm { .. }
+            | Op::NormProject { .. }
+            | Op::SoftmaxCrossEntropy
+            | Op::CausalAttention { .. }
+            | Op::Sinkhorn { .. }
+            | Op::TemporalAugment { .. }
+            | Op::CausalAttentionGrad { .. }
+            | Op::SinkhornGrad { .. }
+            | Op::TemporalAugmentGrad { .. } => BufferRole::Scratch { offset: 0 },
         });
         let buf = b.buffer(node.shape.numel(), node.dtype, primary, Some(id.index()));
         b.node_buf.insert(id, buf);
@@ -576,7 +768,18 @@ pub fn compile(graph: &Graph, partition: &[Vec<NodeId>], request: &Request) -> R
         }
     }
 
-    // Steps: constants and sources with extra roles first, then the units.
+    extra
+}
+
+/// The first steps: constants with a role filled, and sources with extra roles
+/// copied. Returns the buffers copied.
+fn fill_and_copy_sources(
+    graph: &Graph,
+    b: &mut PlanBuilder,
+    roles: &BTreeMap<NodeId, Vec<BufferRole>>,
+    extra: &[(NodeId, BufferId)],
+    pos: &HashMap<NodeId, usize>,
+) -> HashSet<BufferId> {
     let mut filled: Vec<(NodeId, BufferId)> = b.node_buf.iter().map(|(&id, &buf)| (id, buf)).collect();
     filled.sort_by_key(|(id, _)| pos[id]);
     for (id, buf) in filled {
@@ -590,40 +793,46 @@ pub fn compile(graph: &Graph, partition: &[Vec<NodeId>], request: &Request) -> R
         }
     }
     let mut copied = HashSet::new();
-    for &(id, dst) in &extra {
+    for &(id, dst) in extra {
         if graph.node(id).op.is_source() {
             b.push_copy(graph, id, dst);
             copied.insert(dst);
         }
     }
+    copied
+}
+
+/// The steps of the units, in order, each followed by the copies into the
+/// extra buffers of the nodes it computes.
+fn lower_units(
+    graph: &Graph,
+    b: &mut PlanBuilder,
+    units: &[Unit],
+    gemms: &Gemms,
+    res: &Buffered,
+    extra: &[(NodeId, BufferId)],
+    copied: &HashSet<BufferId>,
+) -> Result<(), CompileError> {
+    let target = b.target;
     let mut copied_views: HashSet<NodeId> = HashSet::new();
     // The gradients of one attention (or temporal augmentation) w.r.t. each of
     // its operands share one lowering, which computes what they share once.
-    let siblings = grad_siblings(graph, &own_grid);
+    let siblings = grad_siblings(graph, &gemms.own_grid);
     let mut lowered_with_sibling: HashSet<NodeId> = HashSet::new();
-    for unit in &units {
+    for unit in units {
         match unit {
             Unit::Fused { nodes, n } => {
                 if !nodes.iter().any(|&id| res.has_buffer(id)) {
                     continue; // only views read by other units
                 }
-                let name = b.kernel_name(&unit_label(graph, nodes, &res));
-                let special = match lone_node(graph, nodes, &res) {
-                    Some(id) => match graph.node(id).op {
-                        Op::Reduce { .. } => emit::lower_column_reduce(graph, id, &name, request.target)?,
-                        Op::ScatterAdd { .. } if request.target == Target::Cuda => {
-                            emit::lower_scatter_columns(graph, id, &name)?
-                        }
-                        Op::Sinkhorn { .. } | Op::SinkhornGrad { .. } if request.target == Target::Cpu => {
-                            emit::lower_sinkhorn_lanes(graph, id, &name)?
-                        }
-                        _ => None,
-                    },
+                let name = b.kernel_name(&unit_label(graph, nodes, res));
+                let special = match lone_node(graph, nodes, res) {
+                    Some(id) => special_lowering(graph, id, &name, target)?,
                     None => None,
                 };
                 let launch = match special {
                     Some(launch) => launch,
-                    None => emit::lower_fused(graph, nodes, *n, &res, &name, request.target)?,
+                    None => emit::lower_fused(graph, nodes, *n, res, &name, target)?,
                 };
                 b.push_launch(launch, &[]);
             }
@@ -632,25 +841,25 @@ pub fn compile(graph: &Graph, partition: &[Vec<NodeId>], request: &Request) -> R
                     continue;
                 }
                 let name = b.kernel_name(graph.node(*id).op.name());
-                let lowering = match lower_siblings(graph, *id, &siblings, &name, request.target) {
+                let lowering = match lower_siblings(graph, *id, &siblings, &name, target) {
                     Some(lowered) => {
                         let (outs, lowering) = lowered?;
                         lowered_with_sibling.extend(outs.iter().flatten().copied());
                         lowering
                     }
-                    None => emit::lower_standalone(graph, *id, &name, request.target)?,
+                    None => emit::lower_standalone(graph, *id, &name, target)?,
                 };
                 b.push_lowering(lowering);
             }
             Unit::Gemm(id) => {
-                let form = &gemms[id];
+                let form = &gemms.forms[id];
                 let inputs = graph.inputs(form.matmul);
                 for &input in &inputs {
                     let v = through_reshapes(graph, input);
-                    if gemm_views.contains(&v) && copied_views.insert(v) {
-                        let n = emit::itemize(graph, &[v], &res, request.target).unwrap_or(1);
+                    if gemms.views.contains(&v) && copied_views.insert(v) {
+                        let n = emit::itemize(graph, &[v], res, target).unwrap_or(1);
                         let name = b.kernel_name("copy");
-                        b.push_launch(emit::lower_fused(graph, &[v], n, &res, &name, request.target)?, &[]);
+                        b.push_launch(emit::lower_fused(graph, &[v], n, res, &name, target)?, &[]);
                     }
                 }
                 let sh = form.shape;
@@ -678,26 +887,61 @@ pub fn compile(graph: &Graph, partition: &[Vec<NodeId>], request: &Request) -> R
             }
         }
         for &id in unit.nodes() {
-            for &(src, dst) in &extra {
+            for &(src, dst) in extra {
                 if src == id && !copied.contains(&dst) {
                     b.push_copy(graph, id, dst);
                 }
             }
         }
     }
-    b.plan_arena();
-    let mut plan = Plan {
-        kernels: b.kernels,
-        steps: b.steps,
-        buffers: b.buffers,
-        arena_len: b.arena_len,
-        update_start: None,
-        chains: b.chains,
-    };
-    if request.update {
-        crate::optimizer::append_adamw(&mut plan, request.target)?;
+    Ok(())
+}
+
+/// A lowering of its own for a node alone in a fused unit where one fits better
+/// than the thread-per-item kernel: a column reduction, GPU scatter columns, or
+/// Sinkhorn lanes on the CPU.
+fn special_lowering(
+    graph: &Graph,
+    id: NodeId,
+    name: &str,
+    target: Target,
+) -> Result<Option<Launch>, EmitError> {
+    match graph.node(id).op {
+        Op::Reduce { .. } => emit::lower_column_reduce(graph, id, name, target),
+        Op::ScatterAdd { .. } if target == Target::Cuda => emit::lower_scatter_columns(graph, id, name),
+        Op::Sinkhorn { .. } | Op::SinkhornGrad { .. } if target == Target::Cpu => {
+            emit::lower_sinkhorn_lanes(graph, id, name)
+        }
+        Op::Input { .. }
+        | Op::Param(_)
+        | Op::Constant { .. }
+        | Op::Unary(_)
+        | Op::Binary(_)
+        | Op::Affine { .. }
+        | Op::Cast { .. }
+        | Op::MatMul { .. }
+        | Op::Reshape { .. }
+        | Op::Permute { .. }
+        | Op::Broadcast { .. }
+        | Op::Slice { .. }
+        | Op::Concat { .. }
+        | Op::Gather { .. }
+        | Op::ScatterAdd { .. }
+        | Op::ScatterRows { .. }
+        | Op::TopK { .. }
+        | Op::Softmax
+        | Op::RmsNorm { .. }
+        | Op::LayerNorm { .. }
+        | Op::GroupNorm { .. }
+        | Op::NormProject { .. }
+        | Op::SoftmaxCrossEntropy
+        | Op::CausalAttention { .. }
+        | Op::Sinkhorn { .. }
+        | Op::TemporalAugment { .. }
+        | Op::CausalAttentionGrad { .. }
+        | Op::SinkhornGrad { .. }
+        | Op::TemporalAugmentGrad { .. } => Ok(None),
     }
-    Ok(plan)
 }
 
 /// A kernel as the renderers print it: indices simplified, loops over the

@@ -58,11 +58,10 @@ struct Dims {
 impl Dims {
     fn of(graph: &Graph, id: NodeId) -> Result<Dims, EmitError> {
         let node = graph.node(id);
-        let (scale, rope) = match node.op {
-            Op::CausalAttention { scale, rope_base } | Op::CausalAttentionGrad { scale, rope_base, .. } => {
-                (scale, rope_base)
-            }
-            ref op => return Err(EmitError::at(id, op, "is not attention")),
+        let (Op::CausalAttention { scale, rope_base: rope }
+        | Op::CausalAttentionGrad { scale, rope_base: rope, .. }) = node.op
+        else {
+            return Err(EmitError::at(id, &node.op, "is not attention"));
         };
         let inputs = graph.inputs(id);
         let (qd, kd) = (graph.node(inputs[0]).shape.dims(), graph.node(inputs[1]).shape.dims());

@@ -166,7 +166,21 @@ pub(super) fn emit(b: &mut Block, cx: &ItemOp) -> Result<(), EmitError> {
         Op::Sinkhorn { iters, eps } => sinkhorn(b, cx, *iters, *eps),
         Op::SinkhornGrad { iters, eps } => sinkhorn_grad(b, cx, *iters, *eps),
         Op::Cast { to } => cast(b, cx, *to),
-        op => return Err(EmitError::at(cx.id, op, "has no item emitter (it is lowered on its own grid)")),
+        op @ (Op::Input { .. }
+        | Op::Param(_)
+        | Op::Reshape { .. }
+        | Op::Permute { .. }
+        | Op::Broadcast { .. }
+        | Op::Slice { .. }
+        | Op::Concat { .. }
+        | Op::NormProject { .. }
+        | Op::SoftmaxCrossEntropy
+        | Op::CausalAttention { .. }
+        | Op::TemporalAugment { .. }
+        | Op::CausalAttentionGrad { .. }
+        | Op::TemporalAugmentGrad { .. }) => {
+            return Err(EmitError::at(cx.id, op, "has no item emitter (it is lowered on its own grid)"))
+        }
     }
     Ok(())
 }
@@ -198,7 +212,7 @@ fn reduce(b: &mut Block, cx: &ItemOp, op: ReduceOp, axis: usize) {
     let inner = numel(&xd[axis + 1..]);
     let init = match op {
         ReduceOp::Max => cx.lit(f64::NEG_INFINITY),
-        _ => cx.lit(0.0),
+        ReduceOp::Sum | ReduceOp::Mean => cx.lit(0.0),
     };
     let count = cx.lit(n as f64);
     cx.fold_each(
@@ -207,13 +221,13 @@ fn reduce(b: &mut Block, cx: &ItemOp, op: ReduceOp, axis: usize) {
         n,
         |a, v| match op {
             ReduceOp::Max => maximum(a, v),
-            _ => a + v,
+            ReduceOp::Sum | ReduceOp::Mean => a + v,
         },
         |b, g| (b.let_(&cx.fresh("o"), g.clone() / ix(inner)), b.let_(&cx.fresh("w"), g % ix(inner))),
         |b, (o, w), j| b.let_(&cx.fresh("v"), x.load((o.clone() * ix(n) + j) * ix(inner) + w.clone())),
         |acc| match op {
             ReduceOp::Mean => acc / count.clone(),
-            _ => acc,
+            ReduceOp::Sum | ReduceOp::Max => acc,
         },
     );
 }

@@ -48,7 +48,34 @@ pub fn lower_sinkhorn_lanes(graph: &Graph, id: NodeId, name: &str) -> Result<Opt
     let (iters, eps, grad) = match node.op {
         Op::Sinkhorn { iters, eps } => (iters, eps, false),
         Op::SinkhornGrad { iters, eps } => (iters, eps, true),
-        _ => return Ok(None),
+        Op::Input { .. }
+        | Op::Param(_)
+        | Op::Constant { .. }
+        | Op::Unary(_)
+        | Op::Binary(_)
+        | Op::Affine { .. }
+        | Op::Cast { .. }
+        | Op::Reduce { .. }
+        | Op::MatMul { .. }
+        | Op::Reshape { .. }
+        | Op::Permute { .. }
+        | Op::Broadcast { .. }
+        | Op::Slice { .. }
+        | Op::Concat { .. }
+        | Op::Gather { .. }
+        | Op::ScatterAdd { .. }
+        | Op::ScatterRows { .. }
+        | Op::TopK { .. }
+        | Op::Softmax
+        | Op::RmsNorm { .. }
+        | Op::LayerNorm { .. }
+        | Op::GroupNorm { .. }
+        | Op::NormProject { .. }
+        | Op::SoftmaxCrossEntropy
+        | Op::CausalAttention { .. }
+        | Op::TemporalAugment { .. }
+        | Op::CausalAttentionGrad { .. }
+        | Op::TemporalAugmentGrad { .. } => return Ok(None),
     };
     let n = node.shape.last();
     let mats = numel(node.shape.dims()) / (n * n);

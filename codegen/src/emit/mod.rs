@@ -568,7 +568,31 @@ pub(crate) fn view_of(op: &Op, in_dims: &[&[usize]], out_dims: &[usize], ins: Ve
             let inner = out_dims[axis + 1..].iter().product();
             Val::Concat { parts: ins, sizes, inner, total: out_dims[*axis] }
         }
-        _ => unreachable!("view_of is only called for view ops"),
+        Op::Input { .. }
+        | Op::Param(_)
+        | Op::Constant { .. }
+        | Op::Unary(_)
+        | Op::Binary(_)
+        | Op::Affine { .. }
+        | Op::Cast { .. }
+        | Op::Reduce { .. }
+        | Op::MatMul { .. }
+        | Op::Gather { .. }
+        | Op::ScatterAdd { .. }
+        | Op::ScatterRows { .. }
+        | Op::TopK { .. }
+        | Op::Softmax
+        | Op::RmsNorm { .. }
+        | Op::LayerNorm { .. }
+        | Op::GroupNorm { .. }
+        | Op::NormProject { .. }
+        | Op::SoftmaxCrossEntropy
+        | Op::CausalAttention { .. }
+        | Op::Sinkhorn { .. }
+        | Op::TemporalAugment { .. }
+        | Op::CausalAttentionGrad { .. }
+        | Op::SinkhornGrad { .. }
+        | Op::TemporalAugmentGrad { .. } => unreachable!("view_of is only called for view ops"),
     }
 }
 
@@ -604,15 +628,38 @@ impl Sink {
 
 /// Ops lowered by the `standalone` module: each needs a grid of its own.
 pub fn is_standalone(op: &Op) -> bool {
-    matches!(
-        op,
+    match op {
         Op::CausalAttention { .. }
-            | Op::CausalAttentionGrad { .. }
-            | Op::NormProject { .. }
-            | Op::SoftmaxCrossEntropy
-            | Op::TemporalAugment { .. }
-            | Op::TemporalAugmentGrad { .. }
-    )
+        | Op::CausalAttentionGrad { .. }
+        | Op::NormProject { .. }
+        | Op::SoftmaxCrossEntropy
+        | Op::TemporalAugment { .. }
+        | Op::TemporalAugmentGrad { .. } => true,
+        Op::Input { .. }
+        | Op::Param(_)
+        | Op::Constant { .. }
+        | Op::Unary(_)
+        | Op::Binary(_)
+        | Op::Affine { .. }
+        | Op::Cast { .. }
+        | Op::Reduce { .. }
+        | Op::MatMul { .. }
+        | Op::Reshape { .. }
+        | Op::Permute { .. }
+        | Op::Broadcast { .. }
+        | Op::Slice { .. }
+        | Op::Concat { .. }
+        | Op::Gather { .. }
+        | Op::ScatterAdd { .. }
+        | Op::ScatterRows { .. }
+        | Op::TopK { .. }
+        | Op::Softmax
+        | Op::RmsNorm { .. }
+        | Op::LayerNorm { .. }
+        | Op::GroupNorm { .. }
+        | Op::Sinkhorn { .. }
+        | Op::SinkhornGrad { .. } => false,
+    }
 }
 
 /// The smallest `k` with `dims[..k]` multiplying to `n`.
@@ -639,7 +686,34 @@ fn op_scratch(op: &Op, dims: &[usize]) -> usize {
     match op {
         Op::Sinkhorn { .. } => nn,
         Op::SinkhornGrad { iters, .. } => nn * (2 * iters + 2),
-        _ => 0,
+        Op::Input { .. }
+        | Op::Param(_)
+        | Op::Constant { .. }
+        | Op::Unary(_)
+        | Op::Binary(_)
+        | Op::Affine { .. }
+        | Op::Cast { .. }
+        | Op::Reduce { .. }
+        | Op::MatMul { .. }
+        | Op::Reshape { .. }
+        | Op::Permute { .. }
+        | Op::Broadcast { .. }
+        | Op::Slice { .. }
+        | Op::Concat { .. }
+        | Op::Gather { .. }
+        | Op::ScatterAdd { .. }
+        | Op::ScatterRows { .. }
+        | Op::TopK { .. }
+        | Op::Softmax
+        | Op::RmsNorm { .. }
+        | Op::LayerNorm { .. }
+        | Op::GroupNorm { .. }
+        | Op::NormProject { .. }
+        | Op::SoftmaxCrossEntropy
+        | Op::CausalAttention { .. }
+        | Op::TemporalAugment { .. }
+        | Op::CausalAttentionGrad { .. }
+        | Op::TemporalAugmentGrad { .. } => 0,
     }
 }
 
@@ -668,7 +742,27 @@ fn item_ok(graph: &Graph, id: NodeId, n: usize, restricted: &[bool], materialize
             | Op::TopK { .. } => k < rank || rank == 0,
             Op::Sinkhorn { .. } | Op::SinkhornGrad { .. } => k + 2 <= rank,
             Op::ScatterAdd { axis } | Op::ScatterRows { axis } => k <= *axis,
-            op => !is_standalone(op),
+            op @ (Op::Input { .. }
+            | Op::Param(_)
+            | Op::Constant { .. }
+            | Op::Unary(_)
+            | Op::Binary(_)
+            | Op::Affine { .. }
+            | Op::Cast { .. }
+            | Op::Reduce { .. }
+            | Op::MatMul { .. }
+            | Op::Reshape { .. }
+            | Op::Permute { .. }
+            | Op::Broadcast { .. }
+            | Op::Slice { .. }
+            | Op::Concat { .. }
+            | Op::Gather { .. }
+            | Op::NormProject { .. }
+            | Op::SoftmaxCrossEntropy
+            | Op::CausalAttention { .. }
+            | Op::TemporalAugment { .. }
+            | Op::CausalAttentionGrad { .. }
+            | Op::TemporalAugmentGrad { .. }) => !is_standalone(op),
         };
         if !own {
             return false;
@@ -716,7 +810,16 @@ fn item_ok(graph: &Graph, id: NodeId, n: usize, restricted: &[bool], materialize
         }
         Op::Gather { .. } | Op::ScatterAdd { .. } | Op::ScatterRows { .. } => true,
         Op::Sinkhorn { .. } | Op::SinkhornGrad { .. } => true,
-        _ => false,
+        Op::Input { .. }
+        | Op::Param(_)
+        | Op::Constant { .. }
+        | Op::Cast { .. }
+        | Op::NormProject { .. }
+        | Op::SoftmaxCrossEntropy
+        | Op::CausalAttention { .. }
+        | Op::TemporalAugment { .. }
+        | Op::CausalAttentionGrad { .. }
+        | Op::TemporalAugmentGrad { .. } => false,
     }
 }
 
@@ -900,7 +1003,35 @@ impl<'g> Reader<'g> {
                 let dims: Vec<&[usize]> = inputs.iter().map(|&i| self.graph.node(i).shape.dims()).collect();
                 view_of(op, &dims, node.shape.dims(), ins)
             }
-            _ => Val::Buffer(self.buffer(k, id, Access::Read)),
+            Op::Input { .. }
+            | Op::Param(_)
+            | Op::Unary(_)
+            | Op::Binary(_)
+            | Op::Affine { .. }
+            | Op::Cast { .. }
+            | Op::Reduce { .. }
+            | Op::MatMul { .. }
+            | Op::Reshape { .. }
+            | Op::Permute { .. }
+            | Op::Broadcast { .. }
+            | Op::Slice { .. }
+            | Op::Concat { .. }
+            | Op::Gather { .. }
+            | Op::ScatterAdd { .. }
+            | Op::ScatterRows { .. }
+            | Op::TopK { .. }
+            | Op::Softmax
+            | Op::RmsNorm { .. }
+            | Op::LayerNorm { .. }
+            | Op::GroupNorm { .. }
+            | Op::NormProject { .. }
+            | Op::SoftmaxCrossEntropy
+            | Op::CausalAttention { .. }
+            | Op::Sinkhorn { .. }
+            | Op::TemporalAugment { .. }
+            | Op::CausalAttentionGrad { .. }
+            | Op::SinkhornGrad { .. }
+            | Op::TemporalAugmentGrad { .. } => Val::Buffer(self.buffer(k, id, Access::Read)),
         };
         self.vals.insert(id, v.clone());
         v
@@ -982,6 +1113,15 @@ const BLOCK_REDUCE_MIN_ROWS: usize = 256;
 /// Lanes of each block of `lower_block_reduce`.
 const BLOCK_REDUCE_LANES: u32 = 256;
 
+/// Whether a reduction folds its axis by adding (a mean divides the sum afterwards),
+/// so partial sums of column blocks combine by adding too.
+fn folds_by_adding(op: ir::graph::ReduceOp) -> bool {
+    match op {
+        ir::graph::ReduceOp::Sum | ir::graph::ReduceOp::Mean => true,
+        ir::graph::ReduceOp::Max => false,
+    }
+}
+
 /// Whether `id` sums (or averages) over a long outer axis, `BLOCK_REDUCE_MIN_ROWS`
 /// rows or more with columns inside them: a reduction over tokens, such as a
 /// parameter gradient (docs/math.md §1.4), rather than a per-token norm statistic.
@@ -989,9 +1129,7 @@ pub fn is_token_reduction(graph: &Graph, id: NodeId) -> bool {
     let Op::Reduce { op, axis, .. } = graph.node(id).op else { return false };
     let Some(&input) = graph.inputs(id).first() else { return false };
     let xd = graph.node(input).shape.dims();
-    matches!(op, ir::graph::ReduceOp::Sum | ir::graph::ReduceOp::Mean)
-        && axis + 1 < xd.len()
-        && xd[axis] >= BLOCK_REDUCE_MIN_ROWS
+    folds_by_adding(op) && axis + 1 < xd.len() && xd[axis] >= BLOCK_REDUCE_MIN_ROWS
 }
 
 /// A sum or mean over an axis of `n` rows as one block per output (GPU):
@@ -1117,7 +1255,7 @@ pub fn lower_column_reduce(
 ) -> Result<Option<Launch>, EmitError> {
     let node = graph.node(id);
     let Op::Reduce { op, axis, .. } = node.op else { return Ok(None) };
-    if !matches!(op, ir::graph::ReduceOp::Sum | ir::graph::ReduceOp::Mean) {
+    if !folds_by_adding(op) {
         return Ok(None);
     }
     let input = graph.inputs(id)[0];

@@ -159,7 +159,15 @@ impl MathFn {
     pub fn arity(self) -> usize {
         match self {
             MathFn::Pow | MathFn::Max | MathFn::Min => 2,
-            _ => 1,
+            MathFn::Exp
+            | MathFn::Log
+            | MathFn::Tanh
+            | MathFn::Sqrt
+            | MathFn::Rsqrt
+            | MathFn::Abs
+            | MathFn::Sin
+            | MathFn::Cos
+            | MathFn::RoundBf16 => 1,
         }
     }
 }

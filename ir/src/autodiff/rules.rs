@@ -1,4 +1,4 @@
-//! The derivative table: one vector-Jacobian rule per op, in one match
+//! The derivative table: one vector-Jacobian rule per op, dispatched from one match
 //! (docs/architecture.md §4). Each arm receives the output adjoint `dy` and returns the
 //! adjoint of every input the sweep asked for (`needs`), shaped like that input.
 //! Rules are graph-building code: derivatives are expressed with the primitive
@@ -14,16 +14,14 @@ use crate::shape::Shape;
 type Adjoints = Vec<Option<NodeId>>;
 
 /// The adjoints of the inputs of node `y` given its output adjoint `dy`. Entries for
-/// inputs with `needs[slot] == false` are `None`.
+/// inputs with `needs[slot] == false` are `None`. Short rules are written here; the
+/// longer ones are functions below, one per op or family.
 pub(super) fn vjp(b: &mut Builder, y: NodeId, dy: NodeId, needs: &[bool]) -> Result<Adjoints, AutodiffError> {
     let op = b.g.node(y).op.clone();
     let xs = b.g.inputs(y);
     let mut out: Adjoints = vec![None; xs.len()];
     match op {
-        Op::Unary(u) => {
-            let x = xs[0];
-            out[0] = Some(unary(b, u, x, y, dy)?);
-        }
+        Op::Unary(u) => out[0] = Some(unary(b, u, xs[0], y, dy)?),
         Op::Binary(op) => {
             let (l, r) = (xs[0], xs[1]);
             let (dl, dr) = binary(b, op, l, r, y, dy, needs)?;
@@ -31,47 +29,9 @@ pub(super) fn vjp(b: &mut Builder, y: NodeId, dy: NodeId, needs: &[bool]) -> Res
             out[1] = dr.map(|d| b.sum_to(d, &b.shape(r))).transpose()?;
         }
         Op::Affine { mul, .. } => out[0] = Some(b.affine(dy, mul, 0.0)?),
-        // Straight-through (docs/math.md §6.12 DECISION): rounding to bf16 is treated as the
-        // identity, and gradients stay in the input's compute type, so the adjoint of a bf16
-        // value is f32 and a gradient is never rounded to bf16.
-        Op::Cast { .. } => {
-            let want = b.dtype(xs[0]).compute();
-            out[0] = Some(if b.dtype(dy) == want { dy } else { b.op(Op::Cast { to: want }, &[dy])? });
-        }
-        Op::Reduce { op, axis, .. } => {
-            let x = xs[0];
-            let xshape = b.shape(x);
-            let mut kept = xshape.dims().to_vec();
-            kept[axis] = 1;
-            let dyk = b.reshape(dy, &kept)?;
-            out[0] = Some(match op {
-                ReduceOp::Sum => b.broadcast(dyk, xshape.dims())?,
-                ReduceOp::Mean => {
-                    let spread = b.broadcast(dyk, xshape.dims())?;
-                    b.affine(spread, 1.0 / xshape.dims()[axis] as f64, 0.0)?
-                }
-                ReduceOp::Max => b.route_to_first_max(x, axis, dyk)?,
-            });
-        }
-        Op::MatMul { trans_a, trans_b } => {
-            let (a, c) = (xs[0], xs[1]);
-            if needs[0] {
-                let da = if trans_a {
-                    b.matmul_t(c, dy, trans_b, true)?
-                } else {
-                    b.matmul_t(dy, c, false, !trans_b)?
-                };
-                out[0] = Some(b.sum_to(da, &b.shape(a))?);
-            }
-            if needs[1] {
-                let dc = if trans_b {
-                    b.matmul_t(dy, a, true, trans_a)?
-                } else {
-                    b.matmul_t(a, dy, !trans_a, false)?
-                };
-                out[1] = Some(b.sum_to(dc, &b.shape(c))?);
-            }
-        }
+        Op::Cast { .. } => out[0] = Some(cast(b, xs[0], dy)?),
+        Op::Reduce { op, axis, .. } => out[0] = Some(reduce(b, op, axis, xs[0], dy)?),
+        Op::MatMul { trans_a, trans_b } => matmul(b, trans_a, trans_b, &xs, dy, needs, &mut out)?,
         Op::Reshape { .. } => out[0] = Some(b.reshape(dy, b.shape(xs[0]).dims())?),
         Op::Permute { perm } => {
             let mut inverse = vec![0; perm.len()];
@@ -81,34 +41,8 @@ pub(super) fn vjp(b: &mut Builder, y: NodeId, dy: NodeId, needs: &[bool]) -> Res
             out[0] = Some(b.permute(dy, &inverse)?);
         }
         Op::Broadcast { .. } => out[0] = Some(b.sum_to(dy, &b.shape(xs[0]))?),
-        Op::Slice { axis, start, end } => {
-            let dims = b.shape(xs[0]).dims().to_vec();
-            let mut parts = Vec::new();
-            for (lo, hi) in [(0, start), (start, end), (end, dims[axis])] {
-                if (lo, hi) == (start, end) {
-                    parts.push(dy);
-                } else if hi > lo {
-                    let mut zdims = dims.clone();
-                    zdims[axis] = hi - lo;
-                    parts.push(b.constant(0.0, zdims.into(), b.dtype(dy)));
-                }
-            }
-            out[0] = Some(if parts.len() == 1 { dy } else { b.op(Op::Concat { axis }, &parts)? });
-        }
-        Op::Concat { axis } => {
-            let mut offset = 0;
-            for (slot, &x) in xs.iter().enumerate() {
-                let size = b.shape(x).dims()[axis];
-                if needs[slot] {
-                    out[slot] = Some(if size == 0 {
-                        b.zeros_like(x)
-                    } else {
-                        b.slice(dy, axis, offset, offset + size)?
-                    });
-                }
-                offset += size;
-            }
-        }
+        Op::Slice { axis, start, end } => out[0] = Some(slice(b, xs[0], axis, start, end, dy)?),
+        Op::Concat { axis } => concat(b, axis, &xs, dy, needs, &mut out)?,
         Op::Gather { axis } => {
             let zeros = b.zeros_like(xs[0]);
             out[0] = Some(b.op(Op::ScatterAdd { axis }, &[zeros, xs[1], dy])?);
@@ -128,74 +62,16 @@ pub(super) fn vjp(b: &mut Builder, y: NodeId, dy: NodeId, needs: &[bool]) -> Res
                 out[2] = Some(b.op(Op::Gather { axis }, &[dy, xs[1]])?);
             }
         }
-        Op::Softmax => {
-            // dx = y ⊙ (dy − Σ dy ⊙ y)
-            let dyy = b.mul(dy, y)?;
-            let s = b.sum_last(dyy)?;
-            let centred = b.sub(dy, s)?;
-            out[0] = Some(b.mul(y, centred)?);
-        }
-        Op::RmsNorm { eps } => {
-            let x = xs[0];
-            let (xhat, rho) = rms_stats(b, x, eps)?;
-            if needs[0] {
-                let dxhat = if xs.len() > 1 { b.mul(dy, xs[1])? } else { dy };
-                out[0] = Some(rms_back(b, xhat, rho, dxhat)?);
-            }
-            if xs.len() > 1 && needs[1] {
-                let prod = b.mul(dy, xhat)?;
-                out[1] = Some(b.sum_to(prod, &b.shape(xs[1]))?);
-            }
-        }
-        Op::LayerNorm { eps } => {
-            let x = xs[0];
-            let (xhat, rstd) = ln_stats(b, x, eps)?;
-            if needs[0] {
-                let dxhat = if xs.len() > 1 { b.mul(dy, xs[1])? } else { dy };
-                out[0] = Some(ln_back(b, xhat, rstd, dxhat)?);
-            }
-            affine_adjoints(b, &xs, xhat, dy, needs, &mut out)?;
-        }
-        Op::GroupNorm { groups, eps } => {
-            // GroupNorm = LayerNorm over [.., groups, C / groups] then a per-channel affine.
-            let x = xs[0];
-            let dims = b.shape(x).dims().to_vec();
-            let mut grouped = dims.clone();
-            let c = grouped.pop().expect("normalized input has rank >= 1");
-            grouped.extend([groups, c / groups]);
-            let xg = b.reshape(x, &grouped)?;
-            let (xhat_g, rstd) = ln_stats(b, xg, eps)?;
-            let xhat = b.reshape(xhat_g, &dims)?;
-            if needs[0] {
-                let dxhat = b.mul(dy, xs[1])?;
-                let dxhat_g = b.reshape(dxhat, &grouped)?;
-                let dx_g = ln_back(b, xhat_g, rstd, dxhat_g)?;
-                out[0] = Some(b.reshape(dx_g, &dims)?);
-            }
-            affine_adjoints(b, &xs, xhat, dy, needs, &mut out)?;
-        }
+        Op::Softmax => out[0] = Some(softmax(b, y, dy)?),
+        Op::RmsNorm { eps } => rms_norm(b, eps, &xs, dy, needs, &mut out)?,
+        Op::LayerNorm { eps } => layer_norm(b, eps, &xs, dy, needs, &mut out)?,
+        Op::GroupNorm { groups, eps } => group_norm(b, groups, eps, &xs, dy, needs, &mut out)?,
         Op::NormProject { eps, centered } => {
             let (dx, dw) = norm_project(b, xs[0], xs[1], y, dy, eps, centered, needs)?;
             out[0] = dx;
             out[1] = dw;
         }
-        Op::SoftmaxCrossEntropy => {
-            // d logits = (softmax(logits) − onehot(targets)) · dy / count.
-            let (logits, targets) = (xs[0], xs[1]);
-            let dims = b.shape(logits).dims().to_vec();
-            let rank = dims.len();
-            let count = b.shape(targets).numel();
-            let p = b.op(Op::Softmax, &[logits])?;
-            let mut col = b.shape(targets).dims().to_vec();
-            col.push(1);
-            let idx = b.reshape(targets, &col)?;
-            let ones = b.constant(1.0, col.into(), b.dtype(logits));
-            let zeros = b.zeros_like(logits);
-            let onehot = b.op(Op::ScatterAdd { axis: rank - 1 }, &[zeros, idx, ones])?;
-            let diff = b.sub(p, onehot)?;
-            let scaled = b.affine(dy, 1.0 / count as f64, 0.0)?;
-            out[0] = Some(b.mul(diff, scaled)?);
-        }
+        Op::SoftmaxCrossEntropy => out[0] = Some(softmax_cross_entropy(b, xs[0], xs[1], dy)?),
         Op::CausalAttention { scale, rope_base } => {
             let args = [xs[0], xs[1], xs[2], dy];
             for wrt in (0..3).filter(|&i| needs[i]) {
@@ -219,6 +95,196 @@ pub(super) fn vjp(b: &mut Builder, y: NodeId, dy: NodeId, needs: &[bool]) -> Res
         }
     }
     Ok(out)
+}
+
+/// Straight-through (docs/math.md §6.12 DECISION): rounding to bf16 is treated as the
+/// identity, and gradients stay in the input's compute type, so the adjoint of a bf16
+/// value is f32 and a gradient is never rounded to bf16.
+fn cast(b: &mut Builder, x: NodeId, dy: NodeId) -> Result<NodeId, GraphError> {
+    let want = b.dtype(x).compute();
+    Ok(if b.dtype(dy) == want { dy } else { b.op(Op::Cast { to: want }, &[dy])? })
+}
+
+/// The output adjoint spread back over the reduced axis: every element for a sum,
+/// scaled by 1/n for a mean, the first maximum only for a max.
+fn reduce(b: &mut Builder, op: ReduceOp, axis: usize, x: NodeId, dy: NodeId) -> Result<NodeId, GraphError> {
+    let xshape = b.shape(x);
+    let mut kept = xshape.dims().to_vec();
+    kept[axis] = 1;
+    let dyk = b.reshape(dy, &kept)?;
+    match op {
+        ReduceOp::Sum => b.broadcast(dyk, xshape.dims()),
+        ReduceOp::Mean => {
+            let spread = b.broadcast(dyk, xshape.dims())?;
+            b.affine(spread, 1.0 / xshape.dims()[axis] as f64, 0.0)
+        }
+        ReduceOp::Max => b.route_to_first_max(x, axis, dyk),
+    }
+}
+
+/// d a and d c of `a · c` (either transposed), summed down over broadcast batch axes.
+fn matmul(
+    b: &mut Builder,
+    trans_a: bool,
+    trans_b: bool,
+    xs: &[NodeId],
+    dy: NodeId,
+    needs: &[bool],
+    out: &mut Adjoints,
+) -> Result<(), GraphError> {
+    let (a, c) = (xs[0], xs[1]);
+    if needs[0] {
+        let da =
+            if trans_a { b.matmul_t(c, dy, trans_b, true)? } else { b.matmul_t(dy, c, false, !trans_b)? };
+        out[0] = Some(b.sum_to(da, &b.shape(a))?);
+    }
+    if needs[1] {
+        let dc =
+            if trans_b { b.matmul_t(dy, a, true, trans_a)? } else { b.matmul_t(a, dy, !trans_a, false)? };
+        out[1] = Some(b.sum_to(dc, &b.shape(c))?);
+    }
+    Ok(())
+}
+
+/// The adjoint of a slice: `dy` in place, zeros before and after it on `axis`.
+fn slice(
+    b: &mut Builder,
+    x: NodeId,
+    axis: usize,
+    start: usize,
+    end: usize,
+    dy: NodeId,
+) -> Result<NodeId, GraphError> {
+    let dims = b.shape(x).dims().to_vec();
+    let mut parts = Vec::new();
+    for (lo, hi) in [(0, start), (start, end), (end, dims[axis])] {
+        if (lo, hi) == (start, end) {
+            parts.push(dy);
+        } else if hi > lo {
+            let mut zdims = dims.clone();
+            zdims[axis] = hi - lo;
+            parts.push(b.constant(0.0, zdims.into(), b.dtype(dy)));
+        }
+    }
+    Ok(if parts.len() == 1 { dy } else { b.op(Op::Concat { axis }, &parts)? })
+}
+
+/// Each operand of a concat gets its own slice of `dy`.
+fn concat(
+    b: &mut Builder,
+    axis: usize,
+    xs: &[NodeId],
+    dy: NodeId,
+    needs: &[bool],
+    out: &mut Adjoints,
+) -> Result<(), GraphError> {
+    let mut offset = 0;
+    for (slot, &x) in xs.iter().enumerate() {
+        let size = b.shape(x).dims()[axis];
+        if needs[slot] {
+            out[slot] =
+                Some(if size == 0 { b.zeros_like(x) } else { b.slice(dy, axis, offset, offset + size)? });
+        }
+        offset += size;
+    }
+    Ok(())
+}
+
+/// dx = y ⊙ (dy − Σ dy ⊙ y), from the output alone.
+fn softmax(b: &mut Builder, y: NodeId, dy: NodeId) -> Result<NodeId, GraphError> {
+    let dyy = b.mul(dy, y)?;
+    let s = b.sum_last(dyy)?;
+    let centred = b.sub(dy, s)?;
+    b.mul(y, centred)
+}
+
+/// RMSNorm (x) or (x, gain), statistics recomputed from x.
+fn rms_norm(
+    b: &mut Builder,
+    eps: f64,
+    xs: &[NodeId],
+    dy: NodeId,
+    needs: &[bool],
+    out: &mut Adjoints,
+) -> Result<(), GraphError> {
+    let x = xs[0];
+    let (xhat, rho) = rms_stats(b, x, eps)?;
+    if needs[0] {
+        let dxhat = if xs.len() > 1 { b.mul(dy, xs[1])? } else { dy };
+        out[0] = Some(rms_back(b, xhat, rho, dxhat)?);
+    }
+    if xs.len() > 1 && needs[1] {
+        let prod = b.mul(dy, xhat)?;
+        out[1] = Some(b.sum_to(prod, &b.shape(xs[1]))?);
+    }
+    Ok(())
+}
+
+/// LayerNorm (x) or (x, gain, bias), statistics recomputed from x.
+fn layer_norm(
+    b: &mut Builder,
+    eps: f64,
+    xs: &[NodeId],
+    dy: NodeId,
+    needs: &[bool],
+    out: &mut Adjoints,
+) -> Result<(), GraphError> {
+    let x = xs[0];
+    let (xhat, rstd) = ln_stats(b, x, eps)?;
+    if needs[0] {
+        let dxhat = if xs.len() > 1 { b.mul(dy, xs[1])? } else { dy };
+        out[0] = Some(ln_back(b, xhat, rstd, dxhat)?);
+    }
+    affine_adjoints(b, xs, xhat, dy, needs, out)
+}
+
+/// GroupNorm = LayerNorm over [.., groups, C / groups] then a per-channel affine.
+fn group_norm(
+    b: &mut Builder,
+    groups: usize,
+    eps: f64,
+    xs: &[NodeId],
+    dy: NodeId,
+    needs: &[bool],
+    out: &mut Adjoints,
+) -> Result<(), GraphError> {
+    let x = xs[0];
+    let dims = b.shape(x).dims().to_vec();
+    let mut grouped = dims.clone();
+    let c = grouped.pop().expect("normalized input has rank >= 1");
+    grouped.extend([groups, c / groups]);
+    let xg = b.reshape(x, &grouped)?;
+    let (xhat_g, rstd) = ln_stats(b, xg, eps)?;
+    let xhat = b.reshape(xhat_g, &dims)?;
+    if needs[0] {
+        let dxhat = b.mul(dy, xs[1])?;
+        let dxhat_g = b.reshape(dxhat, &grouped)?;
+        let dx_g = ln_back(b, xhat_g, rstd, dxhat_g)?;
+        out[0] = Some(b.reshape(dx_g, &dims)?);
+    }
+    affine_adjoints(b, xs, xhat, dy, needs, out)
+}
+
+/// d logits = (softmax(logits) − onehot(targets)) · dy / count.
+fn softmax_cross_entropy(
+    b: &mut Builder,
+    logits: NodeId,
+    targets: NodeId,
+    dy: NodeId,
+) -> Result<NodeId, GraphError> {
+    let dims = b.shape(logits).dims().to_vec();
+    let rank = dims.len();
+    let count = b.shape(targets).numel();
+    let p = b.op(Op::Softmax, &[logits])?;
+    let mut col = b.shape(targets).dims().to_vec();
+    col.push(1);
+    let idx = b.reshape(targets, &col)?;
+    let ones = b.constant(1.0, col.into(), b.dtype(logits));
+    let zeros = b.zeros_like(logits);
+    let onehot = b.op(Op::ScatterAdd { axis: rank - 1 }, &[zeros, idx, ones])?;
+    let diff = b.sub(p, onehot)?;
+    let scaled = b.affine(dy, 1.0 / count as f64, 0.0)?;
+    b.mul(diff, scaled)
 }
 
 fn unary(b: &mut Builder, u: UnaryOp, x: NodeId, y: NodeId, dy: NodeId) -> Result<NodeId, GraphError> {

@@ -59,7 +59,30 @@ pub fn stored_elements(graph: &Graph, id: NodeId) -> usize {
         }
         Op::Slice { .. } => node.shape.numel().min(stored_elements(graph, graph.inputs(id)[0])),
         Op::Concat { .. } => graph.inputs(id).into_iter().map(|i| stored_elements(graph, i)).sum(),
-        _ => node.shape.numel(),
+        Op::Input { .. }
+        | Op::Constant { .. }
+        | Op::Unary(_)
+        | Op::Binary(_)
+        | Op::Affine { .. }
+        | Op::Cast { .. }
+        | Op::Reduce { .. }
+        | Op::MatMul { .. }
+        | Op::Gather { .. }
+        | Op::ScatterAdd { .. }
+        | Op::ScatterRows { .. }
+        | Op::TopK { .. }
+        | Op::Softmax
+        | Op::RmsNorm { .. }
+        | Op::LayerNorm { .. }
+        | Op::GroupNorm { .. }
+        | Op::NormProject { .. }
+        | Op::SoftmaxCrossEntropy
+        | Op::CausalAttention { .. }
+        | Op::Sinkhorn { .. }
+        | Op::TemporalAugment { .. }
+        | Op::CausalAttentionGrad { .. }
+        | Op::SinkhornGrad { .. }
+        | Op::TemporalAugmentGrad { .. } => node.shape.numel(),
     }
 }
 

@@ -134,7 +134,33 @@ pub fn run<T: Float>(
         let value = match &node.op {
             Op::Input { .. } | Op::Param(_) => Cow::Borrowed(bound(node, id, sources)?),
             Op::Constant { value } => Cow::Owned(constant(node, *value)),
-            op => {
+            op @ (Op::Unary(_)
+            | Op::Binary(_)
+            | Op::Affine { .. }
+            | Op::Cast { .. }
+            | Op::Reduce { .. }
+            | Op::MatMul { .. }
+            | Op::Reshape { .. }
+            | Op::Permute { .. }
+            | Op::Broadcast { .. }
+            | Op::Slice { .. }
+            | Op::Concat { .. }
+            | Op::Gather { .. }
+            | Op::ScatterAdd { .. }
+            | Op::ScatterRows { .. }
+            | Op::TopK { .. }
+            | Op::Softmax
+            | Op::RmsNorm { .. }
+            | Op::LayerNorm { .. }
+            | Op::GroupNorm { .. }
+            | Op::NormProject { .. }
+            | Op::SoftmaxCrossEntropy
+            | Op::CausalAttention { .. }
+            | Op::Sinkhorn { .. }
+            | Op::TemporalAugment { .. }
+            | Op::CausalAttentionGrad { .. }
+            | Op::SinkhornGrad { .. }
+            | Op::TemporalAugmentGrad { .. }) => {
                 let args: Vec<&Value<T>> = input_ids.iter().map(|i| values[i].as_ref()).collect();
                 let cx = OpCtx { op, node: id.index() };
                 let value = eval_op(&cx, &args, &node.shape)?;
@@ -161,7 +187,34 @@ fn source_name(node: &Node) -> String {
     match &node.op {
         Op::Input { name } => name.clone(),
         Op::Param(p) => p.name.clone(),
-        _ => node.label.clone().unwrap_or_default(),
+        Op::Constant { .. }
+        | Op::Unary(_)
+        | Op::Binary(_)
+        | Op::Affine { .. }
+        | Op::Cast { .. }
+        | Op::Reduce { .. }
+        | Op::MatMul { .. }
+        | Op::Reshape { .. }
+        | Op::Permute { .. }
+        | Op::Broadcast { .. }
+        | Op::Slice { .. }
+        | Op::Concat { .. }
+        | Op::Gather { .. }
+        | Op::ScatterAdd { .. }
+        | Op::ScatterRows { .. }
+        | Op::TopK { .. }
+        | Op::Softmax
+        | Op::RmsNorm { .. }
+        | Op::LayerNorm { .. }
+        | Op::GroupNorm { .. }
+        | Op::NormProject { .. }
+        | Op::SoftmaxCrossEntropy
+        | Op::CausalAttention { .. }
+        | Op::Sinkhorn { .. }
+        | Op::TemporalAugment { .. }
+        | Op::CausalAttentionGrad { .. }
+        | Op::SinkhornGrad { .. }
+        | Op::TemporalAugmentGrad { .. } => node.label.clone().unwrap_or_default(),
     }
 }
 
@@ -290,7 +343,9 @@ pub(crate) fn eval_op<T: Float>(
             Value::Float(connection::temporal_augment(float(0)?, &kernels, *gram_schmidt, *eps_rel))
         }
         // Backward-only ops appended to `Op` by autodiff.
-        _ => return backward_ops::eval(cx, inputs, out_shape),
+        Op::CausalAttentionGrad { .. } | Op::SinkhornGrad { .. } | Op::TemporalAugmentGrad { .. } => {
+            return backward_ops::eval(cx, inputs, out_shape)
+        }
     };
     Ok(value)
 }

@@ -93,283 +93,47 @@ fn grad_of(
     Ok((inputs[wrt].0.clone(), inputs[wrt].1.compute()))
 }
 
-/// Infers the output type of `op` applied to inputs of the given types.
+/// Like [`arity`] for ops with a variable number of operands: at least `min`.
+fn min_arity(op: &Op, inputs: &[Typed], min: usize) -> Result<(), GraphError> {
+    if inputs.len() < min {
+        return Err(GraphError::Arity {
+            op: op.name().into(),
+            expected: format!(">= {min}"),
+            got: inputs.len(),
+        });
+    }
+    Ok(())
+}
+
+/// Infers the output type of `op` applied to inputs of the given types: one rule per
+/// op family below, so a new op gets its rule where its family's rules are.
 pub(super) fn infer(op: &Op, inputs: &[Typed]) -> Result<(Shape, DType), GraphError> {
     match op {
         Op::Input { .. } | Op::Param(_) | Op::Constant { .. } => {
             Err(invalid(op, "source ops are added with Graph::add_source"))
         }
-        Op::Unary(_) | Op::Affine { .. } | Op::Softmax => {
-            arity(op, inputs, &[1])?;
-            Ok((inputs[0].0.clone(), float(op, inputs, 0)?))
-        }
-        Op::Cast { to } => {
-            arity(op, inputs, &[1])?;
-            float(op, inputs, 0)?;
-            if !to.is_float() {
-                return Err(invalid(op, format!("casts only to a float type, not {to}")));
-            }
-            Ok((inputs[0].0.clone(), *to))
-        }
-        Op::Binary(_) => {
-            arity(op, inputs, &[2])?;
-            let dt = same_dtype(op, inputs)?;
-            let (a, b) = (inputs[0].0, inputs[1].0);
-            let shape = a.broadcast(b).ok_or_else(|| mismatch(op, "operands do not broadcast", a, b))?;
-            Ok((shape, dt))
-        }
-        Op::Reduce { axis, keepdim, .. } => {
-            arity(op, inputs, &[1])?;
-            let x = inputs[0].0;
-            if *axis >= x.rank() {
-                return Err(invalid(op, format!("axis {axis} out of range for {x}")));
-            }
-            let mut dims = x.dims().to_vec();
-            if *keepdim {
-                dims[*axis] = 1;
-            } else {
-                dims.remove(*axis);
-            }
-            Ok((Shape(dims), float(op, inputs, 0)?))
-        }
-        Op::MatMul { trans_a, trans_b } => {
-            arity(op, inputs, &[2])?;
-            let dt = same_dtype(op, inputs)?;
-            let (a, b) = (inputs[0].0, inputs[1].0);
-            if a.rank() < 2 || b.rank() < 2 {
-                return Err(mismatch(op, "operands need rank >= 2", a, b));
-            }
-            let (ar, br) = (a.rank(), b.rank());
-            let (m, ka) = if *trans_a { (a.0[ar - 1], a.0[ar - 2]) } else { (a.0[ar - 2], a.0[ar - 1]) };
-            let (kb, n) = if *trans_b { (b.0[br - 1], b.0[br - 2]) } else { (b.0[br - 2], b.0[br - 1]) };
-            if ka != kb {
-                return Err(mismatch(op, format!("contraction sizes differ ({ka} vs {kb})"), a, b));
-            }
-            let batch = Shape(a.0[..ar - 2].to_vec())
-                .broadcast(&Shape(b.0[..br - 2].to_vec()))
-                .ok_or_else(|| mismatch(op, "batch dimensions do not broadcast", a, b))?;
-            let mut dims = batch.0;
-            dims.extend([m, n]);
-            Ok((Shape(dims), dt))
-        }
-        Op::Reshape { shape } => {
-            arity(op, inputs, &[1])?;
-            let x = inputs[0].0;
-            let target = Shape(shape.clone());
-            if x.numel() != target.numel() {
-                return Err(mismatch(op, "element counts differ", x, &target));
-            }
-            Ok((target, inputs[0].1))
-        }
-        Op::Permute { perm } => {
-            arity(op, inputs, &[1])?;
-            let x = inputs[0].0;
-            let mut seen = vec![false; x.rank()];
-            if perm.len() != x.rank()
-                || perm.iter().any(|&p| p >= x.rank() || std::mem::replace(&mut seen[p], true))
-            {
-                return Err(invalid(op, format!("{perm:?} is not a permutation of the axes of {x}")));
-            }
-            Ok((Shape(perm.iter().map(|&p| x.0[p]).collect()), inputs[0].1))
-        }
-        Op::Broadcast { shape } => {
-            arity(op, inputs, &[1])?;
-            let x = inputs[0].0;
-            let target = Shape(shape.clone());
-            if x.broadcast(&target).as_ref() != Some(&target) {
-                return Err(mismatch(op, "cannot broadcast", x, &target));
-            }
-            Ok((target, inputs[0].1))
-        }
-        Op::Slice { axis, start, end } => {
-            arity(op, inputs, &[1])?;
-            let x = inputs[0].0;
-            if *axis >= x.rank() || start >= end || *end > x.0[*axis] {
-                return Err(invalid(
-                    op,
-                    format!("slice {start}..{end} on axis {axis} is out of range for {x}"),
-                ));
-            }
-            let mut dims = x.0.clone();
-            dims[*axis] = end - start;
-            Ok((Shape(dims), inputs[0].1))
-        }
-        Op::Concat { axis } => {
-            if inputs.is_empty() {
-                return Err(GraphError::Arity { op: op.name().into(), expected: ">= 1".into(), got: 0 });
-            }
-            let first = inputs[0].0;
-            if *axis >= first.rank() {
-                return Err(invalid(op, format!("axis {axis} out of range for {first}")));
-            }
-            let mut dims = first.0.clone();
-            dims[*axis] = 0;
-            for (slot, (s, dt)) in inputs.iter().enumerate() {
-                if *dt != inputs[0].1 {
-                    return Err(GraphError::DType {
-                        op: op.name().into(),
-                        slot,
-                        got: *dt,
-                        expected: inputs[0].1.name().into(),
-                    });
-                }
-                let same_rank = s.rank() == first.rank();
-                if !same_rank || (0..first.rank()).any(|i| i != *axis && s.0[i] != first.0[i]) {
-                    return Err(mismatch(op, format!("inputs differ off axis {axis}"), first, s));
-                }
-                dims[*axis] += s.0[*axis];
-            }
-            Ok((Shape(dims), inputs[0].1))
-        }
-        Op::Gather { axis } => {
-            arity(op, inputs, &[2])?;
-            int(op, inputs, 1)?;
-            let (x, idx) = (inputs[0].0, inputs[1].0);
-            if *axis >= x.rank() || idx.rank() < *axis || idx.0[..*axis] != x.0[..*axis] {
-                return Err(mismatch(op, format!("index must share the {axis} leading dims of x"), x, idx));
-            }
-            let mut dims = idx.0.clone();
-            dims.extend_from_slice(&x.0[axis + 1..]);
-            Ok((Shape(dims), inputs[0].1))
-        }
-        Op::ScatterAdd { axis } | Op::ScatterRows { axis } => {
-            arity(op, inputs, &[3])?;
-            int(op, inputs, 1)?;
-            let (base, idx, src) = (inputs[0].0, inputs[1].0, inputs[2].0);
-            if *axis >= base.rank() || idx.rank() < *axis || idx.0[..*axis] != base.0[..*axis] {
-                return Err(mismatch(
-                    op,
-                    format!("index must share the {axis} leading dims of base"),
-                    base,
-                    idx,
-                ));
-            }
-            let mut expected = idx.0.clone();
-            expected.extend_from_slice(&base.0[axis + 1..]);
-            if src.0 != expected {
-                return Err(mismatch(op, format!("src must be {}", Shape(expected)), base, src));
-            }
-            let (base_dt, src_dt) = (inputs[0].1, inputs[2].1);
-            let base_compute = float(op, inputs, 0)?;
-            if !src_dt.is_float() || src_dt.compute() != base_compute {
-                return Err(GraphError::DType {
-                    op: op.name().into(),
-                    slot: 2,
-                    got: src_dt,
-                    expected: base_dt.name().into(),
-                });
-            }
-            // Replacing rows moves data, so equal storage types are kept (a bf16 state stays
-            // bf16); accumulating is arithmetic and computes in f32 (docs/math.md §6.12).
-            let keeps_storage = matches!(op, Op::ScatterRows { .. }) && base_dt == src_dt;
-            Ok((base.clone(), if keeps_storage { base_dt } else { base_compute }))
-        }
-        Op::TopK { k, fixed } => {
-            arity(op, inputs, &[1])?;
-            float(op, inputs, 0)?;
-            let x = inputs[0].0;
-            if x.rank() == 0 || *k > x.last() || fixed > k {
-                return Err(invalid(op, format!("need fixed {fixed} <= k {k} <= last axis of {x}")));
-            }
-            let mut dims = x.0.clone();
-            *dims.last_mut().expect("rank >= 1") = *k;
-            Ok((Shape(dims), DType::I32))
-        }
-        Op::RmsNorm { .. } | Op::LayerNorm { .. } | Op::GroupNorm { .. } => {
-            let allowed: &[usize] = match op {
-                Op::RmsNorm { .. } => &[1, 2],
-                Op::LayerNorm { .. } => &[1, 3],
-                _ => &[3],
-            };
-            arity(op, inputs, allowed)?;
-            let dt = same_dtype(op, inputs)?;
-            let x = inputs[0].0;
-            if x.rank() == 0 {
-                return Err(invalid(op, "cannot normalize a scalar"));
-            }
-            for (slot, (p, _)) in inputs.iter().enumerate().skip(1) {
-                last_axis_param(op, x, p, if slot == 1 { "gain" } else { "bias" })?;
-            }
-            if let Op::GroupNorm { groups, .. } = op {
-                if *groups == 0 || !x.last().is_multiple_of(*groups) {
-                    return Err(invalid(
-                        op,
-                        format!("{} channels do not split into {groups} groups", x.last()),
-                    ));
-                }
-            }
-            Ok((x.clone(), dt))
-        }
-        Op::NormProject { centered, .. } => {
-            arity(op, inputs, &[2])?;
-            let dt = same_dtype(op, inputs)?;
-            let (x, w) = (inputs[0].0, inputs[1].0);
-            if x.rank() == 0 || w.rank() != 2 || w.0[0] != x.last() {
-                return Err(mismatch(op, "w must be [K, M] with K the last axis of x", x, w));
-            }
-            if *centered > w.0[1] {
-                return Err(invalid(op, format!("centered {centered} exceeds the {} outputs", w.0[1])));
-            }
-            let mut dims = x.0.clone();
-            *dims.last_mut().expect("rank >= 1") = w.0[1];
-            Ok((Shape(dims), dt))
-        }
-        Op::SoftmaxCrossEntropy => {
-            arity(op, inputs, &[2])?;
-            float(op, inputs, 0)?;
-            int(op, inputs, 1)?;
-            let (logits, targets) = (inputs[0].0, inputs[1].0);
-            if logits.rank() == 0 || logits.0[..logits.rank() - 1] != targets.0[..] {
-                return Err(mismatch(
-                    op,
-                    "targets must be the logits' shape without the class axis",
-                    logits,
-                    targets,
-                ));
-            }
-            Ok((Shape::scalar(), inputs[0].1))
-        }
-        Op::CausalAttention { .. } => {
-            arity(op, inputs, &[3])?;
-            let dt = same_dtype(op, inputs)?;
-            let (q, k, v) = (inputs[0].0, inputs[1].0, inputs[2].0);
-            if q.rank() != 4 || k.rank() != 4 || k != v {
-                return Err(mismatch(op, "q must be [B, T, H, dh]; k and v equal [B, T, Hkv, dh]", q, k));
-            }
-            let (h, hkv) = (q.0[2], k.0[2]);
-            if q.0[0] != k.0[0] || q.0[1] != k.0[1] || q.0[3] != k.0[3] || hkv == 0 || h % hkv != 0 {
-                return Err(mismatch(op, "q and k/v disagree on B, T or dh, or H % Hkv != 0", q, k));
-            }
-            Ok((q.clone(), dt))
-        }
-        Op::Sinkhorn { .. } => {
-            arity(op, inputs, &[1])?;
-            let x = inputs[0].0;
-            if x.rank() < 2 || x.0[x.rank() - 1] != x.0[x.rank() - 2] {
-                return Err(invalid(op, format!("needs square trailing matrices, got {x}")));
-            }
-            Ok((x.clone(), float(op, inputs, 0)?))
-        }
-        Op::TemporalAugment { .. } => {
-            if inputs.len() < 2 {
-                return Err(GraphError::Arity {
-                    op: op.name().into(),
-                    expected: ">= 2".into(),
-                    got: inputs.len(),
-                });
-            }
-            let dt = same_dtype(op, inputs)?;
-            let out = inputs[0].0;
-            if out.rank() != 3 {
-                return Err(invalid(op, format!("out must be [B, T, C], got {out}")));
-            }
-            for (w, _) in &inputs[1..] {
-                if w.rank() != 2 || w.0[1] != out.0[2] || w.0[0] == 0 {
-                    return Err(mismatch(op, "kernels must be [kappa, C]", out, w));
-                }
-            }
-            Ok((Shape::new([out.0[0], out.0[1], inputs.len() - 1, out.0[2]]), dt))
-        }
+        Op::Unary(_) | Op::Affine { .. } | Op::Softmax => like_input(op, inputs),
+        Op::Cast { to } => cast(op, inputs, *to),
+        Op::Binary(_) => binary(op, inputs),
+        Op::Reduce { axis, keepdim, .. } => reduce(op, inputs, *axis, *keepdim),
+        Op::MatMul { trans_a, trans_b } => matmul(op, inputs, *trans_a, *trans_b),
+        Op::Reshape { shape } => reshape(op, inputs, shape),
+        Op::Permute { perm } => permute(op, inputs, perm),
+        Op::Broadcast { shape } => broadcast(op, inputs, shape),
+        Op::Slice { axis, start, end } => slice(op, inputs, *axis, *start, *end),
+        Op::Concat { axis } => concat(op, inputs, *axis),
+        Op::Gather { axis } => gather(op, inputs, *axis),
+        Op::ScatterAdd { axis } => scatter(op, inputs, *axis, false),
+        Op::ScatterRows { axis } => scatter(op, inputs, *axis, true),
+        Op::TopK { k, fixed } => topk(op, inputs, *k, *fixed),
+        Op::RmsNorm { .. } => norm(op, inputs, &[1, 2], None),
+        Op::LayerNorm { .. } => norm(op, inputs, &[1, 3], None),
+        Op::GroupNorm { groups, .. } => norm(op, inputs, &[3], Some(*groups)),
+        Op::NormProject { centered, .. } => norm_project(op, inputs, *centered),
+        Op::SoftmaxCrossEntropy => softmax_cross_entropy(op, inputs),
+        Op::CausalAttention { .. } => causal_attention(op, inputs),
+        Op::Sinkhorn { .. } => sinkhorn(op, inputs),
+        Op::TemporalAugment { .. } => temporal_augment(op, inputs),
         Op::CausalAttentionGrad { scale, rope_base, wrt } => {
             arity(op, inputs, &[4])?;
             let forward = Op::CausalAttention { scale: *scale, rope_base: *rope_base };
@@ -380,17 +144,308 @@ pub(super) fn infer(op: &Op, inputs: &[Typed]) -> Result<(Shape, DType), GraphEr
             grad_of(op, &Op::Sinkhorn { iters: *iters, eps: *eps }, inputs, 0, 1)
         }
         Op::TemporalAugmentGrad { gram_schmidt, eps_rel, wrt } => {
-            if inputs.len() < 3 {
-                return Err(GraphError::Arity {
-                    op: op.name().into(),
-                    expected: ">= 3".into(),
-                    got: inputs.len(),
-                });
-            }
+            min_arity(op, inputs, 3)?;
             let forward = Op::TemporalAugment { gram_schmidt: *gram_schmidt, eps_rel: *eps_rel };
             grad_of(op, &forward, inputs, *wrt, inputs.len() - 1)
         }
     }
+}
+
+// Elementwise.
+
+/// One float operand, and an output of its shape and compute type.
+fn like_input(op: &Op, inputs: &[Typed]) -> Result<(Shape, DType), GraphError> {
+    arity(op, inputs, &[1])?;
+    Ok((inputs[0].0.clone(), float(op, inputs, 0)?))
+}
+
+fn cast(op: &Op, inputs: &[Typed], to: DType) -> Result<(Shape, DType), GraphError> {
+    arity(op, inputs, &[1])?;
+    float(op, inputs, 0)?;
+    if !to.is_float() {
+        return Err(invalid(op, format!("casts only to a float type, not {to}")));
+    }
+    Ok((inputs[0].0.clone(), to))
+}
+
+fn binary(op: &Op, inputs: &[Typed]) -> Result<(Shape, DType), GraphError> {
+    arity(op, inputs, &[2])?;
+    let dt = same_dtype(op, inputs)?;
+    let (a, b) = (inputs[0].0, inputs[1].0);
+    let shape = a.broadcast(b).ok_or_else(|| mismatch(op, "operands do not broadcast", a, b))?;
+    Ok((shape, dt))
+}
+
+// Reductions and products.
+
+fn reduce(op: &Op, inputs: &[Typed], axis: usize, keepdim: bool) -> Result<(Shape, DType), GraphError> {
+    arity(op, inputs, &[1])?;
+    let x = inputs[0].0;
+    if axis >= x.rank() {
+        return Err(invalid(op, format!("axis {axis} out of range for {x}")));
+    }
+    let mut dims = x.dims().to_vec();
+    if keepdim {
+        dims[axis] = 1;
+    } else {
+        dims.remove(axis);
+    }
+    Ok((Shape(dims), float(op, inputs, 0)?))
+}
+
+fn matmul(op: &Op, inputs: &[Typed], trans_a: bool, trans_b: bool) -> Result<(Shape, DType), GraphError> {
+    arity(op, inputs, &[2])?;
+    let dt = same_dtype(op, inputs)?;
+    let (a, b) = (inputs[0].0, inputs[1].0);
+    if a.rank() < 2 || b.rank() < 2 {
+        return Err(mismatch(op, "operands need rank >= 2", a, b));
+    }
+    let (ar, br) = (a.rank(), b.rank());
+    let (m, ka) = if trans_a { (a.0[ar - 1], a.0[ar - 2]) } else { (a.0[ar - 2], a.0[ar - 1]) };
+    let (kb, n) = if trans_b { (b.0[br - 1], b.0[br - 2]) } else { (b.0[br - 2], b.0[br - 1]) };
+    if ka != kb {
+        return Err(mismatch(op, format!("contraction sizes differ ({ka} vs {kb})"), a, b));
+    }
+    let batch = Shape(a.0[..ar - 2].to_vec())
+        .broadcast(&Shape(b.0[..br - 2].to_vec()))
+        .ok_or_else(|| mismatch(op, "batch dimensions do not broadcast", a, b))?;
+    let mut dims = batch.0;
+    dims.extend([m, n]);
+    Ok((Shape(dims), dt))
+}
+
+// Movement: views keep the operand's storage type.
+
+fn reshape(op: &Op, inputs: &[Typed], shape: &[usize]) -> Result<(Shape, DType), GraphError> {
+    arity(op, inputs, &[1])?;
+    let x = inputs[0].0;
+    let target = Shape(shape.to_vec());
+    if x.numel() != target.numel() {
+        return Err(mismatch(op, "element counts differ", x, &target));
+    }
+    Ok((target, inputs[0].1))
+}
+
+fn permute(op: &Op, inputs: &[Typed], perm: &[usize]) -> Result<(Shape, DType), GraphError> {
+    arity(op, inputs, &[1])?;
+    let x = inputs[0].0;
+    let mut seen = vec![false; x.rank()];
+    if perm.len() != x.rank() || perm.iter().any(|&p| p >= x.rank() || std::mem::replace(&mut seen[p], true))
+    {
+        return Err(invalid(op, format!("{perm:?} is not a permutation of the axes of {x}")));
+    }
+    Ok((Shape(perm.iter().map(|&p| x.0[p]).collect()), inputs[0].1))
+}
+
+fn broadcast(op: &Op, inputs: &[Typed], shape: &[usize]) -> Result<(Shape, DType), GraphError> {
+    arity(op, inputs, &[1])?;
+    let x = inputs[0].0;
+    let target = Shape(shape.to_vec());
+    if x.broadcast(&target).as_ref() != Some(&target) {
+        return Err(mismatch(op, "cannot broadcast", x, &target));
+    }
+    Ok((target, inputs[0].1))
+}
+
+fn slice(
+    op: &Op,
+    inputs: &[Typed],
+    axis: usize,
+    start: usize,
+    end: usize,
+) -> Result<(Shape, DType), GraphError> {
+    arity(op, inputs, &[1])?;
+    let x = inputs[0].0;
+    if axis >= x.rank() || start >= end || end > x.0[axis] {
+        return Err(invalid(op, format!("slice {start}..{end} on axis {axis} is out of range for {x}")));
+    }
+    let mut dims = x.0.clone();
+    dims[axis] = end - start;
+    Ok((Shape(dims), inputs[0].1))
+}
+
+fn concat(op: &Op, inputs: &[Typed], axis: usize) -> Result<(Shape, DType), GraphError> {
+    min_arity(op, inputs, 1)?;
+    let first = inputs[0].0;
+    if axis >= first.rank() {
+        return Err(invalid(op, format!("axis {axis} out of range for {first}")));
+    }
+    let mut dims = first.0.clone();
+    dims[axis] = 0;
+    for (slot, (s, dt)) in inputs.iter().enumerate() {
+        if *dt != inputs[0].1 {
+            return Err(GraphError::DType {
+                op: op.name().into(),
+                slot,
+                got: *dt,
+                expected: inputs[0].1.name().into(),
+            });
+        }
+        let same_rank = s.rank() == first.rank();
+        if !same_rank || (0..first.rank()).any(|i| i != axis && s.0[i] != first.0[i]) {
+            return Err(mismatch(op, format!("inputs differ off axis {axis}"), first, s));
+        }
+        dims[axis] += s.0[axis];
+    }
+    Ok((Shape(dims), inputs[0].1))
+}
+
+fn gather(op: &Op, inputs: &[Typed], axis: usize) -> Result<(Shape, DType), GraphError> {
+    arity(op, inputs, &[2])?;
+    int(op, inputs, 1)?;
+    let (x, idx) = (inputs[0].0, inputs[1].0);
+    if axis >= x.rank() || idx.rank() < axis || idx.0[..axis] != x.0[..axis] {
+        return Err(mismatch(op, format!("index must share the {axis} leading dims of x"), x, idx));
+    }
+    let mut dims = idx.0.clone();
+    dims.extend_from_slice(&x.0[axis + 1..]);
+    Ok((Shape(dims), inputs[0].1))
+}
+
+/// `ScatterAdd` (`replaces_rows` false) and `ScatterRows` (true): the base's shape.
+fn scatter(
+    op: &Op,
+    inputs: &[Typed],
+    axis: usize,
+    replaces_rows: bool,
+) -> Result<(Shape, DType), GraphError> {
+    arity(op, inputs, &[3])?;
+    int(op, inputs, 1)?;
+    let (base, idx, src) = (inputs[0].0, inputs[1].0, inputs[2].0);
+    if axis >= base.rank() || idx.rank() < axis || idx.0[..axis] != base.0[..axis] {
+        return Err(mismatch(op, format!("index must share the {axis} leading dims of base"), base, idx));
+    }
+    let mut expected = idx.0.clone();
+    expected.extend_from_slice(&base.0[axis + 1..]);
+    if src.0 != expected {
+        return Err(mismatch(op, format!("src must be {}", Shape(expected)), base, src));
+    }
+    let (base_dt, src_dt) = (inputs[0].1, inputs[2].1);
+    let base_compute = float(op, inputs, 0)?;
+    if !src_dt.is_float() || src_dt.compute() != base_compute {
+        return Err(GraphError::DType {
+            op: op.name().into(),
+            slot: 2,
+            got: src_dt,
+            expected: base_dt.name().into(),
+        });
+    }
+    // Replacing rows moves data, so equal storage types are kept (a bf16 state stays
+    // bf16); accumulating is arithmetic and computes in f32 (docs/math.md §6.12).
+    let keeps_storage = replaces_rows && base_dt == src_dt;
+    Ok((base.clone(), if keeps_storage { base_dt } else { base_compute }))
+}
+
+// Norms.
+
+/// RMSNorm, LayerNorm and GroupNorm (`groups`): x with optional last-axis gain and
+/// bias (`allowed` operand counts).
+fn norm(
+    op: &Op,
+    inputs: &[Typed],
+    allowed: &[usize],
+    groups: Option<usize>,
+) -> Result<(Shape, DType), GraphError> {
+    arity(op, inputs, allowed)?;
+    let dt = same_dtype(op, inputs)?;
+    let x = inputs[0].0;
+    if x.rank() == 0 {
+        return Err(invalid(op, "cannot normalize a scalar"));
+    }
+    for (slot, (p, _)) in inputs.iter().enumerate().skip(1) {
+        last_axis_param(op, x, p, if slot == 1 { "gain" } else { "bias" })?;
+    }
+    if let Some(groups) = groups {
+        if groups == 0 || !x.last().is_multiple_of(groups) {
+            return Err(invalid(op, format!("{} channels do not split into {groups} groups", x.last())));
+        }
+    }
+    Ok((x.clone(), dt))
+}
+
+fn norm_project(op: &Op, inputs: &[Typed], centered: usize) -> Result<(Shape, DType), GraphError> {
+    arity(op, inputs, &[2])?;
+    let dt = same_dtype(op, inputs)?;
+    let (x, w) = (inputs[0].0, inputs[1].0);
+    if x.rank() == 0 || w.rank() != 2 || w.0[0] != x.last() {
+        return Err(mismatch(op, "w must be [K, M] with K the last axis of x", x, w));
+    }
+    if centered > w.0[1] {
+        return Err(invalid(op, format!("centered {centered} exceeds the {} outputs", w.0[1])));
+    }
+    let mut dims = x.0.clone();
+    *dims.last_mut().expect("rank >= 1") = w.0[1];
+    Ok((Shape(dims), dt))
+}
+
+// Loss and attention.
+
+fn softmax_cross_entropy(op: &Op, inputs: &[Typed]) -> Result<(Shape, DType), GraphError> {
+    arity(op, inputs, &[2])?;
+    float(op, inputs, 0)?;
+    int(op, inputs, 1)?;
+    let (logits, targets) = (inputs[0].0, inputs[1].0);
+    if logits.rank() == 0 || logits.0[..logits.rank() - 1] != targets.0[..] {
+        return Err(mismatch(
+            op,
+            "targets must be the logits' shape without the class axis",
+            logits,
+            targets,
+        ));
+    }
+    Ok((Shape::scalar(), inputs[0].1))
+}
+
+fn causal_attention(op: &Op, inputs: &[Typed]) -> Result<(Shape, DType), GraphError> {
+    arity(op, inputs, &[3])?;
+    let dt = same_dtype(op, inputs)?;
+    let (q, k, v) = (inputs[0].0, inputs[1].0, inputs[2].0);
+    if q.rank() != 4 || k.rank() != 4 || k != v {
+        return Err(mismatch(op, "q must be [B, T, H, dh]; k and v equal [B, T, Hkv, dh]", q, k));
+    }
+    let (h, hkv) = (q.0[2], k.0[2]);
+    if q.0[0] != k.0[0] || q.0[1] != k.0[1] || q.0[3] != k.0[3] || hkv == 0 || h % hkv != 0 {
+        return Err(mismatch(op, "q and k/v disagree on B, T or dh, or H % Hkv != 0", q, k));
+    }
+    Ok((q.clone(), dt))
+}
+
+// Connections (docs/math.md §4, §6).
+
+fn topk(op: &Op, inputs: &[Typed], k: usize, fixed: usize) -> Result<(Shape, DType), GraphError> {
+    arity(op, inputs, &[1])?;
+    float(op, inputs, 0)?;
+    let x = inputs[0].0;
+    if x.rank() == 0 || k > x.last() || fixed > k {
+        return Err(invalid(op, format!("need fixed {fixed} <= k {k} <= last axis of {x}")));
+    }
+    let mut dims = x.0.clone();
+    *dims.last_mut().expect("rank >= 1") = k;
+    Ok((Shape(dims), DType::I32))
+}
+
+fn sinkhorn(op: &Op, inputs: &[Typed]) -> Result<(Shape, DType), GraphError> {
+    arity(op, inputs, &[1])?;
+    let x = inputs[0].0;
+    if x.rank() < 2 || x.0[x.rank() - 1] != x.0[x.rank() - 2] {
+        return Err(invalid(op, format!("needs square trailing matrices, got {x}")));
+    }
+    Ok((x.clone(), float(op, inputs, 0)?))
+}
+
+fn temporal_augment(op: &Op, inputs: &[Typed]) -> Result<(Shape, DType), GraphError> {
+    min_arity(op, inputs, 2)?;
+    let dt = same_dtype(op, inputs)?;
+    let out = inputs[0].0;
+    if out.rank() != 3 {
+        return Err(invalid(op, format!("out must be [B, T, C], got {out}")));
+    }
+    for (w, _) in &inputs[1..] {
+        if w.rank() != 2 || w.0[1] != out.0[2] || w.0[0] == 0 {
+            return Err(mismatch(op, "kernels must be [kappa, C]", out, w));
+        }
+    }
+    Ok((Shape::new([out.0[0], out.0[1], inputs.len() - 1, out.0[2]]), dt))
 }
 
 #[cfg(test)]

@@ -259,29 +259,107 @@ impl Op {
     /// Pure views: no data is moved (docs/architecture.md §4 "movement as views"). The cost model
     /// counts no traffic for them.
     pub fn is_view(&self) -> bool {
-        matches!(
-            self,
+        match self {
             Op::Reshape { .. }
-                | Op::Permute { .. }
-                | Op::Broadcast { .. }
-                | Op::Slice { .. }
-                | Op::Concat { .. }
-        )
+            | Op::Permute { .. }
+            | Op::Broadcast { .. }
+            | Op::Slice { .. }
+            | Op::Concat { .. } => true,
+            Op::Input { .. }
+            | Op::Param(_)
+            | Op::Constant { .. }
+            | Op::Unary(_)
+            | Op::Binary(_)
+            | Op::Affine { .. }
+            | Op::Cast { .. }
+            | Op::Reduce { .. }
+            | Op::MatMul { .. }
+            | Op::Gather { .. }
+            | Op::ScatterAdd { .. }
+            | Op::ScatterRows { .. }
+            | Op::TopK { .. }
+            | Op::Softmax
+            | Op::RmsNorm { .. }
+            | Op::LayerNorm { .. }
+            | Op::GroupNorm { .. }
+            | Op::NormProject { .. }
+            | Op::SoftmaxCrossEntropy
+            | Op::CausalAttention { .. }
+            | Op::Sinkhorn { .. }
+            | Op::TemporalAugment { .. }
+            | Op::CausalAttentionGrad { .. }
+            | Op::SinkhornGrad { .. }
+            | Op::TemporalAugmentGrad { .. } => false,
+        }
     }
 
     /// Heavy ops that are kernels of their own (docs/architecture.md §5).
     pub fn is_heavy(&self) -> bool {
-        matches!(
-            self,
+        match self {
             Op::MatMul { .. }
-                | Op::CausalAttention { .. }
-                | Op::CausalAttentionGrad { .. }
-                | Op::SoftmaxCrossEntropy
-        )
+            | Op::CausalAttention { .. }
+            | Op::CausalAttentionGrad { .. }
+            | Op::SoftmaxCrossEntropy => true,
+            Op::Input { .. }
+            | Op::Param(_)
+            | Op::Constant { .. }
+            | Op::Unary(_)
+            | Op::Binary(_)
+            | Op::Affine { .. }
+            | Op::Cast { .. }
+            | Op::Reduce { .. }
+            | Op::Reshape { .. }
+            | Op::Permute { .. }
+            | Op::Broadcast { .. }
+            | Op::Slice { .. }
+            | Op::Concat { .. }
+            | Op::Gather { .. }
+            | Op::ScatterAdd { .. }
+            | Op::ScatterRows { .. }
+            | Op::TopK { .. }
+            | Op::Softmax
+            | Op::RmsNorm { .. }
+            | Op::LayerNorm { .. }
+            | Op::GroupNorm { .. }
+            | Op::NormProject { .. }
+            | Op::Sinkhorn { .. }
+            | Op::TemporalAugment { .. }
+            | Op::SinkhornGrad { .. }
+            | Op::TemporalAugmentGrad { .. } => false,
+        }
     }
 
     /// Sources have no inputs.
     pub fn is_source(&self) -> bool {
-        matches!(self, Op::Input { .. } | Op::Param(_) | Op::Constant { .. })
+        match self {
+            Op::Input { .. } | Op::Param(_) | Op::Constant { .. } => true,
+            Op::Unary(_)
+            | Op::Binary(_)
+            | Op::Affine { .. }
+            | Op::Cast { .. }
+            | Op::Reduce { .. }
+            | Op::MatMul { .. }
+            | Op::Reshape { .. }
+            | Op::Permute { .. }
+            | Op::Broadcast { .. }
+            | Op::Slice { .. }
+            | Op::Concat { .. }
+            | Op::Gather { .. }
+            | Op::ScatterAdd { .. }
+            | Op::ScatterRows { .. }
+            | Op::TopK { .. }
+            | Op::Softmax
+            | Op::RmsNorm { .. }
+            | Op::LayerNorm { .. }
+            | Op::GroupNorm { .. }
+            | Op::NormProject { .. }
+            | Op::SoftmaxCrossEntropy
+            | Op::CausalAttention { .. }
+            | Op::Sinkhorn { .. }
+            | Op::TemporalAugment { .. }
+            | Op::CausalAttentionGrad { .. }
+            | Op::SinkhornGrad { .. }
+            | Op::TemporalAugmentGrad { .. } => false,
+        }
     }
 }

@@ -203,7 +203,32 @@ fn stored(graph: &Graph, id: NodeId) -> usize {
     match &node.op {
         Op::Broadcast { .. } | Op::Reshape { .. } | Op::Permute { .. } => stored(graph, graph.inputs(id)[0]),
         Op::Concat { .. } => graph.inputs(id).into_iter().map(|i| stored(graph, i)).sum(),
-        _ => node.shape.numel(),
+        Op::Input { .. }
+        | Op::Param(_)
+        | Op::Constant { .. }
+        | Op::Unary(_)
+        | Op::Binary(_)
+        | Op::Affine { .. }
+        | Op::Cast { .. }
+        | Op::Reduce { .. }
+        | Op::MatMul { .. }
+        | Op::Slice { .. }
+        | Op::Gather { .. }
+        | Op::ScatterAdd { .. }
+        | Op::ScatterRows { .. }
+        | Op::TopK { .. }
+        | Op::Softmax
+        | Op::RmsNorm { .. }
+        | Op::LayerNorm { .. }
+        | Op::GroupNorm { .. }
+        | Op::NormProject { .. }
+        | Op::SoftmaxCrossEntropy
+        | Op::CausalAttention { .. }
+        | Op::Sinkhorn { .. }
+        | Op::TemporalAugment { .. }
+        | Op::CausalAttentionGrad { .. }
+        | Op::SinkhornGrad { .. }
+        | Op::TemporalAugmentGrad { .. } => node.shape.numel(),
     }
 }
 
@@ -292,7 +317,34 @@ impl<'g> Analysis<'g> {
                 t.is_token_axis(g, input, *axis) && (*start != 0 || *end != g.node(input).shape.dims()[*axis])
             }
             Op::Concat { axis } => g.inputs(x).len() > 1 && t.is_token_axis(g, x, *axis),
-            _ => false,
+            Op::Input { .. }
+            | Op::Param(_)
+            | Op::Constant { .. }
+            | Op::Unary(_)
+            | Op::Binary(_)
+            | Op::Affine { .. }
+            | Op::Cast { .. }
+            | Op::Reduce { .. }
+            | Op::MatMul { .. }
+            | Op::Reshape { .. }
+            | Op::Permute { .. }
+            | Op::Broadcast { .. }
+            | Op::Gather { .. }
+            | Op::ScatterAdd { .. }
+            | Op::ScatterRows { .. }
+            | Op::TopK { .. }
+            | Op::Softmax
+            | Op::RmsNorm { .. }
+            | Op::LayerNorm { .. }
+            | Op::GroupNorm { .. }
+            | Op::NormProject { .. }
+            | Op::SoftmaxCrossEntropy
+            | Op::CausalAttention { .. }
+            | Op::Sinkhorn { .. }
+            | Op::TemporalAugment { .. }
+            | Op::CausalAttentionGrad { .. }
+            | Op::SinkhornGrad { .. }
+            | Op::TemporalAugmentGrad { .. } => false,
         }
     }
 
@@ -303,7 +355,35 @@ impl<'g> Analysis<'g> {
             Op::TemporalAugment { .. } => vec![0],
             Op::TemporalAugmentGrad { wrt: 0, .. } => vec![0, g.inputs(id).len() - 1],
             Op::Gather { axis } if t.is_token_axis(g, g.inputs(id)[0], *axis) => vec![0],
-            _ => Vec::new(),
+            Op::Input { .. }
+            | Op::Param(_)
+            | Op::Constant { .. }
+            | Op::Unary(_)
+            | Op::Binary(_)
+            | Op::Affine { .. }
+            | Op::Cast { .. }
+            | Op::Reduce { .. }
+            | Op::MatMul { .. }
+            | Op::Reshape { .. }
+            | Op::Permute { .. }
+            | Op::Broadcast { .. }
+            | Op::Slice { .. }
+            | Op::Concat { .. }
+            | Op::Gather { .. }
+            | Op::ScatterAdd { .. }
+            | Op::ScatterRows { .. }
+            | Op::TopK { .. }
+            | Op::Softmax
+            | Op::RmsNorm { .. }
+            | Op::LayerNorm { .. }
+            | Op::GroupNorm { .. }
+            | Op::NormProject { .. }
+            | Op::SoftmaxCrossEntropy
+            | Op::CausalAttention { .. }
+            | Op::Sinkhorn { .. }
+            | Op::CausalAttentionGrad { .. }
+            | Op::SinkhornGrad { .. }
+            | Op::TemporalAugmentGrad { .. } => Vec::new(),
         }
     }
 
@@ -361,7 +441,30 @@ impl<'g> Analysis<'g> {
             Op::Sinkhorn { .. } | Op::SinkhornGrad { .. } if reduces_last(1) || reduces_last(2) => {
                 (Class::Reduction, "normalizes over a token axis".into())
             }
-            _ => (Class::Local, "token-local".into()),
+            Op::Input { .. }
+            | Op::Param(_)
+            | Op::Constant { .. }
+            | Op::Unary(_)
+            | Op::Binary(_)
+            | Op::Affine { .. }
+            | Op::Cast { .. }
+            | Op::Reduce { .. }
+            | Op::Reshape { .. }
+            | Op::Permute { .. }
+            | Op::Broadcast { .. }
+            | Op::Slice { .. }
+            | Op::Concat { .. }
+            | Op::Gather { .. }
+            | Op::TopK { .. }
+            | Op::Softmax
+            | Op::RmsNorm { .. }
+            | Op::LayerNorm { .. }
+            | Op::GroupNorm { .. }
+            | Op::NormProject { .. }
+            | Op::Sinkhorn { .. }
+            | Op::TemporalAugment { .. }
+            | Op::SinkhornGrad { .. }
+            | Op::TemporalAugmentGrad { .. } => (Class::Local, "token-local".into()),
         }
     }
 
