@@ -10,7 +10,7 @@ mod common;
 
 use common::stderr;
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Command;
 
 /// `specs/<file>` shrunk for a fast test: width 16, 16-token windows, global
 /// batch 4, 5 steps with checkpoints every 2, evaluation at the end.
@@ -45,6 +45,7 @@ fn metrics(run: &Path) -> Vec<(u64, f64, Option<f64>, u64)> {
 #[cfg(feature = "mpi")]
 mod with_mpi {
     use super::*;
+    use std::process::Output;
     use std::time::{Duration, Instant};
 
     /// Whether `mpirun` runs here; prints why a test skips when it does not.

@@ -216,7 +216,7 @@ impl Shard {
     }
 
     /// This rank's rows of a row-major `[batch, window]` token batch.
-    pub fn rows<'a>(self, tokens: &'a [i32], window: usize) -> &'a [i32] {
+    pub fn rows(self, tokens: &[i32], window: usize) -> &[i32] {
         let per = tokens.len() / window.max(1) / self.world.max(1) * window;
         &tokens[self.rank * per..][..per]
     }

@@ -228,7 +228,7 @@ pub fn train_step_on_host_averaged<E: StepExecutor + ?Sized>(
         params
             .iter_mut()
             .zip(grads)
-            .map(|(p, g)| UpdateTarget { value: &mut p.value, grad: g.as_ref(), mirror: None })
+            .map(|(p, g)| UpdateTarget { value: &mut p.value, grad: g, mirror: None })
             .collect()
     }))
 }

@@ -222,8 +222,9 @@ mod ranks {
     /// dropping it at the end of the run finalizes MPI.
     #[cfg(feature = "mpi")]
     pub(super) type Ranks = Option<runtime::dist::mpi::MpiSession>;
+    /// Without MPI, a run is a single process.
     #[cfg(not(feature = "mpi"))]
-    pub(super) type Ranks = ();
+    pub(super) struct Ranks;
 
     #[cfg(feature = "mpi")]
     pub(super) fn join() -> anyhow::Result<Ranks> {
@@ -247,7 +248,7 @@ mod ranks {
                 runtime::dist::ENABLE_HINT
             );
         }
-        Ok(())
+        Ok(Ranks)
     }
 
     #[cfg(feature = "mpi")]
