@@ -247,6 +247,35 @@ mod with_mpi {
         assert!(dir.join("run/ckpt-2.safetensors").exists());
     }
 
+    /// One rank under `mpirun` is a single process: the same losses, bit for bit.
+    #[test]
+    fn one_rank_trains_bit_for_bit_like_one_process() {
+        let test = "one_rank_trains_bit_for_bit_like_one_process";
+        if !mpirun_present(test) {
+            return;
+        }
+        let dir = common::workdir("mpi-one", Some(&small_spec("tiny.ron")));
+        let plain = common::widen(&dir, &["train", "spec.ron", "--device", "reference", "--out", "plain"]);
+        assert!(plain.status.success(), "{}", stderr(&plain));
+        let one = mpirun(&dir, 1, &["train", "spec.ron", "--device", "reference", "--out", "one"], &[]);
+        assert!(one.status.success(), "{}", stderr(&one));
+        let (a, b) = (metrics(&dir.join("plain")), metrics(&dir.join("one")));
+        assert_eq!(a.len(), 5);
+        assert_eq!(a, b, "losses, validation losses and world sizes");
+    }
+
+    #[test]
+    fn cuda_across_ranks_is_refused_until_nccl_is_built() {
+        let test = "cuda_across_ranks_is_refused_until_nccl_is_built";
+        if !mpirun_present(test) {
+            return;
+        }
+        let dir = common::workdir("mpi-cuda", Some(&small_spec("tiny.ron")));
+        let o = mpirun(&dir, 2, &["train", "spec.ron", "--device", "cuda", "--out", "run"], &[]);
+        assert!(!o.status.success());
+        assert!(stderr(&o).contains("NCCL"), "{}", stderr(&o));
+    }
+
     #[test]
     fn a_global_batch_that_does_not_divide_is_refused() {
         let test = "a_global_batch_that_does_not_divide_is_refused";
