@@ -63,6 +63,7 @@ pub trait Train: VirtualWidth {
             catch_signals: true,
             overwrite: false,
             on_step: None,
+            group: None,
         };
         runtime::train::train_spec(&spec, device, &opts)
     }

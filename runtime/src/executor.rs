@@ -5,6 +5,7 @@
 //! data-parallel executor can all-reduce gradients before returning them
 //! (docs/architecture.md §11).
 
+use crate::dist::Group;
 use crate::optim::clip::{clip_scale, global_norm};
 use crate::optim::{Optimizer, UpdateTarget};
 use crate::params::ParamSet;
@@ -51,6 +52,8 @@ pub enum StepError {
     MomentsOnDevice,
     #[error("the Plan's update runs AdamW only, and a parameter follows Muon")]
     NotAdamW,
+    #[error(transparent)]
+    Dist(#[from] crate::dist::DistError),
 }
 
 /// Checks a token batch before any device sees it: `[batch, seq_len + 1]`
@@ -142,6 +145,27 @@ pub trait StepExecutor {
         train_step_on_host(self, params, tokens, optimizer, settings)
     }
 
+    /// One data-parallel training step (docs/distributed.md): [`Self::train_step`]
+    /// on this rank's shard `tokens`, except that the loss and the gradients are
+    /// averaged across `group` ([`Group::average`]) between the backward pass
+    /// and the update, so every rank applies the same update and reports the
+    /// loss of the whole global batch. [`Self::train_step`] stays the
+    /// single-process path, untouched by this one.
+    ///
+    /// This default averages [`Self::loss_and_grads`] and updates on the host.
+    /// A device whose Plan runs the update overrides it to average the
+    /// gradients in the Plan's buffers before running the Plan's update steps.
+    fn train_step_averaged(
+        &mut self,
+        params: &mut ParamSet,
+        tokens: &[i32],
+        optimizer: &mut Optimizer,
+        settings: UpdateSettings,
+        group: &Group,
+    ) -> Result<StepStats, StepError> {
+        train_step_on_host_averaged(self, params, tokens, optimizer, settings, group)
+    }
+
     /// Brings the optimizer state a device holds back into `optimizer` (its
     /// moments, when the device's Plan ran the update); a no-op where the host
     /// holds it. Call before reading the state, as checkpoints do.
@@ -170,6 +194,41 @@ pub fn train_step_on_host<E: StepExecutor + ?Sized>(
             .iter_mut()
             .zip(grads)
             .map(|(p, g)| UpdateTarget { value: &mut p.value, grad: g.as_ref(), mirror: None })
+            .collect()
+    }))
+}
+
+/// [`train_step_on_host`] with the loss and the gradients averaged across
+/// `group` first: one all-reduce over the gradients laid end to end in
+/// [`ParamSet`] order.
+pub fn train_step_on_host_averaged<E: StepExecutor + ?Sized>(
+    exec: &mut E,
+    params: &mut ParamSet,
+    tokens: &[i32],
+    optimizer: &mut Optimizer,
+    settings: UpdateSettings,
+    group: &Group,
+) -> Result<StepStats, StepError> {
+    if optimizer.moments_on_device() {
+        return Err(StepError::MomentsOnDevice);
+    }
+    let (loss, grads) = exec.loss_and_grads(params, tokens)?;
+    let mut flat: Vec<f32> = grads.concat();
+    let loss = group.average(loss, &mut flat);
+    let mut rest = flat.as_slice();
+    let grads: Vec<&[f32]> = grads
+        .iter()
+        .map(|g| {
+            let (mine, after) = rest.split_at(g.len());
+            rest = after;
+            mine
+        })
+        .collect();
+    Ok(update_on_host(loss, &grads, optimizer, settings, |grads| {
+        params
+            .iter_mut()
+            .zip(grads)
+            .map(|(p, g)| UpdateTarget { value: &mut p.value, grad: g, mirror: None })
             .collect()
     }))
 }

@@ -6,6 +6,7 @@
 //! - [`checkpoint`]: safetensors checkpoints with resume state.
 //! - [`coord`]: the muP coordinate check (activation size per layer across widths).
 //! - [`device`]: devices that execute a compiled Plan (the Cpu device).
+//! - [`dist`]: data-parallel training across processes (the gradient all-reduce; MPI with the `mpi` feature).
 //! - [`executor`]: the device boundary ([`executor::StepExecutor`]) and the reference executor.
 //! - [`parity`]: a compiled device against the reference executor.
 //! - [`process`]: what every widen program sets up at startup (file-size limits as write errors).
@@ -17,6 +18,7 @@ pub mod checkpoint;
 pub mod coord;
 pub mod data;
 pub mod device;
+pub mod dist;
 pub mod eval;
 pub mod executor;
 pub mod init;

@@ -48,6 +48,7 @@
 
 use crate::checkpoint::{self, Checkpoint, CheckpointError, TrainState};
 use crate::data::{BatchSampler, Corpus, DataError, DataIdentity};
+use crate::dist::{DistError, Fault, Group, Shard};
 use crate::executor::{Device, StepError, StepExecutor, StepStats, UpdateSettings};
 use crate::init::{init_params, InitError};
 use crate::optim::schedule::lr_multiplier;
@@ -124,6 +125,8 @@ pub enum TrainError {
     Lower(#[from] ir::lower::LowerError),
     #[error(transparent)]
     Init(#[from] InitError),
+    #[error(transparent)]
+    Dist(#[from] DistError),
 }
 
 fn last_good_text(last_good: &Option<(PathBuf, u64)>) -> String {
@@ -174,6 +177,9 @@ pub struct TrainOptions {
     /// Called after every step, once its metrics line is written: a caller that
     /// drives many runs (a sweep) shows its own progress from it.
     pub on_step: Option<StepObserver>,
+    /// The ranks of a data-parallel run this process is one of
+    /// (docs/distributed.md); `None` (or one rank) trains alone.
+    pub group: Option<Group>,
 }
 
 /// What a step reports to a [`StepObserver`].
@@ -223,6 +229,7 @@ impl TrainOptions {
             catch_signals: false,
             overwrite: false,
             on_step: None,
+            group: None,
         }
     }
 }
@@ -253,7 +260,13 @@ pub fn train_spec(spec: &ModelSpec, device: Device, opts: &TrainOptions) -> Resu
     }
     let window = spec.train.seq_len + 1;
     let corpus = Corpus::load(&spec.train.data, spec.train.val_fraction, window)?;
-    let lowered = ir::lower::lower(spec, spec.train.batch, spec.train.seq_len)?;
+    // Across ranks, each rank's graph takes its shard of the global batch.
+    let group = opts.group.as_ref().filter(|g| g.size() > 1);
+    if let (Some(g), Device::Cuda) = (group, device) {
+        return Err(DistError::CudaNotBuilt { world: g.size() }.into());
+    }
+    let batch = Shard::of(group).local_batch(spec.train.batch)?;
+    let lowered = ir::lower::lower(spec, batch, spec.train.seq_len)?;
     let params = init_params(&lowered.graph, spec.train.seed)?;
     let mut exec = device.executor(lowered).map_err(TrainError::Device)?;
     train(spec, exec.as_mut(), params, &corpus, opts)
@@ -289,6 +302,12 @@ pub fn write_initial(spec: &ModelSpec, opts: &TrainOptions) -> Result<PathBuf, T
 }
 
 /// Trains `params` (already initialized) on `corpus` with `exec`.
+///
+/// In a data-parallel run (`opts.group` of more than one rank,
+/// docs/distributed.md) `exec` takes this rank's shard of the global batch
+/// `train.batch`: every rank draws the same global batches and trains on its
+/// rows of each, the steps average the loss and the gradients across the ranks,
+/// and rank 0 alone writes the run folder and the console output.
 pub fn train(
     spec: &ModelSpec,
     exec: &mut dyn StepExecutor,
@@ -296,13 +315,32 @@ pub fn train(
     corpus: &Corpus,
     opts: &TrainOptions,
 ) -> Result<TrainReport, TrainError> {
+    let group = opts.group.as_ref().filter(|g| g.size() > 1);
+    let shard = Shard::of(group);
+    // Rank 0 (or a run alone) writes the folder and the console.
+    let root = shard.rank == 0;
+    if group.is_some() && exec.device() == Device::Cuda.name() {
+        return Err(DistError::CudaNotBuilt { world: shard.world }.into());
+    }
     let out = &opts.out_dir;
-    std::fs::create_dir_all(out).map_err(|source| TrainError::Io { path: out.clone(), source })?;
+    let progress_mode = if root { opts.progress } else { Progress::Silent };
+    let notes = Notes(progress_mode);
     // Held until this function returns: no other run writes this folder meanwhile.
-    let _lock = folder::lock(out)?;
-    let notes = Notes(opts.progress);
-    folder::remove_partial_files(out, &notes);
-    let [batch, window] = exec.token_shape();
+    let _lock = if root {
+        std::fs::create_dir_all(out).map_err(|source| TrainError::Io { path: out.clone(), source })?;
+        let lock = folder::lock(out)?;
+        folder::remove_partial_files(out, &notes);
+        Some(lock)
+    } else {
+        None
+    };
+    let [local_batch, window] = exec.token_shape();
+    // The global batch: the sampler draws it whole on every rank, so the
+    // batches depend on the step alone, not on the number of ranks.
+    let batch = local_batch * shard.world;
+    if group.is_some() && batch != spec.train.batch {
+        return Err(DistError::Batch { batch: spec.train.batch, world: shard.world }.into());
+    }
     corpus.check_window(window)?;
     let total = spec.train.steps;
     let mut optimizer = Optimizer::new(spec, &params);
@@ -318,61 +356,101 @@ pub fn train(
             }
             ckpt.restore_params(&mut params)?;
             ckpt.restore_optimizer(&mut optimizer)?;
-            folder::prepare_resume(out, &ckpt, opts.overwrite, &notes)?;
+            if root {
+                folder::prepare_resume(out, &ckpt, opts.overwrite, &notes)?;
+            }
             note_resume_changes(&ckpt, spec, &changed, &notes);
             note_data_change(&ckpt, &data, &notes);
             let step = ckpt.state.step;
             (step, BatchSampler::from_state(ckpt.state.data_rng, batch, window), Some((path.clone(), step)))
         }
         None => {
-            if let Some(path) = folder::run_files(out)?.into_iter().next() {
-                return Err(TrainError::RunExists { path });
+            if root {
+                if let Some(path) = folder::run_files(out)?.into_iter().next() {
+                    return Err(TrainError::RunExists { path });
+                }
             }
             (0, BatchSampler::train(spec.train.seed, batch, window), None)
         }
     };
-    let mut metrics = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&metrics_path)
-        .map_err(|source| TrainError::Io { path: metrics_path.clone(), source })?;
+    let mut metrics = if root {
+        Some(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&metrics_path)
+                .map_err(|source| TrainError::Io { path: metrics_path.clone(), source })?,
+        )
+    } else {
+        None
+    };
     let signals =
         if opts.catch_signals { Some(signals::catch().map_err(TrainError::Signals)?) } else { None };
     let mut saver = Saver { spec, metrics_path: &metrics_path, last_good, data: &data };
+    let fault = group.and_then(|_| Fault::from_env());
 
     let peak_lr = match &spec.train.optimizer {
         OptimizerSpec::AdamW(a) => a.lr,
         OptimizerSpec::Muon(m) => m.adamw.lr,
     };
-    let mut progress = ProgressLine::new(opts.progress, total);
+    if let Progress::Auto { .. } = progress_mode {
+        let per_rank = match group {
+            Some(_) => format!(" ({local_batch} per rank)"),
+            None => String::new(),
+        };
+        eprintln!(
+            "training {} on {}: world_size {}, batch {batch}{per_rank}, steps {}..={total}",
+            spec.name,
+            exec.device(),
+            shard.world,
+            start + 1
+        );
+    }
+    let mut progress = ProgressLine::new(progress_mode, total);
     let mut losses = Vec::new();
     let mut val_loss = None;
     for step in start + 1..=total as u64 {
+        if let Some(fault) = &fault {
+            fault.strike(shard.rank, step);
+        }
         let started = Instant::now();
+        let reduced_before = group.map(Group::reduce_time);
         let tokens = sampler.next_batch(corpus.train());
         let lr_mult = lr_multiplier(&spec.train.schedule, (step - 1) as usize, total);
         let settings = UpdateSettings { lr_mult, clip: spec.train.clip };
-        let StepStats { loss, grad_norm } = exec
-            .train_step(&mut params, &tokens, &mut optimizer, settings)
-            .map_err(|source| TrainError::Step { step, source })?;
+        let stepped = match group {
+            None => exec.train_step(&mut params, &tokens, &mut optimizer, settings),
+            Some(g) => {
+                let mine = shard.rows(&tokens, window);
+                exec.train_step_averaged(&mut params, mine, &mut optimizer, settings, g)
+            }
+        };
+        let StepStats { loss, grad_norm } = stepped.map_err(|source| TrainError::Step { step, source })?;
         if !loss.is_finite() {
             return Err(TrainError::NonFinite { step, what: "training loss", value: loss });
         }
-        let tokens_per_s = (batch * (window - 1)) as f64 / started.elapsed().as_secs_f64().max(1e-9);
+        let elapsed = started.elapsed();
+        let tokens_per_s = (batch * (window - 1)) as f64 / elapsed.as_secs_f64().max(1e-9);
         losses.push(loss);
 
         let mut record = serde_json::json!({
             "step": step,
             "device": exec.device(),
+            "world_size": shard.world,
             "loss": loss,
             "lr": peak_lr * lr_mult,
             "grad_norm": grad_norm,
             "tokens_per_s": tokens_per_s,
             "tokens": step * (batch * (window - 1)) as u64,
         });
+        if let (Some(g), Some(before)) = (group, reduced_before) {
+            // The step's time in all-reduces (this rank's wait for the others included).
+            record["allreduce_ms"] = serde_json::json!((g.reduce_time() - before).as_secs_f64() * 1e3);
+            record["step_ms"] = serde_json::json!(elapsed.as_secs_f64() * 1e3);
+        }
         let evaluate = step.is_multiple_of(spec.train.eval_every.max(1) as u64) || step == total as u64;
         if evaluate {
-            let v = validation_loss(spec, exec, &params, corpus, spec.train.eval_batches)
+            let v = sharded_validation_loss(spec, exec, &params, corpus, spec.train.eval_batches, group)
                 .map_err(|source| TrainError::Step { step, source })? as f32;
             if !v.is_finite() {
                 return Err(TrainError::NonFinite { step, what: "validation loss", value: v });
@@ -380,9 +458,11 @@ pub fn train(
             record["val_loss"] = serde_json::json!(v);
             val_loss = Some(v);
         }
-        writeln!(metrics, "{record}")
-            .and_then(|_| metrics.flush())
-            .map_err(|source| TrainError::Io { path: metrics_path.clone(), source })?;
+        if let Some(metrics) = &mut metrics {
+            writeln!(metrics, "{record}")
+                .and_then(|_| metrics.flush())
+                .map_err(|source| TrainError::Io { path: metrics_path.clone(), source })?;
+        }
         progress.show(step, loss, peak_lr * lr_mult, tokens_per_s, evaluate.then_some(val_loss).flatten());
         if let Some(observer) = &opts.on_step {
             let val_loss = evaluate.then_some(val_loss).flatten();
@@ -390,11 +470,18 @@ pub fn train(
         }
 
         let every = spec.train.checkpoint_every as u64;
-        let interrupted = signals.as_ref().is_some_and(signals::Guard::stop_requested);
+        let mut interrupted = signals.as_ref().is_some_and(signals::Guard::stop_requested);
+        if let Some(g) = group {
+            // A signal may reach the ranks at different steps: they stop together.
+            interrupted = g.any(interrupted);
+        }
         if (every > 0 && step.is_multiple_of(every)) || (interrupted && step < total as u64) {
             let path = out.join(format!("ckpt-{step}.safetensors"));
-            saver.save(exec, &params, &mut optimizer, &sampler, step, &path, &metrics)?;
-            folder::keep_newest(out, spec.train.keep_last, &notes);
+            check_ranks_agree(group, &params, step)?;
+            if let Some(metrics) = &metrics {
+                saver.save(exec, &params, &mut optimizer, &sampler, step, &path, metrics)?;
+                folder::keep_newest(out, spec.train.keep_last, &notes);
+            }
         }
         if interrupted && step < total as u64 {
             drop(progress);
@@ -405,8 +492,20 @@ pub fn train(
     drop(progress);
     let final_checkpoint = out.join(FINAL_CHECKPOINT);
     let steps = optimizer.steps_taken();
-    saver.save(exec, &params, &mut optimizer, &sampler, steps, &final_checkpoint, &metrics)?;
+    check_ranks_agree(group, &params, steps)?;
+    if let Some(metrics) = &metrics {
+        saver.save(exec, &params, &mut optimizer, &sampler, steps, &final_checkpoint, metrics)?;
+    }
     Ok(TrainReport { losses, val_loss, steps, final_checkpoint, metrics: metrics_path })
+}
+
+/// Before a checkpoint of a data-parallel run: every rank must hold the same
+/// parameters, or the checkpoint (rank 0's) would not be the run's model.
+fn check_ranks_agree(group: Option<&Group>, params: &ParamSet, step: u64) -> Result<(), TrainError> {
+    match group {
+        Some(g) if !g.all_equal(crate::dist::fingerprint(params)) => Err(DistError::Diverged { step }.into()),
+        _ => Ok(()),
+    }
 }
 
 /// Saves checkpoints and remembers the last one that was written whole.
@@ -861,16 +960,46 @@ pub fn validation_loss(
     corpus: &Corpus,
     batches: usize,
 ) -> Result<f64, StepError> {
+    validation_loss_of_shard(spec, exec, params, corpus, batches, Shard::WHOLE)
+}
+
+/// [`validation_loss`] in a data-parallel run: each rank scores its rows of
+/// the validation batches a single process would draw (of the global batch),
+/// and the ranks average their means, so the number does not depend on how
+/// many ranks there are.
+fn sharded_validation_loss(
+    spec: &ModelSpec,
+    exec: &mut dyn StepExecutor,
+    params: &ParamSet,
+    corpus: &Corpus,
+    batches: usize,
+    group: Option<&Group>,
+) -> Result<f64, StepError> {
+    let mine = validation_loss_of_shard(spec, exec, params, corpus, batches, Shard::of(group))?;
+    Ok(group.map_or(mine, |g| g.mean(mine)))
+}
+
+/// The validation loss over `shard`'s rows of the validation batches of
+/// `shard.world` times `exec`'s batch.
+fn validation_loss_of_shard(
+    spec: &ModelSpec,
+    exec: &mut dyn StepExecutor,
+    params: &ParamSet,
+    corpus: &Corpus,
+    batches: usize,
+    shard: Shard,
+) -> Result<f64, StepError> {
     let [batch, window] = exec.token_shape();
-    let mut sampler = BatchSampler::validation(spec.train.seed, batch, window);
+    let mut sampler = BatchSampler::validation(spec.train.seed, batch * shard.world, window);
     let n = batches.max(1);
     let mut sum = 0.0f64;
     for _ in 0..n {
-        let tokens = sampler.next_batch(corpus.validation());
+        let all = sampler.next_batch(corpus.validation());
+        let tokens = shard.rows(&all, window);
         sum += if spec.mtp.depth == 0 {
-            f64::from(exec.loss(params, &tokens)?)
+            f64::from(exec.loss(params, tokens)?)
         } else {
-            next_token_loss(&exec.logits(params, &tokens)?, &tokens, batch, window)
+            next_token_loss(&exec.logits(params, tokens)?, tokens, batch, window)
         };
     }
     Ok(sum / n as f64)

@@ -4,9 +4,17 @@
 //! Ctrl-C or SIGTERM saves the run and exits with status 130, printing the
 //! command that continues it; so does a failed save, naming the last good
 //! checkpoint (status 1). See `runtime::train` for what a run refuses.
+//!
+//! Under an MPI launcher (`mpirun -n N widen train ...`, in a build with the
+//! `mpi` feature) the N processes train one model data-parallel
+//! (docs/distributed.md); a rank that fails prints its error and ends every
+//! rank (`MPI_Abort`). A build without the feature refuses to start under a
+//! launcher of more than one process, which would otherwise train N
+//! independent copies into one folder.
 
 use anyhow::Context;
 use ir::spec::{load_spec, DataSpec};
+use runtime::dist::Group;
 use runtime::executor::Device;
 use runtime::train::{train_spec, Progress, TrainError, TrainOptions};
 use std::path::{Path, PathBuf};
@@ -34,7 +42,18 @@ impl From<DeviceArg> for Device {
     }
 }
 
+/// How `widen train --help` ends: how to train across processes.
+#[cfg(feature = "mpi")]
+const DISTRIBUTED_HELP: &str =
+    "Data-parallel across processes: `mpirun -n N widen train SPEC ...` (train.batch \
+is the global batch; it must divide by N). See docs/distributed.md.";
+#[cfg(not(feature = "mpi"))]
+const DISTRIBUTED_HELP: &str = "Data-parallel across processes (`mpirun -n N widen train SPEC ...`) needs a \
+build with MPI: `cargo build --release --features mpi` (Open MPI and libclang: `apt-get install \
+libopenmpi-dev openmpi-bin libclang-dev`). See docs/distributed.md.";
+
 #[derive(clap::Args)]
+#[command(after_help = DISTRIBUTED_HELP)]
 pub struct Args {
     /// Path to the RON spec.
     pub spec: PathBuf,
@@ -62,16 +81,34 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    let ranks = ranks::join()?;
+    let group = ranks::group(&ranks);
+    match run_rank(&args, group.as_ref()) {
+        Ok(code) => Ok(code),
+        // Alone, the error is reported as every command's is.
+        Err(err) if group.is_none() => Err(err),
+        Err(err) => {
+            let g = group.as_ref().expect("a group");
+            eprintln!("error (rank {} of {}): {err:#}", g.rank(), g.size());
+            g.abort(1)
+        }
+    }
+}
+
+/// This process's part of `widen train`: the whole run alone, or one rank's.
+fn run_rank(args: &Args, group: Option<&Group>) -> anyhow::Result<ExitCode> {
+    let root = group.is_none_or(Group::is_root);
     let mut spec = load_spec(&args.spec)?;
     if let Some(data) = &args.data {
         spec.train.data = DataSpec::Text(data.display().to_string());
     }
     if args.steps == Some(0) {
-        return write_initial(&args, &spec);
+        // The initial state is the same on every rank: rank 0 writes it.
+        return if root { write_initial(args, &spec) } else { Ok(ExitCode::SUCCESS) };
     }
     if let Some(steps) = args.steps {
         // Same rule as standalone binaries, so both follow one schedule for one --steps.
-        if let Some(w) = runtime::standalone::set_steps(&mut spec, steps) {
+        if let Some(w) = runtime::standalone::set_steps(&mut spec, steps).filter(|_| root) {
             eprintln!(
                 "note: --steps {} is shorter than the spec's warmup of {}; warmup scaled to {} \
                  (its fraction of the planned {} steps)",
@@ -87,6 +124,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         catch_signals: true,
         overwrite: args.overwrite,
         on_step: None,
+        group: group.cloned(),
     };
     let device = Device::from(args.device);
     let report = match train_spec(&spec, device, &opts) {
@@ -98,13 +136,20 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                 });
             };
             let interrupted = matches!(err, TrainError::Interrupted { .. });
+            if !root && interrupted {
+                // Rank 0 says where the run is saved and how to continue it.
+                return Ok(ExitCode::from(130));
+            }
             let err = anyhow::Error::new(err);
             eprintln!("{}{err:#}", if interrupted { "" } else { "error: " });
-            eprintln!("continue with: {}", resume_command(&args, &out_dir, &checkpoint));
+            eprintln!("continue with: {}", resume_command(args, &out_dir, &checkpoint));
             // 130 = 128 + SIGINT, what a shell reports for a run stopped by Ctrl-C.
             return Ok(if interrupted { ExitCode::from(130) } else { ExitCode::FAILURE });
         }
     };
+    if !root {
+        return Ok(ExitCode::SUCCESS);
+    }
     let last = report.losses.last().map(|l| format!("{l:.4}")).unwrap_or_else(|| "-".into());
     let val = report.val_loss.map(|v| format!(", validation loss {v:.4}")).unwrap_or_default();
     eprintln!(
@@ -166,5 +211,53 @@ fn quote(word: &str) -> String {
         word.to_string()
     } else {
         format!("'{}'", word.replace('\'', "'\\''"))
+    }
+}
+
+/// Joining the ranks of a data-parallel run (docs/distributed.md).
+mod ranks {
+    use runtime::dist::{launcher_world_size, Group};
+
+    /// MPI, initialized for the run when an MPI launcher started this process;
+    /// dropping it at the end of the run finalizes MPI.
+    #[cfg(feature = "mpi")]
+    pub(super) type Ranks = Option<runtime::dist::mpi::MpiSession>;
+    /// Without MPI, a run is a single process.
+    #[cfg(not(feature = "mpi"))]
+    pub(super) struct Ranks;
+
+    #[cfg(feature = "mpi")]
+    pub(super) fn join() -> anyhow::Result<Ranks> {
+        if launcher_world_size().is_none() {
+            // Not under a launcher: no MPI at all, the run is exactly a single process's.
+            return Ok(None);
+        }
+        let session = runtime::dist::mpi::MpiSession::init()
+            .ok_or_else(|| anyhow::anyhow!("MPI was initialized already in this process"))?;
+        Ok(Some(session))
+    }
+
+    #[cfg(not(feature = "mpi"))]
+    pub(super) fn join() -> anyhow::Result<Ranks> {
+        if let Some(n) = launcher_world_size().filter(|&n| n > 1) {
+            anyhow::bail!(
+                "this process is one of {n} that an MPI launcher started (OMPI_COMM_WORLD_SIZE or \
+                 PMI_SIZE is {n}), but this widen is built without MPI: the {n} processes would train \
+                 {n} independent copies of the model into one folder; to train one model across \
+                 them, {}",
+                runtime::dist::ENABLE_HINT
+            );
+        }
+        Ok(Ranks)
+    }
+
+    #[cfg(feature = "mpi")]
+    pub(super) fn group(ranks: &Ranks) -> Option<Group> {
+        ranks.as_ref().map(|s| s.group().clone()).filter(|g| g.size() > 1)
+    }
+
+    #[cfg(not(feature = "mpi"))]
+    pub(super) fn group(_: &Ranks) -> Option<Group> {
+        None
     }
 }

@@ -494,7 +494,8 @@ fn train_run(
         | TrainError::Step { .. }
         | TrainError::Checkpoint(_)
         | TrainError::Lower(_)
-        | TrainError::Init(_) => Ok(RunOutcome::Failed(chain(&err))),
+        | TrainError::Init(_)
+        | TrainError::Dist(_) => Ok(RunOutcome::Failed(chain(&err))),
     }
 }
 

@@ -72,9 +72,12 @@ pub struct CpuOptions {
 }
 
 impl Default for CpuOptions {
-    /// All available cores.
+    /// All available cores, shared out evenly among the ranks an MPI launcher
+    /// started on this machine (docs/distributed.md), so that N ranks on one
+    /// machine do not run N times as many threads as it has cores.
     fn default() -> Self {
-        CpuOptions { threads: std::thread::available_parallelism().map_or(1, |n| n.get()) }
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        CpuOptions { threads: (cores / crate::dist::local_ranks()).max(1) }
     }
 }
 

@@ -9,8 +9,10 @@
 
 use super::cpu::{CpuDevice, CpuError, CpuOptions};
 use super::update::{Held, PlanBuffers, PlanUpdate};
+use crate::dist::Group;
 use crate::executor::{
-    check_tokens, plan_vocab, update_on_host, StepError, StepExecutor, StepStats, UpdateSettings,
+    check_tokens, plan_vocab, train_step_on_host_averaged, update_on_host, StepError, StepExecutor,
+    StepStats, UpdateSettings,
 };
 use crate::optim::{Optimizer, UpdateTarget};
 use crate::params::{ParamSet, ParamVersion};
@@ -251,16 +253,42 @@ impl Loaded {
     fn loss(&self) -> Result<f32, StepError> {
         first_loss(self.device.read_f32(self.io.loss)?)
     }
+
+    /// Replaces the loss and every gradient buffer by its mean across `group`:
+    /// one all-reduce over the gradients laid end to end in the Plan's
+    /// parameter order (the same on every rank: one spec, one Plan).
+    fn average_in_buffers(&mut self, group: &Group) -> Result<(), StepError> {
+        let buffers: Vec<BufferId> = self.io.params.iter().filter_map(|(_, _, g)| *g).collect();
+        let mut flat = Vec::new();
+        for &g in &buffers {
+            flat.extend_from_slice(self.device.read_f32(g)?);
+        }
+        let loss = group.average(self.loss()?, &mut flat);
+        let mut rest = flat.as_slice();
+        for &g in &buffers {
+            let (mine, after) = rest.split_at(self.device.read_f32(g)?.len());
+            self.device.write_f32(g, mine)?;
+            rest = after;
+        }
+        self.device.write_f32(self.io.loss, &[loss])?;
+        Ok(())
+    }
 }
 
 impl CpuExecutor {
-    /// A training step with the Plan's own update (`super::update`).
+    /// A training step with the Plan's own update (`super::update`). With a
+    /// `group` (a data-parallel step, docs/distributed.md) the Plan runs in two
+    /// parts: its gradient steps; then, once the loss and the gradients in the
+    /// Plan's buffers are replaced by their means across the ranks, its update
+    /// steps. The update reads the `loss` buffer to skip a non-finite step, so
+    /// it gets the mean too, and every rank decides alike.
     fn train_step_in_plan(
         &mut self,
         params: &mut ParamSet,
         tokens: &[i32],
         optimizer: &mut Optimizer,
         settings: UpdateSettings,
+        group: Option<&Group>,
     ) -> Result<StepStats, StepError> {
         let mut held = self.held.take();
         {
@@ -269,7 +297,17 @@ impl CpuExecutor {
             update.hold_moments(device, optimizer, &mut held)?;
             update.write_values(device, optimizer, settings)?;
         }
-        let l = self.run_steps(params, tokens, true)?;
+        let l = match group {
+            None => self.run_steps(params, tokens, true)?,
+            Some(group) => {
+                let l = self.run_steps(params, tokens, false)?;
+                l.average_in_buffers(group)?;
+                let plan = l.device.plan();
+                let steps = plan.gradient_steps().end..plan.steps.len();
+                l.device.run_range(steps)?;
+                l
+            }
+        };
         let loss = l.loss()?;
         let Loaded { device, update, .. } = l;
         let update = update.as_ref().ok_or(StepError::MissingOutput { what: "optimizer update" })?;
@@ -347,7 +385,7 @@ impl StepExecutor for CpuExecutor {
         // Before the update's state is touched: a refused batch changes nothing.
         check_tokens(tokens, self.token_shape, self.vocab)?;
         if self.loaded()?.update.as_ref().is_some_and(|u| u.takes(params, optimizer)) {
-            return self.train_step_in_plan(params, tokens, optimizer, settings);
+            return self.train_step_in_plan(params, tokens, optimizer, settings, None);
         }
         if optimizer.moments_on_device() {
             return Err(StepError::MomentsOnDevice);
@@ -399,6 +437,26 @@ impl StepExecutor for CpuExecutor {
         // loss, its unchanged values).
         self.resident = Some(params.version());
         Ok(stats)
+    }
+
+    /// With AdamW on every parameter, the Plan's update after the gradients
+    /// are averaged in its buffers ([`CpuExecutor::train_step_in_plan`]);
+    /// otherwise (Muon) the host's, from copies of the gradients.
+    fn train_step_averaged(
+        &mut self,
+        params: &mut ParamSet,
+        tokens: &[i32],
+        optimizer: &mut Optimizer,
+        settings: UpdateSettings,
+        group: &Group,
+    ) -> Result<StepStats, StepError> {
+        check_tokens(tokens, self.token_shape, self.vocab)?;
+        if self.loaded()?.update.as_ref().is_some_and(|u| u.takes(params, optimizer)) {
+            return self.train_step_in_plan(params, tokens, optimizer, settings, Some(group));
+        }
+        // The host writes the new values into `params`, bumping its version:
+        // the next run uploads them.
+        train_step_on_host_averaged(self, params, tokens, optimizer, settings, group)
     }
 
     fn sync_optimizer(&mut self, optimizer: &mut Optimizer) -> Result<(), StepError> {

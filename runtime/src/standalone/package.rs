@@ -309,6 +309,7 @@ fn main_rs(spec: &ModelSpec, plan: &Plan) -> TokenStream {
                 catch_signals: true,
                 overwrite: args.overwrite,
                 on_step: None,
+                group: None,
             };
             let report = match runtime::train::train(&spec, exec.as_mut(), params, &corpus, &opts) {
                 Ok(report) => report,

@@ -1,0 +1,310 @@
+//! Data-parallel training across processes (docs/distributed.md).
+//!
+//! N processes (ranks) run the same training loop on the same spec: the same
+//! seed gives every rank the same initial parameters; every rank draws the same
+//! global batch from the same sampler and trains on its own contiguous block of
+//! `train.batch / N` rows of it; the loss and the gradients of the blocks are
+//! averaged across ranks (one all-reduce over a flat buffer per step) before
+//! the optimizer update, so every rank takes the same update and the
+//! parameters stay identical. Because the batch a step draws depends only on
+//! the step (the sampler is the global one), a checkpoint of an N-rank run
+//! resumes on M ranks with the same batches.
+//!
+//! The collectives are behind [`Collective`]; the `mpi` cargo feature provides
+//! [`mpi::MpiWorld`] over Open MPI. Without the feature, or with one rank, a run
+//! takes no part of this module's path and trains exactly as a single process.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+#[cfg(feature = "mpi")]
+pub mod mpi;
+
+/// Environment variables a process launcher sets to the number of ranks
+/// (Open MPI's `mpirun`, then MPICH/Slurm's PMI).
+pub const WORLD_SIZE_VARS: &[&str] = &["OMPI_COMM_WORLD_SIZE", "PMI_SIZE"];
+
+/// The number of ranks a launcher started this process among, if it was
+/// started by one ([`WORLD_SIZE_VARS`]).
+pub fn launcher_world_size() -> Option<usize> {
+    WORLD_SIZE_VARS.iter().find_map(|v| std::env::var(v).ok()?.trim().parse().ok())
+}
+
+/// Environment variables a launcher sets to the number of ranks it started on
+/// this machine (Open MPI, then MPICH).
+pub const LOCAL_SIZE_VARS: &[&str] = &["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"];
+
+/// The number of ranks sharing this machine: 1 outside a launcher.
+pub fn local_ranks() -> usize {
+    LOCAL_SIZE_VARS
+        .iter()
+        .find_map(|v| std::env::var(v).ok()?.trim().parse::<usize>().ok())
+        .unwrap_or(1)
+        .max(1)
+}
+
+/// What enables data-parallel training in a build without it.
+pub const ENABLE_HINT: &str =
+    "rebuild widen with MPI support (`cargo build --release --features mpi`, which needs Open MPI and \
+     libclang: `apt-get install libopenmpi-dev openmpi-bin libclang-dev`)";
+
+/// Errors of a data-parallel run.
+#[derive(Debug, thiserror::Error)]
+pub enum DistError {
+    #[error(
+        "train.batch = {batch} does not split evenly among {world} ranks: it is the global batch, \
+         divided into equal shards; use a multiple of {world} (e.g. {}) or run another number of ranks",
+        (batch / world).max(1) * world
+    )]
+    Batch { batch: usize, world: usize },
+    #[error(
+        "--device cuda with {world} ranks needs a GPU all-reduce (NCCL), which is not built yet; \
+         train on --device cpu or reference across ranks, or on one GPU with one rank"
+    )]
+    CudaNotBuilt { world: usize },
+    #[error(
+        "the parameters differ between ranks after step {step}: the ranks no longer train one \
+         model (a rank's all-reduce result differed from the others')"
+    )]
+    Diverged { step: u64 },
+}
+
+/// How partial values combine across ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reduce {
+    Sum,
+    Max,
+}
+
+/// The collectives a data-parallel run needs. Every rank calls them in the same
+/// order with buffers of the same length; each returns on every rank with the
+/// same result. An implementation ends the whole job, on every rank, when one
+/// fails or a peer dies; the call never returns an error and never hangs past
+/// its watchdog's bound ([`Watchdog`]).
+pub trait Collective {
+    /// This process's rank, `0..size`.
+    fn rank(&self) -> usize;
+    /// The number of ranks.
+    fn size(&self) -> usize;
+    /// Combines `buf` elementwise across ranks, in place.
+    fn all_reduce_f32(&self, buf: &mut [f32], op: Reduce);
+    /// Combines `buf` elementwise across ranks, in place.
+    fn all_reduce_f64(&self, buf: &mut [f64], op: Reduce);
+    /// Ends every rank's process with `code` (this rank failed; the others
+    /// must not wait for it).
+    fn abort(&self, code: i32) -> !;
+}
+
+/// A handle on the ranks of a run, shared by the training loop and the
+/// executor; it also counts the time spent in collectives.
+#[derive(Clone)]
+pub struct Group {
+    inner: Arc<dyn Collective + Send + Sync>,
+    /// Nanoseconds spent in all-reduces, for the metrics.
+    reduce_nanos: Arc<AtomicU64>,
+}
+
+impl std::fmt::Debug for Group {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Group(rank {} of {})", self.rank(), self.size())
+    }
+}
+
+impl PartialEq for Group {
+    /// Two handles are equal when they are the same group.
+    fn eq(&self, other: &Group) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+}
+
+impl Group {
+    pub fn new(collective: impl Collective + Send + Sync + 'static) -> Group {
+        Group { inner: Arc::new(collective), reduce_nanos: Arc::new(AtomicU64::new(0)) }
+    }
+
+    pub fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+
+    pub fn size(&self) -> usize {
+        self.inner.size()
+    }
+
+    /// Whether this rank writes the run's files and console output (rank 0).
+    pub fn is_root(&self) -> bool {
+        self.rank() == 0
+    }
+
+    pub fn abort(&self, code: i32) -> ! {
+        self.inner.abort(code)
+    }
+
+    fn timed<T>(&self, f: impl FnOnce() -> T) -> T {
+        let started = std::time::Instant::now();
+        let out = f();
+        self.reduce_nanos.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        out
+    }
+
+    /// Time spent in all-reduces so far.
+    pub fn reduce_time(&self) -> Duration {
+        Duration::from_nanos(self.reduce_nanos.load(Ordering::Relaxed))
+    }
+
+    /// The mean across ranks of `loss` and of `grads` (in place): what one rank
+    /// would compute over the whole global batch, since every rank's loss is
+    /// the mean over an equal shard. The loss is summed in f64; the gradients
+    /// are summed in f32 in the collective's order, then scaled.
+    pub fn average(&self, loss: f32, grads: &mut [f32]) -> f32 {
+        let n = self.size();
+        let mut total = [f64::from(loss)];
+        self.timed(|| {
+            self.inner.all_reduce_f32(grads, Reduce::Sum);
+            self.inner.all_reduce_f64(&mut total, Reduce::Sum);
+        });
+        let scale = 1.0 / n as f32;
+        grads.iter_mut().for_each(|g| *g *= scale);
+        (total[0] / n as f64) as f32
+    }
+
+    /// The mean across ranks of a value each rank computed over its shard.
+    pub fn mean(&self, value: f64) -> f64 {
+        let mut total = [value];
+        self.timed(|| self.inner.all_reduce_f64(&mut total, Reduce::Sum));
+        total[0] / self.size() as f64
+    }
+
+    /// Whether any rank says `yes` (a stop request that only some ranks saw).
+    pub fn any(&self, yes: bool) -> bool {
+        let mut flag = [if yes { 1.0 } else { 0.0 }];
+        self.timed(|| self.inner.all_reduce_f64(&mut flag, Reduce::Max));
+        flag[0] > 0.0
+    }
+
+    /// Whether every rank holds the same `fingerprint` (of its parameters).
+    pub fn all_equal(&self, fingerprint: u64) -> bool {
+        // Exact in f64: two 32-bit halves, negated for the minimum.
+        let (hi, lo) = ((fingerprint >> 32) as f64, (fingerprint & 0xffff_ffff) as f64);
+        let mut v = [hi, lo, -hi, -lo];
+        self.timed(|| self.inner.all_reduce_f64(&mut v, Reduce::Max));
+        v == [hi, lo, -hi, -lo]
+    }
+}
+
+/// Which rows of a global batch a rank trains on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shard {
+    pub rank: usize,
+    pub world: usize,
+}
+
+impl Shard {
+    /// The whole batch (one process).
+    pub const WHOLE: Shard = Shard { rank: 0, world: 1 };
+
+    pub fn of(group: Option<&Group>) -> Shard {
+        group.map_or(Shard::WHOLE, |g| Shard { rank: g.rank(), world: g.size() })
+    }
+
+    /// The rows per rank of a global batch of `batch` rows.
+    pub fn local_batch(self, batch: usize) -> Result<usize, DistError> {
+        if self.world == 0 || !batch.is_multiple_of(self.world) {
+            return Err(DistError::Batch { batch, world: self.world });
+        }
+        Ok(batch / self.world)
+    }
+
+    /// This rank's rows of a row-major `[batch, window]` token batch.
+    pub fn rows(self, tokens: &[i32], window: usize) -> &[i32] {
+        let per = tokens.len() / window.max(1) / self.world.max(1) * window;
+        &tokens[self.rank * per..][..per]
+    }
+}
+
+/// A fingerprint of a parameter set's values (their bits, in order): ranks that
+/// took identical updates have equal ones.
+pub fn fingerprint(params: &crate::params::ParamSet) -> u64 {
+    // FNV-1a over the f32 bit patterns.
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for p in params.iter() {
+        for v in &p.value {
+            h ^= u64::from(v.to_bits());
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    h
+}
+
+/// A test hook (docs/distributed.md, "Faults"): `WIDEN_MPI_TEST_FAULT=RANK:STEP:exit`
+/// makes that rank's process exit with status 3 at the start of that step, as a
+/// crashed rank would; `RANK:STEP:hang` makes it stop answering (sleep), as a
+/// stuck one would.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fault {
+    pub rank: usize,
+    pub step: u64,
+    pub hang: bool,
+}
+
+impl Fault {
+    pub const VAR: &'static str = "WIDEN_MPI_TEST_FAULT";
+
+    pub fn from_env() -> Option<Fault> {
+        Fault::parse(&std::env::var(Fault::VAR).ok()?)
+    }
+
+    fn parse(text: &str) -> Option<Fault> {
+        let mut parts = text.split(':');
+        let rank = parts.next()?.trim().parse().ok()?;
+        let step = parts.next()?.trim().parse().ok()?;
+        let hang = match parts.next().map(str::trim) {
+            Some("hang") => true,
+            Some("exit") | None => false,
+            Some(_) => return None,
+        };
+        Some(Fault { rank, step, hang })
+    }
+
+    /// Acts out the fault when this is its rank and step.
+    pub fn strike(&self, rank: usize, step: u64) {
+        if (rank, step) != (self.rank, self.step) {
+            return;
+        }
+        if self.hang {
+            eprintln!("rank {rank}: {} stops this rank answering at step {step}", Fault::VAR);
+            loop {
+                std::thread::sleep(Duration::from_secs(3600));
+            }
+        }
+        eprintln!("rank {rank}: {} ends this rank at step {step}", Fault::VAR);
+        std::process::exit(3);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shards_split_rows_in_rank_order() {
+        let tokens: Vec<i32> = (0..12).collect();
+        assert_eq!(Shard { rank: 0, world: 2 }.rows(&tokens, 3), &[0, 1, 2, 3, 4, 5]);
+        assert_eq!(Shard { rank: 1, world: 2 }.rows(&tokens, 3), &[6, 7, 8, 9, 10, 11]);
+        assert_eq!(Shard::WHOLE.rows(&tokens, 3), &tokens[..]);
+        assert_eq!(Shard { rank: 0, world: 2 }.local_batch(8).unwrap(), 4);
+        let err = Shard { rank: 0, world: 3 }.local_batch(8).unwrap_err().to_string();
+        assert!(
+            err.contains("train.batch = 8") && err.contains("3 ranks") && err.contains("e.g. 6"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn fault_hook_parses() {
+        assert_eq!(Fault::parse("1:3"), Some(Fault { rank: 1, step: 3, hang: false }));
+        assert_eq!(Fault::parse("0:2:hang"), Some(Fault { rank: 0, step: 2, hang: true }));
+        assert_eq!(Fault::parse("1:x"), None);
+        assert_eq!(Fault::parse("1:3:sleep"), None);
+    }
+}
