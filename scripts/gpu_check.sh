@@ -7,9 +7,8 @@
 #      repository root:
 #        scripts/gpu_check.sh prepare
 #      which runs
-#        cargo build --release --bin widen
-#        cargo test --release --no-run -p widen-runtime --test cuda_device
-#      and copies target/release/widen and the cuda_device test executable
+#        cargo test --release --workspace --no-run
+#      (it builds target/release/widen for the integration tests) and copies target/release/widen and the cuda_device test executable
 #      into gpu-bin/, with the sm_90 CUBIN of every spec's GPU Plan in
 #      gpu-bin/cache (the GPU run points WIDEN_CACHE_DIR there). gpu-bin/ is
 #      ignored locally through .git/info/exclude, so it never shows up in
@@ -77,8 +76,8 @@ if [[ "${1:-}" == "prepare" ]]; then
         debug) cargo_profile=(); dir=debug ;;
         *) echo "PROFILE must be release or debug" >&2; exit 2 ;;
     esac
-    cargo build "${cargo_profile[@]}" --bin widen
-    # --workspace: the test build CI has just made is reused as it is (no rebuild).
+    # --workspace, as CI's test run: the same feature set, so a build CI has just made is
+    # reused as it is; the integration tests need target/$dir/widen, so this builds it too.
     test_exe=$(cargo test "${cargo_profile[@]}" --workspace --no-run 2>&1 \
         | sed -n "s/.*(\(target\/$dir\/deps\/cuda_device-[0-9a-f]*\)).*/\1/p" | tail -n 1)
     [[ -n "$test_exe" && -x "$test_exe" ]] || { echo "cuda_device test executable not found" >&2; exit 1; }
@@ -94,7 +93,8 @@ if [[ "${1:-}" == "prepare" ]]; then
         WIDEN_CACHE_DIR="$BIN/cache" "$BIN/widen" compile "$spec" -o "$BIN/compile-tmp" --force > /dev/null
     done
     rm -rf "$BIN/compile-tmp"
-    cubins=$(find "$BIN/cache" -name '*.cubin' 2>/dev/null | wc -l)
+    # (No cache folder at all when NVRTC was missing: count zero, then say so.)
+    cubins=$( (find "$BIN/cache" -name '*.cubin' 2>/dev/null || true) | wc -l)
     echo "cached CUBINs: $cubins for ${#specs[@]} specs"
     (( cubins == ${#specs[@]} )) || { echo "NVRTC must be loadable here to build the CUBINs (LD_LIBRARY_PATH)" >&2; exit 1; }
     grep -qx '/gpu-bin/' .git/info/exclude 2>/dev/null || echo '/gpu-bin/' >> .git/info/exclude
