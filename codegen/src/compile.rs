@@ -5,7 +5,7 @@
 //! [`ir::passes::fuse()`] via [`fused_partition`], or [`one_op_per_group`]).
 //! [`compile`] accepts any partition that respects dependencies: each group is
 //! cut into *units* (a fused kernel of the ops that can share one item split,
-//! see [`crate::emit::itemize`], a standalone op such as attention, or a
+//! see [`crate::emit::itemize`], an own-grid op such as attention, or a
 //! library GEMM), so a group whose ops cannot run as one kernel is split
 //! rather than miscompiled. Values crossing units get buffers: parameters,
 //! inputs, named outputs and gradients keep their roles, every other one is
@@ -597,7 +597,7 @@ struct Gemms {
     forced: HashSet<NodeId>,
     /// Nodes computed inside another node's GEMM: never materialized.
     absorbed: HashSet<NodeId>,
-    /// Nodes on a grid of their own: GEMMs and standalone ops.
+    /// Nodes on a grid of their own: GEMMs and own-grid ops.
     own_grid: HashSet<NodeId>,
 }
 
@@ -639,7 +639,7 @@ fn find_gemms(graph: &Graph, groups: &[Vec<NodeId>], roles: &BTreeMap<NodeId, Ve
         .iter()
         .flatten()
         .copied()
-        .filter(|&id| gemms.contains_key(&id) || emit::is_standalone(&graph.node(id).op))
+        .filter(|&id| gemms.contains_key(&id) || emit::has_own_grid(&graph.node(id).op))
         .collect();
 
     Gemms { forms: gemms, views: gemm_views, forced, absorbed, own_grid }
@@ -647,7 +647,7 @@ fn find_gemms(graph: &Graph, groups: &[Vec<NodeId>], roles: &BTreeMap<NodeId, Ve
 
 /// A group is ordered around its Sinkhorn lanes form where it has one (the
 /// other steps of its own there, temporal convolutions, are cheap to
-/// place), around its GEMM or standalone kernel otherwise.
+/// place), around its GEMM or own-grid kernel otherwise.
 fn order_groups(graph: &Graph, groups: &mut [Vec<NodeId>], gemms: &Gemms, target: Target) {
     let lanes = |id: NodeId| target == Target::Cpu && emit::has_lanes_form(graph, id);
     let own_kernel = |id: NodeId| gemms.own_grid.contains(&id);
@@ -847,7 +847,7 @@ fn lower_units(
                         lowered_with_sibling.extend(outs.iter().flatten().copied());
                         lowering
                     }
-                    None => emit::lower_standalone(graph, *id, &name, target)?,
+                    None => emit::lower_own_grid(graph, *id, &name, target)?,
                 };
                 b.push_lowering(lowering);
             }
@@ -1063,7 +1063,7 @@ impl Residency for UnitResidency<'_> {
 }
 
 /// Orders a group around its one node that takes a step of its own (a GEMM,
-/// a standalone kernel, or on the CPU a Sinkhorn projection's lanes form,
+/// an own-grid kernel, or on the CPU a Sinkhorn projection's lanes form,
 /// [`emit::lower_sinkhorn_lanes`]), which cuts the group's fused kernel in
 /// two: either its ancestors run before it and every other node after, or
 /// every node that does not depend on it runs before it and its dependants

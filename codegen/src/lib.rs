@@ -6,6 +6,8 @@
 //! - [`cc`]: compiles a C module with the system compiler, caches and loads it.
 //! - [`cuda_emu`]: compiles the CUDA dialect as C++ with a header of CUDA
 //!   built-ins and runs its kernels on the CPU (block threads as fibers).
+//! - [`plan_report`]: `plan.txt`, each Plan step's cost and `kernels.tsv` (the input of a
+//!   roofline).
 //! - [`nvrtc`]: compiles a CUDA module with a dynamically loaded NVRTC and
 //!   reports per-kernel resources from the ptxas report.
 
@@ -17,4 +19,5 @@ pub mod kernel;
 pub mod nvrtc;
 pub mod optimizer;
 pub mod plan;
+pub mod plan_report;
 pub mod render;

@@ -58,7 +58,7 @@ fn assert_close(got: &[f32], want: &[f32], tol: f32, what: &str) {
 
 #[test]
 fn module_of_kernels_matches_rust() {
-    use common::*;
+    use common::kernels::*;
     let lib = TempCache::new("module").compiler().compile_kernels(&all()).expect("module compiles");
     assert!(!lib.from_cache());
 
@@ -204,7 +204,7 @@ fn tanh_sweep(compiler: &Compiler) {
 
 #[test]
 fn bf16_storage_rounds_to_nearest_even() {
-    use common::*;
+    use common::kernels::*;
     let lib = TempCache::new("bf16").compiler().compile_kernels(&[bf16_convert()]).expect("compiles");
     let mut xf = data(BF_N, 8, 3.0);
     // Ties and specials: exactly halfway values round to even, NaN stays NaN.
@@ -281,20 +281,20 @@ fn float_literals_round_trip_exactly() {
 fn second_compile_hits_the_cache() {
     let tmp = TempCache::new("cache");
     let cc = tmp.compiler();
-    let first = cc.compile_kernels(&[common::rmsnorm()]).expect("compiles");
+    let first = cc.compile_kernels(&[common::kernels::rmsnorm()]).expect("compiles");
     let stamp = std::fs::metadata(first.path()).and_then(|m| m.modified()).expect("object exists");
     assert!(!first.from_cache());
     assert!(first.path().starts_with(cc.cache_dir()));
     let source = first.path().with_extension("c");
     assert!(std::fs::read_to_string(&source).expect("source kept").contains("widen_rmsnorm_entry"));
 
-    let second = cc.compile_kernels(&[common::rmsnorm()]).expect("compiles");
+    let second = cc.compile_kernels(&[common::kernels::rmsnorm()]).expect("compiles");
     assert!(second.from_cache());
     assert_eq!(second.path(), first.path());
     assert_eq!(std::fs::metadata(second.path()).and_then(|m| m.modified()).unwrap(), stamp, "not rebuilt");
 
     // A different module gets a different object.
-    let other = cc.compile_kernels(&[common::silu_mul()]).expect("compiles");
+    let other = cc.compile_kernels(&[common::kernels::silu_mul()]).expect("compiles");
     assert!(!other.from_cache());
     assert_ne!(other.path(), first.path());
     // No temporary files are left behind.
@@ -329,7 +329,10 @@ fn missing_compiler_and_unknown_kernel_are_typed_errors() {
     assert!(matches!(err, CcError::CompilerNotFound { .. }), "{err}");
     assert!(err.to_string().contains("widen-no-such-compiler"));
 
-    let lib = TempCache::new("unknown").compiler().compile_kernels(&[common::silu_mul()]).expect("compiles");
+    let lib = TempCache::new("unknown")
+        .compiler()
+        .compile_kernels(&[common::kernels::silu_mul()])
+        .expect("compiles");
     let err = lib.entry("rmsnorm").unwrap_err();
     assert!(matches!(err, CcError::UnknownKernel { .. }), "{err}");
 }
@@ -342,7 +345,7 @@ fn native_tuning_is_dropped_where_the_compiler_rejects_it() {
     let tmp = TempCache::new("native");
     let picky = no_native_compiler(&tmp);
     assert_eq!(picky.flags(), codegen::cc::FLAGS, "no -march=native for a compiler that rejects it");
-    let lib = picky.compile_kernels(&[common::rmsnorm()]).expect("compiles without it");
+    let lib = picky.compile_kernels(&[common::kernels::rmsnorm()]).expect("compiles without it");
     assert!(lib.entry("rmsnorm").is_ok());
     // The system compiler of this machine (gcc or clang on x86-64 or arm64 Linux) accepts it.
     assert!(tmp.compiler().flags().iter().any(|f| f == codegen::cc::NATIVE_FLAG));
@@ -362,7 +365,7 @@ fn exp_kernels_are_vectorized_by_gcc() {
         println!("skipped: the C compiler is not GCC, whose -fopt-info report this test reads");
         return;
     }
-    let source = codegen::render::render_c(&[common::silu_mul()]).expect("renders");
+    let source = codegen::render::render_c(&[common::kernels::silu_mul()]).expect("renders");
     let file = tmp.0.join("silu_mul.c");
     std::fs::create_dir_all(&tmp.0).unwrap();
     std::fs::write(&file, &source).unwrap();
@@ -400,7 +403,7 @@ fn exp_kernels_are_vectorized_by_gcc() {
 fn a_corrupt_cached_object_is_rebuilt() {
     let tmp = TempCache::new("corrupt");
     let cc = tmp.compiler();
-    let first = cc.compile_kernels(&[common::rmsnorm()]).expect("compiles");
+    let first = cc.compile_kernels(&[common::kernels::rmsnorm()]).expect("compiles");
     let good = std::fs::read(first.path()).expect("object exists");
     drop(first);
     let corruptions: [(&str, Vec<u8>); 3] = [
@@ -409,12 +412,12 @@ fn a_corrupt_cached_object_is_rebuilt() {
         ("empty", Vec::new()),
     ];
     for (what, bytes) in corruptions {
-        let so = cc.compile_kernels(&[common::rmsnorm()]).expect("compiles").path().to_path_buf();
+        let so = cc.compile_kernels(&[common::kernels::rmsnorm()]).expect("compiles").path().to_path_buf();
         std::fs::write(&so, &bytes).unwrap();
-        let lib = cc.compile_kernels(&[common::rmsnorm()]).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let lib = cc.compile_kernels(&[common::kernels::rmsnorm()]).unwrap_or_else(|e| panic!("{what}: {e}"));
         assert!(!lib.from_cache(), "{what}: the corrupt object was used");
         assert!(lib.entry("rmsnorm").is_ok(), "{what}: the rebuilt object has the kernel");
-        let again = cc.compile_kernels(&[common::rmsnorm()]).expect("compiles");
+        let again = cc.compile_kernels(&[common::kernels::rmsnorm()]).expect("compiles");
         assert!(again.from_cache(), "{what}: the rebuilt object is cached again");
     }
 }
@@ -429,7 +432,7 @@ fn an_unusable_cache_names_widen_cache_dir() {
     std::fs::write(&file, "x").unwrap();
     let dir = file.join("cache");
     let cc = Compiler::new(&std::env::var("CC").unwrap_or_else(|_| "cc".into()), dir.clone()).expect("cc");
-    let err = cc.compile_kernels(&[common::rmsnorm()]).unwrap_err();
+    let err = cc.compile_kernels(&[common::kernels::rmsnorm()]).unwrap_err();
     assert!(matches!(&err, CcError::Cache { dir: d, .. } if *d == dir), "{err:?}");
     let msg = err.to_string();
     assert!(msg.contains("WIDEN_CACHE_DIR") && msg.contains(&*dir.to_string_lossy()), "{msg}");
@@ -448,7 +451,7 @@ fn concurrent_compiles_of_one_key_do_not_corrupt_the_cache() {
             .map(|_| {
                 let cc = cc.clone();
                 s.spawn(move || {
-                    let lib = cc.compile_kernels(&[common::rmsnorm()]).expect("compiles");
+                    let lib = cc.compile_kernels(&[common::kernels::rmsnorm()]).expect("compiles");
                     lib.entry("rmsnorm").expect("loads whole");
                     lib.path().to_path_buf()
                 })
@@ -457,7 +460,7 @@ fn concurrent_compiles_of_one_key_do_not_corrupt_the_cache() {
         handles.into_iter().map(|h| h.join().expect("no panic")).collect()
     });
     assert!(paths.windows(2).all(|w| w[0] == w[1]), "{paths:?}");
-    assert!(cc.compile_kernels(&[common::rmsnorm()]).expect("compiles").from_cache());
+    assert!(cc.compile_kernels(&[common::kernels::rmsnorm()]).expect("compiles").from_cache());
     let leftovers: Vec<_> = std::fs::read_dir(cc.cache_dir())
         .unwrap()
         .filter_map(|e| e.ok())

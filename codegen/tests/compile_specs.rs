@@ -5,12 +5,12 @@
 //! the f32 reference executor. The same kernels in the CUDA dialect must
 //! compile under NVRTC for sm_90 with no spills and no warnings.
 
-mod emit_support;
+mod common;
 
 use codegen::compile::{compile, fused_partition, one_op_per_group, Request, Target};
 use codegen::plan::{BufferId, BufferRole, Step};
 use codegen::render::render_cuda;
-use emit_support::{check, spec_training_graph, Rng, Sources};
+use common::emit::{check, spec_training_graph, Rng, Sources};
 use ir::graph::Graph;
 
 const SPECS: [&str; 4] = ["residual", "mhc", "vwn-r4", "xhc"];

@@ -21,7 +21,7 @@
 //! kernels are held to [`F32_TOL`] relative error (bf16 results to one bf16
 //! rounding step, [`BF16_TOL`]).
 
-mod emit_support;
+mod common;
 
 use std::ffi::c_void;
 use std::path::PathBuf;
@@ -33,7 +33,7 @@ use codegen::cuda_emu::{EmuKernel, Emulator, LaneOrder};
 use codegen::kernel::Kernel;
 use codegen::plan::{BufferRole, Gemm, Plan, Step};
 use codegen::render::render_cuda;
-use emit_support::{spec_training_graph, Rng, Sources};
+use common::emit::{spec_training_graph, Rng, Sources};
 
 use ir::exec::Value;
 use ir::graph::Op;

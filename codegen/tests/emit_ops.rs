@@ -1,16 +1,16 @@
 //! Every op, forward and backward, lowered alone (one op per group) and inside
 //! one all-covering group (which the compiler splits where ops cannot share an
 //! item split), against the f32 reference executor. Tolerances are relative
-//! (see `emit_support::rel_err`): 1e-5 for ops whose summation order matches
+//! (see `common::emit::rel_err`): 1e-5 for ops whose summation order matches
 //! the reference exactly, looser where it differs (the reference's GEMM, the
 //! online softmax of attention, the loss's block reduction).
 
-mod emit_support;
+mod common;
 
 use codegen::compile::{one_op_per_group, Request, Target};
 use codegen::kernel::{Stmt, Unroll};
 use codegen::plan::BufferRole;
-use emit_support::{check, input, one_group, param, Rng, Sources};
+use common::emit::{check, input, one_group, param, Rng, Sources};
 use ir::exec::Value;
 use ir::graph::{BinaryOp, Graph, NodeId, Op, ReduceOp, UnaryOp};
 
@@ -266,7 +266,7 @@ fn sinkhorn_lanes_match_one_matrix_per_item_bitwise() {
                     k.name
                 );
             }
-            let outs = emit_support::run_plan(&g, &plan, &sources);
+            let outs = common::emit::run_plan(&g, &plan, &sources);
             let named = |name: &str| {
                 let buf = plan.find(&BufferRole::Output { name: name.into() }).expect("output buffer");
                 outs[buf.0].as_f32().to_vec()
@@ -329,7 +329,7 @@ fn rows_folded_together_match_one_row_at_a_time_bitwise() {
             let kept = plan.kernels.iter().any(|k| has_kept_loop(&k.body));
             let together = target == Target::Cpu && len <= 64;
             assert_eq!(kept, together, "{target:?}, rows of {len}: rows folded together");
-            let outs = emit_support::run_plan(&g, &plan, &sources);
+            let outs = common::emit::run_plan(&g, &plan, &sources);
             let bits: Vec<Vec<u32>> = outputs
                 .iter()
                 .map(|name| {
@@ -438,7 +438,7 @@ fn attention_propagates_a_nan_key_to_the_rows_that_see_it() {
     let ir::exec::Value::Float(want) = &want[&y] else { panic!("float output") };
     for partition in [one_op_per_group(&g), one_group(&g)] {
         let plan = codegen::compile::compile(&g, &partition, &request).expect("compiles");
-        let outs = emit_support::run_plan(&g, &plan, &sources);
+        let outs = common::emit::run_plan(&g, &plan, &sources);
         let out = plan.find(&BufferRole::Output { name: "y".into() }).expect("output buffer");
         let codegen::compile::HostData::F32(got) = &outs[out.0] else { panic!("f32 output") };
         for (i, (x, w)) in got.iter().zip(&want.data).enumerate() {
@@ -468,7 +468,7 @@ fn softmax_and_cross_entropy_propagate_nan_as_the_reference() {
     let want = ir::exec::run::<f32>(&g, &sources.values, &[p, loss]).expect("reference");
     for partition in [one_op_per_group(&g), one_group(&g)] {
         let plan = codegen::compile::compile(&g, &partition, &request).expect("compiles");
-        let outs = emit_support::run_plan(&g, &plan, &sources);
+        let outs = common::emit::run_plan(&g, &plan, &sources);
         for (name, id) in [("p", p), ("loss", loss)] {
             let buf = plan.find(&BufferRole::Output { name: name.into() }).expect("output buffer");
             let codegen::compile::HostData::F32(got) = &outs[buf.0] else { panic!("f32 output") };
@@ -553,7 +553,7 @@ fn temporal_convolutions_give_the_reference_bits_in_strips_and_rows() {
         let request = Request::new(&g, Vec::new());
         let plan =
             check(&g, &sources, &request, &one_op_per_group(&g), 1e-5, &format!("convolutions, C = {c}"));
-        let outs = emit_support::run_plan(&g, &plan, &sources);
+        let outs = common::emit::run_plan(&g, &plan, &sources);
         let want = ir::exec::run::<f32>(&g, &sources.values, &[y, dout]).expect("reference");
         for (name, id) in [("y", y), ("dout", dout)] {
             let buf = plan.find(&BufferRole::Output { name: name.into() }).expect("output buffer");

@@ -21,7 +21,7 @@ fn kernel(
 
 #[test]
 fn canonical_kernels_are_valid() {
-    for k in common::all() {
+    for k in common::kernels::all() {
         assert_eq!(k.validate(), Ok(()), "{}", k.name);
     }
 }
@@ -112,7 +112,8 @@ fn block_constructs_need_a_block_grid_at_top_level() {
 
 #[test]
 fn modules_reject_duplicate_kernels_and_invalid_kernels() {
-    let err = render_module(&[common::rmsnorm(), common::rmsnorm()], Dialect::C).unwrap_err();
+    let err =
+        render_module(&[common::kernels::rmsnorm(), common::kernels::rmsnorm()], Dialect::C).unwrap_err();
     assert_eq!(err, KernelError::DuplicateKernel { name: "rmsnorm".into() });
     let bad = kernel(|k, x, _| k.store(x, item(), f32(0.0)));
     assert!(render_module(&[bad], Dialect::Cuda).is_err());

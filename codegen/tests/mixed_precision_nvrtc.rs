@@ -3,11 +3,11 @@
 //! under NVRTC for sm_90 with no warnings and no spills, and the Plan really holds bf16
 //! buffers and rounds in registers.
 
-mod emit_support;
+mod common;
 
 use codegen::compile::{compile, fused_partition, one_op_per_group, Target};
 use codegen::render::render_cuda;
-use emit_support::spec_training_graph;
+use common::emit::spec_training_graph;
 
 #[test]
 fn bf16_spec_kernels_compile_under_nvrtc() {

@@ -25,7 +25,7 @@ fn canonical_kernels_compile_for_sm90_without_spills_or_warnings() {
     }
     let (major, _) = nvrtc::version().unwrap();
     assert_eq!(major, 13, "NVRTC 13 matches the GPU machines' driver");
-    let kernels = common::all();
+    let kernels = common::kernels::all();
     let src = render_cuda(&kernels).unwrap();
     let out = nvrtc::compile(&src, "sm_90").unwrap_or_else(|e| panic!("{e}\n{src}"));
     assert!(out.warnings().is_empty(), "warnings:\n{}", out.log);
@@ -99,7 +99,7 @@ fn modules_are_compiled_once_and_cached_by_content() {
     }
     let dir = std::env::temp_dir().join(format!("widen-nvrtc-cache-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    let src = render_cuda(&common::all()).unwrap();
+    let src = render_cuda(&common::kernels::all()).unwrap();
     let (cubin, cached) = nvrtc::compile_cached(&src, "sm_90", nvrtc::Output::Cubin, &dir).unwrap();
     assert!(!cached);
     assert_eq!(&cubin[..4], b"\x7fELF", "a CUBIN is an ELF image");

@@ -25,38 +25,38 @@ fn check(name: &str, kernels: &[Kernel], dialect: Dialect) {
 
 #[test]
 fn rmsnorm_snapshots() {
-    check("rmsnorm", &[common::rmsnorm()], Dialect::C);
-    check("rmsnorm", &[common::rmsnorm()], Dialect::Cuda);
+    check("rmsnorm", &[common::kernels::rmsnorm()], Dialect::C);
+    check("rmsnorm", &[common::kernels::rmsnorm()], Dialect::Cuda);
 }
 
 #[test]
 fn elementwise_snapshots() {
-    check("silu_mul", &[common::silu_mul()], Dialect::C);
-    check("silu_mul", &[common::silu_mul()], Dialect::Cuda);
+    check("silu_mul", &[common::kernels::silu_mul()], Dialect::C);
+    check("silu_mul", &[common::kernels::silu_mul()], Dialect::Cuda);
 }
 
 #[test]
 fn unrolled_local_array_snapshots() {
-    check("stream_mix", &[common::stream_mix()], Dialect::C);
-    check("stream_mix", &[common::stream_mix()], Dialect::Cuda);
+    check("stream_mix", &[common::kernels::stream_mix()], Dialect::C);
+    check("stream_mix", &[common::kernels::stream_mix()], Dialect::Cuda);
 }
 
 #[test]
 fn bf16_snapshots() {
-    check("bf16_convert", &[common::bf16_convert()], Dialect::C);
-    check("bf16_convert", &[common::bf16_convert()], Dialect::Cuda);
+    check("bf16_convert", &[common::kernels::bf16_convert()], Dialect::C);
+    check("bf16_convert", &[common::kernels::bf16_convert()], Dialect::Cuda);
 }
 
 #[test]
 fn block_per_item_snapshots() {
-    check("softmax", &[common::softmax()], Dialect::C);
-    check("softmax", &[common::softmax()], Dialect::Cuda);
+    check("softmax", &[common::kernels::softmax()], Dialect::C);
+    check("softmax", &[common::kernels::softmax()], Dialect::Cuda);
 }
 
 #[test]
 fn rendering_is_deterministic() {
-    let a = render_module(&common::all(), Dialect::C).unwrap();
-    let b = render_module(&common::all(), Dialect::C).unwrap();
+    let a = render_module(&common::kernels::all(), Dialect::C).unwrap();
+    let b = render_module(&common::kernels::all(), Dialect::C).unwrap();
     assert_eq!(a, b);
     assert_eq!(a.matches("#include").count(), 2, "one prelude per module");
 }

@@ -2,9 +2,9 @@
 //! per-element implementation written here (RoPE by its defining formula), plus
 //! causality and the GQA head mapping, in f32 and f64.
 
-mod exec_util;
+mod common;
 
-use exec_util::{assert_close, tol, Case, Rng};
+use common::exec::{assert_close, tol, Case, Rng};
 use ir::exec::Float;
 use ir::graph::Op;
 

@@ -2,9 +2,9 @@
 //! (§6.2), TemporalAugment (§6.5) and NormProject (§4.3, §6.2), each against an
 //! independent computation written here, in f32 and f64.
 
-mod exec_util;
+mod common;
 
-use exec_util::{assert_close, tol, Case, Rng};
+use common::exec::{assert_close, tol, Case, Rng};
 use ir::exec::Float;
 use ir::graph::{Op, ReduceOp};
 

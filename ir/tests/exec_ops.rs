@@ -1,9 +1,9 @@
 //! Reference executor, one test per op family, each against values computed here
 //! independently (naive loops in f64), in both f32 and f64.
 
-mod exec_util;
+mod common;
 
-use exec_util::{assert_close, offset, tol, unravel, Case, Rng};
+use common::exec::{assert_close, offset, tol, unravel, Case, Rng};
 use ir::exec::Float;
 use ir::graph::{BinaryOp, Op, ReduceOp, UnaryOp};
 

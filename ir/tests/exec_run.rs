@@ -1,9 +1,9 @@
 //! The executor around the kernels: binding checks, constants, evaluating only
 //! what the outputs need, and keeping values that are both outputs and operands.
 
-mod exec_util;
+mod common;
 
-use exec_util::{Case, Rng};
+use common::exec::{Case, Rng};
 use ir::exec::{self, ExecError, Tensor, Value};
 use ir::graph::{BinaryOp, NodeId, Op, UnaryOp};
 use ir::{DType, Shape};

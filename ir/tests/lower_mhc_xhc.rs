@@ -2,9 +2,9 @@
 //! well-formed graphs, the papers' parameter counts and unfused traffic (§4.7, §6.9),
 //! and the invariants of §9.2 evaluated on the f64 reference executor.
 
-mod exec_util;
+mod common;
 
-use exec_util::{assert_close, Rng};
+use common::exec::{assert_close, Rng};
 use ir::exec::{self, Tensor, Value};
 use ir::graph::{Graph, Init, NodeId, Op, Region};
 use ir::lower::lower;

@@ -4,12 +4,12 @@
 //! the loss and every parameter gradient keep their values (f64 reference
 //! executor), and no product reads the broadcast any more.
 
-mod passes_util;
+mod common;
 
+use common::passes::{load, name, shrink, spec_files, training_graph, Reference};
 use ir::graph::{Graph, NodeId, Op};
 use ir::passes::{narrow_broadcast_products, simplify};
 use ir::spec::ResidualSpec;
-use passes_util::{load, name, shrink, spec_files, training_graph, Reference};
 
 const B: usize = 2;
 const T: usize = 8;

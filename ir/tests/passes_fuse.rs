@@ -2,15 +2,15 @@
 //! a valid partition, heavy ops alone, token-local regions fused, and the fused
 //! connection traffic against docs/math.md §4.7 and the unfused count.
 
-mod passes_util;
+mod common;
 
+use common::passes::{load, name, spec_files, training_graph};
 use ir::cost::count_spec;
 use ir::exec::{self, Tensor, Value};
 use ir::graph::{BinaryOp, Graph, Init, NodeId, Op, ParamClass, ParamInfo, Region, UnaryOp};
 use ir::passes::{fuse, fused_connection_traffic, rematerialize, simplify, FusedGraph, GroupKind};
 use ir::spec::ResidualSpec;
 use ir::{DType, Shape};
-use passes_util::{load, name, spec_files, training_graph};
 use std::collections::HashMap;
 
 fn fused_training_graph(path: &std::path::Path) -> (Graph, Vec<NodeId>, FusedGraph) {

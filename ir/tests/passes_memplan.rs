@@ -2,11 +2,11 @@
 //! live buffers overlap, liveness matches the execution order, and reuse makes the
 //! arena smaller than keeping every intermediate.
 
-mod passes_util;
+mod common;
 
+use common::passes::{load, name, spec_files, training_graph};
 use ir::graph::NodeId;
 use ir::passes::{fuse, memplan, simplify, MemPlanError};
-use passes_util::{load, name, spec_files, training_graph};
 use std::collections::HashMap;
 
 #[test]

@@ -3,11 +3,11 @@
 //! (xHC's router) become statistics, product and scaling, and the loss and
 //! every parameter gradient keep their values (f64 reference executor).
 
-mod passes_util;
+mod common;
 
+use common::passes::{load, name, shrink, spec_files, training_graph, Reference};
 use ir::graph::{Graph, NodeId, Op, ReduceOp, Region};
 use ir::passes::{fuse, prepare_for_fusion, split_norm_projections, GroupKind};
-use passes_util::{load, name, shrink, spec_files, training_graph, Reference};
 
 const B: usize = 2;
 const T: usize = 8;

@@ -1,11 +1,11 @@
 //! `passes::simplify` (CSE + DCE) on every spec's training graph: the loss and every
 //! parameter gradient are unchanged (f64 reference executor), and nodes are removed.
 
-mod passes_util;
+mod common;
 
+use common::passes::{load, shrink, spec_files, training_graph, Reference};
 use ir::graph::{NodeId, Op, UnaryOp};
 use ir::passes::simplify;
-use passes_util::{load, shrink, spec_files, training_graph, Reference};
 
 #[test]
 fn simplify_keeps_loss_and_gradients_of_every_spec() {

@@ -273,7 +273,7 @@ pub enum Device {
     /// The unfused graph on the reference interpreter (`ir::exec`), in f32.
     Reference,
     /// The fused Plan on the host: C kernels on all cores, GEMMs through `gemm`
-    /// ([`crate::device::executor::CpuExecutor`]).
+    /// ([`crate::device::cpu_executor::CpuExecutor`]).
     Cpu,
     /// The fused Plan on GPU 0: CUDA kernels compiled by NVRTC, GEMMs through
     /// cuBLAS ([`crate::device::cuda::CudaExecutor`]).
@@ -302,7 +302,7 @@ impl Device {
     pub fn executor(self, lowered: Lowered) -> Result<Box<dyn StepExecutor + Send>, StepError> {
         Ok(match self {
             Device::Reference => Box::new(ReferenceExecutor::from_lowered(lowered)),
-            Device::Cpu => Box::new(crate::device::executor::CpuExecutor::from_lowered(
+            Device::Cpu => Box::new(crate::device::cpu_executor::CpuExecutor::from_lowered(
                 lowered,
                 crate::device::cpu::CpuOptions::default(),
             )),
@@ -321,7 +321,7 @@ pub fn cuda_executor(lowered: Lowered) -> Result<crate::device::cuda::CudaExecut
     }
     let token_shape = token_shape_of(&lowered.graph, lowered.tokens);
     let plan =
-        crate::device::executor::TrainingGraph::new(lowered)?.plan_for(codegen::compile::Target::Cuda)?;
+        crate::device::cpu_executor::TrainingGraph::new(lowered)?.plan_for(codegen::compile::Target::Cuda)?;
     CudaExecutor::new(CudaDevice::new(plan)?, token_shape)
 }
 

@@ -2,13 +2,13 @@
 //! plain Rust, thread-count independence, and load-time rejection of Plans
 //! that would bind buffers unsoundly.
 
-mod plan_support;
+mod common;
 
 use codegen::cc::Compiler;
 use codegen::kernel::Grid;
 use codegen::plan::{BufferId, BufferRole, Chain, Gemm, Plan, Step};
+use common::plan::{data, decl, rms_rows, scale_bias};
 use ir::DType;
-use plan_support::{data, decl, rms_rows, scale_bias};
 use runtime::device::cpu::{CpuDevice, CpuError, CpuOptions, Profile, ProfileRows};
 use runtime::device::plan_check::PlanError;
 use std::path::PathBuf;

@@ -10,14 +10,14 @@ use codegen::cc::Compiler;
 use ir::spec::{ConstantSpec, ModelSpec, ScheduleSpec};
 use runtime::data::{BatchSampler, Corpus};
 use runtime::device::cpu::{CpuDevice, CpuOptions};
-use runtime::device::executor::{CpuExecutor, TrainingGraph};
+use runtime::device::cpu_executor::{CpuExecutor, TrainingGraph};
 use runtime::executor::StepExecutor;
 use runtime::init::init_params;
 use runtime::parity::{compare, Quantity, Tolerances};
 use std::path::PathBuf;
 
-mod spec_fixture;
-use spec_fixture::{shrunk_spec, Shrink};
+mod common;
+use common::spec::{shrunk_spec, Shrink};
 
 const OPT_STEPS: usize = 5;
 

@@ -8,12 +8,12 @@
 //! against an f64 host reference; without one they return after checking
 //! that the device reports the missing driver.
 
-mod plan_support;
+mod common;
 
 use codegen::kernel::Grid;
 use codegen::plan::{BufferId, BufferRole, Gemm, Plan, Step};
+use common::plan::{data, decl, rms_rows, scale_bias};
 use ir::DType;
-use plan_support::{data, decl, rms_rows, scale_bias};
 use runtime::device::cuda::{
     column_major_gemm, copy_bandwidth, driver_available, launch_config, probe, BlasGemm, CudaDevice,
     CudaError, Layout, Placement,
@@ -471,7 +471,7 @@ fn malformed_plans_are_rejected_before_touching_the_gpu() {
 fn gpu_training_steps_match_the_cpu_device() {
     use ir::spec::{AdamWSpec, ConstantSpec, ModelSpec, OptimizerSpec, ScheduleSpec};
     use runtime::device::cpu::CpuOptions;
-    use runtime::device::executor::CpuExecutor;
+    use runtime::device::cpu_executor::CpuExecutor;
     use runtime::executor::{cuda_executor, StepExecutor, UpdateSettings};
     use runtime::init::init_params;
     use runtime::optim::Optimizer;

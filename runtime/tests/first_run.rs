@@ -3,14 +3,13 @@
 //! are counted for the whole process, and no other test may run beside it.
 
 // The shared helpers; this binary needs only some of them.
-#[allow(dead_code)]
-mod plan_support;
+mod common;
 
 use codegen::cc::Compiler;
 use codegen::kernel::Grid;
 use codegen::plan::{BufferId, BufferRole, Plan, Step};
+use common::plan::{data, decl, scale_bias};
 use ir::DType;
-use plan_support::{data, decl, scale_bias};
 use runtime::device::cpu::{CpuDevice, CpuOptions};
 
 /// Minor page faults of this process so far (`/proc/self/stat`, field 10),

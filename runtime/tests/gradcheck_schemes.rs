@@ -15,8 +15,9 @@
 //! normalization, so the row sums are 1), but both sides of that kink agree there
 //! because the row sums are identically 1: it needs no guard.
 
-mod tiny_model;
+mod common;
 
+use common::tiny_model::{perturbed_params, random_window, tiny_spec};
 use ir::autodiff::grad;
 use ir::exec::{run, Value};
 use ir::graph::{Graph, NodeId, Op, Region};
@@ -28,7 +29,6 @@ use ir::spec::{
 };
 use runtime::rng::Rng;
 use std::collections::HashMap;
-use tiny_model::{perturbed_params, random_window, tiny_spec};
 
 const B: usize = 2;
 const T: usize = 5;

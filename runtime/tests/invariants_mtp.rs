@@ -7,15 +7,15 @@
 //! at position i reads w[0..=i] and predicts w[i + 1]; module k at position i
 //! (0 <= i < T − k) reads w[0..=i + k] and predicts w[i + k + 1].
 
-mod tiny_model;
+mod common;
 
+use common::tiny_model::{perturbed_params, random_window, tiny_spec};
 use ir::exec::{run, Value};
 use ir::graph::{Graph, NodeId, Op};
 use ir::lower::{lower, Lowered};
 use ir::spec::{GhcSpec, MhcSpec, ModelSpec, MtpSpec, ResidualSpec, XhcSpec};
 use runtime::rng::Rng;
 use std::collections::HashMap;
-use tiny_model::{perturbed_params, random_window, tiny_spec};
 
 const B: usize = 2;
 const T: usize = 6;

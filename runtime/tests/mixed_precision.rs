@@ -7,13 +7,13 @@ use codegen::plan::{BufferRole, Plan};
 use ir::spec::{ConstantSpec, ModelSpec, Precision, ScheduleSpec};
 use ir::DType;
 use runtime::data::{BatchSampler, Corpus};
-use runtime::device::executor::TrainingGraph;
+use runtime::device::cpu_executor::TrainingGraph;
 use runtime::executor::{Device, ReferenceExecutor, StepExecutor};
 use runtime::init::init_params;
 use runtime::train::{train_spec, TrainOptions};
 
-mod spec_fixture;
-use spec_fixture::{shrunk_spec, Shrink};
+mod common;
+use common::spec::{shrunk_spec, Shrink};
 
 fn bf16_spec() -> ModelSpec {
     let sizes = Shrink { ffn_hidden: 64, moe_hidden: 32, seq_len: 16, batch: 2 };

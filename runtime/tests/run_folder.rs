@@ -8,21 +8,21 @@ use runtime::init::init_params;
 use runtime::train::{train_spec, TrainError};
 use std::path::{Path, PathBuf};
 
-mod run_fixture;
+mod common;
 
-use run_fixture::opts;
+use common::run::opts;
 
 fn tiny_spec(steps: usize) -> ModelSpec {
-    run_fixture::tiny_spec("run-folder", steps, 100, 1)
+    common::run::tiny_spec("run-folder", steps, 100, 1)
 }
 
 fn temp_dir(tag: &str) -> PathBuf {
-    run_fixture::temp_dir("run-folder", tag)
+    common::run::temp_dir("run-folder", tag)
 }
 
 /// `(step, loss)` of every metrics line.
 fn metrics(dir: &Path) -> Vec<(u64, f64)> {
-    run_fixture::metric_losses(&dir.join("metrics.jsonl"))
+    common::run::metric_losses(&dir.join("metrics.jsonl"))
 }
 
 fn files(dir: &Path) -> Vec<String> {

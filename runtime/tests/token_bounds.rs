@@ -10,7 +10,7 @@
 
 use ir::spec::ModelSpec;
 use runtime::device::cpu::{CpuDevice, CpuOptions};
-use runtime::device::executor::{CpuExecutor, TrainingGraph};
+use runtime::device::cpu_executor::{CpuExecutor, TrainingGraph};
 use runtime::executor::{check_tokens, ReferenceExecutor, StepError, StepExecutor, UpdateSettings};
 use runtime::init::init_params;
 use runtime::optim::Optimizer;

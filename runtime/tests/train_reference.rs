@@ -9,16 +9,16 @@ use runtime::executor::Device;
 use runtime::train::{train_spec, TrainError, TrainOptions};
 use std::path::PathBuf;
 
-mod run_fixture;
+mod common;
 
-use run_fixture::{metric_losses, opts};
+use common::run::{metric_losses, opts};
 
 fn tiny_spec(steps: usize) -> ModelSpec {
-    run_fixture::tiny_spec("tiny-test", steps, 3, 2)
+    common::run::tiny_spec("tiny-test", steps, 3, 2)
 }
 
 fn temp_dir(tag: &str) -> PathBuf {
-    run_fixture::temp_dir("train", tag)
+    common::run::temp_dir("train", tag)
 }
 
 #[test]

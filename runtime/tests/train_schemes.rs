@@ -8,8 +8,8 @@ use runtime::executor::Device;
 use runtime::train::{train_spec, TrainOptions};
 use std::path::PathBuf;
 
-mod spec_fixture;
-use spec_fixture::{shrunk_spec, Shrink};
+mod common;
+use common::spec::{shrunk_spec, Shrink};
 
 const STEPS: usize = 40;
 /// Steps averaged at each end of the run.

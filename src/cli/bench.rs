@@ -27,14 +27,15 @@
 //! bytes/s against the copy bandwidth.
 
 use super::train::DeviceArg;
+use super::{parallel_map, Backbone};
 use anyhow::Context;
 use codegen::plan::{BufferRole, Step};
 use ir::spec::{load_spec, ModelSpec, ResidualSpec};
 use runtime::data::{BatchSampler, Corpus};
 use runtime::device::ceilings::{self, CpuCeilings};
 use runtime::device::cpu::CpuOptions;
+use runtime::device::cpu_executor::{CpuExecutor, TrainingGraph};
 use runtime::device::cuda::{copy_bandwidth, CudaExecutor};
-use runtime::device::executor::{CpuExecutor, TrainingGraph};
 use runtime::executor::{cuda_executor, Device, StepExecutor, StepStats, UpdateSettings};
 use runtime::init::init_params;
 use runtime::optim::schedule::lr_multiplier;
@@ -43,8 +44,6 @@ use runtime::params::ParamSet;
 use serde_json::json;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
 use std::time::Instant;
 
 #[derive(clap::Args)]
@@ -73,52 +72,6 @@ pub struct Args {
     pub profile_kernels: Option<PathBuf>,
 }
 
-/// Backbone overrides applied to every spec (validated when the spec is lowered).
-#[derive(clap::Args, Debug, Clone, Default)]
-pub struct Backbone {
-    /// Override the backbone width D.
-    #[arg(long)]
-    pub d_model: Option<usize>,
-    /// Override the number of blocks L.
-    #[arg(long)]
-    pub layers: Option<usize>,
-    /// Override the number of query heads (key/value heads follow when they no longer divide it).
-    #[arg(long)]
-    pub heads: Option<usize>,
-    /// Override the sequence length T.
-    #[arg(long)]
-    pub seq_len: Option<usize>,
-    /// Override the batch size B.
-    #[arg(long)]
-    pub batch: Option<usize>,
-}
-
-impl Backbone {
-    /// Applies the overrides; the result is validated when lowered.
-    pub fn apply(&self, spec: &mut ModelSpec) {
-        if let Some(d) = self.d_model {
-            spec.d_model = d;
-            spec.head_dim = None;
-        }
-        if let Some(l) = self.layers {
-            spec.layers = l;
-        }
-        if let Some(h) = self.heads {
-            spec.heads = h;
-            spec.head_dim = None;
-            if spec.kv_heads.is_some_and(|kv| kv == 0 || h % kv != 0) {
-                spec.kv_heads = None;
-            }
-        }
-        if let Some(t) = self.seq_len {
-            spec.train.seq_len = t;
-        }
-        if let Some(b) = self.batch {
-            spec.train.batch = b;
-        }
-    }
-}
-
 /// A model's executor; the Cuda one is kept concrete for `--profile-kernels`.
 enum Exec {
     Any(Box<dyn StepExecutor + Send>),
@@ -132,29 +85,6 @@ impl Exec {
             Exec::Cuda(e) => e.as_mut(),
         }
     }
-}
-
-/// `f` over every item on up to `workers` threads; the results in item order.
-pub fn parallel_map<T: Sync, R: Send>(
-    items: &[T],
-    workers: usize,
-    f: impl Fn(usize, &T) -> R + Sync,
-) -> Vec<R> {
-    let next = AtomicUsize::new(0);
-    let results: Mutex<Vec<Option<R>>> = Mutex::new(items.iter().map(|_| None).collect());
-    std::thread::scope(|scope| {
-        for _ in 0..workers.clamp(1, items.len().max(1)) {
-            scope.spawn(|| loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                let Some(item) = items.get(i) else { break };
-                let r = f(i, item);
-                results.lock().unwrap_or_else(|e| e.into_inner())[i] = Some(r);
-            });
-        }
-    });
-    // Every index below `items.len()` was taken by exactly one worker, and a
-    // panicking worker re-raises its panic when the scope ends.
-    results.into_inner().unwrap_or_else(|e| e.into_inner()).into_iter().flatten().collect()
 }
 
 /// One model under measurement with its training state.
@@ -202,7 +132,8 @@ impl Model {
         // FLOPs are counted from the Plan the device runs (the Cpu Plan for the
         // reference executor, which runs the same graph unfused).
         let costs = |plan: &codegen::plan::Plan| {
-            let steps = super::compile::plan_step_costs(plan);
+            let steps: Vec<(u64, u64)> =
+                codegen::plan_report::step_costs(plan).iter().map(|s| (s.flops, s.bytes())).collect();
             Costs {
                 flops: steps.iter().map(|s| s.0).sum(),
                 bytes: Some(steps.iter().map(|s| s.1).sum()),

@@ -13,7 +13,7 @@
 //! whole process) fails only that spec. The JSON file is rewritten after
 //! every spec, so a run cut short still leaves the specs it finished.
 
-use super::bench::{parallel_map, Backbone};
+use super::{parallel_map, Backbone};
 use anyhow::Context;
 use ir::spec::load_spec;
 use runtime::device::cuda::{driver_available, CudaError};

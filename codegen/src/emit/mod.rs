@@ -18,16 +18,16 @@
 //!
 //! Ops that need their own grid (attention and its gradient, the loss, the
 //! norm projection of the connection coefficients,
-//! temporal augmentation and its gradient) are lowered by the `standalone` module.
+//! temporal augmentation and its gradient) are lowered by the `own_grid` module.
 
 mod attention;
 mod item;
 mod lanes;
-mod standalone;
+mod own_grid;
 
 pub use attention::attention_grads;
 pub use lanes::{has_lanes_form, lower_sinkhorn_lanes};
-pub use standalone::{lower_standalone, temporal_grads};
+pub use own_grid::{lower_own_grid, temporal_grads};
 
 use std::cell::Cell;
 use std::collections::{HashMap, HashSet};
@@ -71,7 +71,7 @@ impl Target {
 }
 
 /// CUDA threads per block of emitted thread-per-item kernels. Fused and
-/// standalone bodies are long; with 256-thread launch bounds ptxas caps them at
+/// own-grid bodies are long; with 256-thread launch bounds ptxas caps them at
 /// 64 registers and spills, with 128 it gives them the registers they need.
 pub const BLOCK: u32 = 128;
 
@@ -626,8 +626,8 @@ impl Sink {
     }
 }
 
-/// Ops lowered by the `standalone` module: each needs a grid of its own.
-pub fn is_standalone(op: &Op) -> bool {
+/// Ops lowered by the `own_grid` module: each needs a grid of its own.
+pub fn has_own_grid(op: &Op) -> bool {
     match op {
         Op::CausalAttention { .. }
         | Op::CausalAttentionGrad { .. }
@@ -762,7 +762,7 @@ fn item_ok(graph: &Graph, id: NodeId, n: usize, restricted: &[bool], materialize
             | Op::CausalAttention { .. }
             | Op::TemporalAugment { .. }
             | Op::CausalAttentionGrad { .. }
-            | Op::TemporalAugmentGrad { .. }) => !is_standalone(op),
+            | Op::TemporalAugmentGrad { .. }) => !has_own_grid(op),
         };
         if !own {
             return false;
@@ -900,7 +900,7 @@ pub fn itemize(graph: &Graph, nodes: &[NodeId], res: &dyn Residency, target: Tar
 /// the scratch each declares before loop fusion. A single op cannot be split
 /// further: its scratch is what it needs, so it reports none.
 pub fn item_splits(graph: &Graph, nodes: &[NodeId], res: &dyn Residency, target: Target) -> Vec<ItemSplit> {
-    if nodes.iter().any(|&id| is_standalone(&graph.node(id).op) || graph.node(id).op.is_source()) {
+    if nodes.iter().any(|&id| has_own_grid(&graph.node(id).op) || graph.node(id).op.is_source()) {
         return Vec::new();
     }
     let inside: HashSet<NodeId> = nodes.iter().copied().collect();
@@ -1049,7 +1049,7 @@ fn reads_inside(graph: &Graph, id: NodeId, inside: &HashSet<NodeId>) -> bool {
     })
 }
 
-/// Lowers `nodes` (topological order, none standalone) into one thread-per-item
+/// Lowers `nodes` (topological order, none on a grid of its own) into one thread-per-item
 /// kernel of `n` items named `name`. Nodes with a buffer are written to it; the
 /// others live in per-item local arrays.
 pub fn lower_fused(

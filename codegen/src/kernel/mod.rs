@@ -28,23 +28,23 @@
 //! ```
 
 mod builder;
-mod cost;
+mod counts;
 mod expr;
-mod fuse;
-mod simplify;
+mod loop_fusion;
+mod simplify_indices;
 mod split;
 mod spread;
 mod validate;
 
 pub use builder::{Block, KernelBuilder};
 pub use expr::{f32, f64, i32, i64, item, lane, select, BinOp, Buf, CmpOp, Expr, MathFn, Ty, UnOp};
-pub use fuse::fuse_loops;
-pub use simplify::simplify_indices;
+pub use loop_fusion::fuse_loops;
+pub use simplify_indices::simplify_indices;
 pub use split::split_loops;
 pub use spread::{spread_over_lanes, LANES as SPREAD_LANES};
 pub use validate::KernelError;
 
-pub(crate) use cost::stmt_work;
+pub(crate) use counts::stmt_work;
 
 use std::collections::{HashMap, HashSet};
 

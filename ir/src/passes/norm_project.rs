@@ -18,7 +18,7 @@
 //!
 //! A LayerNorm projection (`centered = c > 0`, xHC's router and pre-map over
 //! the whole `N·C` state, docs/math.md §6.2–§6.3) splits the same way, with the
-//! centred statistics as the standalone kernel computes them: `μ = mean(x)`,
+//! centred statistics computed as a LayerNorm computes them: `μ = mean(x)`,
 //! `ρ_c = rsqrt(mean((x − μ)²) + eps)` (two passes over the row, token
 //! local), the column sums `Σ_i w_ij` (a reduction of the weight), and the
 //! first `c` columns `ρ_c · (dot − μ · Σw)`, the rest `ρ_r · dot`,

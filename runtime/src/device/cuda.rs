@@ -79,7 +79,7 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 use ir::DType;
 
-use super::executor::{first_loss, Interface};
+use super::cpu_executor::{first_loss, Interface};
 use super::plan_check::{self, PlanError};
 use super::update::{Held, PlanBuffers, PlanUpdate};
 use crate::executor::{check_tokens, train_step_on_host, StepError, StepExecutor, StepStats, UpdateSettings};
@@ -962,7 +962,7 @@ fn prepare(plan: &Plan, ptrs: &[sys::CUdeviceptr]) -> Result<Vec<Vec<Op>>, CudaE
 }
 
 /// The [`StepExecutor`] over a [`CudaDevice`], with the interface of the
-/// Cpu device's executor ([`super::executor::CpuExecutor`]): a `tokens`
+/// Cpu device's executor ([`super::cpu_executor::CpuExecutor`]): a `tokens`
 /// input, a `loss` output, an optional `logits` output and a gradient buffer
 /// per parameter. Parameters are uploaded only when the set handed in is not
 /// the one the device holds; with AdamW the Plan runs the update, so

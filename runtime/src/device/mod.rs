@@ -13,8 +13,8 @@
 
 pub mod ceilings;
 pub mod cpu;
+pub mod cpu_executor;
 pub mod cuda;
-pub mod executor;
 mod paired_gemm;
 pub mod plan_check;
 mod pool;

@@ -5,7 +5,7 @@
 //! [`crate::train::train`] with an executor over the embedded Plan.
 
 use super::{codec, BuildError};
-use crate::device::executor::TrainingGraph;
+use crate::device::cpu_executor::TrainingGraph;
 use codegen::compile::Target;
 use codegen::plan::Plan;
 use ir::spec::ModelSpec;
@@ -294,7 +294,7 @@ fn main_rs(spec: &ModelSpec, plan: &Plan) -> TokenStream {
                     let options = runtime::device::cpu::CpuOptions::default();
                     let device = runtime::device::cpu::CpuDevice::with_options(plan(PLAN_JSON)?, &compiler, options)
                         .context("loading the embedded plan on the cpu device")?;
-                    Box::new(runtime::device::executor::CpuExecutor::new(device, token_shape)?)
+                    Box::new(runtime::device::cpu_executor::CpuExecutor::new(device, token_shape)?)
                 }
                 DeviceArg::Cuda => {
                     let device = runtime::device::cuda::CudaDevice::new(plan(CUDA_PLAN_JSON)?)

@@ -2,8 +2,6 @@
 //! partition, run the Plan with `codegen::compile::run_on_cpu_for_tests`, and
 //! compare every requested value with the f32 reference executor.
 
-#![allow(dead_code)]
-
 use std::collections::HashMap;
 use std::path::PathBuf;
 

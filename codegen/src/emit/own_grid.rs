@@ -19,13 +19,8 @@ const GS_EPS_ABS: f64 = 1e-20;
 /// Lanes of the block-per-item loss kernel.
 const LOSS_THREADS: u32 = 256;
 
-/// Lowers one standalone op (see [`super::is_standalone`]) into its launches.
-pub fn lower_standalone(
-    graph: &Graph,
-    id: NodeId,
-    name: &str,
-    target: Target,
-) -> Result<Lowering, EmitError> {
+/// Lowers one op on a grid of its own (see [`super::has_own_grid`]) into its launches.
+pub fn lower_own_grid(graph: &Graph, id: NodeId, name: &str, target: Target) -> Result<Lowering, EmitError> {
     let node = graph.node(id);
     match &node.op {
         Op::CausalAttention { .. } => super::attention::attention(graph, id, name, target),

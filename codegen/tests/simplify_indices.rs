@@ -4,7 +4,7 @@
 //! chains of fused view kernels collapse to their short forms, and whole
 //! models render with far fewer integer divisions and remainders.
 
-mod emit_support;
+mod common;
 
 use std::collections::HashMap;
 
@@ -364,7 +364,7 @@ fn div_rem_counts(c: &str) -> (usize, usize) {
 
 /// The rendered C of a spec at D = 256, four layers, four heads, 256 tokens.
 fn model_c(name: &str) -> String {
-    let (graph, request, _) = emit_support::spec_training_graph(name, 8, 256, |spec| {
+    let (graph, request, _) = common::emit::spec_training_graph(name, 8, 256, |spec| {
         (spec.d_model, spec.layers, spec.heads) = (256, 4, 4);
     });
     let partition = fused_partition(&graph, &request).unwrap_or_else(|e| panic!("{name}: {e}"));

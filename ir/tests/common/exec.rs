@@ -1,8 +1,6 @@
 //! Shared fixtures for the reference-executor tests: a seeded generator, a graph
 //! builder that remembers the values bound to its sources, and tolerant compares.
 //! Each test file uses a subset.
-#![allow(dead_code)]
-
 use ir::exec::{self, ExecError, Float, Tensor, Value};
 use ir::graph::{Graph, Init, NodeId, Op, ParamClass, ParamInfo};
 use ir::{DType, Shape};

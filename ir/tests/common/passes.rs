@@ -1,7 +1,5 @@
 //! Shared fixtures of the pass tests: every spec in `specs/`, lowered at a small size
 //! and differentiated with respect to every parameter.
-#![allow(dead_code)]
-
 use ir::autodiff::grad;
 use ir::exec::{run, Tensor, Value};
 use ir::graph::{Graph, NodeId};
