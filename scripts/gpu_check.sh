@@ -9,7 +9,8 @@
 #      which runs
 #        cargo test --release --workspace --no-run
 #      (it builds target/release/widen for the integration tests) and copies target/release/widen and the cuda_device test executable
-#      into gpu-bin/, with the sm_90 CUBIN of every spec's GPU Plan in
+#      into gpu-bin/, plus gpu-bin/widen-mpi (built with --features mpi, for
+#      the nccl section) when mpirun is here and PROFILE is release, with the sm_90 CUBIN of every spec's GPU Plan in
 #      gpu-bin/cache (the GPU run points WIDEN_CACHE_DIR there). gpu-bin/ is
 #      ignored locally through .git/info/exclude, so it never shows up in
 #      commits. Carry that one folder to the GPU machine.
@@ -20,7 +21,7 @@
 #               specs/mhc.ron one after the other: if any of them fails, the
 #               script stops there with summary.json saying what failed, so a
 #               broken build costs 3 minutes, not 10.
-#        full   (under 8 minutes) parity of every spec, bench + kernels, torch.
+#        full   (under 8 minutes) parity of every spec, nccl, bench + kernels, torch.
 #      No argument runs smoke, then full when smoke passed. TORCH=0 skips the
 #      PyTorch section (a rerun after a change to widen alone: PyTorch's
 #      figures do not move). Every parity run uses --isolate: each spec in its
@@ -46,6 +47,10 @@
 #              each against its fp32 tolerance (mhc-bf16: the bf16 tolerances,
 #              cuBLAS bf16 GEMMs). Specs run in parallel (Plan
 #              compilation by NVRTC dominates).                       (80 s)
+#   nccl       only where mpirun and gpu-bin/widen-mpi exist: specs/tiny.ron
+#              for 5 steps as a plain CUDA run, then as one rank through
+#              NCCL (`mpirun -n 1`, WIDEN_DIST_FORCE=1), same binary; the
+#              losses must be equal, bit for bit (docs/distributed.md).  (45 s)
 #   bench      `widen bench --device cuda` on a GPT-2-small backbone (D=768,
 #              L=12, 12 heads, T=1024, B=8) for residual, mhc, vwn-r4, xhc,
 #              each against its plain-residual baseline (bench pairs them
@@ -59,8 +64,9 @@
 #              same backbone (the image's PyTorch): the same schemes in
 #              fp32 with TF32 off, as widen's cuBLAS calls.          (100 s)
 #
-# Files under $OUT (at most 9): summary.json, env.txt, cuda_device.log,
-# smoke.json, parity.json, bench.json, kernels.json, torch.json, gpu_check.log.
+# Files under $OUT (at most 10): summary.json, env.txt, cuda_device.log,
+# smoke.json, parity.json, nccl.json, bench.json, kernels.json, torch.json,
+# gpu_check.log.
 
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -84,6 +90,12 @@ if [[ "${1:-}" == "prepare" ]]; then
     mkdir -p "$BIN"
     cp "target/$dir/widen" "$BIN/widen"
     cp "$test_exe" "$BIN/cuda_device"
+    # The NCCL check's binary: MPI is a feature, off in the test build above.
+    rm -f "$BIN/widen-mpi"
+    if [[ "$dir" == release ]] && command -v mpirun > /dev/null; then
+        cargo build --release --features mpi --bin widen
+        cp target/release/widen "$BIN/widen-mpi"
+    fi
     # The sm_90 CUBIN of every spec's GPU Plan (as parity builds it), so the GPU
     # machine loads them from $BIN/cache instead of compiling (needs NVRTC here).
     rm -rf "$BIN/cache" "$BIN/compile-tmp"
@@ -161,6 +173,7 @@ status_parity=missing
 status_bench=missing
 status_kernels=missing
 status_torch=missing
+status_nccl=missing
 
 # "passed"/"ran" for exit 0, else what the exit code means.
 outcome() {
@@ -206,6 +219,7 @@ fi
 if [[ "$STAGE" == smoke || "$STAGE" == stopped ]]; then
     status_parity="not run ($STAGE)"; status_bench="not run ($STAGE)"
     status_kernels="not run ($STAGE)"; status_torch="not run ($STAGE)"
+    status_nccl="not run ($STAGE)"
 elif [[ -x "$WIDEN" ]]; then
     # ------------------------------------------------------------ parity
     # Exits non-zero when any spec is out of tolerance or cannot run;
@@ -214,6 +228,40 @@ elif [[ -x "$WIDEN" ]]; then
     timeout 150 "$WIDEN" parity specs/*.ron --device cuda --steps 5 --isolate --json "$OUT/parity.json" 2>&1 \
         | tee -a "$LOG"
     status_parity=$(outcome "${PIPESTATUS[0]}" passed)
+
+    # ------------------------------------------------------------ nccl
+    # One rank through NCCL must train what the plain CUDA step trains.
+    if ! command -v mpirun > /dev/null; then
+        status_nccl="skipped (no mpirun here)"
+    elif [[ ! -x "$BIN/widen-mpi" ]]; then
+        status_nccl="skipped ($BIN/widen-mpi missing: prepare builds it where mpirun is)"
+    else
+        log "nccl: specs/tiny.ron, plain CUDA vs one rank through NCCL"
+        runs=$(mktemp -d)
+        timeout 20 "$BIN/widen-mpi" train specs/tiny.ron --device cuda --steps 5 --out "$runs/plain" 2>&1 \
+            | tee -a "$LOG"
+        code=${PIPESTATUS[0]}
+        if [[ $code == 0 ]]; then
+            WIDEN_DIST_FORCE=1 timeout 25 mpirun --allow-run-as-root -n 1 -x WIDEN_DIST_FORCE \
+                "$BIN/widen-mpi" train specs/tiny.ron --device cuda --steps 5 --out "$runs/nccl" 2>&1 | tee -a "$LOG"
+            code=${PIPESTATUS[0]}
+        fi
+        python3 - "$runs" "$OUT/nccl.json" "$(outcome "$code" ran)" <<'PY'
+import json, sys
+runs, out, ran = sys.argv[1:4]
+def losses(name):
+    try:
+        return [json.loads(l).get("loss") for l in open(f"{runs}/{name}/metrics.jsonl")]
+    except OSError:
+        return []
+plain, nccl = losses("plain"), losses("nccl")
+equal = ran == "ran" and len(plain) > 0 and plain == nccl
+json.dump({"status": "passed" if equal else ("differ" if ran == "ran" else ran),
+           "plain_losses": plain, "nccl_losses": nccl}, open(out, "w"), indent=2)
+PY
+        status_nccl=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["status"])' "$OUT/nccl.json")
+        rm -rf "$runs"
+    fi
 
     # ------------------------------------------------------------ bench + kernels
     GPT2=(--d-model 768 --layers 12 --heads 12 --seq-len 1024 --batch 8)
@@ -246,9 +294,9 @@ fi
 
 # ---------------------------------------------------------------- summary
 python3 - "$OUT" "$status_device" "$status_parity" "$status_bench" "$status_kernels" "$status_torch" \
-    "$status_smoke" "$STAGE" <<'EOF'
+    "$status_smoke" "$STAGE" "$status_nccl" <<'EOF'
 import json, os, re, sys
-out, device, parity, bench, kernels, torch_status, smoke, stage = sys.argv[1:9]
+out, device, parity, bench, kernels, torch_status, smoke, stage, nccl = sys.argv[1:10]
 tests = {}
 try:
     for line in open(f"{out}/cuda_device.log"):
@@ -262,6 +310,7 @@ summary = {
     "device": {"status": device, "tests": tests},
     "smoke": {"status": smoke, "file": "smoke.json" if os.path.exists(f"{out}/smoke.json") else None},
     "parity": {"status": parity, "file": "parity.json" if os.path.exists(f"{out}/parity.json") else None},
+    "nccl": {"status": nccl, "file": "nccl.json" if os.path.exists(f"{out}/nccl.json") else None},
     "bench": {"status": bench, "file": "bench.json" if bench == "ran" else None},
     "kernels": {"status": kernels, "file": "kernels.json" if kernels == "ran" else None},
     "torch": {"status": torch_status, "file": "torch.json" if torch_status == "ran" else None},

@@ -21,6 +21,43 @@ use std::time::Duration;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 
+/// The environment variable that makes a run of one launched rank take the
+/// data-parallel path anyway (any value but empty and `0`): with `--device
+/// cuda`, its step all-reduces through NCCL over a world of one, which must
+/// train exactly what the plain single-GPU step trains (scripts/gpu_check.sh).
+pub const FORCE_VAR: &str = "WIDEN_DIST_FORCE";
+
+/// Whether [`FORCE_VAR`] asks for the data-parallel path with one rank.
+pub fn force_requested() -> bool {
+    std::env::var(FORCE_VAR).is_ok_and(|v| !v.trim().is_empty() && v.trim() != "0")
+}
+
+/// Environment variables a launcher sets to this process's rank among the
+/// ranks on its machine (Open MPI, then MPICH).
+pub const LOCAL_RANK_VARS: &[&str] = &["OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"];
+
+/// This process's rank among the ranks on its machine, if a launcher said.
+pub fn local_rank() -> Option<usize> {
+    LOCAL_RANK_VARS.iter().find_map(|v| std::env::var(v).ok()?.trim().parse().ok())
+}
+
+/// The GPU a rank trains on: its local rank (the launcher's numbering of
+/// the ranks on one machine), else its world rank, modulo the machine's
+/// `gpus`. The local rank is what keeps two ranks off one GPU when ranks span
+/// machines; NCCL refuses a communicator in which two ranks share a GPU, so
+/// more ranks on a machine than it has GPUs is refused here, by name.
+pub fn gpu_for_rank(
+    local_rank: Option<usize>,
+    local_ranks: usize,
+    rank: usize,
+    gpus: usize,
+) -> Result<usize, DistError> {
+    if gpus == 0 || local_ranks > gpus {
+        return Err(DistError::TooFewGpus { ranks: local_ranks, gpus });
+    }
+    Ok(local_rank.unwrap_or(rank) % gpus)
+}
+
 /// Environment variables a process launcher sets to the number of ranks
 /// (Open MPI's `mpirun`, then MPICH/Slurm's PMI).
 pub const WORLD_SIZE_VARS: &[&str] = &["OMPI_COMM_WORLD_SIZE", "PMI_SIZE"];
@@ -59,10 +96,35 @@ pub enum DistError {
     )]
     Batch { batch: usize, world: usize },
     #[error(
-        "--device cuda with {world} ranks needs a GPU all-reduce (NCCL), which is not built yet; \
-         train on --device cpu or reference across ranks, or on one GPU with one rank"
+        "--device cuda with {world} ranks all-reduces through NCCL, which is built only with the \
+         `mpi` feature (the NCCL id travels over MPI); {ENABLE_HINT}"
     )]
-    CudaNotBuilt { world: usize },
+    NcclNotBuilt { world: usize },
+    #[error(
+        "{ranks} ranks run on this machine but it has {gpus} GPUs: --device cuda trains one rank \
+         per GPU (NCCL refuses two ranks on one GPU); start at most {gpus} ranks per machine \
+         (`mpirun -n {gpus}`, or --map-by ppr:{gpus}:node across machines)"
+    )]
+    TooFewGpus { ranks: usize, gpus: usize },
+    #[error(
+        "NCCL is not available: libnccl.so.2 could not be loaded, and --device cuda across ranks \
+         all-reduces the gradients through it. Install it (`pip install nvidia-nccl-cu13`, or \
+         `apt-get install libnccl2` from NVIDIA's CUDA repository) and put the folder holding \
+         libnccl.so.2 on LD_LIBRARY_PATH"
+    )]
+    NoNccl,
+    #[error(
+        "this Cuda executor is not part of the ranks' NCCL communicator; a data-parallel run \
+         builds it with `runtime::device::cuda::nccl::executor_for_rank`"
+    )]
+    NcclNotJoined,
+    #[error("NCCL call failed while {what}: {code}")]
+    Nccl { what: String, code: String },
+    #[error(
+        "rank 0 could not create the NCCL communicator's id, so no rank can join it; rank 0's \
+         error names the cause"
+    )]
+    NoNcclId,
     #[error(
         "the parameters differ between ranks after step {step}: the ranks no longer train one \
          model (a rank's all-reduce result differed from the others')"
@@ -94,6 +156,18 @@ pub trait Collective {
     /// Ends every rank's process with `code` (this rank failed; the others
     /// must not wait for it).
     fn abort(&self, code: i32) -> !;
+    /// Replaces `buf` on every rank by rank `root`'s (a setup message such as
+    /// NCCL's id). This default sends each byte as a small whole number
+    /// through a sum all-reduce (the other ranks add zeros), which is exact; an
+    /// implementation with a broadcast of its own overrides it.
+    fn broadcast_bytes(&self, buf: &mut [u8], root: usize) {
+        let mine = self.rank() == root;
+        let mut values: Vec<f64> = buf.iter().map(|&b| if mine { f64::from(b) } else { 0.0 }).collect();
+        self.all_reduce_f64(&mut values, Reduce::Sum);
+        for (b, v) in buf.iter_mut().zip(values) {
+            *b = v as u8;
+        }
+    }
 }
 
 /// A handle on the ranks of a run, shared by the training loop and the
@@ -103,6 +177,8 @@ pub struct Group {
     inner: Arc<dyn Collective + Send + Sync>,
     /// Nanoseconds spent in all-reduces, for the metrics.
     reduce_nanos: Arc<AtomicU64>,
+    /// Take the data-parallel path with one rank too ([`FORCE_VAR`]).
+    forced: bool,
 }
 
 impl std::fmt::Debug for Group {
@@ -120,7 +196,30 @@ impl PartialEq for Group {
 
 impl Group {
     pub fn new(collective: impl Collective + Send + Sync + 'static) -> Group {
-        Group { inner: Arc::new(collective), reduce_nanos: Arc::new(AtomicU64::new(0)) }
+        Group { inner: Arc::new(collective), reduce_nanos: Arc::new(AtomicU64::new(0)), forced: false }
+    }
+
+    /// This group, taking the data-parallel path even alone ([`FORCE_VAR`]).
+    pub fn forced(self) -> Group {
+        Group { forced: true, ..self }
+    }
+
+    /// Whether a run on this group trains data-parallel: across more than one
+    /// rank, or on one that was [`Group::forced`]. Otherwise it is exactly a
+    /// single process's run.
+    pub fn data_parallel(&self) -> bool {
+        self.size() > 1 || self.forced
+    }
+
+    /// `buf` as rank `root` holds it, on every rank ([`Collective::broadcast_bytes`]).
+    pub fn broadcast_bytes(&self, buf: &mut [u8], root: usize) {
+        self.timed(|| self.inner.broadcast_bytes(buf, root));
+    }
+
+    /// Adds `elapsed` to the time spent in collectives (a device's own
+    /// all-reduce, timed by its caller).
+    pub fn add_reduce_time(&self, elapsed: Duration) {
+        self.reduce_nanos.fetch_add(elapsed.as_nanos() as u64, Ordering::Relaxed);
     }
 
     pub fn rank(&self) -> usize {
@@ -298,6 +397,87 @@ mod tests {
             err.contains("train.batch = 8") && err.contains("3 ranks") && err.contains("e.g. 6"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn each_rank_on_a_machine_gets_its_own_gpu() {
+        // The local rank decides, so rank 5 of a job spread over machines is
+        // GPU 1 of its machine.
+        assert_eq!(gpu_for_rank(Some(1), 4, 5, 4).unwrap(), 1);
+        assert_eq!(gpu_for_rank(Some(0), 1, 0, 8).unwrap(), 0);
+        // Without a launcher's local rank, the world rank.
+        assert_eq!(gpu_for_rank(None, 2, 1, 2).unwrap(), 1);
+        assert_eq!(gpu_for_rank(None, 2, 3, 2).unwrap(), 1);
+        let err = gpu_for_rank(Some(2), 3, 2, 2).unwrap_err().to_string();
+        assert!(err.contains("3 ranks") && err.contains("2 GPUs") && err.contains("mpirun -n 2"), "{err}");
+        assert!(gpu_for_rank(None, 1, 0, 0).is_err(), "no GPU at all");
+    }
+
+    /// A world of ranks in threads, summing through shared memory: enough
+    /// to check that the default byte broadcast is exact.
+    struct Threads {
+        rank: usize,
+        size: usize,
+        shared: Arc<(std::sync::Mutex<(Vec<f64>, usize)>, std::sync::Condvar)>,
+    }
+
+    impl Collective for Threads {
+        fn rank(&self) -> usize {
+            self.rank
+        }
+        fn size(&self) -> usize {
+            self.size
+        }
+        fn all_reduce_f32(&self, _: &mut [f32], _: Reduce) {
+            unimplemented!("not used by the broadcast")
+        }
+        fn all_reduce_f64(&self, buf: &mut [f64], op: Reduce) {
+            assert_eq!(op, Reduce::Sum);
+            let (lock, cv) = &*self.shared;
+            let mut g = lock.lock().unwrap();
+            if g.0.is_empty() {
+                g.0 = vec![0.0; buf.len()];
+            }
+            g.0.iter_mut().zip(buf.iter()).for_each(|(t, v)| *t += v);
+            g.1 += 1;
+            cv.notify_all();
+            while g.1 < self.size {
+                g = cv.wait(g).unwrap();
+            }
+            buf.copy_from_slice(&g.0);
+        }
+        fn abort(&self, code: i32) -> ! {
+            panic!("abort {code}")
+        }
+    }
+
+    #[test]
+    fn the_default_broadcast_is_exact_for_every_byte() {
+        let shared = Arc::new((std::sync::Mutex::new((Vec::new(), 0)), std::sync::Condvar::new()));
+        let id: Vec<u8> = (0..=255).collect();
+        let handles: Vec<_> = (0..3)
+            .map(|rank| {
+                let shared = Arc::clone(&shared);
+                let id = id.clone();
+                std::thread::spawn(move || {
+                    let group = Group::new(Threads { rank, size: 3, shared });
+                    let mut buf = if rank == 1 { id } else { vec![7u8; 256] };
+                    group.broadcast_bytes(&mut buf, 1);
+                    buf
+                })
+            })
+            .collect();
+        for h in handles {
+            assert_eq!(h.join().unwrap(), id);
+        }
+    }
+
+    #[test]
+    fn one_rank_trains_data_parallel_only_when_forced() {
+        let shared = Arc::new((std::sync::Mutex::new((Vec::new(), 0)), std::sync::Condvar::new()));
+        let alone = Group::new(Threads { rank: 0, size: 1, shared });
+        assert!(!alone.data_parallel());
+        assert!(alone.forced().data_parallel());
     }
 
     #[test]

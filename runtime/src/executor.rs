@@ -315,6 +315,14 @@ impl Device {
 /// loads it on GPU 0. The driver is checked first, so a machine without one
 /// fails fast instead of compiling a Plan it cannot run.
 pub fn cuda_executor(lowered: Lowered) -> Result<crate::device::cuda::CudaExecutor, StepError> {
+    cuda_executor_on(lowered, 0)
+}
+
+/// [`cuda_executor`] on GPU `ordinal` (a data-parallel rank's own GPU).
+pub fn cuda_executor_on(
+    lowered: Lowered,
+    ordinal: usize,
+) -> Result<crate::device::cuda::CudaExecutor, StepError> {
     use crate::device::cuda::{driver_available, CudaDevice, CudaError, CudaExecutor};
     if !driver_available() {
         return Err(CudaError::NoCudaDriver.into());
@@ -322,7 +330,7 @@ pub fn cuda_executor(lowered: Lowered) -> Result<crate::device::cuda::CudaExecut
     let token_shape = token_shape_of(&lowered.graph, lowered.tokens);
     let plan =
         crate::device::cpu_executor::TrainingGraph::new(lowered)?.plan_for(codegen::compile::Target::Cuda)?;
-    CudaExecutor::new(CudaDevice::new(plan)?, token_shape)
+    CudaExecutor::new(CudaDevice::on(plan, ordinal)?, token_shape)
 }
 
 /// The `[batch, seq_len + 1]` shape of a graph's token input.

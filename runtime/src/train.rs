@@ -261,15 +261,34 @@ pub fn train_spec(spec: &ModelSpec, device: Device, opts: &TrainOptions) -> Resu
     let window = spec.train.seq_len + 1;
     let corpus = Corpus::load(&spec.train.data, spec.train.val_fraction, window)?;
     // Across ranks, each rank's graph takes its shard of the global batch.
-    let group = opts.group.as_ref().filter(|g| g.size() > 1);
-    if let (Some(g), Device::Cuda) = (group, device) {
-        return Err(DistError::CudaNotBuilt { world: g.size() }.into());
-    }
+    let group = opts.group.as_ref().filter(|g| g.data_parallel());
     let batch = Shard::of(group).local_batch(spec.train.batch)?;
     let lowered = ir::lower::lower(spec, batch, spec.train.seq_len)?;
     let params = init_params(&lowered.graph, spec.train.seed)?;
-    let mut exec = device.executor(lowered).map_err(TrainError::Device)?;
+    let mut exec = match (group, device) {
+        // One GPU per rank, the gradients all-reduced through NCCL.
+        (Some(g), Device::Cuda) => cuda_rank_executor(lowered, g)?,
+        _ => device.executor(lowered).map_err(TrainError::Device)?,
+    };
     train(spec, exec.as_mut(), params, &corpus, opts)
+}
+
+/// A data-parallel rank's Cuda executor ([`crate::device::cuda::nccl::executor_for_rank`]).
+#[cfg(feature = "mpi")]
+fn cuda_rank_executor(
+    lowered: ir::lower::Lowered,
+    group: &Group,
+) -> Result<Box<dyn StepExecutor + Send>, TrainError> {
+    Ok(Box::new(crate::device::cuda::nccl::executor_for_rank(lowered, group).map_err(TrainError::Device)?))
+}
+
+/// Without MPI there is no NCCL id broadcast, so no NCCL path.
+#[cfg(not(feature = "mpi"))]
+fn cuda_rank_executor(
+    _: ir::lower::Lowered,
+    group: &Group,
+) -> Result<Box<dyn StepExecutor + Send>, TrainError> {
+    Err(DistError::NcclNotBuilt { world: group.size() }.into())
 }
 
 /// Writes the initial state of a run of `spec` to `opts.out_dir/init.safetensors`
@@ -315,13 +334,10 @@ pub fn train(
     corpus: &Corpus,
     opts: &TrainOptions,
 ) -> Result<TrainReport, TrainError> {
-    let group = opts.group.as_ref().filter(|g| g.size() > 1);
+    let group = opts.group.as_ref().filter(|g| g.data_parallel());
     let shard = Shard::of(group);
     // Rank 0 (or a run alone) writes the folder and the console.
     let root = shard.rank == 0;
-    if group.is_some() && exec.device() == Device::Cuda.name() {
-        return Err(DistError::CudaNotBuilt { world: shard.world }.into());
-    }
     let out = &opts.out_dir;
     let progress_mode = if root { opts.progress } else { Progress::Silent };
     let notes = Notes(progress_mode);

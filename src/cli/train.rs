@@ -251,9 +251,16 @@ mod ranks {
         Ok(Ranks)
     }
 
+    /// The ranks to train across: more than one, or one with
+    /// `WIDEN_DIST_FORCE` set (`runtime::dist::FORCE_VAR`), which takes the
+    /// data-parallel path (NCCL, with `--device cuda`) alone.
     #[cfg(feature = "mpi")]
     pub(super) fn group(ranks: &Ranks) -> Option<Group> {
-        ranks.as_ref().map(|s| s.group().clone()).filter(|g| g.size() > 1)
+        let forced = runtime::dist::force_requested();
+        ranks
+            .as_ref()
+            .map(|s| if forced { s.group().clone().forced() } else { s.group().clone() })
+            .filter(Group::data_parallel)
     }
 
     #[cfg(not(feature = "mpi"))]

@@ -65,6 +65,9 @@
 
 use std::sync::Arc;
 
+#[cfg(feature = "mpi")]
+pub mod nccl;
+
 use codegen::kernel::{Grid, Kernel, KernelError};
 use codegen::nvrtc::{self, NvrtcError};
 use codegen::plan::{BufferDecl, BufferId, BufferRole, Gemm, Plan, Step};
@@ -970,6 +973,10 @@ fn prepare(plan: &Plan, ptrs: &[sys::CUdeviceptr]) -> Result<Vec<Vec<Op>>, CudaE
 /// parameters back (`super::update`, the protocol the Cpu executor shares).
 #[derive(Debug)]
 pub struct CudaExecutor {
+    /// This rank's NCCL communicator in a data-parallel run; declared before
+    /// the device so that it is released while the device's context lives.
+    #[cfg(feature = "mpi")]
+    nccl: Option<nccl::NcclComm>,
     device: CudaDevice,
     io: Interface,
     update: Option<PlanUpdate>,
@@ -989,7 +996,17 @@ impl CudaExecutor {
         let io = Interface::of(device.plan())?;
         let vocab = io.vocab(device.plan(), token_shape)?;
         let update = PlanUpdate::of(device.plan());
-        Ok(CudaExecutor { device, io, update, token_shape, vocab, resident: None, held: None })
+        Ok(CudaExecutor {
+            #[cfg(feature = "mpi")]
+            nccl: None,
+            device,
+            io,
+            update,
+            token_shape,
+            vocab,
+            resident: None,
+            held: None,
+        })
     }
 
     /// The underlying device (profiling, direct buffer access). The caller
@@ -1072,8 +1089,46 @@ impl StepExecutor for CudaExecutor {
             return train_step_on_host(self, params, tokens, optimizer, settings);
         }
         let update = self.update.take().ok_or(StepError::MissingOutput { what: "optimizer update" })?;
-        let result = self.train_step_in_plan(&update, params, tokens, optimizer, settings);
+        let result = self.train_step_in_plan(&update, params, tokens, optimizer, settings, None);
         self.update = Some(update);
+        result
+    }
+
+    /// With AdamW on every parameter, the Plan's update after NCCL has
+    /// averaged the loss and the gradients in the Plan's buffers, on the GPU
+    /// ([`nccl::NcclComm::average`]); otherwise (Muon) the host's, from
+    /// gradients downloaded and averaged over MPI.
+    #[cfg(feature = "mpi")]
+    fn train_step_averaged(
+        &mut self,
+        params: &mut ParamSet,
+        tokens: &[i32],
+        optimizer: &mut Optimizer,
+        settings: UpdateSettings,
+        group: &crate::dist::Group,
+    ) -> Result<StepStats, StepError> {
+        check_tokens(tokens, self.token_shape, self.vocab)?;
+        if !self.update.as_ref().is_some_and(|u| u.takes(params, optimizer)) {
+            return crate::executor::train_step_on_host_averaged(
+                self, params, tokens, optimizer, settings, group,
+            );
+        }
+        let comm = self.nccl.take().ok_or(crate::dist::DistError::NcclNotJoined)?;
+        let mut buffers: Vec<BufferId> = self.io.params.iter().filter_map(|(_, _, g)| *g).collect();
+        buffers.push(self.io.loss);
+        let average = |device: &mut CudaDevice| -> Result<(), StepError> {
+            let started = std::time::Instant::now();
+            comm.average(device, &buffers)?;
+            // The all-reduces run on the stream: their time is measured to
+            // their end, for the metrics' share of time in collectives.
+            device.synchronize()?;
+            group.add_reduce_time(started.elapsed());
+            Ok(())
+        };
+        let update = self.update.take().ok_or(StepError::MissingOutput { what: "optimizer update" })?;
+        let result = self.train_step_in_plan(&update, params, tokens, optimizer, settings, Some(&average));
+        self.update = Some(update);
+        self.nccl = Some(comm);
         result
     }
 
@@ -1088,7 +1143,12 @@ impl StepExecutor for CudaExecutor {
 }
 
 impl CudaExecutor {
-    /// A training step with the Plan's own update (`super::update`).
+    /// A training step with the Plan's own update (`super::update`). With
+    /// `average` (a data-parallel step, docs/distributed.md) the Plan runs in
+    /// two parts, its gradient steps and then its update steps, and `average`
+    /// replaces the loss and the gradients in the Plan's buffers by their
+    /// means across the ranks in between; the update reads the `loss` buffer
+    /// to skip a non-finite step, so every rank decides alike.
     fn train_step_in_plan(
         &mut self,
         update: &PlanUpdate,
@@ -1096,11 +1156,20 @@ impl CudaExecutor {
         tokens: &[i32],
         optimizer: &mut Optimizer,
         settings: UpdateSettings,
+        average: Option<&dyn Fn(&mut CudaDevice) -> Result<(), StepError>>,
     ) -> Result<StepStats, StepError> {
         let mut held = self.held.take();
         update.hold_moments(&mut self.device, optimizer, &mut held)?;
         update.write_values(&mut self.device, optimizer, settings)?;
-        self.run(params, tokens, true)?;
+        match average {
+            None => self.run(params, tokens, true)?,
+            Some(average) => {
+                self.run(params, tokens, false)?;
+                average(&mut self.device)?;
+                let steps = self.device.plan().gradient_steps().end..self.device.plan().steps.len();
+                self.device.run_range(steps)?;
+            }
+        }
         let loss = self.read_loss()?;
         let stats = update.finish(&mut self.device, loss, params, optimizer, &mut held)?;
         self.held = held;

@@ -18,7 +18,7 @@
 use super::{Collective, Reduce};
 use mpi::collective::SystemOperation;
 use mpi::topology::{Communicator, SimpleCommunicator};
-use mpi::traits::CommunicatorCollectives;
+use mpi::traits::{CommunicatorCollectives, Root};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -155,5 +155,9 @@ impl Collective for MpiWorld {
 
     fn abort(&self, code: i32) -> ! {
         SimpleCommunicator::world().abort(code)
+    }
+
+    fn broadcast_bytes(&self, buf: &mut [u8], root: usize) {
+        self.guarded(|world| world.process_at_rank(root as i32).broadcast_into(buf));
     }
 }
