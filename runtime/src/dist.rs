@@ -413,12 +413,15 @@ mod tests {
         assert!(gpu_for_rank(None, 1, 0, 0).is_err(), "no GPU at all");
     }
 
+    /// The running sum of an all-reduce and how many ranks have added to it.
+    type Shared = Arc<(std::sync::Mutex<(Vec<f64>, usize)>, std::sync::Condvar)>;
+
     /// A world of ranks in threads, summing through shared memory: enough
     /// to check that the default byte broadcast is exact.
     struct Threads {
         rank: usize,
         size: usize,
-        shared: Arc<(std::sync::Mutex<(Vec<f64>, usize)>, std::sync::Condvar)>,
+        shared: Shared,
     }
 
     impl Collective for Threads {
@@ -453,7 +456,7 @@ mod tests {
 
     #[test]
     fn the_default_broadcast_is_exact_for_every_byte() {
-        let shared = Arc::new((std::sync::Mutex::new((Vec::new(), 0)), std::sync::Condvar::new()));
+        let shared: Shared = Arc::new((std::sync::Mutex::new((Vec::new(), 0)), std::sync::Condvar::new()));
         let id: Vec<u8> = (0..=255).collect();
         let handles: Vec<_> = (0..3)
             .map(|rank| {
@@ -474,7 +477,7 @@ mod tests {
 
     #[test]
     fn one_rank_trains_data_parallel_only_when_forced() {
-        let shared = Arc::new((std::sync::Mutex::new((Vec::new(), 0)), std::sync::Condvar::new()));
+        let shared: Shared = Arc::new((std::sync::Mutex::new((Vec::new(), 0)), std::sync::Condvar::new()));
         let alone = Group::new(Threads { rank: 0, size: 1, shared });
         assert!(!alone.data_parallel());
         assert!(alone.forced().data_parallel());

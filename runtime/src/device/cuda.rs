@@ -1156,7 +1156,7 @@ impl CudaExecutor {
         tokens: &[i32],
         optimizer: &mut Optimizer,
         settings: UpdateSettings,
-        average: Option<&dyn Fn(&mut CudaDevice) -> Result<(), StepError>>,
+        average: Option<&AverageInBuffers>,
     ) -> Result<StepStats, StepError> {
         let mut held = self.held.take();
         update.hold_moments(&mut self.device, optimizer, &mut held)?;
@@ -1177,6 +1177,11 @@ impl CudaExecutor {
         Ok(stats)
     }
 }
+
+/// What a data-parallel step runs between the Plan's gradient and update
+/// steps: replaces the loss and the gradients in the device's buffers by their
+/// means across the ranks.
+type AverageInBuffers<'a> = dyn Fn(&mut CudaDevice) -> Result<(), StepError> + 'a;
 
 impl PlanBuffers for CudaDevice {
     fn write_f32(&mut self, id: BufferId, data: &[f32]) -> Result<(), StepError> {
