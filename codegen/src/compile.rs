@@ -297,7 +297,9 @@ fn grad_key(graph: &Graph, id: NodeId) -> Option<(GradKey, usize, usize)> {
         | Op::Sinkhorn { .. }
         | Op::TemporalAugment { .. }
         | Op::SinkhornGrad { .. }
-| Op::MoeRoute { .. } | Op::GroupedMatMul { .. } | Op::GroupedMatMulGrad { .. } => return None,
+        | Op::MoeRoute { .. }
+        | Op::GroupedMatMul { .. }
+        | Op::GroupedMatMulGrad { .. } => return None,
     };
     (wrt < slots).then_some(((inputs, attrs), wrt, slots))
 }
@@ -360,7 +362,9 @@ fn lower_siblings(
         | Op::Sinkhorn { .. }
         | Op::TemporalAugment { .. }
         | Op::SinkhornGrad { .. }
-| Op::MoeRoute { .. } | Op::GroupedMatMul { .. } | Op::GroupedMatMulGrad { .. } => return None,
+        | Op::MoeRoute { .. }
+        | Op::GroupedMatMul { .. }
+        | Op::GroupedMatMulGrad { .. } => return None,
     };
     Some(lowering.map(|l| (outs, l)))
 }
@@ -448,7 +452,8 @@ fn residency(
 pub fn compile(graph: &Graph, partition: &[Vec<NodeId>], request: &Request) -> Result<Plan, CompileError> {
     // The sparse MoE ops have no kernels yet: refuse the whole graph up front, naming the
     // first such node, rather than reach a lowering half-way.
-    let sparse = |op: &Op| matches!(op, Op::MoeRoute { .. } | Op::GroupedMatMul { .. } | Op::GroupedMatMulGrad { .. });
+    let sparse =
+        |op: &Op| matches!(op, Op::MoeRoute { .. } | Op::GroupedMatMul { .. } | Op::GroupedMatMulGrad { .. });
     if let Some(id) = graph.node_ids().into_iter().find(|&id| sparse(&graph.node(id).op)) {
         return Err(EmitError::at(id, &graph.node(id).op, emit::SPARSE_MOE_UNSUPPORTED).into());
     }
@@ -579,7 +584,9 @@ fn buffer_roles(graph: &Graph, request: &Request) -> Result<BTreeMap<NodeId, Vec
             | Op::CausalAttentionGrad { .. }
             | Op::SinkhornGrad { .. }
             | Op::TemporalAugmentGrad { .. }
-| Op::MoeRoute { .. } | Op::GroupedMatMul { .. } | Op::GroupedMatMulGrad { .. } => {}
+            | Op::MoeRoute { .. }
+            | Op::GroupedMatMul { .. }
+            | Op::GroupedMatMulGrad { .. } => {}
         }
     }
     for (name, id) in &request.outputs {
@@ -769,7 +776,9 @@ fn allocate_buffers(
             | Op::CausalAttentionGrad { .. }
             | Op::SinkhornGrad { .. }
             | Op::TemporalAugmentGrad { .. }
-| Op::MoeRoute { .. } | Op::GroupedMatMul { .. } | Op::GroupedMatMulGrad { .. } => BufferRole::Scratch { offset: 0 },
+            | Op::MoeRoute { .. }
+            | Op::GroupedMatMul { .. }
+            | Op::GroupedMatMulGrad { .. } => BufferRole::Scratch { offset: 0 },
         });
         let buf = b.buffer(node.shape.numel(), node.dtype, primary, Some(id.index()));
         b.node_buf.insert(id, buf);

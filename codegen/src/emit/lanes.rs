@@ -76,7 +76,9 @@ pub fn lower_sinkhorn_lanes(graph: &Graph, id: NodeId, name: &str) -> Result<Opt
         | Op::TemporalAugment { .. }
         | Op::CausalAttentionGrad { .. }
         | Op::TemporalAugmentGrad { .. }
-| Op::MoeRoute { .. } | Op::GroupedMatMul { .. } | Op::GroupedMatMulGrad { .. } => return Ok(None),
+        | Op::MoeRoute { .. }
+        | Op::GroupedMatMul { .. }
+        | Op::GroupedMatMulGrad { .. } => return Ok(None),
     };
     let n = node.shape.last();
     let mats = numel(node.shape.dims()) / (n * n);

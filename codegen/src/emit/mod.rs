@@ -598,7 +598,9 @@ pub(crate) fn view_of(op: &Op, in_dims: &[&[usize]], out_dims: &[usize], ins: Ve
         | Op::CausalAttentionGrad { .. }
         | Op::SinkhornGrad { .. }
         | Op::TemporalAugmentGrad { .. }
-| Op::MoeRoute { .. } | Op::GroupedMatMul { .. } | Op::GroupedMatMulGrad { .. } => unreachable!("view_of is only called for view ops"),
+        | Op::MoeRoute { .. }
+        | Op::GroupedMatMul { .. }
+        | Op::GroupedMatMulGrad { .. } => unreachable!("view_of is only called for view ops"),
     }
 }
 
@@ -641,7 +643,9 @@ pub fn has_own_grid(op: &Op) -> bool {
         | Op::SoftmaxCrossEntropy
         | Op::TemporalAugment { .. }
         | Op::TemporalAugmentGrad { .. }
-        | Op::MoeRoute { .. } | Op::GroupedMatMul { .. } | Op::GroupedMatMulGrad { .. } => true,
+        | Op::MoeRoute { .. }
+        | Op::GroupedMatMul { .. }
+        | Op::GroupedMatMulGrad { .. } => true,
         Op::Input { .. }
         | Op::Param(_)
         | Op::Constant { .. }
@@ -721,7 +725,9 @@ fn op_scratch(op: &Op, dims: &[usize]) -> usize {
         | Op::TemporalAugment { .. }
         | Op::CausalAttentionGrad { .. }
         | Op::TemporalAugmentGrad { .. }
-| Op::MoeRoute { .. } | Op::GroupedMatMul { .. } | Op::GroupedMatMulGrad { .. } => 0,
+        | Op::MoeRoute { .. }
+        | Op::GroupedMatMul { .. }
+        | Op::GroupedMatMulGrad { .. } => 0,
     }
 }
 
@@ -771,7 +777,9 @@ fn item_ok(graph: &Graph, id: NodeId, n: usize, restricted: &[bool], materialize
             | Op::TemporalAugment { .. }
             | Op::CausalAttentionGrad { .. }
             | Op::TemporalAugmentGrad { .. }
-| Op::MoeRoute { .. } | Op::GroupedMatMul { .. } | Op::GroupedMatMulGrad { .. }) => !has_own_grid(op),
+            | Op::MoeRoute { .. }
+            | Op::GroupedMatMul { .. }
+            | Op::GroupedMatMulGrad { .. }) => !has_own_grid(op),
         };
         if !own {
             return false;
@@ -829,7 +837,9 @@ fn item_ok(graph: &Graph, id: NodeId, n: usize, restricted: &[bool], materialize
         | Op::TemporalAugment { .. }
         | Op::CausalAttentionGrad { .. }
         | Op::TemporalAugmentGrad { .. }
-| Op::MoeRoute { .. } | Op::GroupedMatMul { .. } | Op::GroupedMatMulGrad { .. } => false,
+        | Op::MoeRoute { .. }
+        | Op::GroupedMatMul { .. }
+        | Op::GroupedMatMulGrad { .. } => false,
     }
 }
 
@@ -1042,7 +1052,9 @@ impl<'g> Reader<'g> {
             | Op::CausalAttentionGrad { .. }
             | Op::SinkhornGrad { .. }
             | Op::TemporalAugmentGrad { .. }
-| Op::MoeRoute { .. } | Op::GroupedMatMul { .. } | Op::GroupedMatMulGrad { .. } => Val::Buffer(self.buffer(k, id, Access::Read)),
+            | Op::MoeRoute { .. }
+            | Op::GroupedMatMul { .. }
+            | Op::GroupedMatMulGrad { .. } => Val::Buffer(self.buffer(k, id, Access::Read)),
         };
         self.vals.insert(id, v.clone());
         v

@@ -349,9 +349,9 @@ pub(crate) fn eval_op<T: Float>(
             let kernels = (1..inputs.len()).map(float).collect::<Result<Vec<_>, _>>()?;
             Value::Float(connection::temporal_augment(float(0)?, &kernels, *gram_schmidt, *eps_rel))
         }
-        Op::MoeRoute { experts, capacity, out } => Value::Int(
-            moe::moe_route(int(0)?, *experts, *capacity, *out, out_shape).map_err(|m| cx.err(m))?,
-        ),
+        Op::MoeRoute { experts, capacity, out } => {
+            Value::Int(moe::moe_route(int(0)?, *experts, *capacity, *out, out_shape).map_err(|m| cx.err(m))?)
+        }
         Op::GroupedMatMul { trans_b } => Value::Float(
             moe::grouped_matmul(float(0)?, float(1)?, int(2)?, *trans_b, out_shape).map_err(|m| cx.err(m))?,
         ),
@@ -359,9 +359,7 @@ pub(crate) fn eval_op<T: Float>(
         Op::CausalAttentionGrad { .. }
         | Op::SinkhornGrad { .. }
         | Op::TemporalAugmentGrad { .. }
-        | Op::GroupedMatMulGrad { .. } => {
-            return backward_ops::eval(cx, inputs, out_shape)
-        }
+        | Op::GroupedMatMulGrad { .. } => return backward_ops::eval(cx, inputs, out_shape),
     };
     Ok(value)
 }

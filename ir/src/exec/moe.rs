@@ -10,7 +10,11 @@ use crate::Shape;
 /// ordered by expert, then by token (a token names an expert once); the first
 /// `capacity` of each expert are kept, and the dropped ones follow every kept row in
 /// token order (docs/math.md §1.6, capacity rule).
-fn route(idx: &Tensor<i32>, experts: usize, capacity: Option<usize>) -> Result<(Vec<usize>, Vec<usize>), String> {
+fn route(
+    idx: &Tensor<i32>,
+    experts: usize,
+    capacity: Option<usize>,
+) -> Result<(Vec<usize>, Vec<usize>), String> {
     let mut kept = vec![0usize; experts];
     let mut dropped = 0usize;
     let mut slot_of = Vec::with_capacity(idx.data.len());

@@ -70,7 +70,11 @@ fn attrs(op: &Op) -> String {
             None => format!("experts={experts}"),
         },
         Op::GroupedMatMul { trans_b } | Op::GroupedMatMulGrad { trans_b } => {
-            if *trans_b { "trans_b".into() } else { String::new() }
+            if *trans_b {
+                "trans_b".into()
+            } else {
+                String::new()
+            }
         }
         Op::Unary(_) | Op::Binary(_) | Op::Softmax | Op::SoftmaxCrossEntropy => String::new(),
     }

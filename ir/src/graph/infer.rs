@@ -168,7 +168,10 @@ fn moe_route(
     int(op, inputs, 0)?;
     let idx = inputs[0].0;
     if idx.rank() != 2 || idx.0[1] == 0 || idx.0[1] > experts {
-        return Err(invalid(op, format!("needs expert indices [tokens, k] with 1 <= k <= {experts}, got {idx}")));
+        return Err(invalid(
+            op,
+            format!("needs expert indices [tokens, k] with 1 <= k <= {experts}, got {idx}"),
+        ));
     }
     if experts == 0 || capacity == Some(0) {
         return Err(invalid(op, "needs experts >= 1 and a capacity >= 1 when given"));
@@ -182,7 +185,13 @@ fn moe_route(
 }
 
 /// The (rows, groups, contraction, out) sizes of a grouped product's operands, checked.
-fn grouped_dims(op: &Op, x: &Shape, w: &Shape, counts: &Shape, trans_b: bool) -> Result<[usize; 4], GraphError> {
+fn grouped_dims(
+    op: &Op,
+    x: &Shape,
+    w: &Shape,
+    counts: &Shape,
+    trans_b: bool,
+) -> Result<[usize; 4], GraphError> {
     if x.rank() != 2 || w.rank() != 3 {
         return Err(mismatch(op, "needs x [M, K] and w [E, K, N]", x, w));
     }

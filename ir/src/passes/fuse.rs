@@ -423,7 +423,9 @@ impl<'g> Analysis<'g> {
             }
             Op::MatMul { trans_a, trans_b } => self.classify_matmul(id, *trans_a, *trans_b),
             Op::MoeRoute { .. } => (Class::Reduction, "orders every token's expert assignments".into()),
-            Op::GroupedMatMul { .. } => (Class::Heavy, "grouped matrix product over expert row groups".into()),
+            Op::GroupedMatMul { .. } => {
+                (Class::Heavy, "grouped matrix product over expert row groups".into())
+            }
             Op::GroupedMatMulGrad { .. } => {
                 (Class::Heavy, "grouped weight gradient, summed over each expert's rows".into())
             }

@@ -15,7 +15,7 @@
 //! are tokens (`[B, T, D] @ [D, F]`), and a reduction over streams from a reduction over
 //! tokens (a parameter gradient).
 
-use crate::graph::{MoeRouteOut, Graph, NodeId, Op};
+use crate::graph::{Graph, MoeRouteOut, NodeId, Op};
 use std::collections::HashMap;
 
 /// Token-axis flags of every node of a graph.
