@@ -296,7 +296,10 @@ fn grad_key(graph: &Graph, id: NodeId) -> Option<(GradKey, usize, usize)> {
         | Op::CausalAttention { .. }
         | Op::Sinkhorn { .. }
         | Op::TemporalAugment { .. }
-        | Op::SinkhornGrad { .. } => return None,
+        | Op::SinkhornGrad { .. }
+        | Op::MoeRoute { .. }
+        | Op::GroupedMatMul { .. }
+        | Op::GroupedMatMulGrad { .. } => return None,
     };
     (wrt < slots).then_some(((inputs, attrs), wrt, slots))
 }
@@ -358,7 +361,10 @@ fn lower_siblings(
         | Op::CausalAttention { .. }
         | Op::Sinkhorn { .. }
         | Op::TemporalAugment { .. }
-        | Op::SinkhornGrad { .. } => return None,
+        | Op::SinkhornGrad { .. }
+        | Op::MoeRoute { .. }
+        | Op::GroupedMatMul { .. }
+        | Op::GroupedMatMulGrad { .. } => return None,
     };
     Some(lowering.map(|l| (outs, l)))
 }
@@ -444,6 +450,13 @@ fn residency(
 /// Compiles `graph` for the node groups of `partition` into a Plan, in phases: the
 /// partition checked, buffer roles, GEMMs, units, buffers, then the steps.
 pub fn compile(graph: &Graph, partition: &[Vec<NodeId>], request: &Request) -> Result<Plan, CompileError> {
+    // The sparse MoE ops have no kernels yet: refuse the whole graph up front, naming the
+    // first such node, rather than reach a lowering half-way.
+    let sparse =
+        |op: &Op| matches!(op, Op::MoeRoute { .. } | Op::GroupedMatMul { .. } | Op::GroupedMatMulGrad { .. });
+    if let Some(id) = graph.node_ids().into_iter().find(|&id| sparse(&graph.node(id).op)) {
+        return Err(EmitError::at(id, &graph.node(id).op, emit::SPARSE_MOE_UNSUPPORTED).into());
+    }
     let order = graph.topo_order();
     let pos: HashMap<NodeId, usize> = order.iter().enumerate().map(|(i, &id)| (id, i)).collect();
     let (mut groups, group_of) = checked_groups(graph, partition, request, &pos)?;
@@ -570,7 +583,10 @@ fn buffer_roles(graph: &Graph, request: &Request) -> Result<BTreeMap<NodeId, Vec
             | Op::TemporalAugment { .. }
             | Op::CausalAttentionGrad { .. }
             | Op::SinkhornGrad { .. }
-            | Op::TemporalAugmentGrad { .. } => {}
+            | Op::TemporalAugmentGrad { .. }
+            | Op::MoeRoute { .. }
+            | Op::GroupedMatMul { .. }
+            | Op::GroupedMatMulGrad { .. } => {}
         }
     }
     for (name, id) in &request.outputs {
@@ -759,7 +775,10 @@ fn allocate_buffers(
             | Op::TemporalAugment { .. }
             | Op::CausalAttentionGrad { .. }
             | Op::SinkhornGrad { .. }
-            | Op::TemporalAugmentGrad { .. } => BufferRole::Scratch { offset: 0 },
+            | Op::TemporalAugmentGrad { .. }
+            | Op::MoeRoute { .. }
+            | Op::GroupedMatMul { .. }
+            | Op::GroupedMatMulGrad { .. } => BufferRole::Scratch { offset: 0 },
         });
         let buf = b.buffer(node.shape.numel(), node.dtype, primary, Some(id.index()));
         b.node_buf.insert(id, buf);
@@ -941,6 +960,9 @@ fn special_lowering(
         | Op::CausalAttentionGrad { .. }
         | Op::SinkhornGrad { .. }
         | Op::TemporalAugmentGrad { .. } => Ok(None),
+        Op::MoeRoute { .. } | Op::GroupedMatMul { .. } | Op::GroupedMatMulGrad { .. } => {
+            Err(EmitError::at(id, &graph.node(id).op, emit::SPARSE_MOE_UNSUPPORTED))
+        }
     }
 }
 

@@ -399,3 +399,24 @@ fn attention_chains_span_the_head_major_steps_in_disjoint_buffers() {
         assert!(cuda.chains.is_empty(), "{name}: no chains on the GPU");
     }
 }
+
+#[test]
+fn sparse_moe_dispatch_is_refused_with_a_clear_error() {
+    let (graph, request, _) = spec_training_graph("residual", 2, 8, |spec| {
+        spec.d_model = 16;
+        spec.layers = 1;
+        spec.ffn = ir::spec::FfnSpec::Moe(ir::spec::MoeSpec {
+            dispatch: ir::spec::MoeDispatch::Sparse,
+            hidden: 4,
+            ..ir::spec::MoeSpec::default()
+        });
+    });
+    for target in [Target::Cpu, Target::Cuda] {
+        let Err(err) = compile(&graph, &one_op_per_group(&graph), &request.clone().for_target(target)) else {
+            panic!("a sparse MoE graph must not compile");
+        };
+        let msg = err.to_string();
+        assert!(msg.contains("sparse MoE dispatch is not yet supported"), "{msg}");
+        assert!(msg.contains("dispatch: Dense") && msg.contains("--device reference"), "{msg}");
+    }
+}

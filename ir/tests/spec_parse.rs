@@ -4,8 +4,8 @@
 use std::path::{Path, PathBuf};
 
 use ir::spec::{
-    load_spec, parse_spec, AdamWSpec, DataSpec, FfnSpec, Flash, GhcSpec, ModelSpec, MoeGate, MoeSpec,
-    MtpSpec, MuonScale, MuonSpec, MupSpec, OptimizerSpec, Parametrization, Precision, ReduceNorm,
+    load_spec, parse_spec, AdamWSpec, DataSpec, FfnSpec, Flash, GhcSpec, ModelSpec, MoeDispatch, MoeGate,
+    MoeSpec, MtpSpec, MuonScale, MuonSpec, MupSpec, OptimizerSpec, Parametrization, Precision, ReduceNorm,
     ResidualSpec, ScheduleSpec, SpecLoadError, UnknownName, WsdSpec, XhcSpec,
 };
 
@@ -200,7 +200,15 @@ fn busy_spec() -> ModelSpec {
         heads: 6,
         kv_heads: Some(3),
         head_dim: Some(16),
-        ffn: FfnSpec::Moe(MoeSpec { experts: 6, top_k: 3, shared: 0, hidden: 80, gate: MoeGate::Sigmoid }),
+        ffn: FfnSpec::Moe(MoeSpec {
+            experts: 6,
+            top_k: 3,
+            shared: 0,
+            hidden: 80,
+            gate: MoeGate::Sigmoid,
+            dispatch: MoeDispatch::Sparse,
+            capacity_factor: Some(1.25),
+        }),
         norm_eps: 1e-6,
         rope_base: 500000.0,
         tie_embeddings: true,

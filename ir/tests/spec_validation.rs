@@ -6,9 +6,9 @@
 //! stricter than documented.
 
 use ir::spec::{
-    DataSpec, FcSpec, FfnSpec, FieldError, Flash, GhcSpec, HcSpec, MhcSpec, ModelSpec, MoeSpec, MuonSpec,
-    MupSpec, OptimizerSpec, Parametrization, ReduceNorm, ResidualSpec, ScheduleSpec, SwiGluSpec, WsdSpec,
-    XhcSpec,
+    DataSpec, FcSpec, FfnSpec, FieldError, Flash, GhcSpec, HcSpec, MhcSpec, ModelSpec, MoeDispatch, MoeSpec,
+    MuonSpec, MupSpec, OptimizerSpec, Parametrization, ReduceNorm, ResidualSpec, ScheduleSpec, SwiGluSpec,
+    WsdSpec, XhcSpec,
 };
 
 fn errors(spec: &ModelSpec) -> Vec<FieldError> {
@@ -193,6 +193,32 @@ rule!(
     |s| s.ffn = FfnSpec::Moe(MoeSpec { hidden: 1, ..MoeSpec::default() }),
     "ffn.hidden",
     ["ffn.hidden = 0", ">= 1"]
+);
+rule!(
+    moe_capacity_factor_positive,
+    |s| s.ffn = FfnSpec::Moe(MoeSpec {
+        dispatch: MoeDispatch::Sparse,
+        capacity_factor: Some(0.0),
+        ..MoeSpec::default()
+    }),
+    |s| s.ffn = FfnSpec::Moe(MoeSpec {
+        dispatch: MoeDispatch::Sparse,
+        capacity_factor: Some(1.0),
+        ..MoeSpec::default()
+    }),
+    "ffn.capacity_factor",
+    ["ffn.capacity_factor = 0.0", "must be > 0"]
+);
+rule!(
+    moe_capacity_factor_needs_sparse_dispatch,
+    |s| s.ffn = FfnSpec::Moe(MoeSpec { capacity_factor: Some(1.0), ..MoeSpec::default() }),
+    |s| s.ffn = FfnSpec::Moe(MoeSpec {
+        dispatch: MoeDispatch::Sparse,
+        capacity_factor: Some(1.0),
+        ..MoeSpec::default()
+    }),
+    "ffn.capacity_factor",
+    ["needs ffn.dispatch: Sparse"]
 );
 
 // Residual schemes (docs/math.md §10 "Residual connection").

@@ -172,7 +172,7 @@ fields!(ModelSpec {
     train,
 });
 fields!(SwiGluSpec { hidden });
-fields!(MoeSpec { experts, top_k, shared, hidden, gate });
+fields!(MoeSpec { experts, top_k, shared, hidden, gate, dispatch, capacity_factor });
 fields!(HcSpec { n, dynamic, act, gen_norm, scale_init, out_proj_std_mult });
 fields!(FcSpec { m, dynamic, act, scale_init });
 fields!(MhcSpec {
@@ -261,6 +261,7 @@ macro_rules! unit_enum {
 }
 
 unit_enum!(MoeGate, "MoE gate" { Softmax => "softmax", Sigmoid => "sigmoid" });
+unit_enum!(MoeDispatch, "MoE dispatch" { Dense => "dense", Sparse => "sparse" });
 unit_enum!(GateAct, "activation" { Tanh => "tanh", Identity => "identity" });
 unit_enum!(GenNorm, "norm" { LayerNorm => "layer_norm", RmsNorm => "rms_norm" });
 unit_enum!(OutProjStdMult, "init multiplier" {

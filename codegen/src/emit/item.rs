@@ -181,6 +181,9 @@ pub(super) fn emit(b: &mut Block, cx: &ItemOp) -> Result<(), EmitError> {
         | Op::TemporalAugmentGrad { .. }) => {
             return Err(EmitError::at(cx.id, op, "has no item emitter (it is lowered on its own grid)"))
         }
+        op @ (Op::MoeRoute { .. } | Op::GroupedMatMul { .. } | Op::GroupedMatMulGrad { .. }) => {
+            return Err(EmitError::at(cx.id, op, super::SPARSE_MOE_UNSUPPORTED))
+        }
     }
     Ok(())
 }

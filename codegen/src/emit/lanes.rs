@@ -75,7 +75,10 @@ pub fn lower_sinkhorn_lanes(graph: &Graph, id: NodeId, name: &str) -> Result<Opt
         | Op::CausalAttention { .. }
         | Op::TemporalAugment { .. }
         | Op::CausalAttentionGrad { .. }
-        | Op::TemporalAugmentGrad { .. } => return Ok(None),
+        | Op::TemporalAugmentGrad { .. }
+        | Op::MoeRoute { .. }
+        | Op::GroupedMatMul { .. }
+        | Op::GroupedMatMulGrad { .. } => return Ok(None),
     };
     let n = node.shape.last();
     let mats = numel(node.shape.dims()) / (n * n);

@@ -175,6 +175,11 @@ pub enum EmitError {
     Kernel(#[from] KernelError),
 }
 
+/// Why the compiled devices refuse the sparse MoE ops (docs/math.md §1.6): their
+/// grouped products have no kernels yet, and refusing beats computing something else.
+pub const SPARSE_MOE_UNSUPPORTED: &str =
+    "sparse MoE dispatch is not yet supported on the compiled devices (use dispatch: Dense or --device reference)";
+
 impl EmitError {
     pub(crate) fn at(node: NodeId, op: &Op, message: impl Into<String>) -> EmitError {
         EmitError::Unsupported { node: node.index(), op: op.name(), message: message.into() }
@@ -592,7 +597,10 @@ pub(crate) fn view_of(op: &Op, in_dims: &[&[usize]], out_dims: &[usize], ins: Ve
         | Op::TemporalAugment { .. }
         | Op::CausalAttentionGrad { .. }
         | Op::SinkhornGrad { .. }
-        | Op::TemporalAugmentGrad { .. } => unreachable!("view_of is only called for view ops"),
+        | Op::TemporalAugmentGrad { .. }
+        | Op::MoeRoute { .. }
+        | Op::GroupedMatMul { .. }
+        | Op::GroupedMatMulGrad { .. } => unreachable!("view_of is only called for view ops"),
     }
 }
 
@@ -634,7 +642,10 @@ pub fn has_own_grid(op: &Op) -> bool {
         | Op::NormProject { .. }
         | Op::SoftmaxCrossEntropy
         | Op::TemporalAugment { .. }
-        | Op::TemporalAugmentGrad { .. } => true,
+        | Op::TemporalAugmentGrad { .. }
+        | Op::MoeRoute { .. }
+        | Op::GroupedMatMul { .. }
+        | Op::GroupedMatMulGrad { .. } => true,
         Op::Input { .. }
         | Op::Param(_)
         | Op::Constant { .. }
@@ -713,7 +724,10 @@ fn op_scratch(op: &Op, dims: &[usize]) -> usize {
         | Op::CausalAttention { .. }
         | Op::TemporalAugment { .. }
         | Op::CausalAttentionGrad { .. }
-        | Op::TemporalAugmentGrad { .. } => 0,
+        | Op::TemporalAugmentGrad { .. }
+        | Op::MoeRoute { .. }
+        | Op::GroupedMatMul { .. }
+        | Op::GroupedMatMulGrad { .. } => 0,
     }
 }
 
@@ -762,7 +776,10 @@ fn item_ok(graph: &Graph, id: NodeId, n: usize, restricted: &[bool], materialize
             | Op::CausalAttention { .. }
             | Op::TemporalAugment { .. }
             | Op::CausalAttentionGrad { .. }
-            | Op::TemporalAugmentGrad { .. }) => !has_own_grid(op),
+            | Op::TemporalAugmentGrad { .. }
+            | Op::MoeRoute { .. }
+            | Op::GroupedMatMul { .. }
+            | Op::GroupedMatMulGrad { .. }) => !has_own_grid(op),
         };
         if !own {
             return false;
@@ -819,7 +836,10 @@ fn item_ok(graph: &Graph, id: NodeId, n: usize, restricted: &[bool], materialize
         | Op::CausalAttention { .. }
         | Op::TemporalAugment { .. }
         | Op::CausalAttentionGrad { .. }
-        | Op::TemporalAugmentGrad { .. } => false,
+        | Op::TemporalAugmentGrad { .. }
+        | Op::MoeRoute { .. }
+        | Op::GroupedMatMul { .. }
+        | Op::GroupedMatMulGrad { .. } => false,
     }
 }
 
@@ -1031,7 +1051,10 @@ impl<'g> Reader<'g> {
             | Op::TemporalAugment { .. }
             | Op::CausalAttentionGrad { .. }
             | Op::SinkhornGrad { .. }
-            | Op::TemporalAugmentGrad { .. } => Val::Buffer(self.buffer(k, id, Access::Read)),
+            | Op::TemporalAugmentGrad { .. }
+            | Op::MoeRoute { .. }
+            | Op::GroupedMatMul { .. }
+            | Op::GroupedMatMulGrad { .. } => Val::Buffer(self.buffer(k, id, Access::Read)),
         };
         self.vals.insert(id, v.clone());
         v

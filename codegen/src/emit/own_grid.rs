@@ -67,6 +67,9 @@ pub fn lower_own_grid(graph: &Graph, id: NodeId, name: &str, target: Target) -> 
         | Op::Sinkhorn { .. }
         | Op::CausalAttentionGrad { .. }
         | Op::SinkhornGrad { .. }) => Err(EmitError::at(id, op, "is not lowered on a grid of its own")),
+        op @ (Op::MoeRoute { .. } | Op::GroupedMatMul { .. } | Op::GroupedMatMulGrad { .. }) => {
+            Err(EmitError::at(id, op, super::SPARSE_MOE_UNSUPPORTED))
+        }
     }
 }
 

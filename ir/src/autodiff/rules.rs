@@ -86,8 +86,20 @@ pub(super) fn vjp(b: &mut Builder, y: NodeId, dy: NodeId, needs: &[bool]) -> Res
                 out[wrt] = Some(b.op(Op::TemporalAugmentGrad { gram_schmidt, eps_rel, wrt }, &args)?);
             }
         }
+        // Gradients flow through the experts to x and w, never to the group sizes
+        // (docs/math.md §1.6): dx = dy · w[e]ᵀ per group, dw[e] = Σ_group x ⊗ dy.
+        Op::GroupedMatMul { trans_b } => {
+            if needs[0] {
+                out[0] = Some(b.op(Op::GroupedMatMul { trans_b: !trans_b }, &[dy, xs[1], xs[2]])?);
+            }
+            if needs[1] {
+                out[1] = Some(b.op(Op::GroupedMatMulGrad { trans_b }, &[xs[0], dy, xs[2]])?);
+            }
+        }
         Op::Input { .. } | Op::Param(_) | Op::Constant { .. } => {}
         Op::TopK { .. }
+        | Op::MoeRoute { .. }
+        | Op::GroupedMatMulGrad { .. }
         | Op::CausalAttentionGrad { .. }
         | Op::SinkhornGrad { .. }
         | Op::TemporalAugmentGrad { .. } => {

@@ -82,7 +82,21 @@ pub fn stored_elements(graph: &Graph, id: NodeId) -> usize {
         | Op::TemporalAugment { .. }
         | Op::CausalAttentionGrad { .. }
         | Op::SinkhornGrad { .. }
-        | Op::TemporalAugmentGrad { .. } => node.shape.numel(),
+        | Op::TemporalAugmentGrad { .. }
+        | Op::MoeRoute { .. }
+        | Op::GroupedMatMul { .. }
+        | Op::GroupedMatMulGrad { .. } => node.shape.numel(),
+    }
+}
+
+/// The rows a grouped product really multiplies (docs/math.md §1.6, cost): every row of
+/// its operand when routing is dropless, at most `experts · capacity` when the group sizes
+/// come from a capacity-limited `MoeRoute` (the bound: which rows overflow depends on data).
+fn grouped_rows(graph: &Graph, counts: NodeId, m: usize) -> usize {
+    if let Op::MoeRoute { experts, capacity: Some(c), .. } = graph.node(counts).op {
+        m.min(experts.saturating_mul(c))
+    } else {
+        m
     }
 }
 
@@ -184,6 +198,23 @@ pub fn op_cost(graph: &Graph, id: NodeId) -> OpCost {
         Op::TemporalAugmentGrad { gram_schmidt, .. } => {
             let kernels: Vec<Vec<usize>> = (1..inputs.len() - 1).map(in_dims).collect();
             (2.0 * temporal_augment_flops(&in_dims(0), &kernels, *gram_schmidt), 0.0, reads_all(), out)
+        }
+        // Integer bookkeeping: a count and a prefix sum over the assignments, no float work.
+        Op::MoeRoute { .. } => (0.0, 0.0, reads_all(), out),
+        // 2·K·N per routed row (docs/math.md §1.6): the routed rows, not experts × tokens.
+        // Rows past the groups are written (zeros) but not computed.
+        Op::GroupedMatMul { .. } => {
+            let x = in_dims(0);
+            let rows = grouped_rows(graph, inputs[2], x[0]) as f64;
+            let f = 2.0 * rows * x[1] as f64 * node.shape.dims()[1] as f64;
+            (f, f, reads_all(), out)
+        }
+        // The same contraction with the rows summed instead of kept.
+        Op::GroupedMatMulGrad { .. } => {
+            let (x, dy) = (in_dims(0), in_dims(1));
+            let rows = grouped_rows(graph, inputs[2], x[0]) as f64;
+            let f = 2.0 * rows * x[1] as f64 * dy[1] as f64;
+            (f, f, reads_all(), out)
         }
     };
     OpCost { flops, flops_papers: papers, read, written }.scaled(node.role.active_fraction)

@@ -35,6 +35,10 @@ pub(super) fn eval<T: Float>(
             let kernels = (1..n - 1).map(float).collect::<Result<Vec<_>, _>>()?;
             temporal_augment_grad(float(0)?, &kernels, float(n - 1)?, *gram_schmidt, *eps_rel, *wrt)
         }
+        Op::GroupedMatMulGrad { trans_b } => {
+            super::moe::grouped_matmul_grad(float(0)?, float(1)?, cx.int(inputs, 2)?, *trans_b, out_shape)
+                .map_err(|m| cx.err(m))?
+        }
         Op::Input { .. }
         | Op::Param(_)
         | Op::Constant { .. }
@@ -61,7 +65,9 @@ pub(super) fn eval<T: Float>(
         | Op::SoftmaxCrossEntropy
         | Op::CausalAttention { .. }
         | Op::Sinkhorn { .. }
-        | Op::TemporalAugment { .. } => {
+        | Op::TemporalAugment { .. }
+        | Op::MoeRoute { .. }
+        | Op::GroupedMatMul { .. } => {
             return Err(cx.err(format!("no reference implementation for op {}", cx.op.name())))
         }
     };

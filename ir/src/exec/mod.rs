@@ -15,6 +15,7 @@ mod connection;
 mod elementwise;
 mod loss;
 mod matmul;
+mod moe;
 mod movement;
 mod norms;
 mod reduce;
@@ -160,7 +161,10 @@ pub fn run<T: Float>(
             | Op::TemporalAugment { .. }
             | Op::CausalAttentionGrad { .. }
             | Op::SinkhornGrad { .. }
-            | Op::TemporalAugmentGrad { .. }) => {
+            | Op::TemporalAugmentGrad { .. }
+            | Op::MoeRoute { .. }
+            | Op::GroupedMatMul { .. }
+            | Op::GroupedMatMulGrad { .. }) => {
                 let args: Vec<&Value<T>> = input_ids.iter().map(|i| values[i].as_ref()).collect();
                 let cx = OpCtx { op, node: id.index() };
                 let value = eval_op(&cx, &args, &node.shape)?;
@@ -214,7 +218,10 @@ fn source_name(node: &Node) -> String {
         | Op::TemporalAugment { .. }
         | Op::CausalAttentionGrad { .. }
         | Op::SinkhornGrad { .. }
-        | Op::TemporalAugmentGrad { .. } => node.label.clone().unwrap_or_default(),
+        | Op::TemporalAugmentGrad { .. }
+        | Op::MoeRoute { .. }
+        | Op::GroupedMatMul { .. }
+        | Op::GroupedMatMulGrad { .. } => node.label.clone().unwrap_or_default(),
     }
 }
 
@@ -342,10 +349,17 @@ pub(crate) fn eval_op<T: Float>(
             let kernels = (1..inputs.len()).map(float).collect::<Result<Vec<_>, _>>()?;
             Value::Float(connection::temporal_augment(float(0)?, &kernels, *gram_schmidt, *eps_rel))
         }
-        // Backward-only ops appended to `Op` by autodiff.
-        Op::CausalAttentionGrad { .. } | Op::SinkhornGrad { .. } | Op::TemporalAugmentGrad { .. } => {
-            return backward_ops::eval(cx, inputs, out_shape)
+        Op::MoeRoute { experts, capacity, out } => {
+            Value::Int(moe::moe_route(int(0)?, *experts, *capacity, *out, out_shape).map_err(|m| cx.err(m))?)
         }
+        Op::GroupedMatMul { trans_b } => Value::Float(
+            moe::grouped_matmul(float(0)?, float(1)?, int(2)?, *trans_b, out_shape).map_err(|m| cx.err(m))?,
+        ),
+        // Backward-only ops appended to `Op` by autodiff.
+        Op::CausalAttentionGrad { .. }
+        | Op::SinkhornGrad { .. }
+        | Op::TemporalAugmentGrad { .. }
+        | Op::GroupedMatMulGrad { .. } => return backward_ops::eval(cx, inputs, out_shape),
     };
     Ok(value)
 }

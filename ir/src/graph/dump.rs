@@ -65,6 +65,17 @@ fn attrs(op: &Op) -> String {
         Op::TemporalAugmentGrad { gram_schmidt, eps_rel, wrt } => {
             format!("gram_schmidt={gram_schmidt} eps_rel={eps_rel:e} wrt={wrt}")
         }
+        Op::MoeRoute { experts, capacity, .. } => match capacity {
+            Some(c) => format!("experts={experts} capacity={c}"),
+            None => format!("experts={experts}"),
+        },
+        Op::GroupedMatMul { trans_b } | Op::GroupedMatMulGrad { trans_b } => {
+            if *trans_b {
+                "trans_b".into()
+            } else {
+                String::new()
+            }
+        }
         Op::Unary(_) | Op::Binary(_) | Op::Softmax | Op::SoftmaxCrossEntropy => String::new(),
     }
 }

@@ -1,6 +1,6 @@
 //! Shape and dtype inference, one rule per op (docs/architecture.md §4).
 
-use super::{GraphError, Op};
+use super::{GraphError, MoeRouteOut, Op};
 use crate::{DType, Shape};
 
 type Typed<'a> = (&'a Shape, DType);
@@ -148,7 +148,83 @@ pub(super) fn infer(op: &Op, inputs: &[Typed]) -> Result<(Shape, DType), GraphEr
             let forward = Op::TemporalAugment { gram_schmidt: *gram_schmidt, eps_rel: *eps_rel };
             grad_of(op, &forward, inputs, *wrt, inputs.len() - 1)
         }
+        Op::MoeRoute { experts, capacity, out } => moe_route(op, inputs, *experts, *capacity, *out),
+        Op::GroupedMatMul { trans_b } => grouped_matmul(op, inputs, *trans_b),
+        Op::GroupedMatMulGrad { trans_b } => grouped_matmul_grad(op, inputs, *trans_b),
     }
+}
+
+// Sparse mixture of experts (docs/math.md §1.6).
+
+/// (idx i32 [N, k]) -> Rows i32 [N, k], Tokens i32 [N·k] or Counts i32 [E].
+fn moe_route(
+    op: &Op,
+    inputs: &[Typed],
+    experts: usize,
+    capacity: Option<usize>,
+    out: MoeRouteOut,
+) -> Result<(Shape, DType), GraphError> {
+    arity(op, inputs, &[1])?;
+    int(op, inputs, 0)?;
+    let idx = inputs[0].0;
+    if idx.rank() != 2 || idx.0[1] == 0 || idx.0[1] > experts {
+        return Err(invalid(
+            op,
+            format!("needs expert indices [tokens, k] with 1 <= k <= {experts}, got {idx}"),
+        ));
+    }
+    if experts == 0 || capacity == Some(0) {
+        return Err(invalid(op, "needs experts >= 1 and a capacity >= 1 when given"));
+    }
+    let dims = match out {
+        MoeRouteOut::Rows => idx.0.clone(),
+        MoeRouteOut::Tokens => vec![idx.numel()],
+        MoeRouteOut::Counts => vec![experts],
+    };
+    Ok((Shape(dims), DType::I32))
+}
+
+/// The (rows, groups, contraction, out) sizes of a grouped product's operands, checked.
+fn grouped_dims(
+    op: &Op,
+    x: &Shape,
+    w: &Shape,
+    counts: &Shape,
+    trans_b: bool,
+) -> Result<[usize; 4], GraphError> {
+    if x.rank() != 2 || w.rank() != 3 {
+        return Err(mismatch(op, "needs x [M, K] and w [E, K, N]", x, w));
+    }
+    let (e, k, n) = if trans_b { (w.0[0], w.0[2], w.0[1]) } else { (w.0[0], w.0[1], w.0[2]) };
+    if x.0[1] != k {
+        return Err(mismatch(op, format!("contraction sizes differ ({} vs {k})", x.0[1]), x, w));
+    }
+    if counts.dims() != [e] {
+        return Err(mismatch(op, format!("counts must be [{e}] (one per group of w)"), w, counts));
+    }
+    Ok([x.0[0], e, k, n])
+}
+
+/// (x [M, K], w [E, K, N] or [E, N, K], counts i32 [E]) -> [M, N].
+fn grouped_matmul(op: &Op, inputs: &[Typed], trans_b: bool) -> Result<(Shape, DType), GraphError> {
+    arity(op, inputs, &[3])?;
+    int(op, inputs, 2)?;
+    let dt = same_dtype(op, &inputs[..2])?;
+    let [m, _, _, n] = grouped_dims(op, inputs[0].0, inputs[1].0, inputs[2].0, trans_b)?;
+    Ok((Shape(vec![m, n]), dt))
+}
+
+/// (x [M, K], dy [M, N], counts i32 [E]) -> [E, K, N] (`trans_b`: [E, N, K]).
+fn grouped_matmul_grad(op: &Op, inputs: &[Typed], trans_b: bool) -> Result<(Shape, DType), GraphError> {
+    arity(op, inputs, &[3])?;
+    int(op, inputs, 2)?;
+    let dt = same_dtype(op, &inputs[..2])?;
+    let (x, dy, counts) = (inputs[0].0, inputs[1].0, inputs[2].0);
+    if x.rank() != 2 || dy.rank() != 2 || x.0[0] != dy.0[0] || counts.rank() != 1 {
+        return Err(mismatch(op, "needs x [M, K], dy [M, N] and counts [E]", x, dy));
+    }
+    let (e, k, n) = (counts.0[0], x.0[1], dy.0[1]);
+    Ok((Shape(if trans_b { vec![e, n, k] } else { vec![e, k, n] }), dt))
 }
 
 // Elementwise.

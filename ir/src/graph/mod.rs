@@ -9,7 +9,7 @@ mod infer;
 pub mod op;
 
 pub use build::Build;
-pub use op::{BinaryOp, Init, Op, ParamClass, ParamInfo, ReduceOp, UnaryOp};
+pub use op::{BinaryOp, Init, MoeRouteOut, Op, ParamClass, ParamInfo, ReduceOp, UnaryOp};
 
 use crate::{DType, Shape};
 use petgraph::stable_graph::{NodeIndex, StableGraph};

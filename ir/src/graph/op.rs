@@ -196,6 +196,31 @@ pub enum Op {
     /// gradient of input `wrt` (0 = out, j = w_j), recomputing the convolutions and the
     /// Gram–Schmidt sweep (docs/math.md §6.8).
     TemporalAugmentGrad { gram_schmidt: bool, eps_rel: f64, wrt: usize },
+    /// Sparse MoE routing (docs/math.md §1.6): (idx i32 [N, k], the chosen experts of each
+    /// token in ascending order) -> the index tensor `out` selects. Assignments (n, j) are
+    /// ordered by expert, then by token: the first `capacity` of each expert (all, when
+    /// `None`) are kept, the rest dropped and placed after every kept one, in token order.
+    /// Not differentiable.
+    MoeRoute { experts: usize, capacity: Option<usize>, out: MoeRouteOut },
+    /// Grouped matrix product over contiguous row groups (docs/math.md §1.6):
+    /// (x [M, K], w [E, K, N] (`trans_b`: [E, N, K], read transposed), counts i32 [E])
+    /// -> [M, N]. Group e is the `counts[e]` rows after those of groups 0..e and is
+    /// multiplied by w[e]; rows past the sum of the counts are zero.
+    GroupedMatMul { trans_b: bool },
+    /// Weight gradient of `GroupedMatMul`, added by autodiff: (x [M, K], dy [M, N], counts)
+    /// -> [E, K, N] = per group Σ_rows x_r ⊗ dy_r (`trans_b`: [E, N, K] = Σ dy_r ⊗ x_r).
+    GroupedMatMulGrad { trans_b: bool },
+}
+
+/// Which index tensor a [`Op::MoeRoute`] produces (docs/math.md §1.6).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MoeRouteOut {
+    /// i32 [N, k]: the row of assignment (n, j) in the expert-sorted order.
+    Rows,
+    /// i32 [N·k]: the token each row reads (the inverse of `Rows`, divided by k).
+    Tokens,
+    /// i32 [E]: the kept rows of each expert (the group sizes of `GroupedMatMul`).
+    Counts,
 }
 
 impl Op {
@@ -253,6 +278,13 @@ impl Op {
             Op::CausalAttentionGrad { .. } => "causal_attention_grad",
             Op::SinkhornGrad { .. } => "sinkhorn_grad",
             Op::TemporalAugmentGrad { .. } => "temporal_augment_grad",
+            Op::MoeRoute { out, .. } => match out {
+                MoeRouteOut::Rows => "moe_route_rows",
+                MoeRouteOut::Tokens => "moe_route_tokens",
+                MoeRouteOut::Counts => "moe_route_counts",
+            },
+            Op::GroupedMatMul { .. } => "grouped_matmul",
+            Op::GroupedMatMulGrad { .. } => "grouped_matmul_grad",
         }
     }
 
@@ -289,7 +321,10 @@ impl Op {
             | Op::TemporalAugment { .. }
             | Op::CausalAttentionGrad { .. }
             | Op::SinkhornGrad { .. }
-            | Op::TemporalAugmentGrad { .. } => false,
+            | Op::TemporalAugmentGrad { .. }
+            | Op::MoeRoute { .. }
+            | Op::GroupedMatMul { .. }
+            | Op::GroupedMatMulGrad { .. } => false,
         }
     }
 
@@ -299,6 +334,8 @@ impl Op {
             Op::MatMul { .. }
             | Op::CausalAttention { .. }
             | Op::CausalAttentionGrad { .. }
+            | Op::GroupedMatMul { .. }
+            | Op::GroupedMatMulGrad { .. }
             | Op::SoftmaxCrossEntropy => true,
             Op::Input { .. }
             | Op::Param(_)
@@ -325,7 +362,8 @@ impl Op {
             | Op::Sinkhorn { .. }
             | Op::TemporalAugment { .. }
             | Op::SinkhornGrad { .. }
-            | Op::TemporalAugmentGrad { .. } => false,
+            | Op::TemporalAugmentGrad { .. }
+            | Op::MoeRoute { .. } => false,
         }
     }
 
@@ -359,7 +397,10 @@ impl Op {
             | Op::TemporalAugment { .. }
             | Op::CausalAttentionGrad { .. }
             | Op::SinkhornGrad { .. }
-            | Op::TemporalAugmentGrad { .. } => false,
+            | Op::TemporalAugmentGrad { .. }
+            | Op::MoeRoute { .. }
+            | Op::GroupedMatMul { .. }
+            | Op::GroupedMatMulGrad { .. } => false,
         }
     }
 }

@@ -4,8 +4,8 @@
 
 use super::Cx;
 use crate::graph::Build;
-use crate::graph::{GraphError, Init, NodeId, Op, ParamClass, UnaryOp};
-use crate::spec::{FfnSpec, MoeGate, Parametrization};
+use crate::graph::{GraphError, Init, MoeRouteOut, NodeId, Op, ParamClass, UnaryOp};
+use crate::spec::{FfnSpec, MoeDispatch, MoeGate, Parametrization};
 
 /// Init std of an output projection (W_o, W_2): init_std / sqrt(2L) when depth-scaled
 /// (GPT-2/Megatron, docs/math.md §1.2), times the scheme's multiplier (HC's 1/sqrt(n), §2.4).
@@ -86,9 +86,9 @@ fn swiglu(cx: &mut Cx, x: NodeId, prefix: &str, hidden: usize, out_mult: f64) ->
 /// weighted by their gates, plus the always-on shared experts (one SwiGLU of width
 /// shared x hidden, which equals the sum of `shared` experts of width `hidden`).
 ///
-/// The reference computes every routed expert densely and masks by the gate; the
-/// nodes carry `active_fraction = top_k / E` so the cost model counts only the work a
-/// routed implementation does.
+/// `dispatch` picks the routed experts' form (docs/math.md §1.6): Dense runs every expert
+/// on every token and masks by the gate; Sparse permutes the tokens into per-expert groups
+/// and runs only the routed work. Both give the same function when nothing is dropped.
 fn moe(
     cx: &mut Cx,
     x: NodeId,
@@ -108,11 +108,22 @@ fn moe(
     };
     let chosen = cx.g.add(Op::TopK { k: m.top_k, fixed: 0 }, &[probs])?;
     let kept = cx.g.add(Op::Gather { axis: 2 }, &[probs, chosen])?;
-    let zeros = cx.constant(0.0, &[b, t, e]);
-    let gates = cx.g.add(Op::ScatterRows { axis: 2 }, &[zeros, chosen, kept])?;
+    let routed = match m.dispatch {
+        MoeDispatch::Dense => moe_dense(cx, x, prefix, m, out_mult, chosen, kept)?,
+        MoeDispatch::Sparse => moe_sparse(cx, x, prefix, m, out_mult, chosen, kept)?,
+    };
+    let mut out = cx.reshape(routed, &[b, t, d])?;
+    if m.shared > 0 {
+        let shared = swiglu(cx, x, &format!("{prefix}.shared"), m.shared * hidden, out_mult)?;
+        out = cx.add(out, shared)?;
+    }
+    Ok(out)
+}
 
-    let saved = cx.g.role();
-    cx.set_role(saved.active_fraction(m.top_k as f64 / e as f64));
+/// The routed experts' weights w1, w3 [E, D, F] and w2 [E, F, D].
+fn expert_weights(cx: &mut Cx, prefix: &str, m: &crate::spec::MoeSpec, out_mult: f64) -> [NodeId; 3] {
+    let (d, e, hidden) = (cx.spec.d_model, m.experts, m.hidden);
+    let std = cx.hidden_std(cx.spec.init_std);
     let w1 =
         cx.param(&format!("{prefix}.experts.w1"), &[e, d, hidden], Init::Normal { std }, ParamClass::Hidden);
     let w3 =
@@ -124,6 +135,30 @@ fn moe(
         Init::Normal { std: w2_std },
         ParamClass::Hidden,
     );
+    [w1, w3, w2]
+}
+
+/// Dense dispatch (docs/math.md §1.6): every expert on every token, each output scaled by
+/// its gate (zero for the unchosen experts). The role's `active_fraction` tells the cost
+/// model that a routed implementation does top_k / E of this work. Returns [B·T, D].
+fn moe_dense(
+    cx: &mut Cx,
+    x: NodeId,
+    prefix: &str,
+    m: &crate::spec::MoeSpec,
+    out_mult: f64,
+    chosen: NodeId,
+    kept: NodeId,
+) -> Result<NodeId, GraphError> {
+    let d = cx.spec.d_model;
+    let (b, t) = (cx.shape(x)[0], cx.shape(x)[1]);
+    let e = m.experts;
+    let zeros = cx.constant(0.0, &[b, t, e]);
+    let gates = cx.g.add(Op::ScatterRows { axis: 2 }, &[zeros, chosen, kept])?;
+
+    let saved = cx.g.role();
+    cx.set_role(saved.active_fraction(m.top_k as f64 / e as f64));
+    let [w1, w3, w2] = expert_weights(cx, prefix, m, out_mult);
     // Expert matmuls are backbone projections (bf16 operands under mixed precision); the
     // router above and the gates stay f32 (docs/math.md §6.12).
     let flat = cx.reshape(x, &[1, b * t, d])?;
@@ -139,10 +174,46 @@ fn moe(
     let weighted = cx.mul(expert_out, gates)?;
     let routed = cx.sum(weighted, 0, false)?;
     cx.set_role(saved);
-    let mut out = cx.reshape(routed, &[b, t, d])?;
-    if m.shared > 0 {
-        let shared = swiglu(cx, x, &format!("{prefix}.shared"), m.shared * hidden, out_mult)?;
-        out = cx.add(out, shared)?;
-    }
-    Ok(out)
+    Ok(routed)
+}
+
+/// Sparse dispatch (docs/math.md §1.6): the token-slot assignments sorted by expert
+/// (`MoeRoute`), each token's row gathered once per chosen expert, the SwiGLU experts as
+/// grouped products over the contiguous groups, then every assignment's output gathered
+/// back and summed with its gate. Dropped assignments (over capacity) sit past the groups,
+/// where the grouped product leaves zeros. Returns [B·T, D].
+fn moe_sparse(
+    cx: &mut Cx,
+    x: NodeId,
+    prefix: &str,
+    m: &crate::spec::MoeSpec,
+    out_mult: f64,
+    chosen: NodeId,
+    kept: NodeId,
+) -> Result<NodeId, GraphError> {
+    let d = cx.spec.d_model;
+    let (b, t) = (cx.shape(x)[0], cx.shape(x)[1]);
+    let (n, k, e) = (b * t, m.top_k, m.experts);
+    let capacity = m.capacity(n);
+    let idx = cx.reshape(chosen, &[n, k])?;
+    let route = |cx: &mut Cx, out| cx.g.add(Op::MoeRoute { experts: e, capacity, out }, &[idx]);
+    let rows = route(cx, MoeRouteOut::Rows)?;
+    let tokens = route(cx, MoeRouteOut::Tokens)?;
+    let counts = route(cx, MoeRouteOut::Counts)?;
+    let [w1, w3, w2] = expert_weights(cx, prefix, m, out_mult);
+    let (w1, w3, w2) = (cx.operand(w1)?, cx.operand(w3)?, cx.operand(w2)?);
+    let flat = cx.reshape(x, &[n, d])?;
+    let flat = cx.operand(flat)?;
+    let xs = cx.g.add(Op::Gather { axis: 0 }, &[flat, tokens])?; // [N·k, D], expert-sorted
+    let grouped = Op::GroupedMatMul { trans_b: false };
+    let gate = cx.g.add(grouped.clone(), &[xs, w1, counts])?;
+    let gate = cx.unary(UnaryOp::Silu, gate)?;
+    let up = cx.g.add(grouped.clone(), &[xs, w3, counts])?;
+    let inner = cx.mul(gate, up)?;
+    let inner = cx.operand(inner)?;
+    let ys = cx.g.add(grouped, &[inner, w2, counts])?; // [N·k, D]
+    let per_slot = cx.g.add(Op::Gather { axis: 0 }, &[ys, rows])?; // [N, k, D]
+    let gates = cx.reshape(kept, &[n, k, 1])?;
+    let weighted = cx.mul(per_slot, gates)?;
+    cx.sum(weighted, 1, false)
 }

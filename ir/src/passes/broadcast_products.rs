@@ -118,6 +118,9 @@ pub fn narrow_broadcast_products(graph: &mut Graph) -> NarrowedProducts {
             | Op::ScatterAdd { .. }
             | Op::ScatterRows { .. }
             | Op::TopK { .. }
+            | Op::MoeRoute { .. }
+            | Op::GroupedMatMul { .. }
+            | Op::GroupedMatMulGrad { .. }
             | Op::Softmax
             | Op::RmsNorm { .. }
             | Op::LayerNorm { .. }
@@ -251,6 +254,9 @@ fn summable_terms(graph: &Graph, y: NodeId, copies: Copies) -> Option<(Option<Bi
         | Op::ScatterAdd { .. }
         | Op::ScatterRows { .. }
         | Op::TopK { .. }
+        | Op::MoeRoute { .. }
+        | Op::GroupedMatMul { .. }
+        | Op::GroupedMatMulGrad { .. }
         | Op::Softmax
         | Op::RmsNorm { .. }
         | Op::LayerNorm { .. }

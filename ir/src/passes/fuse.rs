@@ -228,7 +228,10 @@ fn stored(graph: &Graph, id: NodeId) -> usize {
         | Op::TemporalAugment { .. }
         | Op::CausalAttentionGrad { .. }
         | Op::SinkhornGrad { .. }
-        | Op::TemporalAugmentGrad { .. } => node.shape.numel(),
+        | Op::TemporalAugmentGrad { .. }
+        | Op::MoeRoute { .. }
+        | Op::GroupedMatMul { .. }
+        | Op::GroupedMatMulGrad { .. } => node.shape.numel(),
     }
 }
 
@@ -344,7 +347,10 @@ impl<'g> Analysis<'g> {
             | Op::TemporalAugment { .. }
             | Op::CausalAttentionGrad { .. }
             | Op::SinkhornGrad { .. }
-            | Op::TemporalAugmentGrad { .. } => false,
+            | Op::TemporalAugmentGrad { .. }
+            | Op::MoeRoute { .. }
+            | Op::GroupedMatMul { .. }
+            | Op::GroupedMatMulGrad { .. } => false,
         }
     }
 
@@ -383,7 +389,10 @@ impl<'g> Analysis<'g> {
             | Op::Sinkhorn { .. }
             | Op::CausalAttentionGrad { .. }
             | Op::SinkhornGrad { .. }
-            | Op::TemporalAugmentGrad { .. } => Vec::new(),
+            | Op::TemporalAugmentGrad { .. }
+            | Op::MoeRoute { .. }
+            | Op::GroupedMatMul { .. }
+            | Op::GroupedMatMulGrad { .. } => Vec::new(),
         }
     }
 
@@ -413,6 +422,13 @@ impl<'g> Analysis<'g> {
                 (Class::Heavy, "cross-entropy over the vocabulary, reduced to a scalar".into())
             }
             Op::MatMul { trans_a, trans_b } => self.classify_matmul(id, *trans_a, *trans_b),
+            Op::MoeRoute { .. } => (Class::Reduction, "orders every token's expert assignments".into()),
+            Op::GroupedMatMul { .. } => {
+                (Class::Heavy, "grouped matrix product over expert row groups".into())
+            }
+            Op::GroupedMatMulGrad { .. } => {
+                (Class::Heavy, "grouped weight gradient, summed over each expert's rows".into())
+            }
             Op::Reduce { axis, .. } if t.is_token_axis(g, inputs[0], *axis) => {
                 (Class::Reduction, format!("sums axis {axis} of {}, a token axis", dims(g, inputs[0])))
             }

@@ -15,7 +15,7 @@
 //! are tokens (`[B, T, D] @ [D, F]`), and a reduction over streams from a reduction over
 //! tokens (a parameter gradient).
 
-use crate::graph::{Graph, NodeId, Op};
+use crate::graph::{Graph, MoeRouteOut, NodeId, Op};
 use std::collections::HashMap;
 
 /// Token-axis flags of every node of a graph.
@@ -175,6 +175,15 @@ fn propagate(graph: &Graph, id: NodeId, inputs: &[&[bool]]) -> Vec<bool> {
             vec![out[0], out[1], false, out[2]]
         }
         Op::CausalAttentionGrad { wrt, .. } | Op::TemporalAugmentGrad { wrt, .. } => inputs[*wrt].to_vec(),
+        // Rows keep the token axis of the assignments; the expert-sorted rows of `Tokens`
+        // are token-slot rows; the per-expert counts sum over every token.
+        Op::MoeRoute { out, .. } => match out {
+            MoeRouteOut::Rows => first(),
+            MoeRouteOut::Tokens => vec![inputs[0].first().copied().unwrap_or(false)],
+            MoeRouteOut::Counts => vec![false],
+        },
+        Op::GroupedMatMul { .. } => vec![inputs[0][0], false],
+        Op::GroupedMatMulGrad { .. } => vec![false; rank],
     }
 }
 

@@ -193,12 +193,46 @@ pub struct MoeSpec {
     pub hidden: usize,
     /// Gate function over the routed experts' scores.
     pub gate: MoeGate,
+    /// How routed tokens reach their experts (docs/math.md §1.6).
+    pub dispatch: MoeDispatch,
+    /// Per-expert capacity as a multiple of the even share, ceil(factor · tokens · top_k /
+    /// experts) rows per step; assignments past it are dropped, first come first served in
+    /// token order [> 0; needs dispatch: Sparse]. None: dropless.
+    pub capacity_factor: Option<f64>,
 }
 
 impl Default for MoeSpec {
     fn default() -> Self {
-        MoeSpec { experts: 8, top_k: 2, shared: 1, hidden: 128, gate: MoeGate::Softmax }
+        MoeSpec {
+            experts: 8,
+            top_k: 2,
+            shared: 1,
+            hidden: 128,
+            gate: MoeGate::Softmax,
+            dispatch: MoeDispatch::Dense,
+            capacity_factor: None,
+        }
     }
+}
+
+impl MoeSpec {
+    /// The rows each expert keeps per step of `tokens` tokens (docs/math.md §1.6):
+    /// ceil(capacity_factor · tokens · top_k / experts), at least 1; None when dropless.
+    pub fn capacity(&self, tokens: usize) -> Option<usize> {
+        let factor = self.capacity_factor?;
+        let share = factor * (tokens * self.top_k) as f64 / self.experts.max(1) as f64;
+        Some((share.ceil() as usize).max(1))
+    }
+}
+
+/// How the MoE sublayer runs its routed experts (docs/math.md §1.6).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MoeDispatch {
+    /// Every expert on every token, masked by the gates; the compiled devices run it.
+    Dense,
+    /// Tokens permuted into per-expert groups and multiplied by a grouped matrix product:
+    /// only the routed work runs. The reference device only, for now.
+    Sparse,
 }
 
 /// How the MoE router turns scores into gates.

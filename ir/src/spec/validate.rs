@@ -10,8 +10,8 @@ use std::fmt;
 
 use super::limits::{integer_limit, MAX_CONV_KERNELS, MAX_NAME_LEN, MAX_PATH_LEN, MAX_TRAINING_BYTES};
 use super::{
-    AdamWSpec, DataSpec, FfnSpec, Flash, ModelSpec, OptimizerSpec, Parametrization, ReduceNorm, ResidualSpec,
-    ScheduleSpec, SyntheticCorpus,
+    AdamWSpec, DataSpec, FfnSpec, Flash, ModelSpec, MoeDispatch, OptimizerSpec, Parametrization, ReduceNorm,
+    ResidualSpec, ScheduleSpec, SyntheticCorpus,
 };
 use crate::cost::{gib, training_memory};
 
@@ -299,6 +299,18 @@ impl ModelSpec {
                     );
                 }
                 c.at_least("ffn.hidden", m.hidden, 1);
+                if let Some(factor) = m.capacity_factor {
+                    c.positive("ffn.capacity_factor", factor);
+                    if m.dispatch == MoeDispatch::Dense {
+                        c.fail(
+                            "ffn.capacity_factor",
+                            "ffn.capacity_factor needs ffn.dispatch: Sparse (the Dense dispatch runs every \
+                             expert on every token and drops nothing); set dispatch: Sparse or remove \
+                             capacity_factor"
+                                .into(),
+                        );
+                    }
+                }
             }
         }
     }
