@@ -86,6 +86,15 @@ fn slow_built_binary_trains_like_widen_train_without_the_spec() {
         assert!(a.join("final.safetensors").is_file());
     }
 
+    // Under a launcher of several processes the binary refuses instead of training copies.
+    let o = Command::new(&bin)
+        .current_dir(&empty)
+        .env("OMPI_COMM_WORLD_SIZE", "2")
+        .args(["--steps", "1", "--device", "reference"])
+        .output()
+        .unwrap();
+    assert!(!o.status.success() && stderr(&o).contains("mpirun -n 2 widen train"), "{}", stderr(&o));
+
     let help = run_bin(&["--help"]);
     let help = String::from_utf8_lossy(&help.stdout);
     assert!(help.contains("`tiny`") && help.contains("--steps") && help.contains("tiny-bin"), "{help}");

@@ -272,6 +272,14 @@ fn main_rs(spec: &ModelSpec, plan: &Plan) -> TokenStream {
 
         fn run() -> anyhow::Result<Outcome> {
             let Some(args) = parse_args()? else { return Ok(Outcome::Done) };
+            // The embedded Plans are compiled for the whole batch on one process: under a launcher
+            // of several processes each would train its own copy (docs/distributed.md).
+            if let Some(n) = runtime::dist::launcher_world_size().filter(|&n| n > 1) {
+                anyhow::bail!(
+                    "this trainer runs as one process, but an MPI launcher started {n}; for \
+                     data-parallel training run `mpirun -n {n} widen train SPEC` (docs/distributed.md)"
+                );
+            }
             let mut spec = ir::spec::ModelSpec::from_ron_str(SPEC_RON).context("reading the embedded spec")?;
             if let Some(data) = &args.data {
                 spec.train.data = ir::spec::DataSpec::Text(data.display().to_string());
