@@ -553,40 +553,12 @@ fn checked_groups(
 fn buffer_roles(graph: &Graph, request: &Request) -> Result<BTreeMap<NodeId, Vec<BufferRole>>, CompileError> {
     let mut roles: BTreeMap<NodeId, Vec<BufferRole>> = BTreeMap::new();
     for id in graph.node_ids() {
-        match &graph.node(id).op {
-            Op::Param(p) => roles.entry(id).or_default().push(BufferRole::Param { name: p.name.clone() }),
-            Op::Input { name } => roles.entry(id).or_default().push(BufferRole::Input { name: name.clone() }),
-            Op::Constant { .. }
-            | Op::Unary(_)
-            | Op::Binary(_)
-            | Op::Affine { .. }
-            | Op::Cast { .. }
-            | Op::Reduce { .. }
-            | Op::MatMul { .. }
-            | Op::Reshape { .. }
-            | Op::Permute { .. }
-            | Op::Broadcast { .. }
-            | Op::Slice { .. }
-            | Op::Concat { .. }
-            | Op::Gather { .. }
-            | Op::ScatterAdd { .. }
-            | Op::ScatterRows { .. }
-            | Op::TopK { .. }
-            | Op::Softmax
-            | Op::RmsNorm { .. }
-            | Op::LayerNorm { .. }
-            | Op::GroupNorm { .. }
-            | Op::NormProject { .. }
-            | Op::SoftmaxCrossEntropy
-            | Op::CausalAttention { .. }
-            | Op::Sinkhorn { .. }
-            | Op::TemporalAugment { .. }
-            | Op::CausalAttentionGrad { .. }
-            | Op::SinkhornGrad { .. }
-            | Op::TemporalAugmentGrad { .. }
-            | Op::MoeRoute { .. }
-            | Op::GroupedMatMul { .. }
-            | Op::GroupedMatMulGrad { .. } => {}
+        // Only the sources named here have roles of their own; every other op's buffer is
+        // scratch unless requested below, so a new op needs no decision here.
+        if let Op::Param(p) = &graph.node(id).op {
+            roles.entry(id).or_default().push(BufferRole::Param { name: p.name.clone() });
+        } else if let Op::Input { name } = &graph.node(id).op {
+            roles.entry(id).or_default().push(BufferRole::Input { name: name.clone() });
         }
     }
     for (name, id) in &request.outputs {
@@ -745,40 +717,11 @@ fn allocate_buffers(
     for id in node_ids {
         let node = graph.node(id);
         let mut rs = roles.get(&id).cloned().unwrap_or_default().into_iter();
-        let primary = rs.next().unwrap_or(match node.op {
-            Op::Constant { value } => BufferRole::Constant { value },
-            Op::Input { .. }
-            | Op::Param(_)
-            | Op::Unary(_)
-            | Op::Binary(_)
-            | Op::Affine { .. }
-            | Op::Cast { .. }
-            | Op::Reduce { .. }
-            | Op::MatMul { .. }
-            | Op::Reshape { .. }
-            | Op::Permute { .. }
-            | Op::Broadcast { .. }
-            | Op::Slice { .. }
-            | Op::Concat { .. }
-            | Op::Gather { .. }
-            | Op::ScatterAdd { .. }
-            | Op::ScatterRows { .. }
-            | Op::TopK { .. }
-            | Op::Softmax
-            | Op::RmsNorm { .. }
-            | Op::LayerNorm { .. }
-            | Op::GroupNorm { .. }
-            | Op::NormProject { .. }
-            | Op::SoftmaxCrossEntropy
-            | Op::CausalAttention { .. }
-            | Op::Sinkhorn { .. }
-            | Op::TemporalAugment { .. }
-            | Op::CausalAttentionGrad { .. }
-            | Op::SinkhornGrad { .. }
-            | Op::TemporalAugmentGrad { .. }
-            | Op::MoeRoute { .. }
-            | Op::GroupedMatMul { .. }
-            | Op::GroupedMatMulGrad { .. } => BufferRole::Scratch { offset: 0 },
+        // A buffer without a role is scratch, except a constant's (filled once at load).
+        let primary = rs.next().unwrap_or(if let Op::Constant { value } = node.op {
+            BufferRole::Constant { value }
+        } else {
+            BufferRole::Scratch { offset: 0 }
         });
         let buf = b.buffer(node.shape.numel(), node.dtype, primary, Some(id.index()));
         b.node_buf.insert(id, buf);
