@@ -254,20 +254,27 @@ fn summed_gemm(graph: &Graph, id: NodeId, roles: &BTreeMap<NodeId, Vec<BufferRol
     Some(GemmForm { matmul: x, absorbed, shape })
 }
 
+/// The forward ops whose gradient nodes (one per `wrt`) are lowered together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum SiblingOp {
+    Attention,
+    Temporal,
+}
+
 /// What identifies the op a gradient node differentiates (attention or
-/// temporal augmentation): its inputs and its attributes besides `wrt`.
-type GradKey = (Vec<NodeId>, String);
+/// temporal augmentation): its kind, its inputs and its attributes besides `wrt`.
+type GradKey = (SiblingOp, Vec<NodeId>, String);
 
 /// The key and the `wrt` slot of a gradient node whose siblings (the other
 /// `wrt` of the same op) share one lowering, and the number of slots.
 fn grad_key(graph: &Graph, id: NodeId) -> Option<(GradKey, usize, usize)> {
     let inputs = graph.inputs(id);
-    let (attrs, wrt, slots) = match graph.node(id).op {
+    let (kind, attrs, wrt, slots) = match graph.node(id).op {
         Op::CausalAttentionGrad { scale, rope_base, wrt } => {
-            (format!("attention {scale:?} {rope_base:?}"), wrt, 3)
+            (SiblingOp::Attention, format!("{scale:?} {rope_base:?}"), wrt, 3)
         }
         Op::TemporalAugmentGrad { gram_schmidt, eps_rel, wrt } => {
-            (format!("temporal {gram_schmidt} {eps_rel:?}"), wrt, inputs.len() - 1)
+            (SiblingOp::Temporal, format!("{gram_schmidt} {eps_rel:?}"), wrt, inputs.len() - 1)
         }
         Op::Input { .. }
         | Op::Param(_)
@@ -301,7 +308,7 @@ fn grad_key(graph: &Graph, id: NodeId) -> Option<(GradKey, usize, usize)> {
         | Op::GroupedMatMul { .. }
         | Op::GroupedMatMulGrad { .. } => return None,
     };
-    (wrt < slots).then_some(((inputs, attrs), wrt, slots))
+    (wrt < slots).then_some(((kind, inputs, attrs), wrt, slots))
 }
 
 /// The sibling gradient nodes among `nodes`, by the op they differentiate.
@@ -328,43 +335,10 @@ fn lower_siblings(
 ) -> Option<Result<SiblingLowering, emit::EmitError>> {
     let (key, _, _) = grad_key(graph, id)?;
     let outs = siblings.get(&key)?.clone();
-    let lowering = match graph.node(id).op {
-        Op::CausalAttentionGrad { .. } => {
-            emit::attention_grads(graph, [outs[0], outs[1], outs[2]], name, target)
-        }
-        Op::TemporalAugmentGrad { .. } => emit::temporal_grads(graph, &outs, name, target),
-        // `grad_key` admits only the gradient ops above.
-        Op::Input { .. }
-        | Op::Param(_)
-        | Op::Constant { .. }
-        | Op::Unary(_)
-        | Op::Binary(_)
-        | Op::Affine { .. }
-        | Op::Cast { .. }
-        | Op::Reduce { .. }
-        | Op::MatMul { .. }
-        | Op::Reshape { .. }
-        | Op::Permute { .. }
-        | Op::Broadcast { .. }
-        | Op::Slice { .. }
-        | Op::Concat { .. }
-        | Op::Gather { .. }
-        | Op::ScatterAdd { .. }
-        | Op::ScatterRows { .. }
-        | Op::TopK { .. }
-        | Op::Softmax
-        | Op::RmsNorm { .. }
-        | Op::LayerNorm { .. }
-        | Op::GroupNorm { .. }
-        | Op::NormProject { .. }
-        | Op::SoftmaxCrossEntropy
-        | Op::CausalAttention { .. }
-        | Op::Sinkhorn { .. }
-        | Op::TemporalAugment { .. }
-        | Op::SinkhornGrad { .. }
-        | Op::MoeRoute { .. }
-        | Op::GroupedMatMul { .. }
-        | Op::GroupedMatMulGrad { .. } => return None,
+    // `grad_key` decided which ops have siblings; only their lowering is chosen here.
+    let lowering = match key.0 {
+        SiblingOp::Attention => emit::attention_grads(graph, [outs[0], outs[1], outs[2]], name, target),
+        SiblingOp::Temporal => emit::temporal_grads(graph, &outs, name, target),
     };
     Some(lowering.map(|l| (outs, l)))
 }
