@@ -109,7 +109,10 @@ if [[ "${1:-}" == "prepare" ]]; then
     cubins=$( (find "$BIN/cache" -name '*.cubin' 2>/dev/null || true) | wc -l)
     echo "cached CUBINs: $cubins for ${#specs[@]} specs"
     (( cubins == ${#specs[@]} )) || { echo "NVRTC must be loadable here to build the CUBINs (LD_LIBRARY_PATH)" >&2; exit 1; }
-    grep -qx '/gpu-bin/' .git/info/exclude 2>/dev/null || echo '/gpu-bin/' >> .git/info/exclude
+    # Keep gpu-bin/ out of `git status` (a clone without .git/info, as in CI, has nothing to keep).
+    if [[ -d .git/info ]] && ! grep -qx '/gpu-bin/' .git/info/exclude 2>/dev/null; then
+        echo '/gpu-bin/' >> .git/info/exclude
+    fi
     du -sh "$BIN"
     exit 0
 fi
