@@ -71,6 +71,12 @@ fn every_spec_gives_a_complete_json_report() {
         let buckets: u64 = ["embedding", "backbone", "connection", "mtp"].iter().map(|k| uint(p, k)).sum();
         assert_eq!(uint(p, "total"), buckets, "{ctx}: buckets add up");
         assert!(uint(p, "backbone") > 0, "{ctx}");
+        // Only routed experts leave parameters idle for a token.
+        let moe = std::fs::read_to_string(&file).unwrap().contains("Moe(");
+        let (active, total) = (uint(p, "active"), uint(p, "total"));
+        assert!(if moe { active < total } else { active == total }, "{ctx}: active {active} of {total}");
+        let text = String::from_utf8_lossy(&widen_check(&file, false).stdout).into_owned();
+        assert_eq!(text.contains("active per token"), moe, "{ctx}: the table's active row");
 
         let f = &r["flops_per_token"];
         assert!(uint(f, "forward") > 0, "{ctx}");

@@ -489,3 +489,49 @@ fn sparse_cost_counts_routed_tokens_times_expert_flops() {
     let (grouped, _) = forward_flops(&capped, b, t);
     assert_eq!(grouped, layers as f64 * (e as f64 * cap) * per_row);
 }
+
+/// `widen check`'s active parameters: each routed expert weight counts top_k / experts,
+/// whatever the dispatch; everything else counts whole.
+#[test]
+fn active_parameters_count_top_k_of_the_routed_experts() {
+    for dispatch in [MoeDispatch::Dense, MoeDispatch::Sparse] {
+        let spec = model(MoeGate::Softmax, 1, dispatch);
+        let p = ir::cost::cost_report(&spec).unwrap().params;
+        // Per layer 3 routed matrices of E·D·F; a token uses k of the E experts.
+        let (e, k, d, f) = (4u64, 2u64, 8u64, 3u64);
+        let idle = spec.layers as u64 * 3 * (e - k) * d * f;
+        assert_eq!(p.active, p.total - idle, "{dispatch:?}: {p:?}");
+        let dense = ir::cost::cost_report(&ModelSpec { ffn: FfnSpec::default(), ..spec.clone() }).unwrap();
+        assert_eq!(dense.params.active, dense.params.total, "no experts, nothing idle");
+    }
+}
+
+/// The closed-form memory estimate follows the dispatch: sparse stores top_k rows per
+/// token where dense stores every expert's, and both stay within a factor of 2 of the
+/// graph's count (the bound `spec_limits` holds every spec file to).
+#[test]
+fn memory_estimate_follows_the_dispatch() {
+    let at = |dispatch, experts| {
+        let mut spec = model(MoeGate::Softmax, 1, dispatch);
+        if let FfnSpec::Moe(m) = &mut spec.ffn {
+            m.experts = experts;
+            m.hidden = 16;
+        }
+        spec.d_model = 16;
+        let memory = ir::cost::training_memory(&spec);
+        let per_token = memory.activation_bytes / (spec.train.batch * spec.train.seq_len) as f64;
+        (per_token, ir::cost::cost_report(&spec).unwrap().activation_bytes_per_token as f64)
+    };
+    let (sparse8, counted) = at(MoeDispatch::Sparse, 8);
+    assert!((0.5..=2.0).contains(&(sparse8 / counted)), "sparse {sparse8} vs counted {counted}");
+    let (sparse64, _) = at(MoeDispatch::Sparse, 64);
+    let (dense8, _) = at(MoeDispatch::Dense, 8);
+    let (dense64, _) = at(MoeDispatch::Dense, 64);
+    // Only the router's scores and probabilities grow: 2 values per expert, layer and token.
+    let router = 4.0 * 2.0 * (64.0 - 8.0) * 2.0;
+    assert!(
+        (sparse64 - sparse8 - router).abs() < 1e-9,
+        "sparse grows with the router only: {sparse8} -> {sparse64}"
+    );
+    assert!(dense64 > 4.0 * dense8, "dense grows with the experts: {dense8} -> {dense64}");
+}

@@ -191,6 +191,10 @@ fn table(path: &Path, r: &CostReport, fused: &FusedTraffic, memory: &TrainingMem
         grouped(r.baseline.params),
         percent(r.overhead_vs_residual.params)
     ));
+    if p.active != p.total {
+        // Routed experts: a token runs top_k of them (docs/math.md §1.6).
+        line(format!("  {:<28}{:>16}{:>8.2}%", "active per token", grouped(p.active), share(p.active)));
+    }
     line(String::new());
 
     let o = &r.overhead_vs_residual;

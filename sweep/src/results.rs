@@ -29,7 +29,7 @@ use serde::{Deserialize, Serialize};
 use crate::point::Point;
 
 /// The CSV columns after the axis columns, in order.
-pub const COLUMNS: [&str; 23] = [
+pub const COLUMNS: [&str; 24] = [
     "point",
     "baseline",
     "status",
@@ -38,6 +38,7 @@ pub const COLUMNS: [&str; 23] = [
     "seeds_finished",
     "params_total",
     "params_non_embedding",
+    "params_active",
     "flops_per_token_forward",
     "flops_per_token_train",
     "connection_bytes_per_sublayer",
@@ -133,6 +134,9 @@ pub struct PointResult {
     pub params_total: u64,
     /// Total minus the embedding bucket.
     pub params_non_embedding: u64,
+    /// The parameters one token uses (routed experts count top_k / experts; equals the
+    /// total without MoE).
+    pub params_active: u64,
     pub flops_per_token_forward: u64,
     /// 3 × forward (cost model convention).
     pub flops_per_token_train: u64,
@@ -188,6 +192,7 @@ impl PointResult {
             seeds_finished: done.len(),
             params_total: cost.params.total,
             params_non_embedding: cost.params.total.saturating_sub(cost.params.embedding),
+            params_active: cost.params.active,
             flops_per_token_forward: cost.flops_per_token.forward,
             flops_per_token_train: cost.flops_per_token.train,
             connection_bytes_per_sublayer: cost.traffic_per_sublayer.bytes,
@@ -273,6 +278,7 @@ pub fn to_csv(axes: &[String], results: &[PointResult]) -> Result<String, Result
             r.seeds_finished.to_string(),
             r.params_total.to_string(),
             r.params_non_embedding.to_string(),
+            r.params_active.to_string(),
             r.flops_per_token_forward.to_string(),
             r.flops_per_token_train.to_string(),
             r.connection_bytes_per_sublayer.to_string(),
@@ -400,6 +406,7 @@ mod tests {
         let cost = cost_report(&plan().points[0].spec).unwrap();
         assert_eq!(r[0].params_non_embedding, cost.params.total - cost.params.embedding);
         assert!(r[0].params_non_embedding < r[0].params_total);
+        assert_eq!(r[0].params_active, cost.params.active);
 
         // One failed seed: the point is failed, the means cover the seed that finished.
         assert_eq!(r[1].status, Status::Failed("seed 1: NaN loss at step 7".into()));

@@ -15,7 +15,7 @@
 
 use serde::Serialize;
 
-use crate::spec::{EmbedMode, FfnSpec, Flash, ModelSpec, ResidualSpec};
+use crate::spec::{EmbedMode, FfnSpec, Flash, ModelSpec, MoeDispatch, ResidualSpec};
 
 /// Bytes per parameter in training: the f32 weight, its gradient and two optimizer
 /// moments (AdamW; Muon keeps one momentum for hidden matrices, so this bounds it).
@@ -112,11 +112,19 @@ pub fn training_memory(spec: &ModelSpec) -> TrainingMemory {
             let hidden = s.hidden.map(f).unwrap_or_else(|| default_hidden(d));
             (3.0 * d * hidden + d, 4.0 * hidden)
         }
-        // The reference computes every routed expert densely; shared experts are one
-        // SwiGLU of width shared x hidden.
+        // Shared experts are one SwiGLU of width shared x hidden. Dense dispatch computes
+        // every routed expert on every token; sparse dispatch stores, per routed row
+        // (top_k per token), the gathered input, four hidden-wide values and the output
+        // gathered back and weighted (docs/math.md §1.6).
         FfnSpec::Moe(m) => {
-            let width = (f(m.experts) + f(m.shared)) * f(m.hidden);
-            (3.0 * d * width + d * f(m.experts) + d, 4.0 * width + 2.0 * f(m.experts))
+            let params = 3.0 * d * (f(m.experts) + f(m.shared)) * f(m.hidden) + d * f(m.experts) + d;
+            let router = 2.0 * f(m.experts);
+            let shared = 4.0 * f(m.shared) * f(m.hidden);
+            let routed = match m.dispatch {
+                MoeDispatch::Dense => 4.0 * f(m.experts) * f(m.hidden),
+                MoeDispatch::Sparse => f(m.top_k) * (4.0 * f(m.hidden) + 4.0 * d),
+            };
+            (params, routed + shared + router)
         }
     };
     let block = attention + ffn;

@@ -52,6 +52,10 @@ use crate::spec::{ModelSpec, Precision, ResidualSpec};
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct ParamCounts {
     pub total: u64,
+    /// The parameters one token uses: the total less the routed experts a token is not
+    /// sent to (each routed expert weight counts top_k / experts, docs/math.md §1.6).
+    /// Equals `total` without MoE.
+    pub active: u64,
     pub embedding: u64,
     pub backbone: u64,
     pub connection: u64,
@@ -114,6 +118,7 @@ impl GraphCounts {
         let per_token = 1.0 / tokens as f64;
         let per_token_d = per_token / d_model as f64;
         let mut params = ParamCounts::default();
+        let mut active = 0.0;
         let mut by_region = RegionFlops::default();
         let mut flops = 0.0;
         let mut activation = 0.0;
@@ -143,6 +148,7 @@ impl GraphCounts {
             if let Op::Param(_) = node.op {
                 let count = node.shape.numel() as u64;
                 params.total += count;
+                active += count as f64 * role.active_fraction;
                 let bucket = match role.region {
                     _ if role.mtp.is_some() => &mut params.mtp,
                     Region::Embedding => &mut params.embedding,
@@ -190,6 +196,7 @@ impl GraphCounts {
                 }
             }
         }
+        params.active = active.round() as u64;
         GraphCounts {
             tokens,
             params,

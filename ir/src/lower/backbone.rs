@@ -200,7 +200,12 @@ fn moe_sparse(
     let rows = route(cx, MoeRouteOut::Rows)?;
     let tokens = route(cx, MoeRouteOut::Tokens)?;
     let counts = route(cx, MoeRouteOut::Counts)?;
+    // Each token uses top_k of the E experts' weights: the parameters' role says so to the
+    // parameter count (active parameters); the grouped products count their own rows.
+    let saved = cx.g.role();
+    cx.set_role(saved.active_fraction(k as f64 / e as f64));
     let [w1, w3, w2] = expert_weights(cx, prefix, m, out_mult);
+    cx.set_role(saved);
     let (w1, w3, w2) = (cx.operand(w1)?, cx.operand(w3)?, cx.operand(w2)?);
     let flat = cx.reshape(x, &[n, d])?;
     let flat = cx.operand(flat)?;
