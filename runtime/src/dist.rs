@@ -139,6 +139,76 @@ pub enum Reduce {
     Max,
 }
 
+/// Bounds how long a rank waits on the others. A rank that stops answering while
+/// alive (a stuck device, a stopped process) would leave its peers waiting in their
+/// next collective forever, and neither MPI's error handler nor the launcher sees it:
+/// a thread polls the running wait and calls `on_expiry` with a message once it has
+/// lasted `limit` (docs/distributed.md, "Faults"). The MPI world's action ends the
+/// process, which makes the launcher end the job.
+///
+/// A wait is whatever [`Watchdog::guard`] wraps: the world's own collectives, and
+/// the waits outside them, such as a device stream's NCCL all-reduces
+/// ([`Group::waiting_on_peers`]).
+pub struct Watchdog {
+    /// When the running wait began (ms since `started`, plus 1; 0 when none runs).
+    since_ms: Arc<AtomicU64>,
+    /// How many waits came before the running one.
+    count: Arc<AtomicU64>,
+    started: std::time::Instant,
+}
+
+impl Watchdog {
+    /// Starts the polling thread. `on_expiry` runs at most once, with a message that
+    /// names the rank, how long it waited, in which wait and the bound `limit`
+    /// (`bound_name` says where it is set); the thread stops after it.
+    pub fn start(
+        rank: usize,
+        limit: Duration,
+        bound_name: &'static str,
+        on_expiry: impl FnOnce(String) + Send + 'static,
+    ) -> Watchdog {
+        let dog = Watchdog {
+            since_ms: Arc::new(AtomicU64::new(0)),
+            count: Arc::new(AtomicU64::new(0)),
+            started: std::time::Instant::now(),
+        };
+        let (since_ms, count, started) = (Arc::clone(&dog.since_ms), Arc::clone(&dog.count), dog.started);
+        let poll = (limit / 10).clamp(Duration::from_millis(10), Duration::from_secs(1));
+        let spawned = std::thread::Builder::new().name("widen-rank-watchdog".into()).spawn(move || loop {
+            std::thread::sleep(poll);
+            let since = since_ms.load(Ordering::SeqCst);
+            if since == 0 {
+                continue;
+            }
+            let waited = started.elapsed().saturating_sub(Duration::from_millis(since - 1));
+            if waited >= limit {
+                on_expiry(format!(
+                    "rank {rank}: no answer from the other ranks for {:.0} s in wait #{} (a rank \
+                     is stuck or gone); the bound is {bound_name}, {:.0} s",
+                    waited.as_secs_f64(),
+                    count.load(Ordering::SeqCst),
+                    limit.as_secs_f64()
+                ));
+                return;
+            }
+        });
+        if let Err(e) = spawned {
+            eprintln!("warning: rank {rank}: cannot start the watchdog ({e}); a stuck rank may hang the run");
+        }
+        dog
+    }
+
+    /// Runs `f`, a wait on the other ranks, under the bound.
+    pub fn guard<T>(&self, f: impl FnOnce() -> T) -> T {
+        let now = self.started.elapsed().as_millis() as u64 + 1;
+        self.count.fetch_add(1, Ordering::SeqCst);
+        self.since_ms.store(now, Ordering::SeqCst);
+        let out = f();
+        self.since_ms.store(0, Ordering::SeqCst);
+        out
+    }
+}
+
 /// The collectives a data-parallel run needs. Every rank calls them in the same
 /// order with buffers of the same length; each returns on every rank with the
 /// same result. An implementation ends the whole job, on every rank, when one
@@ -156,6 +226,11 @@ pub trait Collective {
     /// Ends every rank's process with `code` (this rank failed; the others
     /// must not wait for it).
     fn abort(&self, code: i32) -> !;
+    /// The watchdog that bounds this world's waits, if it has one; the waits of a
+    /// device's own collectives run under it too ([`Group::waiting_on_peers`]).
+    fn watchdog(&self) -> Option<&Watchdog> {
+        None
+    }
     /// Replaces `buf` on every rank by rank `root`'s (a setup message such as
     /// NCCL's id). This default sends each byte as a small whole number
     /// through a sum all-reduce (the other ranks add zeros), which is exact; an
@@ -237,6 +312,16 @@ impl Group {
 
     pub fn abort(&self, code: i32) -> ! {
         self.inner.abort(code)
+    }
+
+    /// Runs `f`, a wait on the other ranks outside this group's collectives (a
+    /// device stream's NCCL all-reduces), under the world's watchdog, so that a
+    /// stuck peer ends the run within the bound instead of hanging it.
+    pub fn waiting_on_peers<T>(&self, f: impl FnOnce() -> T) -> T {
+        match self.inner.watchdog() {
+            Some(dog) => dog.guard(f),
+            None => f(),
+        }
     }
 
     fn timed<T>(&self, f: impl FnOnce() -> T) -> T {
@@ -481,6 +566,52 @@ mod tests {
         let alone = Group::new(Threads { rank: 0, size: 1, shared });
         assert!(!alone.data_parallel());
         assert!(alone.forced().data_parallel());
+    }
+
+    /// A wait past the bound fires once, naming the rank and the bound; waits within
+    /// it, and time outside any wait, do not.
+    #[test]
+    fn the_watchdog_fires_on_a_wait_past_its_bound_only() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let dog = Watchdog::start(3, Duration::from_millis(200), "TEST_BOUND", move |m| tx.send(m).unwrap());
+        dog.guard(|| std::thread::sleep(Duration::from_millis(20)));
+        std::thread::sleep(Duration::from_millis(400));
+        assert!(rx.try_recv().is_err(), "no wait ran past the bound");
+        dog.guard(|| std::thread::sleep(Duration::from_millis(600)));
+        let message = rx.recv_timeout(Duration::from_secs(5)).expect("the long wait fired");
+        for part in ["rank 3", "wait #2", "TEST_BOUND"] {
+            assert!(message.contains(part), "{message}");
+        }
+    }
+
+    /// The group's waits outside its collectives run under the world's watchdog.
+    #[test]
+    fn waits_on_peers_run_under_the_worlds_watchdog() {
+        struct Watched(Watchdog);
+        impl Collective for Watched {
+            fn rank(&self) -> usize {
+                0
+            }
+            fn size(&self) -> usize {
+                2
+            }
+            fn all_reduce_f32(&self, _: &mut [f32], _: Reduce) {}
+            fn all_reduce_f64(&self, _: &mut [f64], _: Reduce) {}
+            fn abort(&self, code: i32) -> ! {
+                panic!("abort {code}")
+            }
+            fn watchdog(&self) -> Option<&Watchdog> {
+                Some(&self.0)
+            }
+        }
+        let (tx, rx) = std::sync::mpsc::channel();
+        let group = Group::new(Watched(Watchdog::start(0, Duration::from_millis(100), "B", move |m| {
+            tx.send(m).unwrap()
+        })));
+        assert_eq!(group.waiting_on_peers(|| 7), 7);
+        assert!(rx.recv_timeout(Duration::from_millis(300)).is_err());
+        group.waiting_on_peers(|| std::thread::sleep(Duration::from_millis(400)));
+        assert!(rx.recv_timeout(Duration::from_secs(5)).is_ok(), "a stuck wait on peers fires");
     }
 
     #[test]

@@ -1118,10 +1118,14 @@ impl StepExecutor for CudaExecutor {
         buffers.push(self.io.loss);
         let average = |device: &mut CudaDevice| -> Result<(), StepError> {
             let started = std::time::Instant::now();
-            comm.average(device, &buffers)?;
             // The all-reduces run on the stream: their time is measured to
-            // their end, for the metrics' share of time in collectives.
-            device.synchronize()?;
+            // their end, for the metrics' share of time in collectives. A
+            // stuck peer would block that end forever; the world's watchdog
+            // bounds it as it bounds MPI's own collectives.
+            group.waiting_on_peers(|| -> Result<(), StepError> {
+                comm.average(device, &buffers)?;
+                Ok(device.synchronize()?)
+            })?;
             group.add_reduce_time(started.elapsed());
             Ok(())
         };
