@@ -86,14 +86,18 @@ fn slow_built_binary_trains_like_widen_train_without_the_spec() {
         assert!(a.join("final.safetensors").is_file());
     }
 
-    // Under a launcher of several processes the binary refuses instead of training copies.
+    // Under a launcher of several processes a binary built without MPI refuses instead of
+    // training copies (one with MPI trains across them: tests/cli_mpi.rs).
     let o = Command::new(&bin)
         .current_dir(&empty)
         .env("OMPI_COMM_WORLD_SIZE", "2")
         .args(["--steps", "1", "--device", "reference"])
         .output()
         .unwrap();
-    assert!(!o.status.success() && stderr(&o).contains("mpirun -n 2 widen train"), "{}", stderr(&o));
+    let refused = stderr(&o);
+    assert!(!o.status.success() && refused.contains("independent copies"), "{refused}");
+    assert!(refused.contains("--features mpi"), "says how to enable MPI: {refused}");
+    assert!(!empty.join("runs").exists(), "nothing is trained");
 
     let help = run_bin(&["--help"]);
     let help = String::from_utf8_lossy(&help.stdout);

@@ -1,6 +1,7 @@
 //! `mpirun -n 2 widen train` (docs/distributed.md): two ranks at a global batch
 //! train the model one process trains at that batch, a checkpoint of two ranks
-//! resumes on one, and a rank that dies or stops answering ends the run.
+//! resumes on one, a rank that dies or stops answering ends the run, and a
+//! trainer of `widen build` trains across ranks like `widen train`.
 //!
 //! Run with `cargo test -p widen --features mpi --test cli_mpi`. Each test skips
 //! with a printed reason where `mpirun` is missing; without the `mpi` feature
@@ -59,10 +60,21 @@ mod with_mpi {
 
     /// `mpirun -n RANKS widen ARGS` in `dir`, with extra environment `env`.
     fn mpirun(dir: &Path, ranks: usize, args: &[&str], env: &[(&str, &str)]) -> Output {
+        mpirun_program(dir, Path::new(env!("CARGO_BIN_EXE_widen")), ranks, args, env)
+    }
+
+    /// `mpirun -n RANKS PROGRAM ARGS` in `dir`, with extra environment `env`.
+    fn mpirun_program(
+        dir: &Path,
+        program: &Path,
+        ranks: usize,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Output {
         let mut cmd = Command::new("mpirun");
         cmd.current_dir(dir)
             .args(["--allow-run-as-root", "--oversubscribe", "-n", &ranks.to_string()])
-            .arg(env!("CARGO_BIN_EXE_widen"))
+            .arg(program)
             .args(args)
             .envs(env.iter().copied());
         cmd.output().unwrap()
@@ -245,6 +257,38 @@ mod with_mpi {
         assert!(took < Duration::from_secs(60), "the run took {took:?} to end");
         assert!(stderr(&o).contains("no answer from the other ranks"), "{}", stderr(&o));
         assert!(dir.join("run/ckpt-2.safetensors").exists());
+    }
+
+    /// A trainer of `widen build` from a widen built with MPI trains across the
+    /// launcher's ranks as `widen train` does: the same losses, bit for bit (each rank
+    /// compiles its Plans for its shard, as `widen train`'s ranks do). Built with
+    /// `--profile dev` into the workspace's target folder, like `cli_build`.
+    #[test]
+    fn slow_a_built_trainer_trains_across_ranks_like_widen_train() {
+        let test = "slow_a_built_trainer_trains_across_ranks_like_widen_train";
+        if !mpirun_present(test) {
+            return;
+        }
+        let dir = common::workdir("mpi-build", Some(&small_spec("tiny.ron")));
+        let target =
+            Path::new(env!("CARGO_TARGET_TMPDIR")).parent().expect("target/tmp is inside the target folder");
+        let o = Command::new(env!("CARGO_BIN_EXE_widen"))
+            .current_dir(&dir)
+            .env("CARGO_TARGET_DIR", target)
+            .env("WIDEN_CACHE_DIR", dir.join("cache"))
+            .args(["build", "--profile", "dev", "spec.ron", "-o", "trainer"])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+        let args = ["--device", "reference", "--out", "built"];
+        let built = mpirun_program(&dir, &dir.join("trainer"), 2, &args, &[("WIDEN_CACHE_DIR", "cache")]);
+        assert!(built.status.success(), "{}", stderr(&built));
+        let two = mpirun(&dir, 2, &["train", "spec.ron", "--device", "reference", "--out", "two"], &[]);
+        assert!(two.status.success(), "{}", stderr(&two));
+        let (built, two) = (metrics(&dir.join("built")), metrics(&dir.join("two")));
+        assert_eq!(built.len(), 5, "{built:?}");
+        assert!(built.iter().all(|m| m.3 == 2), "world_size 2 in every record: {built:?}");
+        assert_eq!(built, two, "the built trainer's ranks train what widen train's do");
     }
 
     /// One rank under `mpirun` is a single process: the same losses, bit for bit.

@@ -86,9 +86,69 @@ pub const ENABLE_HINT: &str =
     "rebuild widen with MPI support (`cargo build --release --features mpi`, which needs Open MPI and \
      libclang: `apt-get install libopenmpi-dev openmpi-bin libclang-dev`)";
 
+/// This process's place in a launcher's job: MPI initialized for the run when
+/// an MPI launcher started it (in a build with the `mpi` feature), nothing
+/// otherwise. Dropping it at the end of the run finalizes MPI. `widen train`
+/// and the standalone trainers of `widen build` join the same way.
+pub struct Ranks {
+    #[cfg(feature = "mpi")]
+    session: Option<mpi::MpiSession>,
+}
+
+impl Ranks {
+    /// Joins the launcher's ranks. Not under a launcher, there is no MPI at
+    /// all and the run is exactly a single process's. A build without MPI
+    /// under a launcher of several processes is refused: each would train its
+    /// own copy of the model into one folder.
+    pub fn join() -> Result<Ranks, DistError> {
+        #[cfg(feature = "mpi")]
+        {
+            if launcher_world_size().is_none() {
+                return Ok(Ranks { session: None });
+            }
+            let session = mpi::MpiSession::init().ok_or(DistError::MpiInitialized)?;
+            Ok(Ranks { session: Some(session) })
+        }
+        #[cfg(not(feature = "mpi"))]
+        {
+            match launcher_world_size().filter(|&n| n > 1) {
+                Some(world) => Err(DistError::MpiNotBuilt { world }),
+                None => Ok(Ranks {}),
+            }
+        }
+    }
+
+    /// The ranks to train across: more than one, or one with [`FORCE_VAR`] set,
+    /// which takes the data-parallel path (NCCL, with `--device cuda`) alone.
+    /// `None`: a single process's run.
+    pub fn group(&self) -> Option<Group> {
+        #[cfg(feature = "mpi")]
+        {
+            let forced = force_requested();
+            self.session
+                .as_ref()
+                .map(|s| if forced { s.group().clone().forced() } else { s.group().clone() })
+                .filter(Group::data_parallel)
+        }
+        #[cfg(not(feature = "mpi"))]
+        {
+            None
+        }
+    }
+}
+
 /// Errors of a data-parallel run.
 #[derive(Debug, thiserror::Error)]
 pub enum DistError {
+    #[error(
+        "this process is one of {world} that an MPI launcher started (OMPI_COMM_WORLD_SIZE or \
+         PMI_SIZE is {world}), but it is built without MPI: the {world} processes would train \
+         {world} independent copies of the model into one folder; to train one model across \
+         them, {ENABLE_HINT}"
+    )]
+    MpiNotBuilt { world: usize },
+    #[error("MPI was initialized already in this process")]
+    MpiInitialized,
     #[error(
         "train.batch = {batch} does not split evenly among {world} ranks: it is the global batch, \
          divided into equal shards; use a multiple of {world} (e.g. {}) or run another number of ranks",

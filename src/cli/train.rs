@@ -81,8 +81,9 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
-    let ranks = ranks::join()?;
-    let group = ranks::group(&ranks);
+    // Dropped at the end of the run, which finalizes MPI (docs/distributed.md).
+    let ranks = runtime::dist::Ranks::join()?;
+    let group = ranks.group();
     match run_rank(&args, group.as_ref()) {
         Ok(code) => Ok(code),
         // Alone, the error is reported as every command's is.
@@ -211,60 +212,5 @@ fn quote(word: &str) -> String {
         word.to_string()
     } else {
         format!("'{}'", word.replace('\'', "'\\''"))
-    }
-}
-
-/// Joining the ranks of a data-parallel run (docs/distributed.md).
-mod ranks {
-    use runtime::dist::{launcher_world_size, Group};
-
-    /// MPI, initialized for the run when an MPI launcher started this process;
-    /// dropping it at the end of the run finalizes MPI.
-    #[cfg(feature = "mpi")]
-    pub(super) type Ranks = Option<runtime::dist::mpi::MpiSession>;
-    /// Without MPI, a run is a single process.
-    #[cfg(not(feature = "mpi"))]
-    pub(super) struct Ranks;
-
-    #[cfg(feature = "mpi")]
-    pub(super) fn join() -> anyhow::Result<Ranks> {
-        if launcher_world_size().is_none() {
-            // Not under a launcher: no MPI at all, the run is exactly a single process's.
-            return Ok(None);
-        }
-        let session = runtime::dist::mpi::MpiSession::init()
-            .ok_or_else(|| anyhow::anyhow!("MPI was initialized already in this process"))?;
-        Ok(Some(session))
-    }
-
-    #[cfg(not(feature = "mpi"))]
-    pub(super) fn join() -> anyhow::Result<Ranks> {
-        if let Some(n) = launcher_world_size().filter(|&n| n > 1) {
-            anyhow::bail!(
-                "this process is one of {n} that an MPI launcher started (OMPI_COMM_WORLD_SIZE or \
-                 PMI_SIZE is {n}), but this widen is built without MPI: the {n} processes would train \
-                 {n} independent copies of the model into one folder; to train one model across \
-                 them, {}",
-                runtime::dist::ENABLE_HINT
-            );
-        }
-        Ok(Ranks)
-    }
-
-    /// The ranks to train across: more than one, or one with
-    /// `WIDEN_DIST_FORCE` set (`runtime::dist::FORCE_VAR`), which takes the
-    /// data-parallel path (NCCL, with `--device cuda`) alone.
-    #[cfg(feature = "mpi")]
-    pub(super) fn group(ranks: &Ranks) -> Option<Group> {
-        let forced = runtime::dist::force_requested();
-        ranks
-            .as_ref()
-            .map(|s| if forced { s.group().clone().forced() } else { s.group().clone() })
-            .filter(Group::data_parallel)
-    }
-
-    #[cfg(not(feature = "mpi"))]
-    pub(super) fn group(_: &Ranks) -> Option<Group> {
-        None
     }
 }

@@ -124,7 +124,15 @@ fn dependencies(root: &Path) -> Result<String, BuildError> {
     for (alias, package) in [("ir", "widen-ir"), ("codegen", "widen-codegen"), ("runtime", "widen-runtime")] {
         let dir = root.join(alias);
         let path = dir.to_str().ok_or_else(|| BuildError::SourcePath { path: dir.clone() })?;
-        let _ = writeln!(deps, "{alias} = {{ package = \"{package}\", path = \"{}\" }}", toml_escape(path));
+        // A widen built with MPI builds trainers that train data-parallel under a
+        // launcher too (docs/distributed.md).
+        let features =
+            if alias == "runtime" && cfg!(feature = "mpi") { ", features = [\"mpi\"]" } else { "" };
+        let _ = writeln!(
+            deps,
+            "{alias} = {{ package = \"{package}\", path = \"{}\"{features} }}",
+            toml_escape(path)
+        );
     }
     deps.push_str("anyhow = \"1\"\n");
     Ok(deps)
@@ -270,16 +278,10 @@ fn main_rs(spec: &ModelSpec, plan: &Plan) -> TokenStream {
             Stopped { interrupted: bool },
         }
 
-        fn run() -> anyhow::Result<Outcome> {
+        /// This process's part of the run: the whole run alone, or one rank's (`group`).
+        fn run(group: Option<&runtime::dist::Group>) -> anyhow::Result<Outcome> {
+            let root = group.is_none_or(runtime::dist::Group::is_root);
             let Some(args) = parse_args()? else { return Ok(Outcome::Done) };
-            // The embedded Plans are compiled for the whole batch on one process: under a launcher
-            // of several processes each would train its own copy (docs/distributed.md).
-            if let Some(n) = runtime::dist::launcher_world_size().filter(|&n| n > 1) {
-                anyhow::bail!(
-                    "this trainer runs as one process, but an MPI launcher started {n}; for \
-                     data-parallel training run `mpirun -n {n} widen train SPEC` (docs/distributed.md)"
-                );
-            }
             let mut spec = ir::spec::ModelSpec::from_ron_str(SPEC_RON).context("reading the embedded spec")?;
             if let Some(data) = &args.data {
                 spec.train.data = ir::spec::DataSpec::Text(data.display().to_string());
@@ -289,27 +291,7 @@ fn main_rs(spec: &ModelSpec, plan: &Plan) -> TokenStream {
                     eprintln!("note: {w}");
                 }
             }
-            let out_dir = args.out.unwrap_or_else(|| PathBuf::from("runs").join(&spec.name));
-            let window = spec.train.seq_len + 1;
-            let corpus = runtime::data::Corpus::load(&spec.train.data, spec.train.val_fraction, window)?;
-            let lowered = ir::lower::lower(&spec, spec.train.batch, spec.train.seq_len)?;
-            let params = runtime::init::init_params(&lowered.graph, spec.train.seed)?;
-            let token_shape = [spec.train.batch, window];
-            let mut exec: Box<dyn runtime::executor::StepExecutor> = match args.device {
-                DeviceArg::Reference => Box::new(runtime::executor::ReferenceExecutor::from_lowered(lowered)),
-                DeviceArg::Cpu => {
-                    let compiler = codegen::cc::Compiler::from_env()?;
-                    let options = runtime::device::cpu::CpuOptions::default();
-                    let device = runtime::device::cpu::CpuDevice::with_options(plan(PLAN_JSON)?, &compiler, options)
-                        .context("loading the embedded plan on the cpu device")?;
-                    Box::new(runtime::device::cpu_executor::CpuExecutor::new(device, token_shape)?)
-                }
-                DeviceArg::Cuda => {
-                    let device = runtime::device::cuda::CudaDevice::new(plan(CUDA_PLAN_JSON)?)
-                        .context("loading the embedded plan on the cuda device")?;
-                    Box::new(runtime::device::cuda::CudaExecutor::new(device, token_shape)?)
-                }
-            };
+            let out_dir = args.out.clone().unwrap_or_else(|| PathBuf::from("runs").join(&spec.name));
             let opts = runtime::train::TrainOptions {
                 out_dir: out_dir.clone(),
                 resume: args.resume.clone(),
@@ -317,9 +299,21 @@ fn main_rs(spec: &ModelSpec, plan: &Plan) -> TokenStream {
                 catch_signals: true,
                 overwrite: args.overwrite,
                 on_step: None,
-                group: None,
+                group: group.cloned(),
             };
-            let report = match runtime::train::train(&spec, exec.as_mut(), params, &corpus, &opts) {
+            let device = match args.device {
+                DeviceArg::Reference => runtime::executor::Device::Reference,
+                DeviceArg::Cpu => runtime::executor::Device::Cpu,
+                DeviceArg::Cuda => runtime::executor::Device::Cuda,
+            };
+            let report = if group.is_some() {
+                // The embedded Plans are for the whole batch on one process: each rank
+                // compiles its own for its shard of the batch (docs/distributed.md).
+                runtime::train::train_spec(&spec, device, &opts)
+            } else {
+                train_embedded(&spec, &args, &opts)?
+            };
+            let report = match report {
                 Ok(report) => report,
                 Err(err) => {
                     let Some(checkpoint) = err.resume_from().map(PathBuf::from) else {
@@ -328,6 +322,10 @@ fn main_rs(spec: &ModelSpec, plan: &Plan) -> TokenStream {
                         });
                     };
                     let interrupted = matches!(err, runtime::train::TrainError::Interrupted { .. });
+                    if !root && interrupted {
+                        // Rank 0 says where the run is saved and how to continue it.
+                        return Ok(Outcome::Stopped { interrupted });
+                    }
                     let err = anyhow::Error::new(err);
                     eprintln!("{}{err:#}", if interrupted { "" } else { "error: " });
                     let program = std::env::args().next().unwrap_or_else(|| #name.to_string());
@@ -349,16 +347,49 @@ fn main_rs(spec: &ModelSpec, plan: &Plan) -> TokenStream {
                     return Ok(Outcome::Stopped { interrupted });
                 }
             };
+            if !root {
+                return Ok(Outcome::Done);
+            }
             let last = report.losses.last().map(|l| format!("{l:.4}")).unwrap_or_else(|| "-".into());
             let val = report.val_loss.map(|v| format!(", validation loss {v:.4}")).unwrap_or_default();
             eprintln!(
                 "trained {} steps on {}: loss {last}{val}; checkpoint {}, metrics {}",
                 report.steps,
-                exec.device(),
+                device.name(),
                 report.final_checkpoint.display(),
                 report.metrics.display()
             );
             Ok(Outcome::Done)
+        }
+
+        /// A single process's run on the embedded Plans: an error setting it up, or how
+        /// the training ended.
+        fn train_embedded(
+            spec: &ir::spec::ModelSpec,
+            args: &Args,
+            opts: &runtime::train::TrainOptions,
+        ) -> anyhow::Result<Result<runtime::train::TrainReport, runtime::train::TrainError>> {
+            let window = spec.train.seq_len + 1;
+            let corpus = runtime::data::Corpus::load(&spec.train.data, spec.train.val_fraction, window)?;
+            let lowered = ir::lower::lower(spec, spec.train.batch, spec.train.seq_len)?;
+            let params = runtime::init::init_params(&lowered.graph, spec.train.seed)?;
+            let token_shape = [spec.train.batch, window];
+            let mut exec: Box<dyn runtime::executor::StepExecutor> = match args.device {
+                DeviceArg::Reference => Box::new(runtime::executor::ReferenceExecutor::from_lowered(lowered)),
+                DeviceArg::Cpu => {
+                    let compiler = codegen::cc::Compiler::from_env()?;
+                    let options = runtime::device::cpu::CpuOptions::default();
+                    let device = runtime::device::cpu::CpuDevice::with_options(plan(PLAN_JSON)?, &compiler, options)
+                        .context("loading the embedded plan on the cpu device")?;
+                    Box::new(runtime::device::cpu_executor::CpuExecutor::new(device, token_shape)?)
+                }
+                DeviceArg::Cuda => {
+                    let device = runtime::device::cuda::CudaDevice::new(plan(CUDA_PLAN_JSON)?)
+                        .context("loading the embedded plan on the cuda device")?;
+                    Box::new(runtime::device::cuda::CudaExecutor::new(device, token_shape)?)
+                }
+            };
+            Ok(runtime::train::train(spec, exec.as_mut(), params, &corpus, opts))
         }
 
         fn main() -> ExitCode {
@@ -367,15 +398,32 @@ fn main_rs(spec: &ModelSpec, plan: &Plan) -> TokenStream {
             if let Err(err) = runtime::process::report_file_size_limit_as_error() {
                 eprintln!("warning: cannot handle SIGXFSZ ({err})");
             }
-            match run() {
+            // Under an MPI launcher (a widen built with the `mpi` feature) the processes
+            // train one model data-parallel; dropping `ranks` finalizes MPI.
+            let ranks = match runtime::dist::Ranks::join() {
+                Ok(ranks) => ranks,
+                Err(err) => {
+                    eprintln!("error: {err}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            let group = ranks.group();
+            match run(group.as_ref()) {
                 Ok(Outcome::Done) => ExitCode::SUCCESS,
                 // 130 = 128 + SIGINT, what a shell reports for a run stopped by Ctrl-C.
                 Ok(Outcome::Stopped { interrupted: true }) => ExitCode::from(130),
                 Ok(Outcome::Stopped { interrupted: false }) => ExitCode::FAILURE,
-                Err(err) => {
-                    eprintln!("error: {err:#}");
-                    ExitCode::FAILURE
-                }
+                Err(err) => match &group {
+                    None => {
+                        eprintln!("error: {err:#}");
+                        ExitCode::FAILURE
+                    }
+                    // The other ranks must not wait for this one.
+                    Some(g) => {
+                        eprintln!("error (rank {} of {}): {err:#}", g.rank(), g.size());
+                        g.abort(1)
+                    }
+                },
             }
         }
     }
