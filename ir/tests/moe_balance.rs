@@ -1,8 +1,9 @@
 //! MoE load balancing in the lowering (docs/math.md §1.6, "Load balancing"): the expert
 //! loads every MoE sublayer reports, the auxiliary balance loss against the test's own
 //! computation from the router's gates and choices, its gradient by central differences
-//! through the router (f64, Dense and Sparse dispatch, both gates), and the loss-free
-//! bias, which moves the top-k choice but not the gates and gets no gradient.
+//! through the router (f64, Dense and Sparse dispatch, both gates), gradient descent on it
+//! spreading a router that sends every token to one expert, and the loss-free bias, which
+//! moves the top-k choice but not the gates and gets no gradient.
 
 mod common;
 
@@ -300,4 +301,54 @@ fn router_bias_moves_the_choice_but_not_the_gates_and_gets_no_gradient() {
         }
         assert_ne!(got[0], reference[0], "{gate:?}: another choice, another loss");
     }
+}
+
+/// Gradient descent on layer 0's router of a one-block model in which every token picks
+/// expert 0 (the embedding rows share a large first coordinate that the router reads for
+/// expert 0, through a unit norm gain): the loads of layer 0 after each of `steps` steps of `lr`.
+fn descend_on_a_skewed_router(balance: MoeBalance, steps: usize, lr: f64) -> Vec<Vec<f64>> {
+    let mut spec = model(MoeGate::Softmax, MoeDispatch::Dense, balance);
+    spec.layers = 1;
+    let mut l = lower(&spec, B, T).unwrap();
+    let router = l.graph.param_by_name("blocks.0.ffn.router").unwrap();
+    let embed = l.graph.param_by_name("embed").unwrap();
+    let d_router = grad(&mut l.graph, l.loss, &[router]).unwrap()[0];
+    let load = output(&l, &expert_load_output("blocks.0.ffn"));
+    let mut src = sources(&l, 17);
+    let mut rng = Rng::new(5);
+    let (d, e) = (spec.d_model, E);
+    let mut w: Vec<f64> = (0..d * e).map(|i| if i == 0 { 1.0 } else { 0.1 * rng.normal() }).collect();
+    if let Some(Value::Float(t)) = src.get_mut(&embed) {
+        t.data.iter_mut().step_by(d).for_each(|x| *x = 3.0);
+    }
+    let gain = l.graph.param_by_name("blocks.0.ffn.norm").unwrap();
+    src.insert(gain, Value::Float(Tensor::new(l.graph.node(gain).shape.clone(), vec![1.0; d])));
+    let mut loads = Vec::new();
+    for _ in 0..=steps {
+        src.insert(router, Value::Float(Tensor::new(l.graph.node(router).shape.clone(), w.clone())));
+        let v = run(&l.graph, &src, &[load, d_router]).unwrap();
+        loads.push(floats(&v, load));
+        for (w, g) in w.iter_mut().zip(floats(&v, d_router)) {
+            *w -= lr * g;
+        }
+    }
+    loads
+}
+
+#[test]
+fn aux_loss_descent_spreads_the_load_of_a_skewed_router() {
+    let n = (B * T) as f64;
+    let balanced = descend_on_a_skewed_router(aux(1.0), 100, 0.1);
+    let unbalanced = descend_on_a_skewed_router(MoeBalance::None, 100, 0.1);
+    for loads in [&balanced, &unbalanced] {
+        assert_eq!(loads[0][0], n, "every token starts on expert 0: {:?}", loads[0]);
+    }
+    // The max load over the last 20 steps (the choice flips between steps near the even load).
+    let late_max = |loads: &[Vec<f64>]| {
+        let tail = &loads[loads.len() - 20..];
+        tail.iter().map(|l| l.iter().copied().fold(0.0, f64::max)).sum::<f64>() / tail.len() as f64
+    };
+    let (with, without) = (late_max(&balanced), late_max(&unbalanced));
+    assert!(with <= 0.75 * n, "the aux loss leaves a max load of {with} of {n}: {balanced:?}");
+    assert!(without >= 0.9 * n, "without balancing expert 0 keeps its {without} of {n}");
 }
