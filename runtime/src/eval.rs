@@ -18,7 +18,9 @@
 //!   (with the MTP terms, docs/math.md §7.1), and `loss_main`, f32 `[]`, the main
 //!   head's next-token loss;
 //! - `grads.safetensors`: the gradient of `loss` for every parameter, f32, under
-//!   the parameter's checkpoint name and shape.
+//!   the parameter's checkpoint name and shape (with `balance: AuxLoss`, of `loss`
+//!   plus the MoE auxiliary loss, the objective training differentiates,
+//!   docs/math.md §1.6).
 //!
 //! Each file's header metadata names the checkpoint, its step and spec hash.
 

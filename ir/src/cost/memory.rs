@@ -15,7 +15,7 @@
 
 use serde::Serialize;
 
-use crate::spec::{EmbedMode, FfnSpec, Flash, ModelSpec, ResidualSpec};
+use crate::spec::{EmbedMode, FfnSpec, Flash, ModelSpec, MoeBalance, ResidualSpec};
 
 /// Bytes per parameter in training: the f32 weight, its gradient and two optimizer
 /// moments (AdamW; Muon keeps one momentum for hidden matrices, so this bounds it).
@@ -116,7 +116,12 @@ pub fn training_memory(spec: &ModelSpec) -> TrainingMemory {
         // SwiGLU of width shared x hidden.
         FfnSpec::Moe(m) => {
             let width = (f(m.experts) + f(m.shared)) * f(m.hidden);
-            (3.0 * d * width + d * f(m.experts) + d, 4.0 * width + 2.0 * f(m.experts))
+            // The router, and the router bias of the loss-free balancing (docs/math.md §1.6).
+            let router = match m.balance {
+                MoeBalance::BiasUpdate(_) => (d + 1.0) * f(m.experts),
+                MoeBalance::None | MoeBalance::AuxLoss(_) => d * f(m.experts),
+            };
+            (3.0 * d * width + router + d, 4.0 * width + 2.0 * f(m.experts))
         }
     };
     let block = attention + ffn;

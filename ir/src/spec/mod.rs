@@ -200,8 +200,8 @@ pub struct MoeSpec {
     /// token order [> 0; needs dispatch: Sparse]. None: dropless.
     pub capacity_factor: Option<f64>,
     /// How the router's load is kept balanced across the routed experts (docs/math.md §1.6):
-    /// None, an auxiliary loss, or DeepSeek-V3's loss-free bias update. Default None, the
-    /// router of a spec that does not name it.
+    /// None, an auxiliary loss, or DeepSeek-V3's loss-free bias update. Default None, so a
+    /// spec without the field trains as it did before the field existed.
     pub balance: MoeBalance,
 }
 
