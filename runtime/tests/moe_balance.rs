@@ -193,7 +193,7 @@ fn cpu_device_differentiates_and_reports_the_aux_loss_like_the_reference() {
     let corpus = Corpus::load(&spec.train.data, spec.train.val_fraction, seq + 1).unwrap();
     let tokens = BatchSampler::train(spec.train.seed, batch, seq + 1).next_batch(corpus.train());
     let params = init_params(&lowered.graph, spec.train.seed).unwrap();
-    let mut step = |device: Device| {
+    let step = |device: Device| {
         let mut exec = device.executor(lowered.clone()).unwrap();
         let (mut p, mut optimizer) = (params.clone(), Optimizer::new(&spec, &params));
         let settings = runtime::executor::UpdateSettings { lr_mult: 1.0, clip: None };
