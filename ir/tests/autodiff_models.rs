@@ -73,14 +73,22 @@ fn every_spec_differentiates_with_respect_to_every_parameter() {
         let backward: Vec<NodeId> = g.node_ids().into_iter().skip(forward).collect();
         assert!(!backward.is_empty());
         assert!(backward.iter().all(|&id| g.node(id).role.region == Region::Backward), "{}", path.display());
-        // Every parameter the loss reads gets a computed gradient, not a zero constant.
+        // Every parameter the loss reads gets a computed gradient, not a zero constant;
+        // except the MoE router bias, which only shifts the top-k choice (docs/math.md
+        // §1.6) and must get none.
         for (p, gp) in pairs {
             assert_ne!(gp, p);
             let name = param_name(g, p);
-            assert!(
+            let trained = match &g.node(p).op {
+                Op::Param(info) => info.class.optimized(),
+                other => panic!("not a parameter: {}", other.name()),
+            };
+            assert_eq!(
                 !matches!(g.node(gp).op, Op::Constant { .. }),
-                "{}: {name} has no gradient path",
-                path.display()
+                trained,
+                "{}: {name} should {}have a gradient path",
+                path.display(),
+                if trained { "" } else { "not " }
             );
         }
     }

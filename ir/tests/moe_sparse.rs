@@ -13,7 +13,7 @@ use ir::cost::op_cost;
 use ir::exec::{run, Tensor, Value};
 use ir::graph::{MoeRouteOut, NodeId, Op, ReduceOp, Region, UnaryOp};
 use ir::lower::{lower, Lowered};
-use ir::spec::{FfnSpec, ModelSpec, MoeDispatch, MoeGate, MoeSpec, TrainSpec};
+use ir::spec::{FfnSpec, ModelSpec, MoeBalance, MoeDispatch, MoeGate, MoeSpec, TrainSpec};
 use ir::{DType, Shape};
 use std::collections::HashMap;
 
@@ -322,6 +322,7 @@ fn model(gate: MoeGate, shared: usize, dispatch: MoeDispatch) -> ModelSpec {
             gate,
             dispatch,
             capacity_factor: None,
+            balance: MoeBalance::None,
         }),
         train: TrainSpec { seq_len: T, ..TrainSpec::default() },
         ..ModelSpec::default()

@@ -42,6 +42,8 @@ fn every_spec_loads_validates_and_is_named_after_its_file() {
         "xhc-flash",
         "mtp",
         "moe",
+        "vwn-moe",
+        "xhc-moe",
     ] {
         assert!(stems.contains(&expected), "specs/{expected}.ron missing; found {stems:?}");
     }
@@ -59,11 +61,11 @@ fn specs_are_small_enough_for_cpu_and_use_their_scheme() {
         assert!((2..=4).contains(&spec.layers), "{stem}: layers = {}", spec.layers);
         let kind = spec.residual.kind_name();
         let expected = match stem.as_str() {
-            "residual" => "Residual",
+            "residual" | "moe" => "Residual",
             "hc" => "Hc",
             "fc" => "Fc",
             "mhc" | "mhc-bf16" => "Mhc",
-            "xhc" | "xhc-flash" => "Xhc",
+            "xhc" | "xhc-flash" | "xhc-moe" => "Xhc",
             _ => "Ghc",
         };
         assert_eq!(kind, expected, "specs/{stem}.ron");

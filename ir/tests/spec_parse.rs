@@ -4,9 +4,10 @@
 use std::path::{Path, PathBuf};
 
 use ir::spec::{
-    load_spec, parse_spec, AdamWSpec, DataSpec, FfnSpec, Flash, GhcSpec, ModelSpec, MoeDispatch, MoeGate,
-    MoeSpec, MtpSpec, MuonScale, MuonSpec, MupSpec, OptimizerSpec, Parametrization, Precision, ReduceNorm,
-    ResidualSpec, ScheduleSpec, SpecLoadError, UnknownName, WsdSpec, XhcSpec,
+    load_spec, parse_spec, AdamWSpec, BiasUpdateSpec, DataSpec, FfnSpec, Flash, GhcSpec, ModelSpec,
+    MoeBalance, MoeDispatch, MoeGate, MoeSpec, MtpSpec, MuonScale, MuonSpec, MupSpec, OptimizerSpec,
+    Parametrization, Precision, ReduceNorm, ResidualSpec, ScheduleSpec, SpecLoadError, UnknownName, WsdSpec,
+    XhcSpec,
 };
 
 fn unknown_names(text: &str) -> Vec<UnknownName> {
@@ -208,6 +209,7 @@ fn busy_spec() -> ModelSpec {
             gate: MoeGate::Sigmoid,
             dispatch: MoeDispatch::Sparse,
             capacity_factor: Some(1.25),
+            balance: MoeBalance::BiasUpdate(BiasUpdateSpec { rate: 2.5e-4 }),
         }),
         norm_eps: 1e-6,
         rope_base: 500000.0,

@@ -6,9 +6,9 @@
 //! stricter than documented.
 
 use ir::spec::{
-    DataSpec, FcSpec, FfnSpec, FieldError, Flash, GhcSpec, HcSpec, MhcSpec, ModelSpec, MoeDispatch, MoeSpec,
-    MuonSpec, MupSpec, OptimizerSpec, Parametrization, ReduceNorm, ResidualSpec, ScheduleSpec, SwiGluSpec,
-    WsdSpec, XhcSpec,
+    AuxLossSpec, BiasUpdateSpec, DataSpec, FcSpec, FfnSpec, FieldError, Flash, GhcSpec, HcSpec, MhcSpec,
+    ModelSpec, MoeBalance, MoeDispatch, MoeSpec, MuonSpec, MupSpec, OptimizerSpec, Parametrization,
+    ReduceNorm, ResidualSpec, ScheduleSpec, SwiGluSpec, WsdSpec, XhcSpec,
 };
 
 fn errors(spec: &ModelSpec) -> Vec<FieldError> {
@@ -219,6 +219,32 @@ rule!(
     }),
     "ffn.capacity_factor",
     ["needs ffn.dispatch: Sparse"]
+);
+rule!(
+    moe_aux_loss_coef_positive,
+    |s| s.ffn = FfnSpec::Moe(MoeSpec {
+        balance: MoeBalance::AuxLoss(AuxLossSpec { coef: -0.01 }),
+        ..MoeSpec::default()
+    }),
+    |s| s.ffn = FfnSpec::Moe(MoeSpec {
+        balance: MoeBalance::AuxLoss(AuxLossSpec { coef: 0.01 }),
+        ..MoeSpec::default()
+    }),
+    "ffn.balance.coef",
+    ["ffn.balance.coef = -0.01", "must be > 0 and finite"]
+);
+rule!(
+    moe_bias_update_rate_positive,
+    |s| s.ffn = FfnSpec::Moe(MoeSpec {
+        balance: MoeBalance::BiasUpdate(BiasUpdateSpec { rate: f64::INFINITY }),
+        ..MoeSpec::default()
+    }),
+    |s| s.ffn = FfnSpec::Moe(MoeSpec {
+        balance: MoeBalance::BiasUpdate(BiasUpdateSpec { rate: 1e-3 }),
+        ..MoeSpec::default()
+    }),
+    "ffn.balance.rate",
+    ["ffn.balance.rate = inf", "must be > 0 and finite"]
 );
 
 // Residual schemes (docs/math.md §10 "Residual connection").

@@ -172,7 +172,9 @@ fields!(ModelSpec {
     train,
 });
 fields!(SwiGluSpec { hidden });
-fields!(MoeSpec { experts, top_k, shared, hidden, gate, dispatch, capacity_factor });
+fields!(MoeSpec { experts, top_k, shared, hidden, gate, dispatch, capacity_factor, balance });
+fields!(AuxLossSpec { coef });
+fields!(BiasUpdateSpec { rate });
 fields!(HcSpec { n, dynamic, act, gen_norm, scale_init, out_proj_std_mult });
 fields!(FcSpec { m, dynamic, act, scale_init });
 fields!(MhcSpec {
@@ -390,6 +392,20 @@ impl FromValue for FfnSpec {
     }
 }
 
+impl FromValue for MoeBalance {
+    fn from_value(value: &Value, path: &str, cx: &mut Cx) -> syn::Result<Self> {
+        let v = Variant::parse(value, "MoE balancing", &["none", "aux_loss", "bias_update"])?;
+        Ok(match v.index {
+            0 => {
+                v.unit()?;
+                MoeBalance::None
+            }
+            1 => MoeBalance::AuxLoss(v.payload(path, cx)),
+            _ => MoeBalance::BiasUpdate(v.payload(path, cx)),
+        })
+    }
+}
+
 impl FromValue for Parametrization {
     fn from_value(value: &Value, path: &str, cx: &mut Cx) -> syn::Result<Self> {
         let v = Variant::parse(value, "parametrization", &["standard", "mup"])?;
@@ -577,6 +593,8 @@ mod tests {
         check::<ModelSpec>();
         check::<SwiGluSpec>();
         check::<MoeSpec>();
+        check::<AuxLossSpec>();
+        check::<BiasUpdateSpec>();
         check::<HcSpec>();
         check::<FcSpec>();
         check::<MhcSpec>();
@@ -606,7 +624,7 @@ mod tests {
             precision = bf16,
             residual =
                 xhc(n = 8, k = 3, fixed = 1, conv_kernels = [2, 3], flash = two_block, gram_schmidt = false),
-            ffn = moe(experts = 4, top_k = 1, gate = sigmoid),
+            ffn = moe(experts = 4, top_k = 1, gate = sigmoid, balance = bias_update(rate = 0.002)),
             mtp(depth = 2, lambda = 0.5, concat_order = emb_first),
             parametrization = mup(base_width = 32),
             train(
@@ -628,6 +646,7 @@ mod tests {
         let FfnSpec::Moe(moe) = &spec.ffn else { panic!("moe expected") };
         assert_eq!((moe.experts, moe.top_k, moe.gate), (4, 1, MoeGate::Sigmoid));
         assert_eq!(moe.shared, MoeSpec::default().shared);
+        assert_eq!(moe.balance, MoeBalance::BiasUpdate(BiasUpdateSpec { rate: 0.002 }));
         assert_eq!((spec.mtp.depth, spec.mtp.lambda), (2, 0.5));
         assert_eq!(spec.mtp.concat_order, ConcatOrder::EmbFirst);
         assert!(matches!(&spec.parametrization, Parametrization::MuP(m) if m.base_width == 32));

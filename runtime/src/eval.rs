@@ -14,11 +14,13 @@
 //! - `batch.safetensors`: `tokens`, i32 `[batch, seq_len + 1]` (a window: inputs
 //!   are `tokens[:, :-1]`, targets `tokens[:, 1:]`);
 //! - `logits.safetensors`: `logits`, f32 `[batch, seq_len, vocab]`, the main head;
-//! - `loss.safetensors`: `loss`, f32 `[]`, the training objective of that batch
-//!   (with the MTP terms, docs/math.md §7.1), and `loss_main`, f32 `[]`, the main
-//!   head's next-token loss;
+//! - `loss.safetensors`: `loss`, f32 `[]`, the training loss of that batch as
+//!   `metrics.jsonl` reports it (with the MTP terms, docs/math.md §7.1), and
+//!   `loss_main`, f32 `[]`, the main head's next-token loss;
 //! - `grads.safetensors`: the gradient of `loss` for every parameter, f32, under
-//!   the parameter's checkpoint name and shape.
+//!   the parameter's checkpoint name and shape (with `balance: AuxLoss`, of `loss`
+//!   plus the MoE auxiliary loss, the objective training differentiates,
+//!   docs/math.md §1.6).
 //!
 //! Each file's header metadata names the checkpoint, its step and spec hash.
 

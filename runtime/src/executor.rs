@@ -172,6 +172,22 @@ pub trait StepExecutor {
     fn sync_optimizer(&mut self, _optimizer: &mut Optimizer) -> Result<(), StepError> {
         Ok(())
     }
+
+    /// The graph outputs this executor reads back after every training step besides
+    /// the loss ([`ir::lower::Lowered::statistics`]: the MoE expert loads and auxiliary
+    /// loss, docs/math.md §1.6), in the order of [`Self::step_statistics`]. Empty where
+    /// the model has none or the executor does not read them.
+    fn statistics(&self) -> &[String] {
+        &[]
+    }
+
+    /// The values of [`Self::statistics`] at the last training step
+    /// ([`Self::train_step`], [`Self::train_step_averaged`], or the
+    /// [`Self::loss_and_grads`] they call), f32 as the graph computed them; empty
+    /// before the first step.
+    fn step_statistics(&self) -> &[Vec<f32>] {
+        &[]
+    }
 }
 
 /// A training step with the update on the host: `exec`'s loss and
@@ -300,13 +316,17 @@ impl Device {
     /// cannot find `libcuda`). Executors are `Send`, so several can be
     /// built at once (Plan compilation dominates).
     pub fn executor(self, lowered: Lowered) -> Result<Box<dyn StepExecutor + Send>, StepError> {
+        let statistics = lowered.statistics.clone();
         Ok(match self {
             Device::Reference => Box::new(ReferenceExecutor::from_lowered(lowered)),
-            Device::Cpu => Box::new(crate::device::cpu_executor::CpuExecutor::from_lowered(
-                lowered,
-                crate::device::cpu::CpuOptions::default(),
-            )),
-            Device::Cuda => Box::new(cuda_executor(lowered)?),
+            Device::Cpu => crate::step_outputs::with_statistics(
+                crate::device::cpu_executor::CpuExecutor::from_lowered(
+                    lowered,
+                    crate::device::cpu::CpuOptions::default(),
+                ),
+                statistics,
+            ),
+            Device::Cuda => crate::step_outputs::with_statistics(cuda_executor(lowered)?, statistics),
         })
     }
 }
@@ -344,8 +364,17 @@ fn token_shape_of(graph: &Graph, tokens: NodeId) -> [usize; 2] {
 pub struct ReferenceExecutor {
     graph: Graph,
     tokens: NodeId,
+    /// The reported loss (the graph output `loss`).
     loss: NodeId,
+    /// The differentiated objective: `loss`, plus the MoE auxiliary balance loss where the
+    /// model has one ([`ir::lower::Lowered::loss`]).
+    objective: NodeId,
     logits: NodeId,
+    /// The per-step statistics read back with every gradient run, and their nodes.
+    statistics: Vec<String>,
+    statistic_nodes: Vec<NodeId>,
+    /// Their values at the last gradient run.
+    last_statistics: Vec<Vec<f32>>,
     /// Gradient nodes, appended by autodiff on the first training step (a
     /// sampling-only executor never differentiates).
     grads: Option<Vec<NodeId>>,
@@ -360,12 +389,37 @@ impl ReferenceExecutor {
     pub fn new(graph: Graph, tokens: NodeId, loss: NodeId, logits: NodeId) -> Self {
         let token_shape = token_shape_of(&graph, tokens);
         let vocab = graph.node(logits).shape.dims().last().copied().unwrap_or(0);
-        ReferenceExecutor { graph, tokens, loss, logits, grads: None, token_shape, vocab }
+        ReferenceExecutor {
+            graph,
+            tokens,
+            loss,
+            objective: loss,
+            logits,
+            statistics: Vec::new(),
+            statistic_nodes: Vec::new(),
+            last_statistics: Vec::new(),
+            grads: None,
+            token_shape,
+            vocab,
+        }
     }
 
-    /// An executor for the output of `ir::lower::lower`.
+    /// An executor for the output of `ir::lower::lower`: it reports the graph output
+    /// `loss`, differentiates [`Lowered::loss`] and reads back [`Lowered::statistics`]
+    /// with every gradient.
     pub fn from_lowered(lowered: Lowered) -> Self {
-        ReferenceExecutor::new(lowered.graph, lowered.tokens, lowered.loss, lowered.logits)
+        let reported = lowered.graph.output("loss").unwrap_or(lowered.loss);
+        let (statistics, statistic_nodes) = lowered
+            .statistics
+            .iter()
+            .filter_map(|name| lowered.graph.output(name).map(|node| (name.clone(), node)))
+            .unzip();
+        ReferenceExecutor {
+            objective: lowered.loss,
+            statistics,
+            statistic_nodes,
+            ..ReferenceExecutor::new(lowered.graph, lowered.tokens, reported, lowered.logits)
+        }
     }
 
     fn sources(&self, params: &ParamSet, tokens: &[i32]) -> Result<HashMap<NodeId, Value<f32>>, StepError> {
@@ -418,16 +472,25 @@ impl StepExecutor for ReferenceExecutor {
             Some(g) => g.clone(),
             None => {
                 let wrt: Vec<NodeId> = params.iter().map(|p| p.node).collect();
-                let g = ir::autodiff::grad(&mut self.graph, self.loss, &wrt)?;
+                let g = ir::autodiff::grad(&mut self.graph, self.objective, &wrt)?;
                 self.grads = Some(g.clone());
                 g
             }
         };
         let mut outputs = vec![self.loss];
         outputs.extend(&grads);
+        outputs.extend(&self.statistic_nodes);
         let mut values = self.run(params, tokens, &outputs)?;
         let loss = float_output(&mut values, self.loss, "loss")?;
         let loss = *loss.first().ok_or(StepError::MissingOutput { what: "loss" })?;
+        self.last_statistics = self
+            .statistic_nodes
+            .iter()
+            .map(|node| match values.get(node) {
+                Some(Value::Float(t)) => Ok(t.data.clone()),
+                _ => Err(StepError::MissingOutput { what: "step statistic" }),
+            })
+            .collect::<Result<_, _>>()?;
         let mut out = Vec::with_capacity(grads.len());
         for &g in &grads {
             // Several parameters may share one zero-gradient node: clone rather than remove.
@@ -448,5 +511,13 @@ impl StepExecutor for ReferenceExecutor {
     fn logits(&mut self, params: &ParamSet, tokens: &[i32]) -> Result<Vec<f32>, StepError> {
         let mut values = self.run(params, tokens, &[self.logits])?;
         float_output(&mut values, self.logits, "logits")
+    }
+
+    fn statistics(&self) -> &[String] {
+        &self.statistics
+    }
+
+    fn step_statistics(&self) -> &[Vec<f32>] {
+        &self.last_statistics
     }
 }

@@ -13,6 +13,8 @@
 //! - [`train`]: the training loop; [`sample`]: text generation; [`eval`]: a
 //!   checkpoint's validation loss and a dump of its logits and gradients.
 //! - [`standalone`]: `widen build`, a spec compiled into a standalone trainer binary.
+//! - [`moe`]: MoE expert loads and load balancing in the training loop; [`step_outputs`]:
+//!   the per-step statistics the compiled devices read back for it.
 
 pub mod checkpoint;
 pub mod coord;
@@ -22,6 +24,7 @@ pub mod dist;
 pub mod eval;
 pub mod executor;
 pub mod init;
+pub mod moe;
 pub mod optim;
 pub mod params;
 pub mod parity;
@@ -29,4 +32,5 @@ pub mod process;
 pub mod rng;
 pub mod sample;
 pub mod standalone;
+pub mod step_outputs;
 pub mod train;

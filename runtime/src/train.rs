@@ -6,9 +6,19 @@
 //! - `metrics.jsonl`: one JSON object per step (`step`, `device`, `loss`, `lr`,
 //!   `grad_norm`, `tokens_per_s`, `tokens` trained so far, and `val_loss` when evaluated), flushed after
 //!   every step and synced to disk before every checkpoint, so a checkpoint never
-//!   outlives the metrics of the steps it holds. `loss` is the training objective
-//!   (with MTP terms); `val_loss` is the main head's next-token loss alone, so
+//!   outlives the metrics of the steps it holds. `loss` is the language-model
+//!   objective (with MTP terms); `val_loss` is the main head's next-token loss alone, so
 //!   models of any MTP depth compare on it.
+//!
+//!   A model with an MoE FFN (docs/math.md §1.6) adds the step's expert loads, counted in
+//!   token-to-expert assignments of the global batch (N·k per sublayer):
+//!   `moe_load_min`, `moe_load_max` and `moe_load_mean` over every expert of every MoE
+//!   sublayer; `moe_imbalance`, the largest max/mean load of a sublayer (1 is even);
+//!   `moe_load_max_by_layer`, each sublayer's max load by its parameter prefix
+//!   (`blocks.0.ffn`); `moe_dropped`, the assignments dropped over capacity in all
+//!   sublayers (with `capacity_factor` only); and `moe_aux_loss` with `balance:
+//!   AuxLoss`, the auxiliary loss the gradients include and `loss` does not. With
+//!   `balance: BiasUpdate` the step's loads then move the router biases ([`crate::moe`]).
 //! - `ckpt-<step>.safetensors` every `checkpoint_every` steps (only the newest
 //!   `keep_last` of them when that is set), and `final.safetensors` at the end
 //!   (see [`crate::checkpoint`]).
@@ -51,6 +61,7 @@ use crate::data::{BatchSampler, Corpus, DataError, DataIdentity};
 use crate::dist::{DistError, Fault, Group, Shard};
 use crate::executor::{Device, StepError, StepExecutor, StepStats, UpdateSettings};
 use crate::init::{init_params, InitError};
+use crate::moe::{ExpertLoads, MoeError};
 use crate::optim::schedule::lr_multiplier;
 use crate::optim::Optimizer;
 use crate::params::ParamSet;
@@ -127,6 +138,8 @@ pub enum TrainError {
     Init(#[from] InitError),
     #[error(transparent)]
     Dist(#[from] DistError),
+    #[error(transparent)]
+    Moe(#[from] MoeError),
 }
 
 fn last_good_text(last_good: &Option<(PathBuf, u64)>) -> String {
@@ -360,6 +373,7 @@ pub fn train(
     corpus.check_window(window)?;
     let total = spec.train.steps;
     let mut optimizer = Optimizer::new(spec, &params);
+    let experts = ExpertLoads::new(spec, &*exec, &params)?;
     let metrics_path = out.join(METRICS_FILE);
     let data = corpus.identity();
 
@@ -445,6 +459,13 @@ pub fn train(
         if !loss.is_finite() {
             return Err(TrainError::NonFinite { step, what: "training loss", value: loss });
         }
+        let loads = match &experts {
+            Some(e) => Some(e.read(&*exec, group).ok_or(MoeError::NoLoads { device: exec.device() })?),
+            None => None,
+        };
+        if let (Some(e), Some(loads)) = (&experts, &loads) {
+            e.update_biases(loads, &mut params);
+        }
         let elapsed = started.elapsed();
         let tokens_per_s = (batch * (window - 1)) as f64 / elapsed.as_secs_f64().max(1e-9);
         losses.push(loss);
@@ -459,6 +480,9 @@ pub fn train(
             "tokens_per_s": tokens_per_s,
             "tokens": step * (batch * (window - 1)) as u64,
         });
+        if let (Some(e), Some(loads), Some(fields)) = (&experts, &loads, record.as_object_mut()) {
+            fields.extend(e.metrics(loads));
+        }
         if let (Some(g), Some(before)) = (group, reduced_before) {
             // The step's time in all-reduces (this rank's wait for the others included).
             record["allreduce_ms"] = serde_json::json!((g.reduce_time() - before).as_secs_f64() * 1e3);

@@ -83,9 +83,11 @@ parity! {
     residual => "residual.ron",
     tiny => "tiny.ron",
     vwn_fractional => "vwn-1.5x.ron",
+    vwn_moe => "vwn-moe.ron",
     vwn_r4 => "vwn-r4.ron",
     vwn_r8 => "vwn-r8.ron",
     xhc_flash => "xhc-flash.ron",
+    xhc_moe => "xhc-moe.ron",
     xhc => "xhc.ron",
 }
 

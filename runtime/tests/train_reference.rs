@@ -3,7 +3,10 @@
 //! device's Plan runs the optimizer update and keeps the moments), on the
 //! Cpu device too.
 
-use ir::spec::{AdamWSpec, ConstantSpec, ModelSpec, MuonSpec, OptimizerSpec, ScheduleSpec};
+use ir::spec::{
+    AdamWSpec, BiasUpdateSpec, ConstantSpec, FfnSpec, ModelSpec, MoeBalance, MoeGate, MoeSpec, MuonSpec,
+    OptimizerSpec, ScheduleSpec,
+};
 use runtime::checkpoint::Checkpoint;
 use runtime::executor::Device;
 use runtime::train::{train_spec, TrainError, TrainOptions};
@@ -54,20 +57,47 @@ fn same_seed_gives_identical_losses_and_another_seed_does_not() {
 
 #[test]
 fn resumed_run_matches_the_uninterrupted_run_bitwise() {
-    resume_matches(Device::Reference);
+    resume_matches(Device::Reference, tiny_spec(6));
 }
 
 /// On the Cpu device the checkpoint's moments come back from the Plan's
 /// buffers, and the resumed run writes the checkpoint's moments into them.
 #[test]
 fn resumed_cpu_run_matches_the_uninterrupted_run_bitwise() {
-    resume_matches(Device::Cpu);
+    resume_matches(Device::Cpu, tiny_spec(6));
 }
 
-fn resume_matches(device: Device) {
-    let tag = device.name();
-    let (full, resumed) = (temp_dir(&format!("full-{tag}")), temp_dir(&format!("resumed-{tag}")));
+/// An MoE model whose router biases move every step (docs/math.md §1.6): the biases
+/// are checkpointed like parameters, so the resumed run continues with the same ones,
+/// routes the same tokens and writes the same expert loads.
+fn moe_spec() -> ModelSpec {
     let mut spec = tiny_spec(6);
+    spec.name = "tiny-moe".into();
+    spec.ffn = FfnSpec::Moe(MoeSpec {
+        experts: 8,
+        top_k: 2,
+        hidden: 8,
+        gate: MoeGate::Sigmoid,
+        balance: MoeBalance::BiasUpdate(BiasUpdateSpec { rate: 0.01 }),
+        ..MoeSpec::default()
+    });
+    spec
+}
+
+#[test]
+fn resumed_moe_run_with_moving_router_biases_matches_the_uninterrupted_run_bitwise() {
+    resume_matches(Device::Reference, moe_spec());
+}
+
+#[test]
+fn resumed_cpu_moe_run_with_moving_router_biases_matches_the_uninterrupted_run_bitwise() {
+    resume_matches(Device::Cpu, moe_spec());
+}
+
+fn resume_matches(device: Device, spec: ModelSpec) {
+    let tag = format!("{}-{}", spec.name, device.name());
+    let (full, resumed) = (temp_dir(&format!("full-{tag}")), temp_dir(&format!("resumed-{tag}")));
+    let mut spec = spec;
     spec.train.checkpoint_every = 3;
     let whole = train_spec(&spec, device, &opts(&full, None)).unwrap();
     let ckpt3 = full.join("ckpt-3.safetensors");
@@ -87,6 +117,25 @@ fn resume_matches(device: Device) {
         // Bitwise: compare the bit patterns, not float equality.
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
         assert!(bits(va) == bits(vb), "tensor {na} differs after resume");
+        if na.ends_with(".router_bias") {
+            assert!(va.iter().any(|&b| b != 0.0), "{na} moved during the run: {va:?}");
+            let m = tb.iter().find(|(n, _, _)| n == &format!("opt.{na}.m")).expect("its moment");
+            assert!(m.2.iter().all(|&x| x == 0.0), "the optimizer left {na} alone");
+        }
+    }
+    // The metrics of the resumed steps, MoE loads included, are the uninterrupted run's.
+    let lines = |dir: &std::path::Path| -> Vec<serde_json::Value> {
+        let text = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
+        text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+    };
+    let (a, b) = (lines(&full), lines(&resumed));
+    assert_eq!(a.len(), b.len());
+    for (la, lb) in a.iter().zip(&b) {
+        for (key, value) in la.as_object().unwrap() {
+            if key == "loss" || key.starts_with("moe_") {
+                assert_eq!(Some(value), lb.get(key), "step {}: {key}", la["step"]);
+            }
+        }
     }
 
     // Resuming in the original folder would replace the later checkpoints: refused

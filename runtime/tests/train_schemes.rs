@@ -69,7 +69,7 @@ fn assert_trains(spec: &ModelSpec) -> (f64, f64) {
 }
 
 /// Every spec file has a test below, so a new one cannot go untrained.
-const SPEC_FILES: [&str; 13] = [
+const SPEC_FILES: [&str; 15] = [
     "fc.ron",
     "hc.ron",
     "mhc-bf16.ron",
@@ -79,9 +79,11 @@ const SPEC_FILES: [&str; 13] = [
     "residual.ron",
     "tiny.ron",
     "vwn-1.5x.ron",
+    "vwn-moe.ron",
     "vwn-r4.ron",
     "vwn-r8.ron",
     "xhc-flash.ron",
+    "xhc-moe.ron",
     "xhc.ron",
 ];
 
@@ -143,6 +145,11 @@ fn vwn_fractional_trains() {
 }
 
 #[test]
+fn vwn_moe_trains() {
+    assert_trains(&shrunk("vwn-moe.ron"));
+}
+
+#[test]
 fn vwn_r4_trains() {
     assert_trains(&shrunk("vwn-r4.ron"));
 }
@@ -166,6 +173,11 @@ fn xhc_flash_two_block_trains() {
         x.flash = Flash::TwoBlock;
     }
     assert_trains(&spec);
+}
+
+#[test]
+fn xhc_moe_trains() {
+    assert_trains(&shrunk("xhc-moe.ron"));
 }
 
 #[test]

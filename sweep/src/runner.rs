@@ -495,7 +495,8 @@ fn train_run(
         | TrainError::Checkpoint(_)
         | TrainError::Lower(_)
         | TrainError::Init(_)
-        | TrainError::Dist(_) => Ok(RunOutcome::Failed(chain(&err))),
+        | TrainError::Dist(_)
+        | TrainError::Moe(_) => Ok(RunOutcome::Failed(chain(&err))),
     }
 }
 

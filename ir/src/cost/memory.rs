@@ -15,7 +15,7 @@
 
 use serde::Serialize;
 
-use crate::spec::{EmbedMode, FfnSpec, Flash, ModelSpec, MoeDispatch, ResidualSpec};
+use crate::spec::{EmbedMode, FfnSpec, Flash, ModelSpec, MoeBalance, MoeDispatch, ResidualSpec};
 
 /// Bytes per parameter in training: the f32 weight, its gradient and two optimizer
 /// moments (AdamW; Muon keeps one momentum for hidden matrices, so this bounds it).
@@ -117,7 +117,12 @@ pub fn training_memory(spec: &ModelSpec) -> TrainingMemory {
         // (top_k per token), the gathered input, four hidden-wide values and the output
         // gathered back and weighted (docs/math.md §1.6).
         FfnSpec::Moe(m) => {
-            let params = 3.0 * d * (f(m.experts) + f(m.shared)) * f(m.hidden) + d * f(m.experts) + d;
+            // The router, and the router bias of the loss-free balancing (docs/math.md §1.6).
+            let router_params = match m.balance {
+                MoeBalance::BiasUpdate(_) => (d + 1.0) * f(m.experts),
+                MoeBalance::None | MoeBalance::AuxLoss(_) => d * f(m.experts),
+            };
+            let params = 3.0 * d * (f(m.experts) + f(m.shared)) * f(m.hidden) + router_params + d;
             let router = 2.0 * f(m.experts);
             let shared = 4.0 * f(m.shared) * f(m.hidden);
             let routed = match m.dispatch {

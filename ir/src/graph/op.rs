@@ -82,6 +82,11 @@ pub enum ParamClass {
     Conv,
     /// MoE router matrices: AdamW, weight decay (Muon-eligible per xHC §4.6).
     Router,
+    /// The MoE router's load-balancing bias (`balance: BiasUpdate`, docs/math.md §1.6). It
+    /// only shifts the top-k choice, so no gradient reaches it; the trainer moves it after
+    /// every step from that step's expert loads, and the optimizer leaves it alone: no
+    /// learning rate, no weight decay.
+    RouterBias,
 }
 
 impl ParamClass {
@@ -95,6 +100,12 @@ impl ParamClass {
                 | ParamClass::Conv
                 | ParamClass::Router
         )
+    }
+
+    /// Whether the optimizer updates this parameter at all: every class but the MoE
+    /// router bias, which the trainer sets from the expert loads (docs/math.md §1.6).
+    pub fn optimized(self) -> bool {
+        !matches!(self, ParamClass::RouterBias)
     }
 
     /// Whether Muon (rather than AdamW) updates this parameter when Muon is selected (§8.2).

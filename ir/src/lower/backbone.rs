@@ -2,10 +2,10 @@
 //! (docs/math.md §1.3; every HC-family paper applies the sublayer norm to the read
 //! input, §2.2, §4.1, §5.3).
 
-use super::Cx;
+use super::{router_bias_param, Cx, MoeLayer};
 use crate::graph::Build;
-use crate::graph::{GraphError, Init, MoeRouteOut, NodeId, Op, ParamClass, UnaryOp};
-use crate::spec::{FfnSpec, MoeDispatch, MoeGate, Parametrization};
+use crate::graph::{GraphError, Init, MoeRouteOut, NodeId, Op, ParamClass, ReduceOp, UnaryOp};
+use crate::spec::{FfnSpec, MoeBalance, MoeDispatch, MoeGate, Parametrization};
 
 /// Init std of an output projection (W_o, W_2): init_std / sqrt(2L) when depth-scaled
 /// (GPT-2/Megatron, docs/math.md §1.2), times the scheme's multiplier (HC's 1/sqrt(n), §2.4).
@@ -89,6 +89,11 @@ fn swiglu(cx: &mut Cx, x: NodeId, prefix: &str, hidden: usize, out_mult: f64) ->
 /// `dispatch` picks the routed experts' form (docs/math.md §1.6): Dense runs every expert
 /// on every token and masks by the gate; Sparse permutes the tokens into per-expert groups
 /// and runs only the routed work. Both give the same function when nothing is dropped.
+///
+/// `balance` (§1.6, "Load balancing"): with `BiasUpdate` the top-k choice ranks the gates
+/// plus a per-expert bias (a parameter the trainer moves, not the optimizer) while the
+/// kept gates stay the unbiased ones; with `AuxLoss` the sublayer adds its auxiliary
+/// loss to the objective. Every MoE sublayer records its expert loads for the trainer.
 fn moe(
     cx: &mut Cx,
     x: NodeId,
@@ -106,8 +111,21 @@ fn moe(
         MoeGate::Softmax => cx.g.add(Op::Softmax, &[scores])?,
         MoeGate::Sigmoid => cx.unary(UnaryOp::Sigmoid, scores)?,
     };
-    let chosen = cx.g.add(Op::TopK { k: m.top_k, fixed: 0 }, &[probs])?;
+    let ranked = match m.balance {
+        MoeBalance::BiasUpdate(_) => {
+            let bias = cx.param(&router_bias_param(prefix), &[e], Init::Zeros, ParamClass::RouterBias);
+            cx.add(probs, bias)?
+        }
+        MoeBalance::None | MoeBalance::AuxLoss(_) => probs,
+    };
+    let chosen = cx.g.add(Op::TopK { k: m.top_k, fixed: 0 }, &[ranked])?;
     let kept = cx.g.add(Op::Gather { axis: 2 }, &[probs, chosen])?;
+    let load = expert_load(cx, chosen, e)?;
+    let aux_loss = match &m.balance {
+        MoeBalance::AuxLoss(a) => Some(aux_loss(cx, probs, load, m, a.coef)?),
+        MoeBalance::None | MoeBalance::BiasUpdate(_) => None,
+    };
+    cx.moe_layers.push(MoeLayer { prefix: prefix.to_string(), load, aux_loss });
     let routed = match m.dispatch {
         MoeDispatch::Dense => moe_dense(cx, x, prefix, m, out_mult, chosen, kept)?,
         MoeDispatch::Sparse => moe_sparse(cx, x, prefix, m, out_mult, chosen, kept)?,
@@ -118,6 +136,47 @@ fn moe(
         out = cx.add(out, shared)?;
     }
     Ok(out)
+}
+
+/// The expert loads (docs/math.md §1.6): `[E]`, how many of the N·k assignments in
+/// `chosen` (`[B, T, k]`) picked each expert, counted from a one-hot of the choice (so no
+/// gradient flows through it). Dense and Sparse dispatch count the same router decision.
+fn expert_load(cx: &mut Cx, chosen: NodeId, experts: usize) -> Result<NodeId, GraphError> {
+    let (b, t, k) = (cx.shape(chosen)[0], cx.shape(chosen)[1], cx.shape(chosen)[2]);
+    let zeros = cx.constant(0.0, &[b, t, experts]);
+    let ones = cx.constant(1.0, &[b, t, k]);
+    let one_hot = cx.g.add(Op::ScatterRows { axis: 2 }, &[zeros, chosen, ones])?;
+    let one_hot = cx.reshape(one_hot, &[b * t, experts])?;
+    cx.sum(one_hot, 0, false)
+}
+
+/// The auxiliary balance loss of one MoE sublayer (docs/math.md §1.6):
+/// coef · E · Σ_e f_e · P_e with f_e = load_e / (N·k) (no gradient) and P_e the mean over
+/// the N tokens of the gate share of e, the gates normalized to sum 1 per token (softmax
+/// gates already do; sigmoid gates are divided by their sum, DeepSeek-V3's s'). At an even
+/// load and even shares it is coef. A scalar.
+fn aux_loss(
+    cx: &mut Cx,
+    probs: NodeId,
+    load: NodeId,
+    m: &crate::spec::MoeSpec,
+    coef: f64,
+) -> Result<NodeId, GraphError> {
+    let (b, t, e) = (cx.shape(probs)[0], cx.shape(probs)[1], cx.shape(probs)[2]);
+    let n = b * t;
+    let share = match m.gate {
+        MoeGate::Softmax => probs,
+        MoeGate::Sigmoid => {
+            let total = cx.sum(probs, 2, true)?;
+            cx.div(probs, total)?
+        }
+    };
+    let share = cx.reshape(share, &[n, e])?;
+    let mean_share = cx.g.add(Op::Reduce { op: ReduceOp::Mean, axis: 0, keepdim: false }, &[share])?;
+    let fraction = cx.affine(load, 1.0 / (n * m.top_k) as f64, 0.0)?;
+    let product = cx.mul(fraction, mean_share)?;
+    let total = cx.sum(product, 0, false)?;
+    cx.affine(total, coef * e as f64, 0.0)
 }
 
 /// The routed experts' weights w1, w3 [E, D, F] and w2 [E, F, D].

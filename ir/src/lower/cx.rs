@@ -20,6 +20,8 @@ pub struct Cx {
     pub embedding_table: Option<NodeId>,
     /// Named trunk activations recorded so far (see `Lowered::activations`).
     pub activations: Vec<(String, NodeId)>,
+    /// The MoE sublayers lowered so far, in evaluation order (see `Lowered::moe_layers`).
+    pub(crate) moe_layers: Vec<super::MoeLayer>,
 }
 
 impl Build for Cx {
@@ -42,6 +44,7 @@ impl Cx {
             module: None,
             embedding_table: None,
             activations: Vec::new(),
+            moe_layers: Vec::new(),
         }
     }
 

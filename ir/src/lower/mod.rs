@@ -11,7 +11,9 @@
 //! `[B, T + 1]` (a window: inputs are `tokens[:, :T]`, targets `tokens[:, 1:]`;
 //! MTP module k reads `tokens[:, k:T]` and predicts `tokens[:, k+1:]`,
 //! docs/math.md §7.1), outputs `loss` (scalar), `logits` (`[B, T, V]`), `loss_main`
-//! and `loss_mtp{k}`.
+//! and `loss_mtp{k}`. A model with an MoE FFN also has, per MoE sublayer, the output
+//! [`expert_load_output`] (its expert loads) and, with `balance: AuxLoss`,
+//! [`MOE_AUX_LOSS_OUTPUT`] (docs/math.md §1.6).
 //!
 //! Mixed precision (`precision: Bf16`, docs/math.md §6.12): the state the embedding and every
 //! sublayer produce passes through [`Cx::state`] here, in the shared skeleton (and in a
@@ -36,7 +38,10 @@ pub struct Lowered {
     pub graph: crate::graph::Graph,
     /// i32 `[B, T + 1]` token window.
     pub tokens: NodeId,
-    /// Scalar training loss: L_main + lambda/K * sum_k L^k (docs/math.md §7.1).
+    /// The scalar the backward pass differentiates: the graph output `loss`, L_main +
+    /// lambda/K * sum_k L^k (docs/math.md §7.1), plus [`MOE_AUX_LOSS_OUTPUT`] when the
+    /// model has the MoE auxiliary balance loss (§1.6); otherwise the `loss` output itself.
+    /// The reported loss stays the `loss` output, so designs compare on the same number.
     pub loss: NodeId,
     /// Main-head logits `[B, T, V]`.
     pub logits: NodeId,
@@ -46,6 +51,42 @@ pub struct Lowered {
     /// (the state after block i) and `logits`. The coordinate check
     /// (`runtime::coord`) evaluates these nodes to measure activation size per layer.
     pub activations: Vec<(String, NodeId)>,
+    /// The parameter prefixes of the MoE sublayers (`blocks.0.ffn`, `mtp.1.block.ffn`), in
+    /// evaluation order: the trunk's blocks, then the MTP modules'. Sublayer `p` has the
+    /// graph output [`expert_load_output`]`(p)` and, with `balance: BiasUpdate`, the
+    /// parameter [`router_bias_param`]`(p)` (docs/math.md §1.6).
+    pub moe_layers: Vec<String>,
+    /// The graph outputs a trainer reads back after every training step, besides the loss:
+    /// every MoE sublayer's expert loads, then [`MOE_AUX_LOSS_OUTPUT`] when the model has
+    /// the auxiliary balance loss. Empty without an MoE FFN.
+    pub statistics: Vec<String>,
+}
+
+/// The graph output of the expert loads of MoE sublayer `prefix`: f32 `[E]`, how many of
+/// the step's N·k token-to-expert assignments chose each routed expert (before any capacity
+/// drop; docs/math.md §1.6).
+pub fn expert_load_output(prefix: &str) -> String {
+    format!("{prefix}.expert_load")
+}
+
+/// The graph output of the MoE auxiliary balance loss (`balance: AuxLoss`), the sum of
+/// every MoE sublayer's α·E·Σ_e f_e·P_e (docs/math.md §1.6). It is part of the
+/// differentiated objective [`Lowered::loss`], not of the `loss` output.
+pub const MOE_AUX_LOSS_OUTPUT: &str = "moe_aux_loss";
+
+/// The parameter name of the router bias of MoE sublayer `prefix` (`balance: BiasUpdate`,
+/// docs/math.md §1.6).
+pub fn router_bias_param(prefix: &str) -> String {
+    format!("{prefix}.router_bias")
+}
+
+/// One lowered MoE sublayer: its parameter prefix, its expert-load node (`[E]`) and, with
+/// the auxiliary balance loss, that loss's node (a scalar).
+#[derive(Debug, Clone)]
+pub(crate) struct MoeLayer {
+    pub prefix: String,
+    pub load: NodeId,
+    pub aux_loss: Option<NodeId>,
 }
 
 /// Errors while lowering.
@@ -198,9 +239,40 @@ pub fn lower(spec: &ModelSpec, batch: usize, seq_len: usize) -> Result<Lowered, 
         loss = cx.add(loss_main, weighted)?;
     }
     cx.g.set_output("loss", loss);
+    let (objective, moe_layers, statistics) = moe_outputs(&mut cx, loss)?;
     let activations = std::mem::take(&mut cx.activations);
     let graph = cx.finish();
-    Ok(Lowered { graph, tokens, loss, logits, activations })
+    Ok(Lowered { graph, tokens, loss: objective, logits, activations, moe_layers, statistics })
+}
+
+/// Records the MoE sublayers' expert loads and auxiliary losses as graph outputs
+/// (docs/math.md §1.6). Returns the differentiated objective (`loss` plus the summed
+/// auxiliary losses, if any), the MoE prefixes and the statistics' output names.
+fn moe_outputs(cx: &mut Cx, loss: NodeId) -> Result<(NodeId, Vec<String>, Vec<String>), GraphError> {
+    let layers = std::mem::take(&mut cx.moe_layers);
+    let mut statistics = Vec::new();
+    for layer in &layers {
+        let name = expert_load_output(&layer.prefix);
+        cx.g.set_output(&name, layer.load);
+        statistics.push(name);
+    }
+    cx.set_role(Role::new(Region::Loss));
+    let mut aux: Option<NodeId> = None;
+    for term in layers.iter().filter_map(|l| l.aux_loss) {
+        aux = Some(match aux {
+            None => term,
+            Some(acc) => cx.add(acc, term)?,
+        });
+    }
+    let objective = match aux {
+        Some(aux) => {
+            cx.g.set_output(MOE_AUX_LOSS_OUTPUT, aux);
+            statistics.push(MOE_AUX_LOSS_OUTPUT.to_string());
+            cx.add(loss, aux)?
+        }
+        None => loss,
+    };
+    Ok((objective, layers.into_iter().map(|l| l.prefix).collect(), statistics))
 }
 
 /// One transformer block through the scheme: sublayers `first` and `first + 1`

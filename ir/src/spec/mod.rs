@@ -199,6 +199,10 @@ pub struct MoeSpec {
     /// experts) rows per step; assignments past it are dropped, first come first served in
     /// token order [> 0; needs dispatch: Sparse]. None: dropless.
     pub capacity_factor: Option<f64>,
+    /// How the router's load is kept balanced across the routed experts (docs/math.md §1.6):
+    /// None, an auxiliary loss, or DeepSeek-V3's loss-free bias update. Default None, so a
+    /// spec without the field trains as it did before the field existed.
+    pub balance: MoeBalance,
 }
 
 impl Default for MoeSpec {
@@ -211,6 +215,7 @@ impl Default for MoeSpec {
             gate: MoeGate::Softmax,
             dispatch: MoeDispatch::Dense,
             capacity_factor: None,
+            balance: MoeBalance::None,
         }
     }
 }
@@ -233,6 +238,49 @@ pub enum MoeDispatch {
     /// Tokens permuted into per-expert groups and multiplied by a grouped matrix product:
     /// only the routed work runs. The reference device only, for now.
     Sparse,
+}
+
+/// Load balancing of the MoE router (docs/math.md §1.6, "Load balancing").
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum MoeBalance {
+    /// No balancing: the router learns from the language-model loss alone.
+    None,
+    /// The Switch / DeepSeekMoE auxiliary loss coef · E · Σ_e f_e · P_e, added to the
+    /// differentiated objective of every MoE layer and reported as `moe_aux_loss`.
+    AuxLoss(AuxLossSpec),
+    /// DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias, added to the scores
+    /// for the top-k choice only, moves by `rate` after every step toward the even load.
+    BiasUpdate(BiasUpdateSpec),
+}
+
+/// The auxiliary balance loss (docs/math.md §1.6).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AuxLossSpec {
+    /// Weight α of the loss, which is α at an even load [> 0, finite]; default 0.01 (the
+    /// Switch Transformer's).
+    pub coef: f64,
+}
+
+impl Default for AuxLossSpec {
+    fn default() -> Self {
+        AuxLossSpec { coef: 0.01 }
+    }
+}
+
+/// The loss-free bias update (docs/math.md §1.6).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct BiasUpdateSpec {
+    /// Step γ of the bias per training step, b_e += γ · sign(mean load − load_e)
+    /// [> 0, finite]; default 0.001 (DeepSeek-V3's).
+    pub rate: f64,
+}
+
+impl Default for BiasUpdateSpec {
+    fn default() -> Self {
+        BiasUpdateSpec { rate: 1e-3 }
+    }
 }
 
 /// How the MoE router turns scores into gates.

@@ -10,8 +10,8 @@ use std::fmt;
 
 use super::limits::{integer_limit, MAX_CONV_KERNELS, MAX_NAME_LEN, MAX_PATH_LEN, MAX_TRAINING_BYTES};
 use super::{
-    AdamWSpec, DataSpec, FfnSpec, Flash, ModelSpec, MoeDispatch, OptimizerSpec, Parametrization, ReduceNorm,
-    ResidualSpec, ScheduleSpec, SyntheticCorpus,
+    AdamWSpec, DataSpec, FfnSpec, Flash, ModelSpec, MoeBalance, MoeDispatch, OptimizerSpec, Parametrization,
+    ReduceNorm, ResidualSpec, ScheduleSpec, SyntheticCorpus,
 };
 use crate::cost::{gib, training_memory};
 
@@ -310,6 +310,11 @@ impl ModelSpec {
                                 .into(),
                         );
                     }
+                }
+                match &m.balance {
+                    MoeBalance::None => {}
+                    MoeBalance::AuxLoss(a) => c.positive("ffn.balance.coef", a.coef),
+                    MoeBalance::BiasUpdate(b) => c.positive("ffn.balance.rate", b.rate),
                 }
             }
         }

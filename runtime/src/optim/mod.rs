@@ -6,6 +6,9 @@
 //! gets AdamW with the spec's `adamw` settings. Weight decay applies only where
 //! `ParamClass::weight_decay()` says so.
 //!
+//! Parameters whose class is not `optimized()` (the MoE router bias, docs/math.md §1.6)
+//! get AdamW at a zero learning rate and no weight decay, which leaves them unchanged.
+//!
 //! muP (docs/math.md §8.1): with `Parametrization::MuP`, AdamW's LR for `Hidden`
 //! parameters is divided by the width multiplier w = d_model / base_width, and
 //! their weight decay multiplied by w, so lr·wd stays width-invariant (the
@@ -160,6 +163,18 @@ impl Optimizer {
         let mut state = Vec::with_capacity(params.len());
         for p in params.iter() {
             let n = p.value.len();
+            if !p.class.optimized() {
+                // The MoE router bias (docs/math.md §1.6) is the trainer's to move: AdamW at
+                // a zero rate and no weight decay leaves it bit for bit (decay 1, step 0),
+                // and keeps every parameter on the AdamW update a Plan runs.
+                state.push(ParamState::AdamW {
+                    lr_scale: 0.0,
+                    weight_decay: 0.0,
+                    m: vec![0.0; n],
+                    v: vec![0.0; n],
+                });
+                continue;
+            }
             match muon_hyper {
                 Some(hyper) if p.class.muon_eligible() && p.shape.rank() >= 2 => {
                     state.push(ParamState::Muon { hyper, momentum: vec![0.0; n] });

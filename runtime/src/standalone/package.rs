@@ -374,6 +374,7 @@ fn main_rs(spec: &ModelSpec, plan: &Plan) -> TokenStream {
             let lowered = ir::lower::lower(spec, spec.train.batch, spec.train.seq_len)?;
             let params = runtime::init::init_params(&lowered.graph, spec.train.seed)?;
             let token_shape = [spec.train.batch, window];
+            let statistics = lowered.statistics.clone();
             let mut exec: Box<dyn runtime::executor::StepExecutor> = match args.device {
                 DeviceArg::Reference => Box::new(runtime::executor::ReferenceExecutor::from_lowered(lowered)),
                 DeviceArg::Cpu => {
@@ -381,12 +382,18 @@ fn main_rs(spec: &ModelSpec, plan: &Plan) -> TokenStream {
                     let options = runtime::device::cpu::CpuOptions::default();
                     let device = runtime::device::cpu::CpuDevice::with_options(plan(PLAN_JSON)?, &compiler, options)
                         .context("loading the embedded plan on the cpu device")?;
-                    Box::new(runtime::device::cpu_executor::CpuExecutor::new(device, token_shape)?)
+                    runtime::step_outputs::with_statistics(
+                        runtime::device::cpu_executor::CpuExecutor::new(device, token_shape)?,
+                        statistics,
+                    )
                 }
                 DeviceArg::Cuda => {
                     let device = runtime::device::cuda::CudaDevice::new(plan(CUDA_PLAN_JSON)?)
                         .context("loading the embedded plan on the cuda device")?;
-                    Box::new(runtime::device::cuda::CudaExecutor::new(device, token_shape)?)
+                    runtime::step_outputs::with_statistics(
+                        runtime::device::cuda::CudaExecutor::new(device, token_shape)?,
+                        statistics,
+                    )
                 }
             };
             Ok(runtime::train::train(spec, exec.as_mut(), params, &corpus, opts))

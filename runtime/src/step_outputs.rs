@@ -1,0 +1,145 @@
+//! Per-step statistics from the compiled devices (docs/architecture.md §7): the graph
+//! outputs a trainer reads back after every training step besides the loss
+//! ([`ir::lower::Lowered::statistics`]: the MoE expert loads and auxiliary loss,
+//! docs/math.md §1.6).
+//!
+//! The compiled Plan computes them as `Output` buffers like `loss` and `logits`;
+//! [`WithStatistics`] wraps a Cpu or Cuda executor and reads those buffers after each
+//! training step. Reading a buffer goes through the executor's direct device access
+//! (`CpuExecutor::load`, `CudaExecutor::device_mut`), after which the device no longer
+//! vouches for the parameters and moments it holds: so the wrapper first returns the
+//! moments to the optimizer (`sync_optimizer`), and the next step uploads both again.
+//! That is one copy of the parameters and two of the moments per step, on models that
+//! have statistics (an MoE FFN) only.
+
+use crate::device::cpu_executor::CpuExecutor;
+use crate::device::cuda::CudaExecutor;
+use crate::dist::Group;
+use crate::executor::{StepError, StepExecutor, StepStats, UpdateSettings};
+use crate::optim::Optimizer;
+use crate::params::ParamSet;
+use codegen::plan::BufferRole;
+
+/// An executor whose Plan's named outputs can be read after a run.
+pub trait ReadsOutputs: StepExecutor {
+    /// The f32 values of the Plan output `name` as the last run left them. The device
+    /// forgets which parameters and moments it holds: return the moments
+    /// (`sync_optimizer`) before calling this.
+    fn read_output(&mut self, name: &str) -> Result<Vec<f32>, StepError>;
+}
+
+impl ReadsOutputs for CpuExecutor {
+    fn read_output(&mut self, name: &str) -> Result<Vec<f32>, StepError> {
+        let device = self.load()?;
+        let id = device
+            .plan()
+            .find(&BufferRole::Output { name: name.into() })
+            .ok_or(StepError::MissingOutput { what: "step statistic" })?;
+        Ok(device.read_f32(id)?.to_vec())
+    }
+}
+
+impl ReadsOutputs for CudaExecutor {
+    fn read_output(&mut self, name: &str) -> Result<Vec<f32>, StepError> {
+        let device = self.device_mut();
+        let id = device
+            .find(&BufferRole::Output { name: name.into() })
+            .ok_or(StepError::MissingOutput { what: "step statistic" })?;
+        Ok(device.read_f32(id)?)
+    }
+}
+
+/// `exec` reading back `statistics` after every training step, or `exec` itself when
+/// there are none.
+pub fn with_statistics<E: ReadsOutputs + Send + 'static>(
+    exec: E,
+    statistics: Vec<String>,
+) -> Box<dyn StepExecutor + Send> {
+    if statistics.is_empty() {
+        Box::new(exec)
+    } else {
+        Box::new(WithStatistics { inner: exec, statistics, last: Vec::new() })
+    }
+}
+
+/// A compiled executor that reads its Plan's statistics outputs after every training
+/// step (see the module doc).
+#[derive(Debug)]
+pub struct WithStatistics<E> {
+    inner: E,
+    statistics: Vec<String>,
+    last: Vec<Vec<f32>>,
+}
+
+impl<E: ReadsOutputs> WithStatistics<E> {
+    /// Reads every statistic of the step just taken, the moments returned first.
+    fn read(&mut self, optimizer: &mut Optimizer) -> Result<(), StepError> {
+        self.inner.sync_optimizer(optimizer)?;
+        self.last =
+            self.statistics.iter().map(|name| self.inner.read_output(name)).collect::<Result<_, _>>()?;
+        Ok(())
+    }
+}
+
+impl<E: ReadsOutputs> StepExecutor for WithStatistics<E> {
+    fn device(&self) -> &'static str {
+        self.inner.device()
+    }
+
+    fn token_shape(&self) -> [usize; 2] {
+        self.inner.token_shape()
+    }
+
+    fn loss_and_grads(
+        &mut self,
+        params: &ParamSet,
+        tokens: &[i32],
+    ) -> Result<(f32, Vec<Vec<f32>>), StepError> {
+        self.inner.loss_and_grads(params, tokens)
+    }
+
+    fn loss(&mut self, params: &ParamSet, tokens: &[i32]) -> Result<f32, StepError> {
+        self.inner.loss(params, tokens)
+    }
+
+    fn logits(&mut self, params: &ParamSet, tokens: &[i32]) -> Result<Vec<f32>, StepError> {
+        self.inner.logits(params, tokens)
+    }
+
+    fn train_step(
+        &mut self,
+        params: &mut ParamSet,
+        tokens: &[i32],
+        optimizer: &mut Optimizer,
+        settings: UpdateSettings,
+    ) -> Result<StepStats, StepError> {
+        let stats = self.inner.train_step(params, tokens, optimizer, settings)?;
+        self.read(optimizer)?;
+        Ok(stats)
+    }
+
+    fn train_step_averaged(
+        &mut self,
+        params: &mut ParamSet,
+        tokens: &[i32],
+        optimizer: &mut Optimizer,
+        settings: UpdateSettings,
+        group: &Group,
+    ) -> Result<StepStats, StepError> {
+        let stats = self.inner.train_step_averaged(params, tokens, optimizer, settings, group)?;
+        self.read(optimizer)?;
+        Ok(stats)
+    }
+
+    fn sync_optimizer(&mut self, optimizer: &mut Optimizer) -> Result<(), StepError> {
+        self.inner.sync_optimizer(optimizer)
+    }
+
+    fn statistics(&self) -> &[String] {
+        &self.statistics
+    }
+
+    fn step_statistics(&self) -> &[Vec<f32>] {
+        &self.last
+    }
+}
