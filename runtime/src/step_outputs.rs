@@ -5,12 +5,10 @@
 //!
 //! The compiled Plan computes them as `Output` buffers like `loss` and `logits`;
 //! [`WithStatistics`] wraps a Cpu or Cuda executor and reads those buffers after each
-//! training step. Reading a buffer goes through the executor's direct device access
-//! (`CpuExecutor::load`, `CudaExecutor::device_mut`), after which the device no longer
-//! vouches for the parameters and moments it holds: so the wrapper first returns the
-//! moments to the optimizer (`sync_optimizer`), and the next step uploads both again.
-//! That is one copy of the parameters and two of the moments per step, on models that
-//! have statistics (an MoE FFN) only.
+//! training step through the executor's read-only device access, which leaves the
+//! parameters and optimizer moments where they are. (The trainer's router-bias update
+//! changes the host's parameter set, so the next step uploads the parameters again;
+//! the moments stay on the device.)
 
 use crate::device::cpu_executor::CpuExecutor;
 use crate::device::cuda::CudaExecutor;
@@ -22,15 +20,13 @@ use codegen::plan::BufferRole;
 
 /// An executor whose Plan's named outputs can be read after a run.
 pub trait ReadsOutputs: StepExecutor {
-    /// The f32 values of the Plan output `name` as the last run left them. The device
-    /// forgets which parameters and moments it holds: return the moments
-    /// (`sync_optimizer`) before calling this.
-    fn read_output(&mut self, name: &str) -> Result<Vec<f32>, StepError>;
+    /// The f32 values of the Plan output `name` as the last run left them.
+    fn read_output(&self, name: &str) -> Result<Vec<f32>, StepError>;
 }
 
 impl ReadsOutputs for CpuExecutor {
-    fn read_output(&mut self, name: &str) -> Result<Vec<f32>, StepError> {
-        let device = self.load()?;
+    fn read_output(&self, name: &str) -> Result<Vec<f32>, StepError> {
+        let device = self.device().ok_or(StepError::MissingOutput { what: "step statistic before a run" })?;
         let id = device
             .plan()
             .find(&BufferRole::Output { name: name.into() })
@@ -40,8 +36,8 @@ impl ReadsOutputs for CpuExecutor {
 }
 
 impl ReadsOutputs for CudaExecutor {
-    fn read_output(&mut self, name: &str) -> Result<Vec<f32>, StepError> {
-        let device = self.device_mut();
+    fn read_output(&self, name: &str) -> Result<Vec<f32>, StepError> {
+        let device = self.device();
         let id = device
             .find(&BufferRole::Output { name: name.into() })
             .ok_or(StepError::MissingOutput { what: "step statistic" })?;
@@ -72,9 +68,8 @@ pub struct WithStatistics<E> {
 }
 
 impl<E: ReadsOutputs> WithStatistics<E> {
-    /// Reads every statistic of the step just taken, the moments returned first.
-    fn read(&mut self, optimizer: &mut Optimizer) -> Result<(), StepError> {
-        self.inner.sync_optimizer(optimizer)?;
+    /// Reads every statistic of the step just taken.
+    fn read(&mut self) -> Result<(), StepError> {
         self.last =
             self.statistics.iter().map(|name| self.inner.read_output(name)).collect::<Result<_, _>>()?;
         Ok(())
@@ -114,7 +109,7 @@ impl<E: ReadsOutputs> StepExecutor for WithStatistics<E> {
         settings: UpdateSettings,
     ) -> Result<StepStats, StepError> {
         let stats = self.inner.train_step(params, tokens, optimizer, settings)?;
-        self.read(optimizer)?;
+        self.read()?;
         Ok(stats)
     }
 
@@ -127,7 +122,7 @@ impl<E: ReadsOutputs> StepExecutor for WithStatistics<E> {
         group: &Group,
     ) -> Result<StepStats, StepError> {
         let stats = self.inner.train_step_averaged(params, tokens, optimizer, settings, group)?;
-        self.read(optimizer)?;
+        self.read()?;
         Ok(stats)
     }
 

@@ -199,6 +199,15 @@ impl CpuExecutor {
         Ok(&mut self.loaded()?.device)
     }
 
+    /// The loaded device, to read buffers (a run's outputs): reading changes nothing
+    /// the executor vouches for. `None` before the first run compiles the Plan.
+    pub fn device(&self) -> Option<&CpuDevice> {
+        match &self.state {
+            State::Ready(loaded) => Some(&loaded.device),
+            State::Pending(..) => None,
+        }
+    }
+
     fn loaded(&mut self) -> Result<&mut Loaded, StepError> {
         if let State::Pending(lowered, opts) = &self.state {
             let plan = TrainingGraph::new((**lowered).clone())?.plan()?;

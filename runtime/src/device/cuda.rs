@@ -1012,6 +1012,11 @@ impl CudaExecutor {
     /// The underlying device (profiling, direct buffer access). The caller
     /// may write any buffer, so the next run uploads the parameters and
     /// moments again.
+    /// The device, to read buffers: reading changes nothing the executor vouches for.
+    pub fn device(&self) -> &CudaDevice {
+        &self.device
+    }
+
     pub fn device_mut(&mut self) -> &mut CudaDevice {
         self.resident = None;
         self.held = None;
