@@ -504,6 +504,15 @@ impl CpuDevice {
         }
     }
 
+    /// The current contents of an i32 buffer (token ids, MoE routing).
+    pub fn read_i32(&self, id: BufferId) -> Result<&[i32], CpuError> {
+        let dtype = self.decl(id)?.dtype;
+        match self.storage(id)? {
+            (HostVec::I32(v), r) => Ok(&v[r]),
+            _ => Err(CpuError::WrongDType { id: id.0, dtype, want: DType::I32 }),
+        }
+    }
+
     /// The base pointer of every buffer. Valid until storage is dropped: no
     /// vector is resized after loading.
     fn pointers(&mut self) -> Vec<*mut c_void> {
