@@ -220,6 +220,31 @@ fn cuda_dialect_compiles_under_nvrtc_without_spills() {
     }
 }
 
+/// The GPU training Plan of a sparse MoE spec (routing, capacity, a shared
+/// expert): its kernels (the gathers and scatters around the grouped GEMMs
+/// included) compile under NVRTC for sm_90 with no spills and no warnings.
+#[test]
+fn sparse_moe_cuda_dialect_compiles_under_nvrtc_without_spills() {
+    if !codegen::nvrtc::is_available() {
+        assert!(std::env::var("CI").as_deref() != Ok("true"), "NVRTC is required when CI=true");
+        eprintln!("skipped: NVRTC is not loadable (put its lib folder on LD_LIBRARY_PATH)");
+        return;
+    }
+    let (gate, shared, capacity) = SPARSE_CASES[3];
+    let (graph, request, _) = sparse_moe(gate, shared, capacity);
+    let request = request.for_target(Target::Cuda).with_update();
+    let partition = fused_partition(&graph, &request).expect("fuses");
+    let plan = compile(&graph, &partition, &request).expect("compiles");
+    assert!(plan.steps.iter().any(|s| matches!(s, Step::GroupedGemm(_))));
+    let src = render_cuda(&plan.kernels).expect("renders");
+    let out = codegen::nvrtc::compile(&src, "sm_90").unwrap_or_else(|e| panic!("sparse moe: {e}"));
+    assert!(out.warnings().is_empty(), "sparse moe: warnings {:?}", out.warnings());
+    for k in &plan.kernels {
+        let r = out.resources_of(&k.symbol()).unwrap_or_else(|| panic!("no report for {}", k.name));
+        assert_eq!((r.spill_stores, r.spill_loads), (0, 0), "sparse moe: {} spills", k.name);
+    }
+}
+
 /// Whether `e` loads from the buffer `name`.
 fn loads_from(e: &codegen::kernel::Expr, name: &str) -> bool {
     use codegen::kernel::Expr;
