@@ -104,21 +104,16 @@ pub fn plan_text(plan: &Plan) -> String {
                 r.experts,
                 r.capacity.map_or("none".into(), |c| c.to_string())
             ),
+            // Per group e (the rows `e` of `counts`): the forward product, or the
+            // weight gradient summed over the group's rows.
             Step::GroupedGemm(g) => {
-                let (form, b) = match g.form {
-                    GroupedForm::Rows => ("grouped_gemm", format!("{}[e]{}", name(g.b), transposed(g.trans_b))),
-                    GroupedForm::WeightGrad => ("grouped_gemm_grad", name(g.b)),
+                let (a, b, c) = (name(g.a), name(g.b), name(g.c));
+                let product = match (g.form, g.trans_b) {
+                    (GroupedForm::Rows, t) => format!("grouped_gemm {c}[e] = {a}[e] @ {b}[e]{}", transposed(t)),
+                    (GroupedForm::WeightGrad, false) => format!("grouped_gemm_grad {c}[e] = {a}[e]^T @ {b}[e]"),
+                    (GroupedForm::WeightGrad, true) => format!("grouped_gemm_grad {c}[e] = {b}[e]^T @ {a}[e]"),
                 };
-                format!(
-                    "{form} {} = {} @ {b} by groups {}  groups={} m={} n={} k={}",
-                    name(g.c),
-                    name(g.a),
-                    name(g.counts),
-                    g.groups,
-                    g.m,
-                    g.n,
-                    g.k
-                )
+                format!("{product}  by counts {}  groups={} m={} n={} k={}", name(g.counts), g.groups, g.m, g.n, g.k)
             }
         };
         // A chain's steps are marked: the Cpu device runs them entry by entry.
