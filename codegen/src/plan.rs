@@ -208,13 +208,17 @@ impl<B> GroupedGemm<B> {
     }
 }
 
+/// The per-group products of a [`GroupedGemm`] and the element ranges of its
+/// output that none of them writes ([`GroupedGemm::products`]).
+pub type GroupProducts<B> = (Vec<Gemm<B>>, Vec<std::ops::Range<usize>>);
+
 impl<B: Copy> GroupedGemm<B> {
     /// The dense products of the non-empty groups for the group sizes `counts`, each a
     /// [`Gemm`] over sub-blocks of the buffers (`Gemm::offsets`), and the element
     /// ranges of `c` that no product writes ([`GroupedGemm::zeroed`]). An error where
     /// the counts do not fit the rows (`ir::exec::moe::group_ranges`), so a device never
     /// reads past a buffer whatever the data.
-    pub fn products(&self, counts: &[i32]) -> Result<(Vec<Gemm<B>>, Vec<std::ops::Range<usize>>), String> {
+    pub fn products(&self, counts: &[i32]) -> Result<GroupProducts<B>, String> {
         if counts.len() != self.groups {
             return Err(format!("{} counts for {} groups", counts.len(), self.groups));
         }

@@ -67,21 +67,25 @@ fn gpu_plan(spec: &str) -> (Plan, Vec<(BufferRole, Value<f32>)>) {
 
 /// [`gpu_plan`] at batch 2, `seq_len` and `d_model`, one layer.
 fn gpu_plan_sized(spec: &str, seq_len: usize, d_model: usize) -> (Plan, Vec<(BufferRole, Value<f32>)>) {
-    let (_, _, plan, named, _) = gpu_model(spec, seq_len, |s| {
+    let model = gpu_model(spec, seq_len, |s| {
         s.d_model = d_model;
         s.layers = 1;
     });
-    (plan, named)
+    (model.plan, model.named)
 }
 
-/// The training graph of `spec` after `edit` at batch 2 and `seq_len`, its
-/// Request and GPU Plan, and the random parameters and tokens, by buffer role
-/// and by graph node.
-fn gpu_model(
-    spec: &str,
-    seq_len: usize,
-    edit: impl FnOnce(&mut ir::spec::ModelSpec),
-) -> (Graph, Request, Plan, Vec<(BufferRole, Value<f32>)>, Sources) {
+/// A spec's training graph, its Request and GPU Plan, and the random
+/// parameters and tokens, by buffer role and by graph node.
+struct GpuModel {
+    graph: Graph,
+    request: Request,
+    plan: Plan,
+    named: Vec<(BufferRole, Value<f32>)>,
+    sources: Sources,
+}
+
+/// The [`GpuModel`] of `spec` after `edit` at batch 2 and `seq_len`.
+fn gpu_model(spec: &str, seq_len: usize, edit: impl FnOnce(&mut ir::spec::ModelSpec)) -> GpuModel {
     let (graph, request, vocab) = spec_training_graph(spec, 2, seq_len, edit);
     // As `TrainingGraph::plan_for(Target::Cuda)`: the update appended, the
     // runtime's partition, kernels sized for the GPU.
@@ -105,7 +109,7 @@ fn gpu_model(
             (role, v.clone())
         })
         .collect();
-    (graph, request, plan, named, sources)
+    GpuModel { graph, request, plan, named, sources }
 }
 
 /// A buffer's bytes, 8-byte aligned.
@@ -431,7 +435,7 @@ fn moe_kernels_match_c() {
 /// gradient of the f32 reference.
 #[test]
 fn sparse_moe_kernels_match_c_and_the_plan_matches_the_reference() {
-    let (graph, request, plan, named, sources) = gpu_model("moe", 8, |s| {
+    let GpuModel { graph, request, plan, named, sources } = gpu_model("moe", 8, |s| {
         s.d_model = 16;
         s.layers = 1;
         s.ffn = ir::spec::FfnSpec::Moe(ir::spec::MoeSpec {

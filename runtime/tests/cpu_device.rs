@@ -697,7 +697,7 @@ fn moe_plan(capacity: Option<usize>) -> Plan {
 /// Expert choices with no expert 4 (its weight gradient must be zero) and expert 1
 /// chosen by every token (capacity drops some of its assignments).
 fn moe_choices() -> Vec<i32> {
-    (0..MOE_TOKENS).flat_map(|t| [1, [0, 2, 3][t % 3]].map(|e| e as i32)).collect()
+    (0..MOE_TOKENS).flat_map(|t| [1, [0, 2, 3][t % 3]]).collect()
 }
 
 /// Runs the MoE test Plan on `threads`; returns every output and the routing.
