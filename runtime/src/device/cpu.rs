@@ -872,10 +872,10 @@ unsafe fn run_route(r: &MoeRoute, ptrs: &[*mut c_void]) -> Result<(), String> {
 /// one f32 product per non-empty group ([`GroupedGemm::products`]) on the device's
 /// GEMM path, after zeroing what no group writes (rows of dropped assignments, the
 /// weight gradient of an expert no token chose). bf16 inputs are widened into f32
-/// copies first, as for [`Step::Gemm`]. Each product is split over the threads as
-/// [`run_gemm`] splits one, unless every product is below [`MIN_GEMM_PARALLEL`]:
-/// then whole groups are shared out, each computed as `run_gemm` computes a small
-/// product on one thread, so the bits do not depend on the split.
+/// copies first, as for [`Step::Gemm`]. With at least as many groups as threads,
+/// each thread takes a run of whole groups of about equal work; otherwise each
+/// product is split over the threads as [`run_gemm`] splits one. Either way an
+/// element's bits are those of the whole product, whatever the thread count.
 ///
 /// # Safety
 /// The operands hold the step's extents in `dtypes` (a, b) and f32 (c), the counts
@@ -907,8 +907,14 @@ unsafe fn run_grouped(
     // A product's operands are the step's a and b, in either order (the transposed
     // weight gradient multiplies b's rows by a's).
     let input = |id: BufferId| if id == g.a { pa } else { pb };
-    let small = products.iter().all(|p| p.m * p.n * p.k < MIN_GEMM_PARALLEL);
-    if !small || products.len() < 2 || pool.threads() < 2 {
+    // Whole groups per thread when there are at least as many groups as threads:
+    // each group's product then stays in its core's cache, where bands of every
+    // small product would wait on the pool once per group. A product `run_gemm`
+    // would split along its contraction keeps that path, so the bits never depend
+    // on the thread count (bands and whole products give the same bits).
+    let splits_k = |p: &Gemm| p.m * p.n <= SPLIT_K_MAX_OUTPUT && p.k >= SPLIT_K_MIN;
+    let threads = pool.threads();
+    if threads < 2 || products.len() < threads || products.iter().any(splits_k) {
         for p in &products {
             // SAFETY: each product lies inside the step's extents (`GroupedGemm::products`).
             unsafe { run_gemm(p, input(p.a), input(p.b), pc, pool) };
@@ -918,17 +924,31 @@ unsafe fn run_grouped(
     // Addresses as integers so the parts can share them across threads.
     let (a, b, c) = (pa as usize, pb as usize, pc as usize);
     let addr = |id: BufferId| if id == g.a { a } else { b };
-    let parts = pool.threads().min(products.len());
+    // Contiguous runs of groups of about equal work: a group goes to the part its
+    // work's midpoint falls in.
+    let total = products.iter().map(|p| p.m * p.n * p.k).sum::<usize>().max(1);
+    let mut before = 0usize;
+    let part_of: Vec<usize> = products
+        .iter()
+        .map(|p| {
+            let w = p.m * p.n * p.k;
+            let mid = before + w / 2;
+            before += w;
+            (mid.saturating_mul(threads) / total).min(threads - 1)
+        })
+        .collect();
+    let bounds: Vec<usize> =
+        (0..=threads).map(|t| part_of.iter().position(|&q| q >= t).unwrap_or(products.len())).collect();
     let part = |t: usize| {
-        let (lo, hi) = super::pool::part_range(products.len() as i64, parts, t);
-        for p in &products[lo as usize..hi as usize] {
-            // The tiles `run_gemm` picks for the whole product (its one part when small).
+        for p in &products[bounds[t]..bounds[t + 1]] {
+            // The tiles `run_gemm` picks for the whole product.
             let ((rows, cols), _) = operand_strides(p);
             let isa = tiled_isa(p, sgemm::Operand { ptr: std::ptr::null(), rows, cols });
             // SAFETY: as above; groups write disjoint blocks of c.
             unsafe { batch_entry_product(p, isa, (addr(p.a), addr(p.b), c), 0, 0..p.m, 0..p.n, false) };
         }
     };
+    let parts = threads;
     pool.run_parts(parts, &part);
     Ok(())
 }
