@@ -99,9 +99,9 @@ impl<B> Gemm<B> {
 /// The routing of sparse mixture-of-experts dispatch (docs/math.md §1.6): from the
 /// experts chosen for every token (`idx`, i32, `assignments` = tokens · `k` of them,
 /// token-major) the three index tensors of `ir`'s `MoeRoute`, all in one pass: `rows`
-/// (i32 [assignments], the expert-sorted row of each assignment), `tokens` (i32
-/// [assignments], the token each row reads) and `counts` (i32 [experts], the rows each
-/// expert keeps, at most `capacity`).
+/// (i32 `[assignments]`, the expert-sorted row of each assignment), `tokens` (i32
+/// `[assignments]`, the token each row reads) and `counts` (i32 `[experts]`, the rows
+/// each expert keeps, at most `capacity`).
 ///
 /// It is a sequential counting pass over a few thousand integers whose result
 /// sizes every grouped product after it, so a device runs it on the host with the
@@ -156,9 +156,10 @@ pub enum GroupedForm {
 }
 
 /// A grouped matrix product over contiguous row groups whose sizes are data: the i32
-/// `counts` [groups] a [`MoeRoute`] wrote, group e being rows `Σ_{i<e} counts[i]` on.
+/// `counts` (`[groups]`) a [`MoeRoute`] wrote, group e being rows `Σ_{i<e} counts[i]` on.
 /// A device runs it as one library GEMM per non-empty group ([`GroupedGemm::products`])
-/// and zeroes what no group covers ([`GroupedGemm::zeroed`]); the inputs `a` and `b`
+/// and zeroes what none of them writes (rows past the groups, the weight gradient
+/// of an empty group); the inputs `a` and `b`
 /// share one element type (f32, or bf16 under mixed precision) and `c` is f32, as for
 /// [`Gemm`].
 #[derive(Debug, Clone, PartialEq)]
@@ -215,7 +216,7 @@ pub type GroupProducts<B> = (Vec<Gemm<B>>, Vec<std::ops::Range<usize>>);
 impl<B: Copy> GroupedGemm<B> {
     /// The dense products of the non-empty groups for the group sizes `counts`, each a
     /// [`Gemm`] over sub-blocks of the buffers (`Gemm::offsets`), and the element
-    /// ranges of `c` that no product writes ([`GroupedGemm::zeroed`]). An error where
+    /// ranges of `c` that no product writes, which a device zeroes. An error where
     /// the counts do not fit the rows (`ir::exec::moe::group_ranges`), so a device never
     /// reads past a buffer whatever the data.
     pub fn products(&self, counts: &[i32]) -> Result<GroupProducts<B>, String> {

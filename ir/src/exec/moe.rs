@@ -126,8 +126,8 @@ pub fn group_ranges(counts: &[i32], m: usize) -> Result<Vec<std::ops::Range<usiz
     Ok(out)
 }
 
-/// `GroupedMatMul`: y[r] = x[r] · w[e] (w[e]ᵀ with `trans_b`) for every row r of group e;
-/// rows past the groups are zero.
+/// `GroupedMatMul`: `y[r] = x[r] · w[e]` (`w[e]ᵀ` with `trans_b`) for every row r of
+/// group e; rows past the groups are zero.
 pub fn grouped_matmul<T: Float>(
     x: &Tensor<T>,
     w: &Tensor<T>,
@@ -154,8 +154,8 @@ pub fn grouped_matmul<T: Float>(
     Ok(y)
 }
 
-/// `GroupedMatMulGrad`: dw[e] = Σ_{r in group e} x[r] ⊗ dy[r] ([E, K, N]; with `trans_b`
-/// dy[r] ⊗ x[r], [E, N, K]).
+/// `GroupedMatMulGrad`: `dw[e] = Σ_{r in group e} x[r] ⊗ dy[r]` (`[E, K, N]`; with
+/// `trans_b` `dy[r] ⊗ x[r]`, `[E, N, K]`).
 pub fn grouped_matmul_grad<T: Float>(
     x: &Tensor<T>,
     dy: &Tensor<T>,

@@ -17,7 +17,7 @@
 //! crate, zero steps clear a buffer. The sparse MoE steps (docs/math.md §1.6)
 //! route on the calling thread with the reference's own function
 //! ([`ir::exec::moe::route_into`]) and run a grouped GEMM as one product per
-//! expert on the same GEMM path ([`run_grouped`]).
+//! expert on the same GEMM path.
 //!
 //! # Safety
 //!
