@@ -22,7 +22,7 @@ use crate::cc::{CcError, Compiler};
 pub use crate::emit::Target;
 use crate::emit::{self, Arg, EmitError, Launch, Residency};
 use crate::kernel::{item, Access, Kernel, KernelBuilder};
-use crate::plan::{BufferDecl, BufferId, BufferRole, Chain, Gemm, Plan, Step};
+use crate::plan::{BufferDecl, BufferId, BufferRole, Chain, Gemm, GroupedGemm, Plan, Step};
 
 /// Node groups in execution order.
 pub type Partition = Vec<Vec<NodeId>>;
@@ -254,19 +254,25 @@ fn summed_gemm(graph: &Graph, id: NodeId, roles: &BTreeMap<NodeId, Vec<BufferRol
     Some(GemmForm { matmul: x, absorbed, shape })
 }
 
-/// The forward ops whose gradient nodes (one per `wrt`) are lowered together.
+/// The ops whose sibling nodes (one per `wrt` of a gradient, or per output of the
+/// routing) are lowered together.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum SiblingOp {
     Attention,
     Temporal,
+    /// `MoeRoute`'s Rows, Tokens and Counts over one input: one routing step writes
+    /// all three (docs/math.md §1.6), so a layer routes once.
+    Route,
 }
 
-/// What identifies the op a gradient node differentiates (attention or
-/// temporal augmentation): its kind, its inputs and its attributes besides `wrt`.
+/// What identifies the op a sibling node belongs to (the attention or temporal
+/// augmentation a gradient differentiates, or a routing): its kind, its inputs and
+/// its attributes besides the slot.
 type GradKey = (SiblingOp, Vec<NodeId>, String);
 
-/// The key and the `wrt` slot of a gradient node whose siblings (the other
-/// `wrt` of the same op) share one lowering, and the number of slots.
+/// The key and the slot of a node whose siblings (the other `wrt` of the same
+/// op's gradient, the other outputs of the same routing) share one lowering, and
+/// the number of slots.
 fn grad_key(graph: &Graph, id: NodeId) -> Option<(GradKey, usize, usize)> {
     let inputs = graph.inputs(id);
     let (kind, attrs, wrt, slots) = match graph.node(id).op {
@@ -275,6 +281,9 @@ fn grad_key(graph: &Graph, id: NodeId) -> Option<(GradKey, usize, usize)> {
         }
         Op::TemporalAugmentGrad { gram_schmidt, eps_rel, wrt } => {
             (SiblingOp::Temporal, format!("{gram_schmidt} {eps_rel:?}"), wrt, inputs.len() - 1)
+        }
+        Op::MoeRoute { experts, capacity, out } => {
+            (SiblingOp::Route, format!("{experts} {capacity:?}"), emit::route_slot(out), 3)
         }
         Op::Input { .. }
         | Op::Param(_)
@@ -304,7 +313,6 @@ fn grad_key(graph: &Graph, id: NodeId) -> Option<(GradKey, usize, usize)> {
         | Op::Sinkhorn { .. }
         | Op::TemporalAugment { .. }
         | Op::SinkhornGrad { .. }
-        | Op::MoeRoute { .. }
         | Op::GroupedMatMul { .. }
         | Op::GroupedMatMulGrad { .. } => return None,
     };
@@ -339,6 +347,7 @@ fn lower_siblings(
     let lowering = match key.0 {
         SiblingOp::Attention => emit::attention_grads(graph, [outs[0], outs[1], outs[2]], name, target),
         SiblingOp::Temporal => emit::temporal_grads(graph, &outs, name, target),
+        SiblingOp::Route => emit::moe_route(graph, &outs, name, target),
     };
     Some(lowering.map(|l| (outs, l)))
 }
@@ -424,13 +433,6 @@ fn residency(
 /// Compiles `graph` for the node groups of `partition` into a Plan, in phases: the
 /// partition checked, buffer roles, GEMMs, units, buffers, then the steps.
 pub fn compile(graph: &Graph, partition: &[Vec<NodeId>], request: &Request) -> Result<Plan, CompileError> {
-    // The sparse MoE ops have no kernels yet: refuse the whole graph up front, naming the
-    // first such node, rather than reach a lowering half-way.
-    let sparse =
-        |op: &Op| matches!(op, Op::MoeRoute { .. } | Op::GroupedMatMul { .. } | Op::GroupedMatMulGrad { .. });
-    if let Some(id) = graph.node_ids().into_iter().find(|&id| sparse(&graph.node(id).op)) {
-        return Err(EmitError::at(id, &graph.node(id).op, emit::SPARSE_MOE_UNSUPPORTED).into());
-    }
     let order = graph.topo_order();
     let pos: HashMap<NodeId, usize> = order.iter().enumerate().map(|(i, &id)| (id, i)).collect();
     let (mut groups, group_of) = checked_groups(graph, partition, request, &pos)?;
@@ -876,10 +878,10 @@ fn special_lowering(
         | Op::TemporalAugment { .. }
         | Op::CausalAttentionGrad { .. }
         | Op::SinkhornGrad { .. }
-        | Op::TemporalAugmentGrad { .. } => Ok(None),
-        Op::MoeRoute { .. } | Op::GroupedMatMul { .. } | Op::GroupedMatMulGrad { .. } => {
-            Err(EmitError::at(id, &graph.node(id).op, emit::SPARSE_MOE_UNSUPPORTED))
-        }
+        | Op::TemporalAugmentGrad { .. }
+        | Op::MoeRoute { .. }
+        | Op::GroupedMatMul { .. }
+        | Op::GroupedMatMulGrad { .. } => Ok(None),
     }
 }
 
@@ -1146,6 +1148,8 @@ fn table_output(launch: &Launch, steps: &[emit::Work]) -> Option<usize> {
             l.args.iter().zip(&l.kernel.params).any(|(a, p)| *a == Arg::Temp(*t) && p.access.writable())
         }
         emit::Work::Gemm(g) => g.c == Arg::Temp(*t),
+        emit::Work::Route(r) => [r.rows, r.tokens, r.counts].contains(&Arg::Temp(*t)),
+        emit::Work::Grouped(g) => g.c == Arg::Temp(*t),
     };
     (steps.iter().filter(|w| writes_t(w)).count() == 1).then_some(*t)
 }
@@ -1271,6 +1275,12 @@ impl PlanBuilder {
                 let gemm = Gemm { a, b, ..g };
                 self.steps.push(Step::Gemm(gemm));
             }
+            emit::Work::Route(r) => self.steps.push(Step::MoeRoute(r.map_buffers(buf))),
+            emit::Work::Grouped(g) => {
+                let g = g.map_buffers(buf);
+                let (a, b) = self.gemm_operands(g.a, g.b);
+                self.steps.push(Step::GroupedGemm(GroupedGemm { a, b, ..g }));
+            }
         }
     }
 
@@ -1331,11 +1341,7 @@ impl PlanBuilder {
     fn plan_arena(&mut self) {
         let mut life: HashMap<BufferId, (usize, usize)> = HashMap::new();
         for (s, step) in self.steps.iter().enumerate() {
-            let ids: Vec<BufferId> = match step {
-                Step::Kernel { args, .. } => args.clone(),
-                Step::Gemm(g) => vec![g.a, g.b, g.c],
-                Step::Zero { buffer } => vec![*buffer],
-            };
+            let ids = step.buffers();
             // A chain's steps may run entry by entry, interleaved: each buffer
             // it touches lives over all of it.
             let span =
@@ -1374,6 +1380,39 @@ impl PlanBuilder {
             self.buffers[id.0].role = BufferRole::Scratch { offset };
             if dtype == DType::F32 {
                 self.arena_len = self.arena_len.max(offset + len);
+            }
+        }
+    }
+}
+
+/// A [`Gemm`] of f32 operands as plain loops (the test runner's library product).
+///
+/// # Safety
+/// Every batch entry of every operand lies inside the buffer `ptrs` gives for it.
+unsafe fn naive_gemm(g: &Gemm, ptrs: &[*mut c_void]) {
+    // SAFETY: the offsets lie inside the buffers (the caller's contract).
+    let (pa, pb, pc) = unsafe {
+        (
+            (ptrs[g.a.0] as *const f32).add(g.offsets[0]),
+            (ptrs[g.b.0] as *const f32).add(g.offsets[1]),
+            (ptrs[g.c.0] as *mut f32).add(g.offsets[2]),
+        )
+    };
+    for bt in 0..g.batch {
+        for i in 0..g.m {
+            for j in 0..g.n {
+                let mut acc = 0.0f32;
+                for kk in 0..g.k {
+                    let ai = if g.trans_a { kk * g.m + i } else { i * g.k + kk };
+                    let bi = if g.trans_b { j * g.k + kk } else { kk * g.n + j };
+                    // SAFETY: indices stay within the operands' batch entries.
+                    acc += unsafe { *pa.add(bt * g.stride_a + ai) * *pb.add(bt * g.stride_b + bi) };
+                }
+                // SAFETY: as above, for the output.
+                unsafe {
+                    let c = pc.add(bt * g.stride_c + i * g.n + j);
+                    *c = if g.accumulate { *c + acc } else { acc };
+                }
             }
         }
     }
@@ -1488,41 +1527,50 @@ pub fn run_on_cpu_for_tests(
                 // and the call covers the whole grid on this thread only.
                 unsafe { entry.call(&a, 0, k.grid.items() as i64) };
             }
-            Step::Gemm(g) => {
-                // SAFETY: the offsets lie inside the buffers (checked by the devices' Plan check).
-                let (pa, pb, pc) = unsafe {
-                    (
-                        (ptrs[g.a.0] as *const f32).add(g.offsets[0]),
-                        (ptrs[g.b.0] as *const f32).add(g.offsets[1]),
-                        (ptrs[g.c.0] as *mut f32).add(g.offsets[2]),
-                    )
-                };
-                for bt in 0..g.batch {
-                    for i in 0..g.m {
-                        for j in 0..g.n {
-                            let mut acc = 0.0f32;
-                            for kk in 0..g.k {
-                                let ai = if g.trans_a { kk * g.m + i } else { i * g.k + kk };
-                                let bi = if g.trans_b { j * g.k + kk } else { kk * g.n + j };
-                                // SAFETY: indices stay within the operands' batch entries.
-                                acc +=
-                                    unsafe { *pa.add(bt * g.stride_a + ai) * *pb.add(bt * g.stride_b + bi) };
-                            }
-                            // SAFETY: as above, for the output.
-                            unsafe {
-                                let c = pc.add(bt * g.stride_c + i * g.n + j);
-                                *c = if g.accumulate { *c + acc } else { acc };
-                            }
-                        }
-                    }
-                }
-            }
+            // SAFETY: the operands lie inside the buffers (checked by the devices' Plan check).
+            Step::Gemm(g) => unsafe { naive_gemm(g, &ptrs) },
             Step::Zero { buffer } => {
                 let d = &plan.buffers[buffer.0];
                 // SAFETY: the buffer holds `len` elements of its dtype; zero bits are zero.
                 unsafe {
                     std::ptr::write_bytes(ptrs[buffer.0].cast::<u8>(), 0, d.len * d.dtype.size_bytes())
                 };
+            }
+            Step::MoeRoute(r) => {
+                let lens = [r.assignments, r.assignments, r.assignments, r.experts];
+                for (id, len) in [r.idx, r.rows, r.tokens, r.counts].into_iter().zip(lens) {
+                    let d = &plan.buffers[id.0];
+                    if d.dtype != DType::I32 || d.len < len {
+                        return Err(err(id.0, format!("routing needs {len} i32 values")));
+                    }
+                }
+                // SAFETY: i32 buffers of at least these lengths (checked above); the input is
+                // copied first, and the arena keeps the outputs, alive at once, apart.
+                let i32s = |id: BufferId, len| unsafe {
+                    std::slice::from_raw_parts_mut(ptrs[id.0].cast::<i32>(), len)
+                };
+                let idx = i32s(r.idx, r.assignments).to_vec();
+                let (rows, tokens, counts) =
+                    (i32s(r.rows, r.assignments), i32s(r.tokens, r.assignments), i32s(r.counts, r.experts));
+                ir::exec::moe::route_into(&idx, r.k, r.experts, r.capacity, rows, tokens, counts)
+                    .map_err(|m| err(r.idx.0, m))?;
+            }
+            Step::GroupedGemm(g) => {
+                let d = &plan.buffers[g.counts.0];
+                if d.dtype != DType::I32 || d.len < g.groups {
+                    return Err(err(g.counts.0, format!("group sizes need {} i32 values", g.groups)));
+                }
+                // SAFETY: checked above.
+                let counts = unsafe { std::slice::from_raw_parts(ptrs[g.counts.0].cast::<i32>(), g.groups) };
+                let (products, zeroed) = g.products(counts).map_err(|m| err(g.counts.0, m))?;
+                for r in zeroed {
+                    // SAFETY: the ranges lie inside c's extent (`GroupedGemm::products`).
+                    unsafe { std::ptr::write_bytes(ptrs[g.c.0].cast::<f32>().add(r.start), 0, r.len()) };
+                }
+                for p in &products {
+                    // SAFETY: each product lies inside the grouped product's extents.
+                    unsafe { naive_gemm(p, &ptrs) };
+                }
             }
         }
     }

@@ -96,6 +96,186 @@ impl<B> Gemm<B> {
     }
 }
 
+/// The routing of sparse mixture-of-experts dispatch (docs/math.md §1.6): from the
+/// experts chosen for every token (`idx`, i32, `assignments` = tokens · `k` of them,
+/// token-major) the three index tensors of `ir`'s `MoeRoute`, all in one pass: `rows`
+/// (i32 `[assignments]`, the expert-sorted row of each assignment), `tokens` (i32
+/// `[assignments]`, the token each row reads) and `counts` (i32 `[experts]`, the rows
+/// each expert keeps, at most `capacity`).
+///
+/// It is a sequential counting pass over a few thousand integers whose result
+/// sizes every grouped product after it, so a device runs it on the host with the
+/// reference's own function (`ir::exec::moe::route_into`): the Cpu device in
+/// place; the Cuda device copies `idx` to the host (the one synchronisation of the
+/// layer), routes, uploads the three results and keeps `counts` on the host for
+/// the grouped GEMMs that follow ([`GroupedGemm`]), which need the group sizes to
+/// issue one library call per expert.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeRoute<B = BufferId> {
+    pub idx: B,
+    pub rows: B,
+    pub tokens: B,
+    pub counts: B,
+    /// Assignments (tokens · k): the length of `idx`, `rows` and `tokens`.
+    pub assignments: usize,
+    /// Experts chosen per token.
+    pub k: usize,
+    /// Experts: the length of `counts`.
+    pub experts: usize,
+    /// Rows kept per expert; `None`: dropless.
+    pub capacity: Option<usize>,
+}
+
+impl<B> MoeRoute<B> {
+    /// The same routing over other buffer handles.
+    pub fn map_buffers<C>(self, mut f: impl FnMut(B) -> C) -> MoeRoute<C> {
+        MoeRoute {
+            idx: f(self.idx),
+            rows: f(self.rows),
+            tokens: f(self.tokens),
+            counts: f(self.counts),
+            assignments: self.assignments,
+            k: self.k,
+            experts: self.experts,
+            capacity: self.capacity,
+        }
+    }
+}
+
+/// Which product a [`GroupedGemm`] computes (docs/math.md §1.6).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GroupedForm {
+    /// `ir`'s `GroupedMatMul`: a [m, k] rows, b [groups, k, n] weights (`[groups, n,
+    /// k]` with `trans_b`), c [m, n]; `c[r] = a[r] · op(b[e])` for every row r of group
+    /// e, rows past the groups zero.
+    Rows,
+    /// `ir`'s `GroupedMatMulGrad`: a [m, k] rows, b [m, n] output gradients, c
+    /// [groups, k, n] (`[groups, n, k]` with `trans_b`); `c[e] = Σ_{r∈e} a[r]ᵀ b[r]`
+    /// (transposed with `trans_b`), zero for an empty group.
+    WeightGrad,
+}
+
+/// A grouped matrix product over contiguous row groups whose sizes are data: the i32
+/// `counts` (`[groups]`) a [`MoeRoute`] wrote, group e being rows `Σ_{i<e} counts[i]` on.
+/// A device runs it as one library GEMM per non-empty group ([`GroupedGemm::products`])
+/// and zeroes what none of them writes (rows past the groups, the weight gradient
+/// of an empty group); the inputs `a` and `b`
+/// share one element type (f32, or bf16 under mixed precision) and `c` is f32, as for
+/// [`Gemm`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct GroupedGemm<B = BufferId> {
+    pub form: GroupedForm,
+    pub a: B,
+    pub b: B,
+    pub c: B,
+    pub counts: B,
+    /// Groups (experts): the length of `counts`.
+    pub groups: usize,
+    /// Rows of `a` (the routed assignments).
+    pub m: usize,
+    /// Width of `a`'s rows (the forward product's contraction).
+    pub k: usize,
+    /// Width of the forward product's output rows.
+    pub n: usize,
+    pub trans_b: bool,
+}
+
+impl<B> GroupedGemm<B> {
+    /// The same product over other buffer handles.
+    pub fn map_buffers<C>(self, mut f: impl FnMut(B) -> C) -> GroupedGemm<C> {
+        GroupedGemm {
+            form: self.form,
+            a: f(self.a),
+            b: f(self.b),
+            c: f(self.c),
+            counts: f(self.counts),
+            groups: self.groups,
+            m: self.m,
+            k: self.k,
+            n: self.n,
+            trans_b: self.trans_b,
+        }
+    }
+
+    /// Elements of `a`, `b` and `c` the product spans (`None` on overflow).
+    pub fn extents(&self) -> Option<[usize; 3]> {
+        let rows = self.m.checked_mul(self.k)?;
+        let out = self.m.checked_mul(self.n)?;
+        let weights = self.groups.checked_mul(self.k)?.checked_mul(self.n)?;
+        Some(match self.form {
+            GroupedForm::Rows => [rows, weights, out],
+            GroupedForm::WeightGrad => [rows, out, weights],
+        })
+    }
+}
+
+/// The per-group products of a [`GroupedGemm`] and the element ranges of its
+/// output that none of them writes ([`GroupedGemm::products`]).
+pub type GroupProducts<B> = (Vec<Gemm<B>>, Vec<std::ops::Range<usize>>);
+
+impl<B: Copy> GroupedGemm<B> {
+    /// The dense products of the non-empty groups for the group sizes `counts`, each a
+    /// [`Gemm`] over sub-blocks of the buffers (`Gemm::offsets`), and the element
+    /// ranges of `c` that no product writes, which a device zeroes. An error where
+    /// the counts do not fit the rows (`ir::exec::moe::group_ranges`), so a device never
+    /// reads past a buffer whatever the data.
+    pub fn products(&self, counts: &[i32]) -> Result<GroupProducts<B>, String> {
+        if counts.len() != self.groups {
+            return Err(format!("{} counts for {} groups", counts.len(), self.groups));
+        }
+        let groups = ir::exec::moe::group_ranges(counts, self.m)?;
+        let (k, n) = (self.k, self.n);
+        let mut gemms = Vec::new();
+        let mut zeroed = Vec::new();
+        for (e, rows) in groups.iter().enumerate() {
+            let (start, count) = (rows.start, rows.len());
+            let block = e * k * n;
+            if count == 0 {
+                if self.form == GroupedForm::WeightGrad {
+                    zeroed.push(block..block + k * n);
+                }
+                continue;
+            }
+            let plain = |a, b, c, (m, n, k), trans_a, trans_b, offsets| Gemm {
+                a,
+                b,
+                c,
+                batch: 1,
+                m,
+                n,
+                k,
+                trans_a,
+                trans_b,
+                stride_a: 0,
+                stride_b: 0,
+                stride_c: 0,
+                offsets,
+                accumulate: false,
+            };
+            gemms.push(match (self.form, self.trans_b) {
+                // y_e [count, n] = x_e [count, k] · w_e ([k, n], or [n, k] transposed).
+                (GroupedForm::Rows, t) => {
+                    plain(self.a, self.b, self.c, (count, n, k), false, t, [start * k, block, start * n])
+                }
+                // dw_e [k, n] = x_eᵀ · dy_e.
+                (GroupedForm::WeightGrad, false) => {
+                    plain(self.a, self.b, self.c, (k, n, count), true, false, [start * k, start * n, block])
+                }
+                // dw_e [n, k] = dy_eᵀ · x_e.
+                (GroupedForm::WeightGrad, true) => {
+                    plain(self.b, self.a, self.c, (n, k, count), true, false, [start * n, start * k, block])
+                }
+            });
+        }
+        if self.form == GroupedForm::Rows {
+            let covered = groups.last().map_or(0, |r| r.end);
+            zeroed.push(covered * n..self.m * n);
+        }
+        zeroed.retain(|r| !r.is_empty());
+        Ok((gemms, zeroed))
+    }
+}
+
 /// One entry of the launch list, executed in order on one stream.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Step {
@@ -105,6 +285,23 @@ pub enum Step {
     Gemm(Gemm),
     /// Set a buffer to zero (accumulation targets).
     Zero { buffer: BufferId },
+    /// Sparse MoE routing, on the host ([`MoeRoute`]).
+    MoeRoute(MoeRoute),
+    /// A library matrix product per expert row group ([`GroupedGemm`]).
+    GroupedGemm(GroupedGemm),
+}
+
+impl Step {
+    /// Every buffer the step binds (kernel arguments in parameter order).
+    pub fn buffers(&self) -> Vec<BufferId> {
+        match self {
+            Step::Kernel { args, .. } => args.clone(),
+            Step::Gemm(g) => vec![g.a, g.b, g.c],
+            Step::Zero { buffer } => vec![*buffer],
+            Step::MoeRoute(r) => vec![r.idx, r.rows, r.tokens, r.counts],
+            Step::GroupedGemm(g) => vec![g.a, g.b, g.c, g.counts],
+        }
+    }
 }
 
 /// Consecutive steps `start..end` that may also run entry by entry: every
@@ -134,7 +331,8 @@ impl Chain {
     /// Why `step` (of a Plan with `kernels` and `buffers`) cannot be one of
     /// this chain's steps, if it cannot: a kernel whose items do not split
     /// evenly into the entries, a GEMM over another number of batch entries
-    /// or of other than f32 operands, or a zeroing step, which no entry owns.
+    /// or of other than f32 operands, or a zeroing, routing or grouped step,
+    /// which no entry owns.
     pub fn misfit(&self, step: &Step, kernels: &[Kernel], buffers: &[BufferDecl]) -> Option<String> {
         match step {
             Step::Kernel { kernel, .. } => {
@@ -153,6 +351,8 @@ impl Chain {
                 })
             }
             Step::Zero { .. } => Some("it zeroes a buffer, which no entry owns".into()),
+            Step::MoeRoute(_) => Some("it routes every token at once, which no entry owns".into()),
+            Step::GroupedGemm(_) => Some("its groups are sized by data, not by the entries".into()),
         }
     }
 }

@@ -11,7 +11,7 @@
 //! lower bound ([`StepCost::exact`]).
 
 use crate::kernel::{Access, Grid, Kernel};
-use crate::plan::{BufferDecl, BufferId, BufferRole, Plan, Step};
+use crate::plan::{BufferDecl, BufferId, BufferRole, GroupedForm, Plan, Step};
 use std::fmt::Write as _;
 
 fn role_text(d: &BufferDecl) -> String {
@@ -81,9 +81,9 @@ pub fn plan_text(plan: &Plan) -> String {
                 name(g.c),
                 if g.accumulate { " +" } else { "" },
                 name(g.a),
-                if g.trans_a { "^T" } else { "" },
+                transposed(g.trans_a),
                 name(g.b),
-                if g.trans_b { "^T" } else { "" },
+                transposed(g.trans_b),
                 g.batch,
                 g.m,
                 g.n,
@@ -93,6 +93,28 @@ pub fn plan_text(plan: &Plan) -> String {
                 g.stride_c
             ),
             Step::Zero { buffer } => format!("zero {}", name(*buffer)),
+            Step::MoeRoute(r) => format!(
+                "moe_route rows={} tokens={} counts={} = route({})  assignments={} k={} experts={} capacity={}",
+                name(r.rows),
+                name(r.tokens),
+                name(r.counts),
+                name(r.idx),
+                r.assignments,
+                r.k,
+                r.experts,
+                r.capacity.map_or("none".into(), |c| c.to_string())
+            ),
+            // Per group e (the rows `e` of `counts`): the forward product, or the
+            // weight gradient summed over the group's rows.
+            Step::GroupedGemm(g) => {
+                let (a, b, c) = (name(g.a), name(g.b), name(g.c));
+                let product = match (g.form, g.trans_b) {
+                    (GroupedForm::Rows, t) => format!("grouped_gemm {c}[e] = {a}[e] @ {b}[e]{}", transposed(t)),
+                    (GroupedForm::WeightGrad, false) => format!("grouped_gemm_grad {c}[e] = {a}[e]^T @ {b}[e]"),
+                    (GroupedForm::WeightGrad, true) => format!("grouped_gemm_grad {c}[e] = {b}[e]^T @ {a}[e]"),
+                };
+                format!("{product}  by counts {}  groups={} m={} n={} k={}", name(g.counts), g.groups, g.m, g.n, g.k)
+            }
         };
         // A chain's steps are marked: the Cpu device runs them entry by entry.
         let mark = match plan.chains.iter().find(|c| c.steps().contains(&i)) {
@@ -103,6 +125,14 @@ pub fn plan_text(plan: &Plan) -> String {
         let _ = writeln!(out, "  {i:>4}  {line}{mark}");
     }
     out
+}
+
+fn transposed(t: bool) -> &'static str {
+    if t {
+        "^T"
+    } else {
+        ""
+    }
 }
 
 fn buffer_bytes(d: &BufferDecl) -> usize {
@@ -121,11 +151,13 @@ fn grid_text(grid: &Grid) -> String {
 pub struct StepCost {
     /// Index in [`Plan::steps`].
     pub step: usize,
-    /// `kernel`, `gemm` or `zero`.
+    /// `kernel`, `gemm`, `zero`, `route` or `grouped_gemm`.
     pub kind: &'static str,
-    /// The kernel's name, the GEMM's `MxNxK`, or the zeroed buffer.
+    /// The kernel's name, the GEMM's `MxNxK` (a grouped GEMM's over all its rows,
+    /// `groups:MxNxK`), the zeroed buffer, or the routing's `assignments/experts`.
     pub name: String,
-    /// Grid items (kernels), the batch (GEMMs), 1 (zero).
+    /// Grid items (kernels), the batch (GEMMs), the groups (grouped GEMMs), 1 (zero,
+    /// routing).
     pub items: usize,
     /// Bytes read and written.
     pub read: usize,
@@ -194,6 +226,32 @@ pub fn step_costs(plan: &Plan) -> Vec<StepCost> {
                 flops: 0,
                 exact: true,
             },
+            Step::MoeRoute(r) => StepCost {
+                step,
+                kind: "route",
+                name: format!("{}/{}", r.assignments, r.experts),
+                items: 1,
+                read: 4 * r.assignments,
+                written: 4 * (2 * r.assignments + r.experts),
+                flops: 0,
+                exact: true,
+            },
+            // Every row routed: the cost of a dropless step, a bound with a capacity
+            // (docs/math.md §1.6, Cost). Every expert's weights are read once.
+            Step::GroupedGemm(g) => {
+                let elem = |id: BufferId| plan.buffers.get(id.0).map_or(4, |d| d.dtype.size_bytes());
+                let [a, b, c] = g.extents().unwrap_or([0; 3]);
+                StepCost {
+                    step,
+                    kind: "grouped_gemm",
+                    name: format!("{}:{}x{}x{}", g.groups, g.m, g.n, g.k),
+                    items: g.groups,
+                    read: a * elem(g.a) + b * elem(g.b) + 4 * g.groups,
+                    written: c * 4,
+                    flops: (2 * g.m * g.n * g.k) as u64,
+                    exact: true,
+                }
+            }
         })
         .collect()
 }

@@ -28,15 +28,15 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use codegen::cc::{Compiler, Entry};
-use codegen::compile::{compile, fused_partition, Target};
+use codegen::compile::{compile, fused_partition, Request, Target};
 use codegen::cuda_emu::{EmuKernel, Emulator, LaneOrder};
 use codegen::kernel::Kernel;
-use codegen::plan::{BufferRole, Gemm, Plan, Step};
+use codegen::plan::{BufferRole, Gemm, GroupedGemm, MoeRoute, Plan, Step};
 use codegen::render::render_cuda;
 use common::emit::{spec_training_graph, Rng, Sources};
 
 use ir::exec::Value;
-use ir::graph::Op;
+use ir::graph::{Graph, Op};
 use ir::DType;
 
 /// Relative error allowed where the dialects' exponentials differ (see the module docs).
@@ -67,16 +67,31 @@ fn gpu_plan(spec: &str) -> (Plan, Vec<(BufferRole, Value<f32>)>) {
 
 /// [`gpu_plan`] at batch 2, `seq_len` and `d_model`, one layer.
 fn gpu_plan_sized(spec: &str, seq_len: usize, d_model: usize) -> (Plan, Vec<(BufferRole, Value<f32>)>) {
-    let (graph, request, vocab) = spec_training_graph(spec, 2, seq_len, |s| {
+    let model = gpu_model(spec, seq_len, |s| {
         s.d_model = d_model;
         s.layers = 1;
     });
+    (model.plan, model.named)
+}
+
+/// A spec's training graph, its Request and GPU Plan, and the random
+/// parameters and tokens, by buffer role and by graph node.
+struct GpuModel {
+    graph: Graph,
+    request: Request,
+    plan: Plan,
+    named: Vec<(BufferRole, Value<f32>)>,
+    sources: Sources,
+}
+
+/// The [`GpuModel`] of `spec` after `edit` at batch 2 and `seq_len`.
+fn gpu_model(spec: &str, seq_len: usize, edit: impl FnOnce(&mut ir::spec::ModelSpec)) -> GpuModel {
+    let (graph, request, vocab) = spec_training_graph(spec, 2, seq_len, edit);
     // As `TrainingGraph::plan_for(Target::Cuda)`: the update appended, the
     // runtime's partition, kernels sized for the GPU.
-    let request = request.with_update();
+    let request = request.with_update().for_target(Target::Cuda);
     let partition = fused_partition(&graph, &request).unwrap_or_else(|e| panic!("{spec}: {e}"));
-    let plan = compile(&graph, &partition, &request.for_target(Target::Cuda))
-        .unwrap_or_else(|e| panic!("{spec}: {e}"));
+    let plan = compile(&graph, &partition, &request).unwrap_or_else(|e| panic!("{spec}: {e}"));
     let mut rng = Rng::new(7);
     let sources = Sources::random(&graph, &mut rng, 0.1, &|_, n| {
         let mut r = Rng::new(11);
@@ -94,7 +109,7 @@ fn gpu_plan_sized(spec: &str, seq_len: usize, d_model: usize) -> (Plan, Vec<(Buf
             (role, v.clone())
         })
         .collect();
-    (plan, named)
+    GpuModel { graph, request, plan, named, sources }
 }
 
 /// A buffer's bytes, 8-byte aligned.
@@ -209,6 +224,33 @@ fn gemm(g: &Gemm, bufs: &mut [Buffer]) {
     }
 }
 
+/// Sparse MoE routing on the host, as the Cuda device runs it: the reference's
+/// own function over the step's i32 buffers.
+fn route(r: &MoeRoute, bufs: &mut [Buffer]) {
+    let ints = |b: &Buffer, len: usize| (0..len).map(|i| b.get(i) as i32).collect::<Vec<i32>>();
+    let idx = ints(&bufs[r.idx.0], r.assignments);
+    let (mut rows, mut tokens, mut counts) =
+        (vec![0; r.assignments], vec![0; r.assignments], vec![0; r.experts]);
+    ir::exec::moe::route_into(&idx, r.k, r.experts, r.capacity, &mut rows, &mut tokens, &mut counts)
+        .expect("routes");
+    for (id, data) in [(r.rows, rows), (r.tokens, tokens), (r.counts, counts)] {
+        data.iter().enumerate().for_each(|(i, &v)| bufs[id.0].set(i, f64::from(v)));
+    }
+}
+
+/// A grouped GEMM as the Cuda device issues it: the zeroing of what no group
+/// writes and one product per non-empty group.
+fn grouped_gemm(g: &GroupedGemm, bufs: &mut [Buffer]) {
+    let counts: Vec<i32> = (0..g.groups).map(|i| bufs[g.counts.0].get(i) as i32).collect();
+    let (products, zeroed) = g.products(&counts).expect("group sizes fit the rows");
+    for r in zeroed {
+        r.for_each(|i| bufs[g.c.0].set(i, 0.0));
+    }
+    for p in &products {
+        gemm(p, bufs);
+    }
+}
+
 /// Whether a kernel calls a function the two dialects compute differently
 /// (the f32 `exp` and `tanh`, see the module docs).
 fn differs_in_math(k: &Kernel) -> bool {
@@ -268,10 +310,11 @@ struct Coverage {
 /// Runs the GPU Plan of `spec` on the host, checking every kernel step's
 /// emulated CUDA run against its C run.
 fn check_spec(spec: &str) -> Coverage {
-    check_plan(spec, gpu_plan(spec))
+    check_plan(spec, gpu_plan(spec)).0
 }
 
-fn check_plan(spec: &str, (plan, named): (Plan, Vec<(BufferRole, Value<f32>)>)) -> Coverage {
+/// [`check_spec`] for a Plan; also returns every buffer after the run.
+fn check_plan(spec: &str, (plan, named): (Plan, Vec<(BufferRole, Value<f32>)>)) -> (Coverage, Vec<Buffer>) {
     let start = Instant::now();
     let c = c_compiler().compile_kernels(&plan.kernels).unwrap_or_else(|e| panic!("{spec}: {e}"));
     let emu = emulator().compile_kernels(&plan.kernels).unwrap_or_else(|e| panic!("{spec}: {e}"));
@@ -330,6 +373,8 @@ fn check_plan(spec: &str, (plan, named): (Plan, Vec<(BufferRole, Value<f32>)>)) 
             }
             Step::Gemm(g) => gemm(g, &mut bufs),
             Step::Zero { buffer } => bufs[buffer.0].bytes_mut().fill(0),
+            Step::MoeRoute(r) => route(r, &mut bufs),
+            Step::GroupedGemm(g) => grouped_gemm(g, &mut bufs),
         }
     }
     eprintln!(
@@ -345,7 +390,7 @@ fn check_plan(spec: &str, (plan, named): (Plan, Vec<(BufferRole, Value<f32>)>)) 
         start.elapsed().as_secs_f64()
     );
     assert!(cov.launches > 0, "{spec}: no kernel ran");
-    cov
+    (cov, bufs)
 }
 
 #[test]
@@ -383,13 +428,61 @@ fn moe_kernels_match_c() {
     check_spec("moe");
 }
 
+/// Sparse MoE dispatch (docs/math.md §1.6) with a capacity that drops
+/// assignments, a sigmoid gate and a shared expert: the kernels of its GPU Plan
+/// match C as for every spec, and the run, routing and grouped GEMMs done on the
+/// host as the Cuda device does them, gives the loss and every parameter
+/// gradient of the f32 reference.
+#[test]
+fn sparse_moe_kernels_match_c_and_the_plan_matches_the_reference() {
+    let GpuModel { graph, request, plan, named, sources } = gpu_model("moe", 8, |s| {
+        s.d_model = 16;
+        s.layers = 1;
+        s.ffn = ir::spec::FfnSpec::Moe(ir::spec::MoeSpec {
+            experts: 4,
+            top_k: 2,
+            shared: 1,
+            hidden: 8,
+            gate: ir::spec::MoeGate::Sigmoid,
+            dispatch: ir::spec::MoeDispatch::Sparse,
+            capacity_factor: Some(0.5),
+        });
+    });
+    let grouped = plan.steps.iter().filter(|s| matches!(s, Step::GroupedGemm(_))).count();
+    assert!(grouped > 0 && plan.steps.iter().any(|s| matches!(s, Step::MoeRoute(_))));
+    let (_, bufs) = check_plan("moe sparse", (plan.clone(), named));
+    let mut want: Vec<(String, BufferRole, ir::graph::NodeId)> = request
+        .outputs
+        .iter()
+        .map(|(n, id)| (n.clone(), BufferRole::Output { name: n.clone() }, *id))
+        .collect();
+    for &(p, g) in &request.grads {
+        let Op::Param(info) = &graph.node(p).op else { unreachable!("grads pair params") };
+        want.push((format!("d {}", info.name), BufferRole::Grad { name: info.name.clone() }, g));
+    }
+    let roots: Vec<_> = want.iter().map(|w| w.2).collect();
+    let reference = ir::exec::run::<f32>(&graph, &sources.values, &roots).expect("reference runs");
+    for (name, role, id) in want {
+        let buf = &bufs[plan.find(&role).unwrap_or_else(|| panic!("no buffer for {name}")).0];
+        let Value::Float(t) = &reference[&id] else { panic!("{name}: not a float value") };
+        let got: Vec<f32> = (0..buf.len).map(|i| buf.get(i) as f32).collect();
+        let err = common::emit::rel_err(&got, &t.data);
+        assert!(
+            err <= 2e-4,
+            "{name}: relative error {err}\n got {:?}\nwant {:?}",
+            &got[..got.len().min(8)],
+            &t.data[..t.data.len().min(8)]
+        );
+    }
+}
+
 /// At 256 tokens of width 64 the GPU Plan takes its larger forms: token
 /// reductions of parameter gradients as blocks of up to 256 threads, the
 /// embedding gradient a thread per column, attention's softmax a block per
 /// score row.
 #[test]
 fn residual_kernels_at_gpu_sizes_match_c() {
-    let cov = check_plan("residual d64 seq128", gpu_plan_sized("residual", 128, 64));
+    let (cov, _) = check_plan("residual d64 seq128", gpu_plan_sized("residual", 128, 64));
     assert!(cov.block_kernels > 0);
 }
 

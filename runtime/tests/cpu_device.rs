@@ -611,3 +611,231 @@ fn norm_kernels_agree_across_target_forms() {
     assert_eq!(norms[0], norms[1]);
     assert_eq!(norms[0], runtime::optim::clip::global_norm(&[grad]).to_bits(), "and the host's");
 }
+
+// ---------------------------------------------------------------------------------------
+// Sparse MoE steps (docs/math.md §1.6): routing and grouped GEMMs on a hand-built Plan.
+
+/// Tokens, experts per token, experts, widths of the MoE test Plan.
+const MOE_TOKENS: usize = 40;
+const MOE_K: usize = 2;
+const MOE_E: usize = 5;
+const MOE_D: usize = 24;
+const MOE_F: usize = 16;
+const MOE_ROWS: usize = MOE_TOKENS * MOE_K;
+
+/// Buffers of the MoE test Plan.
+const M_IDX: BufferId = BufferId(0);
+const M_ROWS: BufferId = BufferId(1);
+const M_TOKENS: BufferId = BufferId(2);
+const M_COUNTS: BufferId = BufferId(3);
+const M_X: BufferId = BufferId(4); // [rows, D]
+const M_W: BufferId = BufferId(5); // [E, D, F]
+const M_Y: BufferId = BufferId(6); // [rows, F] = x · w[e]
+const M_DY: BufferId = BufferId(7); // [rows, F]
+const M_DW: BufferId = BufferId(8); // [E, D, F] = Σ x ⊗ dy
+const M_DX: BufferId = BufferId(9); // [rows, D] = dy · w[e]ᵀ
+const M_DWT: BufferId = BufferId(10); // the trans_b gradient over (dy, x): [E, D, F]
+
+/// Routing of `MOE_TOKENS` tokens' expert choices, then the forward grouped
+/// product, its weight gradient, the input gradient (`trans_b`) and the
+/// transposed weight gradient, as the lowering of `GroupedMatMul` emits them.
+fn moe_plan(capacity: Option<usize>) -> Plan {
+    use codegen::plan::{GroupedForm, GroupedGemm, MoeRoute};
+    let i32s = |id, len| decl(id, len, DType::I32, BufferRole::Scratch { offset: (id - 1) * 128 });
+    let buffers = vec![
+        decl(0, MOE_ROWS, DType::I32, input("idx")),
+        i32s(1, MOE_ROWS),
+        i32s(2, MOE_ROWS),
+        i32s(3, MOE_E),
+        decl(4, MOE_ROWS * MOE_D, DType::F32, input("x")),
+        decl(5, MOE_E * MOE_D * MOE_F, DType::F32, BufferRole::Param { name: "w".into() }),
+        decl(6, MOE_ROWS * MOE_F, DType::F32, output("y")),
+        decl(7, MOE_ROWS * MOE_F, DType::F32, input("dy")),
+        decl(8, MOE_E * MOE_D * MOE_F, DType::F32, BufferRole::Grad { name: "w".into() }),
+        decl(9, MOE_ROWS * MOE_D, DType::F32, output("dx")),
+        decl(10, MOE_E * MOE_D * MOE_F, DType::F32, output("dwt")),
+    ];
+    let grouped = |form, a, b, c, (k, n), trans_b| {
+        Step::GroupedGemm(GroupedGemm {
+            form,
+            a,
+            b,
+            c,
+            counts: M_COUNTS,
+            groups: MOE_E,
+            m: MOE_ROWS,
+            k,
+            n,
+            trans_b,
+        })
+    };
+    Plan {
+        kernels: vec![],
+        steps: vec![
+            Step::MoeRoute(MoeRoute {
+                idx: M_IDX,
+                rows: M_ROWS,
+                tokens: M_TOKENS,
+                counts: M_COUNTS,
+                assignments: MOE_ROWS,
+                k: MOE_K,
+                experts: MOE_E,
+                capacity,
+            }),
+            grouped(GroupedForm::Rows, M_X, M_W, M_Y, (MOE_D, MOE_F), false),
+            grouped(GroupedForm::WeightGrad, M_X, M_DY, M_DW, (MOE_D, MOE_F), false),
+            grouped(GroupedForm::Rows, M_DY, M_W, M_DX, (MOE_F, MOE_D), true),
+            grouped(GroupedForm::WeightGrad, M_DY, M_X, M_DWT, (MOE_F, MOE_D), true),
+        ],
+        buffers,
+        arena_len: 0,
+        update_start: None,
+        chains: vec![],
+    }
+}
+
+/// Expert choices with no expert 4 (its weight gradient must be zero) and expert 1
+/// chosen by every token (capacity drops some of its assignments).
+fn moe_choices() -> Vec<i32> {
+    (0..MOE_TOKENS).flat_map(|t| [1, [0, 2, 3][t % 3]]).collect()
+}
+
+/// Runs the MoE test Plan on `threads`; returns every output and the routing.
+fn run_moe(capacity: Option<usize>, threads: usize, cache: &TempCache) -> Vec<Vec<f32>> {
+    let mut dev = load(moe_plan(capacity), cache, threads);
+    dev.write_i32(M_IDX, &moe_choices()).unwrap();
+    dev.write_f32(M_X, &data(MOE_ROWS * MOE_D, 11, 1.0)).unwrap();
+    dev.write_f32(M_W, &data(MOE_E * MOE_D * MOE_F, 12, 0.5)).unwrap();
+    dev.write_f32(M_DY, &data(MOE_ROWS * MOE_F, 13, 1.0)).unwrap();
+    // Garbage where the steps must write zeros.
+    for id in [M_Y, M_DW, M_DX, M_DWT] {
+        let len = dev.read_f32(id).unwrap().len();
+        dev.write_f32(id, &vec![f32::NAN; len]).unwrap();
+    }
+    dev.run().expect("runs");
+    let ints = |id| dev.read_i32(id).unwrap().iter().map(|&v| v as f32).collect::<Vec<f32>>();
+    let mut out = vec![ints(M_ROWS), ints(M_TOKENS), ints(M_COUNTS)];
+    out.extend([M_Y, M_DW, M_DX, M_DWT].map(|id| dev.read_f32(id).unwrap().to_vec()));
+    out
+}
+
+#[test]
+fn moe_routing_and_grouped_gemms_match_rust() {
+    let cache = TempCache::new("moe");
+    for capacity in [None, Some(13)] {
+        let what = format!("capacity {capacity:?}");
+        let out = run_moe(capacity, 2, &cache);
+        // The routing is the reference executor's.
+        let choices = moe_choices();
+        let (rows, kept) = ir::exec::moe::route(&choices, MOE_E, capacity).unwrap();
+        let as_f32 = |v: &[usize]| v.iter().map(|&x| x as f32).collect::<Vec<f32>>();
+        assert_eq!(out[0], as_f32(&rows), "{what}: rows");
+        assert_eq!(out[2], as_f32(&kept), "{what}: counts");
+        assert_eq!(kept[4], 0, "expert 4 is never chosen");
+        assert!(capacity.is_none() || kept[1] == 13, "{what}: expert 1 is cut to the capacity");
+        for (a, &r) in rows.iter().enumerate() {
+            assert_eq!(out[1][r], (a / MOE_K) as f32, "{what}: row {r} reads its token");
+        }
+        // Products: f64 per group, zero past the groups and for the empty group.
+        let (x, w, dy) = (
+            data(MOE_ROWS * MOE_D, 11, 1.0),
+            data(MOE_E * MOE_D * MOE_F, 12, 0.5),
+            data(MOE_ROWS * MOE_F, 13, 1.0),
+        );
+        let mut y = vec![0.0f64; MOE_ROWS * MOE_F];
+        let mut dw = vec![0.0f64; MOE_E * MOE_D * MOE_F];
+        let mut dx = vec![0.0f64; MOE_ROWS * MOE_D];
+        let mut dwt = vec![0.0f64; MOE_E * MOE_D * MOE_F];
+        let mut start = 0;
+        for (e, &count) in kept.iter().enumerate() {
+            let we = &w[e * MOE_D * MOE_F..(e + 1) * MOE_D * MOE_F];
+            for r in start..start + count {
+                for j in 0..MOE_F {
+                    for i in 0..MOE_D {
+                        let (xv, dv) = (f64::from(x[r * MOE_D + i]), f64::from(dy[r * MOE_F + j]));
+                        y[r * MOE_F + j] += xv * f64::from(we[i * MOE_F + j]);
+                        dw[e * MOE_D * MOE_F + i * MOE_F + j] += xv * dv;
+                        dx[r * MOE_D + i] += dv * f64::from(we[i * MOE_F + j]);
+                        // The transposed form over (dy, x): [E, D, F] again, Σ x ⊗ dy.
+                        dwt[e * MOE_D * MOE_F + i * MOE_F + j] += dv * xv;
+                    }
+                }
+            }
+            start += count;
+        }
+        assert!(capacity.is_none() || start < MOE_ROWS, "{what}: dropped rows exist");
+        for (got, want, name) in
+            [(&out[3], &y, "y"), (&out[4], &dw, "dw"), (&out[5], &dx, "dx"), (&out[6], &dwt, "dwt")]
+        {
+            assert_close(got, want, 1e-5, &format!("{what}: {name}"));
+        }
+        // Thread counts give the same bits: groups shared out whole (2 and 3 threads
+        // over 4 non-empty groups) or each split over the threads (1 and 8).
+        for threads in [1, 3, 8] {
+            let other = run_moe(capacity, threads, &cache);
+            for (a, b) in out.iter().zip(&other) {
+                assert!(
+                    a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits()),
+                    "{what}: {threads} threads"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn malformed_moe_steps_are_rejected() {
+    use codegen::plan::Step::{GroupedGemm, MoeRoute};
+    let cache = TempCache::new("moe-reject");
+    let compiler = cache.compiler();
+    let try_load = |plan: Plan| CpuDevice::with_options(plan, &compiler, CpuOptions { threads: 2 }).err();
+    let grouped_error = |plan: Plan, what: &str| match try_load(plan) {
+        Some(CpuError::Plan(PlanError::Grouped { what: message, .. })) => {
+            assert!(message.contains(what), "{message}")
+        }
+        other => panic!("expected a grouped GEMM error naming {what}, got {other:?}"),
+    };
+
+    // Counts that are not i32.
+    let mut float_counts = moe_plan(None);
+    float_counts.buffers[M_COUNTS.0].dtype = DType::F32;
+    assert!(matches!(try_load(float_counts.clone()), Some(CpuError::Plan(PlanError::Route { step: 0, .. }))));
+    float_counts.steps.remove(0);
+    grouped_error(float_counts, "counts");
+    // Sizes past an operand: more rows than x holds, a wider product than w holds.
+    let mut rows = moe_plan(None);
+    if let GroupedGemm(g) = &mut rows.steps[1] {
+        g.m = MOE_ROWS + 1;
+    }
+    grouped_error(rows, "operand a");
+    let mut wide = moe_plan(None);
+    if let GroupedGemm(g) = &mut wide.steps[1] {
+        g.n = MOE_F + 1;
+    }
+    grouped_error(wide, "operand b");
+    // An output over an input.
+    let mut aliased = moe_plan(None);
+    if let GroupedGemm(g) = &mut aliased.steps[2] {
+        g.c = M_X;
+        g.form = codegen::plan::GroupedForm::Rows;
+        (g.k, g.n) = (MOE_D, MOE_D);
+    }
+    assert!(matches!(try_load(aliased), Some(CpuError::Plan(PlanError::Grouped { step: 2, .. }))));
+    // A routing output over another, and a routing of too many assignments.
+    let mut route_aliased = moe_plan(None);
+    route_aliased.buffers[M_TOKENS.0].role = BufferRole::Scratch { offset: 10 };
+    assert!(matches!(try_load(route_aliased), Some(CpuError::Plan(PlanError::Route { step: 0, .. }))));
+    let mut long = moe_plan(None);
+    if let MoeRoute(r) = &mut long.steps[0] {
+        r.assignments = MOE_ROWS + 2;
+    }
+    assert!(matches!(try_load(long), Some(CpuError::Plan(PlanError::Route { step: 0, .. }))));
+
+    // At run time: an expert index out of range is an error, not an access past counts.
+    let mut dev =
+        CpuDevice::with_options(moe_plan(None), &compiler, CpuOptions { threads: 2 }).expect("loads");
+    let mut choices = moe_choices();
+    choices[7] = MOE_E as i32;
+    dev.write_i32(M_IDX, &choices).unwrap();
+    assert!(matches!(dev.run(), Err(CpuError::Step { step: 0, ref what }) if what.contains("out of range")));
+}

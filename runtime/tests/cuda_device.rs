@@ -524,3 +524,74 @@ fn gpu_training_steps_match_the_cpu_device() {
     let uploaded = gpu.loss(&gpu_params.clone(), &tokens).expect("loss");
     assert_eq!(resident.to_bits(), uploaded.to_bits(), "the GPU's parameters are the host's");
 }
+
+/// Sparse MoE dispatch (docs/math.md §1.6) on the GPU: routing on the host
+/// between the kernels, one cuBLAS call per expert group. Everywhere, the
+/// compiled GPU Plan passes the load-time checks and, without a driver, is
+/// refused with the typed error; with one, the loss and every gradient match
+/// the Cpu device's, and so do training steps (a capacity drops assignments).
+#[test]
+fn gpu_sparse_moe_matches_the_cpu_device() {
+    use ir::spec::{FfnSpec, ModelSpec, MoeDispatch, MoeGate, MoeSpec};
+    use runtime::device::cpu::CpuOptions;
+    use runtime::device::cpu_executor::{CpuExecutor, TrainingGraph};
+    use runtime::executor::{cuda_executor, StepExecutor, UpdateSettings};
+    use runtime::init::init_params;
+    use runtime::optim::Optimizer;
+    let moe = MoeSpec {
+        experts: 4,
+        top_k: 2,
+        shared: 1,
+        hidden: 16,
+        gate: MoeGate::Sigmoid,
+        dispatch: MoeDispatch::Sparse,
+        capacity_factor: Some(0.75),
+    };
+    let mut spec = ModelSpec {
+        name: "gpu-sparse-moe".into(),
+        d_model: 32,
+        layers: 2,
+        heads: 2,
+        ffn: FfnSpec::Moe(moe),
+        ..ModelSpec::default()
+    };
+    spec.train.seq_len = 16;
+    spec.train.batch = 2;
+    let lowered = || ir::lower::lower(&spec, spec.train.batch, spec.train.seq_len).expect("lower");
+    let plan = TrainingGraph::new(lowered())
+        .and_then(|g| g.plan_for(codegen::compile::Target::Cuda))
+        .expect("the sparse GPU Plan compiles");
+    assert_eq!(plan.steps.iter().filter(|s| matches!(s, Step::MoeRoute(_))).count(), 2, "one per layer");
+    if !driver_available() {
+        assert!(matches!(CudaDevice::new(plan), Err(CudaError::NoCudaDriver)));
+        eprintln!("no CUDA driver: sparse MoE on the GPU not checked here (scripts/gpu_check.sh runs it)");
+        return;
+    }
+    let mut gpu = cuda_executor(lowered()).expect("the Plan loads on the GPU");
+    let mut cpu = CpuExecutor::from_lowered(lowered(), CpuOptions { threads: 2 });
+    let mut gpu_params = init_params(&lowered().graph, 0).expect("init");
+    let mut cpu_params = gpu_params.clone();
+    let window = spec.train.batch * (spec.train.seq_len + 1);
+    let batch = |step: usize| (0..window).map(|i| ((i * 7 + step * 13) % 256) as i32).collect::<Vec<i32>>();
+    let (gl, gg) = gpu.loss_and_grads(&gpu_params, &batch(0)).expect("GPU loss and gradients");
+    let (cl, cg) = cpu.loss_and_grads(&cpu_params, &batch(0)).expect("Cpu loss and gradients");
+    assert!((gl - cl).abs() <= 1e-4 * cl.abs(), "loss {gl} against {cl}");
+    for (i, (g, c)) in gg.iter().zip(&cg).enumerate() {
+        let scale = c.iter().map(|v| v.abs()).fold(1e-12f32, f32::max);
+        let diff = g.iter().zip(c).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        assert!(diff <= 1e-3 * scale, "gradient {i} differs by {diff} (scale {scale})");
+    }
+    let mut gpu_opt = Optimizer::new(&spec, &gpu_params);
+    let mut cpu_opt = gpu_opt.clone();
+    for step in 1..4 {
+        let settings = UpdateSettings { lr_mult: 1.0, clip: Some(1.0) };
+        let g = gpu.train_step(&mut gpu_params, &batch(step), &mut gpu_opt, settings).expect("GPU step");
+        let c = cpu.train_step(&mut cpu_params, &batch(step), &mut cpu_opt, settings).expect("Cpu step");
+        assert!(
+            (g.loss - c.loss).abs() <= 1e-3 * c.loss.abs(),
+            "step {step}: loss {} against {}",
+            g.loss,
+            c.loss
+        );
+    }
+}

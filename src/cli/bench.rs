@@ -335,7 +335,7 @@ fn profile_kernels(models: &mut [Model], reps: usize) -> anyhow::Result<serde_js
         let timings = device.profile(reps.max(1))?;
         let plan = device.plan();
         let mut kernels = Vec::new();
-        let (mut kernel_ms, mut gemm_ms, mut zero_ms) = (0.0, 0.0, 0.0);
+        let (mut kernel_ms, mut gemm_ms, mut zero_ms, mut route_ms) = (0.0, 0.0, 0.0, 0.0);
         let (mut conn_ms, mut conn_bytes) = (0.0, 0u64);
         for t in &timings {
             match &plan.steps[t.step] {
@@ -357,8 +357,11 @@ fn profile_kernels(models: &mut [Model], reps: usize) -> anyhow::Result<serde_js
                         "fraction_of_copy": bytes_per_s.map(|r| r / copy),
                     }));
                 }
-                Step::Gemm(_) => gemm_ms += t.ms,
+                // A grouped GEMM is library products too (one per expert).
+                Step::Gemm(_) | Step::GroupedGemm(_) => gemm_ms += t.ms,
                 Step::Zero { .. } => zero_ms += t.ms,
+                // The host round trip of sparse MoE routing (docs/math.md §1.6).
+                Step::MoeRoute(_) => route_ms += t.ms,
             }
         }
         let conn_rate = rate(conn_bytes, conn_ms);
@@ -367,7 +370,7 @@ fn profile_kernels(models: &mut [Model], reps: usize) -> anyhow::Result<serde_js
             "scheme": m.scheme,
             "baseline": m.baseline,
             "arch": device.arch(),
-            "ms": { "kernels": kernel_ms, "gemms": gemm_ms, "zeros": zero_ms },
+            "ms": { "kernels": kernel_ms, "gemms": gemm_ms, "zeros": zero_ms, "routing": route_ms },
             "connection_kernels": {
                 "count": kernels.iter().filter(|k| k["connection"] == true).count(),
                 "ms": conn_ms,

@@ -178,11 +178,11 @@ pub(super) fn emit(b: &mut Block, cx: &ItemOp) -> Result<(), EmitError> {
         | Op::CausalAttention { .. }
         | Op::TemporalAugment { .. }
         | Op::CausalAttentionGrad { .. }
-        | Op::TemporalAugmentGrad { .. }) => {
+        | Op::TemporalAugmentGrad { .. }
+        | Op::MoeRoute { .. }
+        | Op::GroupedMatMul { .. }
+        | Op::GroupedMatMulGrad { .. }) => {
             return Err(EmitError::at(cx.id, op, "has no item emitter (it is lowered on its own grid)"))
-        }
-        op @ (Op::MoeRoute { .. } | Op::GroupedMatMul { .. } | Op::GroupedMatMulGrad { .. }) => {
-            return Err(EmitError::at(cx.id, op, super::SPARSE_MOE_UNSUPPORTED))
         }
     }
     Ok(())

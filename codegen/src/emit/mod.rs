@@ -18,15 +18,19 @@
 //!
 //! Ops that need their own grid (attention and its gradient, the loss, the
 //! norm projection of the connection coefficients,
-//! temporal augmentation and its gradient) are lowered by the `own_grid` module.
+//! temporal augmentation and its gradient) are lowered by the `own_grid` module;
+//! the sparse MoE ops become Plan steps of their own (routing, grouped GEMMs) in
+//! the `moe` module.
 
 mod attention;
 mod item;
 mod lanes;
+mod moe;
 mod own_grid;
 
 pub use attention::attention_grads;
 pub use lanes::{has_lanes_form, lower_sinkhorn_lanes};
+pub use moe::{moe_route, route_slot};
 pub use own_grid::{lower_own_grid, temporal_grads};
 
 use std::cell::Cell;
@@ -104,6 +108,10 @@ pub type GemmCall = crate::plan::Gemm<Arg>;
 pub enum Work {
     Launch(Launch),
     Gemm(GemmCall),
+    /// Sparse MoE routing ([`crate::plan::MoeRoute`]).
+    Route(crate::plan::MoeRoute<Arg>),
+    /// A grouped product over expert row groups ([`crate::plan::GroupedGemm`]).
+    Grouped(crate::plan::GroupedGemm<Arg>),
 }
 
 /// The steps that compute some nodes, in order, and the temporaries
@@ -174,11 +182,6 @@ pub enum EmitError {
     #[error(transparent)]
     Kernel(#[from] KernelError),
 }
-
-/// Why the compiled devices refuse the sparse MoE ops (docs/math.md §1.6): their
-/// grouped products have no kernels yet, and refusing beats computing something else.
-pub const SPARSE_MOE_UNSUPPORTED: &str =
-    "sparse MoE dispatch is not yet supported on the compiled devices (use dispatch: Dense or --device reference)";
 
 impl EmitError {
     pub(crate) fn at(node: NodeId, op: &Op, message: impl Into<String>) -> EmitError {

@@ -67,8 +67,16 @@ pub fn lower_own_grid(graph: &Graph, id: NodeId, name: &str, target: Target) -> 
         | Op::Sinkhorn { .. }
         | Op::CausalAttentionGrad { .. }
         | Op::SinkhornGrad { .. }) => Err(EmitError::at(id, op, "is not lowered on a grid of its own")),
-        op @ (Op::MoeRoute { .. } | Op::GroupedMatMul { .. } | Op::GroupedMatMulGrad { .. }) => {
-            Err(EmitError::at(id, op, super::SPARSE_MOE_UNSUPPORTED))
+        Op::MoeRoute { out, .. } => {
+            let mut outs = [None; 3];
+            outs[super::route_slot(*out)] = Some(id);
+            super::moe_route(graph, &outs, name, target)
+        }
+        Op::GroupedMatMul { trans_b } => {
+            super::moe::grouped(graph, id, name, crate::plan::GroupedForm::Rows, *trans_b, target)
+        }
+        Op::GroupedMatMulGrad { trans_b } => {
+            super::moe::grouped(graph, id, name, crate::plan::GroupedForm::WeightGrad, *trans_b, target)
         }
     }
 }
@@ -178,7 +186,7 @@ const COPY_ROW_MIN: usize = 64;
 /// GPU (adjacent threads, adjacent addresses) and one row per item in C (the
 /// view's index math then divides once per row, not once per element: xHC's
 /// first state, the embedding broadcast to N streams, is 8 M elements).
-fn memory(
+pub(super) fn memory(
     graph: &Graph,
     id: NodeId,
     name: &str,

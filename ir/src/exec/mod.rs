@@ -15,7 +15,7 @@ mod connection;
 mod elementwise;
 mod loss;
 mod matmul;
-mod moe;
+pub mod moe;
 mod movement;
 mod norms;
 mod reduce;

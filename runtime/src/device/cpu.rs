@@ -14,7 +14,10 @@
 //! [`CpuDevice::run`] then executes the launch list in order: kernel steps
 //! split their grid's items into contiguous ranges run on a persistent thread
 //! pool, GEMM steps go through the AVX-512 kernel of `sgemm.rs` or the `gemm`
-//! crate, zero steps clear a buffer.
+//! crate, zero steps clear a buffer. The sparse MoE steps (docs/math.md §1.6)
+//! route on the calling thread with the reference's own function
+//! ([`ir::exec::moe::route_into`]) and run a grouped GEMM as one product per
+//! expert on the same GEMM path.
 //!
 //! # Safety
 //!
@@ -37,7 +40,7 @@ use super::pool::Pool;
 use super::{paired_gemm, sgemm};
 use codegen::cc::{CcError, Compiler, Entry};
 use codegen::kernel::{Expr, Grid, Kernel, Stmt};
-use codegen::plan::{BufferDecl, BufferId, BufferRole, Chain, Gemm, Plan, Step};
+use codegen::plan::{BufferDecl, BufferId, BufferRole, Chain, Gemm, GroupedGemm, MoeRoute, Plan, Step};
 use ir::DType;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -62,6 +65,10 @@ pub enum CpuError {
         "buffer #{id} cannot be viewed beside the others: only persistent buffers, each named once, can"
     )]
     SharedView { id: usize },
+    /// A routing or grouped step refused its data (an expert index out of range,
+    /// group sizes past the rows): checked before any access, never a read out of bounds.
+    #[error("step {step}: {what}")]
+    Step { step: usize, what: String },
 }
 
 /// How the device runs.
@@ -291,6 +298,8 @@ fn step_label(plan: &Plan, step: &Step, rows: ProfileRows) -> String {
             format!("gemm {batch}{}x{}x{}", g.m, g.n, g.k)
         }
         Step::Zero { .. } => "zero".into(),
+        Step::MoeRoute(r) => format!("moe route {}x{} over {}", r.assignments / r.k.max(1), r.k, r.experts),
+        Step::GroupedGemm(g) => format!("grouped gemm {}: {}x{}x{}", g.groups, g.m, g.n, g.k),
     }
 }
 
@@ -312,7 +321,7 @@ impl CpuDevice {
             .iter()
             .map(|s| match s {
                 Step::Kernel { kernel, .. } => split(&plan.kernels[*kernel], threads),
-                Step::Gemm(_) | Step::Zero { .. } => 1,
+                Step::Gemm(_) | Step::Zero { .. } | Step::MoeRoute(_) | Step::GroupedGemm(_) => 1,
             })
             .collect();
         let library = compiler.compile_kernels(&plan.kernels)?;
@@ -495,6 +504,15 @@ impl CpuDevice {
         }
     }
 
+    /// The current contents of an i32 buffer (token ids, MoE routing).
+    pub fn read_i32(&self, id: BufferId) -> Result<&[i32], CpuError> {
+        let dtype = self.decl(id)?.dtype;
+        match self.storage(id)? {
+            (HostVec::I32(v), r) => Ok(&v[r]),
+            _ => Err(CpuError::WrongDType { id: id.0, dtype, want: DType::I32 }),
+        }
+    }
+
     /// The base pointer of every buffer. Valid until storage is dropped: no
     /// vector is resized after loading.
     fn pointers(&mut self) -> Vec<*mut c_void> {
@@ -581,6 +599,18 @@ impl CpuDevice {
                         std::ptr::write_bytes(ptrs[buffer.0].cast::<u8>(), 0, d.len * d.dtype.size_bytes())
                     };
                 }
+                Step::MoeRoute(r) => {
+                    // SAFETY: `check_steps` verified four i32 buffers of the step's lengths
+                    // whose outputs overlap nothing else the step binds.
+                    unsafe { run_route(r, &ptrs) }.map_err(|what| CpuError::Step { step: index, what })?;
+                }
+                Step::GroupedGemm(g) => {
+                    let dtypes = [g.a, g.b].map(|id| self.plan.buffers[id.0].dtype);
+                    // SAFETY: `check_steps` verified the extents and dtypes of the operands
+                    // and that `c` overlaps none of them; `run_grouped` checks the counts.
+                    unsafe { run_grouped(g, &ptrs, dtypes, &self.pool) }
+                        .map_err(|what| CpuError::Step { step: index, what })?;
+                }
             }
             if let (Some(p), Some(t)) = (&mut self.profile, started) {
                 p.time[index] += t.elapsed();
@@ -606,7 +636,7 @@ impl CpuDevice {
             .iter()
             .map(|s| match s {
                 Step::Kernel { args, .. } => args.iter().map(|id| addr[id.0]).collect(),
-                Step::Gemm(_) | Step::Zero { .. } => Vec::new(),
+                Step::Gemm(_) | Step::Zero { .. } | Step::MoeRoute(_) | Step::GroupedGemm(_) => Vec::new(),
             })
             .collect();
         // Each GEMM's tiles, chosen on the whole product as `run_gemm` does.
@@ -617,7 +647,7 @@ impl CpuDevice {
                     let ((rows, cols), _) = operand_strides(g);
                     tiled_isa(g, sgemm::Operand { ptr: std::ptr::null(), rows, cols })
                 }
-                Step::Kernel { .. } | Step::Zero { .. } => None,
+                Step::Kernel { .. } | Step::Zero { .. } | Step::MoeRoute(_) | Step::GroupedGemm(_) => None,
             })
             .collect();
         let lead: Vec<AtomicU64> = steps.iter().map(|_| AtomicU64::new(0)).collect();
@@ -645,7 +675,9 @@ impl CpuDevice {
                                 batch_entry_product(g, isas[i], (a, b, c), entry, 0..g.m, 0..g.n, false)
                             };
                         }
-                        Step::Zero { .. } => unreachable!("check_chains admits no zeroing in a chain"),
+                        Step::Zero { .. } | Step::MoeRoute(_) | Step::GroupedGemm(_) => {
+                            unreachable!("check_chains admits no zeroing, routing or grouped step in a chain")
+                        }
                     }
                     if let Some(t) = started {
                         lead[i].fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
@@ -817,6 +849,108 @@ unsafe fn widened_operand(
     // SAFETY: the caller guarantees `len` bf16 elements at `ptr`.
     let bits = unsafe { std::slice::from_raw_parts(ptr.cast::<u16>().cast_const(), len) };
     Some(bits.iter().map(|&h| f32::from_bits(u32::from(h) << 16)).collect())
+}
+
+/// Sparse MoE routing (docs/math.md §1.6) in place: the reference's own counting pass
+/// over the step's buffers, on the calling thread (a few thousand integers, and every
+/// grouped product after it waits on the counts).
+///
+/// # Safety
+/// The step's four buffers are i32 of its lengths and its outputs overlap nothing else
+/// it binds (`check_steps`).
+unsafe fn run_route(r: &MoeRoute, ptrs: &[*mut c_void]) -> Result<(), String> {
+    // SAFETY: the caller's contract: distinct i32 buffers of these lengths.
+    let (idx, rows, tokens, counts) = unsafe {
+        let out = |id: BufferId, len| std::slice::from_raw_parts_mut(ptrs[id.0].cast::<i32>(), len);
+        let idx = std::slice::from_raw_parts(ptrs[r.idx.0].cast::<i32>().cast_const(), r.assignments);
+        (idx, out(r.rows, r.assignments), out(r.tokens, r.assignments), out(r.counts, r.experts))
+    };
+    ir::exec::moe::route_into(idx, r.k, r.experts, r.capacity, rows, tokens, counts)
+}
+
+/// A grouped GEMM (docs/math.md §1.6): the group sizes read from its counts, then
+/// one f32 product per non-empty group ([`GroupedGemm::products`]) on the device's
+/// GEMM path, after zeroing what no group writes (rows of dropped assignments, the
+/// weight gradient of an expert no token chose). bf16 inputs are widened into f32
+/// copies first, as for [`Step::Gemm`]. With at least as many groups as threads,
+/// each thread takes a run of whole groups of about equal work; otherwise each
+/// product is split over the threads as [`run_gemm`] splits one. Either way an
+/// element's bits are those of the whole product, whatever the thread count.
+///
+/// # Safety
+/// The operands hold the step's extents in `dtypes` (a, b) and f32 (c), the counts
+/// `groups` i32, and `c` overlaps none of them (`check_steps`).
+unsafe fn run_grouped(
+    g: &GroupedGemm,
+    ptrs: &[*mut c_void],
+    dtypes: [DType; 2],
+    pool: &Pool,
+) -> Result<(), String> {
+    // SAFETY: `groups` i32 counts (the caller's contract).
+    let counts = unsafe { std::slice::from_raw_parts(ptrs[g.counts.0].cast::<i32>().cast_const(), g.groups) };
+    let (products, zeroed) = g.products(counts)?;
+    let [len_a, len_b, _] = g.extents().ok_or("the product's extents overflow")?;
+    // SAFETY: the inputs hold their extents (the caller's contract).
+    let (wa, wb) = unsafe {
+        (
+            widened_operand(ptrs[g.a.0], dtypes[0], 1, 0, len_a),
+            widened_operand(ptrs[g.b.0], dtypes[1], 1, 0, len_b),
+        )
+    };
+    let pa = wa.as_ref().map_or(ptrs[g.a.0].cast_const(), |v| v.as_ptr().cast()).cast::<f32>();
+    let pb = wb.as_ref().map_or(ptrs[g.b.0].cast_const(), |v| v.as_ptr().cast()).cast::<f32>();
+    let pc = ptrs[g.c.0].cast::<f32>();
+    for r in zeroed {
+        // SAFETY: the range lies inside c's extent (`GroupedGemm::products`).
+        unsafe { std::ptr::write_bytes(pc.add(r.start), 0, r.len()) };
+    }
+    // A product's operands are the step's a and b, in either order (the transposed
+    // weight gradient multiplies b's rows by a's).
+    let input = |id: BufferId| if id == g.a { pa } else { pb };
+    // Whole groups per thread when there are at least as many groups as threads:
+    // each group's product then stays in its core's cache, where bands of every
+    // small product would wait on the pool once per group. A product `run_gemm`
+    // would split along its contraction keeps that path, so the bits never depend
+    // on the thread count (bands and whole products give the same bits).
+    let splits_k = |p: &Gemm| p.m * p.n <= SPLIT_K_MAX_OUTPUT && p.k >= SPLIT_K_MIN;
+    let threads = pool.threads();
+    if threads < 2 || products.len() < threads || products.iter().any(splits_k) {
+        for p in &products {
+            // SAFETY: each product lies inside the step's extents (`GroupedGemm::products`).
+            unsafe { run_gemm(p, input(p.a), input(p.b), pc, pool) };
+        }
+        return Ok(());
+    }
+    // Addresses as integers so the parts can share them across threads.
+    let (a, b, c) = (pa as usize, pb as usize, pc as usize);
+    let addr = |id: BufferId| if id == g.a { a } else { b };
+    // Contiguous runs of groups of about equal work: a group goes to the part its
+    // work's midpoint falls in.
+    let total = products.iter().map(|p| p.m * p.n * p.k).sum::<usize>().max(1);
+    let mut before = 0usize;
+    let part_of: Vec<usize> = products
+        .iter()
+        .map(|p| {
+            let w = p.m * p.n * p.k;
+            let mid = before + w / 2;
+            before += w;
+            (mid.saturating_mul(threads) / total).min(threads - 1)
+        })
+        .collect();
+    let bounds: Vec<usize> =
+        (0..=threads).map(|t| part_of.iter().position(|&q| q >= t).unwrap_or(products.len())).collect();
+    let part = |t: usize| {
+        for p in &products[bounds[t]..bounds[t + 1]] {
+            // The tiles `run_gemm` picks for the whole product.
+            let ((rows, cols), _) = operand_strides(p);
+            let isa = tiled_isa(p, sgemm::Operand { ptr: std::ptr::null(), rows, cols });
+            // SAFETY: as above; groups write disjoint blocks of c.
+            unsafe { batch_entry_product(p, isa, (addr(p.a), addr(p.b), c), 0, 0..p.m, 0..p.n, false) };
+        }
+    };
+    let parts = threads;
+    pool.run_parts(parts, &part);
+    Ok(())
 }
 
 /// `c[b] (=|+=) op(a[b]) @ op(b[b])` for every batch entry (row-major operands),

@@ -26,6 +26,15 @@
 //! ([`launch_config`]), GEMM steps as cuBLAS `sgemm` strided-batched calls
 //! ([`column_major_gemm`]), zero steps as `cuMemsetD8Async`.
 //!
+//! The sparse MoE steps (docs/math.md §1.6) are the exception to "queue and
+//! return": a routing step copies the chosen experts to the host (waiting for
+//! the stream: the layer's one synchronisation), routes them with the
+//! reference's own function ([`ir::exec::moe::route_into`]), uploads the rows,
+//! tokens and counts, and keeps the counts on the host; each grouped GEMM after
+//! it reads those host counts (downloading them only when its routing ran in an
+//! earlier call) and issues one cuBLAS call per non-empty expert group plus the
+//! zeroing of what no group writes ([`codegen::plan::GroupedGemm::products`]).
+//!
 //! Launches are asynchronous, so a kernel's fault surfaces at some later call
 //! that waits. With `WIDEN_CUDA_SYNC=1` ([`SYNC_ENV`]) the device waits after
 //! every operation instead, and the first fault is reported with the kernel
@@ -70,7 +79,7 @@ pub mod nccl;
 
 use codegen::kernel::{Grid, Kernel, KernelError};
 use codegen::nvrtc::{self, NvrtcError};
-use codegen::plan::{BufferDecl, BufferId, BufferRole, Gemm, Plan, Step};
+use codegen::plan::{BufferDecl, BufferId, BufferRole, Gemm, GroupedGemm, MoeRoute, Plan, Step};
 use codegen::render::render_cuda;
 use cudarc::cublas::result::CublasError;
 use cudarc::cublas::sys::cublasOperation_t;
@@ -146,6 +155,10 @@ pub enum CudaError {
     Fault { context: String, source: DriverError },
     #[error("GEMM: {what}")]
     Gemm { what: String },
+    /// A routing or grouped step refused its data (an expert index out of range,
+    /// group sizes past the rows): checked before any call, never an access out of bounds.
+    #[error("sparse MoE step: {what}")]
+    Moe { what: String },
     #[error("buffer #{id} does not exist: the plan has {count} buffers")]
     NoSuchBuffer { id: usize, count: usize },
     #[error("steps {start}..{end} are not within the plan's {count} steps")]
@@ -369,9 +382,24 @@ impl Drop for Allocation {
 /// A precomputed step of the launch list.
 #[derive(Debug)]
 enum Op {
-    Launch { kernel: usize, cfg: LaunchConfig, args: Vec<sys::CUdeviceptr> },
+    Launch {
+        kernel: usize,
+        cfg: LaunchConfig,
+        args: Vec<sys::CUdeviceptr>,
+    },
     Blas(BlasCall),
-    Zero { ptr: sys::CUdeviceptr, bytes: usize },
+    Zero {
+        ptr: sys::CUdeviceptr,
+        bytes: usize,
+    },
+    /// Sparse MoE routing on the host (see the module docs).
+    Route(MoeRoute),
+    /// A grouped GEMM whose cuBLAS calls are sized when it is issued, from the
+    /// host copy of its counts; `bf16_inputs` as for [`BlasCall`].
+    Grouped {
+        gemm: GroupedGemm,
+        bf16_inputs: bool,
+    },
 }
 
 /// A [`BlasGemm`] with its buffers resolved to device pointers.
@@ -391,7 +419,7 @@ struct BlasCall {
 pub struct StepTiming {
     /// Position in the launch list.
     pub step: usize,
-    /// `kernel:<name>`, `gemm` or `zero`.
+    /// `kernel:<name>`, `gemm`, `zero`, `moe_route` or `grouped_gemm`.
     pub label: String,
     /// Median over the repetitions, in milliseconds.
     pub ms: f64,
@@ -399,7 +427,8 @@ pub struct StepTiming {
     /// the kernel reads it and written once if it writes it; GEMM operands
     /// read once and the output written once (read too when accumulating).
     pub bytes: u64,
-    /// Floating-point operations (GEMMs only: 2·m·n·k per batch entry).
+    /// Floating-point operations (GEMMs only: 2·m·n·k per batch entry; a
+    /// grouped GEMM's over all its rows, the bound with a capacity).
     pub flops: u64,
 }
 
@@ -421,6 +450,11 @@ pub struct CudaDevice {
     arch: String,
     /// Synchronise after every operation ([`SYNC_ENV`]).
     sync: bool,
+    /// The group sizes each routing step of the current call wrote, by counts
+    /// buffer: the grouped GEMMs after it size their cuBLAS calls from these
+    /// without waiting for the device again. Cleared at the start of every call
+    /// ([`CudaDevice::run_range`]), since a later routing may change them.
+    host_counts: std::sync::Mutex<std::collections::HashMap<BufferId, Vec<i32>>>,
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -487,7 +521,19 @@ impl CudaDevice {
         let ops = prepare(&plan, &ptrs)?;
         stream.synchronize().map_err(driver("filling constants"))?;
         let sync = sync_requested(std::env::var(SYNC_ENV).ok().as_deref());
-        Ok(CudaDevice { plan, ctx, stream, blas, functions, ops, ptrs, _memory: allocations, arch, sync })
+        Ok(CudaDevice {
+            plan,
+            ctx,
+            stream,
+            blas,
+            functions,
+            ops,
+            ptrs,
+            _memory: allocations,
+            arch,
+            sync,
+            host_counts: Default::default(),
+        })
     }
 
     /// The loaded Plan.
@@ -581,10 +627,16 @@ impl CudaDevice {
             return Err(CudaError::StepRange { start: range.start, end: range.end, count: self.ops.len() });
         }
         self.ctx.bind_to_thread().map_err(driver("binding the context"))?;
+        self.counts_on_host().clear();
         for i in range {
             self.issue(i)?;
         }
         Ok(())
+    }
+
+    /// The group sizes kept on the host ([`CudaDevice`]'s `host_counts`).
+    fn counts_on_host(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<BufferId, Vec<i32>>> {
+        self.host_counts.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Waits for all queued work.
@@ -612,6 +664,8 @@ impl CudaDevice {
             Op::Launch { kernel, .. } => format!("kernel `{}`", self.plan.kernels[*kernel].symbol()),
             Op::Blas(_) => "the cuBLAS GEMM".into(),
             Op::Zero { .. } => "zeroing a buffer".into(),
+            Op::Route(_) => "the MoE routing".into(),
+            Op::Grouped { .. } => "the grouped cuBLAS GEMM".into(),
         }
     }
 
@@ -634,6 +688,70 @@ impl CudaDevice {
                 // SAFETY: `ptr` addresses `bytes` bytes of one buffer.
                 unsafe { drv::memset_d8_async(*ptr, 0, *bytes, self.stream.cu_stream()) }
                     .map_err(driver("zeroing a buffer"))?;
+            }
+            Op::Route(r) => self.route(r)?,
+            Op::Grouped { gemm, bf16_inputs } => self.grouped(gemm, *bf16_inputs)?,
+        }
+        Ok(())
+    }
+
+    /// `len` i32 values of buffer `id`, after the work queued so far.
+    fn download_i32(&self, id: BufferId, len: usize) -> Result<Vec<i32>, CudaError> {
+        let mut out = vec![0i32; len];
+        // SAFETY: `check_steps` verified that the buffer holds at least `len` i32 values;
+        // the stream is synchronized before `out` is read.
+        unsafe { drv::memcpy_dtoh_async(&mut out, self.ptrs[id.0], self.stream.cu_stream()) }
+            .map_err(driver(format!("downloading buffer #{}", id.0)))?;
+        self.stream.synchronize().map_err(driver(format!("downloading buffer #{}", id.0)))?;
+        Ok(out)
+    }
+
+    /// Sparse MoE routing (docs/math.md §1.6) on the host: the chosen experts
+    /// downloaded (the one wait of the layer), routed with the reference's
+    /// function, the three results uploaded and the counts kept on the host.
+    fn route(&self, r: &MoeRoute) -> Result<(), CudaError> {
+        let idx = self.download_i32(r.idx, r.assignments)?;
+        let (mut rows, mut tokens) = (vec![0i32; r.assignments], vec![0i32; r.assignments]);
+        let mut counts = vec![0i32; r.experts];
+        ir::exec::moe::route_into(&idx, r.k, r.experts, r.capacity, &mut rows, &mut tokens, &mut counts)
+            .map_err(|what| CudaError::Moe { what })?;
+        for (id, data) in [(r.rows, &rows), (r.tokens, &tokens), (r.counts, &counts)] {
+            // SAFETY: `check_steps` verified the buffer holds at least `data.len()` i32
+            // values; a copy from pageable host memory has read `data` when it returns.
+            unsafe { drv::memcpy_htod_async(self.ptrs[id.0], data.as_slice(), self.stream.cu_stream()) }
+                .map_err(driver(format!("uploading the routing into buffer #{}", id.0)))?;
+        }
+        self.counts_on_host().insert(r.counts, counts);
+        Ok(())
+    }
+
+    /// A grouped GEMM (docs/math.md §1.6): the zeroing of what no group writes and
+    /// one cuBLAS call per non-empty group, sized by the host copy of the counts.
+    fn grouped(&self, g: &GroupedGemm, bf16_inputs: bool) -> Result<(), CudaError> {
+        let cached = self.counts_on_host().get(&g.counts).cloned();
+        let counts = match cached {
+            Some(c) => c,
+            None => {
+                let c = self.download_i32(g.counts, g.groups)?;
+                self.counts_on_host().insert(g.counts, c.clone());
+                c
+            }
+        };
+        let (products, zeroed) = g.products(&counts).map_err(|what| CudaError::Moe { what })?;
+        let c = self.ptrs[g.c.0];
+        for r in zeroed {
+            // SAFETY: the range lies inside c's f32 extent (`GroupedGemm::products`,
+            // extents checked by `check_steps`).
+            unsafe {
+                drv::memset_d8_async(c + (r.start * 4) as u64, 0, r.len() * 4, self.stream.cu_stream())
+            }
+            .map_err(driver("zeroing a grouped GEMM's uncovered rows"))?;
+        }
+        for p in &products {
+            for call in column_major_gemm(p).map_err(|what| CudaError::Gemm { what })? {
+                let [a, b, c] = [call.a, call.b, call.c].map(|id| self.ptrs[id.0]);
+                // Each product lies inside the step's extents, as `check_steps` verified them.
+                self.sgemm(&BlasCall { g: call, a, b, c, bf16_inputs })?;
             }
         }
         Ok(())
@@ -808,6 +926,15 @@ fn step_cost(plan: &Plan, i: usize) -> (String, u64, u64) {
             let d = &plan.buffers[buffer.0];
             ("zero".into(), (d.len * d.dtype.size_bytes()) as u64, 0)
         }
+        // The host pass moves the indices down and the three results up.
+        Step::MoeRoute(r) => ("moe_route".into(), 4 * (3 * r.assignments + r.experts) as u64, 0),
+        // Every row routed (the dropless count, a bound with a capacity).
+        Step::GroupedGemm(g) => {
+            let [a, b, c] = g.extents().unwrap_or([0; 3]);
+            let elem = |id: BufferId| size(id) as usize;
+            let bytes = a * elem(g.a) + b * elem(g.b) + 4 * c;
+            ("grouped_gemm".into(), bytes as u64, 2 * (g.m * g.n * g.k) as u64)
+        }
     }
 }
 
@@ -957,6 +1084,11 @@ fn prepare(plan: &Plan, ptrs: &[sys::CUdeviceptr]) -> Result<Vec<Vec<Op>>, CudaE
             Step::Zero { buffer } => {
                 let d = &plan.buffers[buffer.0];
                 ops.push(Op::Zero { ptr: ptrs[buffer.0], bytes: d.len * d.dtype.size_bytes() });
+            }
+            Step::MoeRoute(r) => ops.push(Op::Route(r.clone())),
+            Step::GroupedGemm(g) => {
+                let bf16_inputs = plan.buffers[g.a.0].dtype == DType::Bf16;
+                ops.push(Op::Grouped { gemm: g.clone(), bf16_inputs });
             }
         }
         all.push(ops);

@@ -9,7 +9,7 @@
 //! or a kernel racing on its own input later.
 
 use codegen::kernel::{Access, Kernel};
-use codegen::plan::{BufferId, BufferRole, Chain, Gemm, Plan, Step};
+use codegen::plan::{BufferId, BufferRole, Chain, Gemm, GroupedGemm, MoeRoute, Plan, Step};
 use ir::DType;
 
 /// Why a Plan cannot be loaded.
@@ -43,6 +43,10 @@ pub enum PlanError {
     Aliased { step: usize, kernel: String, written: usize, other: usize },
     #[error("step {step}: GEMM {what}")]
     Gemm { step: usize, what: String },
+    #[error("step {step}: MoE routing {what}")]
+    Route { step: usize, what: String },
+    #[error("step {step}: grouped GEMM {what}")]
+    Grouped { step: usize, what: String },
     #[error("buffer #{id} ({role}): {dtype} constants are not supported")]
     ConstantDType { id: usize, role: String, dtype: DType },
     #[error("chain {index} (steps {start}..{end} over {entries} entries): {what}")]
@@ -124,8 +128,13 @@ pub fn check_buffer_ids(plan: &Plan) -> Result<(), PlanError> {
 /// exist; a kernel gets one buffer per parameter, of the parameter's element
 /// type and at least its length; a buffer a kernel writes overlaps none of
 /// its other arguments; GEMM operands are f32 and long enough for every
-/// batch entry, and the output overlaps neither input. Runs
-/// [`check_sizes`] first, so no extent it computes overflows.
+/// batch entry, and the output overlaps neither input; a routing's buffers are
+/// i32 of its sizes and its outputs overlap nothing else it binds; a grouped
+/// GEMM's inputs are long enough for every row and weight, its counts i32 over
+/// its groups, and its output overlaps nothing else it binds (group sizes are
+/// data: each device checks them against the rows when it runs the step,
+/// `GroupedGemm::products`). Runs [`check_sizes`] first, so no extent it
+/// computes overflows.
 pub fn check_steps(plan: &Plan) -> Result<(), PlanError> {
     check_sizes(plan)?;
     let count = plan.buffers.len();
@@ -153,6 +162,18 @@ pub fn check_steps(plan: &Plan) -> Result<(), PlanError> {
                 check_gemm(plan, step, g)?;
             }
             Step::Zero { buffer } => known(buffer)?,
+            Step::MoeRoute(r) => {
+                for id in [r.idx, r.rows, r.tokens, r.counts] {
+                    known(&id)?;
+                }
+                check_route(plan, step, r)?;
+            }
+            Step::GroupedGemm(g) => {
+                for id in [g.a, g.b, g.c, g.counts] {
+                    known(&id)?;
+                }
+                check_grouped(plan, step, g)?;
+            }
         }
     }
     Ok(())
@@ -247,6 +268,87 @@ fn check_gemm(plan: &Plan, step: usize, g: &Gemm) -> Result<(), PlanError> {
         return Err(err(format!("operands a ({da}) and b ({db}) differ in element type")));
     }
     for (name, id) in [("a", g.a), ("b", g.b)] {
+        if overlaps(extent(plan, g.c), extent(plan, id)) {
+            return Err(err(format!(
+                "output c (buffer #{}) overlaps operand {name} (buffer #{})",
+                g.c.0, id.0
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn check_route(plan: &Plan, step: usize, r: &MoeRoute) -> Result<(), PlanError> {
+    let err = |what: String| PlanError::Route { step, what };
+    if r.k == 0 || r.experts == 0 || r.capacity == Some(0) || !r.assignments.is_multiple_of(r.k) {
+        return Err(err(format!(
+            "of {} assignments, {} per token, over {} experts with capacity {:?}: needs k, experts and \
+             a capacity of at least 1 and whole tokens",
+            r.assignments, r.k, r.experts, r.capacity
+        )));
+    }
+    let bound = [
+        ("indices", r.idx, r.assignments),
+        ("rows", r.rows, r.assignments),
+        ("tokens", r.tokens, r.assignments),
+        ("counts", r.counts, r.experts),
+    ];
+    for (name, id, len) in bound {
+        let d = &plan.buffers[id.0];
+        if d.dtype != DType::I32 || d.len < len {
+            return Err(err(format!(
+                "{name} (buffer #{}) holds {} x {}, needs {len} x i32",
+                id.0, d.len, d.dtype
+            )));
+        }
+    }
+    for (i, (name, out, _)) in bound.iter().enumerate().skip(1) {
+        for (j, (other, id, _)) in bound.iter().enumerate() {
+            if i != j && overlaps(extent(plan, *out), extent(plan, *id)) {
+                return Err(err(format!(
+                    "output {name} (buffer #{}) overlaps {other} (buffer #{})",
+                    out.0, id.0
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn check_grouped(plan: &Plan, step: usize, g: &GroupedGemm) -> Result<(), PlanError> {
+    let err = |what: String| PlanError::Grouped { step, what };
+    let Some([a, b, c]) = g.extents() else {
+        return Err(err(format!("of {} groups of {} x {} x {} overflows", g.groups, g.m, g.n, g.k)));
+    };
+    let bound = [("a", g.a, a), ("b", g.b, b), ("c", g.c, c), ("counts", g.counts, g.groups)];
+    for (name, id, len) in bound {
+        let d = &plan.buffers[id.0];
+        let dtype_ok = match name {
+            "counts" => d.dtype == DType::I32,
+            // Inputs may be bf16 (mixed precision, docs/math.md §6.12); the product is f32.
+            "a" | "b" => matches!(d.dtype, DType::F32 | DType::Bf16),
+            _ => d.dtype == DType::F32,
+        };
+        if !dtype_ok {
+            let want = match name {
+                "counts" => "i32",
+                "c" => "f32",
+                _ => "f32 or bf16",
+            };
+            return Err(err(format!("operand {name} (buffer #{}) is {}, needs {want}", id.0, d.dtype)));
+        }
+        if d.len < len {
+            return Err(err(format!(
+                "operand {name} (buffer #{}) holds {} elements, needs {len}",
+                id.0, d.len
+            )));
+        }
+    }
+    let (da, db) = (plan.buffers[g.a.0].dtype, plan.buffers[g.b.0].dtype);
+    if da != db {
+        return Err(err(format!("operands a ({da}) and b ({db}) differ in element type")));
+    }
+    for (name, id) in [("a", g.a), ("b", g.b), ("counts", g.counts)] {
         if overlaps(extent(plan, g.c), extent(plan, id)) {
             return Err(err(format!(
                 "output c (buffer #{}) overlaps operand {name} (buffer #{})",

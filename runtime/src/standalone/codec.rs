@@ -15,7 +15,9 @@
 use codegen::kernel::{
     Access, BinOp, Buf, CmpOp, Expr, Grid, Kernel, MathFn, Param, ReduceOp, Stmt, Ty, UnOp, Unroll,
 };
-use codegen::plan::{BufferDecl, BufferId, BufferRole, Chain, Gemm, Plan, Step};
+use codegen::plan::{
+    BufferDecl, BufferId, BufferRole, Chain, Gemm, GroupedForm, GroupedGemm, MoeRoute, Plan, Step,
+};
 use ir::DType;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
@@ -224,6 +226,52 @@ enum StepDef {
         #[serde(with = "BufferIdDef")]
         buffer: BufferId,
     },
+    MoeRoute(#[serde(with = "MoeRouteDef")] MoeRoute),
+    GroupedGemm(#[serde(with = "GroupedGemmDef")] GroupedGemm),
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(remote = "MoeRoute")]
+struct MoeRouteDef {
+    #[serde(with = "BufferIdDef")]
+    idx: BufferId,
+    #[serde(with = "BufferIdDef")]
+    rows: BufferId,
+    #[serde(with = "BufferIdDef")]
+    tokens: BufferId,
+    #[serde(with = "BufferIdDef")]
+    counts: BufferId,
+    assignments: usize,
+    k: usize,
+    experts: usize,
+    capacity: Option<usize>,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(remote = "GroupedForm")]
+enum GroupedFormDef {
+    Rows,
+    WeightGrad,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(remote = "GroupedGemm")]
+struct GroupedGemmDef {
+    #[serde(with = "GroupedFormDef")]
+    form: GroupedForm,
+    #[serde(with = "BufferIdDef")]
+    a: BufferId,
+    #[serde(with = "BufferIdDef")]
+    b: BufferId,
+    #[serde(with = "BufferIdDef")]
+    c: BufferId,
+    #[serde(with = "BufferIdDef")]
+    counts: BufferId,
+    groups: usize,
+    m: usize,
+    k: usize,
+    n: usize,
+    trans_b: bool,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -533,6 +581,28 @@ mod tests {
                     offsets: [0, 0, 0],
                     accumulate: true,
                 }),
+                Step::MoeRoute(MoeRoute {
+                    idx: BufferId(5),
+                    rows: BufferId(6),
+                    tokens: BufferId(7),
+                    counts: BufferId(8),
+                    assignments: 4,
+                    k: 2,
+                    experts: 3,
+                    capacity: Some(2),
+                }),
+                Step::GroupedGemm(GroupedGemm {
+                    form: GroupedForm::WeightGrad,
+                    a: BufferId(0),
+                    b: BufferId(2),
+                    c: BufferId(3),
+                    counts: BufferId(8),
+                    groups: 3,
+                    m: 4,
+                    k: 1,
+                    n: 1,
+                    trans_b: true,
+                }),
             ],
             buffers: vec![
                 decl(0, BufferRole::Param { name: "w".into() }),
@@ -540,6 +610,10 @@ mod tests {
                 decl(2, BufferRole::Constant { value: f64::NEG_INFINITY }),
                 decl(3, BufferRole::Output { name: "loss".into() }),
                 decl(4, BufferRole::OptState { name: "opt.w.m".into() }),
+                BufferDecl { dtype: DType::I32, ..decl(5, BufferRole::Scratch { offset: 0 }) },
+                BufferDecl { dtype: DType::I32, ..decl(6, BufferRole::Scratch { offset: 16 }) },
+                BufferDecl { dtype: DType::I32, ..decl(7, BufferRole::Scratch { offset: 32 }) },
+                BufferDecl { dtype: DType::I32, ..decl(8, BufferRole::Scratch { offset: 48 }) },
             ],
             arena_len: 12,
             update_start: Some(1),
