@@ -446,6 +446,7 @@ fn sparse_moe_kernels_match_c_and_the_plan_matches_the_reference() {
             gate: ir::spec::MoeGate::Sigmoid,
             dispatch: ir::spec::MoeDispatch::Sparse,
             capacity_factor: Some(0.5),
+            balance: ir::spec::MoeBalance::None,
         });
     });
     let grouped = plan.steps.iter().filter(|s| matches!(s, Step::GroupedGemm(_))).count();

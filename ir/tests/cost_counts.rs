@@ -126,8 +126,11 @@ fn moe_flops_count_only_the_routed_experts_in_use() {
     // Parameters do not depend on top_k; FLOPs grow by two experts' SwiGLU in each of
     // the 2 layers (3 matmuls of D x hidden at 2 FLOPs per MAC), plus their small
     // elementwise work.
-    assert_eq!(one.params, three.params);
+    assert_eq!(one.params.total, three.params.total);
     let (layers, extra_experts) = (2.0, 2.0);
+    // Active parameters: two more experts' three D x hidden matrices in each layer.
+    let extra_active = (layers * extra_experts) as u64 * 3 * 64 * 96;
+    assert_eq!(three.params.active - one.params.active, extra_active);
     let expert_matmuls = layers * extra_experts * 2.0 * 3.0 * (64 * 96) as f64;
     let delta = three.flops - one.flops;
     assert!(delta > expert_matmuls && delta < expert_matmuls * 1.02, "{delta} vs {expert_matmuls}");

@@ -211,7 +211,11 @@ rule!(
 );
 rule!(
     moe_capacity_factor_needs_sparse_dispatch,
-    |s| s.ffn = FfnSpec::Moe(MoeSpec { capacity_factor: Some(1.0), ..MoeSpec::default() }),
+    |s| s.ffn = FfnSpec::Moe(MoeSpec {
+        dispatch: MoeDispatch::Dense,
+        capacity_factor: Some(1.0),
+        ..MoeSpec::default()
+    }),
     |s| s.ffn = FfnSpec::Moe(MoeSpec {
         dispatch: MoeDispatch::Sparse,
         capacity_factor: Some(1.0),

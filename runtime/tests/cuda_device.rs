@@ -546,6 +546,7 @@ fn gpu_sparse_moe_matches_the_cpu_device() {
         gate: MoeGate::Sigmoid,
         dispatch: MoeDispatch::Sparse,
         capacity_factor: Some(0.75),
+        balance: ir::spec::MoeBalance::None,
     };
     let mut spec = ModelSpec {
         name: "gpu-sparse-moe".into(),

@@ -213,7 +213,7 @@ impl Default for MoeSpec {
             shared: 1,
             hidden: 128,
             gate: MoeGate::Softmax,
-            dispatch: MoeDispatch::Dense,
+            dispatch: MoeDispatch::Sparse,
             capacity_factor: None,
             balance: MoeBalance::None,
         }
@@ -233,10 +233,11 @@ impl MoeSpec {
 /// How the MoE sublayer runs its routed experts (docs/math.md §1.6).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum MoeDispatch {
-    /// Every expert on every token, masked by the gates; the compiled devices run it.
+    /// Every expert on every token, masked by the gates: experts / top_k times the routed
+    /// work (the test oracle of Sparse; no capacity).
     Dense,
     /// Tokens permuted into per-expert groups and multiplied by a grouped matrix product:
-    /// only the routed work runs. The reference device only, for now.
+    /// only the routed work runs, on every device. The default.
     Sparse,
 }
 
