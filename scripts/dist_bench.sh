@@ -13,7 +13,7 @@ WIDEN=$PWD/target/release/widen
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 sed -e 's/d_model: 64,/d_model: 256,/' -e 's/layers: 2,/layers: 4,/' -e 's/seq_len: 64,/seq_len: 256,/' \
-    -e "s/steps: 300,/steps: $STEPS,/" specs/residual.ron > "$WORK/bench.ron"
+    -e "s/steps: 300,/steps: $STEPS,/" -e "s/warmup: 30/warmup: 1/" specs/residual.ron > "$WORK/bench.ron"
 summary() {
     python3 - "$1" <<'PY'
 import json, statistics, sys
@@ -31,10 +31,10 @@ PY
 }
 echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
 for i in $(seq "$REPEATS"); do
-    (cd "$WORK" && "$WIDEN" train bench.ron --out "r1-$i" > /dev/null 2>&1)
+    (cd "$WORK" && "$WIDEN" train bench.ron --out "r1-$i" > "r1-$i.log" 2>&1) || { cat "$WORK/r1-$i.log"; exit 1; }
     printf '1 rank  x 2 threads, run %s: ' "$i"; summary "$WORK/r1-$i"
     (cd "$WORK" && mpirun --allow-run-as-root --oversubscribe -n 2 \
-        "$WIDEN" train bench.ron --out "r2-$i" > /dev/null 2>&1)
+        "$WIDEN" train bench.ron --out "r2-$i" > "r2-$i.log" 2>&1) || { cat "$WORK/r2-$i.log"; exit 1; }
     printf '2 ranks x 1 thread,  run %s: ' "$i"; summary "$WORK/r2-$i"
 done
 echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
