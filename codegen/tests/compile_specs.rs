@@ -446,6 +446,7 @@ fn sparse_moe(
             dispatch: ir::spec::MoeDispatch::Sparse,
             capacity_factor,
             balance: ir::spec::MoeBalance::None,
+            renormalize: false,
         });
     })
 }

@@ -447,6 +447,7 @@ fn sparse_moe_kernels_match_c_and_the_plan_matches_the_reference() {
             dispatch: ir::spec::MoeDispatch::Sparse,
             capacity_factor: Some(0.5),
             balance: ir::spec::MoeBalance::None,
+            renormalize: false,
         });
     });
     let grouped = plan.steps.iter().filter(|s| matches!(s, Step::GroupedGemm(_))).count();

@@ -37,6 +37,7 @@ fn model(gate: MoeGate, dispatch: MoeDispatch, balance: MoeBalance) -> ModelSpec
             dispatch,
             capacity_factor: None,
             balance,
+            renormalize: false,
         }),
         train: TrainSpec { seq_len: T, ..TrainSpec::default() },
         ..ModelSpec::default()

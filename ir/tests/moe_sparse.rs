@@ -323,6 +323,7 @@ fn model(gate: MoeGate, shared: usize, dispatch: MoeDispatch) -> ModelSpec {
             dispatch,
             capacity_factor: None,
             balance: MoeBalance::None,
+            renormalize: false,
         }),
         train: TrainSpec { seq_len: T, ..TrainSpec::default() },
         ..ModelSpec::default()
@@ -375,33 +376,72 @@ fn model_values(spec: &ModelSpec, seed: u64) -> (f64, HashMap<String, Vec<f64>>)
     (loss, by_name)
 }
 
-#[test]
-fn sparse_lowering_equals_dense_lowering_in_loss_and_every_gradient() {
-    for gate in [MoeGate::Softmax, MoeGate::Sigmoid] {
-        for shared in [0, 1] {
-            let what = format!("{gate:?} shared={shared}");
-            let (dl, dg) = model_values(&model(gate, shared, MoeDispatch::Dense), 21);
-            let (sl, sg) = model_values(&model(gate, shared, MoeDispatch::Sparse), 21);
-            assert!((dl - sl).abs() <= 1e-12 * dl.abs(), "{what}: loss {sl} vs {dl}");
-            assert_eq!(dg.len(), sg.len(), "{what}: the same parameters");
-            for (name, want) in &dg {
-                let got = &sg[name];
-                let scale = want.iter().fold(1e-3f64, |m, v| m.max(v.abs()));
-                for (i, (a, b)) in got.iter().zip(want).enumerate() {
-                    assert!((a - b).abs() <= 1e-10 * scale, "{what}: d {name}[{i}]: sparse {a} vs dense {b}");
-                }
-                if name.contains("router") || name.contains("experts") {
-                    assert!(want.iter().any(|v| v.abs() > 1e-9), "{what}: d {name} vanishes");
-                }
-            }
+/// `spec` with the kept gates renormalized to sum 1 per token.
+fn renormalized(mut spec: ModelSpec) -> ModelSpec {
+    if let FfnSpec::Moe(m) = &mut spec.ffn {
+        m.renormalize = true;
+    }
+    spec
+}
+
+/// The sparse and the dense lowering of `spec` agree in loss and every gradient.
+fn assert_sparse_equals_dense(dense: &ModelSpec, what: &str) {
+    let sparse = match &dense.ffn {
+        FfnSpec::Moe(m) => ModelSpec {
+            ffn: FfnSpec::Moe(MoeSpec { dispatch: MoeDispatch::Sparse, ..m.clone() }),
+            ..dense.clone()
+        },
+        FfnSpec::SwiGlu(_) => unreachable!("an MoE spec"),
+    };
+    let (dl, dg) = model_values(dense, 21);
+    let (sl, sg) = model_values(&sparse, 21);
+    assert!((dl - sl).abs() <= 1e-12 * dl.abs(), "{what}: loss {sl} vs {dl}");
+    assert_eq!(dg.len(), sg.len(), "{what}: the same parameters");
+    for (name, want) in &dg {
+        let got = &sg[name];
+        let scale = want.iter().fold(1e-3f64, |m, v| m.max(v.abs()));
+        for (i, (a, b)) in got.iter().zip(want).enumerate() {
+            assert!((a - b).abs() <= 1e-10 * scale, "{what}: d {name}[{i}]: sparse {a} vs dense {b}");
+        }
+        if name.contains("router") || name.contains("experts") {
+            assert!(want.iter().any(|v| v.abs() > 1e-9), "{what}: d {name} vanishes");
         }
     }
 }
 
 #[test]
+fn sparse_lowering_equals_dense_lowering_in_loss_and_every_gradient() {
+    for gate in [MoeGate::Softmax, MoeGate::Sigmoid] {
+        for shared in [0, 1] {
+            let dense = model(gate, shared, MoeDispatch::Dense);
+            assert_sparse_equals_dense(&dense, &format!("{gate:?} shared={shared}"));
+        }
+    }
+}
+
+/// Renormalized gates (docs/math.md §1.6): sparse still equals dense, and the function
+/// differs from the unnormalized one (the kept gates of 4 experts' top 2 never sum to 1).
+#[test]
+fn renormalized_gates_keep_sparse_equal_to_dense_and_change_the_function() {
+    for gate in [MoeGate::Softmax, MoeGate::Sigmoid] {
+        let dense = renormalized(model(gate, 1, MoeDispatch::Dense));
+        assert_sparse_equals_dense(&dense, &format!("renormalized {gate:?}"));
+        let (plain, _) = model_values(&model(gate, 1, MoeDispatch::Sparse), 21);
+        let (renorm, _) = model_values(&renormalized(model(gate, 1, MoeDispatch::Sparse)), 21);
+        assert!((plain - renorm).abs() > 1e-9, "{gate:?}: renormalizing changes the loss");
+    }
+}
+
+#[test]
 fn sparse_lowering_matches_central_differences_through_the_router() {
-    let spec = model(MoeGate::Sigmoid, 1, MoeDispatch::Sparse);
-    let mut l = lower(&spec, B, T).unwrap();
+    check_central_differences(&model(MoeGate::Sigmoid, 1, MoeDispatch::Sparse));
+    check_central_differences(&renormalized(model(MoeGate::Sigmoid, 1, MoeDispatch::Sparse)));
+}
+
+/// The analytic gradient of the router, expert and shared weights against central
+/// differences of the whole loss.
+fn check_central_differences(spec: &ModelSpec) {
+    let mut l = lower(spec, B, T).unwrap();
     let params = l.graph.params();
     let grads = grad(&mut l.graph, l.loss, &params).unwrap();
     let base = sources(&l, 33);

@@ -210,6 +210,7 @@ fn busy_spec() -> ModelSpec {
             dispatch: MoeDispatch::Sparse,
             capacity_factor: Some(1.25),
             balance: MoeBalance::BiasUpdate(BiasUpdateSpec { rate: 2.5e-4 }),
+            renormalize: false,
         }),
         norm_eps: 1e-6,
         rope_base: 500000.0,

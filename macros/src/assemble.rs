@@ -172,7 +172,7 @@ fields!(ModelSpec {
     train,
 });
 fields!(SwiGluSpec { hidden });
-fields!(MoeSpec { experts, top_k, shared, hidden, gate, dispatch, capacity_factor, balance });
+fields!(MoeSpec { experts, top_k, shared, hidden, gate, dispatch, capacity_factor, balance, renormalize });
 fields!(AuxLossSpec { coef });
 fields!(BiasUpdateSpec { rate });
 fields!(HcSpec { n, dynamic, act, gen_norm, scale_init, out_proj_std_mult });

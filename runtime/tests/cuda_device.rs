@@ -547,6 +547,7 @@ fn gpu_sparse_moe_matches_the_cpu_device() {
         dispatch: MoeDispatch::Sparse,
         capacity_factor: Some(0.75),
         balance: ir::spec::MoeBalance::None,
+        renormalize: false,
     };
     let mut spec = ModelSpec {
         name: "gpu-sparse-moe".into(),

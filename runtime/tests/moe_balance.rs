@@ -35,6 +35,7 @@ fn moe_spec(name: &str, steps: usize, balance: MoeBalance) -> ModelSpec {
         dispatch: MoeDispatch::Dense,
         capacity_factor: None,
         balance,
+        renormalize: false,
     });
     spec
 }

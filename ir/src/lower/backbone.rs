@@ -4,7 +4,7 @@
 
 use super::{router_bias_param, Cx, MoeLayer};
 use crate::graph::Build;
-use crate::graph::{GraphError, Init, MoeRouteOut, NodeId, Op, ParamClass, ReduceOp, UnaryOp};
+use crate::graph::{BinaryOp, GraphError, Init, MoeRouteOut, NodeId, Op, ParamClass, ReduceOp, UnaryOp};
 use crate::spec::{FfnSpec, MoeBalance, MoeDispatch, MoeGate, Parametrization};
 
 /// Init std of an output projection (W_o, W_2): init_std / sqrt(2L) when depth-scaled
@@ -119,7 +119,12 @@ fn moe(
         MoeBalance::None | MoeBalance::AuxLoss(_) => probs,
     };
     let chosen = cx.g.add(Op::TopK { k: m.top_k, fixed: 0 }, &[ranked])?;
-    let kept = cx.g.add(Op::Gather { axis: 2 }, &[probs, chosen])?;
+    let mut kept = cx.g.add(Op::Gather { axis: 2 }, &[probs, chosen])?;
+    if m.renormalize {
+        // g_i = p_i / Σ_{j∈I} p_j: the gradient reaches every kept gate through the sum.
+        let total = cx.sum(kept, 2, true)?;
+        kept = cx.g.add(Op::Binary(BinaryOp::Div), &[kept, total])?;
+    }
     let load = expert_load(cx, chosen, e)?;
     let aux_loss = match &m.balance {
         MoeBalance::AuxLoss(a) => Some(aux_loss(cx, probs, load, m, a.coef)?),

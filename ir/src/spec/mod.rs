@@ -203,6 +203,10 @@ pub struct MoeSpec {
     /// None, an auxiliary loss, or DeepSeek-V3's loss-free bias update. Default None, so a
     /// spec without the field trains as it did before the field existed.
     pub balance: MoeBalance,
+    /// Divide each token's kept top_k gates by their sum, so they add up to 1 (DeepSeek-V3's
+    /// sigmoid gates, Mixtral's top-k softmax; docs/math.md §1.6). Default false: the kept
+    /// gates as the gate function gives them.
+    pub renormalize: bool,
 }
 
 impl Default for MoeSpec {
@@ -216,6 +220,7 @@ impl Default for MoeSpec {
             dispatch: MoeDispatch::Sparse,
             capacity_factor: None,
             balance: MoeBalance::None,
+            renormalize: false,
         }
     }
 }
