@@ -8,11 +8,12 @@
 mod common;
 
 use common::exec::{Case, Rng};
+use common::moe::{param_name, sources};
 use ir::autodiff::grad;
 use ir::cost::op_cost;
-use ir::exec::{run, Tensor, Value};
+use ir::exec::{run, Value};
 use ir::graph::{MoeRouteOut, NodeId, Op, ReduceOp, Region, UnaryOp};
-use ir::lower::{lower, Lowered};
+use ir::lower::lower;
 use ir::spec::{FfnSpec, ModelSpec, MoeBalance, MoeDispatch, MoeGate, MoeSpec, TrainSpec};
 use ir::{DType, Shape};
 use std::collections::HashMap;
@@ -328,34 +329,6 @@ fn model(gate: MoeGate, shared: usize, dispatch: MoeDispatch) -> ModelSpec {
         train: TrainSpec { seq_len: T, ..TrainSpec::default() },
         ..ModelSpec::default()
     }
-}
-
-fn param_name(l: &Lowered, p: NodeId) -> String {
-    match &l.graph.node(p).op {
-        Op::Param(info) => info.name.clone(),
-        other => panic!("not a parameter: {}", other.name()),
-    }
-}
-
-/// Values keyed by parameter name (so two lowerings get the same parameters) and the
-/// same token window.
-fn sources(l: &Lowered, seed: u64) -> HashMap<NodeId, Value<f64>> {
-    let mut values = HashMap::new();
-    for p in l.graph.params() {
-        let name = param_name(l, p);
-        let h = name
-            .bytes()
-            .fold(seed ^ 0xcbf2_9ce4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
-        let mut rng = Rng::new(h);
-        let shape = l.graph.node(p).shape.clone();
-        let data = (0..shape.numel()).map(|_| 0.5 * rng.normal()).collect();
-        values.insert(p, Value::Float(Tensor::new(shape, data)));
-    }
-    let mut rng = Rng::new(seed);
-    let shape = l.graph.node(l.tokens).shape.clone();
-    let tokens = (0..shape.numel()).map(|_| rng.below(11) as i32).collect();
-    values.insert(l.tokens, Value::Int(Tensor::new(shape, tokens)));
-    values
 }
 
 /// The loss and every gradient by parameter name.
