@@ -532,11 +532,7 @@ pub fn attention_grads(
     name: &str,
     target: Target,
 ) -> Result<Lowering, EmitError> {
-    let id = outs.iter().flatten().copied().next().ok_or_else(|| EmitError::Unsupported {
-        node: usize::MAX,
-        op: "causal_attention_grad",
-        message: "no gradient requested".into(),
-    })?;
+    let id = super::first_requested(&outs, "causal_attention_grad", "gradient")?;
     let d = Dims::of(graph, id)?;
     let mut temps = Temps::default();
     let cs = d.rope.map(|_| temps.add(d.t * d.half() * 2, d.dtype));

@@ -190,6 +190,20 @@ impl EmitError {
 }
 
 /// An `i64` index literal.
+/// The first output a sibling lowering is asked for (`outs` holds one slot per output
+/// kind, `None` where the graph reads none): the node whose inputs every sibling shares.
+pub(crate) fn first_requested(
+    outs: &[Option<NodeId>],
+    op: &'static str,
+    what: &str,
+) -> Result<NodeId, EmitError> {
+    outs.iter().flatten().copied().next().ok_or_else(|| EmitError::Unsupported {
+        node: usize::MAX,
+        op,
+        message: format!("no {what} requested"),
+    })
+}
+
 pub(crate) fn ix(v: usize) -> Expr {
     i64(v as i64)
 }

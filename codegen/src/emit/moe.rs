@@ -32,11 +32,7 @@ pub fn moe_route(
     name: &str,
     target: Target,
 ) -> Result<Lowering, EmitError> {
-    let id = outs.iter().flatten().copied().next().ok_or_else(|| EmitError::Unsupported {
-        node: usize::MAX,
-        op: "moe_route",
-        message: "no routing output requested".into(),
-    })?;
+    let id = super::first_requested(outs, "moe_route", "routing output")?;
     let op = &graph.node(id).op;
     let Op::MoeRoute { experts, capacity, .. } = *op else {
         return Err(EmitError::at(id, op, "is not a routing op"));

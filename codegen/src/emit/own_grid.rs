@@ -705,11 +705,7 @@ pub fn temporal_grads(
     name: &str,
     target: Target,
 ) -> Result<Lowering, EmitError> {
-    let id = outs.iter().flatten().copied().next().ok_or_else(|| EmitError::Unsupported {
-        node: usize::MAX,
-        op: "temporal_augment_grad",
-        message: "no gradient requested".into(),
-    })?;
+    let id = super::first_requested(outs, "temporal_augment_grad", "gradient")?;
     let Op::TemporalAugmentGrad { gram_schmidt, eps_rel, .. } = graph.node(id).op else {
         return Err(EmitError::at(id, &graph.node(id).op, "is not a temporal augmentation gradient"));
     };
