@@ -2,11 +2,14 @@
 //! that autodiff differentiates with respect to every parameter, and at tiny sizes the
 //! gradients match central differences of the f64 reference executor.
 
+mod common;
+
+use common::passes::shrink;
 use ir::autodiff::grad;
 use ir::exec::{run, Tensor, Value};
 use ir::graph::{Graph, NodeId, Op, Region};
 use ir::lower::{lower, Lowered};
-use ir::spec::{load_spec, FfnSpec, ModelSpec};
+use ir::spec::{load_spec, ModelSpec};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -92,26 +95,6 @@ fn every_spec_differentiates_with_respect_to_every_parameter() {
             );
         }
     }
-}
-
-/// The spec at gradient-check size: narrow, small vocabulary, short FFN.
-fn shrink(mut spec: ModelSpec) -> ModelSpec {
-    spec.vocab = 11;
-    spec.d_model = 16;
-    spec.heads = 2;
-    spec.kv_heads = None;
-    spec.head_dim = None;
-    spec.ffn = match spec.ffn {
-        FfnSpec::SwiGlu(mut s) => {
-            s.hidden = Some(6);
-            FfnSpec::SwiGlu(s)
-        }
-        FfnSpec::Moe(mut m) => {
-            m.hidden = 4;
-            FfnSpec::Moe(m)
-        }
-    };
-    spec
 }
 
 fn param_name(g: &Graph, p: NodeId) -> String {
