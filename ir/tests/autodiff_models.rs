@@ -4,55 +4,15 @@
 
 mod common;
 
-use common::passes::shrink;
+use common::passes::{load, shrink, spec_files, Rng};
 use ir::autodiff::grad;
 use ir::exec::{run, Tensor, Value};
 use ir::graph::{Graph, NodeId, Op, Region};
 use ir::lower::{lower, Lowered};
-use ir::spec::{load_spec, ModelSpec};
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
 
 const B: usize = 1;
 const T: usize = 4;
-
-/// SplitMix64, so failures reproduce.
-struct Rng(u64);
-
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in [-1, 1).
-    fn signed(&mut self) -> f64 {
-        2.0 * (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64 - 1.0
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next_u64() % n as u64) as usize
-    }
-}
-
-fn spec_files() -> Vec<PathBuf> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../specs");
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
-        .map(|e| e.expect("directory entry").path())
-        .filter(|p| p.extension().is_some_and(|x| x == "ron"))
-        .collect();
-    files.sort();
-    assert!(!files.is_empty(), "no specs in {}", dir.display());
-    files
-}
-
-fn load(path: &Path) -> ModelSpec {
-    load_spec(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-}
 
 /// Appends the backward pass for every parameter and checks its types.
 fn differentiate(lowered: &mut Lowered) -> Vec<(NodeId, NodeId)> {
@@ -122,7 +82,7 @@ fn every_spec_matches_central_differences_at_tiny_size() {
         let mut lowered = lower(&spec, B, T).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         let pairs = differentiate(&mut lowered);
         let (g, loss) = (&lowered.graph, lowered.loss);
-        let mut rng = Rng(seed as u64);
+        let mut rng = Rng::new(seed as u64);
         let mut values: HashMap<NodeId, Value<f64>> = HashMap::new();
         for &(p, _) in &pairs {
             let shape = g.node(p).shape.clone();
