@@ -212,6 +212,38 @@ fn topk_gather_scatter() {
     });
 }
 
+/// TopK's selection against the reference's sort on rows built to hit every rule of
+/// the order (docs/math.md §6.2): equal scores (the lower index first), NaN (after
+/// every number; NaNs by index), a row wider than any stream count (a MoE router's
+/// 64 experts), and the ends k = fixed and k = n. Exact: the ids are integers.
+#[test]
+fn topk_orders_ties_and_nan_as_the_reference() {
+    let n = 64;
+    // Row 0 distinct, row 1 all equal, row 2 ties at the top and NaNs among them,
+    // row 3 all NaN but two numbers.
+    let mut values = Vec::with_capacity(4 * n);
+    values.extend((0..n).map(|i| ((i * 37) % n) as f64 * 0.25 - 3.0));
+    values.extend(std::iter::repeat_n(1.5, n));
+    values.extend((0..n).map(|i| match i % 5 {
+        0 => 2.0,
+        1 => f64::NAN,
+        2 => -1.0,
+        _ => (i % 7) as f64 * 0.1,
+    }));
+    values.extend((0..n).map(|i| if i == 9 || i == 40 { -2.0 } else { f64::NAN }));
+    for (k, fixed) in [(2, 0), (6, 0), (3, 1), (2, 2), (n, 0), (n, 3), (1, 0)] {
+        run_case(&format!("topk {k} of {n}, {fixed} fixed"), 0.0, 0.0, &|_, len| vec![0; len], |g| {
+            let info = ir::graph::ParamInfo {
+                name: "s".into(),
+                init: ir::graph::Init::Values(values.clone()),
+                class: ir::graph::ParamClass::Hidden,
+            };
+            let s = g.add_source(Op::Param(info), ir::Shape::new(&[4, n]), ir::DType::F32, Some("s".into()));
+            add(g, Op::TopK { k, fixed }, &[s])
+        });
+    }
+}
+
 #[test]
 fn sinkhorn_and_its_gradient() {
     case("sinkhorn", 1e-5, |g| {

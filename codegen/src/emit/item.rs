@@ -323,15 +323,24 @@ fn group_norm(b: &mut Block, cx: &ItemOp, groups: usize, eps: f64) {
     });
 }
 
-/// xHC routing (docs/math.md §6.2, `ir::exec::connection::topk`): the fixed slots,
-/// then each remaining index whose rank (higher score first, NaN last, lower
-/// index first) is below k − fixed, in ascending index order.
+/// Top-k routing (docs/math.md §6.2 for xHC's streams, §1.6 for MoE experts,
+/// `ir::exec::connection::topk`): the fixed slots, then each remaining index whose
+/// rank (higher score first, NaN last, lower index first) is below k − fixed, in
+/// ascending index order.
+///
+/// The order is total, so the kept set is every index at or before the
+/// (k − fixed)-th in it. That threshold is found by k − fixed passes over the
+/// scores, each taking the first index after the previous pass's in the order, and
+/// one more pass writes the kept indices: O(n·k) comparisons a row, where ranking
+/// every index against every other was O(n²) (a MoE router picks 2 of 64 experts).
 ///
 /// Index safety: every id written lies in `0..n` by construction (the fixed
-/// ones are `0..fixed`, the rest loop variables over `fixed..n`), and the
-/// order ranks every score, NaN included, so exactly k − fixed of them are
-/// written after the fixed slots (graph inference requires fixed ≤ k ≤ n):
-/// the `Gather`/`ScatterRows` that read these ids stay in bounds.
+/// ones are `0..fixed`, the rest loop variables over `fixed..n`); the order is
+/// total, so exactly k − fixed of them are written after the fixed slots (graph
+/// inference requires fixed ≤ k ≤ n): the `Gather`/`ScatterRows` that read these
+/// ids stay in bounds. Every score read is at an index in `fixed..n`: a pass's
+/// best starts as "none" with the score at `fixed` as a placeholder, never read
+/// as a candidate's.
 fn topk(b: &mut Block, cx: &ItemOp, k: usize, fixed: usize) {
     let x = cx.ins[0].clone();
     let n = cx.in_dims[0].last().copied().unwrap_or(1);
@@ -341,24 +350,43 @@ fn topk(b: &mut Block, cx: &ItemOp, k: usize, fixed: usize) {
         for f in 0..fixed {
             cx.sink.store(b, ob.clone() + ix(f), crate::kernel::i32(f as i32));
         }
+        if k == fixed {
+            return;
+        }
+        // `before(a, sa, b, sb)`: index a (score sa) comes before index b in the order.
+        let before = |a: &Expr, sa: &Expr, bi: &Expr, sb: &Expr| {
+            let (na, nb) = (sa.clone().ne_(sa.clone()), sb.clone().ne_(sb.clone()));
+            let first = a.clone().lt(bi.clone());
+            let numbers = (!na.clone()).and(!nb.clone());
+            let higher = sa.clone().gt(sb.clone()).or(sa.clone().eq_(sb.clone()).and(first.clone()));
+            (!na.clone()).and(nb.clone()).or(numbers.and(higher)).or(na.and(nb).and(first))
+        };
+        // The previous pass's index and score; -1 before the first pass.
+        let prev = b.var(&cx.fresh("prev"), i64(-1));
+        let sprev = b.var(&cx.fresh("sprev"), x.load(xb.clone() + ix(fixed)));
+        let p = cx.fresh("p");
+        b.for_(&p, ix(0), ix(k - fixed), |b, _| {
+            let best = b.var(&cx.fresh("best"), i64(-1));
+            let sbest = b.var(&cx.fresh("sbest"), sprev.clone());
+            let j = cx.fresh("j");
+            b.for_(&j, ix(fixed), ix(n), |b, j| {
+                let sj = b.let_(&cx.fresh("sj"), x.load(xb.clone() + j.clone()));
+                let after_prev = prev.clone().lt(i64(0)).or(before(&prev, &sprev, &j, &sj));
+                let beats_best = best.clone().lt(i64(0)).or(before(&j, &sj, &best, &sbest));
+                b.if_(after_prev.and(beats_best), |b| {
+                    b.assign(&best, j.clone());
+                    b.assign(&sbest, sj.clone());
+                });
+            });
+            b.assign(&prev, best.clone());
+            b.assign(&sprev, sbest.clone());
+        });
         let cnt = b.var(&cx.fresh("cnt"), ix(0));
         let i = cx.fresh("i");
         b.for_(&i, ix(fixed), ix(n), |b, i| {
             let si = b.let_(&cx.fresh("si"), x.load(xb.clone() + i.clone()));
-            let ni = b.let_(&cx.fresh("ni"), si.clone().ne_(si.clone()));
-            let rank = b.var(&cx.fresh("rank"), ix(0));
-            let j = cx.fresh("j");
-            b.for_(&j, ix(fixed), ix(n), |b, j| {
-                let sj = b.let_(&cx.fresh("sj"), x.load(xb.clone() + j.clone()));
-                let nj = b.let_(&cx.fresh("nj"), sj.clone().ne_(sj.clone()));
-                let first = j.clone().lt(i.clone());
-                let numbers = (!nj.clone()).and(!ni.clone());
-                let higher = sj.clone().gt(si.clone()).or(sj.eq_(si.clone()).and(first.clone()));
-                let before =
-                    (!nj.clone()).and(ni.clone()).or(numbers.and(higher)).or(nj.and(ni.clone()).and(first));
-                b.assign(&rank, rank.clone() + select(before, i64(1), i64(0)));
-            });
-            b.if_(rank.lt(ix(k - fixed)), |b| {
+            let kept = i.clone().eq_(prev.clone()).or(before(&i, &si, &prev, &sprev));
+            b.if_(kept, |b| {
                 cx.sink.store(b, ob.clone() + ix(fixed) + cnt.clone(), i.clone().cast(Ty::I32));
                 b.assign(&cnt, cnt.clone() + i64(1));
             });
