@@ -173,6 +173,11 @@ pub struct GroupedGemm<B = BufferId> {
     pub groups: usize,
     /// Rows of `a` (the routed assignments).
     pub m: usize,
+    /// Most rows the groups can cover: `m` when routing is dropless, `min(m, experts ·
+    /// capacity)` under a capacity (`ir::cost::grouped_rows`, docs/math.md §1.6). The
+    /// products' work is counted over these rows, as the cost model counts it, and
+    /// counts that sum past it are refused.
+    pub routed: usize,
     /// Width of `a`'s rows (the forward product's contraction).
     pub k: usize,
     /// Width of the forward product's output rows.
@@ -191,6 +196,7 @@ impl<B> GroupedGemm<B> {
             counts: f(self.counts),
             groups: self.groups,
             m: self.m,
+            routed: self.routed,
             k: self.k,
             n: self.n,
             trans_b: self.trans_b,
@@ -224,6 +230,10 @@ impl<B: Copy> GroupedGemm<B> {
             return Err(format!("{} counts for {} groups", counts.len(), self.groups));
         }
         let groups = ir::exec::moe::group_ranges(counts, self.m)?;
+        let covered = groups.last().map_or(0, |r| r.end);
+        if covered > self.routed {
+            return Err(format!("groups cover {covered} rows, the routing keeps at most {}", self.routed));
+        }
         let (k, n) = (self.k, self.n);
         let mut gemms = Vec::new();
         let mut zeroed = Vec::new();

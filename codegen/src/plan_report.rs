@@ -236,8 +236,9 @@ pub fn step_costs(plan: &Plan) -> Vec<StepCost> {
                 flops: 0,
                 exact: true,
             },
-            // Every row routed: the cost of a dropless step, a bound with a capacity
-            // (docs/math.md §1.6, Cost). Every expert's weights are read once.
+            // The rows the routing can keep: every row when dropless, at most experts ·
+            // capacity with a capacity, as the cost model counts them (docs/math.md §1.6,
+            // Cost). Every expert's weights are read once.
             Step::GroupedGemm(g) => {
                 let elem = |id: BufferId| plan.buffers.get(id.0).map_or(4, |d| d.dtype.size_bytes());
                 let [a, b, c] = g.extents().unwrap_or([0; 3]);
@@ -248,7 +249,7 @@ pub fn step_costs(plan: &Plan) -> Vec<StepCost> {
                     items: g.groups,
                     read: a * elem(g.a) + b * elem(g.b) + 4 * g.groups,
                     written: c * 4,
-                    flops: (2 * g.m * g.n * g.k) as u64,
+                    flops: (2 * g.routed * g.n * g.k) as u64,
                     exact: true,
                 }
             }

@@ -491,27 +491,37 @@ fn sparse_moe_plans_route_once_and_match_the_reference() {
 /// The FLOPs a sparse MoE Plan reports for its grouped products (`kernels.tsv`, and
 /// `widen bench`'s executed FLOPs) are the cost model's (`ir::cost::op_cost`) for the
 /// graph nodes they run, forward and backward: 2·K·N per routed row, N·k rows when
-/// dropless (docs/math.md §1.6, Cost), not the experts × tokens of dense dispatch.
+/// dropless, at most experts · capacity with a capacity (docs/math.md §1.6, Cost), not
+/// the experts × tokens of dense dispatch.
 #[test]
 fn grouped_products_report_the_flops_the_cost_model_counts() {
     use ir::graph::Op;
-    let (graph, request, _) = sparse_moe(ir::spec::MoeGate::Softmax, 1, None);
-    let fused = fused_partition(&graph, &request).expect("fuses");
-    let plan = compile(&graph, &fused, &request).expect("compiles");
-    let reported: u64 = codegen::plan_report::step_costs(&plan)
-        .iter()
-        .filter(|c| c.kind == "grouped_gemm")
-        .map(|c| c.flops)
-        .sum();
-    let counted: f64 = graph
-        .node_ids()
-        .into_iter()
-        .filter(|&id| matches!(graph.node(id).op, Op::GroupedMatMul { .. } | Op::GroupedMatMulGrad { .. }))
-        .map(|id| ir::cost::op_cost(&graph, id).flops)
-        .sum();
-    // Closed form: 16 tokens × top 2 = 32 rows; three forward products of 2·32·16·8 and,
-    // per weight, its input gradient and its weight gradient (the same contraction).
-    let closed = 9.0 * 2.0 * 32.0 * 16.0 * 8.0;
-    assert_eq!(counted, closed, "the cost model's count");
-    assert_eq!(reported as f64, counted, "the Plan reports what the cost model counts");
+    // 16 tokens × top 2 = 32 rows dropless; a capacity factor of 0.5 keeps 4 rows for
+    // each of the 4 experts, 16 rows.
+    for (capacity, rows) in [(None, 32.0), (Some(0.5), 16.0)] {
+        let (graph, request, _) = sparse_moe(ir::spec::MoeGate::Softmax, 1, capacity);
+        let fused = fused_partition(&graph, &request).expect("fuses");
+        let plan = compile(&graph, &fused, &request).expect("compiles");
+        let reported: u64 = codegen::plan_report::step_costs(&plan)
+            .iter()
+            .filter(|c| c.kind == "grouped_gemm")
+            .map(|c| c.flops)
+            .sum();
+        let counted: f64 = graph
+            .node_ids()
+            .into_iter()
+            .filter(|&id| {
+                matches!(graph.node(id).op, Op::GroupedMatMul { .. } | Op::GroupedMatMulGrad { .. })
+            })
+            .map(|id| ir::cost::op_cost(&graph, id).flops)
+            .sum();
+        // Closed form: three forward products of 2·rows·16·8 and, per weight, its input
+        // gradient and its weight gradient (the same contraction).
+        let closed = 9.0 * 2.0 * rows * 16.0 * 8.0;
+        assert_eq!(counted, closed, "the cost model's count, capacity {capacity:?}");
+        assert_eq!(
+            reported as f64, counted,
+            "the Plan reports what the cost model counts, capacity {capacity:?}"
+        );
+    }
 }

@@ -664,6 +664,7 @@ fn moe_plan(capacity: Option<usize>) -> Plan {
             counts: M_COUNTS,
             groups: MOE_E,
             m: MOE_ROWS,
+            routed: capacity.map_or(MOE_ROWS, |c| MOE_ROWS.min(MOE_E * c)),
             k,
             n,
             trans_b,
@@ -813,6 +814,12 @@ fn malformed_moe_steps_are_rejected() {
         g.n = MOE_F + 1;
     }
     grouped_error(wide, "operand b");
+    // More kept rows than routed ones.
+    let mut kept = moe_plan(None);
+    if let GroupedGemm(g) = &mut kept.steps[1] {
+        g.routed = MOE_ROWS + 1;
+    }
+    grouped_error(kept, "keeps");
     // An output over an input.
     let mut aliased = moe_plan(None);
     if let GroupedGemm(g) = &mut aliased.steps[2] {
@@ -838,4 +845,14 @@ fn malformed_moe_steps_are_rejected() {
     choices[7] = MOE_E as i32;
     dev.write_i32(M_IDX, &choices).unwrap();
     assert!(matches!(dev.run(), Err(CpuError::Step { step: 0, ref what }) if what.contains("out of range")));
+
+    // A grouped product whose routing keeps more rows than it claims (a dropless route
+    // under a product costed for a capacity) is refused, not counted short.
+    let mut short = moe_plan(None);
+    if let GroupedGemm(g) = &mut short.steps[1] {
+        g.routed = MOE_ROWS - 1;
+    }
+    let mut dev = CpuDevice::with_options(short, &compiler, CpuOptions { threads: 2 }).expect("loads");
+    dev.write_i32(M_IDX, &moe_choices()).unwrap();
+    assert!(matches!(dev.run(), Err(CpuError::Step { step: 1, ref what }) if what.contains("keeps at most")));
 }

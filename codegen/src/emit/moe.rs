@@ -83,7 +83,20 @@ pub(super) fn grouped(
     let mut steps = Vec::new();
     let [a, b, counts] =
         [0, 1, 2].map(|slot| memory(graph, inputs[slot], name, &mut temps, &mut steps, target));
-    let g = GroupedGemm { form, a: a?, b: b?, c: Arg::Node(id), counts: counts?, groups, m, k, n, trans_b };
+    let routed = ir::cost::grouped_rows(graph, inputs[2], m);
+    let g = GroupedGemm {
+        form,
+        a: a?,
+        b: b?,
+        c: Arg::Node(id),
+        counts: counts?,
+        groups,
+        m,
+        routed,
+        k,
+        n,
+        trans_b,
+    };
     steps.push(Work::Grouped(g));
     Ok(Lowering { steps, temps: temps.0, chain: None })
 }

@@ -92,7 +92,7 @@ pub fn stored_elements(graph: &Graph, id: NodeId) -> usize {
 /// The rows a grouped product really multiplies (docs/math.md §1.6, cost): every row of
 /// its operand when routing is dropless, at most `experts · capacity` when the group sizes
 /// come from a capacity-limited `MoeRoute` (the bound: which rows overflow depends on data).
-fn grouped_rows(graph: &Graph, counts: NodeId, m: usize) -> usize {
+pub fn grouped_rows(graph: &Graph, counts: NodeId, m: usize) -> usize {
     if let Op::MoeRoute { experts, capacity: Some(c), .. } = graph.node(counts).op {
         m.min(experts.saturating_mul(c))
     } else {

@@ -320,6 +320,9 @@ fn check_grouped(plan: &Plan, step: usize, g: &GroupedGemm) -> Result<(), PlanEr
     let Some([a, b, c]) = g.extents() else {
         return Err(err(format!("of {} groups of {} x {} x {} overflows", g.groups, g.m, g.n, g.k)));
     };
+    if g.routed > g.m {
+        return Err(err(format!("keeps {} rows of the {} routed", g.routed, g.m)));
+    }
     let bound = [("a", g.a, a), ("b", g.b, b), ("c", g.c, c), ("counts", g.counts, g.groups)];
     for (name, id, len) in bound {
         let d = &plan.buffers[id.0];
