@@ -846,7 +846,7 @@ fn special_lowering(
 ) -> Result<Option<Launch>, EmitError> {
     match graph.node(id).op {
         Op::Reduce { .. } => emit::lower_column_reduce(graph, id, name, target),
-        Op::ScatterAdd { .. } if target == Target::Cuda => emit::lower_scatter_columns(graph, id, name),
+        Op::ScatterAdd { .. } => emit::lower_scatter_columns(graph, id, name, target),
         Op::Sinkhorn { .. } | Op::SinkhornGrad { .. } if target == Target::Cpu => {
             emit::lower_sinkhorn_lanes(graph, id, name)
         }
@@ -864,7 +864,6 @@ fn special_lowering(
         | Op::Slice { .. }
         | Op::Concat { .. }
         | Op::Gather { .. }
-        | Op::ScatterAdd { .. }
         | Op::ScatterRows { .. }
         | Op::TopK { .. }
         | Op::Softmax
@@ -1095,8 +1094,8 @@ fn around_own_step(
 
 /// The only node a fused unit computes (the unit's other nodes are views and
 /// constants folded into its reads): a `Reduce` may run as a column-blocked
-/// reduction ([`emit::lower_column_reduce`]), a `ScatterAdd` on the GPU one
-/// thread per column ([`emit::lower_scatter_columns`]), a Sinkhorn projection
+/// reduction ([`emit::lower_column_reduce`]), a `ScatterAdd` split over its
+/// columns ([`emit::lower_scatter_columns`]), a Sinkhorn projection
 /// in C in blocks of matrices ([`emit::lower_sinkhorn_lanes`]).
 fn lone_node(graph: &Graph, nodes: &[NodeId], res: &dyn Residency) -> Option<NodeId> {
     let mut computed = nodes.iter().copied().filter(|&id| {

@@ -202,6 +202,22 @@ fn topk_gather_scatter() {
         let src = param(g, "src", &[2, 3, 4]);
         add(g, Op::ScatterAdd { axis: 0 }, &[base, idx, src])
     });
+    // Repeated indices, and a scatter over a middle axis (p = 2 leading blocks, each
+    // split into column blocks on the CPU): every output summed in the reference's
+    // order, whatever the split.
+    let repeats: &Ints = &|_, n| (0..n).map(|i| ((i * 3) % 4) as i32 % 3).collect();
+    run_case("scatter_add repeated ids", 0.0, 1.0, repeats, |g| {
+        let base = param(g, "base", &[5, 64]);
+        let idx = input(g, "ids", &[4, 9]);
+        let src = param(g, "src", &[4, 9, 64]);
+        add(g, Op::ScatterAdd { axis: 0 }, &[base, idx, src])
+    });
+    run_case("scatter_add middle axis", 0.0, 1.0, repeats, |g| {
+        let base = param(g, "base", &[2, 5, 8]);
+        let idx = input(g, "ids", &[2, 6]);
+        let src = param(g, "src", &[2, 6, 8]);
+        add(g, Op::ScatterAdd { axis: 1 }, &[base, idx, src])
+    });
     // Distinct indices per row for ScatterRows.
     let distinct: &Ints = &|_, n| (0..n).map(|i| ((i % 3) * 2 + (i / 3) % 2) as i32).collect();
     run_case("scatter_rows", 0.0, 1.0, distinct, |g| {

@@ -1213,42 +1213,75 @@ fn lower_block_reduce(
 /// than this leave the GPU idle whichever way the scatter is split.
 const SCATTER_MIN_COLUMNS: usize = 64;
 
-/// A scatter-add (`out = base; out[p, idx[p, j], c] += src[p, j, c]`, the
-/// token embedding's gradient) as one thread per column `(p, c)` (GPU):
-/// the item model of fused kernels gives each item whole `[S, C]` blocks, so
-/// the embedding gradient of a batch would be one thread adding every token's
-/// row. Each thread copies its column of `base`, then adds the indexed rows in
-/// order of `j`, so every output is summed in the reference's order (bitwise
-/// the same) and threads never share an output. `None` for fewer than
-/// `SCATTER_MIN_COLUMNS` columns.
-pub fn lower_scatter_columns(graph: &Graph, id: NodeId, name: &str) -> Result<Option<Launch>, EmitError> {
+/// A scatter-add (`out = base; out[p, idx[p, j], c] += src[p, j, c]`: the
+/// token embedding's gradient, and a MoE layer's gradient through its dispatch,
+/// docs/math.md §1.6) split over its columns: the item model of fused kernels
+/// gives each item whole `[S, C]` blocks, so the embedding gradient of a batch
+/// would be one item adding every token's row, on one thread. Here an item owns
+/// a block of adjacent columns of one `p`: it copies its columns of `base`,
+/// then adds the indexed rows' columns in order of `j`, so every output is
+/// summed in the reference's order (bitwise the same) and items never share an
+/// output.
+///
+/// On the GPU ([`Target::Cuda`]) a block is one column, a thread each; on the
+/// CPU the widest block of up to [`C_COLUMN_BLOCK`] columns that divides `C`
+/// and still leaves [`C_COLUMN_ITEMS`] items, so each row's block is a
+/// contiguous run the adds vectorize over. `None` for fewer than
+/// `SCATTER_MIN_COLUMNS` columns (GPU) or no block of at least 2 leaving
+/// 2 items (CPU): the single-item form is as fast there.
+pub fn lower_scatter_columns(
+    graph: &Graph,
+    id: NodeId,
+    name: &str,
+    target: Target,
+) -> Result<Option<Launch>, EmitError> {
     let node = graph.node(id);
     let Op::ScatterAdd { axis } = node.op else { return Ok(None) };
     let o = node.shape.dims();
     let (p, s, c) = (numel(&o[..axis]), o[axis], numel(&o[axis + 1..]));
     let inputs = graph.inputs(id);
     let j = graph.node(inputs[1]).shape.numel() / p.max(1);
-    if c < SCATTER_MIN_COLUMNS {
-        return Ok(None);
-    }
-    let mut k = KernelBuilder::new(name, grid(p * c));
+    let width = match target {
+        Target::Cuda if c >= SCATTER_MIN_COLUMNS => 1,
+        Target::Cuda => return Ok(None),
+        Target::Cpu => {
+            let divides = |w: &usize| c.is_multiple_of(*w);
+            let widest = |items: usize| {
+                (2..=C_COLUMN_BLOCK.min(c)).rev().filter(divides).find(|w| p * (c / w) >= items)
+            };
+            match widest(C_COLUMN_ITEMS).or_else(|| widest(2)) {
+                Some(w) => w,
+                None => return Ok(None),
+            }
+        }
+    };
+    let blocks = c / width;
+    let mut k = KernelBuilder::new(name, grid(p * blocks));
     let mut r = Reader::new(graph);
     let base = r.read(&mut k, inputs[0]);
     let idx = r.read(&mut k, inputs[1]);
     let src = r.read(&mut k, inputs[2]);
     let out = r.buffer(&mut k, id, Access::ReadWrite);
-    let pi = k.let_("pi", item() / ix(c));
-    let col = k.let_("col", item() % ix(c));
+    let pi = k.let_("pi", item() / ix(blocks));
+    let col = k.let_("col", item() % ix(blocks) * ix(width));
     let first = k.let_("first", pi.clone() * ix(s * c) + col.clone());
-    let copy_from = first.clone();
+    // Each column of the block: once per column, or a loop over the block.
+    let columns = |b: &mut Block, body: &dyn Fn(&mut Block, Expr)| {
+        if width == 1 {
+            body(b, ix(0));
+        } else {
+            b.for_("l", ix(0), ix(width), |b, l| body(b, l));
+        }
+    };
     k.for_("srow", ix(0), ix(s), |b, row| {
-        let at = copy_from.clone() + row * ix(c);
-        b.store(&out, at.clone(), base.load(at));
+        let at = first.clone() + row * ix(c);
+        columns(b, &|b, l| b.store(&out, at.clone() + l.clone(), base.load(at.clone() + l)));
     });
     k.for_("t", ix(0), ix(j), |b, t| {
         let pj = b.let_("pj", pi.clone() * ix(j) + t);
         let row = b.let_("row", idx.load(pj.clone()).cast(Ty::I64));
-        b.accum(&out, first.clone() + row * ix(c), src.load(pj * ix(c) + col.clone()));
+        let (to, from) = (first.clone() + row * ix(c), pj * ix(c) + col.clone());
+        columns(b, &|b, l| b.accum(&out, to.clone() + l.clone(), src.load(from.clone() + l)));
     });
     let kernel = k.finish();
     kernel.validate()?;
