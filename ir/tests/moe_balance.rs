@@ -14,7 +14,8 @@ use ir::exec::{run, Tensor, Value};
 use ir::graph::{NodeId, Op};
 use ir::lower::{expert_load_output, lower, router_bias_param, Lowered, MOE_AUX_LOSS_OUTPUT};
 use ir::spec::{
-    AuxLossSpec, BiasUpdateSpec, FfnSpec, ModelSpec, MoeBalance, MoeDispatch, MoeGate, MoeSpec, TrainSpec,
+    AuxLossScope, AuxLossSpec, BiasUpdateSpec, FfnSpec, ModelSpec, MoeBalance, MoeDispatch, MoeGate, MoeSpec,
+    TrainSpec,
 };
 use std::collections::HashMap;
 
@@ -46,7 +47,11 @@ fn model(gate: MoeGate, dispatch: MoeDispatch, balance: MoeBalance) -> ModelSpec
 }
 
 fn aux(coef: f64) -> MoeBalance {
-    MoeBalance::AuxLoss(AuxLossSpec { coef })
+    MoeBalance::AuxLoss(AuxLossSpec { coef, ..Default::default() })
+}
+
+fn seq_aux(coef: f64) -> MoeBalance {
+    MoeBalance::AuxLoss(AuxLossSpec { coef, per: AuxLossScope::Sequence })
 }
 
 fn output(l: &Lowered, name: &str) -> NodeId {
@@ -120,6 +125,73 @@ fn every_moe_sublayer_reports_its_loads_and_the_aux_loss_is_its_definition() {
     }
 }
 
+/// DeepSeek-V3's sequence-wise form (`per: Sequence`) against the test's own computation:
+/// each sequence's loads and mean gate shares over its own T tokens, the B losses averaged;
+/// the same number whether asked for as an `AuxLoss` or beside the bias update
+/// (`seq_aux_coef`, at a zero bias the same choice). It differs from the batch form, which
+/// pools the sequences, unless there is one sequence.
+#[test]
+fn sequence_wise_aux_loss_is_its_definition() {
+    for gate in [MoeGate::Softmax, MoeGate::Sigmoid] {
+        let coef = 0.3;
+        let l = lower(&model(gate, MoeDispatch::Dense, seq_aux(coef)), B, T).unwrap();
+        let routing = routing_nodes(&l);
+        let aux_out = output(&l, MOE_AUX_LOSS_OUTPUT);
+        let loss = output(&l, "loss");
+        let outs: Vec<NodeId> =
+            [l.loss, loss, aux_out].into_iter().chain(routing.iter().flat_map(|&(p, c)| [p, c])).collect();
+        let v = run(&l.graph, &sources(&l, 3), &outs).unwrap();
+        let mut want = 0.0;
+        for &(probs, chosen) in &routing {
+            let probs = floats(&v, probs);
+            let chosen = v[&chosen].as_int().expect("int").data.clone();
+            for seq in 0..B {
+                let mut load = [0.0; E];
+                for &c in &chosen[seq * T * K..(seq + 1) * T * K] {
+                    load[c as usize] += 1.0;
+                }
+                let mut mean_share = [0.0; E];
+                for row in probs[seq * T * E..(seq + 1) * T * E].chunks(E) {
+                    let total: f64 = row.iter().sum();
+                    for (e, p) in row.iter().enumerate() {
+                        mean_share[e] += p / total / T as f64;
+                    }
+                }
+                let sum: f64 = (0..E).map(|e| load[e] / (T * K) as f64 * mean_share[e]).sum();
+                want += coef * E as f64 * sum / B as f64;
+            }
+        }
+        let got = floats(&v, aux_out)[0];
+        assert!((got - want).abs() < 1e-12, "{gate:?}: sequence-wise aux {got} vs {want}");
+        let (objective, reported) = (floats(&v, l.loss)[0], floats(&v, loss)[0]);
+        assert!((objective - (reported + got)).abs() < 1e-12, "{objective} vs {reported} + {got}");
+
+        // Beside the bias update: the same loss in the objective.
+        let biased = BiasUpdateSpec { rate: 0.01, seq_aux_coef: coef };
+        let lb = lower(&model(gate, MoeDispatch::Dense, MoeBalance::BiasUpdate(biased)), B, T).unwrap();
+        let vb = run(&lb.graph, &sources(&lb, 3), &[output(&lb, MOE_AUX_LOSS_OUTPUT)]).unwrap();
+        let beside = floats(&vb, output(&lb, MOE_AUX_LOSS_OUTPUT))[0];
+        assert!((beside - got).abs() < 1e-12, "{gate:?}: beside the bias {beside} vs {got}");
+
+        // Pooled over the batch it is another number.
+        let lp = lower(&model(gate, MoeDispatch::Dense, aux(coef)), B, T).unwrap();
+        let vp = run(&lp.graph, &sources(&lp, 3), &[output(&lp, MOE_AUX_LOSS_OUTPUT)]).unwrap();
+        let pooled = floats(&vp, output(&lp, MOE_AUX_LOSS_OUTPUT))[0];
+        assert!((pooled - got).abs() > 1e-6, "{gate:?}: batch {pooled} vs sequence {got}");
+        // With one sequence the two forms are the same loss.
+        let one = |balance| {
+            let l = lower(&model(gate, MoeDispatch::Dense, balance), 1, T).unwrap();
+            let v = run(&l.graph, &sources(&l, 3), &[output(&l, MOE_AUX_LOSS_OUTPUT)]).unwrap();
+            floats(&v, output(&l, MOE_AUX_LOSS_OUTPUT))[0]
+        };
+        let (batch, sequence) = (one(aux(coef)), one(seq_aux(coef)));
+        assert!(
+            (batch - sequence).abs() <= 1e-12 * batch.abs(),
+            "{gate:?}: one sequence {batch} vs {sequence}"
+        );
+    }
+}
+
 #[test]
 fn without_aux_loss_the_objective_is_the_reported_loss() {
     for balance in [MoeBalance::None, MoeBalance::BiasUpdate(BiasUpdateSpec::default())] {
@@ -145,13 +217,15 @@ fn objective_and_grads(spec: &ModelSpec, seed: u64) -> (f64, HashMap<String, Vec
 
 #[test]
 fn aux_loss_gradient_matches_central_differences_through_the_router() {
-    for (gate, dispatch) in [
-        (MoeGate::Softmax, MoeDispatch::Dense),
-        (MoeGate::Sigmoid, MoeDispatch::Dense),
-        (MoeGate::Sigmoid, MoeDispatch::Sparse),
+    for (gate, dispatch, balance) in [
+        (MoeGate::Softmax, MoeDispatch::Dense, aux(0.5)),
+        (MoeGate::Sigmoid, MoeDispatch::Dense, aux(0.5)),
+        (MoeGate::Sigmoid, MoeDispatch::Sparse, aux(0.5)),
+        (MoeGate::Softmax, MoeDispatch::Sparse, seq_aux(0.5)),
+        (MoeGate::Sigmoid, MoeDispatch::Dense, seq_aux(0.5)),
     ] {
-        let what = format!("{gate:?} {dispatch:?}");
-        let spec = model(gate, dispatch, aux(0.5));
+        let what = format!("{gate:?} {dispatch:?} {balance:?}");
+        let spec = model(gate, dispatch, balance);
         let mut l = lower(&spec, B, T).unwrap();
         let params = l.graph.params();
         let grads = grad(&mut l.graph, l.loss, &params).unwrap();
@@ -246,7 +320,11 @@ fn run_with_bias(spec: &ModelSpec, bias: &[f64], names: &[&str]) -> (Vec<Vec<f64
 fn router_bias_moves_the_choice_but_not_the_gates_and_gets_no_gradient() {
     let names = ["loss", "blocks.0.ffn.expert_load", "blocks.1.ffn.expert_load"];
     for gate in [MoeGate::Softmax, MoeGate::Sigmoid] {
-        let biased = model(gate, MoeDispatch::Dense, MoeBalance::BiasUpdate(BiasUpdateSpec { rate: 0.01 }));
+        let biased = model(
+            gate,
+            MoeDispatch::Dense,
+            MoeBalance::BiasUpdate(BiasUpdateSpec { rate: 0.01, ..Default::default() }),
+        );
         let plain = model(gate, MoeDispatch::Dense, MoeBalance::None);
         let l = lower(&biased, B, T).unwrap();
         for prefix in &l.moe_layers {

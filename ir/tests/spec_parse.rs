@@ -4,10 +4,10 @@
 use std::path::{Path, PathBuf};
 
 use ir::spec::{
-    load_spec, parse_spec, AdamWSpec, BiasUpdateSpec, DataSpec, FfnSpec, Flash, GhcSpec, ModelSpec,
-    MoeBalance, MoeDispatch, MoeGate, MoeSpec, MtpSpec, MuonScale, MuonSpec, MupSpec, OptimizerSpec,
-    Parametrization, Precision, ReduceNorm, ResidualSpec, ScheduleSpec, SpecLoadError, UnknownName, WsdSpec,
-    XhcSpec,
+    load_spec, parse_spec, AdamWSpec, AuxLossScope, AuxLossSpec, BiasUpdateSpec, DataSpec, FfnSpec, Flash,
+    GhcSpec, ModelSpec, MoeBalance, MoeDispatch, MoeGate, MoeSpec, MtpSpec, MuonScale, MuonSpec, MupSpec,
+    OptimizerSpec, Parametrization, Precision, ReduceNorm, ResidualSpec, ScheduleSpec, SpecLoadError,
+    UnknownName, WsdSpec, XhcSpec,
 };
 
 fn unknown_names(text: &str) -> Vec<UnknownName> {
@@ -209,7 +209,7 @@ fn busy_spec() -> ModelSpec {
             gate: MoeGate::Sigmoid,
             dispatch: MoeDispatch::Sparse,
             capacity_factor: Some(1.25),
-            balance: MoeBalance::BiasUpdate(BiasUpdateSpec { rate: 2.5e-4 }),
+            balance: MoeBalance::BiasUpdate(BiasUpdateSpec { rate: 2.5e-4, seq_aux_coef: 1e-4 }),
             renormalize: false,
         }),
         norm_eps: 1e-6,
@@ -372,4 +372,25 @@ fn non_finite_floats_are_refused_by_field() {
     };
     let paths: Vec<&str> = errors.iter().map(|e| e.path.as_str()).collect();
     assert_eq!(paths, ["norm_eps", "rope_base", "mtp.lambda", "train.clip", "train.val_fraction"]);
+}
+
+#[test]
+fn balance_settings_read_their_scope_and_the_sequence_wise_weight() {
+    let balance = |text: &str| {
+        let spec = parse_spec(&format!("Model(ffn: Moe(balance: {text}))"), "t.ron").expect("parses");
+        let FfnSpec::Moe(m) = spec.ffn else { panic!("moe expected") };
+        m.balance
+    };
+    let per_sequence = AuxLossSpec { coef: 1e-3, per: AuxLossScope::Sequence };
+    assert_eq!(balance("AuxLoss(coef: 1e-3, per: Sequence)"), MoeBalance::AuxLoss(per_sequence.clone()));
+    assert_eq!(
+        balance("AuxLoss()"),
+        MoeBalance::AuxLoss(AuxLossSpec { coef: 0.01, per: AuxLossScope::Batch })
+    );
+    let beside = balance("BiasUpdate(rate: 1e-3, seq_aux_coef: 1e-3)");
+    assert_eq!(beside.aux_loss(), Some(per_sequence));
+    assert_eq!(balance("BiasUpdate(rate: 1e-3)").aux_loss(), None);
+    let names = unknown_names("Model(ffn: Moe(balance: AuxLoss(per: Token)))");
+    assert_eq!(names.len(), 1);
+    assert!(names[0].message.contains("valid variants: Batch, Sequence"), "{}", names[0].message);
 }

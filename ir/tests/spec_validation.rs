@@ -227,11 +227,11 @@ rule!(
 rule!(
     moe_aux_loss_coef_positive,
     |s| s.ffn = FfnSpec::Moe(MoeSpec {
-        balance: MoeBalance::AuxLoss(AuxLossSpec { coef: -0.01 }),
+        balance: MoeBalance::AuxLoss(AuxLossSpec { coef: -0.01, ..Default::default() }),
         ..MoeSpec::default()
     }),
     |s| s.ffn = FfnSpec::Moe(MoeSpec {
-        balance: MoeBalance::AuxLoss(AuxLossSpec { coef: 0.01 }),
+        balance: MoeBalance::AuxLoss(AuxLossSpec { coef: 0.01, ..Default::default() }),
         ..MoeSpec::default()
     }),
     "ffn.balance.coef",
@@ -240,15 +240,28 @@ rule!(
 rule!(
     moe_bias_update_rate_positive,
     |s| s.ffn = FfnSpec::Moe(MoeSpec {
-        balance: MoeBalance::BiasUpdate(BiasUpdateSpec { rate: f64::INFINITY }),
+        balance: MoeBalance::BiasUpdate(BiasUpdateSpec { rate: f64::INFINITY, ..Default::default() }),
         ..MoeSpec::default()
     }),
     |s| s.ffn = FfnSpec::Moe(MoeSpec {
-        balance: MoeBalance::BiasUpdate(BiasUpdateSpec { rate: 1e-3 }),
+        balance: MoeBalance::BiasUpdate(BiasUpdateSpec { rate: 1e-3, ..Default::default() }),
         ..MoeSpec::default()
     }),
     "ffn.balance.rate",
     ["ffn.balance.rate = inf", "must be > 0 and finite"]
+);
+rule!(
+    moe_seq_aux_coef_non_negative,
+    |s| s.ffn = FfnSpec::Moe(MoeSpec {
+        balance: MoeBalance::BiasUpdate(BiasUpdateSpec { rate: 1e-3, seq_aux_coef: -1e-4 }),
+        ..MoeSpec::default()
+    }),
+    |s| s.ffn = FfnSpec::Moe(MoeSpec {
+        balance: MoeBalance::BiasUpdate(BiasUpdateSpec { rate: 1e-3, seq_aux_coef: 1e-4 }),
+        ..MoeSpec::default()
+    }),
+    "ffn.balance.seq_aux_coef",
+    ["ffn.balance.seq_aux_coef = -0.0001", ">= 0"]
 );
 
 // Residual schemes (docs/math.md §10 "Residual connection").

@@ -173,8 +173,8 @@ fields!(ModelSpec {
 });
 fields!(SwiGluSpec { hidden });
 fields!(MoeSpec { experts, top_k, shared, hidden, gate, dispatch, capacity_factor, balance, renormalize });
-fields!(AuxLossSpec { coef });
-fields!(BiasUpdateSpec { rate });
+fields!(AuxLossSpec { coef, per });
+fields!(BiasUpdateSpec { rate, seq_aux_coef });
 fields!(HcSpec { n, dynamic, act, gen_norm, scale_init, out_proj_std_mult });
 fields!(FcSpec { m, dynamic, act, scale_init });
 fields!(MhcSpec {
@@ -263,6 +263,7 @@ macro_rules! unit_enum {
 }
 
 unit_enum!(MoeGate, "MoE gate" { Softmax => "softmax", Sigmoid => "sigmoid" });
+unit_enum!(AuxLossScope, "aux loss scope" { Batch => "batch", Sequence => "sequence" });
 unit_enum!(MoeDispatch, "MoE dispatch" { Dense => "dense", Sparse => "sparse" });
 unit_enum!(GateAct, "activation" { Tanh => "tanh", Identity => "identity" });
 unit_enum!(GenNorm, "norm" { LayerNorm => "layer_norm", RmsNorm => "rms_norm" });
@@ -646,7 +647,7 @@ mod tests {
         let FfnSpec::Moe(moe) = &spec.ffn else { panic!("moe expected") };
         assert_eq!((moe.experts, moe.top_k, moe.gate), (4, 1, MoeGate::Sigmoid));
         assert_eq!(moe.shared, MoeSpec::default().shared);
-        assert_eq!(moe.balance, MoeBalance::BiasUpdate(BiasUpdateSpec { rate: 0.002 }));
+        assert_eq!(moe.balance, MoeBalance::BiasUpdate(BiasUpdateSpec { rate: 0.002, ..Default::default() }));
         assert_eq!((spec.mtp.depth, spec.mtp.lambda), (2, 0.5));
         assert_eq!(spec.mtp.concat_order, ConcatOrder::EmbFirst);
         assert!(matches!(&spec.parametrization, Parametrization::MuP(m) if m.base_width == 32));

@@ -41,7 +41,7 @@ fn moe_spec(name: &str, steps: usize, balance: MoeBalance) -> ModelSpec {
 }
 
 fn bias(rate: f64) -> MoeBalance {
-    MoeBalance::BiasUpdate(BiasUpdateSpec { rate })
+    MoeBalance::BiasUpdate(BiasUpdateSpec { rate, ..Default::default() })
 }
 
 fn metrics(dir: &Path) -> Vec<Value> {
@@ -176,9 +176,21 @@ fn cpu_device_reads_the_same_loads_and_moves_the_same_biases() {
     }
 }
 
+/// The batch-wise aux loss, and the sequence-wise one beside the bias update
+/// (DeepSeek-V3's pairing, docs/math.md §1.6), on the Cpu device against the reference.
 #[test]
 fn cpu_device_differentiates_and_reports_the_aux_loss_like_the_reference() {
-    let spec = moe_spec("moe-aux", 3, MoeBalance::AuxLoss(AuxLossSpec { coef: 0.5 }));
+    let balances = [
+        MoeBalance::AuxLoss(AuxLossSpec { coef: 0.5, ..Default::default() }),
+        MoeBalance::BiasUpdate(BiasUpdateSpec { rate: 0.01, seq_aux_coef: 0.5 }),
+    ];
+    for balance in balances {
+        cpu_aux_loss_case(balance);
+    }
+}
+
+fn cpu_aux_loss_case(balance: MoeBalance) {
+    let spec = moe_spec("moe-aux", 3, balance.clone());
     let (batch, seq) = (spec.train.batch, spec.train.seq_len);
     let lowered = ir::lower::lower(&spec, batch, seq).unwrap();
     assert!(lowered.statistics.iter().any(|s| s == ir::lower::MOE_AUX_LOSS_OUTPUT));
@@ -188,7 +200,7 @@ fn cpu_device_differentiates_and_reports_the_aux_loss_like_the_reference() {
     let report = compare(&spec, &mut cpu, 2, Tolerances::FP32).unwrap();
     let failures: Vec<String> =
         report.failures().map(|c| format!("{} {}", c.quantity.key(), c.name)).collect();
-    assert!(failures.is_empty(), "{report}");
+    assert!(failures.is_empty(), "{balance:?}: {report}");
 
     // One training step on each: the same statistics, the aux value at f32 rounding.
     let corpus = Corpus::load(&spec.train.data, spec.train.val_fraction, seq + 1).unwrap();
@@ -207,7 +219,7 @@ fn cpu_device_differentiates_and_reports_the_aux_loss_like_the_reference() {
     assert_eq!(got_names.len(), 2, "the loads of the one MoE sublayer and the aux loss");
     assert_eq!(got[0], want[0], "expert loads");
     let (a, b) = (got[1][0], want[1][0]);
-    assert!((a - b).abs() <= 1e-5 * b.abs(), "aux loss: cpu {a} vs reference {b}");
+    assert!((a - b).abs() <= 1e-5 * b.abs(), "{balance:?}: aux loss: cpu {a} vs reference {b}");
     assert!(b > 0.1 * 0.5, "the aux loss is near its coefficient at init: {b}");
     // The reported loss is the language-model loss alone, on both.
     assert!((got_loss - want_loss).abs() <= 1e-5 * want_loss, "{got_loss} vs {want_loss}");

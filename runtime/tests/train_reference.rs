@@ -78,7 +78,7 @@ fn moe_spec() -> ModelSpec {
         top_k: 2,
         hidden: 8,
         gate: MoeGate::Sigmoid,
-        balance: MoeBalance::BiasUpdate(BiasUpdateSpec { rate: 0.01 }),
+        balance: MoeBalance::BiasUpdate(BiasUpdateSpec { rate: 0.01, ..Default::default() }),
         ..MoeSpec::default()
     });
     spec

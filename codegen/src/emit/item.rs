@@ -158,6 +158,7 @@ pub(super) fn emit(b: &mut Block, cx: &ItemOp) -> Result<(), EmitError> {
         Op::RmsNorm { eps } => rms_norm(b, cx, *eps),
         Op::LayerNorm { eps } => group_norm(b, cx, 1, *eps),
         Op::GroupNorm { groups, eps } => group_norm(b, cx, *groups, *eps),
+        Op::TopK { k, fixed } if cx.target == Target::Cuda => topk_by_rank(b, cx, *k, *fixed),
         Op::TopK { k, fixed } => topk(b, cx, *k, *fixed),
         Op::MatMul { trans_a, trans_b } => matmul(b, cx, *trans_a, *trans_b),
         Op::Gather { axis } => gather(b, cx, *axis),
@@ -332,7 +333,8 @@ fn group_norm(b: &mut Block, cx: &ItemOp, groups: usize, eps: f64) {
 /// (k − fixed)-th in it. That threshold is found by k − fixed passes over the
 /// scores, each taking the first index after the previous pass's in the order, and
 /// one more pass writes the kept indices: O(n·k) comparisons a row, where ranking
-/// every index against every other was O(n²) (a MoE router picks 2 of 64 experts).
+/// every index against every other is O(n²) (a MoE router picks 2 of 64 experts). The
+/// C target's form; the GPU keeps [`topk_by_rank`].
 ///
 /// Index safety: every id written lies in `0..n` by construction (the fixed
 /// ones are `0..fixed`, the rest loop variables over `fixed..n`); the order is
@@ -387,6 +389,51 @@ fn topk(b: &mut Block, cx: &ItemOp, k: usize, fixed: usize) {
             let si = b.let_(&cx.fresh("si"), x.load(xb.clone() + i.clone()));
             let kept = i.clone().eq_(prev.clone()).or(before(&i, &si, &prev, &sprev));
             b.if_(kept, |b| {
+                cx.sink.store(b, ob.clone() + ix(fixed) + cnt.clone(), i.clone().cast(Ty::I32));
+                b.assign(&cnt, cnt.clone() + i64(1));
+            });
+        });
+    });
+}
+
+/// [`topk`] on the GPU: each remaining index ranked against every other, kept when
+/// its rank is below k − fixed, in ascending index order. O(n²) comparisons a row,
+/// but no state carried across the passes: the threshold form's kernels spilled
+/// registers under NVRTC (xHC's 16 streams), which `codegen/tests/compile_specs.rs`
+/// refuses.
+///
+/// Index safety: every id written lies in `0..n` by construction (the fixed
+/// ones are `0..fixed`, the rest loop variables over `fixed..n`), and the
+/// order ranks every score, NaN included, so exactly k − fixed of them are
+/// written after the fixed slots (graph inference requires fixed ≤ k ≤ n):
+/// the `Gather`/`ScatterRows` that read these ids stay in bounds.
+fn topk_by_rank(b: &mut Block, cx: &ItemOp, k: usize, fixed: usize) {
+    let x = cx.ins[0].clone();
+    let n = cx.in_dims[0].last().copied().unwrap_or(1);
+    cx.rows(b, k, |b, row| {
+        let xb = b.let_(&cx.fresh("xb"), row.clone() * ix(n));
+        let ob = b.let_(&cx.fresh("ob"), row * ix(k));
+        for f in 0..fixed {
+            cx.sink.store(b, ob.clone() + ix(f), crate::kernel::i32(f as i32));
+        }
+        let cnt = b.var(&cx.fresh("cnt"), ix(0));
+        let i = cx.fresh("i");
+        b.for_(&i, ix(fixed), ix(n), |b, i| {
+            let si = b.let_(&cx.fresh("si"), x.load(xb.clone() + i.clone()));
+            let ni = b.let_(&cx.fresh("ni"), si.clone().ne_(si.clone()));
+            let rank = b.var(&cx.fresh("rank"), ix(0));
+            let j = cx.fresh("j");
+            b.for_(&j, ix(fixed), ix(n), |b, j| {
+                let sj = b.let_(&cx.fresh("sj"), x.load(xb.clone() + j.clone()));
+                let nj = b.let_(&cx.fresh("nj"), sj.clone().ne_(sj.clone()));
+                let first = j.clone().lt(i.clone());
+                let numbers = (!nj.clone()).and(!ni.clone());
+                let higher = sj.clone().gt(si.clone()).or(sj.eq_(si.clone()).and(first.clone()));
+                let before =
+                    (!nj.clone()).and(ni.clone()).or(numbers.and(higher)).or(nj.and(ni.clone()).and(first));
+                b.assign(&rank, rank.clone() + select(before, i64(1), i64(0)));
+            });
+            b.if_(rank.lt(ix(k - fixed)), |b| {
                 cx.sink.store(b, ob.clone() + ix(fixed) + cnt.clone(), i.clone().cast(Ty::I32));
                 b.assign(&cnt, cnt.clone() + i64(1));
             });

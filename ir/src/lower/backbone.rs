@@ -5,7 +5,7 @@
 use super::{router_bias_param, Cx, MoeLayer};
 use crate::graph::Build;
 use crate::graph::{BinaryOp, GraphError, Init, MoeRouteOut, NodeId, Op, ParamClass, ReduceOp, UnaryOp};
-use crate::spec::{FfnSpec, MoeBalance, MoeDispatch, MoeGate, Parametrization};
+use crate::spec::{AuxLossScope, AuxLossSpec, FfnSpec, MoeBalance, MoeDispatch, MoeGate, Parametrization};
 
 /// Init std of an output projection (W_o, W_2): init_std / sqrt(2L) when depth-scaled
 /// (GPT-2/Megatron, docs/math.md §1.2), times the scheme's multiplier (HC's 1/sqrt(n), §2.4).
@@ -92,8 +92,9 @@ fn swiglu(cx: &mut Cx, x: NodeId, prefix: &str, hidden: usize, out_mult: f64) ->
 ///
 /// `balance` (§1.6, "Load balancing"): with `BiasUpdate` the top-k choice ranks the gates
 /// plus a per-expert bias (a parameter the trainer moves, not the optimizer) while the
-/// kept gates stay the unbiased ones; with `AuxLoss` the sublayer adds its auxiliary
-/// loss to the objective. Every MoE sublayer records its expert loads for the trainer.
+/// kept gates stay the unbiased ones; with `AuxLoss` (or `seq_aux_coef` beside the bias)
+/// the sublayer adds its auxiliary loss to the objective. Every MoE sublayer records its
+/// expert loads for the trainer.
 fn moe(
     cx: &mut Cx,
     x: NodeId,
@@ -125,10 +126,12 @@ fn moe(
         let total = cx.sum(kept, 2, true)?;
         kept = cx.g.add(Op::Binary(BinaryOp::Div), &[kept, total])?;
     }
-    let load = expert_load(cx, chosen, e)?;
-    let aux_loss = match &m.balance {
-        MoeBalance::AuxLoss(a) => Some(aux_loss(cx, probs, load, m, a.coef)?),
-        MoeBalance::None | MoeBalance::BiasUpdate(_) => None,
+    let one_hot = expert_one_hot(cx, chosen, e)?;
+    let tokens = cx.reshape(one_hot, &[b * t, e])?;
+    let load = cx.sum(tokens, 0, false)?;
+    let aux_loss = match m.balance.aux_loss() {
+        Some(a) => Some(aux_loss(cx, probs, (one_hot, load), m, &a)?),
+        None => None,
     };
     cx.moe_layers.push(MoeLayer { prefix: prefix.to_string(), load, aux_loss });
     let routed = match m.dispatch {
@@ -143,29 +146,31 @@ fn moe(
     Ok(out)
 }
 
-/// The expert loads (docs/math.md §1.6): `[E]`, how many of the N·k assignments in
-/// `chosen` (`[B, T, k]`) picked each expert, counted from a one-hot of the choice (so no
-/// gradient flows through it). Dense and Sparse dispatch count the same router decision.
-fn expert_load(cx: &mut Cx, chosen: NodeId, experts: usize) -> Result<NodeId, GraphError> {
+/// Which experts each token chose (docs/math.md §1.6): `[B, T, E]`, 1 where an expert is
+/// among the token's `chosen` (`[B, T, k]`), else 0. Summed over tokens it is the expert
+/// loads; built by a scatter of ones, so no gradient flows through it. Dense and Sparse
+/// dispatch count the same router decision.
+fn expert_one_hot(cx: &mut Cx, chosen: NodeId, experts: usize) -> Result<NodeId, GraphError> {
     let (b, t, k) = (cx.shape(chosen)[0], cx.shape(chosen)[1], cx.shape(chosen)[2]);
     let zeros = cx.constant(0.0, &[b, t, experts]);
     let ones = cx.constant(1.0, &[b, t, k]);
-    let one_hot = cx.g.add(Op::ScatterRows { axis: 2 }, &[zeros, chosen, ones])?;
-    let one_hot = cx.reshape(one_hot, &[b * t, experts])?;
-    cx.sum(one_hot, 0, false)
+    cx.g.add(Op::ScatterRows { axis: 2 }, &[zeros, chosen, ones])
 }
 
 /// The auxiliary balance loss of one MoE sublayer (docs/math.md §1.6):
-/// coef · E · Σ_e f_e · P_e with f_e = load_e / (N·k) (no gradient) and P_e the mean over
-/// the N tokens of the gate share of e, the gates normalized to sum 1 per token (softmax
-/// gates already do; sigmoid gates are divided by their sum, DeepSeek-V3's s'). At an even
-/// load and even shares it is coef. A scalar.
+/// coef · E · Σ_e f_e · P_e with f_e the fraction of the assignments that chose e (no
+/// gradient) and P_e the mean gate share of e, the gates normalized to sum 1 per token
+/// (softmax gates already do; sigmoid gates are divided by their sum, DeepSeek-V3's s').
+/// `per: Batch` takes f and P over the N tokens of the step (f from the layer's `load`);
+/// `per: Sequence` over each sequence's T tokens (from the `one_hot` choices), the B
+/// losses averaged (DeepSeek-V3's sequence-wise loss). At an even load and even shares it
+/// is coef either way. A scalar.
 fn aux_loss(
     cx: &mut Cx,
     probs: NodeId,
-    load: NodeId,
+    (one_hot, load): (NodeId, NodeId),
     m: &crate::spec::MoeSpec,
-    coef: f64,
+    spec: &AuxLossSpec,
 ) -> Result<NodeId, GraphError> {
     let (b, t, e) = (cx.shape(probs)[0], cx.shape(probs)[1], cx.shape(probs)[2]);
     let n = b * t;
@@ -176,12 +181,26 @@ fn aux_loss(
             cx.div(probs, total)?
         }
     };
-    let share = cx.reshape(share, &[n, e])?;
-    let mean_share = cx.g.add(Op::Reduce { op: ReduceOp::Mean, axis: 0, keepdim: false }, &[share])?;
-    let fraction = cx.affine(load, 1.0 / (n * m.top_k) as f64, 0.0)?;
-    let product = cx.mul(fraction, mean_share)?;
-    let total = cx.sum(product, 0, false)?;
-    cx.affine(total, coef * e as f64, 0.0)
+    let mean = |cx: &mut Cx, x, axis| cx.g.add(Op::Reduce { op: ReduceOp::Mean, axis, keepdim: false }, &[x]);
+    let total = match spec.per {
+        AuxLossScope::Batch => {
+            let share = cx.reshape(share, &[n, e])?;
+            let mean_share = mean(cx, share, 0)?;
+            let fraction = cx.affine(load, 1.0 / (n * m.top_k) as f64, 0.0)?;
+            let product = cx.mul(fraction, mean_share)?;
+            cx.sum(product, 0, false)?
+        }
+        AuxLossScope::Sequence => {
+            // [B, E]: each sequence's mean share and fraction of its T·k assignments.
+            let mean_share = mean(cx, share, 1)?;
+            let loads = cx.sum(one_hot, 1, false)?;
+            let fraction = cx.affine(loads, 1.0 / (t * m.top_k) as f64, 0.0)?;
+            let product = cx.mul(fraction, mean_share)?;
+            let per_sequence = cx.sum(product, 1, false)?;
+            mean(cx, per_sequence, 0)?
+        }
+    };
+    cx.affine(total, spec.coef * e as f64, 0.0)
 }
 
 /// The routed experts' weights w1, w3 [E, D, F] and w2 [E, F, D].

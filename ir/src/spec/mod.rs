@@ -266,12 +266,26 @@ pub struct AuxLossSpec {
     /// Weight α of the loss, which is α at an even load [> 0, finite]; default 0.01 (the
     /// Switch Transformer's).
     pub coef: f64,
+    /// Over what the loads and gate shares are taken: `Batch` (Switch, DeepSeekMoE: the
+    /// step's tokens together) or `Sequence` (DeepSeek-V3's sequence-wise form: each
+    /// sequence's own, the losses averaged over the sequences); default Batch.
+    pub per: AuxLossScope,
 }
 
 impl Default for AuxLossSpec {
     fn default() -> Self {
-        AuxLossSpec { coef: 0.01 }
+        AuxLossSpec { coef: 0.01, per: AuxLossScope::Batch }
     }
+}
+
+/// Over which tokens the auxiliary balance loss measures the load (docs/math.md §1.6).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub enum AuxLossScope {
+    /// All the tokens of the step (one rank's batch) together.
+    #[default]
+    Batch,
+    /// Each sequence alone, the per-sequence losses averaged.
+    Sequence,
 }
 
 /// The loss-free bias update (docs/math.md §1.6).
@@ -281,11 +295,35 @@ pub struct BiasUpdateSpec {
     /// Step γ of the bias per training step, b_e += γ · sign(mean load − load_e)
     /// [> 0, finite]; default 0.001 (DeepSeek-V3's).
     pub rate: f64,
+    /// Weight α of DeepSeek-V3's complementary sequence-wise balance loss (an `AuxLoss`
+    /// with `per: Sequence`) added beside the bias [≥ 0, finite]; default 0, none.
+    /// DeepSeek-V3 uses 0.0001.
+    pub seq_aux_coef: f64,
 }
 
 impl Default for BiasUpdateSpec {
     fn default() -> Self {
-        BiasUpdateSpec { rate: 1e-3 }
+        BiasUpdateSpec { rate: 1e-3, seq_aux_coef: 0.0 }
+    }
+}
+
+impl BiasUpdateSpec {
+    /// The sequence-wise loss beside the bias, if its weight is not zero.
+    pub fn seq_aux(&self) -> Option<AuxLossSpec> {
+        (self.seq_aux_coef != 0.0)
+            .then_some(AuxLossSpec { coef: self.seq_aux_coef, per: AuxLossScope::Sequence })
+    }
+}
+
+impl MoeBalance {
+    /// The auxiliary balance loss this setting adds to the objective, if any: `AuxLoss`'s,
+    /// or the sequence-wise one beside `BiasUpdate`.
+    pub fn aux_loss(&self) -> Option<AuxLossSpec> {
+        match self {
+            MoeBalance::None => None,
+            MoeBalance::AuxLoss(a) => Some(a.clone()),
+            MoeBalance::BiasUpdate(b) => b.seq_aux(),
+        }
     }
 }
 

@@ -314,7 +314,10 @@ impl ModelSpec {
                 match &m.balance {
                     MoeBalance::None => {}
                     MoeBalance::AuxLoss(a) => c.positive("ffn.balance.coef", a.coef),
-                    MoeBalance::BiasUpdate(b) => c.positive("ffn.balance.rate", b.rate),
+                    MoeBalance::BiasUpdate(b) => {
+                        c.positive("ffn.balance.rate", b.rate);
+                        c.non_negative("ffn.balance.seq_aux_coef", b.seq_aux_coef);
+                    }
                 }
             }
         }
