@@ -158,7 +158,6 @@ pub(super) fn emit(b: &mut Block, cx: &ItemOp) -> Result<(), EmitError> {
         Op::RmsNorm { eps } => rms_norm(b, cx, *eps),
         Op::LayerNorm { eps } => group_norm(b, cx, 1, *eps),
         Op::GroupNorm { groups, eps } => group_norm(b, cx, *groups, *eps),
-        Op::TopK { k, fixed } if cx.target == Target::Cuda => topk_by_rank(b, cx, *k, *fixed),
         Op::TopK { k, fixed } => topk(b, cx, *k, *fixed),
         Op::MatMul { trans_a, trans_b } => matmul(b, cx, *trans_a, *trans_b),
         Op::Gather { axis } => gather(b, cx, *axis),
@@ -352,46 +351,67 @@ fn topk(b: &mut Block, cx: &ItemOp, k: usize, fixed: usize) {
         for f in 0..fixed {
             cx.sink.store(b, ob.clone() + ix(f), crate::kernel::i32(f as i32));
         }
-        if k == fixed {
-            return;
+        let row = TopKRow { x: &x, xb, ob, n, k, fixed };
+        match cx.target {
+            Target::Cpu => topk_by_threshold(b, cx, row),
+            Target::Cuda => topk_by_rank(b, cx, row),
         }
-        // `before(a, sa, b, sb)`: index a (score sa) comes before index b in the order.
-        let before = |a: &Expr, sa: &Expr, bi: &Expr, sb: &Expr| {
-            let (na, nb) = (sa.clone().ne_(sa.clone()), sb.clone().ne_(sb.clone()));
-            let first = a.clone().lt(bi.clone());
-            let numbers = (!na.clone()).and(!nb.clone());
-            let higher = sa.clone().gt(sb.clone()).or(sa.clone().eq_(sb.clone()).and(first.clone()));
-            (!na.clone()).and(nb.clone()).or(numbers.and(higher)).or(na.and(nb).and(first))
-        };
-        // The previous pass's index and score; -1 before the first pass.
-        let prev = b.var(&cx.fresh("prev"), i64(-1));
-        let sprev = b.var(&cx.fresh("sprev"), x.load(xb.clone() + ix(fixed)));
-        let p = cx.fresh("p");
-        b.for_(&p, ix(0), ix(k - fixed), |b, _| {
-            let best = b.var(&cx.fresh("best"), i64(-1));
-            let sbest = b.var(&cx.fresh("sbest"), sprev.clone());
-            let j = cx.fresh("j");
-            b.for_(&j, ix(fixed), ix(n), |b, j| {
-                let sj = b.let_(&cx.fresh("sj"), x.load(xb.clone() + j.clone()));
-                let after_prev = prev.clone().lt(i64(0)).or(before(&prev, &sprev, &j, &sj));
-                let beats_best = best.clone().lt(i64(0)).or(before(&j, &sj, &best, &sbest));
-                b.if_(after_prev.and(beats_best), |b| {
-                    b.assign(&best, j.clone());
-                    b.assign(&sbest, sj.clone());
-                });
+    });
+}
+
+/// One row of [`topk`]: the scores `x` from `xb`, the ids written from `ob`.
+struct TopKRow<'a> {
+    x: &'a Val,
+    xb: Expr,
+    ob: Expr,
+    n: usize,
+    k: usize,
+    fixed: usize,
+}
+
+/// [`topk`]'s selection on the C target: the k − fixed passes for the threshold, then
+/// the pass that writes the kept ids.
+fn topk_by_threshold(b: &mut Block, cx: &ItemOp, row: TopKRow) {
+    let TopKRow { x, xb, ob, n, k, fixed } = row;
+    if k == fixed {
+        return;
+    }
+    // `before(a, sa, b, sb)`: index a (score sa) comes before index b in the order.
+    let before = |a: &Expr, sa: &Expr, bi: &Expr, sb: &Expr| {
+        let (na, nb) = (sa.clone().ne_(sa.clone()), sb.clone().ne_(sb.clone()));
+        let first = a.clone().lt(bi.clone());
+        let numbers = (!na.clone()).and(!nb.clone());
+        let higher = sa.clone().gt(sb.clone()).or(sa.clone().eq_(sb.clone()).and(first.clone()));
+        (!na.clone()).and(nb.clone()).or(numbers.and(higher)).or(na.and(nb).and(first))
+    };
+    // The previous pass's index and score; -1 before the first pass.
+    let prev = b.var(&cx.fresh("prev"), i64(-1));
+    let sprev = b.var(&cx.fresh("sprev"), x.load(xb.clone() + ix(fixed)));
+    let p = cx.fresh("p");
+    b.for_(&p, ix(0), ix(k - fixed), |b, _| {
+        let best = b.var(&cx.fresh("best"), i64(-1));
+        let sbest = b.var(&cx.fresh("sbest"), sprev.clone());
+        let j = cx.fresh("j");
+        b.for_(&j, ix(fixed), ix(n), |b, j| {
+            let sj = b.let_(&cx.fresh("sj"), x.load(xb.clone() + j.clone()));
+            let after_prev = prev.clone().lt(i64(0)).or(before(&prev, &sprev, &j, &sj));
+            let beats_best = best.clone().lt(i64(0)).or(before(&j, &sj, &best, &sbest));
+            b.if_(after_prev.and(beats_best), |b| {
+                b.assign(&best, j.clone());
+                b.assign(&sbest, sj.clone());
             });
-            b.assign(&prev, best.clone());
-            b.assign(&sprev, sbest.clone());
         });
-        let cnt = b.var(&cx.fresh("cnt"), ix(0));
-        let i = cx.fresh("i");
-        b.for_(&i, ix(fixed), ix(n), |b, i| {
-            let si = b.let_(&cx.fresh("si"), x.load(xb.clone() + i.clone()));
-            let kept = i.clone().eq_(prev.clone()).or(before(&i, &si, &prev, &sprev));
-            b.if_(kept, |b| {
-                cx.sink.store(b, ob.clone() + ix(fixed) + cnt.clone(), i.clone().cast(Ty::I32));
-                b.assign(&cnt, cnt.clone() + i64(1));
-            });
+        b.assign(&prev, best.clone());
+        b.assign(&sprev, sbest.clone());
+    });
+    let cnt = b.var(&cx.fresh("cnt"), ix(0));
+    let i = cx.fresh("i");
+    b.for_(&i, ix(fixed), ix(n), |b, i| {
+        let si = b.let_(&cx.fresh("si"), x.load(xb.clone() + i.clone()));
+        let kept = i.clone().eq_(prev.clone()).or(before(&i, &si, &prev, &sprev));
+        b.if_(kept, |b| {
+            cx.sink.store(b, ob.clone() + ix(fixed) + cnt.clone(), i.clone().cast(Ty::I32));
+            b.assign(&cnt, cnt.clone() + i64(1));
         });
     });
 }
@@ -400,43 +420,30 @@ fn topk(b: &mut Block, cx: &ItemOp, k: usize, fixed: usize) {
 /// its rank is below k − fixed, in ascending index order. O(n²) comparisons a row,
 /// but no state carried across the passes: the threshold form's kernels spilled
 /// registers under NVRTC (xHC's 16 streams), which `codegen/tests/compile_specs.rs`
-/// refuses.
-///
-/// Index safety: every id written lies in `0..n` by construction (the fixed
-/// ones are `0..fixed`, the rest loop variables over `fixed..n`), and the
-/// order ranks every score, NaN included, so exactly k − fixed of them are
-/// written after the fixed slots (graph inference requires fixed ≤ k ≤ n):
-/// the `Gather`/`ScatterRows` that read these ids stay in bounds.
-fn topk_by_rank(b: &mut Block, cx: &ItemOp, k: usize, fixed: usize) {
-    let x = cx.ins[0].clone();
-    let n = cx.in_dims[0].last().copied().unwrap_or(1);
-    cx.rows(b, k, |b, row| {
-        let xb = b.let_(&cx.fresh("xb"), row.clone() * ix(n));
-        let ob = b.let_(&cx.fresh("ob"), row * ix(k));
-        for f in 0..fixed {
-            cx.sink.store(b, ob.clone() + ix(f), crate::kernel::i32(f as i32));
-        }
-        let cnt = b.var(&cx.fresh("cnt"), ix(0));
-        let i = cx.fresh("i");
-        b.for_(&i, ix(fixed), ix(n), |b, i| {
-            let si = b.let_(&cx.fresh("si"), x.load(xb.clone() + i.clone()));
-            let ni = b.let_(&cx.fresh("ni"), si.clone().ne_(si.clone()));
-            let rank = b.var(&cx.fresh("rank"), ix(0));
-            let j = cx.fresh("j");
-            b.for_(&j, ix(fixed), ix(n), |b, j| {
-                let sj = b.let_(&cx.fresh("sj"), x.load(xb.clone() + j.clone()));
-                let nj = b.let_(&cx.fresh("nj"), sj.clone().ne_(sj.clone()));
-                let first = j.clone().lt(i.clone());
-                let numbers = (!nj.clone()).and(!ni.clone());
-                let higher = sj.clone().gt(si.clone()).or(sj.eq_(si.clone()).and(first.clone()));
-                let before =
-                    (!nj.clone()).and(ni.clone()).or(numbers.and(higher)).or(nj.and(ni.clone()).and(first));
-                b.assign(&rank, rank.clone() + select(before, i64(1), i64(0)));
-            });
-            b.if_(rank.lt(ix(k - fixed)), |b| {
-                cx.sink.store(b, ob.clone() + ix(fixed) + cnt.clone(), i.clone().cast(Ty::I32));
-                b.assign(&cnt, cnt.clone() + i64(1));
-            });
+/// refuses. Index safety as for [`topk`]: the order ranks every score, NaN
+/// included, so exactly k − fixed loop indices in `fixed..n` are written.
+fn topk_by_rank(b: &mut Block, cx: &ItemOp, row: TopKRow) {
+    let TopKRow { x, xb, ob, n, k, fixed } = row;
+    let cnt = b.var(&cx.fresh("cnt"), ix(0));
+    let i = cx.fresh("i");
+    b.for_(&i, ix(fixed), ix(n), |b, i| {
+        let si = b.let_(&cx.fresh("si"), x.load(xb.clone() + i.clone()));
+        let ni = b.let_(&cx.fresh("ni"), si.clone().ne_(si.clone()));
+        let rank = b.var(&cx.fresh("rank"), ix(0));
+        let j = cx.fresh("j");
+        b.for_(&j, ix(fixed), ix(n), |b, j| {
+            let sj = b.let_(&cx.fresh("sj"), x.load(xb.clone() + j.clone()));
+            let nj = b.let_(&cx.fresh("nj"), sj.clone().ne_(sj.clone()));
+            let first = j.clone().lt(i.clone());
+            let numbers = (!nj.clone()).and(!ni.clone());
+            let higher = sj.clone().gt(si.clone()).or(sj.eq_(si.clone()).and(first.clone()));
+            let before =
+                (!nj.clone()).and(ni.clone()).or(numbers.and(higher)).or(nj.and(ni.clone()).and(first));
+            b.assign(&rank, rank.clone() + select(before, i64(1), i64(0)));
+        });
+        b.if_(rank.lt(ix(k - fixed)), |b| {
+            cx.sink.store(b, ob.clone() + ix(fixed) + cnt.clone(), i.clone().cast(Ty::I32));
+            b.assign(&cnt, cnt.clone() + i64(1));
         });
     });
 }
