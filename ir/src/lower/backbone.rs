@@ -130,7 +130,7 @@ fn moe(
     let tokens = cx.reshape(one_hot, &[b * t, e])?;
     let load = cx.sum(tokens, 0, false)?;
     let aux_loss = match m.balance.aux_loss() {
-        Some(a) => Some(aux_loss(cx, probs, (one_hot, load), m, &a)?),
+        Some(a) => Some(aux_loss(cx, probs, one_hot, m, &a)?),
         None => None,
     };
     cx.moe_layers.push(MoeLayer { prefix: prefix.to_string(), load, aux_loss });
@@ -161,14 +161,14 @@ fn expert_one_hot(cx: &mut Cx, chosen: NodeId, experts: usize) -> Result<NodeId,
 /// coef · E · Σ_e f_e · P_e with f_e the fraction of the assignments that chose e (no
 /// gradient) and P_e the mean gate share of e, the gates normalized to sum 1 per token
 /// (softmax gates already do; sigmoid gates are divided by their sum, DeepSeek-V3's s').
-/// `per: Batch` takes f and P over the N tokens of the step (f from the layer's `load`);
-/// `per: Sequence` over each sequence's T tokens (from the `one_hot` choices), the B
-/// losses averaged (DeepSeek-V3's sequence-wise loss). At an even load and even shares it
+/// `per: Batch` takes f and P over the N tokens of the step; `per: Sequence` over each
+/// sequence's T tokens, the B losses averaged (DeepSeek-V3's sequence-wise loss); f
+/// counts the `one_hot` choices. At an even load and even shares it
 /// is coef either way. A scalar.
 fn aux_loss(
     cx: &mut Cx,
     probs: NodeId,
-    (one_hot, load): (NodeId, NodeId),
+    one_hot: NodeId,
     m: &crate::spec::MoeSpec,
     spec: &AuxLossSpec,
 ) -> Result<NodeId, GraphError> {
@@ -181,25 +181,21 @@ fn aux_loss(
             cx.div(probs, total)?
         }
     };
-    let mean = |cx: &mut Cx, x, axis| cx.g.add(Op::Reduce { op: ReduceOp::Mean, axis, keepdim: false }, &[x]);
-    let total = match spec.per {
-        AuxLossScope::Batch => {
-            let share = cx.reshape(share, &[n, e])?;
-            let mean_share = mean(cx, share, 0)?;
-            let fraction = cx.affine(load, 1.0 / (n * m.top_k) as f64, 0.0)?;
-            let product = cx.mul(fraction, mean_share)?;
-            cx.sum(product, 0, false)?
-        }
-        AuxLossScope::Sequence => {
-            // [B, E]: each sequence's mean share and fraction of its T·k assignments.
-            let mean_share = mean(cx, share, 1)?;
-            let loads = cx.sum(one_hot, 1, false)?;
-            let fraction = cx.affine(loads, 1.0 / (t * m.top_k) as f64, 0.0)?;
-            let product = cx.mul(fraction, mean_share)?;
-            let per_sequence = cx.sum(product, 1, false)?;
-            mean(cx, per_sequence, 0)?
-        }
+    // The tokens in G groups of S: one group of all N (Batch), or the B sequences of T.
+    let (groups, size) = match spec.per {
+        AuxLossScope::Batch => (1, n),
+        AuxLossScope::Sequence => (b, t),
     };
+    let mean = |cx: &mut Cx, x, axis| cx.g.add(Op::Reduce { op: ReduceOp::Mean, axis, keepdim: false }, &[x]);
+    // [G, E]: each group's mean share, and the fraction of its S·k assignments.
+    let share = cx.reshape(share, &[groups, size, e])?;
+    let mean_share = mean(cx, share, 1)?;
+    let chose = cx.reshape(one_hot, &[groups, size, e])?;
+    let loads = cx.sum(chose, 1, false)?;
+    let fraction = cx.affine(loads, 1.0 / (size * m.top_k) as f64, 0.0)?;
+    let product = cx.mul(fraction, mean_share)?;
+    let per_group = cx.sum(product, 1, false)?;
+    let total = mean(cx, per_group, 0)?;
     cx.affine(total, spec.coef * e as f64, 0.0)
 }
 
