@@ -130,7 +130,7 @@ fn moe(
     let tokens = cx.reshape(one_hot, &[b * t, e])?;
     let load = cx.sum(tokens, 0, false)?;
     let aux_loss = match m.balance.aux_loss() {
-        Some(a) => Some(aux_loss(cx, probs, one_hot, m, &a)?),
+        Some(a) => Some(aux_loss(cx, probs, (one_hot, load), m, &a)?),
         None => None,
     };
     cx.moe_layers.push(MoeLayer { prefix: prefix.to_string(), load, aux_loss });
@@ -163,12 +163,12 @@ fn expert_one_hot(cx: &mut Cx, chosen: NodeId, experts: usize) -> Result<NodeId,
 /// (softmax gates already do; sigmoid gates are divided by their sum, DeepSeek-V3's s').
 /// `per: Batch` takes f and P over the N tokens of the step; `per: Sequence` over each
 /// sequence's T tokens, the B losses averaged (DeepSeek-V3's sequence-wise loss); f
-/// counts the `one_hot` choices. At an even load and even shares it
+/// counts the `one_hot` choices (over the batch, the layer's `load` already has them). At an even load and even shares it
 /// is coef either way. A scalar.
 fn aux_loss(
     cx: &mut Cx,
     probs: NodeId,
-    one_hot: NodeId,
+    (one_hot, load): (NodeId, NodeId),
     m: &crate::spec::MoeSpec,
     spec: &AuxLossSpec,
 ) -> Result<NodeId, GraphError> {
@@ -190,8 +190,13 @@ fn aux_loss(
     // [G, E]: each group's mean share, and the fraction of its S·k assignments.
     let share = cx.reshape(share, &[groups, size, e])?;
     let mean_share = mean(cx, share, 1)?;
-    let chose = cx.reshape(one_hot, &[groups, size, e])?;
-    let loads = cx.sum(chose, 1, false)?;
+    // The batch's counts are the layer's `load`; sequences count their own.
+    let loads = if groups == 1 {
+        cx.reshape(load, &[1, e])?
+    } else {
+        let chose = cx.reshape(one_hot, &[groups, size, e])?;
+        cx.sum(chose, 1, false)?
+    };
     let fraction = cx.affine(loads, 1.0 / (size * m.top_k) as f64, 0.0)?;
     let product = cx.mul(fraction, mean_share)?;
     let per_group = cx.sum(product, 1, false)?;

@@ -307,14 +307,6 @@ impl Default for BiasUpdateSpec {
     }
 }
 
-impl BiasUpdateSpec {
-    /// The sequence-wise loss beside the bias, if its weight is not zero.
-    pub fn seq_aux(&self) -> Option<AuxLossSpec> {
-        (self.seq_aux_coef != 0.0)
-            .then_some(AuxLossSpec { coef: self.seq_aux_coef, per: AuxLossScope::Sequence })
-    }
-}
-
 impl MoeBalance {
     /// The auxiliary balance loss this setting adds to the objective, if any: `AuxLoss`'s,
     /// or the sequence-wise one beside `BiasUpdate`.
@@ -322,7 +314,8 @@ impl MoeBalance {
         match self {
             MoeBalance::None => None,
             MoeBalance::AuxLoss(a) => Some(a.clone()),
-            MoeBalance::BiasUpdate(b) => b.seq_aux(),
+            MoeBalance::BiasUpdate(b) => (b.seq_aux_coef != 0.0)
+                .then_some(AuxLossSpec { coef: b.seq_aux_coef, per: AuxLossScope::Sequence }),
         }
     }
 }
