@@ -428,3 +428,293 @@ fn the_documented_sweep_file_expands_to_its_points() {
     assert_eq!(csv.lines().count(), 6, "the committed results hold the five points");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Reads `results.json` as JSON, or panics naming what a reader found.
+fn results_json(sw: &Path) -> serde_json::Value {
+    let text = std::fs::read_to_string(sw.join("results.json")).unwrap();
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("results.json is not whole: {e}: {text:?}"))
+}
+
+#[test]
+fn reports_during_a_sweep_neither_stop_it_nor_see_half_a_file() {
+    let dir = common::workdir("sweep-concurrent", Some(SPEC));
+    let args = [
+        "sweep",
+        "spec.ron",
+        "--set",
+        "residual.r=1,2,4",
+        "--seeds",
+        "2",
+        "--device",
+        "reference",
+        "--out",
+        "sw",
+    ];
+    let mut sweep = Command::new(env!("CARGO_BIN_EXE_widen"))
+        .current_dir(&dir)
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let sw = dir.join("sw");
+    assert!(wait_for(&sw.join("plan.json"), Duration::from_secs(60)), "the sweep wrote its plan");
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let header_len = 1 + sweep::results::COLUMNS.len();
+    let reports = std::thread::scope(|s| {
+        let reporters: Vec<_> = (0..2)
+            .map(|_| {
+                s.spawn(|| {
+                    let mut ok = 0;
+                    while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                        let o = widen(&dir, &["report", "sw"]);
+                        assert!(o.status.success(), "a report during the sweep failed: {}", stderr(&o));
+                        let (header, rows) = read_csv(&sw.join("results.csv"));
+                        assert_eq!(header.len(), header_len, "a reader saw a partial results.csv");
+                        assert_eq!(rows.len(), 3);
+                        let json = results_json(&sw);
+                        assert_eq!(json["points"].as_array().map(Vec::len), Some(3));
+                        ok += 1;
+                    }
+                    ok
+                })
+            })
+            .collect();
+        let status = sweep.wait().unwrap();
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+        let mut err = String::new();
+        std::io::Read::read_to_string(sweep.stderr.as_mut().unwrap(), &mut err).unwrap();
+        assert!(status.success(), "the sweep died beside the reports: {err}");
+        reporters.into_iter().map(|r| r.join().unwrap()).sum::<usize>()
+    });
+    assert!(reports >= 2, "the reports ran during the sweep ({reports})");
+    let (_, rows) = read_csv(&sw.join("results.csv"));
+    assert!(rows.iter().all(|r| r["status"] == "ok" && r["seeds_finished"] == "2"), "{rows:?}");
+    let left: Vec<String> = std::fs::read_dir(&sw)
+        .unwrap()
+        .chain(std::fs::read_dir(sw.join("plots")).unwrap())
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".tmp"))
+        .collect();
+    assert!(left.is_empty(), "temporaries left behind: {left:?}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_rerun_with_fewer_points_or_seeds_keeps_every_finished_run() {
+    let dir = common::workdir("sweep-rerun", Some(SPEC));
+    let sweep = |set: &str, seeds: &str| {
+        widen(
+            &dir,
+            &["sweep", "spec.ron", "--set", set, "--seeds", seeds, "--device", "reference", "--out", "sw"],
+        )
+    };
+    let o = sweep("residual.r=1,2", "2");
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = sweep("residual.r=4", "1");
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("1 runs trained, 0 reused"), "{out}");
+    assert!(out.contains("kept 4 run(s) of earlier sweeps") && out.contains("residual.r-1/seed-1"), "{out}");
+    let (_, rows) = read_csv(&dir.join("sw/results.csv"));
+    let got: Vec<(&str, &str)> =
+        rows.iter().map(|r| (r["point"].as_str(), r["seeds_finished"].as_str())).collect();
+    assert_eq!(got, [("residual.r-4", "1"), ("residual.r-1", "2"), ("residual.r-2", "2")]);
+    assert!(rows.iter().all(|r| r["status"] == "ok"), "{rows:?}");
+    // The law still sees all three points.
+    assert!(String::from_utf8_lossy(&o.stdout).contains("n = 3"), "{out}");
+    // Fewer seeds of a point keep its other seeds.
+    let o = sweep("residual.r=1", "1");
+    assert!(o.status.success(), "{}", stderr(&o));
+    let (_, rows) = read_csv(&dir.join("sw/results.csv"));
+    let r1 = rows.iter().find(|r| r["point"] == "residual.r-1").unwrap();
+    assert_eq!((r1["seeds"].as_str(), r1["seeds_finished"].as_str()), ("0;1", "2"));
+    let plan: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("sw/plan.json")).unwrap()).unwrap();
+    assert_eq!(plan["points"].as_array().unwrap().len(), 3, "plan.json keeps every point with results");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn sweep_data_is_identified_by_content() {
+    let dir = common::workdir("sweep-data", Some(SPEC));
+    let text = "It was the best of times, it was the worst of times. ".repeat(40);
+    std::fs::write(dir.join("corpus.txt"), &text).unwrap();
+    let args =
+        ["sweep", "../spec.ron", "--set", "residual.r=1,2", "--data", "corpus.txt", "--device", "reference"];
+    let first = dir.join("a");
+    std::fs::create_dir_all(&first).unwrap();
+    std::fs::copy(dir.join("corpus.txt"), first.join("corpus.txt")).unwrap();
+    let o = widen(&first, &[&args[..], &["--out", "../sw"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    // The same bytes under the same name in another folder: the same sweep, nothing retrained.
+    let second = dir.join("b");
+    std::fs::create_dir_all(&second).unwrap();
+    std::fs::write(second.join("corpus.txt"), &text).unwrap();
+    let o = widen(&second, &[&args[..], &["--out", "../sw"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("0 runs trained, 2 reused"));
+    // Other bytes under the same name: refused before anything trains, naming both.
+    std::fs::write(second.join("corpus.txt"), text.replace("best", "bust")).unwrap();
+    let o = widen(&second, &[&args[..], &["--set", "d_model=32", "--out", "../sw"]].concat());
+    assert!(!o.status.success());
+    let o = widen(&second, &[&args[..], &["--out", "../sw"]].concat());
+    assert_eq!(o.status.code(), Some(1));
+    let e = stderr(&o);
+    assert!(
+        e.contains("point `residual.r-1`") && e.contains("was trained on corpus.txt") && e.contains("sha256"),
+        "{e}"
+    );
+    // A dry run reads the data it would train on.
+    let o =
+        widen(&second, &["sweep", "../spec.ron", "--set", "residual.r=1", "--data", "nope.txt", "--dry-run"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("nope.txt"), "{}", stderr(&o));
+    let o = widen(
+        &second,
+        &["sweep", "../spec.ron", "--set", "residual.r=1", "--data", "corpus.txt", "--dry-run"],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(String::from_utf8_lossy(&o.stdout)
+        .contains(&format!("data corpus.txt ({} bytes, sha256 ", text.len())));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_data_file_changed_during_a_sweep_stops_it() {
+    let spec = SPEC.replace("steps: 3,", "steps: 3, checkpoint_every: 20,");
+    let dir = common::workdir("sweep-data-change", Some(&spec));
+    let text = "The quick brown fox jumps over the lazy dog. ".repeat(60);
+    std::fs::write(dir.join("corpus.txt"), &text).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_widen"))
+        .current_dir(&dir)
+        .args([
+            "sweep",
+            "spec.ron",
+            "--set",
+            "residual.r=1,2",
+            "--budget",
+            "steps=150",
+            "--data",
+            "corpus.txt",
+        ])
+        .args(["--device", "reference", "--out", "sw"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    assert!(wait_for(&dir.join("sw/residual.r-1/seed-0/ckpt-20.safetensors"), Duration::from_secs(60)));
+    std::fs::write(dir.join("corpus.txt"), text.to_uppercase()).unwrap();
+    let status = child.wait().unwrap();
+    let mut err = String::new();
+    std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
+    assert_eq!(status.code(), Some(1), "{err}");
+    assert!(err.contains("point `residual.r-2`") && err.contains("but its data is now"), "{err}");
+    assert!(!dir.join("sw/residual.r-2/seed-0/metrics.jsonl").exists(), "nothing trained on the other text");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_folder_that_is_not_a_sweep_is_never_written() {
+    let dir = common::workdir("sweep-foreign", Some(SPEC));
+    std::fs::create_dir_all(dir.join("mine/plots")).unwrap();
+    std::fs::write(dir.join("mine/results.csv"), "my,own\n1,2\n").unwrap();
+    let o = widen(
+        &dir,
+        &["sweep", "spec.ron", "--set", "residual.r=1", "--device", "reference", "--out", "mine"],
+    );
+    assert_eq!(o.status.code(), Some(1));
+    let e = stderr(&o);
+    assert!(e.contains("mine is not empty and holds no plan.json") && e.contains("results.csv"), "{e}");
+    assert_eq!(std::fs::read_to_string(dir.join("mine/results.csv")).unwrap(), "my,own\n1,2\n");
+    assert!(!dir.join("mine/plan.json").exists());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn damaged_plan_files_are_errors_naming_the_file_and_field() {
+    let dir = common::workdir("sweep-damaged", Some(SPEC));
+    let o = widen(
+        &dir,
+        &[
+            "sweep",
+            "spec.ron",
+            "--set",
+            "residual.r=1,2",
+            "--set",
+            "d_model=32",
+            "--device",
+            "reference",
+            "--out",
+            "sw",
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let path = dir.join("sw/plan.json");
+    let good: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let report = |plan: &serde_json::Value| {
+        std::fs::write(&path, serde_json::to_string(plan).unwrap()).unwrap();
+        widen(&dir, &["report", "sw"])
+    };
+    // A point with fewer values than axes (it does not set one): reported, no panic.
+    let mut fewer = good.clone();
+    fewer["points"][1]["values"].as_array_mut().unwrap().pop();
+    let o = report(&fewer);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let cases: [(&str, Box<dyn Fn(&mut serde_json::Value)>, &str); 4] = [
+        (
+            "points[0].values",
+            Box::new(|p| p["points"][0]["values"][0][0] = "residual.q".into()),
+            "not one of the axes",
+        ),
+        (
+            "points[1].runs[0].dir",
+            Box::new(|p| p["points"][1]["runs"][0]["dir"] = "../../etc".into()),
+            "should be",
+        ),
+        ("points[0].name", Box::new(|p| p["points"][0]["name"] = "../x".into()), "not a folder name"),
+        (
+            "points[0].baseline",
+            Box::new(|p| p["points"][0]["baseline"] = "nope".into()),
+            "not a point of the plan",
+        ),
+    ];
+    for (field, damage, says) in cases {
+        let mut bad = good.clone();
+        damage(&mut bad);
+        let o = report(&bad);
+        assert_eq!(o.status.code(), Some(1), "{field}");
+        let e = stderr(&o);
+        assert!(e.contains("plan.json: ") && e.contains(field) && e.contains(says), "{field}: {e}");
+        assert!(!e.contains("panicked"), "{e}");
+    }
+    std::fs::write(&path, "{\"axes\": [").unwrap();
+    let e = stderr(&widen(&dir, &["report", "sw"]));
+    assert!(e.contains("plan.json: line 1 column") && e.contains("damaged"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn plot_and_report_read_a_million_metrics_lines() {
+    let dir = common::workdir("sweep-long", None);
+    let run = dir.join("run");
+    std::fs::create_dir_all(&run).unwrap();
+    let mut text = String::with_capacity(90 << 20);
+    for step in 1..=1_000_000u64 {
+        let loss = 5.0 - step as f64 * 1e-6;
+        let val = if step % 1000 == 0 { format!(",\"val_loss\":{loss}") } else { String::new() };
+        text.push_str(&format!(
+            "{{\"step\":{step},\"tokens\":{},\"loss\":{loss}{val},\"tokens_per_s\":1000.0}}\n",
+            step * 32
+        ));
+    }
+    std::fs::write(run.join("metrics.jsonl"), text).unwrap();
+    let started = Instant::now();
+    let o = widen(&dir, &["plot", "run"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    // A quadratic pass over a million lines takes many minutes; a linear one, seconds.
+    assert!(started.elapsed() < Duration::from_secs(120), "{:?}", started.elapsed());
+    let svg = std::fs::metadata(run.join("loss.svg")).unwrap().len();
+    assert!(svg < 1 << 20, "the drawing is thinned: {svg} bytes");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

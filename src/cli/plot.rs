@@ -13,7 +13,7 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
-    let svg = sweep::runner::plot_run(&args.run_dir)
+    let svg = sweep::report::plot_run(&args.run_dir)
         .with_context(|| format!("plotting run {}", args.run_dir.display()))?;
     println!("wrote {}", svg.display());
     Ok(ExitCode::SUCCESS)

@@ -66,7 +66,11 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         sweep.base.train.data = DataSpec::Text(data.display().to_string());
     }
     if args.dry_run {
-        print_plan(&sweep::expand(&sweep)?);
+        let plan = sweep::expand(&sweep)?;
+        // The data is read and hashed as a sweep would, so a missing or too short
+        // file is found here rather than at the first run.
+        let data = sweep::runner::data_records(&plan)?;
+        print_plan(&plan, &data);
         return Ok(ExitCode::SUCCESS);
     }
     let out = args.out.clone().unwrap_or_else(|| PathBuf::from("sweeps").join(&sweep.base.name));
@@ -84,7 +88,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         }
         Err(err @ SweepRunError::Interrupted { .. }) => {
             eprintln!("{err}");
-            eprintln!("results so far: {}", out.join(sweep::runner::RESULTS_CSV).display());
+            eprintln!("results so far: {}", out.join(sweep::folder::RESULTS_CSV).display());
             // 130 = 128 + SIGINT, what a shell reports for a run stopped by Ctrl-C.
             Ok(ExitCode::from(130))
         }
@@ -121,7 +125,7 @@ fn load(args: &Args) -> anyhow::Result<Sweep> {
 }
 
 /// What a sweep would train, on stdout.
-fn print_plan(plan: &sweep::Plan) {
+fn print_plan(plan: &sweep::Plan, data: &std::collections::BTreeMap<String, sweep::DataRecord>) {
     let width = plan.points.iter().map(|p| p.name.len()).max().unwrap_or(5).max(5);
     println!(
         "{:<width$}  {:>6}  {:>8}  {:>12}  {:>12}  {:>10}",
@@ -140,6 +144,12 @@ fn print_plan(plan: &sweep::Plan) {
     }
     for bad in &plan.invalid {
         println!("skipped (invalid) {bad}");
+    }
+    let mut sources: Vec<String> = data.values().map(sweep::DataRecord::describe).collect();
+    sources.sort();
+    sources.dedup();
+    for source in sources {
+        println!("data {source}");
     }
     let runs: usize = plan.points.iter().map(|p| p.runs.len()).sum();
     let flops: f64 = plan.points.iter().map(|p| p.budget.flops * p.runs.len() as f64).sum();
@@ -184,6 +194,20 @@ pub fn print_report(report: &SweepReport) {
     for (name, reason) in &report.invalid {
         println!("skipped (invalid) {name}: {reason}");
     }
+    if !report.kept.is_empty() {
+        let shown: Vec<String> = report.kept.iter().take(6).map(|d| d.display().to_string()).collect();
+        let more = report.kept.len().saturating_sub(shown.len());
+        println!(
+            "kept {} run(s) of earlier sweeps into this folder that this command did not ask for: {}{}; \
+             they stay in the results (sweep into another --out to compare without them)",
+            report.kept.len(),
+            shown.join(", "),
+            if more > 0 { format!(" and {more} more") } else { String::new() }
+        );
+    }
+    for why in &report.damaged {
+        println!("no result: {why}");
+    }
     for law in &report.laws {
         match &law.fit {
             Ok(fit) => println!(
@@ -203,8 +227,8 @@ pub fn print_report(report: &SweepReport) {
         report.reused,
         report.failed,
         report.dir.display(),
-        sweep::runner::RESULTS_CSV,
-        sweep::runner::RESULTS_JSON,
-        sweep::runner::PLOTS_DIR
+        sweep::folder::RESULTS_CSV,
+        sweep::folder::RESULTS_JSON,
+        sweep::folder::PLOTS_DIR
     );
 }

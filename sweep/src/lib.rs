@@ -18,23 +18,31 @@
 //! - [`plot`]: the four SVG plots, drawn with `plotters` from plain data structs.
 //! - [`coord_plot`]: the muP coordinate-check plot (activation RMS against width).
 //!
+//! - [`folder`]: the sweep folder on disk: file names, locks, atomic writes,
+//!   outcomes and `plan.json` checked when read.
 //! - [`runner`]: training every (point, seed) run into its own folder, resuming an
-//!   interrupted sweep, recording failures, and writing results and plots
-//!   ([`Sweep::run`], [`report`]).
+//!   interrupted sweep, joining a rerun with the folder's earlier runs, recording
+//!   failures ([`Sweep::run`]).
+//! - [`report`]: results and plots from a folder, after every run and for
+//!   `widen report` ([`report()`]).
 
 pub mod budget;
 pub mod coord_plot;
 pub mod file;
 pub mod fit;
+pub mod folder;
 pub mod frontier;
 pub mod plot;
 pub mod point;
+pub mod report;
 pub mod results;
 pub mod runner;
 
 pub use budget::{Budget, BudgetError, BudgetPlan};
 pub use file::{Axis, Combine, OnInvalid, Sweep, SweepError};
 pub use fit::{FitError, LinearFit};
+pub use folder::{DataRecord, FolderError, PlanFile};
 pub use point::{expand, InvalidPoint, Plan, PlanError, Point, PointError, Run};
+pub use report::{report, SweepReport};
 pub use results::{PointResult, RunMetrics, RunOutcome, Stat, Status};
-pub use runner::{report, SweepOptions, SweepReport, SweepRunError};
+pub use runner::{SweepOptions, SweepRunError};

@@ -189,24 +189,46 @@ pub fn trailing_mean(series: &[(f64, f64)], window: usize) -> Vec<(f64, f64)> {
         .collect()
 }
 
-/// Per x: (x, mean, min, max) over the seeds that have a finite value there.
+/// Per x: (x, mean, min, max) over the seeds that have a finite value there, in
+/// one sort of every (x, y) pair: linear in the points after the sort.
 pub fn band(per_seed: &[Vec<(f64, f64)>]) -> Vec<(f64, f64, f64, f64)> {
-    let mut xs: Vec<f64> = per_seed.iter().flatten().map(|p| p.0).filter(|x| x.is_finite()).collect();
-    xs.sort_by(f64::total_cmp);
-    xs.dedup();
-    xs.into_iter()
-        .filter_map(|x| {
-            let ys: Vec<f64> = per_seed
-                .iter()
-                .flat_map(|s| s.iter().filter(|p| p.0 == x && p.1.is_finite()).map(|p| p.1))
-                .collect();
-            if ys.is_empty() {
-                return None;
-            }
-            let mean = ys.iter().sum::<f64>() / ys.len() as f64;
-            let lo = ys.iter().copied().fold(f64::INFINITY, f64::min);
-            let hi = ys.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-            Some((x, mean, lo, hi))
+    let mut pairs: Vec<(f64, f64)> =
+        per_seed.iter().flatten().copied().filter(|p| p.0.is_finite() && p.1.is_finite()).collect();
+    pairs.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let mut out: Vec<(f64, f64, f64, f64)> = Vec::new();
+    let mut i = 0;
+    while i < pairs.len() {
+        let x = pairs[i].0;
+        let (mut sum, mut n, mut lo, mut hi) = (0.0, 0usize, f64::INFINITY, f64::NEG_INFINITY);
+        while i < pairs.len() && pairs[i].0 == x {
+            let y = pairs[i].1;
+            (sum, n, lo, hi) = (sum + y, n + 1, lo.min(y), hi.max(y));
+            i += 1;
+        }
+        out.push((x, sum / n as f64, lo, hi));
+    }
+    out
+}
+
+/// The most x positions a curve is drawn with: an SVG of a million-step run stays
+/// small, and a screen shows no more.
+pub const MAX_DRAWN: usize = 1000;
+
+/// A band of more than `max` positions thinned to at most `max`: each run of
+/// consecutive positions becomes one at its last x, with the mean of the means and
+/// the extremes of the extremes, so no excursion is hidden.
+pub fn thin(band: Vec<(f64, f64, f64, f64)>, max: usize) -> Vec<(f64, f64, f64, f64)> {
+    if band.len() <= max.max(1) {
+        return band;
+    }
+    let per = band.len().div_ceil(max.max(1));
+    band.chunks(per)
+        .map(|c| {
+            let x = c[c.len() - 1].0;
+            let mean = c.iter().map(|q| q.1).sum::<f64>() / c.len() as f64;
+            let lo = c.iter().map(|q| q.2).fold(f64::INFINITY, f64::min);
+            let hi = c.iter().map(|q| q.3).fold(f64::NEG_INFINITY, f64::max);
+            (x, mean, lo, hi)
         })
         .collect()
 }
@@ -225,7 +247,7 @@ pub fn loss_curves(data: &LossCurves) -> Result<String, PlotError> {
         .iter()
         .map(|p| {
             let smooth: Vec<Vec<(f64, f64)>> = p.train.iter().map(|s| trailing_mean(s, window)).collect();
-            (band(&smooth), band(&p.val))
+            (thin(band(&smooth), MAX_DRAWN), thin(band(&p.val), MAX_DRAWN))
         })
         .collect();
     let all = || bands.iter().flat_map(|(t, v)| t.iter().chain(v));
@@ -557,6 +579,37 @@ mod tests {
     fn band_is_mean_min_max_over_seeds() {
         let b = band(&[vec![(1.0, 2.0), (2.0, 1.0)], vec![(1.0, 4.0), (2.0, f64::NAN)], vec![(1.0, 3.0)]]);
         assert_eq!(b, [(1.0, 3.0, 2.0, 4.0), (2.0, 1.0, 1.0, 1.0)]);
+    }
+
+    #[test]
+    fn thinning_keeps_every_extreme_and_the_last_position() {
+        let b: Vec<(f64, f64, f64, f64)> = (0..10).map(|i| (i as f64, 1.0, 0.5, 1.5)).collect();
+        assert_eq!(thin(b.clone(), 10), b, "short bands are drawn as they are");
+        let mut spiky = b;
+        spiky[3].3 = 9.0;
+        spiky[6].2 = -9.0;
+        let t = thin(spiky, 4);
+        assert_eq!(t.len(), 4);
+        assert_eq!(t.iter().map(|q| q.0).collect::<Vec<_>>(), [2.0, 5.0, 8.0, 9.0]);
+        assert_eq!((t[1].3, t[2].2), (9.0, -9.0), "a spike in a thinned run is still drawn");
+    }
+
+    #[test]
+    fn a_million_step_curve_is_drawn_in_a_bounded_svg() {
+        let seeds: Vec<Vec<(f64, f64)>> = (0..2)
+            .map(|s| (0..1_000_000).map(|i| (i as f64, 5.0 - (i + s) as f64 * 1e-6)).collect())
+            .collect();
+        let svg = loss_curves(&LossCurves {
+            title: "long".into(),
+            points: vec![PointCurves { label: "p".into(), train: seeds.clone(), val: seeds }],
+        })
+        .unwrap();
+        assert!(svg.len() < 1 << 20, "{} bytes", svg.len());
+        let doc = parse(&svg);
+        for line in doc.descendants().filter(|n| n.has_tag_name("polyline")) {
+            let points = line.attribute("points").unwrap_or("").split_whitespace().count();
+            assert!(points <= MAX_DRAWN, "{points} positions drawn");
+        }
     }
 
     fn law_data(n: usize) -> LawPlot {

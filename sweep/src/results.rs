@@ -301,13 +301,18 @@ pub fn to_csv(axes: &[String], results: &[PointResult]) -> Result<String, Result
     Ok(String::from_utf8(bytes).expect("CSV of UTF-8 strings is UTF-8"))
 }
 
-/// Writes `text` to `path` through a temporary file in the same folder and a rename.
+/// Writes `text` to `path` whole ([`crate::folder::write_atomic`]: a temporary of
+/// this process and call, renamed into place).
 fn write_atomic(path: &Path, text: &str) -> Result<(), ResultsError> {
-    let err = |source| ResultsError::Write { path: path.display().to_string(), source };
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".tmp");
-    std::fs::write(&tmp, text).map_err(err)?;
-    std::fs::rename(&tmp, path).map_err(err)
+    crate::folder::write_atomic(path, text.as_bytes()).map_err(|e| match e {
+        crate::folder::FolderError::Write { path, source } => {
+            ResultsError::Write { path: path.display().to_string(), source }
+        }
+        other => ResultsError::Write {
+            path: path.display().to_string(),
+            source: std::io::Error::other(other.to_string()),
+        },
+    })
 }
 
 /// Writes `results.csv` at `path`.

@@ -1,19 +1,6 @@
 //! Running a sweep: every (point, seed) run trained into its own folder, results and
-//! plots written after each run, and a folder that survives interruptions.
-//!
-//! The sweep folder:
-//!
-//! ```text
-//! DIR/
-//!   sweep.lock            held while a sweep runs in DIR (a second one is refused)
-//!   plan.json             the expanded sweep: axes, budget, every point's spec and runs,
-//!                         the invalid points and why; `widen report` reads it
-//!   <point>/seed-<s>/     a run folder (metrics.jsonl, checkpoints, final.safetensors)
-//!                         and outcome.json once the run has ended
-//!   results.csv           one row per point (crate::results)
-//!   results.json
-//!   plots/                loss.svg, law*.svg, frontier.svg, speed.svg (crate::plot)
-//! ```
+//! plots written after each run, and a folder that survives interruptions and
+//! reruns. The folder's files are described in [`crate::folder`].
 //!
 //! **Nothing finished is redone.** A run whose `outcome.json` says it finished is
 //! read back, not trained. A run that failed (diverged, too large, a device
@@ -24,54 +11,48 @@
 //! first checkpoint starts again. A run that saved `final.safetensors` but was
 //! killed before writing its outcome is read back from its metrics.
 //!
-//! **A rerun is the same sweep.** Rerunning into a folder whose `plan.json` gives a
-//! point another spec (another budget, base or value) is refused, naming the point:
-//! its runs would not compare with the new ones. Adding points or seeds is allowed;
-//! the finished runs are kept.
+//! **A rerun adds to the folder; it never drops a result.** `plan.json` holds the
+//! union of every sweep into the folder: a rerun with fewer points or seeds trains
+//! what it asks for, and every run of an earlier sweep that has an outcome stays in
+//! the plan and the results ([`SweepReport::kept`] names them; sweep into another
+//! folder to compare without them). Runs of earlier sweeps that never ended and
+//! that this sweep does not ask for are dropped from the plan (their folders stay).
+//! A rerun whose point of the same name has another spec, whose budget differs, or
+//! whose data differs in content is refused, naming the point and the field: its
+//! runs would not compare with the earlier ones.
+//!
+//! **Data is identified by content.** Each point's data is recorded in `plan.json`
+//! with its length and SHA-256 (crate::folder::DataRecord). The path is how a run
+//! finds it, so the same bytes at another path (a rerun from another folder) are the
+//! same data; other bytes under the same name are refused before anything trains,
+//! and the data is checked again before every run, so a file changed during a sweep
+//! stops it instead of training the remaining runs on other text.
 //!
 //! **Fairness.** Every point trained with seed s sees the same batches in the same
 //! order and is validated on the same held-out windows (both follow `train.seed`,
 //! crate::point). Validation loss is the main head's next-token loss in nats; bits
 //! per byte is that over ln 2 (the vocabulary is the 256 byte values).
-//!
-//! **What a run measured** (from its `metrics.jsonl`): the training loss is the mean
-//! over the last tenth of its steps (one batch's loss is noisy), the validation loss
-//! the last evaluation (every run evaluates at its last step), ms/step the mean
-//! step time without the first step (which includes one-off setup).
 
-use std::fs::File;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Instant, SystemTime};
 
-use ir::cost::cost_report;
+use ir::spec::{DataSpec, ModelSpec};
+use runtime::data::Corpus;
 use runtime::executor::Device;
 use runtime::train::{
     train_spec, StepEvent, StepObserver, TrainError, TrainOptions, FINAL_CHECKPOINT, METRICS_FILE,
 };
-use serde::{Deserialize, Serialize};
 
-use crate::budget::Budget;
 use crate::file::Sweep;
-use crate::plot::{
-    self, CostPoint, FrontierPlot, LawPlot, LawPoint, LossCurves, PointCurves, SpeedBar, SpeedPlot,
+use crate::folder::{
+    check_sweep_folder, lock_sweep, read_outcome, write_atomic, write_outcome, DataRecord, FolderError,
+    OutcomeFile, PlanFile, ELAPSED_FILE,
 };
-use crate::point::{expand, Plan, PlanError, Point, RATIO_AXIS};
-use crate::results::{self, fill_overheads, PointResult, RunMetrics, RunOutcome};
-
-/// The expanded sweep in the folder.
-pub const PLAN_FILE: &str = "plan.json";
-/// A run's ending: finished with its metrics, or failed with the reason.
-pub const OUTCOME_FILE: &str = "outcome.json";
-/// Time a stopped run had already trained, added to its wall time when it finishes.
-const ELAPSED_FILE: &str = "elapsed.json";
-/// The lock of a sweep folder.
-pub const LOCK_FILE: &str = "sweep.lock";
-/// The results table, as CSV and as JSON.
-pub const RESULTS_CSV: &str = "results.csv";
-pub const RESULTS_JSON: &str = "results.json";
-/// The plots' folder.
-pub const PLOTS_DIR: &str = "plots";
+use crate::point::{expand, Plan, PlanError, Point};
+use crate::report::{measured, report_into, SweepReport};
+use crate::results::{self, RunOutcome};
 
 /// How to run a sweep.
 #[derive(Debug, Clone, PartialEq)]
@@ -107,22 +88,45 @@ impl SweepOptions {
 pub enum SweepRunError {
     #[error(transparent)]
     Plan(#[from] PlanError),
+    #[error(transparent)]
+    Folder(#[from] FolderError),
     #[error("cannot write {path}")]
     Io { path: PathBuf, source: std::io::Error },
     #[error("cannot read {path}: {message}")]
     Read { path: PathBuf, message: String },
-    #[error("sweep folder {dir} is in use by another sweep; wait for it to finish, stop it, or choose another --out")]
-    Locked { dir: PathBuf },
     #[error(
         "point `{point}` in {dir} was planned with another spec ({fields}); its runs would not compare with \
          this sweep's: choose another --out folder or remove {dir}"
     )]
     Changed { dir: PathBuf, point: String, fields: String },
+    /// Another budget than the folder's earlier runs were trained with.
+    #[error(
+        "{dir} holds runs trained with budget {then:?}, and this sweep's budget is {now:?}: results at two \
+         budgets would not compare; use the same budget or choose another --out folder"
+    )]
+    OtherBudget { dir: PathBuf, then: crate::budget::Budget, now: crate::budget::Budget },
+    /// The data of a point differs in content from what its earlier runs trained on.
+    #[error(
+        "point `{point}` in {dir} was trained on {then}, but its data is now {now}: its runs would not \
+         compare; give the same data (by content, any path), or choose another --out folder"
+    )]
+    OtherData { dir: PathBuf, point: String, then: String, now: String },
     #[error("--device cuda: no CUDA driver (libcuda) on this machine; run on --device cpu or reference")]
     NoCuda,
+    /// A point's data cannot be read: every run of it would fail the same way.
+    #[error("point `{point}` cannot load its data")]
+    PointData {
+        point: String,
+        #[source]
+        source: runtime::data::DataError,
+    },
     /// A run cannot read its data: every run would fail the same way.
-    #[error("run {run}: {source}")]
-    Data { run: PathBuf, source: runtime::data::DataError },
+    #[error("run {run} cannot load its data")]
+    Data {
+        run: PathBuf,
+        #[source]
+        source: runtime::data::DataError,
+    },
     /// A run cannot write its folder (a full disk, no permission): the sweep cannot record results.
     #[error("run {run} cannot write its folder")]
     Write { run: PathBuf, source: Box<TrainError> },
@@ -134,64 +138,17 @@ pub enum SweepRunError {
     Signals(#[source] Box<TrainError>),
 }
 
-/// The expanded sweep as `plan.json` holds it.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct PlanFile {
-    /// Axis paths in the sweep's order.
-    pub axes: Vec<String>,
-    pub budget: Budget,
-    pub seeds: Vec<u64>,
-    pub points: Vec<Point>,
-    /// Points the validator rejected (skipped): name and reason.
-    pub invalid: Vec<(String, String)>,
-}
-
 impl PlanFile {
-    fn of(sweep: &Sweep, plan: &Plan) -> PlanFile {
+    fn of(sweep: &Sweep, plan: &Plan, data: BTreeMap<String, DataRecord>) -> PlanFile {
         PlanFile {
             axes: sweep.axes.iter().map(|a| a.path.clone()).collect(),
             budget: sweep.budget,
             seeds: sweep.seeds.clone(),
             points: plan.points.clone(),
             invalid: plan.invalid.iter().map(|p| (p.name.clone(), p.error.to_string())).collect(),
+            data,
         }
     }
-
-    /// Reads `DIR/plan.json`.
-    pub fn read(dir: &Path) -> Result<PlanFile, SweepRunError> {
-        let path = dir.join(PLAN_FILE);
-        let text = std::fs::read_to_string(&path)
-            .map_err(|e| SweepRunError::Read { path: path.clone(), message: e.to_string() })?;
-        serde_json::from_str(&text).map_err(|e| SweepRunError::Read { path, message: e.to_string() })
-    }
-}
-
-/// What a sweep did.
-#[derive(Debug, Clone, PartialEq)]
-pub struct SweepReport {
-    pub dir: PathBuf,
-    /// One row per point, as in `results.csv`.
-    pub results: Vec<PointResult>,
-    /// Points skipped as invalid: name and reason.
-    pub invalid: Vec<(String, String)>,
-    /// Runs trained (or continued) by this call.
-    pub trained: usize,
-    /// Runs whose earlier outcome was reused.
-    pub reused: usize,
-    /// Runs that ended in failure (this call or before).
-    pub failed: usize,
-    /// The fits of the log-linear law, one per plot drawn (see [`render`]).
-    pub laws: Vec<LawSummary>,
-}
-
-/// One fitted law `L = a + b·log2(x)` over an axis.
-#[derive(Debug, Clone, PartialEq)]
-pub struct LawSummary {
-    /// The plot file.
-    pub file: PathBuf,
-    pub axis: String,
-    /// The fit's equation with standard errors and R², or why there is none.
-    pub fit: Result<crate::fit::LinearFit, crate::fit::FitError>,
 }
 
 impl Sweep {
@@ -199,6 +156,44 @@ impl Sweep {
     pub fn run(&self, opts: &SweepOptions) -> Result<SweepReport, SweepRunError> {
         run(self, opts)
     }
+}
+
+/// What makes two points' corpora the same load: the source, the split and the window.
+type DataKey = (String, u64, usize);
+
+fn data_key(point: &Point) -> DataKey {
+    let t = &point.spec.train;
+    (format!("{:?}", t.data), t.val_fraction.to_bits(), t.seq_len)
+}
+
+/// Loads a point's data as its runs will, and identifies it.
+fn load_record(point: &Point) -> Result<DataRecord, SweepRunError> {
+    let t = &point.spec.train;
+    Ok(Corpus::load(&t.data, t.val_fraction, t.seq_len + 1)
+        .map_err(|source| SweepRunError::PointData { point: point.name.clone(), source })?
+        .identity()
+        .into())
+}
+
+/// The data every point of `plan` trains on, by point name, read and hashed once
+/// per distinct source: an unreadable or too short file is an error before
+/// anything trains (`widen sweep --dry-run` reports the same).
+pub fn data_records(plan: &Plan) -> Result<BTreeMap<String, DataRecord>, SweepRunError> {
+    let mut seen: HashMap<DataKey, DataRecord> = HashMap::new();
+    let mut out = BTreeMap::new();
+    for p in &plan.points {
+        let key = data_key(p);
+        let record = match seen.get(&key) {
+            Some(r) => r.clone(),
+            None => {
+                let r = load_record(p)?;
+                seen.insert(key, r.clone());
+                r
+            }
+        };
+        out.insert(p.name.clone(), record);
+    }
+    Ok(out)
 }
 
 /// Expands `sweep`, checks the folder holds no other sweep, trains every run not yet
@@ -210,11 +205,13 @@ pub fn run(sweep: &Sweep, opts: &SweepOptions) -> Result<SweepReport, SweepRunEr
         return Err(SweepRunError::NoCuda);
     }
     let dir = &opts.out_dir;
+    check_sweep_folder(dir)?;
     std::fs::create_dir_all(dir).map_err(io(dir))?;
-    let _lock = lock(dir)?;
-    let file = PlanFile::of(sweep, &plan);
-    check_same_sweep(dir, &file)?;
-    write_atomic(&dir.join(PLAN_FILE), &serde_json::to_string_pretty(&file).expect("a plan serializes"))?;
+    let _lock = lock_sweep(dir)?;
+    let data = data_records(&plan)?;
+    let (file, kept) = merge_with_folder(dir, PlanFile::of(sweep, &plan, data))?;
+    file.write(dir)?;
+    let mut watch = DataWatch::default();
 
     let runs: Vec<(usize, &Point, &crate::point::Run)> =
         plan.points.iter().enumerate().flat_map(|(i, p)| p.runs.iter().map(move |r| (i, p, r))).collect();
@@ -239,8 +236,9 @@ pub fn run(sweep: &Sweep, opts: &SweepOptions) -> Result<SweepReport, SweepRunEr
             reused += 1;
             continue;
         }
-        if read_outcome(&run_dir).is_none() && run_dir.join(FINAL_CHECKPOINT).exists() {
-            // Killed after its final checkpoint, before its outcome: finished.
+        if !matches!(read_outcome(&run_dir), OutcomeFile::Read(_)) && run_dir.join(FINAL_CHECKPOINT).exists()
+        {
+            // Killed after its final checkpoint, before (or while) writing its outcome: finished.
             let outcome = match measured(&run_dir, point, read_elapsed(&run_dir)) {
                 Ok(m) => RunOutcome::Finished(m),
                 Err(reason) => RunOutcome::Failed(reason),
@@ -249,6 +247,7 @@ pub fn run(sweep: &Sweep, opts: &SweepOptions) -> Result<SweepReport, SweepRunEr
             reused += 1;
             continue;
         }
+        watch.check(dir, point, &file.data[&point.name])?;
         {
             let mut p = progress.lock().expect("progress lock");
             p.label = format!(
@@ -276,152 +275,173 @@ pub fn run(sweep: &Sweep, opts: &SweepOptions) -> Result<SweepReport, SweepRunEr
     let mut report = report_into(dir, &file)?;
     report.trained = trained;
     report.reused = reused;
+    report.kept = kept;
     Ok(report)
 }
 
-/// Re-reads a sweep folder: collects every run's outcome, writes `results.csv`,
-/// `results.json` and the plots (what `widen report` does).
-pub fn report(dir: &Path) -> Result<SweepReport, SweepRunError> {
-    let file = PlanFile::read(dir)?;
-    report_into(dir, &file)
+/// Checks a point's data again before each run, re-hashing a file only when its
+/// length or modification time moved since the last check.
+#[derive(Default)]
+struct DataWatch {
+    checked: HashMap<DataKey, (Option<(u64, SystemTime)>, DataRecord)>,
 }
 
-fn report_into(dir: &Path, file: &PlanFile) -> Result<SweepReport, SweepRunError> {
-    let mut rows = Vec::new();
-    let mut curves = Vec::new();
-    let mut failed = 0;
-    for point in &file.points {
-        let cost = cost_report(&point.spec)
-            .map_err(|e| SweepRunError::Read { path: dir.join(&point.name), message: e.to_string() })?;
-        let mut outcomes = Vec::new();
-        let mut seeds = PointCurves { label: point.name.clone(), train: Vec::new(), val: Vec::new() };
-        for run in &point.runs {
-            let run_dir = dir.join(&run.dir);
-            if let Some(outcome) = read_outcome(&run_dir) {
-                failed += usize::from(matches!(outcome, RunOutcome::Failed(_)));
-                outcomes.push((run.seed, outcome));
+impl DataWatch {
+    fn check(&mut self, dir: &Path, point: &Point, planned: &DataRecord) -> Result<(), SweepRunError> {
+        let stamp = match &point.spec.train.data {
+            DataSpec::Text(path) => {
+                std::fs::metadata(path).ok().and_then(|m| Some((m.len(), m.modified().ok()?)))
             }
-            if let Ok(lines) = metrics_lines(&run_dir) {
-                let tokens = |step: u64| (step * point.budget.tokens_per_step) as f64;
-                seeds.train.push(lines.iter().map(|l| (tokens(l.step), l.loss)).collect());
-                seeds
-                    .val
-                    .push(lines.iter().filter_map(|l| l.val_loss.map(|v| (tokens(l.step), v))).collect());
+            DataSpec::Synthetic(_) => None,
+        };
+        let key = data_key(point);
+        let now = match self.checked.get(&key) {
+            Some((seen, record)) if stamp.is_some() && *seen == stamp => record.clone(),
+            _ => {
+                let record = load_record(point)?;
+                self.checked.insert(key, (stamp, record.clone()));
+                record
             }
+        };
+        if now.sha256 != planned.sha256 || now.bytes != planned.bytes {
+            return Err(SweepRunError::OtherData {
+                dir: dir.to_path_buf(),
+                point: point.name.clone(),
+                then: planned.describe(),
+                now: now.describe(),
+            });
         }
-        rows.push(PointResult::aggregate(point, &cost, &outcomes));
-        curves.push(seeds);
+        Ok(())
     }
-    fill_overheads(&mut rows);
-    results::write_csv(&dir.join(RESULTS_CSV), &file.axes, &rows)?;
-    results::write_json(&dir.join(RESULTS_JSON), &file.axes, &rows)?;
-    let laws = render(dir, file, &rows, curves)?;
-    Ok(SweepReport {
-        dir: dir.to_path_buf(),
-        results: rows,
-        invalid: file.invalid.clone(),
-        trained: 0,
-        reused: 0,
-        failed,
-        laws,
-    })
 }
 
-/// Draws the plots into `DIR/plots`: loss curves, the law (one plot per numeric
-/// axis, over the points that differ from the first point only on that axis, so a
-/// fit never mixes two changes), the frontier and the speed bars. A plot with no
-/// finished point to draw is left out.
-fn render(
-    dir: &Path,
-    file: &PlanFile,
-    rows: &[PointResult],
-    curves: Vec<PointCurves>,
-) -> Result<Vec<LawSummary>, SweepRunError> {
-    let plots = dir.join(PLOTS_DIR);
-    std::fs::create_dir_all(&plots).map_err(io(&plots))?;
-    let write = |name: &str, svg: Result<String, plot::PlotError>| -> Result<(), SweepRunError> {
-        match svg {
-            Ok(svg) => write_atomic(&plots.join(name), &svg),
-            Err(_) => Ok(()),
+/// Joins this sweep's plan with the folder's: refuses a point whose spec or data
+/// differs, or another budget once runs have ended; keeps every earlier run that
+/// has an outcome. Returns the joined plan and the kept runs this sweep did not ask for.
+fn merge_with_folder(dir: &Path, mut new: PlanFile) -> Result<(PlanFile, Vec<PathBuf>), SweepRunError> {
+    if !dir.join(crate::folder::PLAN_FILE).exists() {
+        return Ok((new, Vec::new()));
+    }
+    let old = PlanFile::read(dir)?;
+    let ended = |r: &crate::point::Run| read_outcome(&dir.join(&r.dir)) != OutcomeFile::Missing;
+    let mut kept = Vec::new();
+    // Data by the name runs find it under: an earlier run on other bytes of that name
+    // would be mixed with this sweep's, whichever point it belongs to.
+    let by_source: HashMap<String, DataRecord> =
+        new.data.values().map(|d| (d.source.clone(), d.clone())).collect();
+    for before in &old.points {
+        let ended_runs: Vec<&crate::point::Run> = before.runs.iter().filter(|r| ended(r)).collect();
+        if let Some(then) = old.data.get(&before.name).filter(|_| !ended_runs.is_empty()) {
+            if let Some(now) = by_source.get(&then.source) {
+                if (then.bytes, &then.sha256) != (now.bytes, &now.sha256) {
+                    return Err(SweepRunError::OtherData {
+                        dir: dir.to_path_buf(),
+                        point: before.name.clone(),
+                        then: then.describe(),
+                        now: now.describe(),
+                    });
+                }
+            }
         }
+        match new.points.iter_mut().find(|p| p.name == before.name) {
+            Some(point) => {
+                let fields = spec_difference(&before.spec, &point.spec);
+                if !fields.is_empty() {
+                    return Err(SweepRunError::Changed {
+                        dir: dir.to_path_buf(),
+                        point: point.name.clone(),
+                        fields: fields.join(", "),
+                    });
+                }
+                if let (Some(then), Some(now)) = (old.data.get(&before.name), new.data.get(&point.name)) {
+                    if (then.bytes, &then.sha256) != (now.bytes, &now.sha256) {
+                        return Err(SweepRunError::OtherData {
+                            dir: dir.to_path_buf(),
+                            point: point.name.clone(),
+                            then: then.describe(),
+                            now: now.describe(),
+                        });
+                    }
+                }
+                for r in ended_runs {
+                    if !point.runs.iter().any(|x| x.seed == r.seed) {
+                        kept.push(r.dir.clone());
+                        point.runs.push(r.clone());
+                    }
+                }
+                point.runs.sort_by_key(|r| r.seed);
+            }
+            None if !ended_runs.is_empty() => {
+                let mut point = before.clone();
+                point.runs = ended_runs.into_iter().cloned().collect();
+                kept.extend(point.runs.iter().map(|r| r.dir.clone()));
+                if let Some(d) = old.data.get(&point.name) {
+                    new.data.insert(point.name.clone(), d.clone());
+                }
+                new.points.push(point);
+            }
+            None => {}
+        }
+    }
+    // Checked after the points, so a point planned with other steps is named.
+    if old.budget != new.budget && old.points.iter().flat_map(|p| &p.runs).any(ended) {
+        return Err(SweepRunError::OtherBudget { dir: dir.to_path_buf(), then: old.budget, now: new.budget });
+    }
+    // A kept point's baseline twin is kept with it (or is one of this sweep's points).
+    let names: HashSet<String> = new.points.iter().map(|p| p.name.clone()).collect();
+    for p in &mut new.points {
+        if p.baseline.as_ref().is_some_and(|b| !names.contains(b)) {
+            p.baseline = None;
+        }
+    }
+    for axis in old.axes {
+        if !new.axes.contains(&axis) && new.points.iter().any(|p| p.values.iter().any(|(a, _)| *a == axis)) {
+            new.axes.push(axis);
+        }
+    }
+    let mut seeds: Vec<u64> = new.points.iter().flat_map(|p| p.runs.iter().map(|r| r.seed)).collect();
+    seeds.sort_unstable();
+    seeds.dedup();
+    new.seeds = seeds;
+    new.check().map_err(|(field, message)| FolderError::BadPlan {
+        path: dir.join(crate::folder::PLAN_FILE),
+        field,
+        message: format!("joining this sweep with the folder's: {message}"),
+    })?;
+    Ok((new, kept))
+}
+
+/// The fields where two points' specs differ, as `` `path`: then, now ``. The data
+/// path is left out: data is compared by content ([`DataRecord`]).
+fn spec_difference(before: &ModelSpec, now: &ModelSpec) -> Vec<String> {
+    let json = |s: &ModelSpec| {
+        let mut s = s.clone();
+        s.train.data = DataSpec::Text(String::new());
+        serde_json::to_value(&s)
     };
-    let title = |what: &str| format!("{what} ({})", budget_text(&file.budget));
-    write(
-        "loss.svg",
-        plot::loss_curves(&LossCurves { title: title("loss against tokens"), points: curves }),
-    )?;
-    let finished: Vec<&PointResult> = rows.iter().filter(|r| r.val_loss.mean.is_some()).collect();
-    write(
-        "frontier.svg",
-        plot::frontier(&FrontierPlot {
-            title: title("validation loss against training compute"),
-            points: finished
-                .iter()
-                .map(|r| CostPoint {
-                    label: r.point.clone(),
-                    flops: r.tokens_trained as f64 * r.flops_per_token_train as f64,
-                    loss: r.val_loss.mean.unwrap_or(f64::NAN),
-                })
-                .collect(),
-        }),
-    )?;
-    write(
-        "speed.svg",
-        plot::speed(&SpeedPlot {
-            title: "time per step and overhead over the plain-residual twin".into(),
-            bars: finished
-                .iter()
-                .filter_map(|r| {
-                    r.ms_per_step.mean.map(|ms| SpeedBar {
-                        label: r.point.clone(),
-                        ms_per_step: ms,
-                        overhead: r.overhead_ms_per_step,
-                    })
-                })
-                .collect(),
-        }),
-    )?;
-
-    let mut laws = Vec::new();
-    for (a, axis) in file.axes.iter().enumerate() {
-        let Some(first) = file.points.iter().find(|p| !p.is_baseline_twin) else { break };
-        let same_elsewhere =
-            |p: &Point| p.values.iter().enumerate().all(|(b, (_, v))| b == a || *v == first.values[b].1);
-        let points: Vec<LawPoint> = file
-            .points
-            .iter()
-            .zip(rows)
-            .filter(|(p, _)| !p.is_baseline_twin && p.values.len() == file.axes.len() && same_elsewhere(p))
-            .filter_map(|(p, r)| {
-                let x: f64 = p.values[a].1.parse().ok()?;
-                Some(LawPoint { label: p.name.clone(), x, loss: r.val_loss.mean? })
-            })
-            .collect();
-        let numeric =
-            file.points.iter().filter(|p| !p.is_baseline_twin).all(|p| p.values[a].1.parse::<f64>().is_ok());
-        if !numeric || points.is_empty() {
-            continue;
-        }
-        let name = if file.axes.len() == 1 { "law.svg".to_string() } else { format!("law-{axis}.svg") };
-        let shown = if axis == RATIO_AXIS { "r = n/m".to_string() } else { axis.clone() };
-        if let Ok((svg, fit)) = plot::law(&LawPlot {
-            title: title(&format!("validation loss against log2({shown})")),
-            axis: shown,
-            points,
-        }) {
-            write_atomic(&plots.join(&name), &svg)?;
-            laws.push(LawSummary { file: plots.join(&name), axis: axis.clone(), fit });
-        }
-    }
-    Ok(laws)
+    let (Ok(a), Ok(b)) = (json(before), json(now)) else { return Vec::new() };
+    let mut fields = Vec::new();
+    diff_fields("", &a, &b, &mut fields);
+    fields
 }
 
-fn budget_text(budget: &Budget) -> String {
-    match budget {
-        Budget::Tokens(n) => format!("equal tokens: {n} per point"),
-        Budget::Flops(f) => format!("equal training compute: {f:.3e} FLOPs per point"),
-        Budget::Steps(n) => format!("{n} steps per point"),
+/// The field paths where two JSON values differ.
+fn diff_fields(at: &str, a: &serde_json::Value, b: &serde_json::Value, out: &mut Vec<String>) {
+    use serde_json::Value;
+    match (a, b) {
+        (Value::Object(x), Value::Object(y)) if x.keys().eq(y.keys()) => {
+            for (k, v) in x {
+                let path = if at.is_empty() { k.clone() } else { format!("{at}.{k}") };
+                diff_fields(&path, v, &y[k], out);
+            }
+        }
+        _ if a != b => out.push(format!("`{at}`: {a} then, {b} now")),
+        _ => {}
     }
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> SweepRunError + '_ {
+    move |source| SweepRunError::Io { path: path.to_path_buf(), source }
 }
 
 /// Trains one run (or continues it from its newest checkpoint) and says how it ended.
@@ -476,7 +496,10 @@ fn train_run(
     let run_path = run_dir.to_path_buf();
     match err {
         TrainError::Interrupted { checkpoint, .. } => {
-            write_atomic(&run_dir.join(ELAPSED_FILE), &serde_json::json!({ "wall_s": wall_s }).to_string())?;
+            write_atomic(
+                &run_dir.join(ELAPSED_FILE),
+                serde_json::json!({ "wall_s": wall_s }).to_string().as_bytes(),
+            )?;
             Err(SweepRunError::Interrupted { run: run_path, checkpoint })
         }
         TrainError::Data(source) => Err(SweepRunError::Data { run: run_path, source }),
@@ -512,31 +535,14 @@ fn chain(err: &dyn std::error::Error) -> String {
     text
 }
 
-/// Whether a run still has to train: no outcome yet, or a failure to retry.
+/// Whether a run still has to train: no outcome yet (or one that does not read),
+/// or a failure to retry.
 fn needs_training(run_dir: &Path, retry_failed: bool) -> bool {
     match read_outcome(run_dir) {
-        Some(RunOutcome::Finished(_)) => false,
-        Some(RunOutcome::Failed(_)) => retry_failed,
-        None => true,
+        OutcomeFile::Read(RunOutcome::Finished(_)) => false,
+        OutcomeFile::Read(RunOutcome::Failed(_)) => retry_failed,
+        OutcomeFile::Missing | OutcomeFile::Damaged(_) => true,
     }
-}
-
-/// The run's `outcome.json`, if it has one that reads.
-fn read_outcome(run_dir: &Path) -> Option<RunOutcome> {
-    let text = std::fs::read_to_string(run_dir.join(OUTCOME_FILE)).ok()?;
-    serde_json::from_str(&text).ok()
-}
-
-fn write_outcome(run_dir: &Path, outcome: &RunOutcome) -> Result<(), SweepRunError> {
-    write_atomic(
-        &run_dir.join(OUTCOME_FILE),
-        &serde_json::to_string_pretty(outcome).expect("an outcome serializes"),
-    )?;
-    let elapsed = run_dir.join(ELAPSED_FILE);
-    if elapsed.exists() {
-        std::fs::remove_file(&elapsed).map_err(io(&elapsed))?;
-    }
-    Ok(())
 }
 
 fn read_elapsed(run_dir: &Path) -> f64 {
@@ -558,159 +564,6 @@ fn newest_checkpoint(run_dir: &Path) -> Option<PathBuf> {
         })
         .max_by_key(|(step, _)| *step)
         .map(|(_, path)| path)
-}
-
-/// One line of a run's `metrics.jsonl`.
-struct MetricsLine {
-    step: u64,
-    /// Tokens trained up to this step (absent from older metrics files).
-    tokens: Option<u64>,
-    loss: f64,
-    val_loss: Option<f64>,
-    tokens_per_s: f64,
-}
-
-fn metrics_lines(run_dir: &Path) -> Result<Vec<MetricsLine>, String> {
-    let path = run_dir.join(METRICS_FILE);
-    let text = std::fs::read_to_string(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-    text.lines()
-        .filter(|l| !l.trim().is_empty())
-        .map(|l| {
-            let v: serde_json::Value =
-                serde_json::from_str(l).map_err(|e| format!("{}: bad line: {e}", path.display()))?;
-            Ok(MetricsLine {
-                step: v["step"].as_u64().ok_or_else(|| format!("{}: a line has no step", path.display()))?,
-                tokens: v["tokens"].as_u64(),
-                loss: v["loss"].as_f64().unwrap_or(f64::NAN),
-                val_loss: v["val_loss"].as_f64(),
-                tokens_per_s: v["tokens_per_s"].as_f64().unwrap_or(f64::NAN),
-            })
-        })
-        .collect()
-}
-
-/// Draws one run's training and validation loss against tokens into
-/// `RUN_DIR/loss.svg` (what `widen plot` does); returns the file.
-pub fn plot_run(run_dir: &Path) -> Result<PathBuf, SweepRunError> {
-    let path = run_dir.join(METRICS_FILE);
-    let lines =
-        metrics_lines(run_dir).map_err(|message| SweepRunError::Read { path: path.clone(), message })?;
-    if lines.is_empty() {
-        return Err(SweepRunError::Read { path, message: "it holds no step yet".into() });
-    }
-    let Some(per_step) = lines.iter().find_map(|l| l.tokens.map(|t| t / l.step.max(1))) else {
-        return Err(SweepRunError::Read {
-            path,
-            message:
-                "its lines have no `tokens` field (written by an older widen); train it again to plot it"
-                    .into(),
-        });
-    };
-    let x = |l: &MetricsLine| l.tokens.unwrap_or(l.step * per_step) as f64;
-    let label = run_dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "run".into());
-    let curves = PointCurves {
-        label: label.clone(),
-        train: vec![lines.iter().map(|l| (x(l), l.loss)).collect()],
-        val: vec![lines.iter().filter_map(|l| l.val_loss.map(|v| (x(l), v))).collect()],
-    };
-    let svg = plot::loss_curves(&LossCurves {
-        title: format!("{label}: loss against tokens"),
-        points: vec![curves],
-    })
-    .map_err(|e| SweepRunError::Read { path, message: e.to_string() })?;
-    let out = run_dir.join("loss.svg");
-    write_atomic(&out, &svg)?;
-    Ok(out)
-}
-
-/// What a finished run measured, from its metrics (see the module doc).
-fn measured(run_dir: &Path, point: &Point, wall_s: f64) -> Result<RunMetrics, String> {
-    let lines = metrics_lines(run_dir)?;
-    if !run_dir.join(FINAL_CHECKPOINT).exists() {
-        return Err(format!("{} has no {FINAL_CHECKPOINT}", run_dir.display()));
-    }
-    let tail = (lines.len() / 10).max(1);
-    let last: Vec<f64> = lines.iter().rev().take(tail).map(|l| l.loss).collect();
-    let val_loss = lines
-        .iter()
-        .rev()
-        .find_map(|l| l.val_loss)
-        .ok_or_else(|| format!("{} holds no validation loss", run_dir.display()))?;
-    let per_step = point.budget.tokens_per_step as f64;
-    let times: Vec<f64> =
-        lines.iter().skip(usize::from(lines.len() > 1)).map(|l| 1000.0 * per_step / l.tokens_per_s).collect();
-    Ok(RunMetrics {
-        train_loss: last.iter().sum::<f64>() / last.len() as f64,
-        val_loss,
-        ms_per_step: times.iter().sum::<f64>() / times.len().max(1) as f64,
-        tokens: point.budget.tokens,
-        wall_s,
-    })
-}
-
-/// Refuses a folder whose plan gives one of this sweep's points another spec.
-fn check_same_sweep(dir: &Path, file: &PlanFile) -> Result<(), SweepRunError> {
-    if !dir.join(PLAN_FILE).exists() {
-        return Ok(());
-    }
-    let old = PlanFile::read(dir)?;
-    for point in &file.points {
-        let Some(before) = old.points.iter().find(|p| p.name == point.name) else { continue };
-        let (a, b) = (serde_json::to_value(&before.spec), serde_json::to_value(&point.spec));
-        let (Ok(a), Ok(b)) = (a, b) else { continue };
-        let mut fields = Vec::new();
-        diff_fields("", &a, &b, &mut fields);
-        if !fields.is_empty() {
-            return Err(SweepRunError::Changed {
-                dir: dir.to_path_buf(),
-                point: point.name.clone(),
-                fields: fields.join(", "),
-            });
-        }
-    }
-    Ok(())
-}
-
-/// The field paths where two JSON values differ.
-fn diff_fields(at: &str, a: &serde_json::Value, b: &serde_json::Value, out: &mut Vec<String>) {
-    use serde_json::Value;
-    match (a, b) {
-        (Value::Object(x), Value::Object(y)) if x.keys().eq(y.keys()) => {
-            for (k, v) in x {
-                let path = if at.is_empty() { k.clone() } else { format!("{at}.{k}") };
-                diff_fields(&path, v, &y[k], out);
-            }
-        }
-        _ if a != b => out.push(format!("`{at}`: {a} then, {b} now")),
-        _ => {}
-    }
-}
-
-/// Locks the sweep folder for this process (released when the file closes).
-fn lock(dir: &Path) -> Result<File, SweepRunError> {
-    let path = dir.join(LOCK_FILE);
-    let file = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&path)
-        .map_err(io(&path))?;
-    match file.try_lock() {
-        Ok(()) => Ok(file),
-        Err(std::fs::TryLockError::WouldBlock) => Err(SweepRunError::Locked { dir: dir.to_path_buf() }),
-        Err(std::fs::TryLockError::Error(source)) => Err(SweepRunError::Io { path, source }),
-    }
-}
-
-fn io(path: &Path) -> impl FnOnce(std::io::Error) -> SweepRunError + '_ {
-    move |source| SweepRunError::Io { path: path.to_path_buf(), source }
-}
-
-/// Writes `text` to a temporary name beside `path` and renames it into place.
-fn write_atomic(path: &Path, text: &str) -> Result<(), SweepRunError> {
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, text).map_err(io(&tmp))?;
-    std::fs::rename(&tmp, path).map_err(io(path))
 }
 
 /// The sweep's progress line: run i/n, the run's step, elapsed time and an ETA from

@@ -1,0 +1,358 @@
+//! A sweep folder's results: every run's outcome and metrics read back, aggregated
+//! into `results.csv` and `results.json`, and drawn into `plots/` (what `widen
+//! report` does, and what a sweep does after every run).
+//!
+//! **What a run measured** (from its `metrics.jsonl`): the training loss is the mean
+//! over the last tenth of its steps (one batch's loss is noisy), the validation loss
+//! the last evaluation (every run evaluates at its last step), ms/step the mean step
+//! time without the first step (which includes one-off setup).
+//!
+//! **Any number of reports may run during a sweep.** Rewrites hold the folder's
+//! results lock ([`crate::folder::lock_results`]) and every file is replaced whole,
+//! so a report sees each run as its last complete `outcome.json` says, and a run
+//! still writing its metrics as far as its last complete line. Reading is linear in
+//! the metrics lines, and curves are thinned to at most [`crate::plot::MAX_DRAWN`]
+//! positions for drawing.
+
+use std::path::{Path, PathBuf};
+
+use ir::cost::cost_report;
+use runtime::train::{FINAL_CHECKPOINT, METRICS_FILE};
+use serde::Deserialize;
+
+use crate::budget::Budget;
+use crate::folder::{
+    lock_results, read_outcome, write_atomic, OutcomeFile, PlanFile, PLOTS_DIR, RESULTS_CSV, RESULTS_JSON,
+};
+use crate::plot::{
+    self, CostPoint, FrontierPlot, LawPlot, LawPoint, LossCurves, PointCurves, SpeedBar, SpeedPlot,
+};
+use crate::point::{Point, RATIO_AXIS};
+use crate::results::{self, fill_overheads, PointResult, RunMetrics, RunOutcome};
+use crate::runner::SweepRunError;
+
+/// What a sweep did, or what a folder holds.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SweepReport {
+    pub dir: PathBuf,
+    /// One row per point, as in `results.csv`.
+    pub results: Vec<PointResult>,
+    /// Points skipped as invalid: name and reason.
+    pub invalid: Vec<(String, String)>,
+    /// Runs trained (or continued) by this call.
+    pub trained: usize,
+    /// Runs whose earlier outcome was reused.
+    pub reused: usize,
+    /// Runs that ended in failure (this call or before).
+    pub failed: usize,
+    /// Runs of earlier sweeps into the folder that this call did not ask for: kept
+    /// in the results, named here (run folders relative to the sweep folder).
+    pub kept: Vec<PathBuf>,
+    /// Runs whose `outcome.json` does not read: the reason (they count as no result).
+    pub damaged: Vec<String>,
+    /// The fits of the log-linear law, one per plot drawn.
+    pub laws: Vec<LawSummary>,
+}
+
+/// One fitted law `L = a + b·log2(x)` over an axis.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LawSummary {
+    /// The plot file.
+    pub file: PathBuf,
+    pub axis: String,
+    /// The fit's equation with standard errors and R², or why there is none.
+    pub fit: Result<crate::fit::LinearFit, crate::fit::FitError>,
+}
+
+/// Re-reads a sweep folder: collects every run's outcome, writes `results.csv`,
+/// `results.json` and the plots (what `widen report` does).
+pub fn report(dir: &Path) -> Result<SweepReport, SweepRunError> {
+    let file = PlanFile::read(dir)?;
+    report_into(dir, &file)
+}
+
+/// Aggregates `file`'s runs and rewrites the results and plots under the results lock.
+pub(crate) fn report_into(dir: &Path, file: &PlanFile) -> Result<SweepReport, SweepRunError> {
+    // Held from the first read to the last write, so rewrites land in the order
+    // they read the folder and the last one holds the newest outcomes.
+    let _turn = lock_results(dir)?;
+    let mut rows = Vec::new();
+    let mut curves = Vec::new();
+    let mut failed = 0;
+    let mut damaged = Vec::new();
+    for point in &file.points {
+        let cost = cost_report(&point.spec)
+            .map_err(|e| SweepRunError::Read { path: dir.join(&point.name), message: e.to_string() })?;
+        let mut outcomes = Vec::new();
+        let mut seeds = PointCurves { label: point.name.clone(), train: Vec::new(), val: Vec::new() };
+        for run in &point.runs {
+            let run_dir = dir.join(&run.dir);
+            match read_outcome(&run_dir) {
+                OutcomeFile::Read(outcome) => {
+                    failed += usize::from(matches!(outcome, RunOutcome::Failed(_)));
+                    outcomes.push((run.seed, outcome));
+                }
+                OutcomeFile::Damaged(why) => damaged.push(why),
+                OutcomeFile::Missing => {}
+            }
+            if let Ok(lines) = metrics_lines(&run_dir) {
+                let tokens = |step: u64| step.saturating_mul(point.budget.tokens_per_step) as f64;
+                seeds.train.push(lines.iter().map(|l| (tokens(l.step), l.loss())).collect());
+                seeds
+                    .val
+                    .push(lines.iter().filter_map(|l| l.val_loss.map(|v| (tokens(l.step), v))).collect());
+            }
+        }
+        rows.push(PointResult::aggregate(point, &cost, &outcomes));
+        curves.push(seeds);
+    }
+    fill_overheads(&mut rows);
+    results::write_csv(&dir.join(RESULTS_CSV), &file.axes, &rows)?;
+    results::write_json(&dir.join(RESULTS_JSON), &file.axes, &rows)?;
+    let laws = render(dir, file, &rows, curves)?;
+    Ok(SweepReport {
+        dir: dir.to_path_buf(),
+        results: rows,
+        invalid: file.invalid.clone(),
+        trained: 0,
+        reused: 0,
+        failed,
+        kept: Vec::new(),
+        damaged,
+        laws,
+    })
+}
+
+/// A point's value on `axis`, if it sets it.
+fn value<'a>(p: &'a Point, axis: &str) -> Option<&'a str> {
+    p.values.iter().find(|(path, _)| path == axis).map(|(_, v)| v.as_str())
+}
+
+/// Draws the plots into `DIR/plots`: loss curves, the law (one plot per numeric
+/// axis, over the points that set the same axes as the first point and differ from
+/// it only on that axis, so a fit never mixes two changes), the frontier and the
+/// speed bars. A plot with no finished point to draw is left out.
+fn render(
+    dir: &Path,
+    file: &PlanFile,
+    rows: &[PointResult],
+    curves: Vec<PointCurves>,
+) -> Result<Vec<LawSummary>, SweepRunError> {
+    let plots = dir.join(PLOTS_DIR);
+    std::fs::create_dir_all(&plots).map_err(|source| SweepRunError::Io { path: plots.clone(), source })?;
+    let write = |name: &str, svg: Result<String, plot::PlotError>| -> Result<(), SweepRunError> {
+        match svg {
+            Ok(svg) => Ok(write_atomic(&plots.join(name), svg.as_bytes())?),
+            Err(_) => Ok(()),
+        }
+    };
+    let title = |what: &str| format!("{what} ({})", budget_text(&file.budget));
+    write(
+        "loss.svg",
+        plot::loss_curves(&LossCurves { title: title("loss against tokens"), points: curves }),
+    )?;
+    let finished: Vec<&PointResult> = rows.iter().filter(|r| r.val_loss.mean.is_some()).collect();
+    write(
+        "frontier.svg",
+        plot::frontier(&FrontierPlot {
+            title: title("validation loss against training compute"),
+            points: finished
+                .iter()
+                .map(|r| CostPoint {
+                    label: r.point.clone(),
+                    flops: r.tokens_trained as f64 * r.flops_per_token_train as f64,
+                    loss: r.val_loss.mean.unwrap_or(f64::NAN),
+                })
+                .collect(),
+        }),
+    )?;
+    write(
+        "speed.svg",
+        plot::speed(&SpeedPlot {
+            title: "time per step and overhead over the plain-residual twin".into(),
+            bars: finished
+                .iter()
+                .filter_map(|r| {
+                    r.ms_per_step.mean.map(|ms| SpeedBar {
+                        label: r.point.clone(),
+                        ms_per_step: ms,
+                        overhead: r.overhead_ms_per_step,
+                    })
+                })
+                .collect(),
+        }),
+    )?;
+
+    let mut laws = Vec::new();
+    let swept: Vec<(&Point, &PointResult)> =
+        file.points.iter().zip(rows).filter(|(p, _)| !p.is_baseline_twin).collect();
+    let Some(&(first, _)) = swept.first() else { return Ok(laws) };
+    for axis in &file.axes {
+        if value(first, axis).is_none() {
+            continue;
+        }
+        let same_elsewhere = |p: &Point| {
+            p.values.len() == first.values.len()
+                && first.values.iter().all(|(path, v)| path == axis || value(p, path) == Some(v.as_str()))
+        };
+        let on_axis: Vec<&(&Point, &PointResult)> =
+            swept.iter().filter(|(p, _)| same_elsewhere(p) && value(p, axis).is_some()).collect();
+        let numeric = on_axis.iter().all(|(p, _)| value(p, axis).is_some_and(|v| v.parse::<f64>().is_ok()));
+        let points: Vec<LawPoint> = on_axis
+            .iter()
+            .filter_map(|(p, r)| {
+                let x: f64 = value(p, axis)?.parse().ok()?;
+                Some(LawPoint { label: p.name.clone(), x, loss: r.val_loss.mean? })
+            })
+            .collect();
+        if !numeric || points.is_empty() {
+            continue;
+        }
+        let name = if file.axes.len() == 1 { "law.svg".to_string() } else { format!("law-{axis}.svg") };
+        let shown = if axis == RATIO_AXIS { "r = n/m".to_string() } else { axis.clone() };
+        if let Ok((svg, fit)) = plot::law(&LawPlot {
+            title: title(&format!("validation loss against log2({shown})")),
+            axis: shown,
+            points,
+        }) {
+            write_atomic(&plots.join(&name), svg.as_bytes())?;
+            laws.push(LawSummary { file: plots.join(&name), axis: axis.clone(), fit });
+        }
+    }
+    Ok(laws)
+}
+
+fn budget_text(budget: &Budget) -> String {
+    match budget {
+        Budget::Tokens(n) => format!("equal tokens: {n} per point"),
+        Budget::Flops(f) => format!("equal training compute: {f:.3e} FLOPs per point"),
+        Budget::Steps(n) => format!("{n} steps per point"),
+    }
+}
+
+/// One line of a run's `metrics.jsonl` (the fields a report reads; a non-finite
+/// loss is written as `null`).
+#[derive(Deserialize)]
+pub(crate) struct MetricsLine {
+    pub step: u64,
+    /// Tokens trained up to this step (absent from older metrics files).
+    #[serde(default)]
+    pub tokens: Option<u64>,
+    #[serde(default)]
+    loss: Option<f64>,
+    #[serde(default)]
+    pub val_loss: Option<f64>,
+    #[serde(default)]
+    tokens_per_s: Option<f64>,
+}
+
+impl MetricsLine {
+    fn loss(&self) -> f64 {
+        self.loss.unwrap_or(f64::NAN)
+    }
+}
+
+/// Every complete line of a run's `metrics.jsonl`, in one pass. A last line with
+/// no newline that does not parse is one a running training is still writing, and
+/// is left out; any other bad line is an error naming the file and line.
+pub(crate) fn metrics_lines(run_dir: &Path) -> Result<Vec<MetricsLine>, String> {
+    let path = run_dir.join(METRICS_FILE);
+    let text = std::fs::read_to_string(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let open_tail = !text.is_empty() && !text.ends_with('\n');
+    let count = text.lines().count();
+    let mut out = Vec::with_capacity(count);
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        match serde_json::from_str::<MetricsLine>(line) {
+            Ok(l) => out.push(l),
+            Err(_) if open_tail && i + 1 == count => {}
+            Err(e) => return Err(format!("{} line {}: not a metrics line: {e}", path.display(), i + 1)),
+        }
+    }
+    Ok(out)
+}
+
+/// Draws one run's training and validation loss against tokens into
+/// `RUN_DIR/loss.svg` (what `widen plot` does); returns the file.
+pub fn plot_run(run_dir: &Path) -> Result<PathBuf, SweepRunError> {
+    let path = run_dir.join(METRICS_FILE);
+    let lines =
+        metrics_lines(run_dir).map_err(|message| SweepRunError::Read { path: path.clone(), message })?;
+    if lines.is_empty() {
+        return Err(SweepRunError::Read { path, message: "it holds no step yet".into() });
+    }
+    let Some(per_step) = lines.iter().find_map(|l| l.tokens.map(|t| t / l.step.max(1))) else {
+        return Err(SweepRunError::Read {
+            path,
+            message:
+                "its lines have no `tokens` field (written by an older widen); train it again to plot it"
+                    .into(),
+        });
+    };
+    let x = |l: &MetricsLine| l.tokens.unwrap_or(l.step.saturating_mul(per_step)) as f64;
+    let label = run_dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "run".into());
+    let curves = PointCurves {
+        label: label.clone(),
+        train: vec![lines.iter().map(|l| (x(l), l.loss())).collect()],
+        val: vec![lines.iter().filter_map(|l| l.val_loss.map(|v| (x(l), v))).collect()],
+    };
+    let svg = plot::loss_curves(&LossCurves {
+        title: format!("{label}: loss against tokens"),
+        points: vec![curves],
+    })
+    .map_err(|e| SweepRunError::Read { path, message: e.to_string() })?;
+    let out = run_dir.join("loss.svg");
+    write_atomic(&out, svg.as_bytes())?;
+    Ok(out)
+}
+
+/// What a finished run measured, from its metrics (see the module doc).
+pub(crate) fn measured(run_dir: &Path, point: &Point, wall_s: f64) -> Result<RunMetrics, String> {
+    let lines = metrics_lines(run_dir)?;
+    if !run_dir.join(FINAL_CHECKPOINT).exists() {
+        return Err(format!("{} has no {FINAL_CHECKPOINT}", run_dir.display()));
+    }
+    let tail = (lines.len() / 10).max(1);
+    let last: Vec<f64> = lines.iter().rev().take(tail).map(MetricsLine::loss).collect();
+    let val_loss = lines
+        .iter()
+        .rev()
+        .find_map(|l| l.val_loss)
+        .ok_or_else(|| format!("{} holds no validation loss", run_dir.display()))?;
+    let per_step = point.budget.tokens_per_step as f64;
+    let times: Vec<f64> = lines
+        .iter()
+        .skip(usize::from(lines.len() > 1))
+        .map(|l| 1000.0 * per_step / l.tokens_per_s.unwrap_or(f64::NAN))
+        .collect();
+    Ok(RunMetrics {
+        train_loss: last.iter().sum::<f64>() / last.len() as f64,
+        val_loss,
+        ms_per_step: times.iter().sum::<f64>() / times.len().max(1) as f64,
+        tokens: point.budget.tokens,
+        wall_s,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_line_still_being_written_is_left_out_and_a_bad_line_named() {
+        let dir = std::env::temp_dir().join(format!("widen-metrics-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let good = "{\"step\":1,\"loss\":5.0,\"tokens\":32,\"tokens_per_s\":100.0}\n";
+        std::fs::write(dir.join(METRICS_FILE), format!("{good}{good}{{\"step\":3,\"lo")).unwrap();
+        assert_eq!(metrics_lines(&dir).unwrap().len(), 2);
+        std::fs::write(dir.join(METRICS_FILE), format!("{good}{{\"step\":3,\"lo\n{good}")).unwrap();
+        let err = metrics_lines(&dir).err().unwrap();
+        assert!(err.contains("line 2: not a metrics line"), "{err}");
+        std::fs::write(dir.join(METRICS_FILE), format!("{good}{{\"step\":3,\"loss\":null}}")).unwrap();
+        let lines = metrics_lines(&dir).unwrap();
+        assert!(lines.len() == 2 && lines[1].loss().is_nan(), "a complete last line counts, null is NaN");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
