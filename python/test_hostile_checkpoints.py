@@ -30,6 +30,7 @@ import unittest
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
+sys.dont_write_bytecode = True  # no python/__pycache__ left in the repository
 import widen_torch  # noqa: E402
 
 # ---- writing safetensors files by hand ----
@@ -528,7 +529,7 @@ class Hostile(unittest.TestCase):
             "widen_torch.check_checkpoint(sys.argv[2]); "
             "print(sorted(m for m in ('numpy', 'torch') if m in sys.modules))"
         )
-        out = subprocess.run([sys.executable, "-c", code, HERE, path], capture_output=True, text=True, check=True)
+        out = subprocess.run([sys.executable, "-B", "-c", code, HERE, path], capture_output=True, text=True, check=True)
         self.assertEqual(out.stdout.strip(), "[]")
 
     def test_unsupported_configurations(self):
@@ -563,6 +564,27 @@ def widen_binary():
 # the four schemes it builds, tiny.ron (GHC, r = 2) and mtp.ron (GHC with an MTP module).
 REAL_SPECS = ["tiny.ron", "residual.ron", "mhc.ron", "vwn-r4.ron", "xhc.ron", "mtp.ron"]
 
+# More configurations, one branch of the implied parameter set each: GQA with an
+# explicit head_dim, tied embeddings and two MTP modules; mHC with MTP; static GHC
+# with embed_mode Expand and n not a multiple of m (no GroupNorm); GHC with
+# reduce_norm Off, muP and Muon (momentum state); xHC with fixed = k (no router),
+# convolutions on the attention too, and MTP; xHC without convolutions.
+_TRAIN = "train: (seq_len: 16, batch: 2, steps: 100)"
+_MUON = "train: (seq_len: 16, batch: 2, steps: 100, optimizer: Muon())"
+VARIANT_SPECS = {
+    "gqa-tied-mtp2": f"d_model: 32, layers: 2, heads: 4, kv_heads: 2, head_dim: 8, tie_embeddings: true, "
+    f"mtp: (depth: 2), {_TRAIN}",
+    "mhc-mean-mtp": f"d_model: 32, layers: 1, heads: 4, residual: Mhc(n: 3, collapse: Mean), mtp: (depth: 1), {_TRAIN}",
+    "ghc-static-expand": f"d_model: 32, layers: 1, heads: 4, residual: Ghc(m: 4, n: 6, dynamic: false, "
+    f"embed_mode: Expand), mtp: (depth: 1), {_TRAIN}",
+    "ghc-off-mup-muon": f"d_model: 32, layers: 1, heads: 4, residual: Ghc(m: 2, n: 8, reduce_norm: Off), "
+    f"parametrization: MuP(base_width: 16), {_MUON}",
+    "xhc-fixed-attn-conv": f"d_model: 32, layers: 1, heads: 4, residual: Xhc(n: 6, k: 3, fixed: 3, conv_kernels: [3], "
+    f"temporal_aug: MlpAndAttention), mtp: (depth: 1), {_MUON}",
+    "xhc-no-conv": f"d_model: 32, layers: 1, heads: 4, ffn: SwiGlu(hidden: 40), residual: Xhc(n: 4, k: 2, fixed: 1, "
+    f"conv_kernels: []), {_TRAIN}",
+}
+
 
 class WidenCheckpoints(unittest.TestCase):
     """Checkpoints widen writes pass; one (tiny.ron's) mutated is refused."""
@@ -574,9 +596,15 @@ class WidenCheckpoints(unittest.TestCase):
             raise unittest.SkipTest("no widen binary (set WIDEN, or run `cargo build` first)")
         cls.tmp = tempfile.mkdtemp(prefix="widen-hostile-real-")
         cls.ckpt = {}
-        for spec in REAL_SPECS:
+        specs = [os.path.join(ROOT, "specs", spec) for spec in REAL_SPECS]
+        for name, fields in VARIANT_SPECS.items():
+            specs.append(os.path.join(cls.tmp, f"{name}.ron"))
+            with open(specs[-1], "w") as f:
+                f.write(f'Model(name: "{name}", {fields})\n')
+        for spec_path in specs:
+            spec = os.path.basename(spec_path)
             out = os.path.join(cls.tmp, spec[: -len(".ron")])
-            cmd = [cls.widen, "train", os.path.join(ROOT, "specs", spec), "--steps", "0", "--out", out]
+            cmd = [cls.widen, "train", spec_path, "--steps", "0", "--out", out]
             run = subprocess.run(cmd, capture_output=True, text=True)
             if run.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd)} failed:\n{run.stderr}")
@@ -596,6 +624,7 @@ class WidenCheckpoints(unittest.TestCase):
                 self.assertEqual(params, set(widen_torch.expected_parameters(json.loads(meta["spec_json"]))))
                 # Training checkpoints carry optimizer state, which is checked too.
                 self.assertTrue(any(n.startswith("opt.") for n in entries))
+        self.assertEqual(len(self.ckpt), len(REAL_SPECS) + len(VARIANT_SPECS))
 
     def mutated(self, name, blob, pattern):
         path = os.path.join(self.tmp, f"{name}.safetensors")

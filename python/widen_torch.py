@@ -154,6 +154,10 @@ TENSOR_NAMES = {
 # GHC with embed_mode Expand reads these instead of `embed_wide` (docs/math.md §5.2).
 GHC_EXPAND_NAMES = {"embed": "embed", "embed_expand": "embed_expand"}
 
+# xHC with temporal_aug MlpAndAttention has the convolutions on the attention too
+# (docs/math.md §6.5); outside TENSOR_NAMES, whose xHC list is specs/xhc.ron's (Mlp).
+XHC_CONV_NAMES = {"ffn": TENSOR_NAMES["xhc"]["ffn.conv"], "attn": "blocks.{i}.attn.conn.conv{j}"}
+
 # The range of every whole-number spec field this loader reads: [min, max, why],
 # the rows of widen's own table (ir/src/spec/limits.rs, INTEGER_LIMITS), so that a
 # checkpoint whose spec widen would refuse is refused here too. The literal between
@@ -734,9 +738,12 @@ def _block_tensors(s, block):
             sub, _, kind = role.partition(".")
             if kind == "router" and s.fixed >= s.k:
                 continue
-            if kind == "conv" and not _xhc_augmented(s, sub):
-                continue
+            if kind == "conv":
+                continue  # below, for each augmented sublayer
             add(tmpl, lambda role=role: _conn_shape("Xhc", role, s))
+        for sub in ("attn", "ffn"):
+            if _xhc_augmented(s, sub):
+                add(XHC_CONV_NAMES[sub], None)
     return out
 
 
@@ -1175,7 +1182,7 @@ class _WidenModel:
         ys = [out]
         if aug:
             convs = [
-                causal_depthwise_conv(out, self._p(TENSOR_NAMES["xhc"][f"{kind}.conv"].format(i=i, j=j)))
+                causal_depthwise_conv(out, self._p(XHC_CONV_NAMES[kind].format(i=i, j=j)))
                 for j in range(len(x["conv_kernels"]))
             ]
             gs = x["gram_schmidt"]
