@@ -18,6 +18,7 @@ test passes.
 """
 
 import copy
+import importlib.util
 import json
 import os
 import shutil
@@ -532,6 +533,16 @@ class Hostile(unittest.TestCase):
         out = subprocess.run([sys.executable, "-B", "-c", code, HERE, path], capture_output=True, text=True, check=True)
         self.assertEqual(out.stdout.strip(), "[]")
 
+    @unittest.skipUnless(importlib.util.find_spec("numpy"), "numpy is not installed (tensors are decoded with it)")
+    def test_non_finite_weight_is_refused_when_decoded(self):
+        # Its header, spec and shapes are fine; the values are what is wrong.
+        bad = ("blocks.0.attn.wo", "F32", [4, 4], f32([0.0] * 5 + [float("nan")] + [0.0] * 10))
+        path = self.write("non_finite", with_tensors(replace_tensor("blocks.0.attn.wo", bad))())
+        widen_torch.check_checkpoint(path)
+        with self.assertRaisesRegex(widen_torch.CheckpointError, r"tensor `blocks.0.attn.wo` holds a non-finite value \(nan\)"):
+            widen_torch.read_checkpoint(path)
+        self.assertEqual(len(widen_torch.read_checkpoint(self.write("finite", well_formed()))[1]), len(PARAMS))
+
     def test_unsupported_configurations(self):
         for name, make, pattern in UNSUPPORTED:
             with self.subTest(name):
@@ -642,41 +653,41 @@ class WidenCheckpoints(unittest.TestCase):
         meta["spec_json"] = json.dumps(spec)
         return encode(*layout(tensors, meta))
 
-    def test_unmodified_copy_passes(self):
+    def test_widen_unmodified_copy_passes(self):
         # The re-encoding the mutations use keeps a file valid by itself.
         path = os.path.join(self.tmp, "reencoded.safetensors")
         with open(path, "wb") as f:
             f.write(encode(*layout(*tensors_of(self.tiny))))
         widen_torch.check_checkpoint(path)
 
-    def test_huge_layers(self):
+    def test_widen_huge_layers(self):
         # The observed case: a 1.9 MB file whose spec says a million blocks.
         self.mutated("real_huge_layers", self.spec_edit(set_in("layers", 1000000)), r"layers = 1000000 must be")
 
-    def test_lying_layers(self):
+    def test_widen_lying_layers(self):
         blob = self.spec_edit(set_in("layers", 3))
         self.mutated("real_lying_layers", blob, r"tensor\(s\) the spec implies are missing: `blocks.2.attn.norm` \[64\]")
 
-    def test_rope_base_zero(self):
+    def test_widen_rope_base_zero(self):
         self.mutated("real_rope_zero", self.spec_edit(set_in("rope_base", 0.0)), r"rope_base = 0.0 must be a number > 0")
 
-    def test_lying_stream_count(self):
+    def test_widen_lying_stream_count(self):
         blob = self.spec_edit(lambda s: s["residual"]["Ghc"].update(n=8))
         self.mutated("real_lying_n", blob, r"tensor `[^`]+` has shape \[[0-9, ]+\]; the spec implies .*residual = Ghc\(m: 2, n: 8")
 
-    def test_overlapping_offsets(self):
+    def test_widen_overlapping_offsets(self):
         header, data = decode(self.tiny)
         name = max((n for n in header if n != "__metadata__"), key=lambda n: header[n]["data_offsets"][1])
         begin, end = header[name]["data_offsets"]
         header[name]["data_offsets"] = [begin - 4, end - 4]
         self.mutated("real_overlap", encode(header, data), rf"tensor `{name}` has data_offsets \[{begin - 4}, {end - 4}\], which overlap")
 
-    def test_missing_tensor(self):
+    def test_widen_missing_tensor(self):
         tensors, meta = tensors_of(self.tiny)
         kept = [t for t in tensors if t[0] not in ("reduce.w", "opt.reduce.w.m", "opt.reduce.w.v")]
         self.mutated("real_missing", encode(*layout(kept, meta)), r"missing: `reduce.w` \[128, 64\]")
 
-    def test_extra_tensor(self):
+    def test_widen_extra_tensor(self):
         tensors, meta = tensors_of(self.tiny)
         tensors.append(tensor("blocks.2.attn.norm", [64]))
         self.mutated("real_extra", encode(*layout(tensors, meta)), r"no parameter of the model .*: `blocks.2.attn.norm` \[64\]")

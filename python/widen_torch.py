@@ -872,10 +872,21 @@ def check_checkpoint(path):
 def read_checkpoint(path):
     """(spec as a dict, parameter arrays by name, metadata) of a widen checkpoint,
     after check_checkpoint. The spec is the header's `spec_json` (written since data
-    identities were recorded); optimizer state (`opt.*`) is not decoded."""
+    identities were recorded); optimizer state (`opt.*`) is not decoded. Needs numpy;
+    refuses a parameter holding NaN or an infinity."""
     spec, _, entries, meta = check_checkpoint(path)
     names = [n for n in entries if not n.startswith("opt.")]
     params, _ = read_safetensors(path, names)
+    # As widen's reader (runtime/src/checkpoint.rs): a NaN or infinite weight would
+    # only show as a NaN loss, so the first such tensor by name is refused.
+    for name in sorted(params):
+        bad = ~np.isfinite(params[name])
+        if bad.any():
+            value = params[name][bad].flat[0]
+            raise CheckpointError(
+                f"{path}: tensor `{name}` holds a non-finite value ({value}); a checkpoint's weights must be finite "
+                "(widen neither writes nor reads such a file: the run that wrote it diverged)"
+            )
     return spec, params, meta
 
 

@@ -19,15 +19,20 @@ fn the_python_loader_refuses_hostile_checkpoints() {
     }
     let out = Command::new("python3")
         .arg(repo("python/test_hostile_checkpoints.py"))
+        .arg("-v")
         .env("WIDEN", env!("CARGO_BIN_EXE_widen"))
         .env("PYTHONDONTWRITEBYTECODE", "1")
         .output()
         .expect("python3 runs");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "python/test_hostile_checkpoints.py failed:\n{stderr}");
-    // unittest ends with `OK`, or `OK (skipped=N)` when the widen checkpoints were not
-    // made: with WIDEN set every test must have run.
-    assert_eq!(stderr.trim_end().lines().last(), Some("OK"), "{stderr}");
+    // With WIDEN set, the checkpoints this widen writes were made and checked (a test
+    // per line with -v: `test_name (module.Class...) ... ok`), not skipped.
+    let ran =
+        |test: &str| stderr.lines().any(|l| l.starts_with(&format!("{test} (")) && l.ends_with("... ok"));
+    for test in ["test_widen_checkpoints_pass", "test_widen_huge_layers", "test_widen_overlapping_offsets"] {
+        assert!(ran(test), "{test} did not run and pass:\n{stderr}");
+    }
 }
 
 /// The loader's `SPEC_LIMITS`: the JSON literal between its BEGIN and END lines.
