@@ -262,9 +262,21 @@ CASES = [
         lambda: struct.pack("<Q", 1 << 40) + b"{}",
         r"header length 1099511627776 .* is above the 100000000 bytes safetensors allows",
     ),
-    ("header_not_json", raw_header(b"this is no JSON!"), r"the header is not JSON \(Expecting value at line 1 column 1\)"),
-    ("header_not_utf8", raw_header(b'{"a": "\xff\xfe"}    '), r"the 15-byte header is not UTF-8 text \(byte 7 is 0xff\)"),
-    ("header_not_object", raw_header(b"[1, 2, 3]       "), r"the header is the JSON list \[1, 2, 3\]; .* one JSON object"),
+    (
+        "header_not_json",
+        raw_header(b"this is no JSON!"),
+        r"the header is not JSON \(Expecting value at line 1 column 1\)",
+    ),
+    (
+        "header_not_utf8",
+        raw_header(b'{"a": "\xff\xfe"}    '),
+        r"the 15-byte header is not UTF-8 text \(byte 7 is 0xff\)",
+    ),
+    (
+        "header_not_object",
+        raw_header(b"[1, 2, 3]       "),
+        r"the header is the JSON list \[1, 2, 3\]; .* one JSON object",
+    ),
     (
         "header_duplicate_key",
         raw_header(b'{"a": 1, "a": 2}'),
@@ -312,7 +324,7 @@ CASES = [
     ),
     (
         "offsets_past_end",
-        with_header(set_offsets("blocks.0.ffn.w3", [offsets("blocks.0.ffn.w3")[0] + 8, offsets("blocks.0.ffn.w3")[1] + 8])),
+        with_header(set_offsets("blocks.0.ffn.w3", [o + 8 for o in offsets("blocks.0.ffn.w3")])),
         r"tensor `blocks.0.ffn.w3` has data_offsets \[\d+, \d+\], past the end of the data section: it is \d+ bytes",
     ),
     (
@@ -363,7 +375,7 @@ CASES = [
     ),
     (
         "spec_json_nan",
-        with_header(lambda h: h["__metadata__"].update(spec_json=h["__metadata__"]["spec_json"].replace("10000.0", "NaN"))),
+        with_header(lambda h: h["__metadata__"].update(spec_json=json.dumps(SPEC).replace("10000.0", "NaN"))),
         r"header `spec_json` holds NaN, which is not JSON; numbers must be finite",
     ),
     # -- the spec's fields, within widen's ranges (ir/src/spec/limits.rs, validate.rs) --
@@ -502,7 +514,8 @@ class Hostile(unittest.TestCase):
         path = self.write(name, make())
         with self.assertRaisesRegex(widen_torch.CheckpointError, pattern) as caught:
             widen_torch.check_checkpoint(path)
-        self.assertTrue(str(caught.exception).startswith(path + ": "), f"the message names the file: {caught.exception}")
+        message = str(caught.exception)
+        self.assertTrue(message.startswith(path + ": "), f"the message names the file: {message}")
         # load() checks the same way before it decodes a tensor or imports torch.
         with self.assertRaisesRegex(widen_torch.CheckpointError, pattern):
             widen_torch.load(path)
@@ -539,7 +552,8 @@ class Hostile(unittest.TestCase):
         bad = ("blocks.0.attn.wo", "F32", [4, 4], f32([0.0] * 5 + [float("nan")] + [0.0] * 10))
         path = self.write("non_finite", with_tensors(replace_tensor("blocks.0.attn.wo", bad))())
         widen_torch.check_checkpoint(path)
-        with self.assertRaisesRegex(widen_torch.CheckpointError, r"tensor `blocks.0.attn.wo` holds a non-finite value \(nan\)"):
+        pattern = r"tensor `blocks.0.attn.wo` holds a non-finite value \(nan\)"
+        with self.assertRaisesRegex(widen_torch.CheckpointError, pattern):
             widen_torch.read_checkpoint(path)
         self.assertEqual(len(widen_torch.read_checkpoint(self.write("finite", well_formed()))[1]), len(PARAMS))
 
@@ -666,21 +680,25 @@ class WidenCheckpoints(unittest.TestCase):
 
     def test_widen_lying_layers(self):
         blob = self.spec_edit(set_in("layers", 3))
-        self.mutated("real_lying_layers", blob, r"tensor\(s\) the spec implies are missing: `blocks.2.attn.norm` \[64\]")
+        pattern = r"tensor\(s\) the spec implies are missing: `blocks.2.attn.norm` \[64\]"
+        self.mutated("real_lying_layers", blob, pattern)
 
     def test_widen_rope_base_zero(self):
-        self.mutated("real_rope_zero", self.spec_edit(set_in("rope_base", 0.0)), r"rope_base = 0.0 must be a number > 0")
+        blob = self.spec_edit(set_in("rope_base", 0.0))
+        self.mutated("real_rope_zero", blob, r"rope_base = 0.0 must be a number > 0")
 
     def test_widen_lying_stream_count(self):
         blob = self.spec_edit(lambda s: s["residual"]["Ghc"].update(n=8))
-        self.mutated("real_lying_n", blob, r"tensor `[^`]+` has shape \[[0-9, ]+\]; the spec implies .*residual = Ghc\(m: 2, n: 8")
+        pattern = r"tensor `[^`]+` has shape \[[0-9, ]+\]; the spec implies .*residual = Ghc\(m: 2, n: 8"
+        self.mutated("real_lying_n", blob, pattern)
 
     def test_widen_overlapping_offsets(self):
         header, data = decode(self.tiny)
         name = max((n for n in header if n != "__metadata__"), key=lambda n: header[n]["data_offsets"][1])
         begin, end = header[name]["data_offsets"]
         header[name]["data_offsets"] = [begin - 4, end - 4]
-        self.mutated("real_overlap", encode(header, data), rf"tensor `{name}` has data_offsets \[{begin - 4}, {end - 4}\], which overlap")
+        pattern = rf"tensor `{name}` has data_offsets \[{begin - 4}, {end - 4}\], which overlap"
+        self.mutated("real_overlap", encode(header, data), pattern)
 
     def test_widen_missing_tensor(self):
         tensors, meta = tensors_of(self.tiny)
@@ -690,7 +708,8 @@ class WidenCheckpoints(unittest.TestCase):
     def test_widen_extra_tensor(self):
         tensors, meta = tensors_of(self.tiny)
         tensors.append(tensor("blocks.2.attn.norm", [64]))
-        self.mutated("real_extra", encode(*layout(tensors, meta)), r"no parameter of the model .*: `blocks.2.attn.norm` \[64\]")
+        pattern = r"no parameter of the model .*: `blocks.2.attn.norm` \[64\]"
+        self.mutated("real_extra", encode(*layout(tensors, meta)), pattern)
 
 
 if __name__ == "__main__":

@@ -826,7 +826,9 @@ def check_checkpoint(path):
             f"{path}: header `format_version` is {_show(meta.get('format_version'))}; this loader reads version \"1\""
         )
     if "spec_json" not in meta:
-        raise CheckpointError(f"{path}: no `spec_json` in the header (written by an older widen); re-save it with widen")
+        raise CheckpointError(
+            f"{path}: no `spec_json` in the header (written by an older widen); re-save it with widen"
+        )
     spec = _strict_json(path, "header `spec_json`", meta["spec_json"])
     sizes = check_spec(spec, f"{path}: header `spec_json`")
     expected = expected_parameters(sizes)
@@ -1019,7 +1021,8 @@ class _WidenModel:
         self.names = [n for n in expected if not n.startswith("mtp.")]
         missing = [n for n in self.names if n not in params]
         extra = sorted(n for n in params if n not in expected)
-        wrong = [(n, list(params[n].shape), expected[n]) for n in self.names if n in params and list(params[n].shape) != expected[n]]
+        given = {n: list(params[n].shape) for n in self.names if n in params}
+        wrong = [(n, shape, expected[n]) for n, shape in given.items() if shape != expected[n]]
         if missing or extra or wrong:
             raise CheckpointError(
                 f"the tensors do not match the model the spec describes ({sizes.summary()}): missing {missing[:8]}, "
