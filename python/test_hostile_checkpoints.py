@@ -283,6 +283,17 @@ CASES = [
         r'the header has the key "a" twice; JSON object keys must be unique',
     ),
     (
+        "header_huge_integer",
+        raw_header(b'{"a": ' + b"9" * 5000 + b"}"),
+        # Python >= 3.11 limits integer conversions; older ones read the number, which is no tensor entry.
+        r"the header cannot be read as JSON \(Exceeds the limit|tensor `a` is 9{70}\.\.\.; a tensor entry is an object",
+    ),
+    (
+        "header_deeply_nested",
+        raw_header(b"[" * 100000 + b"]" * 100000),
+        r"the header nests too deeply to be read",
+    ),
+    (
         "metadata_not_strings",
         with_header(lambda h: h["__metadata__"].update(step=0)),
         r"header `__metadata__` key `step` is 0; safetensors metadata holds strings only",
@@ -418,6 +429,7 @@ CASES = [
     ),
     ("huge_mtp_depth", with_spec(set_in("mtp.depth", 17)), r"mtp.depth = 17 must be a whole number in 0..=16"),
     ("missing_field", with_spec(lambda s: s.pop("d_model")), r"no field `d_model`"),
+    ("mtp_not_object", with_spec(set_in("mtp", [1])), r"no field `mtp.depth`"),
     ("unknown_precision", with_spec(set_in("precision", "F8")), r'precision = "F8" must be one of F32, Bf16'),
     (
         "mhc_sinkhorn_iters_huge",

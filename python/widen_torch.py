@@ -227,7 +227,7 @@ def _show(value):
     try:
         text = json.dumps(value)
     except (TypeError, ValueError):
-        text = repr(value)
+        text = f"<a {type(value).__name__} that cannot be shown>"
     return text if len(text) <= 80 else text[:77] + "..."
 
 
@@ -252,6 +252,10 @@ def _strict_json(path, what, text):
         raise CheckpointError(
             f"{path}: {what} is not JSON ({e.msg} at line {e.lineno} column {e.colno}); it must be one JSON object"
         ) from None
+    except CheckpointError:
+        raise
+    except ValueError as e:  # e.g. an integer of more digits than Python converts
+        raise CheckpointError(f"{path}: {what} cannot be read as JSON ({e})") from None
     except RecursionError:
         raise CheckpointError(f"{path}: {what} nests too deeply to be read; it must be one flat JSON object") from None
 
@@ -438,7 +442,9 @@ class _SpecReader:
         raise CheckpointError(f"{self.where}: {field} = {_show(value)} {valid}")
 
     def get(self, obj, key, field):
-        present = key in obj if isinstance(obj, dict) else isinstance(obj, list) and 0 <= key < len(obj)
+        present = (isinstance(obj, dict) and key in obj) or (
+            isinstance(obj, list) and isinstance(key, int) and 0 <= key < len(obj)
+        )
         if not present:
             raise CheckpointError(f"{self.where}: no field `{field}` (widen writes every field, defaults filled in)")
         return obj[key]
