@@ -2,10 +2,10 @@
 
 Needs only numpy and torch (no widen install). A checkpoint is a safetensors
 file; this module parses its header (8-byte little-endian length, then JSON)
-and the raw little-endian bytes itself, or uses the `safetensors` package when
-it is installed. The file format, every tensor's name, shape and orientation
-are documented in docs/checkpoints.md; the equations are those of docs/math.md,
-implemented as widen's lowering implements them (ir/src/lower/).
+and the raw little-endian bytes itself. The file format, every tensor's name,
+shape and orientation are documented in docs/checkpoints.md; the equations are
+those of docs/math.md, implemented as widen's lowering implements them
+(ir/src/lower/).
 
 Supported: the plain residual, mHC (docs/math.md §4), GHC / VWN (§5, dynamic or
 static, embed_mode Full or Expand, with or without the GroupNorm before the
@@ -20,18 +20,54 @@ NotImplementedError.
     logits = model(tokens[:, :-1])              # [B, T, 256]
     loss = model.loss(tokens)                   # tokens: [B, T + 1] windows
 
+A file is checked whole before anything is built from it (`check_checkpoint`,
+which needs only the standard library: numpy and torch are imported when a
+model is built): the safetensors header as the format requires it, the embedded
+spec's fields within the ranges widen's own validation applies
+(ir/src/spec/limits.rs, ir/src/spec/validate.rs), and the tensors against the
+parameter set that spec implies, name by name and shape by shape. A file that
+fails raises CheckpointError naming the file, the field or tensor, the bad
+value and what would be valid; a spec that lied about its sizes could
+otherwise make the loader allocate without bound or compute NaN silently
+(docs/checkpoints.md, "Reading a checkpoint from Python").
+
 The names every scheme reads are in TENSOR_NAMES below, one literal that a
 widen test (tests/checkpoint_names.rs) checks against the names widen writes
 for specs/residual.ron, specs/mhc.ron, specs/vwn-r4.ron and specs/xhc.ron.
 """
 
+import importlib
 import json
 import math
+import os
 import struct
 
-import numpy as np
-import torch
-import torch.nn.functional as F
+
+class _LazyModule:
+    """A module imported on its first attribute access, so that reading and checking
+    a checkpoint needs only the standard library (numpy and torch are imported when
+    tensors are decoded or a model is built)."""
+
+    def __init__(self, name):
+        self._name = name
+        self._module = None
+
+    def __getattr__(self, attr):
+        if self._module is None:
+            self._module = importlib.import_module(self._name)
+        return getattr(self._module, attr)
+
+
+np = _LazyModule("numpy")
+torch = _LazyModule("torch")
+F = _LazyModule("torch.nn.functional")
+
+
+class CheckpointError(ValueError):
+    """A file that is not a well-formed widen checkpoint, or whose spec does not
+    describe its tensors. The message names the file, the header field or tensor,
+    the bad value and what would be valid."""
+
 
 # The tensor names each scheme's model reads, as templates: `{i}` is a block
 # index (0..layers-1), `{j}` an xHC convolution index (0..len(conv_kernels)-1).
@@ -118,47 +154,271 @@ TENSOR_NAMES = {
 # GHC with embed_mode Expand reads these instead of `embed_wide` (docs/math.md §5.2).
 GHC_EXPAND_NAMES = {"embed": "embed", "embed_expand": "embed_expand"}
 
-_DTYPES = {"F32": np.float32, "F64": np.float64, "I32": np.int32, "I64": np.int64, "F16": np.float16}
+# xHC with temporal_aug MlpAndAttention has the convolutions on the attention too
+# (docs/math.md §6.5); outside TENSOR_NAMES, whose xHC list is specs/xhc.ron's (Mlp).
+XHC_CONV_NAMES = {"ffn": TENSOR_NAMES["xhc"]["ffn.conv"], "attn": "blocks.{i}.attn.conn.conv{j}"}
+
+# The range of every whole-number spec field this loader reads: [min, max, why],
+# the rows of widen's own table (ir/src/spec/limits.rs, INTEGER_LIMITS), so that a
+# checkpoint whose spec widen would refuse is refused here too. The literal between
+# the BEGIN and END lines is JSON; tests/python_loader.rs checks it against the Rust table.
+# BEGIN SPEC_LIMITS
+SPEC_LIMITS = {
+    "vocab": [256, 2147483648, "token ids are 32-bit integers in the graph"],
+    "d_model": [1, 16777216, "widths above 2^24 exceed any model by 1000x"],
+    "layers": [1, 1024, "the graph unrolls every block; 1024 is 8x the deepest published language model"],
+    "heads": [1, 16777216, "widths above 2^24 exceed any model by 1000x"],
+    "kv_heads": [1, 16777216, "widths above 2^24 exceed any model by 1000x"],
+    "head_dim": [2, 16777216, "widths above 2^24 exceed any model by 1000x"],
+    "ffn.hidden": [1, 16777216, "widths above 2^24 exceed any model by 1000x"],
+    "residual.n": [1, 1024, "connections hold n x n maps; the papers use 2..16 streams"],
+    "residual.m": [1, 1024, "it is at most residual.n or d_model"],
+    "residual.k": [1, 1024, "it is at most residual.n"],
+    "residual.fixed": [0, 1024, "it is at most residual.k"],
+    "residual.conv_kernels": [1, 1024, "a temporal kernel spans that many positions; the paper's widest is 12"],
+    "residual.sinkhorn_iters": [1, 1000, "every sublayer runs them on every step; 20 converge (the papers' setting)"],
+    "mtp.depth": [0, 16, "each module is one more block and head; DeepSeek-V3 uses 1"],
+    "parametrization.base_width": [1, 16777216, "it is at most d_model"]
+}
+# END SPEC_LIMITS
+
+# Most temporal-conv kernels on an xHC sublayer (ir/src/spec/limits.rs, MAX_CONV_KERNELS).
+MAX_CONV_KERNELS = 16
+
+# ---- the safetensors header, read and checked with the standard library ----
+
+# safetensors refuses a header longer than 100 MB (its MAX_HEADER_SIZE), and so does
+# widen's reader (runtime/src/checkpoint.rs): a larger length is garbage, not a header.
+MAX_HEADER_BYTES = 100_000_000
+
+# Every dtype of the safetensors format and its size in bytes.
+DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2,
+    "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "F64": 8, "I64": 8, "U64": 8,
+}  # fmt: skip
+
+# The dtypes read_safetensors decodes, as little-endian numpy type strings.
+_NUMPY_DTYPES = {
+    "BOOL": "|b1", "U8": "|u1", "I8": "|i1", "I16": "<i2", "U16": "<u2", "F16": "<f2",
+    "I32": "<i4", "U32": "<u4", "F32": "<f4", "F64": "<f8", "I64": "<i8", "U64": "<u8",
+}  # fmt: skip
 
 
-def read_safetensors(path):
-    """(tensors as numpy arrays by name, header metadata dict) of a safetensors file."""
+class TensorEntry:
+    """One tensor of a safetensors header: dtype, shape, and its bytes [begin, end)
+    relative to the start of the data section."""
+
+    __slots__ = ("dtype", "shape", "begin", "end")
+
+    def __init__(self, dtype, shape, begin, end):
+        self.dtype, self.shape, self.begin, self.end = dtype, shape, begin, end
+
+    def __repr__(self):
+        return f"TensorEntry({self.dtype}, {self.shape}, [{self.begin}, {self.end}])"
+
+
+def _whole(value):
+    """Whether a JSON value is a whole number (JSON true/false are not, though Python's bool is an int)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _show(value):
+    """A JSON value as the file spells it, shortened."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = f"<a {type(value).__name__} that cannot be shown>"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _strict_json(path, what, text):
+    """json.loads refusing duplicate object keys (which of two would count is not
+    defined) and the NaN/Infinity literals JSON does not have."""
+
+    def pairs(items):
+        out = {}
+        for key, value in items:
+            if key in out:
+                raise CheckpointError(f"{path}: {what} has the key {_show(key)} twice; JSON object keys must be unique")
+            out[key] = value
+        return out
+
+    def constant(name):
+        raise CheckpointError(f"{path}: {what} holds {name}, which is not JSON; numbers must be finite")
+
+    try:
+        return json.loads(text, object_pairs_hook=pairs, parse_constant=constant)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(
+            f"{path}: {what} is not JSON ({e.msg} at line {e.lineno} column {e.colno}); it must be one JSON object"
+        ) from None
+    except CheckpointError:
+        raise
+    except ValueError as e:  # e.g. an integer of more digits than Python converts
+        raise CheckpointError(f"{path}: {what} cannot be read as JSON ({e})") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: {what} nests too deeply to be read; it must be one flat JSON object") from None
+
+
+def read_header(path):
+    """(tensor entries by name, metadata dict, file offset of the data section) of a
+    safetensors file, checked as the format requires (and as safetensors and
+    widen's reader check it) before anything is read from the data section:
+
+    - an 8-byte little-endian header length n <= MAX_HEADER_BYTES that fits the file;
+    - a header that is one UTF-8 JSON object without duplicate keys;
+    - `__metadata__` absent, null, or an object of strings;
+    - every other key a tensor {dtype, shape, data_offsets}: a known dtype, a shape
+      of whole numbers >= 0, data_offsets [begin, end] of whole numbers with
+      begin <= end <= the data section's length, and end - begin = prod(shape) x
+      the dtype's size;
+    - the tensors' byte ranges, in offset order, follow each other without gap or
+      overlap from 0 to the end of the file (the format's rule: every data byte
+      belongs to exactly one tensor).
+
+    Needs only the standard library. Raises CheckpointError."""
     with open(path, "rb") as f:
-        data = f.read()
-    if len(data) < 8:
-        raise ValueError(f"{path}: too short to be a safetensors file")
-    (n,) = struct.unpack("<Q", data[:8])
-    if n > len(data) - 8:
-        raise ValueError(f"{path}: header length {n} exceeds the file")
-    header = json.loads(data[8 : 8 + n].decode("utf-8"))
-    meta = header.pop("__metadata__", {}) or {}
-    base = 8 + n
-    tensors = {}
+        size = os.fstat(f.fileno()).st_size
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise CheckpointError(
+                f"{path}: the file is {size} bytes long; a safetensors file starts with an 8-byte header length"
+            )
+        (n,) = struct.unpack("<Q", prefix)
+        if n > MAX_HEADER_BYTES:
+            raise CheckpointError(
+                f"{path}: header length {n} (the file's first 8 bytes, little-endian) is above the "
+                f"{MAX_HEADER_BYTES} bytes safetensors allows"
+            )
+        if n > size - 8:
+            raise CheckpointError(
+                f"{path}: header length {n} (the file's first 8 bytes, little-endian) runs past the end of the "
+                f"file: it is {size} bytes long, so the header can be at most {size - 8} bytes"
+            )
+        raw = f.read(n)
+    if len(raw) != n:
+        raise CheckpointError(f"{path}: the file ended after {len(raw)} of its {n} header bytes while being read")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CheckpointError(
+            f"{path}: the {n}-byte header is not UTF-8 text (byte {e.start} is {raw[e.start]:#04x}); "
+            "a safetensors header is one JSON object"
+        ) from None
+    header = _strict_json(path, "the header", text)
+    if not isinstance(header, dict):
+        raise CheckpointError(
+            f"{path}: the header is the JSON {type(header).__name__} {_show(header)}; a safetensors header is one "
+            "JSON object of tensors"
+        )
+    data_start = 8 + n
+    data_len = size - data_start
+    meta = header.pop("__metadata__", None)
+    if meta is None:
+        meta = {}
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path}: header `__metadata__` is {_show(meta)}; it must be an object of strings")
+    for key, value in meta.items():
+        if not isinstance(value, str):
+            raise CheckpointError(
+                f"{path}: header `__metadata__` key `{key}` is {_show(value)}; safetensors metadata holds strings only"
+            )
+    entries = {}
     for name, entry in header.items():
-        dtype = entry["dtype"]
-        if dtype not in _DTYPES:
-            raise ValueError(f"{path}: tensor {name} has dtype {dtype}, which this reader does not handle")
-        start, end = entry["data_offsets"]
-        arr = np.frombuffer(data[base + start : base + end], dtype=np.dtype(_DTYPES[dtype]).newbyteorder("<"))
-        tensors[name] = arr.reshape(entry["shape"]).copy()
+        entries[name] = _tensor_entry(path, name, entry, data_len, n, size)
+    _check_coverage(path, entries, data_len)
+    return entries, meta, data_start
+
+
+def _tensor_entry(path, name, entry, data_len, n, size):
+    where = f"{path}: tensor `{name}`"
+    keys = {"dtype", "shape", "data_offsets"}
+    if not isinstance(entry, dict):
+        raise CheckpointError(f"{where} is {_show(entry)}; a tensor entry is an object with {sorted(keys)}")
+    if set(entry) != keys:
+        missing, extra = sorted(keys - set(entry)), sorted(set(entry) - keys)
+        raise CheckpointError(
+            f"{where} has the keys {sorted(entry)} (missing {missing}, unknown {extra}); a tensor entry has "
+            f"exactly {sorted(keys)}"
+        )
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if dtype not in DTYPE_BYTES:
+        raise CheckpointError(f"{where} has dtype {_show(dtype)}; the safetensors dtypes are {', '.join(DTYPE_BYTES)}")
+    if not isinstance(shape, list):
+        raise CheckpointError(f"{where} has shape {_show(shape)}; a shape is a list of whole numbers >= 0")
+    for axis, dim in enumerate(shape):
+        if not (_whole(dim) and dim >= 0):
+            raise CheckpointError(
+                f"{where} has shape {_show(shape)}: entry {axis} ({_show(dim)}) must be a whole number >= 0"
+            )
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_whole(o) and o >= 0 for o in offsets)):
+        raise CheckpointError(
+            f"{where} has data_offsets {_show(offsets)}; they must be two whole numbers [begin, end] >= 0"
+        )
+    begin, end = offsets
+    if begin > end:
+        raise CheckpointError(f"{where} has data_offsets [{begin}, {end}]; begin must be <= end")
+    if end > data_len:
+        raise CheckpointError(
+            f"{where} has data_offsets [{begin}, {end}], past the end of the data section: it is {data_len} "
+            f"bytes (the file's {size} less the 8-byte length and the {n}-byte header)"
+        )
+    elements = math.prod(shape)
+    want = elements * DTYPE_BYTES[dtype]
+    if end - begin != want:
+        raise CheckpointError(
+            f"{where} has shape {shape} of {dtype}, {elements} elements = {want} bytes, but its data_offsets "
+            f"[{begin}, {end}] span {end - begin} bytes"
+        )
+    return TensorEntry(dtype, tuple(shape), begin, end)
+
+
+def _check_coverage(path, entries, data_len):
+    """The format's rule: sorted by offset, the tensors' bytes follow each other from
+    0 to the end of the data section, without gaps or overlaps."""
+    pos, prev = 0, None
+    for name, e in sorted(entries.items(), key=lambda item: (item[1].begin, item[1].end, item[0])):
+        if e.begin < pos:
+            raise CheckpointError(
+                f"{path}: tensor `{name}` has data_offsets [{e.begin}, {e.end}], which overlap tensor `{prev[0]}` "
+                f"at [{prev[1].begin}, {prev[1].end}]; each tensor's bytes must start where the previous "
+                f"tensor's end (here at {pos})"
+            )
+        if e.begin > pos:
+            raise CheckpointError(
+                f"{path}: bytes [{pos}, {e.begin}) of the data section belong to no tensor (tensor `{name}` starts "
+                f"at {e.begin}, the tensors before it end at {pos}); the tensors must cover the data section "
+                "without gaps"
+            )
+        pos, prev = e.end, (name, e)
+    if pos != data_len:
+        raise CheckpointError(
+            f"{path}: the tensors cover bytes [0, {pos}) of the {data_len}-byte data section; the "
+            f"{data_len - pos} bytes after them belong to no tensor (they must cover it exactly)"
+        )
+
+
+def read_safetensors(path, names=None):
+    """(tensors as numpy arrays by name, header metadata dict) of a safetensors file,
+    after read_header's checks; `names` limits which tensors are decoded."""
+    entries, meta, data_start = read_header(path)
+    tensors = {}
+    with open(path, "rb") as f:
+        for name in entries if names is None else names:
+            e = entries[name]
+            if e.dtype not in _NUMPY_DTYPES:
+                raise CheckpointError(
+                    f"{path}: tensor `{name}` has dtype {e.dtype}; this reader decodes {', '.join(_NUMPY_DTYPES)}"
+                )
+            f.seek(data_start + e.begin)
+            raw = f.read(e.end - e.begin)
+            if len(raw) != e.end - e.begin:
+                raise CheckpointError(f"{path}: the file ended inside tensor `{name}` while being read")
+            tensors[name] = np.frombuffer(raw, dtype=np.dtype(_NUMPY_DTYPES[e.dtype])).reshape(e.shape).copy()
     return tensors, meta
 
 
-def read_checkpoint(path):
-    """(spec as a dict, parameter arrays by name, metadata) of a widen checkpoint.
-
-    The spec is the header's `spec_json` (written since data identities were
-    recorded); optimizer state (`opt.*`) is left out of the parameters."""
-    tensors, meta = read_safetensors(path)
-    if meta.get("format") != "widen-checkpoint":
-        raise ValueError(f"{path}: not a widen checkpoint (header `format` is {meta.get('format')!r})")
-    if meta.get("format_version") != "1":
-        raise ValueError(f"{path}: format version {meta.get('format_version')!r}; this loader reads version 1")
-    if "spec_json" not in meta:
-        raise ValueError(f"{path}: no `spec_json` in the header (written by an older widen); re-save it with widen")
-    spec = json.loads(meta["spec_json"])
-    params = {k: v for k, v in tensors.items() if not k.startswith("opt.")}
-    return spec, params, meta
+# ---- the embedded spec, checked against widen's ranges ----
 
 
 def _variant(value):
@@ -167,6 +427,475 @@ def _variant(value):
         return value, {}
     ((name, fields),) = value.items()
     return name, fields
+
+
+class _SpecReader:
+    """Reads the fields of a spec (the JSON form of ir/src/spec's ModelSpec) with
+    the rules of ir/src/spec/validate.rs; each failure names the field by its RON
+    path, the value and what would be valid."""
+
+    def __init__(self, spec, where):
+        self.spec = spec
+        self.where = where
+
+    def fail(self, field, value, valid):
+        raise CheckpointError(f"{self.where}: {field} = {_show(value)} {valid}")
+
+    def get(self, obj, key, field):
+        present = (isinstance(obj, dict) and key in obj) or (
+            isinstance(obj, list) and isinstance(key, int) and 0 <= key < len(obj)
+        )
+        if not present:
+            raise CheckpointError(f"{self.where}: no field `{field}` (widen writes every field, defaults filled in)")
+        return obj[key]
+
+    def whole(self, obj, key, field, optional=False, row=None):
+        value = self.get(obj, key, field)
+        if optional and value is None:
+            return None
+        lo, hi, why = SPEC_LIMITS[row or field]
+        if not (_whole(value) and lo <= value <= hi):
+            self.fail(field, value, f"must be {'null or ' if optional else ''}a whole number in {lo}..={hi} ({why})")
+        return value
+
+    def number(self, obj, key, field, lo_open=None, lo_closed=None, optional=False):
+        value = self.get(obj, key, field)
+        if optional and value is None:
+            return None
+        ok = (_whole(value) or isinstance(value, float)) and math.isfinite(value)
+        if lo_open is not None:
+            ok = ok and value > lo_open
+            valid = f"must be {'null or ' if optional else ''}a number > {lo_open} and finite"
+        else:
+            ok = ok and value >= lo_closed
+            valid = f"must be {'null or ' if optional else ''}a number >= {lo_closed} and finite"
+        if not ok:
+            self.fail(field, value, valid)
+        return float(value)
+
+    def boolean(self, obj, key, field, optional=False):
+        value = self.get(obj, key, field)
+        if not (isinstance(value, bool) or (optional and value is None)):
+            self.fail(field, value, f"must be {'null, ' if optional else ''}true or false")
+        return value
+
+    def choice(self, obj, key, field, options, optional=False):
+        """A unit enum value, one of `options` (or null when optional)."""
+        value = self.get(obj, key, field)
+        if optional and value is None:
+            return None
+        if value not in options or not isinstance(value, str):
+            self.fail(field, value, f"must be {'null or ' if optional else ''}one of {', '.join(options)}")
+        return value
+
+    def variant(self, obj, key, field, units, structs):
+        """(name, fields) of an enum value: one of the unit names, or {"Name": {...}} for a struct variant."""
+        value = self.get(obj, key, field)
+        if isinstance(value, str) and value in units:
+            return value, {}
+        if isinstance(value, dict) and len(value) == 1:
+            ((name, fields),) = value.items()
+            if name in structs and isinstance(fields, dict):
+                return name, fields
+        forms = list(units) + [f"{{{json.dumps(s)}: {{...}}}}" for s in structs]
+        self.fail(field, value, f"must be one of {', '.join(forms)}")
+
+
+class SpecSizes:
+    """The sizes and settings of a spec the loader reads, resolved (defaults that
+    depend on other fields filled in) and checked."""
+
+    def summary(self):
+        """The sizes a model's tensor shapes follow from, for messages."""
+        parts = [
+            f"vocab = {self.vocab}",
+            f"d_model = {self.d}",
+            f"layers = {self.layers}",
+            f"heads = {self.heads}",
+            f"kv_heads = {self.kv_heads}",
+            f"head_dim = {self.head_dim}",
+            f"ffn.hidden = {self.hidden}",
+        ]
+        if self.scheme == "Mhc":
+            parts.append(f"residual = Mhc(n: {self.n})")
+        elif self.scheme == "Ghc":
+            parts.append(f"residual = Ghc(m: {self.m}, n: {self.n}, dynamic: {json.dumps(self.cfg['dynamic'])})")
+        elif self.scheme == "Xhc":
+            parts.append(f"residual = Xhc(n: {self.n}, k: {self.k}, fixed: {self.fixed}, conv_kernels: {self.kernels})")
+        else:
+            parts.append(f"residual = {self.scheme}")
+        if self.mtp_depth:
+            parts.append(f"mtp.depth = {self.mtp_depth}")
+        parts.append(f"tie_embeddings = {json.dumps(self.tied)}")
+        return ", ".join(parts)
+
+
+def check_spec(spec, where="spec"):
+    """The SpecSizes of a spec (the JSON form of widen's ModelSpec, as in a checkpoint's
+    `spec_json`), after checking every field this loader reads within the ranges
+    widen's validation applies (ir/src/spec/limits.rs, ir/src/spec/validate.rs).
+    Raises CheckpointError naming `where`, the field, its value and what is valid;
+    NotImplementedError for a valid configuration this loader does not build."""
+    r = _SpecReader(spec, where)
+    if not isinstance(spec, dict):
+        raise CheckpointError(f"{where}: the spec is {_show(spec)}; it must be a JSON object (a widen ModelSpec)")
+    s = SpecSizes()
+    s.vocab = r.whole(spec, "vocab", "vocab")
+    s.d = r.whole(spec, "d_model", "d_model")
+    s.layers = r.whole(spec, "layers", "layers")
+    s.heads = r.whole(spec, "heads", "heads")
+    kv = r.whole(spec, "kv_heads", "kv_heads", optional=True)
+    if kv is not None and (kv > s.heads or s.heads % kv != 0):
+        r.fail("kv_heads", kv, f"must divide heads = {s.heads} (1..=heads, heads a multiple of it), or be null")
+    s.kv_heads = kv if kv is not None else s.heads
+    dh = r.whole(spec, "head_dim", "head_dim", optional=True)
+    if dh is not None and dh % 2 != 0:
+        r.fail("head_dim", dh, "must be even (RoPE rotates pairs), or null")
+    if dh is None:
+        if s.d % s.heads != 0:
+            r.fail(
+                "d_model", s.d, f"is not divisible by heads = {s.heads} (head_dim is null, so it is d_model / heads)"
+            )
+        dh = s.d // s.heads
+        if dh < 2 or dh % 2 != 0:
+            r.fail("head_dim", dh, "(d_model / heads, head_dim being null) must be even and >= 2 (RoPE rotates pairs)")
+    s.head_dim = dh
+    ffn, ffn_cfg = r.variant(spec, "ffn", "ffn", (), ("SwiGlu", "Moe"))
+    s.ffn = ffn
+    s.hidden = None
+    if ffn == "SwiGlu":
+        hidden = r.whole(ffn_cfg, "hidden", "ffn.hidden", optional=True)
+        # FfnSpec::default_hidden: ceil(8D/3) rounded up to a multiple of 8 below D = 96, of 256 from there.
+        multiple = 8 if s.d < 96 else 256
+        raw = -(-8 * s.d // 3)
+        s.hidden = hidden if hidden is not None else -(-raw // multiple) * multiple
+    s.norm_eps = r.number(spec, "norm_eps", "norm_eps", lo_open=0)
+    s.rope_base = r.number(spec, "rope_base", "rope_base", lo_open=0)
+    s.tied = r.boolean(spec, "tie_embeddings", "tie_embeddings")
+    scheme, cfg = r.variant(spec, "residual", "residual", ("Residual",), ("Hc", "Fc", "Mhc", "Ghc", "Xhc"))
+    s.scheme, s.cfg = scheme, cfg
+    s.n = s.m = s.k = s.fixed = None
+    s.kernels = []
+    if scheme == "Mhc":
+        s.n = r.whole(cfg, "n", "residual.n")
+        r.whole(cfg, "sinkhorn_iters", "residual.sinkhorn_iters")
+        r.number(cfg, "sinkhorn_eps", "residual.sinkhorn_eps", lo_closed=0)
+        r.number(cfg, "pre_eps", "residual.pre_eps", lo_closed=0)
+        r.number(cfg, "post_max", "residual.post_max", lo_open=0)
+        r.choice(cfg, "collapse", "residual.collapse", ("Sum", "Mean"))
+    elif scheme == "Ghc":
+        s.m = r.whole(cfg, "m", "residual.m")
+        if s.d % s.m != 0:
+            r.fail("residual.m", s.m, f"must divide d_model = {s.d} (segments of width d_model / m)")
+        s.n = r.whole(cfg, "n", "residual.n")
+        if s.n < s.m:
+            r.fail("residual.n", s.n, f"must be >= residual.m = {s.m}")
+        r.boolean(cfg, "dynamic", "residual.dynamic")
+        r.number(cfg, "tau", "residual.tau", lo_open=0, optional=True)
+        r.choice(cfg, "embed_mode", "residual.embed_mode", ("Full", "Expand"))
+        norm = r.choice(cfg, "reduce_norm", "residual.reduce_norm", ("GroupNorm", "Off"), optional=True)
+        if norm == "GroupNorm" and s.n % s.m != 0:
+            r.fail(
+                "residual.reduce_norm",
+                norm,
+                f"requires residual.n = {s.n} to be a multiple of residual.m = {s.m} (groups of size d_model); "
+                "valid here: Off or null",
+            )
+        # GhcSpec::reduce_norm: GroupNorm by default when r = n / m is a whole number >= 2.
+        s.reduce_norm = norm or ("GroupNorm" if s.n % s.m == 0 and s.n >= 2 * s.m else "Off")
+    elif scheme == "Xhc":
+        s.n = r.whole(cfg, "n", "residual.n")
+        s.k = r.whole(cfg, "k", "residual.k")
+        if s.k > s.n:
+            r.fail("residual.k", s.k, f"must be <= residual.n = {s.n}")
+        s.fixed = r.whole(cfg, "fixed", "residual.fixed")
+        if s.fixed > s.k:
+            r.fail("residual.fixed", s.fixed, f"must be <= residual.k = {s.k}")
+        kernels = r.get(cfg, "conv_kernels", "residual.conv_kernels")
+        if not isinstance(kernels, list) or len(kernels) > MAX_CONV_KERNELS:
+            r.fail("residual.conv_kernels", kernels, f"must be a list of at most {MAX_CONV_KERNELS} kernel sizes")
+        for j in range(len(kernels)):
+            r.whole(kernels, j, f"residual.conv_kernels[{j}]", row="residual.conv_kernels")
+        s.kernels = kernels
+        r.choice(cfg, "temporal_aug", "residual.temporal_aug", ("Mlp", "MlpAndAttention"))
+        r.boolean(cfg, "gram_schmidt", "residual.gram_schmidt", optional=True)
+        r.number(cfg, "gs_eps", "residual.gs_eps", lo_open=0)
+        r.choice(cfg, "router", "residual.router", ("Sigmoid", "Softmax"))
+        r.whole(cfg, "sinkhorn_iters", "residual.sinkhorn_iters")
+        r.boolean(cfg, "row_clamp", "residual.row_clamp")
+        flash = r.choice(cfg, "flash", "residual.flash", ("None", "Block", "TwoBlock"))
+        if flash == "TwoBlock" and s.layers % 2 != 0:
+            r.fail("residual.flash", flash, f"needs an even number of layers, but layers = {s.layers}")
+    mtp = r.get(spec, "mtp", "mtp")
+    s.mtp_depth = r.whole(mtp, "depth", "mtp.depth")
+    par, mup = r.variant(spec, "parametrization", "parametrization", ("Standard",), ("MuP",))
+    if par == "MuP":
+        base = r.whole(mup, "base_width", "parametrization.base_width")
+        if base > s.d:
+            r.fail("parametrization.base_width", base, f"must be in 1..=d_model (d_model = {s.d})")
+        r.number(mup, "attn_mult", "parametrization.attn_mult", lo_open=0)
+        r.number(mup, "output_mult", "parametrization.output_mult", lo_open=0)
+    precision = r.choice(spec, "precision", "precision", ("F32", "Bf16"))
+    train = r.get(spec, "train", "train")
+    r.variant(train, "optimizer", "train.optimizer", (), ("AdamW", "Muon"))
+    # Valid, but not built here.
+    if scheme not in ("Residual", "Mhc", "Ghc", "Xhc"):
+        raise NotImplementedError(f"{where}: residual scheme {scheme}: this loader builds Residual, Mhc, Ghc and Xhc")
+    if ffn != "SwiGlu":
+        raise NotImplementedError(f"{where}: ffn {ffn}: only the SwiGlu FFN is built")
+    if precision != "F32":
+        raise NotImplementedError(f"{where}: precision {precision}: only F32 is built")
+    if scheme == "Xhc" and cfg["flash"] != "None":
+        raise NotImplementedError(f"{where}: xHC flash {cfg['flash']}: only full xHC (flash: None) is built")
+    return s
+
+
+# ---- the parameter set a spec implies ----
+
+
+def _backbone_shape(role, s):
+    d, f = s.d, s.hidden
+    qdim, kvdim = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    return {
+        "embed": [s.vocab, d],
+        "final_norm": [d],
+        "unembed": [d, s.vocab],
+        "attn.norm": [d],
+        "attn.wq": [d, qdim],
+        "attn.wk": [d, kvdim],
+        "attn.wv": [d, kvdim],
+        "attn.wo": [qdim, d],
+        "ffn.norm": [d],
+        "ffn.w1": [d, f],
+        "ffn.w2": [f, d],
+        "ffn.w3": [d, f],
+    }[role]
+
+
+def _conn_shape(scheme, role, s):
+    """The shape of a connection tensor (docs/checkpoints.md, one table per scheme)."""
+    sub, _, kind = role.partition(".")
+    n, m, k, d = s.n, s.m, s.k, s.d
+    if scheme == "Mhc":
+        return {"phi": [n * d, n * n + 2 * n], "alpha": [3], "bias": [n * n + 2 * n]}[kind]
+    if scheme == "Ghc":
+        db = d // m
+        wide = n * db
+        return {
+            "embed_wide": [s.vocab, wide],
+            "h_pre": [m, n],
+            "h_res": [n, n],
+            "h_post": [n, m],
+            "norm": [db] if sub != "reduce" else [wide],
+            "w_alpha": [db, m + n],
+            "w_beta": [db, m],
+            "s_pre": [m, n],
+            "s_res": [n, n],
+            "s_post": [n, m],
+            "norm_bias": [wide],
+            "w": [wide, d],
+        }[kind or sub]
+    # Xhc: K_r = 1 + len(conv_kernels) on augmented sublayers.
+    kr = len(s.kernels) + 1 if _xhc_augmented(s, sub) else 1
+    return {
+        "router": [n * d, n],
+        "pre": [n * d, n],
+        "b_pre": [n],
+        "alpha_pre": [1],
+        "res": [k * d, k * k],
+        "b_res": [k, k],
+        "alpha_res": [1],
+        "post": [k * d, k * kr],
+        "b_post": [k, kr],
+        "alpha_post": [1],
+    }[kind]
+
+
+def _xhc_augmented(s, sub):
+    return len(s.kernels) > 0 and (sub == "ffn" or s.cfg["temporal_aug"] == "MlpAndAttention")
+
+
+def _block_tensors(s, block):
+    """(name, shape) of every tensor of one block, named `block` (`blocks.3`, `mtp.1.block`)."""
+    out = []
+
+    def add(tmpl, shape_of):
+        name = tmpl.replace("blocks.{i}", block)
+        if "{j}" in name:
+            out.extend((name.format(j=j), [kappa, s.d]) for j, kappa in enumerate(s.kernels))
+        else:
+            out.append((name, shape_of()))
+
+    for role, tmpl in TENSOR_NAMES["backbone"].items():
+        if "{i}" in tmpl:
+            add(tmpl, lambda role=role: _backbone_shape(role, s))
+    if s.scheme == "Mhc":
+        for role, tmpl in TENSOR_NAMES["mhc"].items():
+            add(tmpl, lambda role=role: _conn_shape("Mhc", role, s))
+    elif s.scheme == "Ghc":
+        generator = {"norm", "w_alpha", "w_beta", "s_pre", "s_res", "s_post"}
+        for role, tmpl in TENSOR_NAMES["ghc"].items():
+            sub, _, kind = role.partition(".")
+            if "{i}" not in tmpl or (kind in generator and not s.cfg["dynamic"]):
+                continue  # global tensors, or a static GHC's absent generator
+            add(tmpl, lambda role=role: _conn_shape("Ghc", role, s))
+    elif s.scheme == "Xhc":
+        for role, tmpl in TENSOR_NAMES["xhc"].items():
+            sub, _, kind = role.partition(".")
+            if kind == "router" and s.fixed >= s.k:
+                continue
+            if kind == "conv":
+                continue  # below, for each augmented sublayer
+            add(tmpl, lambda role=role: _conn_shape("Xhc", role, s))
+        for sub in ("attn", "ffn"):
+            if _xhc_augmented(s, sub):
+                add(XHC_CONV_NAMES[sub], None)
+    return out
+
+
+def expected_parameters(spec, where="spec"):
+    """Every parameter tensor the model of `spec` has, name -> shape, as widen
+    writes them (docs/checkpoints.md), main model first, then the MTP modules.
+    Checks the spec first (check_spec)."""
+    s = spec if isinstance(spec, SpecSizes) else check_spec(spec, where)
+    out = {}
+    for role, tmpl in TENSOR_NAMES["backbone"].items():
+        if "{i}" in tmpl:
+            continue
+        if role == "unembed" and s.tied:
+            continue
+        if role == "embed" and s.scheme == "Ghc":
+            continue  # GHC's embedding is embed_wide or embed + embed_expand, below
+        out[tmpl] = _backbone_shape(role, s)
+    for i in range(s.layers):
+        out.update(_block_tensors(s, f"blocks.{i}"))
+    if s.scheme == "Ghc":
+        wide = s.n * (s.d // s.m)
+        if s.cfg["embed_mode"] == "Full":
+            out[TENSOR_NAMES["ghc"]["embed_wide"]] = [s.vocab, wide]
+        else:
+            out[GHC_EXPAND_NAMES["embed"]] = [s.vocab, s.d]
+            out[GHC_EXPAND_NAMES["embed_expand"]] = [s.d, wide]
+        for role in ("reduce.norm", "reduce.norm_bias", "reduce.w"):
+            if role != "reduce.w" and s.reduce_norm != "GroupNorm":
+                continue
+            out[TENSOR_NAMES["ghc"][role]] = _conn_shape("Ghc", role, s)
+    # MTP modules (docs/checkpoints.md, "MTP modules"): a block and norms each; the
+    # embedding, head and (GHC) reduce.w are the trunk's.
+    slots, width = {
+        "Residual": (1, s.d),
+        "Mhc": (s.n, s.d),
+        "Ghc": (s.n, s.d // s.m if s.m else 0),
+        "Xhc": (s.n, s.d),
+    }[s.scheme]
+    for k in range(1, s.mtp_depth + 1):
+        out[f"mtp.{k}.hidden_norm"] = [slots, width]
+        out[f"mtp.{k}.emb_norm"] = [slots, width]
+        out[f"mtp.{k}.mix"] = [2 * width, width]
+        out.update(_block_tensors(s, f"mtp.{k}.block"))
+        if s.scheme == "Ghc" and s.reduce_norm == "GroupNorm":
+            out[f"mtp.{k}.reduce.norm"] = [s.n * width]
+            out[f"mtp.{k}.reduce.norm_bias"] = [s.n * width]
+        out[f"mtp.{k}.final_norm"] = [s.d]
+    return out
+
+
+# ---- a checkpoint file: header, metadata, spec and tensors together ----
+
+# The suffixes of optimizer state: `opt.<param>.<suffix>` (docs/checkpoints.md, "Optimizer state").
+_OPT_SUFFIXES = ("m", "v", "momentum")
+
+
+def _names(items, limit=4):
+    shown = ", ".join(f"`{name}` {list(shape)}" for name, shape in items[:limit])
+    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def check_checkpoint(path):
+    """(spec dict, SpecSizes, tensor entries by name, metadata) of a widen checkpoint,
+    after checking all of it before any tensor is decoded: the safetensors header
+    (read_header), the metadata (`format`, `format_version`, `spec_json`), the spec's
+    fields (check_spec), and the tensors against the parameters the spec implies
+    (expected_parameters): each present with the implied shape and dtype F32, none
+    other, and optimizer state `opt.<param>.{m,v,momentum}` only for those
+    parameters and in their shapes. Needs only the standard library.
+
+    Raises CheckpointError (a ValueError) naming the file and what is wrong;
+    NotImplementedError for a configuration this loader does not build."""
+    entries, meta, _ = read_header(path)
+    if meta.get("format") != "widen-checkpoint":
+        raise CheckpointError(
+            f"{path}: not a widen checkpoint (header `format` is {_show(meta.get('format'))}, not \"widen-checkpoint\")"
+        )
+    if meta.get("format_version") != "1":
+        raise CheckpointError(
+            f"{path}: header `format_version` is {_show(meta.get('format_version'))}; this loader reads version \"1\""
+        )
+    if "spec_json" not in meta:
+        raise CheckpointError(
+            f"{path}: no `spec_json` in the header (written by an older widen); re-save it with widen"
+        )
+    spec = _strict_json(path, "header `spec_json`", meta["spec_json"])
+    sizes = check_spec(spec, f"{path}: header `spec_json`")
+    expected = expected_parameters(sizes)
+    params = {n: e for n, e in entries.items() if not n.startswith("opt.")}
+    spec_says = f"the spec says {sizes.summary()}"
+    missing = [(n, shape) for n, shape in expected.items() if n not in params]
+    if missing:
+        raise CheckpointError(
+            f"{path}: {len(missing)} tensor(s) the spec implies are missing: {_names(missing)}; {spec_says}"
+        )
+    extra = sorted((n, e.shape) for n, e in params.items() if n not in expected)
+    if extra:
+        raise CheckpointError(
+            f"{path}: {len(extra)} tensor(s) are no parameter of the model the spec describes: {_names(extra)}; "
+            f"{spec_says}"
+        )
+    for name, shape in expected.items():
+        e = params[name]
+        if list(e.shape) != shape:
+            raise CheckpointError(
+                f"{path}: tensor `{name}` has shape {list(e.shape)}; the spec implies {shape} ({spec_says})"
+            )
+    for name, e in entries.items():
+        if e.dtype != "F32":
+            raise CheckpointError(f"{path}: tensor `{name}` has dtype {e.dtype}; widen checkpoints hold F32 tensors")
+    for name, e in entries.items():
+        if not name.startswith("opt."):
+            continue
+        param, _, suffix = name[len("opt.") :].rpartition(".")
+        if param not in expected or suffix not in _OPT_SUFFIXES:
+            raise CheckpointError(
+                f"{path}: tensor `{name}` is no optimizer state of this model: optimizer tensors are "
+                f"opt.<parameter>.{{{','.join(_OPT_SUFFIXES)}}} for a parameter the spec implies"
+            )
+        if list(e.shape) != expected[param]:
+            raise CheckpointError(
+                f"{path}: tensor `{name}` has shape {list(e.shape)}; as state of `{param}` it must have its "
+                f"shape {expected[param]}"
+            )
+    return spec, sizes, entries, meta
+
+
+def read_checkpoint(path):
+    """(spec as a dict, parameter arrays by name, metadata) of a widen checkpoint,
+    after check_checkpoint. The spec is the header's `spec_json` (written since data
+    identities were recorded); optimizer state (`opt.*`) is not decoded. Needs numpy;
+    refuses a parameter holding NaN or an infinity."""
+    spec, _, entries, meta = check_checkpoint(path)
+    names = [n for n in entries if not n.startswith("opt.")]
+    params, _ = read_safetensors(path, names)
+    # As widen's reader (runtime/src/checkpoint.rs): a NaN or infinite weight would
+    # only show as a NaN loss, so the first such tensor by name is refused.
+    for name in sorted(params):
+        bad = ~np.isfinite(params[name])
+        if bad.any():
+            value = params[name][bad].flat[0]
+            raise CheckpointError(
+                f"{path}: tensor `{name}` holds a non-finite value ({value}); a checkpoint's weights must be finite "
+                "(widen neither writes nor reads such a file: the run that wrote it diverged)"
+            )
+    return spec, params, meta
 
 
 # ---- ops, exactly as the reference executor (ir/src/exec) computes them ----
@@ -282,49 +1011,48 @@ def topk_route(scores, k, fixed):
 # ---- the model ----
 
 
-class WidenModel(torch.nn.Module):
-    """A widen model built from a checkpoint's spec and tensors (see the module doc)."""
+class _WidenModel:
+    """A widen model built from a checkpoint's spec and tensors (see the module doc).
 
-    def __init__(self, spec, params, dtype=torch.float64):
+    The methods of WidenModel, which is this class on top of torch.nn.Module, made
+    when first used so that importing this module does not import torch."""
+
+    def __init__(self, spec, params, dtype=None):
         super().__init__()
+        # The spec and tensors are checked before any tensor is allocated; load()
+        # has checked the file already, this covers a spec and arrays given directly.
+        sizes = check_spec(spec)
+        expected = expected_parameters(sizes)
+        # MTP modules (mtp.*) do not affect the main head: their tensors are not read.
+        self.names = [n for n in expected if not n.startswith("mtp.")]
+        missing = [n for n in self.names if n not in params]
+        extra = sorted(n for n in params if n not in expected)
+        given = {n: list(params[n].shape) for n in self.names if n in params}
+        wrong = [(n, shape, expected[n]) for n, shape in given.items() if shape != expected[n]]
+        if missing or extra or wrong:
+            raise CheckpointError(
+                f"the tensors do not match the model the spec describes ({sizes.summary()}): missing {missing[:8]}, "
+                f"unexpected {extra[:8]}, shapes (name, given, implied) {wrong[:8]}"
+            )
+        dtype = torch.float64 if dtype is None else dtype
         self.spec = spec
+        self.sizes = sizes
         self.dtype = dtype
-        self.scheme, self.cfg = _variant(spec["residual"])
-        self._check_supported()
-        self.d = spec["d_model"]
-        self.layers = spec["layers"]
-        self.heads = spec["heads"]
-        self.kv_heads = spec["kv_heads"] or spec["heads"]
-        self.head_dim = spec["head_dim"] or self.d // self.heads
-        self.eps = spec["norm_eps"]
+        self.scheme, self.cfg = sizes.scheme, sizes.cfg
+        self.d = sizes.d
+        self.layers = sizes.layers
+        self.heads = sizes.heads
+        self.kv_heads = sizes.kv_heads
+        self.head_dim = sizes.head_dim
+        self.eps = sizes.norm_eps
         par, mup = _variant(spec["parametrization"])
         self.width_mult = self.d / mup["base_width"] if par == "MuP" else 1.0
         self.mup = mup if par == "MuP" else None
-        self.names = self._expected_names()
-        missing = sorted(set(self.names) - set(params))
-        # MTP modules (mtp.*) do not affect the main head: their tensors are not read.
-        mtp = spec["mtp"]["depth"] > 0
-        extra = sorted(n for n in set(params) - set(self.names) if not (mtp and n.startswith("mtp.")))
-        if missing or extra:
-            raise ValueError(
-                f"checkpoint tensors do not match the {self.scheme} model: missing {missing[:8]}, unexpected {extra[:8]}"
-            )
         self.params = torch.nn.ParameterDict(
             {n.replace(".", "__"): torch.nn.Parameter(torch.tensor(params[n], dtype=dtype)) for n in self.names}
         )
 
     # -- configuration --
-
-    def _check_supported(self):
-        spec = self.spec
-        if self.scheme not in ("Residual", "Mhc", "Ghc", "Xhc"):
-            raise NotImplementedError(f"residual scheme {self.scheme}: this loader builds Residual, Mhc, Ghc and Xhc")
-        if _variant(spec["ffn"])[0] != "SwiGlu":
-            raise NotImplementedError("only the SwiGlu FFN is built (not Moe)")
-        if spec["precision"] != "F32":
-            raise NotImplementedError(f"precision {spec['precision']}: only F32 is built")
-        if self.scheme == "Xhc" and self.cfg["flash"] != "None":
-            raise NotImplementedError(f"xHC flash {self.cfg['flash']}: only full xHC (flash: None) is built")
 
     def _p(self, name):
         return self.params[name.replace(".", "__")]
@@ -332,61 +1060,8 @@ class WidenModel(torch.nn.Module):
     def _name(self, group, role, **kw):
         return TENSOR_NAMES[group][role].format(**kw)
 
-    def _expected_names(self):
-        """Every tensor this model reads, by the TENSOR_NAMES templates."""
-        names = []
-        tied = self.spec["tie_embeddings"]
-        for role, tmpl in TENSOR_NAMES["backbone"].items():
-            if role == "unembed" and tied:
-                continue
-            if role == "embed" and self.scheme == "Ghc":
-                continue
-            names += self._expand(tmpl)
-        if self.scheme == "Mhc":
-            for tmpl in TENSOR_NAMES["mhc"].values():
-                names += self._expand(tmpl)
-        elif self.scheme == "Ghc":
-            g = self.cfg
-            generator = {"norm", "w_alpha", "w_beta", "s_pre", "s_res", "s_post"}
-            for role, tmpl in TENSOR_NAMES["ghc"].items():
-                sub, _, kind = role.partition(".")
-                if sub in ("attn", "ffn") and kind in generator and not g["dynamic"]:
-                    continue  # static GHC: no generator
-                if sub == "reduce" and kind != "w" and self._ghc_reduce_norm() != "GroupNorm":
-                    continue
-                if role == "embed_wide" and g["embed_mode"] != "Full":
-                    continue
-                names += self._expand(tmpl)
-            if g["embed_mode"] == "Expand":
-                names += list(GHC_EXPAND_NAMES.values())
-        elif self.scheme == "Xhc":
-            x = self.cfg
-            for role, tmpl in TENSOR_NAMES["xhc"].items():
-                kind = role.split(".", 1)[1]
-                if kind == "router" and x["fixed"] >= x["k"]:
-                    continue
-                if kind == "conv" and not self._xhc_augmented(role.split(".")[0]):
-                    continue
-                names += self._expand(tmpl)
-        return names
-
-    def _expand(self, tmpl):
-        if "{i}" not in tmpl:
-            return [tmpl]
-        out = []
-        for i in range(self.layers):
-            if "{j}" in tmpl:
-                out += [tmpl.format(i=i, j=j) for j in range(len(self.cfg["conv_kernels"]))]
-            else:
-                out.append(tmpl.format(i=i))
-        return out
-
     def _ghc_reduce_norm(self):
-        g = self.cfg
-        if g["reduce_norm"] is not None:
-            return g["reduce_norm"]
-        m, n = max(g["m"], 1), g["n"]
-        return "GroupNorm" if n % m == 0 and n >= 2 * m else "Off"
+        return self.sizes.reduce_norm
 
     def _xhc_augmented(self, kind):
         x = self.cfg
@@ -527,7 +1202,7 @@ class WidenModel(torch.nn.Module):
         ys = [out]
         if aug:
             convs = [
-                causal_depthwise_conv(out, self._p(TENSOR_NAMES["xhc"][f"{kind}.conv"].format(i=i, j=j)))
+                causal_depthwise_conv(out, self._p(XHC_CONV_NAMES[kind].format(i=i, j=j)))
                 for j in range(len(x["conv_kernels"]))
             ]
             gs = x["gram_schmidt"]
@@ -580,7 +1255,25 @@ class WidenModel(torch.nn.Module):
         return [(n, self._p(n)) for n in self.names]
 
 
-def load(path, dtype=torch.float64):
-    """The WidenModel of a checkpoint file."""
+def _model_class():
+    """WidenModel: _WidenModel on top of torch.nn.Module (imports torch)."""
+    cls = globals().get("_WIDEN_MODEL")
+    if cls is None:
+        cls = type("WidenModel", (_WidenModel, torch.nn.Module), {"__module__": __name__, "__doc__": _WidenModel.__doc__})
+        globals()["_WIDEN_MODEL"] = cls
+    return cls
+
+
+def __getattr__(name):
+    # WidenModel is made on first use (PEP 562), so that `import widen_torch` and the
+    # checks above need no torch.
+    if name == "WidenModel":
+        return _model_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def load(path, dtype=None):
+    """The WidenModel of a checkpoint file (float64 unless `dtype` says otherwise),
+    after check_checkpoint has checked all of it."""
     spec, params, _ = read_checkpoint(path)
-    return WidenModel(spec, params, dtype=dtype)
+    return _model_class()(spec, params, dtype=dtype)
