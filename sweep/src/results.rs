@@ -239,9 +239,9 @@ pub enum ResultsError {
     Write { path: String, source: std::io::Error },
     #[error("cannot read {path}")]
     Read { path: String, source: std::io::Error },
-    #[error("{path}: not a results file: {source}")]
+    #[error("{path}: not a results file")]
     Json { path: String, source: serde_json::Error },
-    #[error("results.csv: {0}")]
+    #[error("cannot write results.csv")]
     Csv(#[from] csv::Error),
 }
 
