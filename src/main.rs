@@ -29,7 +29,7 @@ enum Command {
     /// Measure training throughput against the plain-residual baseline.
     Bench(cli::bench::Args),
     /// Compile a spec into a standalone executable that trains the model.
-    Build(cli::build::Args),
+    Build(cli::standalone::Args),
     /// Compare a compiled device against the reference executor.
     Parity(cli::parity::Args),
     /// Train a family of models over spec fields and compare them (results, fits, plots).
@@ -58,7 +58,7 @@ fn main() -> ExitCode {
         Command::Sample(args) => cli::sample::run(args),
         Command::Eval(args) => cli::eval::run(args),
         Command::Bench(args) => cli::bench::run(args),
-        Command::Build(args) => cli::build::run(args),
+        Command::Build(args) => cli::standalone::run(args),
         Command::Parity(args) => cli::parity::run(args),
         Command::Sweep(args) => cli::sweep::run(args),
         Command::Report(args) => cli::report::run(args),

@@ -2,7 +2,7 @@
 
 mod backbone;
 pub mod bench;
-pub mod build;
+pub mod standalone;
 pub mod check;
 pub mod compile;
 pub mod coord_check;

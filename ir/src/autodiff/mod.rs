@@ -7,7 +7,7 @@
 //! summed with `Add`. Integer values (token ids, routing indices) stop the path: the
 //! function is piecewise constant in them (docs/math.md §6.8, hard TopK).
 
-mod build;
+mod builder;
 mod rules;
 
 use crate::graph::Build;
@@ -79,13 +79,13 @@ fn sweep(graph: &mut Graph, loss: NodeId, wrt: &[NodeId]) -> Result<Vec<NodeId>,
     if relevant.contains(&loss) {
         graph.set_role(backward_role(graph, loss));
         let dtype = graph.node(loss).dtype;
-        let one = build::Builder { g: graph }.constant(1.0, crate::Shape::scalar(), dtype);
+        let one = builder::Builder { g: graph }.constant(1.0, crate::Shape::scalar(), dtype);
         pending.insert(loss, vec![one]);
     }
     for &id in order.iter().rev() {
         let Some(parts) = pending.remove(&id) else { continue };
         graph.set_role(backward_role(graph, id));
-        let mut b = build::Builder { g: graph };
+        let mut b = builder::Builder { g: graph };
         let mut dy = parts[0];
         for &part in &parts[1..] {
             dy = b.add(dy, part)?;
@@ -116,7 +116,7 @@ fn sweep(graph: &mut Graph, loss: NodeId, wrt: &[NodeId]) -> Result<Vec<NodeId>,
                 let node = graph.node(w);
                 let dtype = if node.dtype.is_float() { node.dtype } else { graph.node(loss).dtype };
                 let shape = node.shape.clone();
-                build::Builder { g: graph }.constant(0.0, shape, dtype)
+                builder::Builder { g: graph }.constant(0.0, shape, dtype)
             }
         };
         grads.push(g);

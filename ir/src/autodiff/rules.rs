@@ -5,7 +5,7 @@
 //! ops wherever that is natural, and with a backward op (`*Grad`) for composites
 //! whose derivative would otherwise need their internals spelled out.
 
-use super::build::Builder;
+use super::builder::Builder;
 use super::AutodiffError;
 use crate::graph::Build;
 use crate::graph::{BinaryOp, GraphError, NodeId, Op, ReduceOp, UnaryOp};

@@ -3,12 +3,12 @@
 //! inferred when it is added, so a malformed graph is rejected at the op that
 //! makes it malformed, with both shapes in the error.
 
-mod build;
+mod shorthands;
 mod dump;
 mod infer;
 pub mod op;
 
-pub use build::Build;
+pub use shorthands::Build;
 pub use op::{BinaryOp, Init, MoeRouteOut, Op, ParamClass, ParamInfo, ReduceOp, UnaryOp};
 
 use crate::{DType, Shape};
