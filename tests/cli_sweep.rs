@@ -718,3 +718,87 @@ fn plot_and_report_read_a_million_metrics_lines() {
     assert!(svg < 1 << 20, "the drawing is thinned: {svg} bytes");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn the_summary_states_each_difference_with_its_interval_and_p_value() {
+    let dir = common::workdir("sweep-significance", Some(SPEC));
+    let o = widen(
+        &dir,
+        &[
+            "sweep",
+            "spec.ron",
+            "--set",
+            "residual.r=1,4",
+            "--seeds",
+            "3",
+            "--device",
+            "reference",
+            "--out",
+            "sw",
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    let (_, rows) = read_csv(&dir.join("sw/results.csv"));
+    assert_eq!((rows[0]["compared_to"].as_str(), rows[1]["compared_to"].as_str()), ("", "residual.r-1"));
+    // The test's own paired t-test from the per-seed losses in the CSV: three seeds give
+    // two degrees of freedom, where t's CDF is 1/2 + t / (2·sqrt(2 + t²)) and
+    // t(0.975, 2) = 4.302652729749462.
+    let seeds = |row: &BTreeMap<String, String>| -> Vec<(u64, f64)> {
+        row["val_loss_seeds"]
+            .split(';')
+            .map(|c| {
+                let (s, l) = c.split_once(':').unwrap();
+                (s.parse().unwrap(), l.parse().unwrap())
+            })
+            .collect()
+    };
+    let (a, b) = (seeds(&rows[1]), seeds(&rows[0]));
+    assert_eq!(a.iter().map(|x| x.0).collect::<Vec<_>>(), [0, 1, 2]);
+    let d: Vec<f64> = a.iter().zip(&b).map(|(x, y)| x.1 - y.1).collect();
+    let mean = d.iter().sum::<f64>() / 3.0;
+    let sd = (d.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / 2.0).sqrt();
+    let t = mean / (sd / 3f64.sqrt());
+    let p = 1.0 - t.abs() / (2.0 + t * t).sqrt();
+    let half = 4.302652729749462 * sd / 3f64.sqrt();
+    let close = |col: &str, want: f64| {
+        let got = num(&rows[1], col);
+        assert!((got - want).abs() <= 1e-9 * want.abs().max(1e-12), "{col}: {got} against {want}");
+    };
+    close("delta_val_loss", mean);
+    close("delta_p_value", p);
+    close("delta_ci95_lo", mean - half);
+    close("delta_ci95_hi", mean + half);
+    assert_eq!(rows[1]["delta_test"], "paired");
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("residual.r-4 ") && l.contains("95% CI"))
+        .unwrap_or_else(|| panic!("{out}"));
+    assert!(
+        line.contains(&format!("± {half:.4} nats/byte")) && line.contains("paired over 3 seeds"),
+        "{line}"
+    );
+    assert!(line.contains(&format!("p = {p:.2e}")), "{line}");
+    let word = if mean + half < 0.0 {
+        "beats"
+    } else if mean - half > 0.0 {
+        "is worse than"
+    } else {
+        "do not differ"
+    };
+    assert!(line.contains(word), "{line}");
+    // `widen report --against` compares with another point, and refuses an unknown one.
+    let o = widen(&dir, &["report", "sw", "--against", "residual.r-4"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let (_, rows) = read_csv(&dir.join("sw/results.csv"));
+    assert_eq!(rows[0]["compared_to"], "residual.r-4");
+    assert!((num(&rows[0], "delta_val_loss") + mean).abs() < 1e-12);
+    let o = widen(&dir, &["report", "sw", "--against", "nope"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).contains("--against nope: no point") && stderr(&o).contains("residual.r-1"),
+        "{}",
+        stderr(&o)
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}

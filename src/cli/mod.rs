@@ -2,7 +2,6 @@
 
 mod backbone;
 pub mod bench;
-pub mod standalone;
 pub mod check;
 pub mod compile;
 pub mod coord_check;
@@ -12,6 +11,7 @@ pub mod plot;
 pub mod report;
 pub mod sample;
 pub mod spec;
+pub mod standalone;
 pub mod sweep;
 pub mod train;
 

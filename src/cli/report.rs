@@ -11,11 +11,15 @@ use std::process::ExitCode;
 pub struct Args {
     /// A folder written by `widen sweep`.
     pub dir: PathBuf,
+    /// Compare every point's validation loss with this point [default: the sweep's
+    /// --against, else each point's plain-residual twin, else the first point].
+    #[arg(long, value_name = "POINT")]
+    pub against: Option<String>,
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
-    let report =
-        sweep::report(&args.dir).with_context(|| format!("reporting sweep {}", args.dir.display()))?;
+    let report = sweep::report::report_against(&args.dir, args.against.as_deref())
+        .with_context(|| format!("reporting sweep {}", args.dir.display()))?;
     super::sweep::print_report(&report);
     Ok(ExitCode::SUCCESS)
 }

@@ -54,6 +54,10 @@ pub struct Args {
     /// Where every run trains.
     #[arg(long, value_enum, default_value = "cpu")]
     pub device: DeviceArg,
+    /// Compare every point's validation loss with this point (a point name) [default:
+    /// each point's plain-residual twin with --baseline, else the first point].
+    #[arg(long, value_name = "POINT")]
+    pub against: Option<String>,
     /// Validate every point and print the plan (steps, tokens and training FLOPs per
     /// point, the invalid points and why) without training.
     #[arg(long)]
@@ -80,6 +84,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         progress: true,
         catch_signals: true,
         retry_failed: args.retry_failed,
+        against: args.against.clone(),
     };
     match sweep.run(&opts) {
         Ok(report) => {
@@ -159,6 +164,23 @@ fn print_plan(plan: &sweep::Plan, data: &std::collections::BTreeMap<String, swee
     );
 }
 
+/// `residual.r-4 beats residual.r-1 by 0.0123 ± 0.0040 nats/byte (95% CI, paired over
+/// 3 seeds, p = 0.004)`: the direction is said only when the interval excludes 0.
+pub fn significance_line(point: &str, against: &str, d: &sweep::stats::Difference) -> String {
+    let half = (d.ci95_hi - d.ci95_lo) / 2.0;
+    let how = format!("95% CI, {}, p = {:.2e}", d.test.describe(), d.p_value);
+    if d.ci95_hi < 0.0 {
+        format!("{point} beats {against} by {:.4} ± {half:.4} nats/byte ({how})", -d.mean)
+    } else if d.ci95_lo > 0.0 {
+        format!("{point} is worse than {against} by {:.4} ± {half:.4} nats/byte ({how})", d.mean)
+    } else {
+        format!(
+            "{point} and {against} do not differ significantly: {:+.4} ± {half:.4} nats/byte ({how})",
+            d.mean
+        )
+    }
+}
+
 /// The results table, the skipped points and the fitted laws, on stdout.
 pub fn print_report(report: &SweepReport) {
     let width = report.results.iter().map(|r| r.point.len()).max().unwrap_or(5).max(5);
@@ -208,16 +230,27 @@ pub fn print_report(report: &SweepReport) {
     for why in &report.damaged {
         println!("no result: {why}");
     }
+    for r in &report.results {
+        if let (Some(against), Some(d)) = (&r.compared_to, &r.delta_val_loss) {
+            println!("{}", significance_line(&r.point, against, d));
+        }
+    }
     for law in &report.laws {
         match &law.fit {
-            Ok(fit) => println!(
-                "law over {}: {}, R² = {:.3}, n = {} ({})",
-                law.axis,
-                fit.equation("L", &format!("log2({})", law.axis)),
-                fit.r2,
-                fit.n,
-                law.file.display()
-            ),
+            Ok(fit) => {
+                let half = fit.slope_ci95();
+                println!(
+                    "law over {}: {}, R² = {:.3}, n = {}; slope {:+.4} ± {:.4} per doubling (95% CI{}) ({})",
+                    law.axis,
+                    fit.equation("L", &format!("log2({})", law.axis)),
+                    fit.r2,
+                    fit.n,
+                    fit.b,
+                    half,
+                    if (fit.b - half) * (fit.b + half) > 0.0 { ", excludes 0" } else { ", includes 0" },
+                    law.file.display()
+                )
+            }
             Err(e) => println!("law over {}: no fit ({e})", law.axis),
         }
     }

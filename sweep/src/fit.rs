@@ -56,6 +56,11 @@ impl LinearFit {
         self.a + self.b * x
     }
 
+    /// Half-width of the 95% confidence interval of the slope: t(0.975, n − 2)·se(b).
+    pub fn slope_ci95(&self) -> f64 {
+        crate::stats::t_quantile(self.n.saturating_sub(2).max(1) as f64, 0.975) * self.se_b
+    }
+
     /// `L = a + b·log2(r)` with each coefficient's standard error, e.g.
     /// `L = 1.6212 (± 0.0010) − 0.0069 (± 0.0002)·log2(r)`.
     pub fn equation(&self, y: &str, x: &str) -> String {
@@ -205,5 +210,15 @@ mod tests {
     fn equation_reads_as_the_law() {
         let f = LinearFit { a: 1.6212, b: -0.0069, se_a: 0.001, se_b: 0.0002, r2: 0.99, n: 3 };
         assert_eq!(f.equation("L", "log2(r)"), "L = 1.6212 (± 0.0010) − 0.0069 (± 0.0002)·log2(r)");
+    }
+
+    // scipy.stats.linregress(log2 x, y): slope −0.021, stderr 0.001914854215512644;
+    // t.ppf(0.975, 3) · stderr = 0.0060939207233151466.
+    #[test]
+    fn slope_interval_matches_textbook_values() {
+        let x: Vec<f64> = [1.0f64, 2.0, 4.0, 8.0, 16.0].iter().map(|v| v.log2()).collect();
+        let fit = linear(&x, &[4.20, 4.18, 4.15, 4.13, 4.12]).unwrap();
+        assert!((fit.b + 0.021).abs() < 1e-12 && (fit.se_b - 0.001914854215512644).abs() < 1e-12);
+        assert!((fit.slope_ci95() - 0.0060939207233151466).abs() < 1e-10, "{}", fit.slope_ci95());
     }
 }

@@ -196,6 +196,10 @@ pub struct PlanFile {
     /// Each point's data, by point name (empty in folders of older widen versions).
     #[serde(default)]
     pub data: BTreeMap<String, DataRecord>,
+    /// The point every other is compared with (`--against`); `None`: each point's
+    /// plain-residual twin, else the first point (crate::results::fill_significance).
+    #[serde(default)]
+    pub against: Option<String>,
 }
 
 impl PlanFile {
@@ -271,6 +275,16 @@ impl PlanFile {
                         format!("`{b}` is not a point of the plan"),
                     ));
                 }
+            }
+        }
+        if let Some(a) = &self.against {
+            if !names.contains(a.as_str()) {
+                let mut all: Vec<&str> = names.iter().copied().collect();
+                all.sort_unstable();
+                return Err((
+                    "against".into(),
+                    format!("`{a}` is not a point of the plan; its points are {}", all.join(", ")),
+                ));
             }
         }
         for name in self.data.keys() {

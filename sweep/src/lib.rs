@@ -15,6 +15,8 @@
 //!   docs/math.md §5 with standard errors, and the loss-vs-compute frontier.
 //! - [`results`]: per-point results aggregated over seeds, written as
 //!   `results.csv` and `results.json`.
+//! - [`stats`]: whether a difference is real: paired (by seed) and Welch t-tests,
+//!   95% confidence intervals and p-values.
 //! - [`plot`]: the four SVG plots, drawn with `plotters` from plain data structs.
 //! - [`coord_plot`]: the muP coordinate-check plot (activation RMS against width).
 //!
@@ -37,6 +39,7 @@ pub mod point;
 pub mod report;
 pub mod results;
 pub mod runner;
+pub mod stats;
 
 pub use budget::{Budget, BudgetError, BudgetPlan};
 pub use file::{Axis, Combine, OnInvalid, Sweep, SweepError};

@@ -62,6 +62,8 @@ pub struct LawPoint {
     pub x: f64,
     /// Mean final validation loss (nats).
     pub loss: f64,
+    /// Half-width of the 95% interval of that mean over seeds, drawn as an error bar.
+    pub ci95: Option<f64>,
 }
 
 /// Data of plot (b).
@@ -81,6 +83,8 @@ pub struct CostPoint {
     pub flops: f64,
     /// Mean final validation loss (nats).
     pub loss: f64,
+    /// Half-width of the 95% interval of that mean over seeds, drawn as an error bar.
+    pub ci95: Option<f64>,
 }
 
 /// Data of plot (c).
@@ -233,6 +237,12 @@ pub fn thin(band: Vec<(f64, f64, f64, f64)>, max: usize) -> Vec<(f64, f64, f64, 
         .collect()
 }
 
+/// The ends of a vertical error bar at `(x, y)` of half-height `half` (none when
+/// `half` is absent or not finite).
+fn bar_ends(x: f64, y: f64, half: Option<f64>) -> Option<[(f64, f64); 2]> {
+    half.filter(|h| h.is_finite() && *h > 0.0).map(|h| [(x, y - h), (x, y + h)])
+}
+
 fn legend_box(c: RGBColor) -> impl Fn((i32, i32)) -> Rectangle<(i32, i32)> {
     move |(x, y)| Rectangle::new([(x, y - 5), (x + 14, y + 5)], c.filled())
 }
@@ -321,7 +331,11 @@ pub fn law(data: &LawPlot) -> Result<(String, Result<LinearFit, FitError>), Plot
     let ls: Vec<f64> = pts.iter().map(|(_, p)| p.loss).collect();
     let fit = log2_law(&xs, &ls);
     let (x0, x1) = range(xs.iter().map(|x| x.log2()), 0.08).ok_or(PlotError::NoData { plot: PLOT })?;
-    let (y0, y1) = range(ls.iter().copied(), 0.15).ok_or(PlotError::NoData { plot: PLOT })?;
+    let spans = pts.iter().flat_map(|(_, p)| {
+        let h = p.ci95.filter(|h| h.is_finite()).unwrap_or(0.0);
+        [p.loss - h, p.loss + h]
+    });
+    let (y0, y1) = range(spans, 0.15).ok_or(PlotError::NoData { plot: PLOT })?;
     let xlabel = format!("log2({})", data.axis);
     let caption = match &fit {
         Ok(f) => format!("fit: {}   (R² = {:.3}, n = {})", f.equation("L", &xlabel), f.r2, f.n),
@@ -357,6 +371,11 @@ pub fn law(data: &LawPlot) -> Result<(String, Result<LinearFit, FitError>), Plot
         }
         for (i, p) in &pts {
             let c = color(*i);
+            if let Some(ends) = bar_ends(p.x.log2(), p.loss, p.ci95) {
+                chart
+                    .draw_series(std::iter::once(PathElement::new(ends, c.stroke_width(2))))
+                    .map_err(draw_err(PLOT))?;
+            }
             chart
                 .draw_series(std::iter::once(Circle::new((p.x.log2(), p.loss), 6, c.filled())))
                 .map_err(draw_err(PLOT))?
@@ -382,7 +401,9 @@ pub fn frontier(data: &FrontierPlot) -> Result<String, PlotError> {
         (0..pairs.len()).filter(|&i| pairs[i].0.is_finite() && pairs[i].1.is_finite()).collect();
     let (lx0, lx1) =
         range(usable.iter().map(|&i| pairs[i].0.log10()), 0.08).ok_or(PlotError::NoData { plot: PLOT })?;
-    let (y0, y1) = range(usable.iter().map(|&i| pairs[i].1), 0.15).ok_or(PlotError::NoData { plot: PLOT })?;
+    let half = |i: usize| data.points[i].ci95.filter(|h| h.is_finite()).unwrap_or(0.0);
+    let (y0, y1) = range(usable.iter().flat_map(|&i| [pairs[i].1 - half(i), pairs[i].1 + half(i)]), 0.15)
+        .ok_or(PlotError::NoData { plot: PLOT })?;
     // The x axis is log10(FLOPs) on a linear scale, labelled in FLOPs: a sweep's costs
     // often span less than a decade, where a log axis would show one tick label.
     let at = |i: usize| (pairs[i].0.log10(), pairs[i].1);
@@ -412,6 +433,11 @@ pub fn frontier(data: &FrontierPlot) -> Result<String, PlotError> {
             .legend(|(x, y)| PathElement::new([(x, y), (x + 14, y)], BLACK.stroke_width(1)));
         for &i in &usable {
             let c = color(i);
+            if let Some(ends) = bar_ends(at(i).0, at(i).1, data.points[i].ci95) {
+                chart
+                    .draw_series(std::iter::once(PathElement::new(ends, c.stroke_width(2))))
+                    .map_err(draw_err(PLOT))?;
+            }
             let style = if on.contains(&i) { c.filled() } else { c.stroke_width(2) };
             chart
                 .draw_series(std::iter::once(Circle::new(at(i), 6, style)))
@@ -624,6 +650,7 @@ mod tests {
                     label: format!("residual.r-{x}"),
                     x,
                     loss: 1.6 - 0.01 * f64::log2(x) + [0.001, -0.001][i % 2],
+                    ci95: (i % 2 == 0).then_some(0.003),
                 })
                 .collect(),
         }
@@ -638,6 +665,8 @@ mod tests {
         for i in 0..5 {
             assert_eq!(count(&doc, "circle", "fill", i), 1, "one marker for point {i}");
             assert_eq!(count(&doc, "rect", "fill", i), 1, "one legend entry for point {i}");
+            let bars = usize::from(i % 2 == 0);
+            assert_eq!(count(&doc, "polyline", "stroke", i), bars, "an error bar where seeds give one: {i}");
         }
         let eq = fit.equation("L", "log2(r)");
         assert!(has_text(&doc, &eq), "the equation {eq:?} is shown");
@@ -660,7 +689,7 @@ mod tests {
             points: pts
                 .iter()
                 .enumerate()
-                .map(|(i, &(flops, loss))| CostPoint { label: format!("p{i}"), flops, loss })
+                .map(|(i, &(flops, loss))| CostPoint { label: format!("p{i}"), flops, loss, ci95: None })
                 .collect(),
         };
         let doc_text = frontier(&data).unwrap();
@@ -708,7 +737,7 @@ mod tests {
         assert!(matches!(law(&LawPlot::default()), Err(PlotError::NoData { .. })));
         let nan = FrontierPlot {
             title: String::new(),
-            points: vec![CostPoint { label: "x".into(), flops: 1.0, loss: f64::NAN }],
+            points: vec![CostPoint { label: "x".into(), flops: 1.0, loss: f64::NAN, ci95: None }],
         };
         assert!(matches!(frontier(&nan), Err(PlotError::NoData { .. })));
         let none = SpeedPlot {
@@ -732,6 +761,7 @@ mod tests {
             title: "loss vs compute".into(),
             points: (0..4)
                 .map(|i| CostPoint {
+                    ci95: None,
                     label: format!("p{i}"),
                     flops: 1e12 * (i + 1) as f64,
                     loss: [2.0, 1.8, 1.9, 1.7][i],

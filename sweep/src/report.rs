@@ -28,7 +28,7 @@ use crate::plot::{
     self, CostPoint, FrontierPlot, LawPlot, LawPoint, LossCurves, PointCurves, SpeedBar, SpeedPlot,
 };
 use crate::point::{Point, RATIO_AXIS};
-use crate::results::{self, fill_overheads, PointResult, RunMetrics, RunOutcome};
+use crate::results::{self, fill_overheads, fill_significance, PointResult, RunMetrics, RunOutcome};
 use crate::runner::SweepRunError;
 
 /// What a sweep did, or what a folder holds.
@@ -67,8 +67,29 @@ pub struct LawSummary {
 /// Re-reads a sweep folder: collects every run's outcome, writes `results.csv`,
 /// `results.json` and the plots (what `widen report` does).
 pub fn report(dir: &Path) -> Result<SweepReport, SweepRunError> {
-    let file = PlanFile::read(dir)?;
+    report_against(dir, None)
+}
+
+/// [`report`] comparing every point with `against` (a point of the folder) instead
+/// of the folder's choice.
+pub fn report_against(dir: &Path, against: Option<&str>) -> Result<SweepReport, SweepRunError> {
+    let mut file = PlanFile::read(dir)?;
+    if let Some(a) = against {
+        check_against(&file, a)?;
+        file.against = Some(a.to_string());
+    }
     report_into(dir, &file)
+}
+
+/// Refuses an `--against` that names no point of `file`, listing the points.
+pub(crate) fn check_against(file: &PlanFile, against: &str) -> Result<(), SweepRunError> {
+    if file.points.iter().any(|p| p.name == against) {
+        return Ok(());
+    }
+    Err(SweepRunError::UnknownAgainst {
+        point: against.to_string(),
+        points: file.points.iter().map(|p| p.name.clone()).collect::<Vec<_>>().join(", "),
+    })
 }
 
 /// Aggregates `file`'s runs and rewrites the results and plots under the results lock.
@@ -107,6 +128,7 @@ pub(crate) fn report_into(dir: &Path, file: &PlanFile) -> Result<SweepReport, Sw
         curves.push(seeds);
     }
     fill_overheads(&mut rows);
+    fill_significance(&mut rows, file.against.as_deref());
     results::write_csv(&dir.join(RESULTS_CSV), &file.axes, &rows)?;
     results::write_json(&dir.join(RESULTS_JSON), &file.axes, &rows)?;
     let laws = render(dir, file, &rows, curves)?;
@@ -162,6 +184,7 @@ fn render(
                     label: r.point.clone(),
                     flops: r.tokens_trained as f64 * r.flops_per_token_train as f64,
                     loss: r.val_loss.mean.unwrap_or(f64::NAN),
+                    ci95: r.val_loss_ci95,
                 })
                 .collect(),
         }),
@@ -202,7 +225,7 @@ fn render(
             .iter()
             .filter_map(|(p, r)| {
                 let x: f64 = value(p, axis)?.parse().ok()?;
-                Some(LawPoint { label: p.name.clone(), x, loss: r.val_loss.mean? })
+                Some(LawPoint { label: p.name.clone(), x, loss: r.val_loss.mean?, ci95: r.val_loss_ci95 })
             })
             .collect();
         if !numeric || points.is_empty() {

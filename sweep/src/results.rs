@@ -17,6 +17,12 @@
 //! - Overheads are ratios to the twin minus one: `overhead_ms_per_step` measured,
 //!   `overhead_train_flops` from the cost model; the twin's own are 0.
 //! - `wall_s` sums the point's runs; `tokens_per_s` = tokens per step / mean step time.
+//! - Significance (crate::stats): `val_loss_seeds` lists each finished seed's validation
+//!   loss (`seed:loss;...`), `val_loss_ci95` is the half-width of the 95% interval of
+//!   their mean; `delta_*` compare the point with `compared_to` (its plain-residual
+//!   twin, a point the user names, or else the first point): the mean difference in
+//!   validation loss (point minus reference, negative is better), its 95% interval,
+//!   the two-sided p-value and the test (`paired` by seed, or `welch`).
 //! - CSV columns: one per axis (its path, in the sweep's order; empty where a point
 //!   does not set it, as for a baseline twin), then [`COLUMNS`] in that order.
 //!   Files are written to a temporary name and renamed, so a reader never sees half a file.
@@ -27,9 +33,10 @@ use ir::cost::CostReport;
 use serde::{Deserialize, Serialize};
 
 use crate::point::Point;
+use crate::stats::{self, Difference};
 
 /// The CSV columns after the axis columns, in order.
-pub const COLUMNS: [&str; 24] = [
+pub const COLUMNS: [&str; 32] = [
     "point",
     "baseline",
     "status",
@@ -54,6 +61,14 @@ pub const COLUMNS: [&str; 24] = [
     "wall_s",
     "overhead_ms_per_step",
     "overhead_train_flops",
+    "val_loss_seeds",
+    "val_loss_ci95",
+    "compared_to",
+    "delta_val_loss",
+    "delta_ci95_lo",
+    "delta_ci95_hi",
+    "delta_p_value",
+    "delta_test",
 ];
 
 /// What one finished run measured.
@@ -154,6 +169,25 @@ pub struct PointResult {
     pub wall_s: f64,
     pub overhead_ms_per_step: Option<f64>,
     pub overhead_train_flops: Option<f64>,
+    /// Each finished seed's validation loss, in seed order.
+    #[serde(default)]
+    pub val_loss_seeds: Vec<SeedLoss>,
+    /// Half-width of the 95% confidence interval of the mean validation loss.
+    #[serde(default)]
+    pub val_loss_ci95: Option<f64>,
+    /// The point the difference below is measured against.
+    #[serde(default)]
+    pub compared_to: Option<String>,
+    /// Validation loss minus `compared_to`'s, with its interval and p-value.
+    #[serde(default)]
+    pub delta_val_loss: Option<Difference>,
+}
+
+/// One seed's final validation loss.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct SeedLoss {
+    pub seed: u64,
+    pub val_loss: f64,
 }
 
 impl PointResult {
@@ -176,6 +210,16 @@ impl PointResult {
         for seed in point.runs.iter().map(|r| r.seed).filter(|s| !runs.iter().any(|(rs, _)| rs == s)) {
             failed.push(format!("seed {seed}: no result"));
         }
+        let mut finished_seeds: Vec<SeedLoss> = runs
+            .iter()
+            .filter_map(|(seed, o)| match o {
+                RunOutcome::Finished(m) if m.train_loss.is_finite() && m.val_loss.is_finite() => {
+                    Some(SeedLoss { seed: *seed, val_loss: m.val_loss })
+                }
+                _ => None,
+            })
+            .collect();
+        finished_seeds.sort_by_key(|s| s.seed);
         let col = |f: fn(&RunMetrics) -> f64| done.iter().map(f).collect::<Vec<f64>>();
         let val_loss = Stat::of(&col(|m| m.val_loss));
         let ms_per_step = Stat::of(&col(|m| m.ms_per_step));
@@ -212,7 +256,32 @@ impl PointResult {
             wall_s: col(|m| m.wall_s).iter().sum(),
             overhead_ms_per_step: None,
             overhead_train_flops: None,
+            val_loss_ci95: stats::mean_ci95(&col(|m| m.val_loss)),
+            val_loss_seeds: finished_seeds,
+            compared_to: None,
+            delta_val_loss: None,
         }
+    }
+}
+
+/// Compares each point's validation loss with a reference point's
+/// (crate::stats::compare, paired by seed where the seeds match): `against` when
+/// given, else the point's plain-residual twin, else the first point. A point is not
+/// compared with itself, nor when either side has fewer than two finished seeds.
+pub fn fill_significance(results: &mut [PointResult], against: Option<&str>) {
+    let seeds: Vec<(String, Vec<(u64, f64)>)> = results
+        .iter()
+        .map(|r| (r.point.clone(), r.val_loss_seeds.iter().map(|s| (s.seed, s.val_loss)).collect()))
+        .collect();
+    let first = results.first().map(|r| r.point.clone());
+    for r in results.iter_mut() {
+        (r.compared_to, r.delta_val_loss) = (None, None);
+        let reference = against.map(str::to_string).or_else(|| r.baseline.clone()).or_else(|| first.clone());
+        let Some(reference) = reference.filter(|name| *name != r.point) else { continue };
+        let Some((_, theirs)) = seeds.iter().find(|(n, _)| *n == reference) else { continue };
+        let ours: Vec<(u64, f64)> = r.val_loss_seeds.iter().map(|s| (s.seed, s.val_loss)).collect();
+        r.delta_val_loss = stats::compare(&ours, theirs);
+        r.compared_to = Some(reference);
     }
 }
 
@@ -294,6 +363,18 @@ pub fn to_csv(axes: &[String], results: &[PointResult]) -> Result<String, Result
             r.wall_s.to_string(),
             cell(r.overhead_ms_per_step),
             cell(r.overhead_train_flops),
+            r.val_loss_seeds
+                .iter()
+                .map(|s| format!("{}:{}", s.seed, s.val_loss))
+                .collect::<Vec<_>>()
+                .join(";"),
+            cell(r.val_loss_ci95),
+            r.compared_to.clone().unwrap_or_default(),
+            cell(r.delta_val_loss.map(|d| d.mean)),
+            cell(r.delta_val_loss.map(|d| d.ci95_lo)),
+            cell(r.delta_val_loss.map(|d| d.ci95_hi)),
+            cell(r.delta_val_loss.map(|d| d.p_value)),
+            r.delta_val_loss.map(|d| d.test.name().to_string()).unwrap_or_default(),
         ]);
         w.write_record(&row)?;
     }
@@ -492,5 +573,31 @@ mod tests {
         let err = read_json(&dir.join("bad.json")).unwrap_err().to_string();
         assert!(err.contains("bad.json: not a results file"), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn significance_pairs_seeds_against_the_twin_or_the_named_point() {
+        let mut r = results();
+        fill_significance(&mut r, None);
+        assert_eq!(
+            r[0].val_loss_seeds,
+            [SeedLoss { seed: 0, val_loss: 2.0 }, SeedLoss { seed: 1, val_loss: 2.2 }]
+        );
+        assert_eq!(r[0].compared_to.as_deref(), Some("baseline"));
+        let d = r[0].delta_val_loss.unwrap();
+        // Per-seed differences -0.1 and +0.1: mean 0, sd 0.1414, t(0.975, 1) = 12.706.
+        assert_eq!(d.test, crate::stats::Test::Paired { n: 2 });
+        assert!(d.mean.abs() < 1e-12 && (d.p_value - 1.0).abs() < 1e-9, "{d:?}");
+        assert!((d.ci95_hi - 12.706204736174707 * 0.1).abs() < 1e-6, "{d:?}");
+        assert_eq!(r[1].delta_val_loss, None, "one finished seed gives no test");
+        assert_eq!(r[2].compared_to, None, "the twin is not compared with itself");
+        let half = r[0].val_loss_ci95.unwrap();
+        assert!((half - 12.706204736174707 * 0.1).abs() < 1e-6, "mean 2.1, sd 0.1414, n 2: {half}");
+
+        fill_significance(&mut r, Some("residual.n-4"));
+        assert_eq!(r[2].compared_to.as_deref(), Some("residual.n-4"));
+        assert_eq!(r[0].compared_to, None, "the named point is the reference");
+        let csv = to_csv(&["residual.n".to_string()], &r).unwrap();
+        assert!(csv.contains("0:2;1:2.2"), "{csv}");
     }
 }

@@ -68,6 +68,9 @@ pub struct SweepOptions {
     pub catch_signals: bool,
     /// Train again the runs whose outcome is a failure.
     pub retry_failed: bool,
+    /// The point every other is compared with in the results (a point name); `None`
+    /// keeps the folder's choice, or each point's twin, else the first point.
+    pub against: Option<String>,
 }
 
 impl SweepOptions {
@@ -79,6 +82,7 @@ impl SweepOptions {
             progress: false,
             catch_signals: false,
             retry_failed: false,
+            against: None,
         }
     }
 }
@@ -111,6 +115,9 @@ pub enum SweepRunError {
          compare; give the same data (by content, any path), or choose another --out folder"
     )]
     OtherData { dir: PathBuf, point: String, then: String, now: String },
+    /// `--against` names no point.
+    #[error("--against {point}: no point of the sweep has that name; its points are {points}")]
+    UnknownAgainst { point: String, points: String },
     #[error("--device cuda: no CUDA driver (libcuda) on this machine; run on --device cpu or reference")]
     NoCuda,
     /// A point's data cannot be read: every run of it would fail the same way.
@@ -139,7 +146,12 @@ pub enum SweepRunError {
 }
 
 impl PlanFile {
-    fn of(sweep: &Sweep, plan: &Plan, data: BTreeMap<String, DataRecord>) -> PlanFile {
+    fn of(
+        sweep: &Sweep,
+        plan: &Plan,
+        data: BTreeMap<String, DataRecord>,
+        against: Option<String>,
+    ) -> PlanFile {
         PlanFile {
             axes: sweep.axes.iter().map(|a| a.path.clone()).collect(),
             budget: sweep.budget,
@@ -147,6 +159,7 @@ impl PlanFile {
             points: plan.points.clone(),
             invalid: plan.invalid.iter().map(|p| (p.name.clone(), p.error.to_string())).collect(),
             data,
+            against,
         }
     }
 }
@@ -209,7 +222,11 @@ pub fn run(sweep: &Sweep, opts: &SweepOptions) -> Result<SweepReport, SweepRunEr
     std::fs::create_dir_all(dir).map_err(io(dir))?;
     let _lock = lock_sweep(dir)?;
     let data = data_records(&plan)?;
-    let (file, kept) = merge_with_folder(dir, PlanFile::of(sweep, &plan, data))?;
+    let (mut file, kept) = merge_with_folder(dir, PlanFile::of(sweep, &plan, data, None))?;
+    if let Some(a) = &opts.against {
+        crate::report::check_against(&file, a)?;
+        file.against = Some(a.clone());
+    }
     file.write(dir)?;
     let mut watch = DataWatch::default();
 
@@ -398,6 +415,9 @@ fn merge_with_folder(dir: &Path, mut new: PlanFile) -> Result<(PlanFile, Vec<Pat
         if !new.axes.contains(&axis) && new.points.iter().any(|p| p.values.iter().any(|(a, _)| *a == axis)) {
             new.axes.push(axis);
         }
+    }
+    if new.against.is_none() {
+        new.against = old.against.filter(|a| new.points.iter().any(|p| p.name == *a));
     }
     let mut seeds: Vec<u64> = new.points.iter().flat_map(|p| p.runs.iter().map(|r| r.seed)).collect();
     seeds.sort_unstable();

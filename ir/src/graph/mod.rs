@@ -3,13 +3,13 @@
 //! inferred when it is added, so a malformed graph is rejected at the op that
 //! makes it malformed, with both shapes in the error.
 
-mod shorthands;
 mod dump;
 mod infer;
 pub mod op;
+mod shorthands;
 
-pub use shorthands::Build;
 pub use op::{BinaryOp, Init, MoeRouteOut, Op, ParamClass, ParamInfo, ReduceOp, UnaryOp};
+pub use shorthands::Build;
 
 use crate::{DType, Shape};
 use petgraph::stable_graph::{NodeIndex, StableGraph};
