@@ -19,6 +19,11 @@ fn coord_check_prints_slopes_and_writes_csv_and_plots() {
     let dir = workdir("coord-check", Some(SPEC));
     let out = widen(&dir, &["coord-check", "spec.ron", "--widths", "32,64", "--steps", "2", "--out", "cc"]);
     assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        !stderr(&out).contains('\x1b'),
+        "no terminal codes when stderr is not a terminal: {:?}",
+        stderr(&out)
+    );
     let stdout = String::from_utf8_lossy(&out.stdout);
     for needle in
         ["SP activation RMS, at init", "muP activation RMS, after step 2", "SP: slope", "muP: slope"]
@@ -42,6 +47,7 @@ fn a_width_the_spec_cannot_take_is_refused_naming_the_field() {
     let out = widen(&dir, &["coord-check", "spec.ron", "--widths", "32,50", "--param", "mup"]);
     assert!(!out.status.success());
     let err = stderr(&out);
+    assert!(err.starts_with("error: --widths: width 50"), "the error alone, no progress codes: {err:?}");
     assert!(
         err.contains("width 50: head_dim: head_dim = 25 (d_model / heads, the default) must be even"),
         "{err}"

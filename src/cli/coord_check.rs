@@ -13,7 +13,7 @@ use anyhow::Context;
 use ir::spec::load_spec;
 use runtime::coord::{coord_check_on, to_csv, CoordCheck, CoordError, CoordParam};
 use runtime::data::Corpus;
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use sweep::coord_plot::{coord_plot, CoordPanel, CoordPlot, CoordSeries};
@@ -93,12 +93,19 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let corpus = Corpus::load(&spec.train.data, spec.train.val_fraction, spec.train.seq_len + 1)?;
     let mut checks = Vec::new();
     for param in params {
+        // A line redrawn in place: on a terminal only, so a log gets no control codes.
+        let terminal = std::io::stderr().is_terminal();
         let mut progress = |width: usize, step: usize| {
+            if !terminal {
+                return;
+            }
             eprint!("\r{} D={width}: step {step}/{steps}\x1b[K", param.name());
             let _ = std::io::stderr().flush();
         };
         let check = coord_check_on(&spec, &widths, steps, param, &corpus, &mut progress);
-        eprint!("\r\x1b[K");
+        if terminal {
+            eprint!("\r\x1b[K");
+        }
         let check = match check {
             Ok(check) => check,
             Err(err) => {
