@@ -6,7 +6,9 @@
 //! The model is the one the checkpoint's header holds, rebuilt for its own batch
 //! and sequence length; the validation windows are those of
 //! [`crate::train::validation_loss`] (the `data.validation` stream of the spec's
-//! seed over the tail of the data), so `widen eval` of a run's checkpoint
+//! seed over the tail of the data, summed in the same order here so each batch
+//! can report progress; `runtime/tests/eval.rs` checks the two agree bit for
+//! bit), so `widen eval` of a run's checkpoint
 //! reproduces the `val_loss` the run logged at that step when `--batches` is the
 //! spec's `eval_batches` and the data is the same.
 //!
