@@ -19,6 +19,11 @@ fn coord_check_prints_slopes_and_writes_csv_and_plots() {
     let dir = workdir("coord-check", Some(SPEC));
     let out = widen(&dir, &["coord-check", "spec.ron", "--widths", "32,64", "--steps", "2", "--out", "cc"]);
     assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        !stderr(&out).contains('\x1b'),
+        "no terminal codes when stderr is not a terminal: {:?}",
+        stderr(&out)
+    );
     let stdout = String::from_utf8_lossy(&out.stdout);
     for needle in
         ["SP activation RMS, at init", "muP activation RMS, after step 2", "SP: slope", "muP: slope"]
@@ -42,9 +47,42 @@ fn a_width_the_spec_cannot_take_is_refused_naming_the_field() {
     let out = widen(&dir, &["coord-check", "spec.ron", "--widths", "32,50", "--param", "mup"]);
     assert!(!out.status.success());
     let err = stderr(&out);
+    assert!(err.starts_with("error: --widths: width 50"), "the error alone, no progress codes: {err:?}");
     assert!(
         err.contains("width 50: head_dim: head_dim = 25 (d_model / heads, the default) must be even"),
         "{err}"
     );
     assert!(!dir.join("coord-check").exists(), "nothing is written for a refused width list");
+}
+
+#[test]
+fn each_flag_error_names_its_own_flag() {
+    let dir = workdir("coord-check-flags", Some(SPEC));
+    for steps in ["0", "1001"] {
+        let out = widen(&dir, &["coord-check", "spec.ron", "--widths", "32,64", "--steps", steps]);
+        assert!(!out.status.success());
+        let err = stderr(&out);
+        assert!(
+            err.contains("--steps") && err.contains(&format!("'{steps}'")) && err.contains("1..=1000"),
+            "{err}"
+        );
+        assert!(!err.contains("--widths"), "a --steps error is not a --widths one: {err}");
+    }
+    for widths in ["0,32", "32,16777217"] {
+        let out = widen(&dir, &["coord-check", "spec.ron", "--widths", widths]);
+        assert!(!out.status.success());
+        let err = stderr(&out);
+        assert!(err.contains("--widths") && err.contains("1..=16777216"), "{err}");
+    }
+    let out = widen(&dir, &["coord-check", "spec.ron", "--widths", "32,32"]);
+    assert!(stderr(&out).contains("--widths: width 32 is listed twice"), "{}", stderr(&out));
+    let many: Vec<String> = (1..=33).map(|i| (32 * i).to_string()).collect();
+    let out = widen(&dir, &["coord-check", "spec.ron", "--widths", &many.join(",")]);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("--widths lists 33 widths; a coordinate check takes 2..=32"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(!dir.join("coord-check").exists(), "nothing is written for refused flags");
 }

@@ -169,3 +169,240 @@ fn resuming_on_other_data_works_and_says_so() {
     assert!(e.contains("same bytes") && !e.contains("different data"), "{e}");
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// `SPEC` training on `data/a.txt` (a relative path, as specs name their data).
+const SPEC_ON_FILE: &str = r#"Model(
+    name: "cli-eval-file",
+    vocab: 256, d_model: 16, layers: 1, heads: 2,
+    train: (seq_len: 16, batch: 2, steps: 2, eval_every: 2, eval_batches: 3, checkpoint_every: 0,
+            optimizer: AdamW(lr: 1e-2), schedule: Constant(warmup: 1), data: Text("data/a.txt")),
+)
+"#;
+
+/// The short SHA-256 `widen eval` prints on its `data` line (`... sha256 0123456789ab…)`).
+fn printed_sha(stdout: &str) -> String {
+    let line =
+        stdout.lines().find(|l| l.starts_with("data ")).unwrap_or_else(|| panic!("no data in {stdout}"));
+    line.split("sha256 ").nth(1).unwrap().trim_end_matches(['…', ')']).to_string()
+}
+
+#[test]
+fn eval_without_data_finds_the_runs_data_and_refuses_other_bytes() {
+    let dir = common::workdir("eval-identity", Some(SPEC_ON_FILE));
+    std::fs::create_dir_all(dir.join("data")).unwrap();
+    std::fs::write(dir.join("data/a.txt"), "the quick brown fox jumps over the lazy dog. ".repeat(20))
+        .unwrap();
+    let o = widen(&dir, &["train", "spec.ron", "--device", "reference", "--out", "run"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let logged = metrics(&dir.join("run")).last().unwrap().2.unwrap();
+    let recorded = safetensors_header(&dir.join("run/final.safetensors"))["__metadata__"]["data_sha256"]
+        .as_str()
+        .unwrap()
+        .to_string();
+
+    // From another folder that has a `data/a.txt` of its own, with other bytes:
+    // the run's file is found above the checkpoint, the other one passed over with a note.
+    let other = dir.join("other");
+    std::fs::create_dir_all(other.join("data")).unwrap();
+    std::fs::write(other.join("data/a.txt"), "pack my box with five dozen liquor jugs! ".repeat(30)).unwrap();
+    let o = widen(&other, &["eval", "../run/final.safetensors", "--device", "reference"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    let val = printed(&out, "val_loss");
+    assert!((val - logged).abs() < 1e-5, "eval {val}, training logged {logged}\n{out}");
+    assert!(recorded.starts_with(&printed_sha(&out)), "{out}");
+    assert!(stderr(&o).contains("data/a.txt") && stderr(&o).contains("other data"), "{}", stderr(&o));
+
+    // The other file's hash, as eval reports it when asked to score it on purpose;
+    // it says that this is not the run's data.
+    let o =
+        widen(&other, &["eval", "../run/final.safetensors", "--device", "reference", "--data", "data/a.txt"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let other_sha = printed_sha(&String::from_utf8_lossy(&o.stdout));
+    assert!(!recorded.starts_with(&other_sha));
+    let e = stderr(&o);
+    assert!(
+        e.contains("--data file data/a.txt") && e.contains("not the data the checkpoint was trained on"),
+        "{e}"
+    );
+
+    // Once the run's own file has changed, no file holds its bytes: refused,
+    // naming the file, both hashes and the way to score other data.
+    std::fs::write(dir.join("data/a.txt"), "changed ".repeat(200)).unwrap();
+    let o = widen(&other, &["eval", "../run/final.safetensors", "--device", "reference"]);
+    assert!(!o.status.success());
+    assert!(o.stdout.is_empty(), "no loss of other data is printed");
+    let e = stderr(&o);
+    for needle in ["data/a.txt", &recorded[..12], &other_sha, "--data FILE"] {
+        assert!(e.contains(needle), "missing {needle:?} in {e}");
+    }
+
+    // And with no file of that name anywhere: refused, naming the paths tried.
+    std::fs::remove_file(dir.join("data/a.txt")).unwrap();
+    std::fs::remove_file(other.join("data/a.txt")).unwrap();
+    let o = widen(&other, &["eval", "../run/final.safetensors", "--device", "reference"]);
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    assert!(
+        e.contains("cannot find data/a.txt") && e.contains(&recorded[..12]) && e.contains("--data FILE"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn eval_data_errors_say_each_fact_once_and_name_the_data_flag() {
+    let dir = common::workdir("eval-chain", Some(SPEC));
+    let o = widen(&dir, &["train", "spec.ron", "--steps", "0", "--out", "run"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = widen(&dir, &["eval", "run/init.safetensors", "--data", "absent.txt", "--device", "reference"]);
+    assert!(!o.status.success());
+    assert_eq!(
+        stderr(&o),
+        "error: evaluating run/init.safetensors: the --data file: cannot read training text absent.txt: \
+         No such file or directory (os error 2)\n"
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn eval_dump_refuses_to_replace_a_dump_without_force() {
+    let dir = common::workdir("eval-dump-force", Some(SPEC));
+    let o = widen(&dir, &["train", "spec.ron", "--steps", "0", "--out", "run"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    std::fs::create_dir_all(dir.join("dump")).unwrap();
+    std::fs::write(dir.join("dump/grads.safetensors"), b"kept").unwrap();
+    let eval = ["eval", "run/init.safetensors", "--device", "reference", "--dump", "dump"];
+    let o = widen(&dir, &eval);
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    assert!(e.contains("dump/grads.safetensors") && e.contains("--force"), "{e}");
+    assert_eq!(std::fs::read(dir.join("dump/grads.safetensors")).unwrap(), b"kept");
+    assert!(!dir.join("dump/batch.safetensors").exists(), "nothing is written by a refused dump");
+
+    let o = widen(&dir, &[&eval[..], &["--force"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(safetensors_header(&dir.join("dump/grads.safetensors")).get("blocks.0.attn.wq").is_some());
+    // A second dump over the first is refused too.
+    let o = widen(&dir, &eval);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("batch.safetensors"), "{}", stderr(&o));
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// Runs `widen ARGS` in `dir`, killing it after `secs` seconds: a command that
+/// should refuse at once fails the test instead of hanging it.
+fn widen_within(dir: &Path, args: &[&str], secs: u64) -> std::process::Output {
+    use std::process::{Command, Stdio};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_widen"))
+        .current_dir(dir)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = std::time::Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed() > std::time::Duration::from_secs(secs) {
+            child.kill().unwrap();
+            let o = child.wait_with_output().unwrap();
+            panic!("widen {args:?} still ran after {secs} s\n{}", stderr(&o));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    child.wait_with_output().unwrap()
+}
+
+#[test]
+fn eval_batches_out_of_range_is_refused_at_once() {
+    let dir = common::workdir("eval-batches", Some(SPEC));
+    let o = widen(&dir, &["train", "spec.ron", "--steps", "0", "--out", "run"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    for bad in ["1000000000000", "100001", "0"] {
+        let o = widen_within(
+            &dir,
+            &["eval", "run/init.safetensors", "--device", "reference", "--batches", bad],
+            60,
+        );
+        assert!(!o.status.success());
+        let e = stderr(&o);
+        assert!(e.contains("--batches") && e.contains(bad) && e.contains("1..=100000"), "{e}");
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn a_fifo_or_device_as_data_is_refused_promptly_naming_it() {
+    let dir = common::workdir("eval-fifo", Some(SPEC));
+    let o = widen(&dir, &["train", "spec.ron", "--steps", "0", "--out", "run"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let made = std::process::Command::new("mkfifo").arg(dir.join("pipe.txt")).status().unwrap();
+    assert!(made.success());
+    let eval = |data: &str| {
+        widen_within(&dir, &["eval", "run/init.safetensors", "--device", "reference", "--data", data], 60)
+    };
+    for (data, kind) in [("pipe.txt", "a FIFO"), ("/dev/null", "a character device"), (".", "a folder")] {
+        let o = eval(data);
+        assert!(!o.status.success());
+        let e = stderr(&o);
+        assert!(e.contains(&format!("training text {data} is {kind}")), "{e}");
+    }
+    let train =
+        ["train", "spec.ron", "--device", "reference", "--steps", "1", "--out", "t", "--data", "pipe.txt"];
+    let o = widen_within(&dir, &train, 60);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("training text pipe.txt is a FIFO"), "{}", stderr(&o));
+
+    // A symlink to a regular file is a regular file.
+    std::fs::write(dir.join("text.txt"), "the quick brown fox jumps over the lazy dog. ".repeat(20)).unwrap();
+    std::os::unix::fs::symlink("text.txt", dir.join("link.txt")).unwrap();
+    let o = eval("link.txt");
+    assert!(o.status.success(), "{}", stderr(&o));
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn sample_refuses_meaningless_flags_naming_the_flag_and_range() {
+    let dir = common::workdir("sample-flags", Some(SPEC));
+    let o = widen(&dir, &["train", "spec.ron", "--steps", "0", "--out", "run"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let cases: [(&str, &str, &str); 7] = [
+        ("--top-k", "0", "1..=256"),
+        ("--top-k", "257", "1..=256"),
+        ("--temperature", "nan", "finite number >= 0"),
+        ("--temperature", "-1", "finite number >= 0"),
+        ("--temperature", "inf", "finite number >= 0"),
+        ("--tokens", "0", "1..=1048576"),
+        ("--tokens", "1048577", "1..=1048576"),
+    ];
+    for (flag, value, valid) in cases {
+        let o = widen(
+            &dir,
+            &["sample", "run/init.safetensors", "--prompt", "Hi", "--device", "reference", flag, value],
+        );
+        assert!(!o.status.success(), "{flag} {value} was accepted");
+        let e = stderr(&o);
+        assert!(
+            e.contains(flag) && e.contains(&format!("'{value}'")) && e.contains(valid),
+            "{flag} {value}: {e}"
+        );
+    }
+    let o = widen(
+        &dir,
+        &[
+            "sample",
+            "run/init.safetensors",
+            "--prompt",
+            "Hi",
+            "--device",
+            "reference",
+            "--top-k",
+            "1",
+            "--tokens",
+            "3",
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    std::fs::remove_dir_all(dir).unwrap();
+}

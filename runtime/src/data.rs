@@ -10,7 +10,10 @@
 //! scores the same windows and the numbers are comparable.
 //!
 //! A `Text(path)` is read as raw bytes; a relative path is relative to the
-//! working directory, like every other path on the command line.
+//! working directory, like every other path on the command line. It must name a
+//! regular file (or a symlink to one): a FIFO, a character device such as
+//! `/dev/zero`, a socket or a folder is refused before it is opened, since
+//! reading one would block or never end.
 
 use crate::rng::Rng;
 use ir::spec::{DataSpec, SyntheticCorpus};
@@ -21,6 +24,8 @@ use std::path::Path;
 pub enum DataError {
     #[error("cannot read training text {path}")]
     Read { path: String, source: std::io::Error },
+    #[error("training text {path} is {kind}, not a regular file; give a file of bytes")]
+    NotAFile { path: String, kind: &'static str },
     #[error(
         "training text {path} is too short: {len} bytes, but a window of {window} tokens \
          (seq_len + 1) in both the training and the validation split needs at least {needed} bytes"
@@ -70,9 +75,7 @@ impl Corpus {
                 window,
             ),
             DataSpec::Text(path) => {
-                let bytes = std::fs::read(Path::new(path))
-                    .map_err(|source| DataError::Read { path: path.clone(), source })?;
-                Corpus::from_bytes(path.clone(), bytes, val_fraction, window)
+                Corpus::from_bytes(path.clone(), read_text(Path::new(path))?, val_fraction, window)
             }
         }
     }
@@ -122,17 +125,45 @@ impl Corpus {
     /// What the corpus is, for checkpoints: its source, its length and the SHA-256
     /// of its bytes (both splits, in file order).
     pub fn identity(&self) -> DataIdentity {
-        use sha2::Digest;
-        let mut hasher = sha2::Sha256::new();
-        hasher.update(&self.train);
-        hasher.update(&self.validation);
-        let sha256 = hasher.finalize().iter().map(|b| format!("{b:02x}")).collect();
-        DataIdentity {
-            source: self.source.clone(),
-            bytes: (self.train.len() + self.validation.len()) as u64,
-            sha256,
+        DataIdentity::of_parts(self.source.clone(), &[&self.train, &self.validation])
+    }
+}
+
+/// Reads a training text, refusing anything but a regular file (see the module
+/// doc). `metadata` follows symlinks and does not open the file, so a FIFO is
+/// named instead of blocking the read until a writer appears.
+pub fn read_text(path: &Path) -> Result<Vec<u8>, DataError> {
+    let read_err = |source| DataError::Read { path: path.display().to_string(), source };
+    let meta = std::fs::metadata(path).map_err(read_err)?;
+    if !meta.is_file() {
+        return Err(DataError::NotAFile { path: path.display().to_string(), kind: file_kind(&meta) });
+    }
+    std::fs::read(path).map_err(read_err)
+}
+
+/// What a file that is not a regular file is, for [`DataError::NotAFile`].
+fn file_kind(meta: &std::fs::Metadata) -> &'static str {
+    let t = meta.file_type();
+    if t.is_dir() {
+        return "a folder";
+    }
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileTypeExt;
+        if t.is_fifo() {
+            return "a FIFO (named pipe)";
+        }
+        if t.is_char_device() {
+            return "a character device";
+        }
+        if t.is_block_device() {
+            return "a block device";
+        }
+        if t.is_socket() {
+            return "a socket";
         }
     }
+    "a special file"
 }
 
 /// The identity of a training text, recorded in checkpoints so that a resume on
@@ -148,14 +179,33 @@ pub struct DataIdentity {
 }
 
 impl DataIdentity {
+    /// The identity of `bytes` read from `source`.
+    pub fn of(source: String, bytes: &[u8]) -> DataIdentity {
+        DataIdentity::of_parts(source, &[bytes])
+    }
+
+    /// The identity of the concatenation of `parts`.
+    fn of_parts(source: String, parts: &[&[u8]]) -> DataIdentity {
+        use sha2::Digest;
+        let mut hasher = sha2::Sha256::new();
+        parts.iter().for_each(|p| hasher.update(p));
+        let sha256 = hasher.finalize().iter().map(|b| format!("{b:02x}")).collect();
+        DataIdentity { source, bytes: parts.iter().map(|p| p.len() as u64).sum(), sha256 }
+    }
+
+    /// Whether `other` holds the same bytes (the source may differ).
+    pub fn same_bytes(&self, other: &DataIdentity) -> bool {
+        (self.bytes, &self.sha256) == (other.bytes, &other.sha256)
+    }
+
+    /// The first 12 hex digits of the SHA-256, as messages quote it.
+    pub fn short_sha256(&self) -> &str {
+        &self.sha256[..self.sha256.len().min(12)]
+    }
+
     /// `path (N bytes, sha256 0123456789ab…)` for messages.
     pub fn describe(&self) -> String {
-        format!(
-            "{} ({} bytes, sha256 {}…)",
-            self.source,
-            self.bytes,
-            &self.sha256[..self.sha256.len().min(12)]
-        )
+        format!("{} ({} bytes, sha256 {}…)", self.source, self.bytes, self.short_sha256())
     }
 }
 

@@ -86,3 +86,41 @@ fn short_text_names_the_file_and_the_needed_length() {
     assert!(ok.validation().len() >= 17 && ok.train().len() >= 17);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `Corpus::load` of `path` on another thread, failing the test if it has not
+/// returned within a minute (a read of a FIFO would block for ever).
+fn load_within_a_minute(path: &std::path::Path) -> Result<Corpus, DataError> {
+    let spec = DataSpec::Text(path.display().to_string());
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || tx.send(Corpus::load(&spec, 0.1, 8)));
+    rx.recv_timeout(std::time::Duration::from_secs(60)).expect("Corpus::load returned within a minute")
+}
+
+#[test]
+fn only_regular_files_are_read_as_text() {
+    let dir = std::env::temp_dir().join(format!("widen-data-kinds-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let fifo = dir.join("pipe");
+    assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let cases = [
+        (fifo.clone(), "a FIFO (named pipe)"),
+        (std::path::PathBuf::from("/dev/null"), "a character device"),
+        (dir.clone(), "a folder"),
+    ];
+    for (path, kind) in cases {
+        let err = load_within_a_minute(&path).unwrap_err();
+        assert!(matches!(&err, DataError::NotAFile { kind: k, .. } if *k == kind), "{err}");
+        assert_eq!(
+            err.to_string(),
+            format!("training text {} is {kind}, not a regular file; give a file of bytes", path.display())
+        );
+    }
+    // A symlink to a regular file reads the file.
+    let text: Vec<u8> = (0..200u8).collect();
+    std::fs::write(dir.join("text"), &text).unwrap();
+    std::os::unix::fs::symlink(dir.join("text"), dir.join("link")).unwrap();
+    let corpus = load_within_a_minute(&dir.join("link")).unwrap();
+    assert_eq!([corpus.train(), corpus.validation()].concat(), text);
+    std::fs::remove_dir_all(dir).unwrap();
+}

@@ -11,9 +11,9 @@
 
 use anyhow::Context;
 use ir::spec::load_spec;
-use runtime::coord::{coord_check_on, to_csv, CoordCheck, CoordParam};
+use runtime::coord::{coord_check_on, to_csv, CoordCheck, CoordError, CoordParam};
 use runtime::data::Corpus;
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use sweep::coord_plot::{coord_plot, CoordPanel, CoordPlot, CoordSeries};
@@ -33,12 +33,14 @@ pub enum ParamArg {
 pub struct Args {
     /// Path to the RON spec (its d_model is the reference the other widths scale from).
     pub spec: PathBuf,
-    /// Widths (d_model values) to train, comma-separated; the smallest is muP's base width.
-    #[arg(long, value_delimiter = ',', required = true, num_args = 1..)]
-    pub widths: Vec<usize>,
-    /// Optimizer steps per width.
-    #[arg(long, default_value_t = 4)]
-    pub steps: usize,
+    /// Widths (d_model values) to train, comma-separated, at most 32 of them, each
+    /// 1..=16777216 (the spec's bound of d_model); the smallest is muP's base width.
+    #[arg(long, value_delimiter = ',', required = true, num_args = 1..,
+          value_parser = clap::value_parser!(u64).range(1..=ir::spec::limits::MAX_WIDTH))]
+    pub widths: Vec<u64>,
+    /// Optimizer steps per width, 1..=1000.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..=MAX_STEPS as u64))]
+    pub steps: u64,
     /// Folder for coord.csv and the SVG plots.
     #[arg(long, default_value = "coord-check")]
     pub out: PathBuf,
@@ -47,7 +49,35 @@ pub struct Args {
     pub param: ParamArg,
 }
 
+/// The most widths one check trains: each is a model trained from scratch, and
+/// 32 doublings span every width a machine holds.
+const MAX_WIDTHS: usize = 32;
+
+/// The most steps per width: the check looks at the first updates (docs/math.md
+/// §8.1), where muP and SP part ways; every step trains every width.
+const MAX_STEPS: usize = 1000;
+
+/// The flag a coordinate check's error is about: `--steps`, `--widths`, or none
+/// (a failure of the run itself, or of the spec's data).
+fn flag_of(err: &CoordError) -> Option<&'static str> {
+    match err {
+        CoordError::NoSteps => Some("--steps"),
+        CoordError::TooFewWidths { .. }
+        | CoordError::DuplicateWidth { .. }
+        | CoordError::InvalidWidth { .. } => Some("--widths"),
+        _ => None,
+    }
+}
+
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    anyhow::ensure!(
+        args.widths.len() <= MAX_WIDTHS,
+        "--widths lists {} widths; a coordinate check takes 2..={MAX_WIDTHS}",
+        args.widths.len()
+    );
+    // Bounded by their parsers: far inside usize.
+    let widths: Vec<usize> = args.widths.iter().map(|&w| w as usize).collect();
+    let steps = args.steps as usize;
     let spec = load_spec(&args.spec)?;
     let params = match args.param {
         ParamArg::Sp => vec![CoordParam::Standard],
@@ -55,7 +85,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         ParamArg::Both => vec![CoordParam::Standard, CoordParam::MuP],
     };
     // The largest width must fit this machine before anything trains.
-    if let Some(&widest) = args.widths.iter().max() {
+    if let Some(&widest) = widths.iter().max() {
         let widest =
             runtime::coord::width_spec(&spec, widest, widest, CoordParam::Standard).context("--widths")?;
         super::fits_this_machine(&widest)?;
@@ -63,14 +93,32 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let corpus = Corpus::load(&spec.train.data, spec.train.val_fraction, spec.train.seq_len + 1)?;
     let mut checks = Vec::new();
     for param in params {
+        // A line redrawn in place: on a terminal only, so a log gets no control codes.
+        let terminal = std::io::stderr().is_terminal();
         let mut progress = |width: usize, step: usize| {
-            eprint!("\r{} D={width}: step {step}/{}\x1b[K", param.name(), args.steps);
+            if !terminal {
+                return;
+            }
+            eprint!("\r{} D={width}: step {step}/{steps}\x1b[K", param.name());
             let _ = std::io::stderr().flush();
         };
-        let check = coord_check_on(&spec, &args.widths, args.steps, param, &corpus, &mut progress)
-            .context("--widths");
-        eprint!("\r\x1b[K");
-        let check = check?;
+        let check = coord_check_on(&spec, &widths, steps, param, &corpus, &mut progress);
+        if terminal {
+            eprint!("\r\x1b[K");
+        }
+        let check = match check {
+            Ok(check) => check,
+            Err(err) => {
+                let flag = flag_of(&err);
+                let err = anyhow::Error::new(err);
+                return Err(match flag {
+                    Some(flag) => err.context(flag),
+                    None => {
+                        err.context(format!("{} coordinate check of {}", param.name(), args.spec.display()))
+                    }
+                });
+            }
+        };
         println!("{}", check.to_table());
         checks.push(check);
     }

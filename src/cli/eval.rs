@@ -1,23 +1,30 @@
 //! `widen eval`: a checkpoint's validation loss, and a dump of one batch's
 //! logits, loss and gradients for comparison with another implementation
 //! (`runtime::eval`, docs/checkpoints.md).
+//!
+//! The results go to stdout; notes about the data and the progress of a long
+//! evaluation go to stderr, so stdout stays the same for scripts.
 
 use super::train::DeviceArg;
 use anyhow::Context;
-use runtime::eval::{evaluate, EvalOptions};
+use runtime::eval::{evaluate_with_progress, EvalOptions};
+use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::{Duration, Instant};
 
 #[derive(clap::Args)]
 pub struct Args {
     /// A checkpoint written by `widen train` (its header holds the spec).
     pub checkpoint: PathBuf,
-    /// Evaluate on this byte-level text file instead of the checkpoint's data.
+    /// Evaluate on this byte-level text file instead of the checkpoint's data
+    /// (without it, the checkpoint's data must hold the bytes the run trained on).
     #[arg(long)]
     pub data: Option<PathBuf>,
-    /// Validation batches to average [default: the spec's train.eval_batches].
-    #[arg(long)]
-    pub batches: Option<usize>,
+    /// Validation batches to average, 1..=100000 like train.eval_batches
+    /// [default: the spec's train.eval_batches].
+    #[arg(long, value_parser = batches_parser())]
+    pub batches: Option<u64>,
     /// Where to run.
     #[arg(long, value_enum, default_value = "cpu")]
     pub device: DeviceArg,
@@ -25,13 +32,39 @@ pub struct Args {
     /// safetensors files into this folder.
     #[arg(long)]
     pub dump: Option<PathBuf>,
+    /// Let --dump replace the dump files already in its folder.
+    #[arg(long, requires = "dump")]
+    pub force: bool,
+}
+
+/// `--batches`: the range of the spec's `train.eval_batches` (`runtime::eval::max_batches`).
+fn batches_parser() -> clap::builder::RangedU64ValueParser<u64> {
+    clap::value_parser!(u64).range(1..=runtime::eval::max_batches() as u64)
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
-    anyhow::ensure!(args.batches != Some(0), "--batches must be at least 1");
-    let opts = EvalOptions { data: args.data.clone(), batches: args.batches, dump: args.dump.clone() };
-    let report = evaluate(&args.checkpoint, args.device.into(), &opts)
-        .with_context(|| format!("evaluating {}", args.checkpoint.display()))?;
+    let opts = EvalOptions {
+        data: args.data.clone(),
+        batches: args.batches.map(|b| usize::try_from(b).unwrap_or(usize::MAX)),
+        dump: args.dump.clone(),
+        force: args.force,
+    };
+    let mut progress = ProgressLine::new(std::io::stderr().is_terminal());
+    let started = Instant::now();
+    let result = evaluate_with_progress(&args.checkpoint, args.device.into(), &opts, &mut |done, total| {
+        if let Some(text) = progress.update(done, total, started.elapsed()) {
+            let mut err = std::io::stderr().lock();
+            let _ = write!(err, "{text}");
+            let _ = err.flush();
+        }
+    });
+    if let Some(text) = progress.finish() {
+        eprint!("{text}");
+    }
+    let report = result.with_context(|| format!("evaluating {}", args.checkpoint.display()))?;
+    for note in &report.notes {
+        eprintln!("note: {note}");
+    }
     let [batch, window] = report.token_shape;
     println!("checkpoint {} (step {})", args.checkpoint.display(), report.step);
     println!("data {}", report.data.describe());
@@ -42,4 +75,124 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         println!("wrote {}", path.display());
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The progress of a long evaluation on stderr. Nothing is shown for the first
+/// [`ProgressLine::QUIET`] (most evaluations end before); then a terminal gets
+/// one line refreshed in place, and anything else (a log file) one line at each
+/// quarter of the batches, so a log never fills with progress.
+struct ProgressLine {
+    terminal: bool,
+    /// When the terminal line was last drawn.
+    drawn: Option<Duration>,
+    /// Quarters of the batches already reported (not a terminal).
+    quarters: usize,
+}
+
+impl ProgressLine {
+    /// How long an evaluation runs before its progress is shown.
+    const QUIET: Duration = Duration::from_secs(2);
+    /// How often the terminal line is redrawn.
+    const REDRAW: Duration = Duration::from_millis(250);
+
+    fn new(terminal: bool) -> Self {
+        ProgressLine { terminal, drawn: None, quarters: 0 }
+    }
+
+    /// What to write to stderr after `done` of `total` batches, `elapsed` in.
+    fn update(&mut self, done: usize, total: usize, elapsed: Duration) -> Option<String> {
+        if done >= total || elapsed < Self::QUIET {
+            return None;
+        }
+        let text = format!(
+            "eval: batch {done}/{total}, {} elapsed, about {} left",
+            clock(elapsed),
+            clock(elapsed.mul_f64((total - done) as f64 / done.max(1) as f64))
+        );
+        if self.terminal {
+            if self.drawn.is_some_and(|t| elapsed < t + Self::REDRAW) {
+                return None;
+            }
+            self.drawn = Some(elapsed);
+            return Some(format!("\r{text}\x1b[K"));
+        }
+        let quarter = done * 4 / total.max(1);
+        if quarter <= self.quarters {
+            return None;
+        }
+        self.quarters = quarter;
+        Some(format!("{text}\n"))
+    }
+
+    /// What clears the terminal line at the end, if one was drawn.
+    fn finish(&self) -> Option<String> {
+        self.drawn.map(|_| "\r\x1b[K".to_string())
+    }
+}
+
+/// `42s`, `3m04s` or `2h05m`.
+fn clock(d: Duration) -> String {
+    let s = d.as_secs();
+    match s {
+        0..60 => format!("{s}s"),
+        60..3600 => format!("{}m{:02}s", s / 60, s % 60),
+        _ => format!("{}h{:02}m", s / 3600, s % 3600 / 60),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn secs(s: f64) -> Duration {
+        Duration::from_secs_f64(s)
+    }
+
+    fn ms(ms: usize) -> Duration {
+        Duration::from_millis(ms as u64)
+    }
+
+    #[test]
+    fn a_short_evaluation_shows_no_progress() {
+        for terminal in [true, false] {
+            let mut p = ProgressLine::new(terminal);
+            let shown: Vec<_> = (1..=1000).filter_map(|done| p.update(done, 1000, ms(done))).collect();
+            assert!(shown.is_empty(), "{shown:?}");
+            assert_eq!(p.finish(), None);
+        }
+    }
+
+    #[test]
+    fn a_log_gets_at_most_a_line_per_quarter_with_counts_elapsed_and_eta() {
+        let mut p = ProgressLine::new(false);
+        // 10 000 batches at 10 ms each: 100 s.
+        let shown: Vec<String> =
+            (1..=10_000).filter_map(|done| p.update(done, 10_000, ms(done * 10))).collect();
+        assert_eq!(
+            shown,
+            [
+                "eval: batch 2500/10000, 25s elapsed, about 1m15s left\n",
+                "eval: batch 5000/10000, 50s elapsed, about 50s left\n",
+                "eval: batch 7500/10000, 1m15s elapsed, about 25s left\n",
+            ]
+        );
+        assert_eq!(p.finish(), None, "no line to clear in a log");
+    }
+
+    #[test]
+    fn a_terminal_line_is_redrawn_at_most_four_times_a_second_and_cleared() {
+        let mut p = ProgressLine::new(true);
+        let shown: Vec<String> = (1..=1000).filter_map(|done| p.update(done, 1000, ms(done * 10))).collect();
+        // Drawn from 2 s to the end (10 s) every 250 ms.
+        assert_eq!(shown.len(), 32, "{shown:?}");
+        assert_eq!(shown[0], "\reval: batch 200/1000, 2s elapsed, about 8s left\x1b[K");
+        assert_eq!(p.finish().as_deref(), Some("\r\x1b[K"));
+    }
+
+    #[test]
+    fn clock_reads_as_seconds_minutes_or_hours() {
+        assert_eq!(clock(secs(59.9)), "59s");
+        assert_eq!(clock(secs(184.0)), "3m04s");
+        assert_eq!(clock(secs(7500.0)), "2h05m");
+    }
 }

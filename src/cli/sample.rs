@@ -14,15 +14,15 @@ pub struct Args {
     /// Text to continue.
     #[arg(long)]
     pub prompt: String,
-    /// Bytes to generate (at most 1048576).
-    #[arg(long, default_value_t = 200)]
-    pub tokens: usize,
-    /// Softmax temperature; 0 is greedy.
-    #[arg(long, default_value_t = 0.8)]
+    /// Bytes to generate, 1..=1048576.
+    #[arg(long, default_value_t = 200, value_parser = tokens_parser())]
+    pub tokens: u64,
+    /// Softmax temperature, a finite number >= 0; 0 is greedy.
+    #[arg(long, default_value_t = 0.8, value_parser = parse_temperature, allow_negative_numbers = true)]
     pub temperature: f64,
-    /// Sample only among the k most likely bytes.
-    #[arg(long)]
-    pub top_k: Option<usize>,
+    /// Sample only among the k most likely bytes, 1..=256 [default: all 256].
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=256))]
+    pub top_k: Option<u64>,
     /// Sampling seed.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -31,17 +31,28 @@ pub struct Args {
     pub device: DeviceArg,
 }
 
+/// `--tokens`: at least one byte (zero would print the prompt back), at most
+/// `runtime::sample::MAX_TOKENS`, since every byte is a forward pass of the model.
+fn tokens_parser() -> clap::builder::RangedU64ValueParser<u64> {
+    clap::value_parser!(u64).range(1..=runtime::sample::MAX_TOKENS as u64)
+}
+
+/// `--temperature`: NaN, an infinity or a negative number has no softmax to sample from.
+fn parse_temperature(text: &str) -> Result<f64, String> {
+    let valid = "a finite number >= 0 (0 is greedy)";
+    match text.parse::<f64>() {
+        Ok(t) if t.is_finite() && t >= 0.0 => Ok(t),
+        Ok(_) => Err(format!("must be {valid}")),
+        Err(e) => Err(format!("{e}; must be {valid}")),
+    }
+}
+
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
-    anyhow::ensure!(
-        args.tokens <= runtime::sample::MAX_TOKENS,
-        "--tokens {} is more than {}, the most one `widen sample` generates",
-        args.tokens,
-        runtime::sample::MAX_TOKENS
-    );
+    // Both are bounded by their parsers, far inside usize.
     let opts = SampleOptions {
-        tokens: args.tokens,
+        tokens: args.tokens as usize,
         temperature: args.temperature,
-        top_k: args.top_k,
+        top_k: args.top_k.map(|k| k as usize),
         seed: args.seed,
     };
     let text = sample_checkpoint(&args.checkpoint, args.device.into(), args.prompt.as_bytes(), &opts)
