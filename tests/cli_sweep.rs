@@ -661,7 +661,8 @@ fn damaged_plan_files_are_errors_naming_the_file_and_field() {
     fewer["points"][1]["values"].as_array_mut().unwrap().pop();
     let o = report(&fewer);
     assert!(o.status.success(), "{}", stderr(&o));
-    let cases: [(&str, Box<dyn Fn(&mut serde_json::Value)>, &str); 4] = [
+    type Damage = Box<dyn Fn(&mut serde_json::Value)>;
+    let cases: [(&str, Damage, &str); 4] = [
         (
             "points[0].values",
             Box::new(|p| p["points"][0]["values"][0][0] = "residual.q".into()),
