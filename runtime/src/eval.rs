@@ -209,7 +209,14 @@ pub fn evaluate_with_progress(
     ckpt.restore_params(&mut params)?;
     let mut exec = device.executor(lowered)?;
     let batches = if batches == 0 { spec.train.eval_batches.clamp(1, max_batches()) } else { batches };
-    let val_loss = validation_loss(&spec, exec.as_mut(), &params, &corpus, batches, progress)?;
+    let val_loss = crate::train::validation_loss_with_progress(
+        &spec,
+        exec.as_mut(),
+        &params,
+        &corpus,
+        batches,
+        progress,
+    )?;
     if !val_loss.is_finite() {
         return Err(EvalError::NonFinite { checkpoint: checkpoint.to_path_buf(), value: val_loss });
     }
@@ -321,32 +328,6 @@ fn data_candidates(path: &Path, checkpoint: &Path) -> Vec<PathBuf> {
         }
     }
     out
-}
-
-/// The mean validation loss of `batches` batches: the windows and the sum of
-/// [`crate::train::validation_loss`] (the same stream, the same order of
-/// additions, so the number is the one training logs), reporting each batch.
-fn validation_loss(
-    spec: &ModelSpec,
-    exec: &mut dyn StepExecutor,
-    params: &ParamSet,
-    corpus: &Corpus,
-    batches: usize,
-    progress: &mut dyn FnMut(usize, usize),
-) -> Result<f64, StepError> {
-    let [batch, window] = exec.token_shape();
-    let mut sampler = BatchSampler::validation(spec.train.seed, batch, window);
-    let mut sum = 0.0f64;
-    for done in 1..=batches {
-        let tokens = sampler.next_batch(corpus.validation());
-        sum += if spec.mtp.depth == 0 {
-            f64::from(exec.loss(params, &tokens)?)
-        } else {
-            crate::train::next_token_loss(&exec.logits(params, &tokens)?, &tokens, batch, window)
-        };
-        progress(done, batches);
-    }
-    Ok(sum / batches as f64)
 }
 
 /// A tensor of a dump file: name, dtype, shape and little-endian bytes.

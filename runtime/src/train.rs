@@ -1000,7 +1000,20 @@ pub fn validation_loss(
     corpus: &Corpus,
     batches: usize,
 ) -> Result<f64, StepError> {
-    validation_loss_of_shard(spec, exec, params, corpus, batches, Shard::WHOLE)
+    validation_loss_of_shard(spec, exec, params, corpus, batches, Shard::WHOLE, &mut |_, _| {})
+}
+
+/// [`validation_loss`], calling `progress(done, batches)` after each batch (`widen
+/// eval` shows it for long evaluations).
+pub fn validation_loss_with_progress(
+    spec: &ModelSpec,
+    exec: &mut dyn StepExecutor,
+    params: &ParamSet,
+    corpus: &Corpus,
+    batches: usize,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<f64, StepError> {
+    validation_loss_of_shard(spec, exec, params, corpus, batches, Shard::WHOLE, progress)
 }
 
 /// [`validation_loss`] in a data-parallel run: each rank scores its rows of
@@ -1015,7 +1028,8 @@ fn sharded_validation_loss(
     batches: usize,
     group: Option<&Group>,
 ) -> Result<f64, StepError> {
-    let mine = validation_loss_of_shard(spec, exec, params, corpus, batches, Shard::of(group))?;
+    let mine =
+        validation_loss_of_shard(spec, exec, params, corpus, batches, Shard::of(group), &mut |_, _| {})?;
     Ok(group.map_or(mine, |g| g.mean(mine)))
 }
 
@@ -1028,12 +1042,13 @@ fn validation_loss_of_shard(
     corpus: &Corpus,
     batches: usize,
     shard: Shard,
+    progress: &mut dyn FnMut(usize, usize),
 ) -> Result<f64, StepError> {
     let [batch, window] = exec.token_shape();
     let mut sampler = BatchSampler::validation(spec.train.seed, batch * shard.world, window);
     let n = batches.max(1);
     let mut sum = 0.0f64;
-    for _ in 0..n {
+    for done in 1..=n {
         let all = sampler.next_batch(corpus.validation());
         let tokens = shard.rows(&all, window);
         sum += if spec.mtp.depth == 0 {
@@ -1041,6 +1056,7 @@ fn validation_loss_of_shard(
         } else {
             next_token_loss(&exec.logits(params, tokens)?, tokens, batch, window)
         };
+        progress(done, n);
     }
     Ok(sum / n as f64)
 }
