@@ -28,7 +28,8 @@
 //!
 //! The phases from 6 on push into a `PlanBuilder` (`builder.rs`), which shares
 //! kernels of one structure and tables across the Plan. With the `testing`
-//! feature, [`run_on_cpu_for_tests`] runs a Plan as the codegen tests' oracle.
+//! feature, `run_on_cpu_for_tests` (`testing.rs`) runs a Plan as the codegen
+//! tests' oracle.
 
 mod arena;
 mod buffers;
