@@ -1,4 +1,4 @@
-//! The codegen tests' oracle runner (docs/architecture.md §9), behind the
+//! The codegen tests' oracle runner (docs/architecture.md §9.4), behind the
 //! `testing` feature: it runs a Plan sequentially on the host, so that the
 //! integration tests can check compiled Plans against the reference without the
 //! runtime, and production builds do not carry it.
