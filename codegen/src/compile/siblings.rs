@@ -1,0 +1,109 @@
+//! Gradient siblings: the nodes of one op that share one lowering, which
+//! computes what they share once. The gradients of one attention (or temporal
+//! augmentation) w.r.t. each of its operands, and the outputs of one MoE
+//! routing (docs/math.md §1.6), are each one node per slot in the graph.
+
+use std::collections::{HashMap, HashSet};
+
+use ir::graph::{Graph, NodeId, Op};
+
+use super::Target;
+use crate::emit;
+
+/// The ops whose sibling nodes (one per `wrt` of a gradient, or per output of the
+/// routing) are lowered together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(super) enum SiblingOp {
+    Attention,
+    Temporal,
+    /// `MoeRoute`'s Rows, Tokens and Counts over one input: one routing step writes
+    /// all three (docs/math.md §1.6), so a layer routes once.
+    Route,
+}
+
+/// What identifies the op a sibling node belongs to (the attention or temporal
+/// augmentation a gradient differentiates, or a routing): its kind, its inputs and
+/// its attributes besides the slot.
+pub(super) type GradKey = (SiblingOp, Vec<NodeId>, String);
+
+/// The key and the slot of a node whose siblings (the other `wrt` of the same
+/// op's gradient, the other outputs of the same routing) share one lowering, and
+/// the number of slots.
+fn grad_key(graph: &Graph, id: NodeId) -> Option<(GradKey, usize, usize)> {
+    let inputs = graph.inputs(id);
+    let (kind, attrs, wrt, slots) = match graph.node(id).op {
+        Op::CausalAttentionGrad { scale, rope_base, wrt } => {
+            (SiblingOp::Attention, format!("{scale:?} {rope_base:?}"), wrt, 3)
+        }
+        Op::TemporalAugmentGrad { gram_schmidt, eps_rel, wrt } => {
+            (SiblingOp::Temporal, format!("{gram_schmidt} {eps_rel:?}"), wrt, inputs.len() - 1)
+        }
+        Op::MoeRoute { experts, capacity, out } => {
+            (SiblingOp::Route, format!("{experts} {capacity:?}"), emit::route_slot(out), 3)
+        }
+        Op::Input { .. }
+        | Op::Param(_)
+        | Op::Constant { .. }
+        | Op::Unary(_)
+        | Op::Binary(_)
+        | Op::Affine { .. }
+        | Op::Cast { .. }
+        | Op::Reduce { .. }
+        | Op::MatMul { .. }
+        | Op::Reshape { .. }
+        | Op::Permute { .. }
+        | Op::Broadcast { .. }
+        | Op::Slice { .. }
+        | Op::Concat { .. }
+        | Op::Gather { .. }
+        | Op::ScatterAdd { .. }
+        | Op::ScatterRows { .. }
+        | Op::TopK { .. }
+        | Op::Softmax
+        | Op::RmsNorm { .. }
+        | Op::LayerNorm { .. }
+        | Op::GroupNorm { .. }
+        | Op::NormProject { .. }
+        | Op::SoftmaxCrossEntropy
+        | Op::CausalAttention { .. }
+        | Op::Sinkhorn { .. }
+        | Op::TemporalAugment { .. }
+        | Op::SinkhornGrad { .. }
+        | Op::GroupedMatMul { .. }
+        | Op::GroupedMatMulGrad { .. } => return None,
+    };
+    (wrt < slots).then_some(((kind, inputs, attrs), wrt, slots))
+}
+
+/// The sibling gradient nodes among `nodes`, by the op they differentiate.
+pub(super) fn grad_siblings(graph: &Graph, nodes: &HashSet<NodeId>) -> HashMap<GradKey, Vec<Option<NodeId>>> {
+    let mut out: HashMap<GradKey, Vec<Option<NodeId>>> = HashMap::new();
+    for &id in nodes {
+        if let Some((key, wrt, slots)) = grad_key(graph, id) {
+            out.entry(key).or_insert_with(|| vec![None; slots])[wrt] = Some(id);
+        }
+    }
+    out
+}
+
+/// The gradient nodes lowered together (by `wrt`) and their lowering.
+type SiblingLowering = (Vec<Option<NodeId>>, emit::Lowering);
+
+/// Lowers gradient node `id` together with its siblings; `None` for other nodes.
+pub(super) fn lower_siblings(
+    graph: &Graph,
+    id: NodeId,
+    siblings: &HashMap<GradKey, Vec<Option<NodeId>>>,
+    name: &str,
+    target: Target,
+) -> Option<Result<SiblingLowering, emit::EmitError>> {
+    let (key, _, _) = grad_key(graph, id)?;
+    let outs = siblings.get(&key)?.clone();
+    // `grad_key` decided which ops have siblings; only their lowering is chosen here.
+    let lowering = match key.0 {
+        SiblingOp::Attention => emit::attention_grads(graph, [outs[0], outs[1], outs[2]], name, target),
+        SiblingOp::Temporal => emit::temporal_grads(graph, &outs, name, target),
+        SiblingOp::Route => emit::moe_route(graph, &outs, name, target),
+    };
+    Some(lowering.map(|l| (outs, l)))
+}
