@@ -372,7 +372,8 @@ fn file_budget(raw: &str) -> Result<Budget, SweepError> {
     let bad = |reason: String| {
         SweepError::Budget(format!("{raw}: {reason}; expected Tokens(1000000), Flops(2e14) or Steps(300)"))
     };
-    let (kind, rest) = raw.split_at(raw.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).unwrap_or(raw.len()));
+    let (kind, rest) =
+        raw.split_at(raw.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).unwrap_or(raw.len()));
     let amount = rest
         .trim()
         .strip_prefix('(')
@@ -661,9 +662,7 @@ impl FromStr for Budget {
 /// A budget from its kind (`tokens`, `flops`, `steps`) and amount; the error is the reason.
 fn parse_budget(kind: &str, amount: &str) -> Result<Budget, String> {
     let budget = match kind {
-        "flops" => {
-            Budget::Flops(amount.parse().map_err(|_| format!("`{amount}` is not a number"))?)
-        }
+        "flops" => Budget::Flops(amount.parse().map_err(|_| format!("`{amount}` is not a number"))?),
         "tokens" => Budget::Tokens(whole(amount, "tokens", u64::MAX)?),
         "steps" => Budget::Steps(whole(amount, "steps", max_steps())?),
         other => return Err(format!("unknown budget kind `{other}`")),
@@ -693,7 +692,9 @@ fn whole(amount: &str, what: &str, max: u64) -> Result<u64, String> {
         Some(e) => match e.strip_prefix('+').unwrap_or(e).parse::<i64>() {
             Ok(e) => e,
             // Only an exponent beyond i64 fails to parse: far out of range either way.
-            Err(_) if !e.is_empty() && e.trim_start_matches(['+', '-']).chars().all(|c| c.is_ascii_digit()) => {
+            Err(_)
+                if !e.is_empty() && e.trim_start_matches(['+', '-']).chars().all(|c| c.is_ascii_digit()) =>
+            {
                 return Err(range());
             }
             Err(_) => return Err(format!("`{amount}` is not a number; {}", range())),

@@ -38,7 +38,7 @@ use std::path::PathBuf;
 use ir::cost::cost_report;
 use ir::lower::LowerError;
 use ir::spec::limits::integer_limit;
-use ir::spec::{parse_spec, FieldError, ModelSpec, ResidualSpec, SpecLoadError};
+use ir::spec::{host_memory_bytes, parse_spec, FieldError, ModelSpec, ResidualSpec, SpecLoadError};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
@@ -182,8 +182,18 @@ fn list(invalid: &[InvalidPoint]) -> String {
 /// validates it, plans its budget, adds the baseline twins when asked, and names
 /// every point and run. Invalid points are skipped or refuse the sweep, as
 /// `on_invalid` says; a sweep with no valid point is always an error, and so are two
-/// points with one name or one spec.
+/// points with one name or one spec. Each point must fit this machine's memory, as
+/// `widen check` requires ([`expand_within`]).
 pub fn expand(sweep: &Sweep) -> Result<Plan, PlanError> {
+    expand_within(sweep, host_memory_bytes())
+}
+
+/// [`expand`] with each point's training-memory estimate checked against
+/// `memory_bytes` ([`ModelSpec::check_fits`]) before the cost model lowers it (the
+/// lowering allocates some parameter inits, so a spec far too large for the machine
+/// must not reach it); `None` skips that check, as `widen check` does where the
+/// memory cannot be read.
+pub fn expand_within(sweep: &Sweep, memory_bytes: Option<u64>) -> Result<Plan, PlanError> {
     // The checks bound the number of points and runs before any is built.
     sweep.check()?;
     let mut applier = Applier::new(&sweep.base);
@@ -214,7 +224,7 @@ pub fn expand(sweep: &Sweep) -> Result<Plan, PlanError> {
     for values in combinations(sweep) {
         let name = point_name(&values);
         claim(&name, &values)?;
-        match build_point(&mut applier, &values, &sweep.budget) {
+        match build_point(&mut applier, &values, &sweep.budget, memory_bytes) {
             Ok((spec, budget)) => {
                 let key = spec_key(&spec);
                 if let Some(&i) = specs.get(&key) {
@@ -251,7 +261,7 @@ pub fn expand(sweep: &Sweep) -> Result<Plan, PlanError> {
             let values: Vec<(String, String)> =
                 points[i].values.iter().filter(|(p, _)| !is_residual_path(p)).cloned().collect();
             let mut twin = points[i].spec.with_plain_residual();
-            let found = match plan_and_validate(&mut twin, &sweep.budget) {
+            let found = match plan_and_validate(&mut twin, &sweep.budget, memory_bytes) {
                 Ok(budget) => {
                     let key = spec_key(&twin);
                     match specs.get(&key) {
@@ -361,16 +371,22 @@ fn build_point(
     applier: &mut Applier,
     values: &[(String, String)],
     budget: &Budget,
+    memory_bytes: Option<u64>,
 ) -> Result<(ModelSpec, BudgetPlan), PointError> {
     let mut spec = applier.apply(values)?;
-    let plan = plan_and_validate(&mut spec, budget)?;
+    let plan = plan_and_validate(&mut spec, budget, memory_bytes)?;
     Ok((spec, plan))
 }
 
-/// Validates `spec` as `widen check` does (its machine-independent part: the validator
-/// and the cost model's lowering), plans its budget and sets `train.steps`,
-/// validating again with the final step count (a schedule's warmup must fit in it).
-fn plan_and_validate(spec: &mut ModelSpec, budget: &Budget) -> Result<BudgetPlan, PointError> {
+/// Validates `spec` as `widen check` does (the validator, the memory check against
+/// `memory_bytes`, the cost model's lowering), plans its budget and sets
+/// `train.steps`, validating again with the final step count (a schedule's warmup
+/// must fit in it).
+fn plan_and_validate(
+    spec: &mut ModelSpec,
+    budget: &Budget,
+    memory_bytes: Option<u64>,
+) -> Result<BudgetPlan, PointError> {
     let invalid = |errors| PointError::Invalid { errors };
     // Token and step budgets fix the steps without the cost model, so the first
     // validation already sees them; a FLOP budget needs a valid spec to count.
@@ -383,6 +399,9 @@ fn plan_and_validate(spec: &mut ModelSpec, budget: &Budget) -> Result<BudgetPlan
         Budget::Flops(_) => {}
     }
     spec.validate().map_err(invalid)?;
+    if let Some(bytes) = memory_bytes {
+        spec.check_fits(bytes).map_err(|e| invalid(vec![e]))?;
+    }
     let report = cost_report(spec).map_err(|e| match e {
         LowerError::Invalid(errors) => PointError::Invalid { errors },
         other => PointError::Budget(BudgetError::Cost(other.to_string())),
@@ -441,18 +460,23 @@ impl Applier {
         let mut cur: &Node = tree;
         for (i, seg) in segs.iter().enumerate() {
             let at = segs[..i].join(".");
-            let (tag, fields) =
-                cur.fields().ok_or_else(|| PointError::NoFields { path: path.into(), at: at.clone(), found: describe(cur) })?;
+            let (tag, fields) = cur.fields().ok_or_else(|| PointError::NoFields {
+                path: path.into(),
+                at: at.clone(),
+                found: describe(cur),
+            })?;
             if let Some(tag) = tag {
                 open.push_str(tag);
             }
             open.push('(');
             close.insert(0, ')');
-            cur = fields.iter().find(|(n, _)| n == seg).map(|(_, v)| v).ok_or_else(|| PointError::UnknownField {
-                path: path.into(),
-                at,
-                field: seg.to_string(),
-                fields: fields.iter().map(|(n, _)| n.to_string()).collect(),
+            cur = fields.iter().find(|(n, _)| n == seg).map(|(_, v)| v).ok_or_else(|| {
+                PointError::UnknownField {
+                    path: path.into(),
+                    at,
+                    field: seg.to_string(),
+                    fields: fields.iter().map(|(n, _)| n.to_string()).collect(),
+                }
             })?;
             open.push_str(seg);
             open.push_str(": ");
@@ -475,7 +499,13 @@ impl Applier {
 }
 
 /// The value of the field at `segs` in the one-field spec `one_field`.
-fn type_value(tree: &Node, segs: &[&str], path: &str, value: &str, one_field: &str) -> Result<Node, PointError> {
+fn type_value(
+    tree: &Node,
+    segs: &[&str],
+    path: &str,
+    value: &str,
+    one_field: &str,
+) -> Result<Node, PointError> {
     let value_err = |message: String| PointError::Value { path: path.into(), value: value.into(), message };
     let typed = parse_spec(one_field, path).map_err(|e| value_err(value_message(tree, path, value, e)))?;
     let typed = to_node(&typed).map_err(|e| value_err(e.to_string()))?;

@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use ir::spec::{parse_spec, ModelSpec};
 use serde_json::Value;
-use sweep::point::apply;
 use sweep::file::parse_seeds;
+use sweep::point::apply;
 use sweep::{expand, Budget, PlanError, PointError, Sweep, SweepError};
 
 /// A small GHC model: every point of these sweeps lowers in well under a millisecond.
@@ -204,7 +204,8 @@ fn axes_that_the_budget_the_seeds_or_another_axis_override_are_refused() {
     let s = cli(&["residual=Ghc(m: 2, n: 4),Ghc(m: 1, n: 2)", "residual.n=4,8"], "1", "steps=10").unwrap();
     assert_eq!(expand(&s).unwrap().points.len(), 4);
     // Sweep files too.
-    let err = file(r#"Sweep(base: Model(), axes: {"train.steps": [5, 10]}, budget: Steps(100))"#).unwrap_err();
+    let err =
+        file(r#"Sweep(base: Model(), axes: {"train.steps": [5, 10]}, budget: Steps(100))"#).unwrap_err();
     assert!(err.to_string().starts_with("axis `train.steps` has no effect: the budget sets"), "{err}");
     let err = file(r#"Sweep(base: Model(), axes: {"train.seed": [1, 2]}, budget: Steps(100))"#).unwrap_err();
     assert!(err.to_string().starts_with("axis `train.seed` has no effect: the seeds set"), "{err}");
@@ -223,11 +224,11 @@ fn points_that_train_the_same_spec_are_refused() {
         .to_string();
     assert!(err.starts_with("points `residual-Ghc+m+2+n+4` (residual = Ghc(m: 2, n: 4)) and"), "{err}");
     // Whole `train` values that differ only in what the seeds and the budget set.
-    let train = |seed: u64, steps: u64| format!("(seed: {seed}, steps: {steps}, batch: 2, seq_len: 16, schedule: Constant())");
+    let train = |seed: u64, steps: u64| {
+        format!("(seed: {seed}, steps: {steps}, batch: 2, seq_len: 16, schedule: Constant())")
+    };
     let set = format!("train={},{}", train(1, 3), train(2, 4));
-    let err = expand(&cli(&[&set], "1", "steps=10").unwrap())
-        .unwrap_err()
-        .to_string();
+    let err = expand(&cli(&[&set], "1", "steps=10").unwrap()).unwrap_err().to_string();
     assert!(err.contains("train the same spec"), "{err}");
 }
 
@@ -236,7 +237,10 @@ fn seed_counts_are_bounded_before_the_list_is_built() {
     for arg in ["1000000000000", "18446744073709551615", "1001"] {
         let start = Instant::now();
         let err = parse_seeds(arg).unwrap_err().to_string();
-        assert_eq!(err, format!("seeds: {arg} seeds per point is above the limit of 1000 (docs/sweeps.md, Limits)"));
+        assert_eq!(
+            err,
+            format!("seeds: {arg} seeds per point is above the limit of 1000 (docs/sweeps.md, Limits)")
+        );
         assert!(start.elapsed() < Duration::from_secs(1));
     }
     assert_eq!(parse_seeds("1000").unwrap().len(), 1000);
@@ -247,7 +251,8 @@ fn seed_counts_are_bounded_before_the_list_is_built() {
     let list: Vec<String> = (0..1000u64).map(|i| (i * 7919).to_string()).collect();
     assert_eq!(cli(&[], &list.join(","), "steps=10").unwrap().seeds.len(), 1000);
     for n in ["1000000000000", "18446744073709551615"] {
-        let err = file(&format!("Sweep(base: Model(), seeds: {n}, budget: Steps(5))")).unwrap_err().to_string();
+        let err =
+            file(&format!("Sweep(base: Model(), seeds: {n}, budget: Steps(5))")).unwrap_err().to_string();
         assert_eq!(
             err,
             format!("sweep.ron:1:29: seeds: {n} seeds per point is above the limit of 1000 (docs/sweeps.md, Limits)")
@@ -258,7 +263,8 @@ fn seed_counts_are_bounded_before_the_list_is_built() {
 #[test]
 fn axis_products_and_runs_are_bounded_before_any_point_is_built() {
     let ten: Vec<String> = (1..=10).map(|i| i.to_string()).collect();
-    let paths = ["d_model", "layers", "heads", "vocab", "train.batch", "train.seq_len", "mtp.depth", "residual.m"];
+    let paths =
+        ["d_model", "layers", "heads", "vocab", "train.batch", "train.seq_len", "mtp.depth", "residual.m"];
     let sets: Vec<String> = paths.iter().map(|p| format!("{p}={}", ten.join(","))).collect();
     let start = Instant::now();
     let err = Sweep::from_cli(tiny(), "tiny.ron", &sets, "1", "steps=10").unwrap_err().to_string();
@@ -289,7 +295,8 @@ fn axis_products_and_runs_are_bounded_before_any_point_is_built() {
     // Zip counts one point per value.
     let mut s = cli(&[], "1", "steps=10").unwrap();
     s.combine = sweep::Combine::Zip;
-    s.axes = vec![sweep::Axis { path: "d_model".into(), values: (0..10_001).map(|j| j.to_string()).collect() }];
+    s.axes =
+        vec![sweep::Axis { path: "d_model".into(), values: (0..10_001).map(|j| j.to_string()).collect() }];
     assert!(expand(&s).unwrap_err().to_string().contains("make 10001 points"));
 
     let err = cli_err(&[&format!("d_model={}", hundred.join(","))], "101", "steps=10");
@@ -313,17 +320,26 @@ fn whole_number_budgets_are_read_exactly() {
     let err = |arg: &str| arg.parse::<Budget>().unwrap_err().to_string();
     let tail = "; expected flops=2e14, tokens=1e6 or steps=300";
     for (arg, reason) in [
-        ("steps=18446744073709551616", "steps must be a whole number in 1..=100000000, got 18446744073709551616"),
+        (
+            "steps=18446744073709551616",
+            "steps must be a whole number in 1..=100000000, got 18446744073709551616",
+        ),
         ("steps=1e9", "steps must be a whole number in 1..=100000000, got 1e9"),
         ("steps=0", "steps must be a whole number in 1..=100000000, got 0"),
         (
             "tokens=18446744073709551616",
             "tokens must be a whole number in 1..=18446744073709551615, got 18446744073709551616",
         ),
-        ("tokens=1.8446744073709551616e19", "tokens must be a whole number in 1..=18446744073709551615, got 1.8446744073709551616e19"),
+        (
+            "tokens=1.8446744073709551616e19",
+            "tokens must be a whole number in 1..=18446744073709551615, got 1.8446744073709551616e19",
+        ),
         ("tokens=1.5", "tokens must be a whole number in 1..=18446744073709551615, got 1.5"),
         ("tokens=1e-3", "tokens must be a whole number in 1..=18446744073709551615, got 1e-3"),
-        ("tokens=1e99999999999999999999", "tokens must be a whole number in 1..=18446744073709551615, got 1e99999999999999999999"),
+        (
+            "tokens=1e99999999999999999999",
+            "tokens must be a whole number in 1..=18446744073709551615, got 1e99999999999999999999",
+        ),
         ("tokens=x", "`x` is not a number; tokens must be a whole number in 1..=18446744073709551615, got x"),
     ] {
         assert_eq!(err(arg), format!("--budget {arg}: {reason}{tail}"));
@@ -348,7 +364,11 @@ fn budgets_never_plan_more_steps_than_a_spec_may_train() {
     );
     let s = cli(&[], "1", "flops=1e300").unwrap();
     let PlanError::NothingValid { invalid } = expand(&s).unwrap_err() else { panic!() };
-    assert!(invalid[0].error.to_string().contains("above the limit of 100000000 steps"), "{}", invalid[0].error);
+    assert!(
+        invalid[0].error.to_string().contains("above the limit of 100000000 steps"),
+        "{}",
+        invalid[0].error
+    );
 }
 
 #[test]

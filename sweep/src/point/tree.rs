@@ -364,7 +364,12 @@ impl ser::Serializer for ToNode {
     fn serialize_unit_struct(self, _name: &'static str) -> Result<Node, TreeError> {
         Ok(Node::Unit)
     }
-    fn serialize_unit_variant(self, _: &'static str, _: u32, variant: &'static str) -> Result<Node, TreeError> {
+    fn serialize_unit_variant(
+        self,
+        _: &'static str,
+        _: u32,
+        variant: &'static str,
+    ) -> Result<Node, TreeError> {
         Ok(Node::UnitVariant(variant))
     }
     fn serialize_newtype_struct<T: Serialize + ?Sized>(
@@ -506,7 +511,11 @@ impl StructSer {
 impl ser::SerializeStruct for StructSer {
     type Ok = Node;
     type Error = TreeError;
-    fn serialize_field<T: Serialize + ?Sized>(&mut self, key: &'static str, value: &T) -> Result<(), TreeError> {
+    fn serialize_field<T: Serialize + ?Sized>(
+        &mut self,
+        key: &'static str,
+        value: &T,
+    ) -> Result<(), TreeError> {
         self.fields.push((key, value.serialize(ToNode)?));
         Ok(())
     }
@@ -518,7 +527,11 @@ impl ser::SerializeStruct for StructSer {
 impl ser::SerializeStructVariant for StructSer {
     type Ok = Node;
     type Error = TreeError;
-    fn serialize_field<T: Serialize + ?Sized>(&mut self, key: &'static str, value: &T) -> Result<(), TreeError> {
+    fn serialize_field<T: Serialize + ?Sized>(
+        &mut self,
+        key: &'static str,
+        value: &T,
+    ) -> Result<(), TreeError> {
         self.fields.push((key, value.serialize(ToNode)?));
         Ok(())
     }
@@ -532,7 +545,10 @@ impl ser::SerializeStructVariant for StructSer {
 pub enum Shape {
     Bool,
     /// An integer type, with its range.
-    Int { min: i128, max: i128 },
+    Int {
+        min: i128,
+        max: i128,
+    },
     Float,
     Char,
     Str,
@@ -620,9 +636,10 @@ impl<'a, 'p> Probe<'a, 'p> {
             return Some(hint);
         }
         let tag = match self.node? {
-            Node::UnitVariant(t) | Node::NewtypeVariant(t, _) | Node::TupleVariant(t, _) | Node::StructVariant(t, _) => {
-                *t
-            }
+            Node::UnitVariant(t)
+            | Node::NewtypeVariant(t, _)
+            | Node::TupleVariant(t, _)
+            | Node::StructVariant(t, _) => *t,
             _ => return None,
         };
         variants.iter().find(|v| **v == tag).copied()
@@ -687,7 +704,11 @@ impl<'de, 'a, 'p> de::Deserializer<'de> for Probe<'a, 'p> {
         visitor.visit_some(Probe { node, ..self })
     }
 
-    fn deserialize_newtype_struct<V: Visitor<'de>>(self, _: &'static str, visitor: V) -> Result<V::Value, TreeError> {
+    fn deserialize_newtype_struct<V: Visitor<'de>>(
+        self,
+        _: &'static str,
+        visitor: V,
+    ) -> Result<V::Value, TreeError> {
         let node = self.inner_node();
         visitor.visit_newtype_struct(Probe { node, ..self })
     }
@@ -745,9 +766,7 @@ impl<'de, 'a, 'p> de::Deserializer<'de> for Probe<'a, 'p> {
         let Some(tag) = self.variant(variants) else { return self.stop() };
         // A variant the base holds passes its payload on; a hinted one has none known.
         let node = match self.node {
-            Some(
-                Node::NewtypeVariant(t, inner),
-            ) if *t == tag => Some(&**inner),
+            Some(Node::NewtypeVariant(t, inner)) if *t == tag => Some(&**inner),
             Some(n @ Node::StructVariant(t, _)) if *t == tag => Some(n),
             _ => None,
         };
