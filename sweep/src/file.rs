@@ -677,6 +677,7 @@ fn parse_budget(kind: &str, amount: &str) -> Result<Budget, String> {
 /// to `u64::MAX`.
 fn whole(amount: &str, what: &str, max: u64) -> Result<u64, String> {
     let range = || format!("{what} must be a whole number in 1..={max}, got {amount}");
+    let not_a_number = || format!("`{amount}` is not a number; {}", range());
     let text = amount.strip_prefix('+').unwrap_or(amount);
     let (mantissa, exponent) = match text.find(['e', 'E']) {
         Some(at) => (&text[..at], Some(&text[at + 1..])),
@@ -684,51 +685,43 @@ fn whole(amount: &str, what: &str, max: u64) -> Result<u64, String> {
     };
     let (int_part, frac_part) = mantissa.split_once('.').unwrap_or((mantissa, ""));
     let digits_ok = |s: &str| s.chars().all(|c| c.is_ascii_digit() || c == '_');
-    if int_part.is_empty() && frac_part.is_empty() || !digits_ok(int_part) || !digits_ok(frac_part) {
-        return Err(format!("`{amount}` is not a number; {}", range()));
+    if !mantissa.contains(|c: char| c.is_ascii_digit()) || !digits_ok(int_part) || !digits_ok(frac_part) {
+        return Err(not_a_number());
     }
     let exponent: i64 = match exponent {
         None => 0,
-        Some(e) => match e.strip_prefix('+').unwrap_or(e).parse::<i64>() {
-            Ok(e) => e,
-            // Only an exponent beyond i64 fails to parse: far out of range either way.
-            Err(_)
-                if !e.is_empty() && e.trim_start_matches(['+', '-']).chars().all(|c| c.is_ascii_digit()) =>
-            {
-                return Err(range());
+        Some(e) => {
+            let digits = e.strip_prefix(['+', '-']).unwrap_or(e);
+            if digits.is_empty() || !digits.chars().all(|c| c.is_ascii_digit()) {
+                return Err(not_a_number());
             }
-            Err(_) => return Err(format!("`{amount}` is not a number; {}", range())),
-        },
+            // An exponent beyond i64 is far out of range (or far from whole) either way.
+            e.strip_prefix('+').unwrap_or(e).parse::<i64>().map_err(|_| range())?
+        }
     };
-    // value = digits · 10^(exponent - fraction length), with trailing zeros of the
-    // digits moved into the exponent so the test for a whole number is exact.
-    let mut digits: String = int_part.chars().chain(frac_part.chars()).filter(|c| *c != '_').collect();
-    let mut exp = exponent.saturating_sub(frac_part.chars().filter(|c| *c != '_').count() as i64);
-    let trimmed = digits.trim_start_matches('0').len();
-    if trimmed == 0 {
+    // value = digits · 10^(exponent - fraction length); trailing zeros of the digits
+    // move into the exponent, so the test for a whole number is exact.
+    let frac_len = frac_part.chars().filter(|c| *c != '_').count() as i64;
+    let mut digits: String =
+        int_part.chars().chain(frac_part.chars()).filter(|c| *c != '_').skip_while(|c| *c == '0').collect();
+    let mut exp = exponent.saturating_sub(frac_len);
+    if digits.is_empty() {
         return Err(range());
     }
-    digits = digits.trim_start_matches('0').to_string();
     while digits.ends_with('0') {
         digits.pop();
         exp = exp.saturating_add(1);
     }
-    if exp < 0 {
+    // Not whole, or more digits than a u64 holds.
+    if !(0..=19).contains(&exp) || digits.len() > 20 {
         return Err(range());
     }
-    // More than 20 significant digits, or a shift past 10^19, cannot fit in u64.
-    if digits.len() > 20 || exp > 19 {
-        return Err(range());
-    }
-    let value = digits
+    digits
         .parse::<u64>()
         .ok()
-        .and_then(|d| 10u64.checked_pow(exp as u32).and_then(|p| d.checked_mul(p)))
-        .ok_or_else(|| range())?;
-    if value > max {
-        return Err(range());
-    }
-    Ok(value)
+        .and_then(|d| d.checked_mul(10u64.pow(exp as u32)))
+        .filter(|&v| v <= max)
+        .ok_or_else(range)
 }
 
 #[cfg(test)]

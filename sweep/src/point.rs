@@ -1,16 +1,18 @@
 //! Points: the base spec with the axes' values set, validated, budgeted and named.
 //!
-//! **Setting a field path.** The base [`ModelSpec`] is serialized to a
-//! `serde_json::Value` and the path is followed through it. Enum-valued fields appear
-//! there as externally tagged objects (`"residual": {"Ghc": {"m": 4, "n": 16}}`), so a
-//! path step passes through the variant to its fields: `residual.n` reaches GHC's `n`,
-//! `train.optimizer.lr` AdamW's `lr`. (An object with a single key that starts with an
-//! upper-case letter is a variant: every spec struct field is snake_case.) The value,
-//! RON text, is typed against exactly that field by reading a one-field spec through
-//! [`ir::spec::parse_spec`] (`(residual: Ghc(n: 8))`), so every field takes the RON a
-//! spec file would hold, enum variants included; the typed leaf is put into the
-//! base's JSON, the result deserialized and then [`ModelSpec::validate`]d. A path that
-//! is not in the base is an error naming the path and the fields that exist there.
+//! **Setting a field path.** The base [`ModelSpec`] is serialized to a tree that keeps
+//! every value exactly and names every enum variant (`tree`: JSON would turn NaN and
+//! infinities into `null`, so `clip: Some(NaN)` would read back as `None`), and the
+//! path is followed through it; a step passes through the variant a field holds to
+//! that variant's fields: `residual.n` reaches GHC's `n`, `train.optimizer.lr` AdamW's
+//! `lr`. The value, RON text, is typed against exactly that field by reading a
+//! one-field spec through [`ir::spec::parse_spec`] (`(residual: Ghc(n: 8))`), so every
+//! field takes the RON a spec file would hold, enum variants included; the typed leaf
+//! replaces the base's, and the whole tree is written as RON and read by
+//! [`ir::spec::parse_spec`] again, as a spec file with those values would be. A path
+//! that is not in the base is an error naming the path and the fields that exist
+//! there; a value of the wrong type, an error naming the path, the value and what the
+//! field takes (its variants, or the type and range of a number).
 //!
 //! **The derived axis `residual.r`** sets GHC's virtual width factor r = n/m
 //! (docs/math.md §5.1) by setting n = r·m with the point's m; r·m must be a whole
@@ -26,7 +28,8 @@
 //! that is not under `residual`. Names longer than 120 characters keep 100 and add
 //! `~` and 16 hex digits of the full name's SHA-256, so they stay unique and stable.
 //! Two points with one name (equal values, or values equal after the reduction) make
-//! the sweep an error. Each (point, seed) run lives in `<point>/seed-<seed>`.
+//! the sweep an error, and so do two points with one spec (`d_model` values `32` and
+//! `0x20`). Each (point, seed) run lives in `<point>/seed-<seed>`.
 //!
 //! **Fairness.** The seed sets `train.seed`, which fixes the data order, so every
 //! point trained with the same seed sees the same batches in the same order.
