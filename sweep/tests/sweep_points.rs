@@ -425,3 +425,19 @@ fn deep_nesting_is_refused_in_plain_words() {
         assert!(!e.contains("serde_stacker") && !e.contains("recursion_limit"), "{e}");
     }
 }
+
+#[test]
+fn points_too_large_for_the_machine_are_refused_before_lowering() {
+    // Valid (under the fixed 16 TiB ceiling) but far above a small machine: lowering
+    // its MTP block would allocate a 2·D² init, so the memory check comes first.
+    let big = "Model(d_model: 131072, heads: 2, layers: 1, mtp: (depth: 1), \
+               train: (batch: 1, seq_len: 2, schedule: Constant()))";
+    let base = parse_spec(big, "big").unwrap();
+    base.validate().unwrap();
+    let s = Sweep::from_cli(base, "big", &[] as &[&str], "1", "steps=5").unwrap();
+    let err = sweep::point::expand_within(&s, Some(64 << 20)).unwrap_err();
+    let PlanError::NothingValid { invalid } = &err else { panic!("{err:?}") };
+    let PointError::Invalid { errors } = &invalid[0].error else { panic!("{:?}", invalid[0].error) };
+    assert!(errors[0].message.starts_with("training needs about"), "{errors:?}");
+    assert!(errors[0].message.contains("above the 0.1 GiB of memory available"), "{errors:?}");
+}
