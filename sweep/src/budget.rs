@@ -8,8 +8,13 @@
 //! FLOPs) a point actually trains are within half a step of the budget; at least one
 //! step is always trained. The plan reports what is actually trained, which is what
 //! results and fits must use.
+//!
+//! Every step count, given or planned, is at most the spec's own limit on
+//! `train.steps` ([`max_steps`], from [`ir::spec::limits`]), so a budget can never
+//! plan a run the validator would refuse, and the error says which budget did it.
 
 use ir::cost::cost_report;
+use ir::spec::limits::integer_limit;
 use ir::spec::ModelSpec;
 use serde::{Deserialize, Serialize};
 
@@ -24,12 +29,22 @@ pub enum Budget {
     Steps(u64),
 }
 
+/// The most steps a point may train: the spec's limit on `train.steps`.
+pub fn max_steps() -> u64 {
+    integer_limit("train.steps").map_or(u64::MAX, |l| l.max)
+}
+
 impl Budget {
-    /// A budget must train something: a positive amount, and for FLOPs a finite one.
+    /// A budget must train something: a positive amount, for FLOPs a finite one, and
+    /// for steps at most [`max_steps`].
     pub fn check(&self) -> Result<(), String> {
         match *self {
             Budget::Tokens(0) => Err("Tokens(0) trains nothing; give a token count >= 1".into()),
             Budget::Steps(0) => Err("Steps(0) trains nothing; give a step count >= 1".into()),
+            Budget::Steps(n) if n > max_steps() => Err(format!(
+                "Steps({n}) is above the limit of {} steps (the spec's limit on train.steps)",
+                max_steps()
+            )),
             Budget::Flops(f) if !(f.is_finite() && f > 0.0) => {
                 Err(format!("Flops({f}) must be a finite FLOP count > 0"))
             }
@@ -68,6 +83,12 @@ pub enum BudgetError {
     /// The budget itself is not usable (see [`Budget::check`]).
     #[error("{0}")]
     Budget(String),
+    /// The budget gives this point more steps than a spec may train.
+    #[error(
+        "{budget:?} is {steps} steps at {tokens_per_step} tokens per step, above the limit of {max} steps \
+         (the spec's limit on train.steps); use a smaller budget"
+    )]
+    TooManySteps { budget: Budget, steps: u64, tokens_per_step: u64, max: u64 },
 }
 
 /// Plans `spec`'s steps under `budget`, counting the spec's cost with the cost model.
@@ -102,6 +123,11 @@ pub fn plan_with(
         }
     }
     .max(1);
+    // A FLOP budget over a cheap point can ask for any number of steps (the cast
+    // above saturates); none past the spec's limit is planned.
+    if steps > max_steps() {
+        return Err(BudgetError::TooManySteps { budget: *budget, steps, tokens_per_step, max: max_steps() });
+    }
     let tokens = steps.saturating_mul(tokens_per_step);
     Ok(BudgetPlan {
         steps: usize::try_from(steps).unwrap_or(usize::MAX),

@@ -29,17 +29,40 @@
 //! The CLI shorthand builds the same [`Sweep`]: `--set residual.n=4,8,16` (one axis per
 //! `--set`; values split at top-level commas), `--seeds 3` (or `--seeds 1,7`) and
 //! `--budget flops=2e14 | tokens=1e6 | steps=300`.
+//!
+//! **Limits** (docs/sweeps.md, Limits), checked before anything is built, so no input
+//! can make a sweep allocate or loop without bound: at most [`MAX_AXES`] axes,
+//! [`MAX_SEEDS`] seeds, [`MAX_POINTS`] points and [`MAX_RUNS`] runs (points x seeds,
+//! baseline twins included). Step counts, given or from a budget, are at most the
+//! spec's own limit on `train.steps` (1e8, [`ir::spec::limits`]).
 
+use std::collections::HashSet;
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
 use ir::spec::{parse_spec, ModelSpec, SpecLoadError};
+use ron_raw::error::Error as RonError;
 use ron_raw::value::RawValue;
 use serde::de::{self, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
 
-use crate::budget::Budget;
+use crate::budget::{max_steps, Budget};
+use crate::point::RATIO_AXIS;
+
+/// Most axes in one sweep: far more than a comparison can read, and it bounds the
+/// work of naming and building every point.
+pub const MAX_AXES: usize = 32;
+
+/// Most seeds per point: every seed is one more training run of every point.
+pub const MAX_SEEDS: usize = 1000;
+
+/// Most points (combinations of axis values) in one sweep, before baseline twins.
+pub const MAX_POINTS: usize = 10_000;
+
+/// Most runs (points, baseline twins included, times seeds) in one sweep: each is a
+/// training run with its own folder, and the plan holds a spec for each.
+pub const MAX_RUNS: usize = 10_000;
 
 /// A whole sweep. Build one with [`Sweep::load`], [`Sweep::parse`] or
 /// [`Sweep::from_cli`]; [`Sweep::check`] states the rules every constructor enforces.
@@ -131,12 +154,52 @@ pub enum SweepError {
     #[error("--budget {arg}: {reason}; expected flops=2e14, tokens=1e6 or steps=300")]
     BadBudget { arg: String, reason: String },
     /// A `--seeds` argument that is not a count or a list.
-    #[error("--seeds {arg}: expected a count (3) or a comma-separated list of seeds (1,7)")]
+    #[error("--seeds {arg}: expected a count (3) or a comma-separated list of seeds (1,7), each a whole number in 0..=18446744073709551615")]
     BadSeeds { arg: String },
+    /// More seeds than [`MAX_SEEDS`].
+    #[error("seeds: {count} seeds per point is above the limit of {MAX_SEEDS} (docs/sweeps.md, Limits)")]
+    TooManySeeds { count: String },
+    /// More axes than [`MAX_AXES`].
+    #[error("axes: {count} axes is above the limit of {MAX_AXES} (docs/sweeps.md, Limits)")]
+    TooManyAxes { count: usize },
+    /// The axes combine into more than [`MAX_POINTS`] points.
+    #[error(
+        "axes: {} make {} points, above the limit of {MAX_POINTS} (docs/sweeps.md, Limits); use fewer values",
+        product(.axes),
+        .points.map_or("more than 10^38".to_string(), |p| p.to_string())
+    )]
+    TooManyPoints { axes: Vec<(String, usize)>, points: Option<u128> },
+    /// Points x seeds above [`MAX_RUNS`].
+    #[error(
+        "{points} points x {seeds} seeds make {runs} runs, above the limit of {MAX_RUNS} (docs/sweeps.md, \
+         Limits); use fewer axis values or seeds"
+    )]
+    TooManyRuns { points: usize, seeds: usize, runs: u128 },
+    /// An axis whose values every point loses to something else that sets the same field.
+    #[error("axis `{axis}` has no effect: {by}")]
+    OverriddenAxis { axis: String, by: String },
 }
 
 fn lengths(axes: &[(String, usize)]) -> String {
     axes.iter().map(|(a, n)| format!("`{a}` has {n}")).collect::<Vec<_>>().join(", ")
+}
+
+fn product(axes: &[(String, usize)]) -> String {
+    axes.iter().map(|(a, n)| format!("`{a}` ({n} values)")).collect::<Vec<_>>().join(" x ")
+}
+
+/// A ron error as a message: the code's own words, except where they give advice
+/// about ron's API rather than about the file.
+fn ron_message(code: &RonError) -> String {
+    match code {
+        RonError::ExceededRecursionLimit => {
+            "values nest too deeply (more than 128 levels of brackets); no sweep or spec needs that".into()
+        }
+        RonError::SuggestRawIdentifier(ident) => {
+            format!("`{ident}` is not a valid name or value here")
+        }
+        other => other.to_string(),
+    }
 }
 
 impl Sweep {
@@ -156,7 +219,7 @@ impl Sweep {
             path: label.to_string(),
             line: e.span.start.line,
             col: e.span.start.col,
-            message: e.code.to_string(),
+            message: ron_message(&e.code),
         })?;
         let (base, base_source) = read_base(&file.base, text, label, dir)?;
         let sweep = Sweep {
@@ -173,7 +236,7 @@ impl Sweep {
                 .collect(),
             combine: file.combine,
             seeds: file.seeds.0,
-            budget: file.budget,
+            budget: file_budget(file.budget.get_ron())?,
             baseline: file.baseline,
             on_invalid: file.on_invalid,
         };
@@ -206,37 +269,123 @@ impl Sweep {
         Ok(sweep)
     }
 
-    /// The rules of a well-formed sweep: every axis has values and a distinct path,
-    /// `Zip` axes have equal lengths, the seeds are a non-empty set, and the budget
-    /// is a positive finite amount. (Whether each point is a valid spec is
-    /// [`crate::point`]'s question.)
+    /// The rules of a well-formed sweep: every axis has values and a distinct path and
+    /// changes the points (no other axis, nor the budget or the seeds, overrides it),
+    /// `Zip` axes have equal lengths, the seeds are a non-empty set, the budget is a
+    /// positive finite amount within the step limit, and the axes, seeds, points and
+    /// runs are within their limits ([`MAX_AXES`], [`MAX_SEEDS`], [`MAX_POINTS`],
+    /// [`MAX_RUNS`]), counted without building anything. (Whether each point is a
+    /// valid spec is [`crate::point`]'s question.)
     pub fn check(&self) -> Result<(), SweepError> {
-        for (i, axis) in self.axes.iter().enumerate() {
+        if self.axes.len() > MAX_AXES {
+            return Err(SweepError::TooManyAxes { count: self.axes.len() });
+        }
+        let mut paths: HashSet<&str> = HashSet::new();
+        for axis in &self.axes {
             if axis.values.is_empty() {
                 return Err(SweepError::EmptyAxis { axis: axis.path.clone() });
             }
-            if self.axes[..i].iter().any(|a| a.path == axis.path) {
+            if !paths.insert(axis.path.as_str()) {
                 return Err(SweepError::DuplicateAxis { axis: axis.path.clone() });
             }
         }
-        if self.combine == Combine::Zip {
-            let first = self.axes.first().map_or(0, |a| a.values.len());
-            if self.axes.iter().any(|a| a.values.len() != first) {
-                return Err(SweepError::ZipLengths {
-                    axes: self.axes.iter().map(|a| (a.path.clone(), a.values.len())).collect(),
-                });
+        for (i, axis) in self.axes.iter().enumerate() {
+            if let Some(by) = self.overridden_by(i) {
+                return Err(SweepError::OverriddenAxis { axis: axis.path.clone(), by });
             }
         }
+        let lengths = || self.axes.iter().map(|a| (a.path.clone(), a.values.len())).collect::<Vec<_>>();
+        let points: Option<u128> = match self.combine {
+            Combine::Zip => {
+                let first = self.axes.first().map_or(0, |a| a.values.len());
+                if self.axes.iter().any(|a| a.values.len() != first) {
+                    return Err(SweepError::ZipLengths { axes: lengths() });
+                }
+                Some(first.max(1) as u128)
+            }
+            Combine::Product => {
+                self.axes.iter().try_fold(1u128, |acc, a| acc.checked_mul(a.values.len() as u128))
+            }
+        };
+        let points = match points {
+            Some(p) if p <= MAX_POINTS as u128 => p as usize,
+            points => return Err(SweepError::TooManyPoints { axes: lengths(), points }),
+        };
         if self.seeds.is_empty() {
             return Err(SweepError::NoSeeds);
         }
-        for (i, &seed) in self.seeds.iter().enumerate() {
-            if self.seeds[..i].contains(&seed) {
+        if self.seeds.len() > MAX_SEEDS {
+            return Err(SweepError::TooManySeeds { count: self.seeds.len().to_string() });
+        }
+        let mut seen: HashSet<u64> = HashSet::with_capacity(self.seeds.len());
+        for &seed in &self.seeds {
+            if !seen.insert(seed) {
                 return Err(SweepError::DuplicateSeed { seed });
             }
         }
+        let runs = points as u128 * self.seeds.len() as u128;
+        if runs > MAX_RUNS as u128 {
+            return Err(SweepError::TooManyRuns { points, seeds: self.seeds.len(), runs });
+        }
         self.budget.check().map_err(SweepError::Budget)
     }
+
+    /// What makes axis `i` do nothing, if anything: the budget (it sets `train.steps`),
+    /// the seeds (`train.seed`), the derived `residual.r` (it sets `residual.n`), or a
+    /// later axis that sets a whole value this axis sets a field of.
+    fn overridden_by(&self, i: usize) -> Option<String> {
+        let path = self.axes[i].path.as_str();
+        if path == "train.steps" {
+            return Some(
+                "the budget sets every point's train.steps; give the step count as the budget \
+                 (--budget steps=N, or `budget: Steps(N)` in a sweep file), one sweep per count"
+                    .into(),
+            );
+        }
+        if path == "train.seed" {
+            return Some(
+                "the seeds set every run's train.seed; give them with --seeds (or `seeds:` in a sweep file)"
+                    .into(),
+            );
+        }
+        if path == "residual.n" && self.axes.iter().any(|a| a.path == RATIO_AXIS) {
+            return Some(format!(
+                "the derived axis `{RATIO_AXIS}` sets residual.n = r·m on every point; sweep one of the two"
+            ));
+        }
+        if path == RATIO_AXIS {
+            return None;
+        }
+        self.axes[i + 1..].iter().find(|a| path.starts_with(&format!("{}.", a.path))).map(|later| {
+            format!(
+                "the later axis `{}` sets the whole of `{}` on every point; give `{}` before `{path}`",
+                later.path, later.path, later.path
+            )
+        })
+    }
+}
+
+/// The sweep file's `budget`: `Tokens(N)`, `Flops(F)` or `Steps(N)`, the amount read
+/// as the CLI's `--budget` reads it (whole numbers exactly, scientific notation allowed).
+fn file_budget(raw: &str) -> Result<Budget, SweepError> {
+    let raw = raw.trim();
+    let bad = |reason: String| {
+        SweepError::Budget(format!("{raw}: {reason}; expected Tokens(1000000), Flops(2e14) or Steps(300)"))
+    };
+    let (kind, rest) =
+        raw.split_at(raw.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).unwrap_or(raw.len()));
+    let amount = rest
+        .trim()
+        .strip_prefix('(')
+        .and_then(|r| r.strip_suffix(')'))
+        .ok_or_else(|| bad("not a budget".into()))?;
+    let kind = match kind {
+        "Tokens" => "tokens",
+        "Flops" => "flops",
+        "Steps" => "steps",
+        _ => return Err(bad(format!("unknown budget kind `{kind}`"))),
+    };
+    parse_budget(kind, amount.trim()).map_err(bad)
 }
 
 /// Reads the `base` field: a string is a spec file path (relative to `dir`), anything
@@ -249,7 +398,7 @@ fn read_base(raw: &RawValue, text: &str, label: &str, dir: &Path) -> Result<(Mod
             path: label.to_string(),
             line: e.span.start.line,
             col: e.span.start.col,
-            message: format!("in `base`: {}", e.code),
+            message: format!("in `base`: {}", ron_message(&e.code)),
         })?;
         let path: PathBuf = dir.join(&rel);
         let shown = path.display().to_string();
@@ -301,7 +450,7 @@ struct SweepFile {
     combine: Combine,
     #[serde(default)]
     seeds: SeedsField,
-    budget: Budget,
+    budget: Box<RawValue>,
     #[serde(default)]
     baseline: bool,
     #[serde(default)]
@@ -323,9 +472,13 @@ impl<'de> Deserialize<'de> for AxesField {
             }
             fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<AxesField, A::Error> {
                 let mut axes: Vec<(String, Vec<Box<RawValue>>)> = Vec::new();
+                let mut seen: HashSet<String> = HashSet::new();
                 while let Some(path) = map.next_key::<String>()? {
-                    if axes.iter().any(|(p, _)| *p == path) {
+                    if !seen.insert(path.clone()) {
                         return Err(de::Error::custom(format!("axis `{path}` is given twice")));
+                    }
+                    if axes.len() == MAX_AXES {
+                        return Err(de::Error::custom(SweepError::TooManyAxes { count: MAX_AXES + 1 }));
                     }
                     let values = map.next_value()?;
                     axes.push((path, values));
@@ -355,16 +508,33 @@ impl<'de> Deserialize<'de> for SeedsField {
                 f.write_str("a seed count (3) or a list of seeds ([1, 7])")
             }
             fn visit_u64<E: de::Error>(self, n: u64) -> Result<SeedsField, E> {
+                // Bounded before the list is built.
+                if n > MAX_SEEDS as u64 {
+                    return Err(E::custom(SweepError::TooManySeeds { count: n.to_string() }));
+                }
                 Ok(SeedsField((0..n).collect()))
             }
             fn visit_i64<E: de::Error>(self, n: i64) -> Result<SeedsField, E> {
-                u64::try_from(n)
-                    .map(|n| SeedsField((0..n).collect()))
-                    .map_err(|_| E::custom(format!("seeds: {n} is negative; give a count >= 1")))
+                match u64::try_from(n) {
+                    Ok(n) => self.visit_u64(n),
+                    Err(_) => Err(E::custom(format!(
+                        "seeds: {n} is negative; give a count in 1..={MAX_SEEDS} or a list of seeds"
+                    ))),
+                }
+            }
+            fn visit_f64<E: de::Error>(self, x: f64) -> Result<SeedsField, E> {
+                Err(E::custom(format!(
+                    "seeds: {x} is a float; give a count written as digits, in 1..={MAX_SEEDS}, or a list of seeds"
+                )))
             }
             fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<SeedsField, A::Error> {
                 let mut seeds = Vec::new();
                 while let Some(s) = seq.next_element::<u64>()? {
+                    if seeds.len() == MAX_SEEDS {
+                        return Err(de::Error::custom(SweepError::TooManySeeds {
+                            count: format!("more than {MAX_SEEDS}"),
+                        }));
+                    }
                     seeds.push(s);
                 }
                 Ok(SeedsField(seeds))
@@ -394,7 +564,11 @@ impl FromStr for Axis {
         for v in &values {
             RawValue::from_ron(v).map_err(|e| SweepError::BadSet {
                 arg: arg.to_string(),
-                reason: format!("value `{v}` is not RON: {}", e.code),
+                reason: format!(
+                    "value `{v}` is not RON ({}); values are written as in a spec file: 8, 3e-3, GroupNorm, \
+                     Ghc(m: 4, n: 8), \"text\"",
+                    ron_message(&e.code)
+                ),
             })?;
         }
         Ok(Axis { path: path.to_string(), values })
@@ -453,13 +627,21 @@ pub fn is_sweep_file(text: &str) -> bool {
 }
 
 /// `--seeds 3` (seeds 0, 1, 2) or `--seeds 1,7`.
+/// At most [`MAX_SEEDS`], counted before the list is built.
 pub fn parse_seeds(arg: &str) -> Result<Vec<u64>, SweepError> {
     let bad = || SweepError::BadSeeds { arg: arg.to_string() };
     let arg_t = arg.trim();
     if arg_t.contains(',') {
+        let count = arg_t.split(',').count();
+        if count > MAX_SEEDS {
+            return Err(SweepError::TooManySeeds { count: count.to_string() });
+        }
         arg_t.split(',').map(|s| s.trim().parse::<u64>().map_err(|_| bad())).collect()
     } else {
         let n: u64 = arg_t.parse().map_err(|_| bad())?;
+        if n > MAX_SEEDS as u64 {
+            return Err(SweepError::TooManySeeds { count: n.to_string() });
+        }
         Ok((0..n).collect())
     }
 }
@@ -467,28 +649,79 @@ pub fn parse_seeds(arg: &str) -> Result<Vec<u64>, SweepError> {
 impl FromStr for Budget {
     type Err = SweepError;
 
-    /// `flops=2e14`, `tokens=1e6` (a whole number, scientific notation allowed) or `steps=300`.
+    /// `flops=2e14`, `tokens=1e6` or `steps=300`: token and step counts are whole
+    /// numbers read exactly (digits, or scientific notation that is a whole number), in
+    /// range (steps at most the spec's limit on `train.steps`).
     fn from_str(arg: &str) -> Result<Budget, SweepError> {
         let bad = |reason: String| SweepError::BadBudget { arg: arg.to_string(), reason };
         let (kind, amount) = arg.split_once('=').ok_or_else(|| bad("no `=`".into()))?;
-        let x: f64 =
-            amount.trim().parse().map_err(|_| bad(format!("`{}` is not a number", amount.trim())))?;
-        let whole = |what: &str| -> Result<u64, SweepError> {
-            if x.is_finite() && x >= 1.0 && x.fract() == 0.0 && x <= u64::MAX as f64 {
-                Ok(x as u64)
-            } else {
-                Err(bad(format!("{what} must be a whole number >= 1, got {x}")))
-            }
-        };
-        let budget = match kind.trim() {
-            "flops" => Budget::Flops(x),
-            "tokens" => Budget::Tokens(whole("tokens")?),
-            "steps" => Budget::Steps(whole("steps")?),
-            other => return Err(bad(format!("unknown budget kind `{other}`"))),
-        };
-        budget.check().map_err(bad)?;
-        Ok(budget)
+        parse_budget(kind.trim(), amount.trim()).map_err(bad)
     }
+}
+
+/// A budget from its kind (`tokens`, `flops`, `steps`) and amount; the error is the reason.
+fn parse_budget(kind: &str, amount: &str) -> Result<Budget, String> {
+    let budget = match kind {
+        "flops" => Budget::Flops(amount.parse().map_err(|_| format!("`{amount}` is not a number"))?),
+        "tokens" => Budget::Tokens(whole(amount, "tokens", u64::MAX)?),
+        "steps" => Budget::Steps(whole(amount, "steps", max_steps())?),
+        other => return Err(format!("unknown budget kind `{other}`")),
+    };
+    budget.check()?;
+    Ok(budget)
+}
+
+/// `amount` as a whole number in 1..=max, read exactly: digits (`_` allowed between
+/// them), or a decimal with an exponent whose value is whole (`1e6`, `2.5e3`). No
+/// float is involved, so `18446744073709551616` is out of range rather than rounded
+/// to `u64::MAX`.
+fn whole(amount: &str, what: &str, max: u64) -> Result<u64, String> {
+    let range = || format!("{what} must be a whole number in 1..={max}, got {amount}");
+    let not_a_number = || format!("`{amount}` is not a number; {}", range());
+    let text = amount.strip_prefix('+').unwrap_or(amount);
+    let (mantissa, exponent) = match text.find(['e', 'E']) {
+        Some(at) => (&text[..at], Some(&text[at + 1..])),
+        None => (text, None),
+    };
+    let (int_part, frac_part) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    let digits_ok = |s: &str| s.chars().all(|c| c.is_ascii_digit() || c == '_');
+    if !mantissa.contains(|c: char| c.is_ascii_digit()) || !digits_ok(int_part) || !digits_ok(frac_part) {
+        return Err(not_a_number());
+    }
+    let exponent: i64 = match exponent {
+        None => 0,
+        Some(e) => {
+            let digits = e.strip_prefix(['+', '-']).unwrap_or(e);
+            if digits.is_empty() || !digits.chars().all(|c| c.is_ascii_digit()) {
+                return Err(not_a_number());
+            }
+            // An exponent beyond i64 is far out of range (or far from whole) either way.
+            e.strip_prefix('+').unwrap_or(e).parse::<i64>().map_err(|_| range())?
+        }
+    };
+    // value = digits · 10^(exponent - fraction length); trailing zeros of the digits
+    // move into the exponent, so the test for a whole number is exact.
+    let frac_len = frac_part.chars().filter(|c| *c != '_').count() as i64;
+    let mut digits: String =
+        int_part.chars().chain(frac_part.chars()).filter(|c| *c != '_').skip_while(|c| *c == '0').collect();
+    let mut exp = exponent.saturating_sub(frac_len);
+    if digits.is_empty() {
+        return Err(range());
+    }
+    while digits.ends_with('0') {
+        digits.pop();
+        exp = exp.saturating_add(1);
+    }
+    // Not whole, or more digits than a u64 holds.
+    if !(0..=19).contains(&exp) || digits.len() > 20 {
+        return Err(range());
+    }
+    digits
+        .parse::<u64>()
+        .ok()
+        .and_then(|d| d.checked_mul(10u64.pow(exp as u32)))
+        .filter(|&v| v <= max)
+        .ok_or_else(range)
 }
 
 #[cfg(test)]
@@ -511,7 +744,7 @@ mod tests {
 
     const INLINE: &str = r#"Sweep(
     base: Model(d_model: 32, residual: Ghc(m: 2, n: 4)),
-    axes: {"residual.n": [4, 8, 16], "mtp.depth": [0, 1], "residual": [Residual, Ghc(m: 4, n: 8)]},
+    axes: {"residual": [Residual, Ghc(m: 4, n: 8)], "mtp.depth": [0, 1], "residual.n": [4, 8, 16]},
     combine: Product,
     seeds: [3, 5],
     budget: Flops(2e14),
@@ -526,9 +759,9 @@ mod tests {
         assert!(matches!(s.base.residual, ResidualSpec::Ghc(ref g) if g.m == 2 && g.n == 4));
         assert_eq!(s.base_source, "sweep.ron (inline base)");
         let paths: Vec<&str> = s.axes.iter().map(|a| a.path.as_str()).collect();
-        assert_eq!(paths, ["residual.n", "mtp.depth", "residual"], "axes keep the written order");
-        assert_eq!(s.axes[0].values, ["4", "8", "16"]);
-        assert_eq!(s.axes[2].values, ["Residual", "Ghc(m: 4, n: 8)"], "enum values keep their RON text");
+        assert_eq!(paths, ["residual", "mtp.depth", "residual.n"], "axes keep the written order");
+        assert_eq!(s.axes[2].values, ["4", "8", "16"]);
+        assert_eq!(s.axes[0].values, ["Residual", "Ghc(m: 4, n: 8)"], "enum values keep their RON text");
         assert_eq!(s.combine, Combine::Product);
         assert_eq!(s.seeds, [3, 5]);
         assert_eq!(s.budget, Budget::Flops(2e14));
@@ -611,21 +844,21 @@ mod tests {
         let s = Sweep::from_cli(
             base.clone(),
             "base.ron",
-            &["residual.n=4,8,16", "residual=Residual,Ghc(m: 4, n: 8)"],
+            &["residual=Residual,Ghc(m: 4, n: 8)", "residual.n=4,8,16"],
             "3",
             "flops=2e14",
         )
         .unwrap();
         assert_eq!(
-            s.axes[0],
+            s.axes[1],
             Axis { path: "residual.n".into(), values: vec!["4".into(), "8".into(), "16".into()] }
         );
-        assert_eq!(s.axes[1].values, ["Residual", "Ghc(m: 4, n: 8)"]);
+        assert_eq!(s.axes[0].values, ["Residual", "Ghc(m: 4, n: 8)"]);
         assert_eq!(s.seeds, [0, 1, 2]);
         assert_eq!(s.budget, Budget::Flops(2e14));
 
         let file = parse(
-            r#"Sweep(base: Model(), axes: {"residual.n": [4, 8, 16], "residual": [Residual, Ghc(m: 4, n: 8)]},
+            r#"Sweep(base: Model(), axes: {"residual": [Residual, Ghc(m: 4, n: 8)], "residual.n": [4, 8, 16]},
                seeds: 3, budget: Flops(2e14))"#,
         )
         .unwrap();

@@ -1,16 +1,18 @@
 //! Points: the base spec with the axes' values set, validated, budgeted and named.
 //!
-//! **Setting a field path.** The base [`ModelSpec`] is serialized to a
-//! `serde_json::Value` and the path is followed through it. Enum-valued fields appear
-//! there as externally tagged objects (`"residual": {"Ghc": {"m": 4, "n": 16}}`), so a
-//! path step passes through the variant to its fields: `residual.n` reaches GHC's `n`,
-//! `train.optimizer.lr` AdamW's `lr`. (An object with a single key that starts with an
-//! upper-case letter is a variant: every spec struct field is snake_case.) The value,
-//! RON text, is typed against exactly that field by reading a one-field spec through
-//! [`ir::spec::parse_spec`] (`(residual: Ghc(n: 8))`), so every field takes the RON a
-//! spec file would hold, enum variants included; the typed leaf is put into the
-//! base's JSON, the result deserialized and then [`ModelSpec::validate`]d. A path that
-//! is not in the base is an error naming the path and the fields that exist there.
+//! **Setting a field path.** The base [`ModelSpec`] is serialized to a tree that keeps
+//! every value exactly and names every enum variant (`tree`: JSON would turn NaN and
+//! infinities into `null`, so `clip: Some(NaN)` would read back as `None`), and the
+//! path is followed through it; a step passes through the variant a field holds to
+//! that variant's fields: `residual.n` reaches GHC's `n`, `train.optimizer.lr` AdamW's
+//! `lr`. The value, RON text, is typed against exactly that field by reading a
+//! one-field spec through [`ir::spec::parse_spec`] (`(residual: Ghc(n: 8))`), so every
+//! field takes the RON a spec file would hold, enum variants included; the typed leaf
+//! replaces the base's, and the whole tree is written as RON and read by
+//! [`ir::spec::parse_spec`] again, as a spec file with those values would be. A path
+//! that is not in the base is an error naming the path and the fields that exist
+//! there; a value of the wrong type, an error naming the path, the value and what the
+//! field takes (its variants, or the type and range of a number).
 //!
 //! **The derived axis `residual.r`** sets GHC's virtual width factor r = n/m
 //! (docs/math.md §5.1) by setting n = r·m with the point's m; r·m must be a whole
@@ -26,21 +28,29 @@
 //! that is not under `residual`. Names longer than 120 characters keep 100 and add
 //! `~` and 16 hex digits of the full name's SHA-256, so they stay unique and stable.
 //! Two points with one name (equal values, or values equal after the reduction) make
-//! the sweep an error. Each (point, seed) run lives in `<point>/seed-<seed>`.
+//! the sweep an error, and so do two points with one spec (`d_model` values `32` and
+//! `0x20`). Each (point, seed) run lives in `<point>/seed-<seed>`.
 //!
 //! **Fairness.** The seed sets `train.seed`, which fixes the data order, so every
 //! point trained with the same seed sees the same batches in the same order.
 
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::path::PathBuf;
 
-use ir::spec::{parse_spec, FieldError, ModelSpec, ResidualSpec, SpecLoadError};
+use ir::cost::cost_report;
+use ir::lower::LowerError;
+use ir::spec::limits::integer_limit;
+use ir::spec::{host_memory_bytes, parse_spec, FieldError, ModelSpec, ResidualSpec, SpecLoadError};
 use serde::{Deserialize, Serialize};
-use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 
-use crate::budget::{plan, plan_with, Budget, BudgetError, BudgetPlan};
-use crate::file::{Combine, OnInvalid, Sweep, SweepError};
+use crate::budget::{plan_with, Budget, BudgetError, BudgetPlan};
+use crate::file::{Combine, OnInvalid, Sweep, SweepError, MAX_RUNS};
+
+mod tree;
+
+use tree::{leaf_shape, to_node, Node, Shape};
 
 /// The derived axis: GHC's r = n/m.
 pub const RATIO_AXIS: &str = "residual.r";
@@ -99,7 +109,7 @@ pub enum PointError {
     /// A path continues past a value that has no fields (a number, a unit variant, `None`, a list).
     #[error("`{path}`: {} is {found}, which has no fields; set `{at}` itself", at_name(.at))]
     NoFields { path: String, at: String, found: String },
-    /// The value does not read as the field's type.
+    /// The value does not read as the field's type: `message` says what is valid there.
     #[error("`{path}` = {value}: {message}")]
     Value { path: String, value: String, message: String },
     /// The derived `residual.r` cannot be applied.
@@ -152,6 +162,19 @@ pub enum PlanError {
     /// Two points have the same folder name.
     #[error("two points are both named `{name}` ({first} and {second}); give each axis distinct values")]
     DuplicateName { name: String, first: String, second: String },
+    /// Two points train the same spec: their values differ only in spelling (`32` and
+    /// `0x20`), or a later value overrides an earlier one.
+    #[error(
+        "points `{first}` ({first_values}) and `{second}` ({second_values}) train the same spec; \
+         give each axis values that make different models"
+    )]
+    DuplicatePoint { first: String, first_values: String, second: String, second_values: String },
+    /// The baseline twins take the runs past the limit.
+    #[error(
+        "the sweep has {runs} runs with its baseline twins ({points} points x {seeds} seeds); at most \
+         {MAX_RUNS} are allowed (docs/sweeps.md, Limits): use fewer axis values or seeds"
+    )]
+    TooManyRuns { runs: usize, points: usize, seeds: usize },
 }
 
 fn list(invalid: &[InvalidPoint]) -> String {
@@ -161,42 +184,77 @@ fn list(invalid: &[InvalidPoint]) -> String {
 /// Expands a sweep into points and runs: combines the axes, sets each point's values,
 /// validates it, plans its budget, adds the baseline twins when asked, and names
 /// every point and run. Invalid points are skipped or refuse the sweep, as
-/// `on_invalid` says; a sweep with no valid point is always an error.
+/// `on_invalid` says; a sweep with no valid point is always an error, and so are two
+/// points with one name or one spec. Each point must fit this machine's memory, as
+/// `widen check` requires ([`expand_within`]).
 pub fn expand(sweep: &Sweep) -> Result<Plan, PlanError> {
+    expand_within(sweep, host_memory_bytes())
+}
+
+/// [`expand`] with each point's training-memory estimate checked against
+/// `memory_bytes` ([`ModelSpec::check_fits`]) before the cost model lowers it (the
+/// lowering allocates some parameter inits, so a spec far too large for the machine
+/// must not reach it); `None` skips that check, as `widen check` does where the
+/// memory cannot be read.
+pub fn expand_within(sweep: &Sweep, memory_bytes: Option<u64>) -> Result<Plan, PlanError> {
+    // The checks bound the number of points and runs before any is built.
     sweep.check()?;
+    let mut applier = Applier::new(&sweep.base);
     let mut points: Vec<Point> = Vec::new();
     let mut invalid: Vec<InvalidPoint> = Vec::new();
-    let mut names: Vec<(String, String)> = Vec::new();
+    // Point name -> the values shown for it, and spec (as RON) -> point index.
+    let mut names: HashMap<String, String> = HashMap::new();
+    let mut specs: HashMap<String, usize> = HashMap::new();
     let mut claim = |name: &str, values: &[(String, String)]| -> Result<(), PlanError> {
         let shown = show_values(values);
-        if let Some((_, first)) = names.iter().find(|(n, _)| n == name) {
+        if let Some(first) = names.get(name) {
             return Err(PlanError::DuplicateName {
                 name: name.to_string(),
                 first: first.clone(),
                 second: shown,
             });
         }
-        names.push((name.to_string(), shown));
+        names.insert(name.to_string(), shown);
         Ok(())
+    };
+    // Every point is compared with the seed every run overrides set alike.
+    let spec_key = |spec: &ModelSpec| {
+        let mut spec = spec.clone();
+        spec.train.seed = sweep.seeds[0];
+        to_node(&spec).map(|n| n.to_ron()).unwrap_or_default()
     };
 
     for values in combinations(sweep) {
         let name = point_name(&values);
         claim(&name, &values)?;
-        match build_point(&sweep.base, &values, &sweep.budget) {
-            Ok((spec, budget)) => points.push(Point {
-                name,
-                values,
-                spec,
-                budget,
-                baseline: None,
-                is_baseline_twin: false,
-                runs: Vec::new(),
-            }),
+        match build_point(&mut applier, &values, &sweep.budget, memory_bytes) {
+            Ok((spec, budget)) => {
+                let key = spec_key(&spec);
+                if let Some(&i) = specs.get(&key) {
+                    let first: &Point = &points[i];
+                    return Err(PlanError::DuplicatePoint {
+                        first: first.name.clone(),
+                        first_values: show_values(&first.values),
+                        second: name,
+                        second_values: show_values(&values),
+                    });
+                }
+                specs.insert(key, points.len());
+                points.push(Point {
+                    name,
+                    values,
+                    spec,
+                    budget,
+                    baseline: None,
+                    is_baseline_twin: false,
+                    runs: Vec::new(),
+                })
+            }
             Err(error) => invalid.push(InvalidPoint { name, values, error }),
         }
     }
     if sweep.baseline {
+        let mut invalid_names: HashSet<String> = invalid.iter().map(|p| p.name.clone()).collect();
         let swept = points.len();
         for i in 0..swept {
             if points[i].spec.residual == ResidualSpec::Residual {
@@ -206,30 +264,34 @@ pub fn expand(sweep: &Sweep) -> Result<Plan, PlanError> {
             let values: Vec<(String, String)> =
                 points[i].values.iter().filter(|(p, _)| !is_residual_path(p)).cloned().collect();
             let mut twin = points[i].spec.with_plain_residual();
-            let found = match plan_and_validate(&mut twin, &sweep.budget) {
-                Ok(budget) => match points.iter().find(|p| p.spec == twin) {
-                    Some(same) => Ok(same.name.clone()),
-                    None => {
-                        let name = twin_name(&values);
-                        claim(&name, &values)?;
-                        points.push(Point {
-                            name: name.clone(),
-                            values,
-                            spec: twin,
-                            budget,
-                            baseline: Some(name.clone()),
-                            is_baseline_twin: true,
-                            runs: Vec::new(),
-                        });
-                        Ok(name)
+            let found = match plan_and_validate(&mut twin, &sweep.budget, memory_bytes) {
+                Ok(budget) => {
+                    let key = spec_key(&twin);
+                    match specs.get(&key) {
+                        Some(&same) => Ok(points[same].name.clone()),
+                        None => {
+                            let name = twin_name(&values);
+                            claim(&name, &values)?;
+                            specs.insert(key, points.len());
+                            points.push(Point {
+                                name: name.clone(),
+                                values,
+                                spec: twin,
+                                budget,
+                                baseline: Some(name.clone()),
+                                is_baseline_twin: true,
+                                runs: Vec::new(),
+                            });
+                            Ok(name)
+                        }
                     }
-                },
+                }
                 Err(error) => Err(InvalidPoint { name: twin_name(&values), values, error }),
             };
             match found {
                 Ok(name) => points[i].baseline = Some(name),
                 Err(bad) => {
-                    if !invalid.iter().any(|p| p.name == bad.name) {
+                    if invalid_names.insert(bad.name.clone()) {
                         invalid.push(bad);
                     }
                 }
@@ -247,6 +309,12 @@ pub fn expand(sweep: &Sweep) -> Result<Plan, PlanError> {
             OnInvalid::Skip => {}
         }
     }
+    let seeds = sweep.seeds.len();
+    // `Sweep::check` bounded points x seeds without the twins.
+    let runs = points.len().saturating_mul(seeds);
+    if runs > MAX_RUNS {
+        return Err(PlanError::TooManyRuns { runs, points: points.len(), seeds });
+    }
     for p in &mut points {
         p.spec.train.seed = sweep.seeds[0];
         p.runs = sweep
@@ -263,6 +331,7 @@ pub fn expand(sweep: &Sweep) -> Result<Plan, PlanError> {
 }
 
 /// The points' (path, value) lists, in order: a product (first axis slowest) or a zip.
+/// [`Sweep::check`] has bounded their number.
 fn combinations(sweep: &Sweep) -> Vec<Vec<(String, String)>> {
     let axes = &sweep.axes;
     match sweep.combine {
@@ -302,18 +371,25 @@ fn show_values(values: &[(String, String)]) -> String {
 
 /// Sets the values on the base, then plans the budget and validates.
 fn build_point(
-    base: &ModelSpec,
+    applier: &mut Applier,
     values: &[(String, String)],
     budget: &Budget,
+    memory_bytes: Option<u64>,
 ) -> Result<(ModelSpec, BudgetPlan), PointError> {
-    let mut spec = apply(base, values)?;
-    let plan = plan_and_validate(&mut spec, budget)?;
+    let mut spec = applier.apply(values)?;
+    let plan = plan_and_validate(&mut spec, budget, memory_bytes)?;
     Ok((spec, plan))
 }
 
-/// Validates `spec`, plans its budget and sets `train.steps`, validating again with the
-/// final step count (a schedule's warmup must fit in it).
-fn plan_and_validate(spec: &mut ModelSpec, budget: &Budget) -> Result<BudgetPlan, PointError> {
+/// Validates `spec` as `widen check` does (the validator, the memory check against
+/// `memory_bytes`, the cost model's lowering), plans its budget and sets
+/// `train.steps`, validating again with the final step count (a schedule's warmup
+/// must fit in it).
+fn plan_and_validate(
+    spec: &mut ModelSpec,
+    budget: &Budget,
+    memory_bytes: Option<u64>,
+) -> Result<BudgetPlan, PointError> {
     let invalid = |errors| PointError::Invalid { errors };
     // Token and step budgets fix the steps without the cost model, so the first
     // validation already sees them; a FLOP budget needs a valid spec to count.
@@ -326,7 +402,15 @@ fn plan_and_validate(spec: &mut ModelSpec, budget: &Budget) -> Result<BudgetPlan
         Budget::Flops(_) => {}
     }
     spec.validate().map_err(invalid)?;
-    let plan = plan(budget, spec).map_err(PointError::Budget)?;
+    if let Some(bytes) = memory_bytes {
+        spec.check_fits(bytes).map_err(|e| invalid(vec![e]))?;
+    }
+    let report = cost_report(spec).map_err(|e| match e {
+        LowerError::Invalid(errors) => PointError::Invalid { errors },
+        other => PointError::Budget(BudgetError::Cost(other.to_string())),
+    })?;
+    let plan = plan_with(budget, spec.train.batch, spec.train.seq_len, report.flops_per_token.train)
+        .map_err(PointError::Budget)?;
     spec.train.steps = plan.steps;
     spec.validate().map_err(invalid)?;
     Ok(plan)
@@ -334,108 +418,189 @@ fn plan_and_validate(spec: &mut ModelSpec, budget: &Budget) -> Result<BudgetPlan
 
 /// Sets every (path, value) on `base` in order, the derived `residual.r` last. Does not validate.
 pub fn apply(base: &ModelSpec, values: &[(String, String)]) -> Result<ModelSpec, PointError> {
-    let mut json = serde_json::to_value(base).expect("a spec serializes to JSON");
-    for (path, value) in values.iter().filter(|(p, _)| p != RATIO_AXIS) {
-        set_path(&mut json, path, value)?;
-    }
-    let mut spec: ModelSpec = serde_json::from_value(json).map_err(|e| PointError::Value {
-        path: values.iter().map(|(p, _)| p.as_str()).collect::<Vec<_>>().join(", "),
-        value: show_values(values),
-        message: e.to_string(),
-    })?;
-    for (path, value) in values.iter().filter(|(p, _)| p == RATIO_AXIS) {
-        set_ratio(&mut spec, path, value)?;
-    }
-    Ok(spec)
+    Applier::new(base).apply(values)
 }
 
-/// A struct or a variant's struct payload: (variant tag if any, fields).
-fn enter(v: &Value) -> Option<(Option<&str>, &Map<String, Value>)> {
-    let Value::Object(map) = v else { return None };
-    match variant(map) {
-        Some((tag, Value::Object(inner))) => Some((Some(tag), inner)),
-        Some(_) => None,
-        None => Some((None, map)),
+/// Sets field paths on one base spec, reading each distinct value once.
+struct Applier {
+    /// The base as a tree; `None` if it could not be serialized (a message says so).
+    base: Result<Node, String>,
+    /// Leaves already typed, by the one-field spec text that typed them.
+    typed: HashMap<String, Result<Node, PointError>>,
+}
+
+impl Applier {
+    fn new(base: &ModelSpec) -> Applier {
+        Applier { base: to_node(base).map_err(|e| e.to_string()), typed: HashMap::new() }
+    }
+
+    fn apply(&mut self, values: &[(String, String)]) -> Result<ModelSpec, PointError> {
+        let all = |message: String| PointError::Value {
+            path: values.iter().map(|(p, _)| p.as_str()).collect::<Vec<_>>().join(", "),
+            value: show_values(values),
+            message,
+        };
+        let mut tree = self.base.clone().map_err(all)?;
+        for (path, value) in values.iter().filter(|(p, _)| p != RATIO_AXIS) {
+            self.set_path(&mut tree, path, value)?;
+        }
+        // The tree holds only values the spec's types gave, so this reads back; it is
+        // the spec parser's reading, as of a spec file with these values.
+        let mut spec = parse_spec(&tree.to_ron(), "the point's spec")
+            .map_err(|e| all(format!("the values do not combine into a spec: {e}")))?;
+        for (path, value) in values.iter().filter(|(p, _)| p == RATIO_AXIS) {
+            set_ratio(&mut spec, path, value)?;
+        }
+        Ok(spec)
+    }
+
+    /// Sets `path` in `tree` to `value`, RON text typed against that field by reading
+    /// the one-field spec that sets it (`(residual: Ghc(n: 8))`) as a spec file.
+    fn set_path(&mut self, tree: &mut Node, path: &str, value: &str) -> Result<(), PointError> {
+        let segs: Vec<&str> = path.split('.').collect();
+        let mut open = String::new();
+        let mut close = String::new();
+        let mut cur: &Node = tree;
+        for (i, seg) in segs.iter().enumerate() {
+            let at = segs[..i].join(".");
+            let (tag, fields) = cur.fields().ok_or_else(|| PointError::NoFields {
+                path: path.into(),
+                at: at.clone(),
+                found: describe(cur),
+            })?;
+            if let Some(tag) = tag {
+                open.push_str(tag);
+            }
+            open.push('(');
+            close.insert(0, ')');
+            cur = fields.iter().find(|(n, _)| n == seg).map(|(_, v)| v).ok_or_else(|| {
+                PointError::UnknownField {
+                    path: path.into(),
+                    at,
+                    field: seg.to_string(),
+                    fields: fields.iter().map(|(n, _)| n.to_string()).collect(),
+                }
+            })?;
+            open.push_str(seg);
+            open.push_str(": ");
+        }
+        let one_field = format!("{open}{value}{close}");
+        let leaf = match self.typed.get(&one_field) {
+            Some(known) => known.clone(),
+            None => {
+                let typed = type_value(tree, &segs, path, value, &one_field);
+                self.typed.insert(one_field, typed.clone());
+                typed
+            }
+        }?;
+        // The walk above found this path in `tree`.
+        if let Some(slot) = tree.at_mut(&segs) {
+            *slot = leaf;
+        }
+        Ok(())
     }
 }
 
-/// `{"Ghc": ...}`: a single key starting with an upper-case letter is a variant tag.
-fn variant(map: &Map<String, Value>) -> Option<(&str, &Value)> {
-    match map.iter().next() {
-        Some((k, v)) if map.len() == 1 && k.starts_with(|c: char| c.is_ascii_uppercase()) => Some((k, v)),
-        _ => None,
+/// The value of the field at `segs` in the one-field spec `one_field`.
+fn type_value(
+    tree: &Node,
+    segs: &[&str],
+    path: &str,
+    value: &str,
+    one_field: &str,
+) -> Result<Node, PointError> {
+    let value_err = |message: String| PointError::Value { path: path.into(), value: value.into(), message };
+    let typed = parse_spec(one_field, path).map_err(|e| value_err(value_message(tree, path, value, e)))?;
+    let typed = to_node(&typed).map_err(|e| value_err(e.to_string()))?;
+    typed.at(segs).cloned().ok_or_else(|| value_err("the value sets no field".into()))
+}
+
+/// What is wrong with a value that does not read as its field's type: the spec
+/// reader's unknown-name messages (they list the valid names), or what the field
+/// (or the field inside the value that went wrong) accepts.
+fn value_message(tree: &Node, path: &str, value: &str, e: SpecLoadError) -> String {
+    match e {
+        SpecLoadError::UnknownNames { names, .. } => {
+            names.iter().map(|n| n.message.clone()).collect::<Vec<_>>().join("; ")
+        }
+        SpecLoadError::Syntax { message, .. } => {
+            // The reader names the field whose value it could not read as `in `F`: ...`.
+            let inner = message
+                .strip_prefix("in `")
+                .and_then(|rest| rest.split_once('`'))
+                .map(|(field, _)| field.split('[').next().unwrap_or(field).to_string())
+                .filter(|f| f.starts_with(&format!("{path}.")));
+            let field = inner.as_deref().unwrap_or(path);
+            let segs: Vec<&str> = field.split('.').collect();
+            let hints = variant_hints(value);
+            match leaf_shape::<ModelSpec>(&segs, Some(tree), &hints) {
+                Some(shape) if inner.is_some() => {
+                    format!("in `{field}`: expected {}", describe_shape(&shape, field))
+                }
+                Some(shape) => format!("expected {}", describe_shape(&shape, field)),
+                None => message,
+            }
+        }
+        other @ (SpecLoadError::Io { .. } | SpecLoadError::Invalid { .. }) => other.to_string(),
+    }
+}
+
+/// Capitalized identifiers in a value: the enum variants it names, which a path into
+/// the value passes through.
+fn variant_hints(value: &str) -> Vec<&str> {
+    value
+        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .filter(|w| w.starts_with(|c: char| c.is_ascii_uppercase()))
+        .collect()
+}
+
+/// What a field of this shape accepts, in words; integer fields quote their range
+/// from the spec's limits ([`ir::spec::limits`]).
+fn describe_shape(shape: &Shape, path: &str) -> String {
+    match shape {
+        Shape::Bool => "`true` or `false`".into(),
+        Shape::Int { min, max } => match integer_limit(path) {
+            Some(limit) => limit.describe(),
+            None if *max == i128::from(u64::MAX) && *min == 0 => "a whole number >= 0".into(),
+            None => format!("a whole number in {min}..={max}"),
+        },
+        Shape::Float => "a number (64-bit floating point, such as 0.5 or 3e-4)".into(),
+        Shape::Char => "a character in single quotes".into(),
+        Shape::Str => "a string in double quotes, such as \"text\"".into(),
+        Shape::Unit => "`()`".into(),
+        Shape::Option(inner) => format!("{}, or None", describe_shape(inner, path)),
+        Shape::Seq(inner) => format!("a list [..] whose items are each {}", describe_shape(inner, path)),
+        Shape::Tuple(n, inner) => format!("a tuple of {n} values (..), each {}", describe_shape(inner, path)),
+        Shape::Map => "a map {key: value, ..}".into(),
+        Shape::Struct(fields) => format!("a struct (field: value, ..) with the fields {}", fields.join(", ")),
+        Shape::Enum(variants) => format!("one of the variants {}", variants.join(", ")),
+        Shape::Any => "a RON value".into(),
     }
 }
 
 /// How a value without fields reads in a message.
-fn describe(v: &Value) -> String {
+fn describe(v: &Node) -> String {
     match v {
-        Value::Null => "`None`".into(),
-        Value::Bool(b) => format!("`{b}`"),
-        Value::Number(n) => format!("`{n}`"),
-        Value::String(s) => format!("`{s}`"),
-        Value::Array(_) => "a list or tuple".into(),
-        Value::Object(map) => match variant(map) {
-            Some((tag, inner)) => format!("`{tag}({inner})`"),
-            None => "a struct".into(),
-        },
-    }
-}
-
-/// Sets `path` in the JSON of a spec to `value` (RON text typed against that field).
-fn set_path(json: &mut Value, path: &str, value: &str) -> Result<(), PointError> {
-    let segs: Vec<&str> = path.split('.').collect();
-    let mut open = String::new();
-    let mut close = String::new();
-    let mut pointer = String::new();
-    let mut cur: &Value = json;
-    for (i, seg) in segs.iter().enumerate() {
-        let at = segs[..i].join(".");
-        let (tag, fields) = enter(cur).ok_or_else(|| PointError::NoFields {
-            path: path.into(),
-            at: at.clone(),
-            found: describe(cur),
-        })?;
-        if let Some(tag) = tag {
-            open.push_str(tag);
-            pointer.push('/');
-            pointer.push_str(tag);
-        }
-        open.push('(');
-        close.insert(0, ')');
-        cur = fields.get(*seg).ok_or_else(|| PointError::UnknownField {
-            path: path.into(),
-            at,
-            field: seg.to_string(),
-            fields: fields.keys().cloned().collect(),
-        })?;
-        open.push_str(seg);
-        open.push_str(": ");
-        pointer.push('/');
-        pointer.push_str(seg);
-    }
-    let value_err = |message: String| PointError::Value { path: path.into(), value: value.into(), message };
-    let one_field = format!("{open}{value}{close}");
-    let typed = parse_spec(&one_field, path).map_err(|e| {
-        value_err(match e {
-            SpecLoadError::Syntax { message, .. } => message,
-            SpecLoadError::UnknownNames { names, .. } => {
-                names.iter().map(|n| n.message.clone()).collect::<Vec<_>>().join("; ")
+        Node::Seq(_) | Node::Tuple(_) | Node::Bytes(_) => "a list or tuple".into(),
+        Node::Map(_) => "a map".into(),
+        Node::Str(s) => format!("`{s:?}`"),
+        Node::NewtypeVariant(tag, _) | Node::TupleVariant(tag, _) => format!("`{tag}(..)`"),
+        other => {
+            let text = other.to_ron();
+            if text.chars().count() > 60 {
+                format!("`{}..`", text.chars().take(60).collect::<String>())
+            } else {
+                format!("`{text}`")
             }
-            other @ (SpecLoadError::Io { .. } | SpecLoadError::Invalid { .. }) => other.to_string(),
-        })
-    })?;
-    let typed = serde_json::to_value(&typed).expect("a spec serializes to JSON");
-    let leaf = typed.pointer(&pointer).cloned().ok_or_else(|| value_err("the value sets no field".into()))?;
-    // The walk above found this pointer in `json`.
-    *json.pointer_mut(&pointer).expect("the path was found above") = leaf;
-    Ok(())
+        }
+    }
 }
 
 /// The derived axis: n = r·m for GHC.
 fn set_ratio(spec: &mut ModelSpec, path: &str, value: &str) -> Result<(), PointError> {
     let err = |message: String| PointError::Derived { path: path.into(), value: value.into(), message };
-    let r: f64 = ron_raw::from_str(value).map_err(|_| err("r must be a number, e.g. 1.5 or 4".into()))?;
+    let r: f64 = ron_raw::from_str(value)
+        .map_err(|_| err("r must be a number > 0 that makes n = r·m whole, e.g. 1.5 or 4".into()))?;
     let ResidualSpec::Ghc(g) = &mut spec.residual else {
         return Err(err(format!(
             "r = n/m is defined for `residual: Ghc(..)`, but residual is {}",
@@ -448,6 +613,17 @@ fn set_ratio(spec: &mut ModelSpec, path: &str, value: &str) -> Result<(), PointE
             "n = r·m = {r}·{} = {n} must be a whole number >= 1; choose r so that r·m is whole",
             g.m
         )));
+    }
+    // The stream limit bounds n before the cast, so a huge r is refused, not saturated.
+    if let Some(limit) = integer_limit("residual.n") {
+        if n.round() > limit.max as f64 {
+            return Err(err(format!(
+                "n = r·m = {r}·{} = {n} must be {} (residual.n's limit: {})",
+                g.m,
+                limit.describe(),
+                limit.why
+            )));
+        }
     }
     g.n = n.round() as usize;
     Ok(())
