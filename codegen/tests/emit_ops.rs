@@ -254,7 +254,7 @@ fn topk_orders_ties_and_nan_as_the_reference() {
                 init: ir::graph::Init::Values(values.clone()),
                 class: ir::graph::ParamClass::Hidden,
             };
-            let s = g.add_source(Op::Param(info), ir::Shape::new(&[4, n]), ir::DType::F32, Some("s".into()));
+            let s = g.add_source(Op::Param(info), ir::Shape::new([4, n]), ir::DType::F32, Some("s".into()));
             add(g, Op::TopK { k, fixed }, &[s])
         });
     }
