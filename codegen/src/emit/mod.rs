@@ -34,7 +34,7 @@
 //!   items into, and the copy that gives a view a buffer of its own;
 //! - `op_rules`: what the lowering must know of each op (own grid or not,
 //!   per-item scratch, how it splits into items), one exhaustive match each;
-//! - `itemize`: the item count of a fused kernel;
+//! - `item_split`: the item count of a fused kernel ([`itemize`]);
 //! - `item`: the per-op emitters of one item's part;
 //! - `fused`: a fused kernel from its nodes;
 //! - `reduce` and `lanes`: kernels of their own for nodes that run better
@@ -46,7 +46,7 @@ mod buffers;
 mod folds;
 mod fused;
 mod item;
-mod itemize;
+mod item_split;
 mod lanes;
 mod moe;
 mod op_rules;
@@ -56,7 +56,7 @@ mod views;
 
 pub use attention::attention_grads;
 pub use fused::lower_fused;
-pub use itemize::{item_splits, itemize, ItemSplit};
+pub use item_split::{item_splits, itemize, ItemSplit};
 pub use lanes::{has_lanes_form, lower_sinkhorn_lanes};
 pub use moe::{moe_route, route_slot};
 pub use op_rules::has_own_grid;
