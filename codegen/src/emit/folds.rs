@@ -158,7 +158,7 @@ const FOLD_ROWS_STEPS: usize = 4;
 /// row at a time, and GCC vectorized that loop across rows, reading each lane
 /// of each row with a permute: 40 % of the kernel. Here the lanes of all rows
 /// sit in one array, row-major, so every lane step is a contiguous vector op
-/// (its loop kept a loop, [`Unroll::Never`], or GCC vectorizes across rows
+/// (its loop kept a loop, [`Unroll::Never`](crate::kernel::Unroll::Never), or GCC vectorizes across rows
 /// again), and each pairwise level (`next[i] = op(part[2i], part[2i+1])`, the pairs
 /// [`pairwise`] takes) is one even/odd shuffle per vector over all rows.
 /// `None` when [`fold`] would fold serially, for a single row, past

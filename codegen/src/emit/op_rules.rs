@@ -11,7 +11,7 @@ use ir::graph::{Graph, NodeId, Op};
 
 use super::numel;
 
-/// Ops lowered by the `own_grid` module: each needs a grid of its own.
+/// Ops lowered by [`super::lower_own_grid`]: each needs a grid (or Plan steps) of its own.
 pub fn has_own_grid(op: &Op) -> bool {
     match op {
         Op::CausalAttention { .. }

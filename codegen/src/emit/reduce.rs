@@ -1,10 +1,12 @@
-//! Sums as kernels of their own, for a node that the item model of fused
-//! kernels would run on too few threads: a sum or mean over a long axis (a
-//! token reduction such as a parameter gradient, docs/architecture.md §5.3)
-//! split over blocks of output columns or rows, or run as one block per output
-//! on the GPU, and a scatter-add split over its columns. Except the GPU's
-//! block reduction, every output is summed in the reference's order, so the
-//! results are bitwise those of the generic lowering.
+//! Sums as kernels of their own, split another way than the item model of fused
+//! kernels would split them: a sum or mean over an axis (a token reduction such
+//! as a parameter gradient, docs/math.md §1.4) over blocks of adjacent output
+//! columns or rows, so its loads are contiguous and its accumulators vectorize,
+//! or as one block per output on the GPU where those blocks would be too few
+//! threads; and a scatter-add (docs/math.md §1.6) split over its columns, which
+//! the item model would leave to one item. Except the GPU's block reduction,
+//! every output is summed in the reference's order, so the results are bitwise
+//! those of the generic lowering.
 
 use ir::graph::{Graph, NodeId, Op};
 
