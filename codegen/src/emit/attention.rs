@@ -36,10 +36,9 @@
 use ir::graph::{Graph, NodeId, Op};
 use ir::DType;
 
-use super::{
-    fold_dynamic, ix, lit, maximum, shift_maximum, Arg, ChainWorks, EmitError, GemmCall, Kb, Lowering, Names,
-    Target, Temps, Work,
-};
+use super::buffers::Kb;
+use super::folds::{fold_dynamic, maximum, shift_maximum};
+use super::{ix, lit, Arg, ChainWorks, EmitError, GemmCall, Lowering, Names, Target, Temps, Work};
 use crate::kernel::{f64, i64, item, lane, select, Access, Block, Buf, Expr, Grid, ReduceOp, Ty, Unroll};
 
 /// Sizes and options of one attention node: q [B, T, H, dh], k and v [B, T, Hkv, dh].

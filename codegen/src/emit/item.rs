@@ -1,13 +1,14 @@
 //! Per-op emitters of fused kernels: the code computing one item's part of an
 //! op's output (see the module docs of [`super`]). Each follows the reference
 //! executor's arithmetic (`ir::exec`) so results agree to rounding; long
-//! reductions split into interleaved partial sums ([`super::fold`]).
+//! reductions split into interleaved partial sums ([`folds::fold`]).
 
 use ir::graph::{BinaryOp, Node, NodeId, Op, ReduceOp, UnaryOp};
 
-use super::{
-    ix, lit, maximum, pairwise, shift_maximum, strides, view_of, EmitError, Names, Sink, Target, Val,
-};
+use super::buffers::Sink;
+use super::folds::{self, maximum, pairwise, shift_maximum};
+use super::views::{self, view_of, Val};
+use super::{ix, lit, strides, EmitError, Names, Target};
 use crate::kernel::{i64, item, select, Block, Expr, Ty};
 
 /// One op of a fused kernel: its operands as the kernel reads them, and where
@@ -57,8 +58,8 @@ impl ItemOp<'_> {
         });
     }
 
-    /// [`super::fold`] in this op's names; for the GPU its serial form
-    /// ([`super::serial_fold`]), which the lane spreading splits across a block.
+    /// [`folds::fold`] in this op's names; for the GPU its serial form
+    /// ([`folds::serial_fold`]), which the lane spreading splits across a block.
     fn fold(
         &self,
         b: &mut Block,
@@ -68,15 +69,15 @@ impl ItemOp<'_> {
         f: impl Fn(&mut Block, Expr) -> Expr,
     ) -> Expr {
         match self.target {
-            Target::Cpu => super::fold(self.names, b, init, n, op, f),
-            Target::Cuda => super::serial_fold(self.names, b, init, n, op, f),
+            Target::Cpu => folds::fold(self.names, b, init, n, op, f),
+            Target::Cuda => folds::serial_fold(self.names, b, init, n, op, f),
         }
     }
 
     /// Every output element of this item as the fold of its own row:
     /// `sink[g] = finish(op(init, fold of f(row(g), j) over j))`, where `row`
     /// emits what the row's elements share. On the C target all rows at once
-    /// ([`super::fold_rows`], same bits), else one row per output element.
+    /// ([`folds::fold_rows`], same bits), else one row per output element.
     #[allow(clippy::too_many_arguments)]
     fn fold_each<R>(
         &self,
@@ -94,7 +95,7 @@ impl ItemOp<'_> {
                 let g = b.let_(&self.fresh("g"), item() * ix(per) + r);
                 row(b, g)
             };
-            if let Some(rows) = super::fold_rows(self.names, b, self.ty(), per, n, &op, global_row, &f) {
+            if let Some(rows) = folds::fold_rows(self.names, b, self.ty(), per, n, &op, global_row, &f) {
                 b.for_(&self.fresh("l"), ix(0), ix(per), |b, l| {
                     let v = finish(op(init, rows.at(l.clone())));
                     self.sink.store(b, item() * ix(per) + l, v);
@@ -207,7 +208,7 @@ fn unary(u: UnaryOp, x: Expr, ty: Ty) -> Expr {
 
 /// Sum, max or mean over one axis: one output element per loop step, the axis
 /// folded from the identity (as `ir::exec::reduce`; long axes in partial folds,
-/// see [`super::fold`]).
+/// see [`folds::fold`]).
 fn reduce(b: &mut Block, cx: &ItemOp, op: ReduceOp, axis: usize) {
     let x = cx.ins[0].clone();
     let xd = cx.in_dims[0];
@@ -455,8 +456,8 @@ const ROW_ACC_LIMIT: usize = 1024;
 const ROW_K_GROUP: usize = 4;
 
 /// Shortest contraction [`matmul`] computes as dot products: the length from
-/// which [`super::fold`] splits a fold into lanes.
-const DOT_MIN_K: usize = 4 * super::FOLD_LANES;
+/// which [`folds::fold`] splits a fold into lanes.
+const DOT_MIN_K: usize = 4 * folds::FOLD_LANES;
 
 /// Contraction steps [`matmul`]'s row form adds into its accumulator at once:
 /// [`ROW_K_GROUP`], or more on rows of few vectors, up to
@@ -513,7 +514,7 @@ fn matmul(b: &mut Block, cx: &ItemOp, trans_a: bool, trans_b: bool) {
     let row_cost = staged + m * k * n.div_ceil(VECTOR_LANES);
     // A lane-split fold: K / FOLD_LANES vector steps, then about FOLD_LANES
     // operations to combine its lanes.
-    let dot_cost = m * n * (k.div_ceil(super::FOLD_LANES) + super::FOLD_LANES);
+    let dot_cost = m * n * (k.div_ceil(folds::FOLD_LANES) + folds::FOLD_LANES);
     let dot_form = ak == 1 && bk == 1 && k >= DOT_MIN_K && dot_cost < row_cost;
     if !dot_form && (2..=ROW_ACC_LIMIT).contains(&n) && cx.per.is_multiple_of(n) {
         // The item holds whole output rows: accumulate a row at a time, the
@@ -588,14 +589,14 @@ fn matmul(b: &mut Block, cx: &ItemOp, trans_a: bool, trans_b: bool) {
             let Val::Buffer(bt) = &stage else { unreachable!("constructed as a buffer") };
             b.for_(&cx.fresh("e"), ix(0), ix(entries), |b, e| {
                 let bi = b.let_(&cx.fresh("bi"), item() * ix(entries) + e);
-                let sb0 = b.let_(&cx.fresh("sb"), super::strided_index(&bi, batch, &sb, 0));
+                let sb0 = b.let_(&cx.fresh("sb"), views::strided_index(&bi, batch, &sb, 0));
                 b.for_(&cx.fresh("j"), ix(0), ix(k), |b, j| {
                     b.for_(&cx.fresh("c"), ix(0), ix(n), |b, ni| {
                         let v = y.load(sb0 + ni.clone() * ix(k) + j.clone());
                         b.store(bt, j * ix(n) + ni, v);
                     });
                 });
-                let a_base = b.let_(&cx.fresh("sa"), super::strided_index(&bi, batch, &sa, 0));
+                let a_base = b.let_(&cx.fresh("sa"), views::strided_index(&bi, batch, &sa, 0));
                 b.for_(&cx.fresh("mi"), ix(0), ix(m), |b, mi| {
                     let row = b.let_(&cx.fresh("row"), bi * ix(m) + mi.clone());
                     row_body(b, row, mi, a_base, &stage, ix(0), n, 1);
@@ -606,8 +607,8 @@ fn matmul(b: &mut Block, cx: &ItemOp, trans_a: bool, trans_b: bool) {
         cx.rows(b, n, |b, row| {
             let bi = b.let_(&cx.fresh("bi"), row.clone() / ix(m));
             let mi = b.let_(&cx.fresh("mi"), row.clone() % ix(m));
-            let a_base = super::strided_index(&bi, batch, &sa, 0);
-            let b0 = b.let_(&cx.fresh("b0"), super::strided_index(&bi, batch, &sb, 0));
+            let a_base = views::strided_index(&bi, batch, &sa, 0);
+            let b0 = b.let_(&cx.fresh("b0"), views::strided_index(&bi, batch, &sb, 0));
             row_body(b, row, mi, a_base, &y, b0, bk, bn);
         });
         return;
@@ -621,8 +622,8 @@ fn matmul(b: &mut Block, cx: &ItemOp, trans_a: bool, trans_b: bool) {
             let bi = b.let_(&cx.fresh("bi"), g.clone() / ix(m * n));
             let mi = b.let_(&cx.fresh("mi"), (g.clone() / ix(n)) % ix(m));
             let ni = b.let_(&cx.fresh("ni"), g % ix(n));
-            let a0 = b.let_(&cx.fresh("a0"), super::strided_index(&bi, batch, &sa, 0) + mi * ix(am));
-            let b0 = b.let_(&cx.fresh("b0"), super::strided_index(&bi, batch, &sb, 0) + ni * ix(bn));
+            let a0 = b.let_(&cx.fresh("a0"), views::strided_index(&bi, batch, &sa, 0) + mi * ix(am));
+            let b0 = b.let_(&cx.fresh("b0"), views::strided_index(&bi, batch, &sb, 0) + ni * ix(bn));
             (a0, b0)
         },
         |_, (a0, b0), j| x.load(a0.clone() + j.clone() * ix(ak)) * y.load(b0.clone() + j * ix(bk)),

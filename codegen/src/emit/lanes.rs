@@ -18,7 +18,10 @@
 
 use ir::graph::{Graph, NodeId, Op};
 
-use super::{grid, ix, lit, maximum, numel, EmitError, Launch, Reader, Val};
+use super::buffers::Reader;
+use super::folds::maximum;
+use super::views::Val;
+use super::{grid, ix, lit, numel, EmitError, Launch};
 use crate::kernel::{item, select, Access, Block, Buf, Expr, KernelBuilder, Ty};
 
 /// Matrices per item: one AVX-512 register of f32.

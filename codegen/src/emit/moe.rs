@@ -9,7 +9,7 @@
 use ir::graph::{Graph, MoeRouteOut, NodeId, Op};
 use ir::DType;
 
-use super::own_grid::memory;
+use super::buffers::memory;
 use super::{Arg, EmitError, Lowering, Target, Temps, Work};
 use crate::plan::{GroupedForm, GroupedGemm, MoeRoute};
 

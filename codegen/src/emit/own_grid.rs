@@ -1,14 +1,16 @@
 //! Ops lowered on grids of their own (docs/architecture.md §5 "heavy ops are kernels of
-//! their own"): causal attention and its gradient (in [`super::attention`]),
-//! the cross-entropy loss and xHC's temporal augmentation and its gradient. Operands are read through
-//! [`Reader`], so views fold into their index math like everywhere else.
+//! their own"): the cross-entropy loss, the norm projection of the connection
+//! coefficients, and xHC's temporal augmentation and its gradient (causal attention
+//! and its gradient are in [`super::attention`]; [`super::lower_own_grid`] sends each
+//! op to its lowering). Operands are read through [`Reader`], so views fold into their
+//! index math like everywhere else.
 
 use ir::graph::{Graph, NodeId, Op};
 
-use super::{
-    grid, ix, lit, shift_maximum, Arg, EmitError, GemmCall, Kb, Launch, Lowering, Names, Reader, Target,
-    Temps, Val, Work,
-};
+use super::buffers::{memory, Kb, Reader};
+use super::folds::{self, shift_maximum};
+use super::views::Val;
+use super::{grid, ix, lit, EmitError, GemmCall, Launch, Lowering, Names, Target, Temps, Work};
 use crate::kernel::{
     i64, item, lane, select, Access, Block, Buf, Expr, Grid, KernelBuilder, ReduceOp, Ty, Unroll,
 };
@@ -18,72 +20,6 @@ const GS_EPS_ABS: f64 = 1e-20;
 
 /// Lanes of the block-per-item loss kernel.
 const LOSS_THREADS: u32 = 256;
-
-/// Lowers one op on a grid of its own (see [`super::has_own_grid`]) into its launches.
-pub fn lower_own_grid(graph: &Graph, id: NodeId, name: &str, target: Target) -> Result<Lowering, EmitError> {
-    let node = graph.node(id);
-    match &node.op {
-        Op::CausalAttention { .. } => super::attention::attention(graph, id, name, target),
-        Op::CausalAttentionGrad { wrt, .. } if *wrt < 3 => {
-            let mut outs = [None; 3];
-            outs[*wrt] = Some(id);
-            super::attention_grads(graph, outs, name, target)
-        }
-        Op::SoftmaxCrossEntropy => cross_entropy(graph, id, name),
-        Op::NormProject { eps, centered } => norm_project(graph, id, name, *eps, *centered, target),
-        Op::TemporalAugment { gram_schmidt, eps_rel } => {
-            Ok(single(temporal(graph, id, name, *gram_schmidt, *eps_rel, target)?))
-        }
-        Op::TemporalAugmentGrad { wrt, .. } => {
-            let mut outs = vec![None; graph.inputs(id).len() - 1];
-            match outs.get_mut(*wrt) {
-                Some(slot) => *slot = Some(id),
-                None => return Err(EmitError::at(id, &node.op, format!("no operand {wrt}"))),
-            }
-            temporal_grads(graph, &outs, name, target)
-        }
-        op @ (Op::Input { .. }
-        | Op::Param(_)
-        | Op::Constant { .. }
-        | Op::Unary(_)
-        | Op::Binary(_)
-        | Op::Affine { .. }
-        | Op::Cast { .. }
-        | Op::Reduce { .. }
-        | Op::MatMul { .. }
-        | Op::Reshape { .. }
-        | Op::Permute { .. }
-        | Op::Broadcast { .. }
-        | Op::Slice { .. }
-        | Op::Concat { .. }
-        | Op::Gather { .. }
-        | Op::ScatterAdd { .. }
-        | Op::ScatterRows { .. }
-        | Op::TopK { .. }
-        | Op::Softmax
-        | Op::RmsNorm { .. }
-        | Op::LayerNorm { .. }
-        | Op::GroupNorm { .. }
-        | Op::Sinkhorn { .. }
-        | Op::CausalAttentionGrad { .. }
-        | Op::SinkhornGrad { .. }) => Err(EmitError::at(id, op, "is not lowered on a grid of its own")),
-        Op::MoeRoute { out, .. } => {
-            let mut outs = [None; 3];
-            outs[super::route_slot(*out)] = Some(id);
-            super::moe_route(graph, &outs, name, target)
-        }
-        Op::GroupedMatMul { trans_b } => {
-            super::moe::grouped(graph, id, name, crate::plan::GroupedForm::Rows, *trans_b, target)
-        }
-        Op::GroupedMatMulGrad { trans_b } => {
-            super::moe::grouped(graph, id, name, crate::plan::GroupedForm::WeightGrad, *trans_b, target)
-        }
-    }
-}
-
-fn single(launch: Launch) -> Lowering {
-    Lowering { steps: vec![Work::Launch(launch)], temps: Vec::new(), chain: None }
-}
 
 fn finish(k: KernelBuilder, r: Reader) -> Result<Launch, EmitError> {
     let kernel = k.finish();
@@ -110,9 +46,9 @@ fn sum(
 }
 
 /// `Σ_{j < n} f(j)` for a static `n`, long sums as interleaved partial sums
-/// ([`super::fold`], as the fused row ops fold them).
+/// ([`folds::fold`], as the fused row ops fold them).
 fn total(names: &Names, b: &mut Block, ty: Ty, n: usize, f: impl Fn(&mut Block, Expr) -> Expr) -> Expr {
-    super::fold(names, b, lit(ty, 0.0), n, |x, y| x + y, f)
+    folds::fold(names, b, lit(ty, 0.0), n, |x, y| x + y, f)
 }
 
 /// One row of `c` contiguous elements of a value, with the row's start
@@ -176,53 +112,12 @@ impl Row {
     }
 }
 
-/// Shortest row [`memory`] copies as one item in C: shorter rows (a weight's
-/// 20 coefficients) gain nothing over one element per item.
-const COPY_ROW_MIN: usize = 64;
-
-/// A buffer holding node `id`'s value in its own layout: the node's buffer
-/// (through reshapes, its source's), or a copy into a temporary for other views
-/// and constants, which have none. The copy runs one element per item on the
-/// GPU (adjacent threads, adjacent addresses) and one row per item in C (the
-/// view's index math then divides once per row, not once per element: xHC's
-/// first state, the embedding broadcast to N streams, is 8 M elements).
-pub(super) fn memory(
-    graph: &Graph,
-    id: NodeId,
-    name: &str,
-    temps: &mut Temps,
-    steps: &mut Vec<Work>,
-    target: Target,
-) -> Result<Arg, EmitError> {
-    let mut v = id;
-    while matches!(graph.node(v).op, Op::Reshape { .. }) {
-        v = graph.inputs(v)[0];
-    }
-    let node = graph.node(v);
-    if !node.op.is_view() && !matches!(node.op, Op::Constant { .. }) {
-        return Ok(Arg::Node(v));
-    }
-    let len = node.shape.numel();
-    let arg = temps.add(len, node.dtype);
-    let last = node.shape.last();
-    let row = if target == Target::Cpu && last >= COPY_ROW_MIN { last } else { 1 };
-    let mut kb = Kb::new(graph, &format!("{name}_copy{}", steps.len()), len / row);
-    let src = kb.r.read(&mut kb.k, id);
-    let dst = kb.temp("dst", arg, temps, Access::Write);
-    kb.k.for_("e", ix(0), ix(row), |b, e| {
-        let at = b.let_("at", item() * ix(row) + e);
-        b.store(&dst, at.clone(), src.load(at));
-    });
-    steps.push(kb.finish()?);
-    Ok(arg)
-}
-
 /// The projection of the normalized rows computed from the rows themselves
 /// (docs/math.md §4.3, §6.2), as the reference computes it: one GEMM `x·W` over
 /// all rows, the column sums of `W` (for the centred columns), then one
 /// kernel per row with the row's statistics: `ρ_c·(dot − Σw·μ)` for the first
 /// `centered` columns (LayerNorm statistics), `ρ_r·dot` for the rest (RMS).
-fn norm_project(
+pub(super) fn norm_project(
     graph: &Graph,
     id: NodeId,
     name: &str,
@@ -321,7 +216,7 @@ const LOSS_BLOCKS: usize = 16;
 /// Index safety: the targets (token ids) pick the logit each row subtracts
 /// unchecked; `runtime::executor::check_tokens` holds them to `0..vocab`, the
 /// logits' last axis, before any batch is uploaded.
-fn cross_entropy(graph: &Graph, id: NodeId, name: &str) -> Result<Lowering, EmitError> {
+pub(super) fn cross_entropy(graph: &Graph, id: NodeId, name: &str) -> Result<Lowering, EmitError> {
     let inputs = graph.inputs(id);
     let v = graph.node(inputs[0]).shape.last();
     let rows = graph.node(inputs[1]).shape.numel();
@@ -344,7 +239,7 @@ fn cross_entropy(graph: &Graph, id: NodeId, name: &str) -> Result<Lowering, Emit
         let base = b.let_("base", row.clone() * ix(v));
         // Both folds in interleaved lanes (a serial sum kept every exponential
         // scalar); the maximum only shifts them (see `shift_maximum`).
-        let m = super::fold(&names, b, lit(ty, f64::NEG_INFINITY), v, shift_maximum, |b, j| {
+        let m = folds::fold(&names, b, lit(ty, f64::NEG_INFINITY), v, shift_maximum, |b, j| {
             b.let_(&names.fresh("xv"), x.load(base.clone() + j))
         });
         let s = total(&names, b, ty, v, |_, j| (x.load(base.clone() + j) - m.clone()).exp());
@@ -468,12 +363,12 @@ impl Ta<'_> {
     }
 
     /// ⟨u, v⟩ over a row of C; on the GPU as one serial loop, which the
-    /// lanes of a warp share ([`super::serial_fold`]).
+    /// lanes of a warp share ([`folds::serial_fold`]).
     fn dot(&self, b: &mut Block, u: impl Fn(Expr) -> Expr, v: impl Fn(Expr) -> Expr) -> Expr {
         let term = |_: &mut Block, e: Expr| u(e.clone()) * v(e);
         match self.target {
             Target::Cpu => total(self.names, b, self.ty, self.c, term),
-            Target::Cuda => super::serial_fold(self.names, b, lit(self.ty, 0.0), self.c, |x, y| x + y, term),
+            Target::Cuda => folds::serial_fold(self.names, b, lit(self.ty, 0.0), self.c, |x, y| x + y, term),
         }
     }
 
@@ -643,7 +538,7 @@ fn gs_back(
 /// projections run column by column (every later row on v_i, then on
 /// v_{i+1}), which computes the same values as row by row and lets each
 /// ⟨v_i, v_i⟩ be computed once.
-fn temporal(
+pub(super) fn temporal(
     graph: &Graph,
     id: NodeId,
     name: &str,

@@ -1,0 +1,232 @@
+//! What the lowering must know of each op, one exhaustive match per rule, so a
+//! new op fails to compile until every rule states its case (docs/adding-an-op.md
+//! lists them): whether the op is lowered on a grid of its own
+//! ([`has_own_grid`]), the per-item scratch it needs besides its output
+//! ([`op_scratch`]), whether a kernel of `n` items computes its output in whole
+//! items and may read its in-kernel operands inside its own item ([`item_ok`],
+//! which [`super::itemize`] applies op by op), and which reductions fold by
+//! adding ([`folds_by_adding`]).
+
+use ir::graph::{Graph, NodeId, Op};
+
+use super::numel;
+
+/// Ops lowered by [`super::lower_own_grid`]: each needs a grid (or Plan steps) of its own.
+pub fn has_own_grid(op: &Op) -> bool {
+    match op {
+        Op::CausalAttention { .. }
+        | Op::CausalAttentionGrad { .. }
+        | Op::NormProject { .. }
+        | Op::SoftmaxCrossEntropy
+        | Op::TemporalAugment { .. }
+        | Op::TemporalAugmentGrad { .. }
+        | Op::MoeRoute { .. }
+        | Op::GroupedMatMul { .. }
+        | Op::GroupedMatMulGrad { .. } => true,
+        Op::Input { .. }
+        | Op::Param(_)
+        | Op::Constant { .. }
+        | Op::Unary(_)
+        | Op::Binary(_)
+        | Op::Affine { .. }
+        | Op::Cast { .. }
+        | Op::Reduce { .. }
+        | Op::MatMul { .. }
+        | Op::Reshape { .. }
+        | Op::Permute { .. }
+        | Op::Broadcast { .. }
+        | Op::Slice { .. }
+        | Op::Concat { .. }
+        | Op::Gather { .. }
+        | Op::ScatterAdd { .. }
+        | Op::ScatterRows { .. }
+        | Op::TopK { .. }
+        | Op::Softmax
+        | Op::RmsNorm { .. }
+        | Op::LayerNorm { .. }
+        | Op::GroupNorm { .. }
+        | Op::Sinkhorn { .. }
+        | Op::SinkhornGrad { .. } => false,
+    }
+}
+
+/// Per-item scratch an op needs besides its output (elements).
+pub(super) fn op_scratch(op: &Op, dims: &[usize]) -> usize {
+    let nn = dims.last().copied().unwrap_or(1).pow(2);
+    match op {
+        Op::Sinkhorn { .. } => nn,
+        Op::SinkhornGrad { iters, .. } => nn * (2 * iters + 2),
+        Op::Input { .. }
+        | Op::Param(_)
+        | Op::Constant { .. }
+        | Op::Unary(_)
+        | Op::Binary(_)
+        | Op::Affine { .. }
+        | Op::Cast { .. }
+        | Op::Reduce { .. }
+        | Op::MatMul { .. }
+        | Op::Reshape { .. }
+        | Op::Permute { .. }
+        | Op::Broadcast { .. }
+        | Op::Slice { .. }
+        | Op::Concat { .. }
+        | Op::Gather { .. }
+        | Op::ScatterAdd { .. }
+        | Op::ScatterRows { .. }
+        | Op::TopK { .. }
+        | Op::Softmax
+        | Op::RmsNorm { .. }
+        | Op::LayerNorm { .. }
+        | Op::GroupNorm { .. }
+        | Op::NormProject { .. }
+        | Op::SoftmaxCrossEntropy
+        | Op::CausalAttention { .. }
+        | Op::TemporalAugment { .. }
+        | Op::CausalAttentionGrad { .. }
+        | Op::TemporalAugmentGrad { .. }
+        | Op::MoeRoute { .. }
+        | Op::GroupedMatMul { .. }
+        | Op::GroupedMatMulGrad { .. } => 0,
+    }
+}
+
+/// The smallest `k` with `dims[..k]` multiplying to `n`.
+fn item_rank(dims: &[usize], n: usize) -> Option<usize> {
+    let mut p = 1;
+    for k in 0..=dims.len() {
+        if p == n {
+            return Some(k);
+        }
+        if k < dims.len() {
+            p *= dims[k];
+        }
+    }
+    None
+}
+
+/// Whether `node`, computed in a kernel of `n` items, may read its operands
+/// that the same kernel produces (`restricted[slot]`) inside its own item, and
+/// whether its own output splits into `n` items the way the op computes it.
+pub(super) fn item_ok(
+    graph: &Graph,
+    id: NodeId,
+    n: usize,
+    restricted: &[bool],
+    materialized_view: bool,
+) -> bool {
+    let node = graph.node(id);
+    let o = node.shape.dims();
+    let inputs = graph.inputs(id);
+    let in_dims: Vec<&[usize]> = inputs.iter().map(|&i| graph.node(i).shape.dims()).collect();
+    if !numel(o).is_multiple_of(n) {
+        return false;
+    }
+    let any_restricted = restricted.iter().any(|&r| r);
+    let view = node.op.is_view();
+    let own_rank = item_rank(o, n);
+    if !view || materialized_view {
+        let Some(k) = own_rank else { return false };
+        let rank = o.len();
+        let own = match &node.op {
+            Op::Softmax
+            | Op::RmsNorm { .. }
+            | Op::LayerNorm { .. }
+            | Op::GroupNorm { .. }
+            | Op::TopK { .. } => k < rank || rank == 0,
+            Op::Sinkhorn { .. } | Op::SinkhornGrad { .. } => k + 2 <= rank,
+            Op::ScatterAdd { axis } | Op::ScatterRows { axis } => k <= *axis,
+            op @ (Op::Input { .. }
+            | Op::Param(_)
+            | Op::Constant { .. }
+            | Op::Unary(_)
+            | Op::Binary(_)
+            | Op::Affine { .. }
+            | Op::Cast { .. }
+            | Op::Reduce { .. }
+            | Op::MatMul { .. }
+            | Op::Reshape { .. }
+            | Op::Permute { .. }
+            | Op::Broadcast { .. }
+            | Op::Slice { .. }
+            | Op::Concat { .. }
+            | Op::Gather { .. }
+            | Op::NormProject { .. }
+            | Op::SoftmaxCrossEntropy
+            | Op::CausalAttention { .. }
+            | Op::TemporalAugment { .. }
+            | Op::CausalAttentionGrad { .. }
+            | Op::TemporalAugmentGrad { .. }
+            | Op::MoeRoute { .. }
+            | Op::GroupedMatMul { .. }
+            | Op::GroupedMatMulGrad { .. }) => !has_own_grid(op),
+        };
+        if !own {
+            return false;
+        }
+    }
+    if !any_restricted {
+        return true;
+    }
+    let Some(k) = own_rank else {
+        // Only a reshape keeps flat indices; other restricted views need item axes.
+        return matches!(node.op, Op::Reshape { .. });
+    };
+    let bcast_ok = |x: &[usize]| {
+        let lead = o.len().saturating_sub(x.len());
+        (0..k).all(|d| o[d] == 1 || (d >= lead && x[d - lead] == o[d]))
+    };
+    let per = numel(o) / n;
+    match &node.op {
+        Op::Unary(_) | Op::Affine { .. } | Op::Binary(_) | Op::Broadcast { .. } => {
+            inputs.iter().enumerate().all(|(s, _)| !restricted[s] || bcast_ok(in_dims[s]))
+        }
+        Op::Reshape { .. } => true,
+        Op::Permute { perm } => (0..k).all(|d| o[d] == 1 || perm[d] == d),
+        Op::Slice { axis, .. } | Op::Concat { axis } => *axis >= k,
+        Op::Reduce { axis, .. } => per.is_multiple_of(numel(&in_dims[0][axis + 1..]).max(1)),
+        Op::Softmax | Op::RmsNorm { .. } | Op::LayerNorm { .. } | Op::GroupNorm { .. } | Op::TopK { .. } => {
+            !restricted[1..].iter().any(|&r| r)
+        }
+        Op::MatMul { trans_a, .. } => {
+            let (m, nn) = (o[o.len() - 2], o[o.len() - 1]);
+            let batch = numel(&o[..o.len() - 2]);
+            let whole = per.is_multiple_of(m * nn);
+            let rows = per.is_multiple_of(nn) && (m * nn).is_multiple_of(per);
+            (0..2).all(|s| {
+                if !restricted[s] {
+                    return true;
+                }
+                let x = in_dims[s];
+                let xb = numel(&x[..x.len() - 2]);
+                if xb != batch {
+                    return false;
+                }
+                whole || (rows && s == 0 && !trans_a)
+            })
+        }
+        Op::Gather { .. } | Op::ScatterAdd { .. } | Op::ScatterRows { .. } => true,
+        Op::Sinkhorn { .. } | Op::SinkhornGrad { .. } => true,
+        Op::Input { .. }
+        | Op::Param(_)
+        | Op::Constant { .. }
+        | Op::Cast { .. }
+        | Op::NormProject { .. }
+        | Op::SoftmaxCrossEntropy
+        | Op::CausalAttention { .. }
+        | Op::TemporalAugment { .. }
+        | Op::CausalAttentionGrad { .. }
+        | Op::TemporalAugmentGrad { .. }
+        | Op::MoeRoute { .. }
+        | Op::GroupedMatMul { .. }
+        | Op::GroupedMatMulGrad { .. } => false,
+    }
+}
+
+/// Whether a reduction folds its axis by adding (a mean divides the sum afterwards),
+/// so partial sums of column blocks combine by adding too.
+pub(super) fn folds_by_adding(op: ir::graph::ReduceOp) -> bool {
+    match op {
+        ir::graph::ReduceOp::Sum | ir::graph::ReduceOp::Mean => true,
+        ir::graph::ReduceOp::Max => false,
+    }
+}
