@@ -130,7 +130,7 @@ fn load(args: &Args) -> anyhow::Result<Sweep> {
 }
 
 /// What a sweep would train, on stdout.
-fn print_plan(plan: &sweep::Plan, data: &std::collections::BTreeMap<String, sweep::DataRecord>) {
+fn print_plan(plan: &sweep::Expansion, data: &std::collections::BTreeMap<String, sweep::DataRecord>) {
     let width = plan.points.iter().map(|p| p.name.len()).max().unwrap_or(5).max(5);
     println!(
         "{:<width$}  {:>6}  {:>8}  {:>12}  {:>12}  {:>10}",

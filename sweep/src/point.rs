@@ -133,14 +133,14 @@ fn at_name(at: &str) -> String {
 
 /// The expanded sweep: every runnable point and every rejected one.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Plan {
+pub struct Expansion {
     /// Runnable points: the swept ones in order, then the baseline twins.
     pub points: Vec<Point>,
     /// Points that were skipped (`on_invalid: Skip`); empty under `Refuse`, which fails instead.
     pub invalid: Vec<InvalidPoint>,
 }
 
-impl Plan {
+impl Expansion {
     /// Every run of every point, in point order.
     pub fn runs(&self) -> impl Iterator<Item = (&Point, &Run)> {
         self.points.iter().flat_map(|p| p.runs.iter().map(move |r| (p, r)))
@@ -149,7 +149,7 @@ impl Plan {
 
 /// Errors expanding a sweep.
 #[derive(Debug, thiserror::Error)]
-pub enum PlanError {
+pub enum ExpandError {
     /// The sweep itself breaks a rule ([`Sweep::check`]).
     #[error(transparent)]
     Sweep(#[from] SweepError),
@@ -187,7 +187,7 @@ fn list(invalid: &[InvalidPoint]) -> String {
 /// `on_invalid` says; a sweep with no valid point is always an error, and so are two
 /// points with one name or one spec. Each point must fit this machine's memory, as
 /// `widen check` requires ([`expand_within`]).
-pub fn expand(sweep: &Sweep) -> Result<Plan, PlanError> {
+pub fn expand(sweep: &Sweep) -> Result<Expansion, ExpandError> {
     expand_within(sweep, host_memory_bytes())
 }
 
@@ -196,7 +196,7 @@ pub fn expand(sweep: &Sweep) -> Result<Plan, PlanError> {
 /// lowering allocates some parameter inits, so a spec far too large for the machine
 /// must not reach it); `None` skips that check, as `widen check` does where the
 /// memory cannot be read.
-pub fn expand_within(sweep: &Sweep, memory_bytes: Option<u64>) -> Result<Plan, PlanError> {
+pub fn expand_within(sweep: &Sweep, memory_bytes: Option<u64>) -> Result<Expansion, ExpandError> {
     // The checks bound the number of points and runs before any is built.
     sweep.check()?;
     let mut applier = Applier::new(&sweep.base);
@@ -205,10 +205,10 @@ pub fn expand_within(sweep: &Sweep, memory_bytes: Option<u64>) -> Result<Plan, P
     // Point name -> the values shown for it, and spec (as RON) -> point index.
     let mut names: HashMap<String, String> = HashMap::new();
     let mut specs: HashMap<String, usize> = HashMap::new();
-    let mut claim = |name: &str, values: &[(String, String)]| -> Result<(), PlanError> {
+    let mut claim = |name: &str, values: &[(String, String)]| -> Result<(), ExpandError> {
         let shown = show_values(values);
         if let Some(first) = names.get(name) {
-            return Err(PlanError::DuplicateName {
+            return Err(ExpandError::DuplicateName {
                 name: name.to_string(),
                 first: first.clone(),
                 second: shown,
@@ -232,7 +232,7 @@ pub fn expand_within(sweep: &Sweep, memory_bytes: Option<u64>) -> Result<Plan, P
                 let key = spec_key(&spec);
                 if let Some(&i) = specs.get(&key) {
                     let first: &Point = &points[i];
-                    return Err(PlanError::DuplicatePoint {
+                    return Err(ExpandError::DuplicatePoint {
                         first: first.name.clone(),
                         first_values: show_values(&first.values),
                         second: name,
@@ -300,12 +300,12 @@ pub fn expand_within(sweep: &Sweep, memory_bytes: Option<u64>) -> Result<Plan, P
     }
 
     if points.is_empty() {
-        return Err(PlanError::NothingValid { invalid });
+        return Err(ExpandError::NothingValid { invalid });
     }
     let total = points.len() + invalid.len();
     if !invalid.is_empty() {
         match sweep.on_invalid {
-            OnInvalid::Refuse => return Err(PlanError::Refused { total, invalid }),
+            OnInvalid::Refuse => return Err(ExpandError::Refused { total, invalid }),
             OnInvalid::Skip => {}
         }
     }
@@ -313,7 +313,7 @@ pub fn expand_within(sweep: &Sweep, memory_bytes: Option<u64>) -> Result<Plan, P
     // `Sweep::check` bounded points x seeds without the twins.
     let runs = points.len().saturating_mul(seeds);
     if runs > MAX_RUNS {
-        return Err(PlanError::TooManyRuns { runs, points: points.len(), seeds });
+        return Err(ExpandError::TooManyRuns { runs, points: points.len(), seeds });
     }
     for p in &mut points {
         p.spec.train.seed = sweep.seeds[0];
@@ -327,7 +327,7 @@ pub fn expand_within(sweep: &Sweep, memory_bytes: Option<u64>) -> Result<Plan, P
             })
             .collect();
     }
-    Ok(Plan { points, invalid })
+    Ok(Expansion { points, invalid })
 }
 
 /// The points' (path, value) lists, in order: a product (first axis slowest) or a zip.
@@ -863,7 +863,7 @@ mod tests {
         // n = 1 < m = 2 breaks the GHC rule n >= m.
         let mut s = sweep(&[("residual.n", &["4", "1", "8"])], Budget::Steps(30));
         let err = expand(&s).unwrap_err();
-        let PlanError::Refused { total, invalid } = &err else { panic!("{err:?}") };
+        let ExpandError::Refused { total, invalid } = &err else { panic!("{err:?}") };
         assert_eq!((*total, invalid.len()), (3, 1));
         assert_eq!(invalid[0].name, "residual.n-1");
         let PointError::Invalid { errors } = &invalid[0].error else { panic!("{:?}", invalid[0].error) };
@@ -883,7 +883,7 @@ mod tests {
         let mut s = sweep(&[("residual.nn", &["4", "8"])], Budget::Steps(30));
         s.on_invalid = OnInvalid::Skip;
         let err = expand(&s).unwrap_err();
-        assert!(matches!(err, PlanError::NothingValid { .. }), "{err:?}");
+        assert!(matches!(err, ExpandError::NothingValid { .. }), "{err:?}");
         assert!(err.to_string().contains("has no field `nn`"), "{err}");
     }
 

@@ -426,7 +426,7 @@ mod tests {
     use ir::cost::cost_report;
     use ir::spec::{GhcSpec, ModelSpec, ResidualSpec, ScheduleSpec};
 
-    fn plan() -> crate::point::Plan {
+    fn plan() -> crate::point::Expansion {
         let mut base = ModelSpec {
             d_model: 32,
             residual: ResidualSpec::Ghc(GhcSpec { m: 2, n: 4, ..GhcSpec::default() }),

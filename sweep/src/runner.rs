@@ -50,7 +50,7 @@ use crate::folder::{
     check_sweep_folder, lock_sweep, read_outcome, write_atomic, write_outcome, DataRecord, FolderError,
     OutcomeFile, PlanFile, ELAPSED_FILE,
 };
-use crate::point::{expand, Plan, PlanError, Point};
+use crate::point::{expand, ExpandError, Expansion, Point};
 use crate::report::{measured, report_into, SweepReport};
 use crate::results::{self, RunOutcome};
 
@@ -91,7 +91,7 @@ impl SweepOptions {
 #[derive(Debug, thiserror::Error)]
 pub enum SweepRunError {
     #[error(transparent)]
-    Plan(#[from] PlanError),
+    Expand(#[from] ExpandError),
     #[error(transparent)]
     Folder(#[from] FolderError),
     #[error("cannot write {path}")]
@@ -148,7 +148,7 @@ pub enum SweepRunError {
 impl PlanFile {
     fn of(
         sweep: &Sweep,
-        plan: &Plan,
+        plan: &Expansion,
         data: BTreeMap<String, DataRecord>,
         against: Option<String>,
     ) -> PlanFile {
@@ -191,7 +191,7 @@ fn load_record(point: &Point) -> Result<DataRecord, SweepRunError> {
 /// The data every point of `plan` trains on, by point name, read and hashed once
 /// per distinct source: an unreadable or too short file is an error before
 /// anything trains (`widen sweep --dry-run` reports the same).
-pub fn data_records(plan: &Plan) -> Result<BTreeMap<String, DataRecord>, SweepRunError> {
+pub fn data_records(plan: &Expansion) -> Result<BTreeMap<String, DataRecord>, SweepRunError> {
     let mut seen: HashMap<DataKey, DataRecord> = HashMap::new();
     let mut out = BTreeMap::new();
     for p in &plan.points {

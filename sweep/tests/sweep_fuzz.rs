@@ -125,7 +125,7 @@ enum Outcome {
     /// `Sweep::parse` or `Sweep::from_cli` refused it.
     Refused,
     /// The expansion refused it.
-    PlanError,
+    ExpandError,
     Planned,
 }
 
@@ -176,7 +176,7 @@ fn front_end(kind: Kind, bytes: &[u8]) -> Outcome {
         Ok(plan) => plan,
         Err(e) => {
             assert_plain(&e.to_string());
-            return Outcome::PlanError;
+            return Outcome::ExpandError;
         }
     };
     assert!(!plan.points.is_empty());

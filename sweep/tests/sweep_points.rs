@@ -10,7 +10,7 @@ use ir::spec::{parse_spec, ModelSpec};
 use serde_json::Value;
 use sweep::file::parse_seeds;
 use sweep::point::apply;
-use sweep::{expand, Budget, PlanError, PointError, Sweep, SweepError};
+use sweep::{expand, Budget, ExpandError, PointError, Sweep, SweepError};
 
 /// A small GHC model: every point of these sweeps lowers in well under a millisecond.
 const TINY: &str = "Model(d_model: 32, heads: 2, layers: 1, residual: Ghc(m: 2, n: 4), \
@@ -41,7 +41,7 @@ fn point_error(base: &str, set: &str) -> PointError {
     let spec = parse_spec(base, "base").unwrap();
     let s = Sweep::from_cli(spec, "base", &[set], "1", "steps=10").unwrap();
     match expand(&s) {
-        Err(PlanError::NothingValid { invalid }) => invalid[0].error.clone(),
+        Err(ExpandError::NothingValid { invalid }) => invalid[0].error.clone(),
         other => panic!("{set}: expected one invalid point, got {other:?}"),
     }
 }
@@ -74,7 +74,7 @@ fn an_inline_base_is_validated_as_widen_check_validates_a_spec() {
     let s = file(&format!("Sweep(base: {model}, budget: Steps(10))")).unwrap();
     assert!(s.base.train.clip.is_some_and(f64::is_nan), "the base keeps its NaN");
     let err = expand(&s).unwrap_err();
-    let PlanError::NothingValid { invalid } = &err else { panic!("{err:?}") };
+    let ExpandError::NothingValid { invalid } = &err else { panic!("{err:?}") };
     // What `widen check` runs on a spec file: `parse_spec`, then `validate` (with the
     // budget's step count, which the sweep sets).
     let mut checked = parse_spec(model, "model").unwrap();
@@ -356,14 +356,14 @@ fn whole_number_budgets_are_read_exactly() {
 #[test]
 fn budgets_never_plan_more_steps_than_a_spec_may_train() {
     let s = cli(&[], "1", "tokens=1e15").unwrap();
-    let PlanError::NothingValid { invalid } = expand(&s).unwrap_err() else { panic!() };
+    let ExpandError::NothingValid { invalid } = expand(&s).unwrap_err() else { panic!() };
     assert_eq!(
         invalid[0].error.to_string(),
         "budget: Tokens(1000000000000000) is 31250000000000 steps at 32 tokens per step, above the limit of \
          100000000 steps (the spec's limit on train.steps); use a smaller budget"
     );
     let s = cli(&[], "1", "flops=1e300").unwrap();
-    let PlanError::NothingValid { invalid } = expand(&s).unwrap_err() else { panic!() };
+    let ExpandError::NothingValid { invalid } = expand(&s).unwrap_err() else { panic!() };
     assert!(
         invalid[0].error.to_string().contains("above the limit of 100000000 steps"),
         "{}",
@@ -436,7 +436,7 @@ fn points_too_large_for_the_machine_are_refused_before_lowering() {
     base.validate().unwrap();
     let s = Sweep::from_cli(base, "big", &[] as &[&str], "1", "steps=5").unwrap();
     let err = sweep::point::expand_within(&s, Some(64 << 20)).unwrap_err();
-    let PlanError::NothingValid { invalid } = &err else { panic!("{err:?}") };
+    let ExpandError::NothingValid { invalid } = &err else { panic!("{err:?}") };
     let PointError::Invalid { errors } = &invalid[0].error else { panic!("{:?}", invalid[0].error) };
     assert!(errors[0].message.starts_with("training needs about"), "{errors:?}");
     assert!(errors[0].message.contains("above the 0.1 GiB of memory available"), "{errors:?}");
