@@ -188,6 +188,22 @@ fn printed_sha(stdout: &str) -> String {
 
 #[test]
 fn eval_without_data_finds_the_runs_data_and_refuses_other_bytes() {
+    /// Rewrites a safetensors file without one `__metadata__` entry.
+    fn drop_metadata(path: &std::path::Path, key: &str) {
+        let bytes = std::fs::read(path).unwrap();
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let mut header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+        header["__metadata__"].as_object_mut().unwrap().remove(key).expect("the entry exists");
+        let mut text = serde_json::to_vec(&header).unwrap();
+        while text.len() % 8 != 0 {
+            text.push(b' ');
+        }
+        let mut out = (text.len() as u64).to_le_bytes().to_vec();
+        out.extend(text);
+        out.extend(&bytes[8 + n..]);
+        std::fs::write(path, out).unwrap();
+    }
+
     let dir = common::workdir("eval-identity", Some(SPEC_ON_FILE));
     std::fs::create_dir_all(dir.join("data")).unwrap();
     std::fs::write(dir.join("data/a.txt"), "the quick brown fox jumps over the lazy dog. ".repeat(20))
@@ -200,8 +216,13 @@ fn eval_without_data_finds_the_runs_data_and_refuses_other_bytes() {
         .unwrap()
         .to_string();
 
+    // The checkpoint records the absolute path the run resolved.
+    let header = safetensors_header(&dir.join("run/final.safetensors"));
+    let absolute = std::fs::canonicalize(dir.join("data/a.txt")).unwrap();
+    assert_eq!(header["__metadata__"]["data_path"].as_str(), Some(absolute.to_str().unwrap()));
+
     // From another folder that has a `data/a.txt` of its own, with other bytes:
-    // the run's file is found above the checkpoint, the other one passed over with a note.
+    // the run's file is read from the recorded path, and the other one is not looked at.
     let other = dir.join("other");
     std::fs::create_dir_all(other.join("data")).unwrap();
     std::fs::write(other.join("data/a.txt"), "pack my box with five dozen liquor jugs! ".repeat(30)).unwrap();
@@ -211,6 +232,15 @@ fn eval_without_data_finds_the_runs_data_and_refuses_other_bytes() {
     let val = printed(&out, "val_loss");
     assert!((val - logged).abs() < 1e-5, "eval {val}, training logged {logged}\n{out}");
     assert!(recorded.starts_with(&printed_sha(&out)), "{out}");
+    assert!(!stderr(&o).contains("other data"), "{}", stderr(&o));
+
+    // A checkpoint without `data_path` (an older widen): the run's file is found above
+    // the checkpoint, the other one passed over with a note.
+    drop_metadata(&dir.join("run/final.safetensors"), "data_path");
+    let o = widen(&other, &["eval", "../run/final.safetensors", "--device", "reference"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!((printed(&out, "val_loss") - logged).abs() < 1e-5, "{out}");
     assert!(stderr(&o).contains("data/a.txt") && stderr(&o).contains("other data"), "{}", stderr(&o));
 
     // The other file's hash, as eval reports it when asked to score it on purpose;

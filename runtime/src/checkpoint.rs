@@ -219,6 +219,11 @@ pub fn save_with_data(
         metadata.insert("data_source".into(), data.source.clone());
         metadata.insert("data_bytes".into(), data.bytes.to_string());
         metadata.insert("data_sha256".into(), data.sha256.clone());
+        // The absolute path the run read, resolved now, from the run's own working
+        // folder: how `widen eval` finds a relative path as the run did.
+        if let Ok(absolute) = std::fs::canonicalize(&data.source) {
+            metadata.insert("data_path".into(), absolute.display().to_string());
+        }
     }
     let bytes = safetensors::tensor::serialize(views, &Some(metadata)).map_err(|e| ser_err(e.to_string()))?;
     write_atomic(path, &bytes)
@@ -291,6 +296,8 @@ pub struct Checkpoint {
     pub state: TrainState,
     /// The data the run trained on, when the file records it.
     pub data: Option<DataIdentity>,
+    /// The absolute path of that data as the run resolved it (`data_path`), when recorded.
+    pub data_path: Option<PathBuf>,
     tensors: HashMap<String, (Vec<usize>, Vec<f32>)>,
 }
 
@@ -359,6 +366,7 @@ impl Checkpoint {
             spec_hash: field("spec_hash")?,
             state: TrainState { step, data_rng },
             data,
+            data_path: meta.get("data_path").map(PathBuf::from),
             tensors,
         })
     }

@@ -33,11 +33,11 @@
 //! checkpoint records their length and SHA-256 (docs/checkpoints.md), and a file
 //! of the recorded name holding other bytes is refused, naming both hashes,
 //! rather than scored as if it were the run's. A relative data path is relative
-//! to the folder the run was started in, which the checkpoint does not record;
-//! it is looked up in the working folder first and then in the checkpoint's
-//! folder and each folder above it (a run started in `DIR` writes
-//! `DIR/runs/<name>/`), and the first file that holds the recorded bytes is
-//! used. With [`EvalOptions::data`] the given file is scored whatever it holds,
+//! to the folder the run was started in: a checkpoint records the absolute path
+//! the run resolved (`data_path`), which is tried first; then (for checkpoints
+//! without it, or a moved file) the path in the working folder, and in the
+//! checkpoint's folder and each folder above it (a run started in `DIR` writes
+//! `DIR/runs/<name>/`). The first file that holds the recorded bytes is used. With [`EvalOptions::data`] the given file is scored whatever it holds,
 //! and [`EvalReport::notes`] says so when it is not the run's data.
 //!
 //! **Batches** are bounded like the spec's `train.eval_batches`
@@ -276,7 +276,7 @@ fn training_corpus(
     };
     let mut seen: Vec<PathBuf> = Vec::new();
     let (mut tried, mut other, mut unreadable) = (Vec::new(), Vec::<DataIdentity>::new(), None);
-    for candidate in data_candidates(&path, &ckpt.path) {
+    for candidate in ckpt.data_path.iter().cloned().chain(data_candidates(&path, &ckpt.path)) {
         // The same file reached twice (the working folder is above the checkpoint) is read once.
         let canonical = std::fs::canonicalize(&candidate).ok();
         if canonical.as_ref().is_some_and(|c| seen.contains(c)) {
