@@ -1,7 +1,8 @@
-//! The README's commands run as written: the quick ones (`check`, `train --steps 0`,
-//! `compile`, and `sweep` as a dry run) are taken from its Commands block, with the
-//! optional `[...]` parts left out, and run in a scratch folder that sees the
-//! repository's `specs/`. A renamed command, flag or spec file fails here.
+//! The README's commands run as written and in the order printed: the quick ones
+//! (`check`, `train --steps 0`, `compile`, and `sweep` as a dry run) are taken from
+//! its Commands block, with the optional `[...]` parts left out, and run in a scratch
+//! folder that sees the repository's `specs/`, after a short run of the README's
+//! first line. A renamed command, flag or spec file fails here.
 
 mod common;
 
@@ -68,6 +69,11 @@ fn the_quick_readme_commands_run_as_written() {
     let dir = common::workdir("readme", None);
     std::os::unix::fs::symlink(Path::new(env!("CARGO_MANIFEST_DIR")).join("specs"), dir.join("specs"))
         .unwrap();
+    // The commands run in the order printed, after the README's first line: the
+    // default run folder already holds a run (two steps of it stand in for the
+    // whole training here).
+    let first = widen(&dir, &["train", "specs/tiny.ron", "--steps", "2", "--device", "reference"]);
+    assert!(first.status.success(), "{}", stderr(&first));
     let mut ran = Vec::new();
     for args in &commands {
         let mut args: Vec<&str> = args.iter().map(String::as_str).collect();
@@ -87,7 +93,7 @@ fn the_quick_readme_commands_run_as_written() {
             "the README's Commands block has no quick `{want}` line: {commands:?}"
         );
     }
-    assert!(dir.join("runs/tiny/init.safetensors").exists(), "train --steps 0 writes the initial checkpoint");
+    assert!(dir.join("runs/tiny-init/init.safetensors").exists(), "train --steps 0 writes the initial checkpoint");
     assert!(dir.join("out/mhc/kernels.c").exists(), "compile writes the kernels");
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -665,9 +665,24 @@ mod folder {
         move |source| TrainError::Io { path: path.to_path_buf(), source }
     }
 
-    /// Locks `dir` for this run (an advisory lock on `run.lock`, released when the
-    /// file closes, so a crashed run leaves no stale lock) and records who holds it.
-    pub(super) fn lock(dir: &Path) -> Result<File, TrainError> {
+    /// The held lock of a run folder. The advisory lock is released when the file
+    /// closes, so a crashed run leaves no stale lock; a run that ends in the
+    /// process (finished, failed or interrupted) also removes `run.lock`, so a
+    /// finished folder holds only the run's results.
+    pub(super) struct RunLock {
+        path: PathBuf,
+        _file: File,
+    }
+
+    impl Drop for RunLock {
+        fn drop(&mut self) {
+            // Removed while still held: a second run cannot lock this file meanwhile.
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+
+    /// Locks `dir` for this run (an advisory lock on `run.lock`) and records who holds it.
+    pub(super) fn lock(dir: &Path) -> Result<RunLock, TrainError> {
         use std::io::Write;
         let path = dir.join(LOCK_FILE);
         let mut file = std::fs::OpenOptions::new()
@@ -697,7 +712,7 @@ mod folder {
             "started_unix": started,
         });
         file.set_len(0).and_then(|()| writeln!(file, "{record}")).map_err(io(&path))?;
-        Ok(file)
+        Ok(RunLock { path, _file: file })
     }
 
     /// "pid 123 (`widen train spec.ron`), started 5 s ago" from a lock file's record.

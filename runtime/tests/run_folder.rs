@@ -89,7 +89,7 @@ fn a_diverging_update_is_not_checkpointed() {
     };
     assert_eq!(step, 1);
     assert!(err.to_string().contains(tensor.as_str()), "{err}");
-    assert_eq!(files(&out), vec!["metrics.jsonl", "run.lock"], "no checkpoint of step 1");
+    assert_eq!(files(&out), vec!["metrics.jsonl"], "no checkpoint of step 1, and the run's lock is gone");
     std::fs::remove_dir_all(out).unwrap();
 }
 
@@ -171,7 +171,7 @@ fn run_folders_are_never_mixed() {
     std::fs::remove_file(a.join("metrics.jsonl")).unwrap();
     let err = train_spec(&spec, Device::Reference, &opts(&a, None)).unwrap_err();
     assert!(matches!(err, TrainError::RunExists { .. }), "{err}");
-    assert_eq!(files(&a), vec!["ckpt-2.safetensors", "ckpt-4.safetensors", "final.safetensors", "run.lock"]);
+    assert_eq!(files(&a), vec!["ckpt-2.safetensors", "ckpt-4.safetensors", "final.safetensors"]);
 
     let mut lines = String::new();
     for (step, loss) in &whole {
@@ -223,7 +223,8 @@ fn keep_last_keeps_the_newest_step_checkpoints() {
     train_spec(&spec, Device::Reference, &opts(&out, None)).unwrap();
     assert_eq!(
         files(&out),
-        vec!["ckpt-4.safetensors", "ckpt-5.safetensors", "final.safetensors", "metrics.jsonl", "run.lock"]
+        vec!["ckpt-4.safetensors", "ckpt-5.safetensors", "final.safetensors", "metrics.jsonl"],
+        "a finished run leaves no run.lock"
     );
     std::fs::remove_dir_all(out).unwrap();
 }
@@ -243,6 +244,7 @@ fn a_locked_run_folder_is_refused_naming_its_holder() {
     assert!(matches!(err, TrainError::Locked { .. }), "{err}");
     assert!(err.to_string().contains("pid 4242") && err.to_string().contains("other.ron"), "{err}");
     assert!(!out.join("metrics.jsonl").exists());
+    assert!(out.join("run.lock").exists(), "the holder's lock is not removed by the refused run");
     drop(holder);
     train_spec(&tiny_spec(2), Device::Reference, &opts(&out, None)).unwrap();
     std::fs::remove_dir_all(out).unwrap();
