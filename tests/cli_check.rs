@@ -5,6 +5,8 @@ use std::process::{Command, Output};
 
 use serde_json::Value;
 
+mod common;
+
 fn widen_check(spec: &Path, json: bool) -> Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_widen"));
     cmd.arg("check").arg(spec);
@@ -256,4 +258,25 @@ fn the_issues_bad_inputs_are_clear_errors() {
     let r = parse(&widen_check(&negative.0, true));
     let message = r["errors"][0]["message"].as_str().unwrap();
     assert!(message.contains("in `train.batch`: -4 is not valid") && message.contains("1..=1048576"), "{r}");
+}
+
+#[test]
+fn a_data_file_that_train_would_not_find_is_a_warning() {
+    let dir = common::workdir("check-data", None);
+    std::fs::create_dir_all(dir.join("specs")).unwrap();
+    std::fs::write(dir.join("specs/corpus.txt"), "some text ".repeat(100)).unwrap();
+    std::fs::write(dir.join("specs/s.ron"), "Model(name: \"s\", train: (data: Text(\"corpus.txt\")))")
+        .unwrap();
+    let o = common::widen(&dir, &["check", "specs/s.ron"]);
+    assert!(o.status.success(), "a warning, not an error: {}", common::stderr(&o));
+    let e = common::stderr(&o);
+    assert!(
+        e.contains("warning: train.data: Text(\"corpus.txt\") does not exist from the working folder"),
+        "{e}"
+    );
+    assert!(e.contains("specs/corpus.txt is beside the spec"), "{e}");
+    // Found from the working folder: no warning.
+    let o = common::widen(&dir.join("specs"), &["check", "s.ron"]);
+    assert!(o.status.success() && !common::stderr(&o).contains("warning"), "{}", common::stderr(&o));
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -436,3 +436,24 @@ fn sample_refuses_meaningless_flags_naming_the_flag_and_range() {
     assert!(o.status.success(), "{}", stderr(&o));
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+#[test]
+fn a_spec_given_for_a_checkpoint_is_named_as_a_spec() {
+    let dir = common::workdir("spec-for-ckpt", Some("// a spec\nModel(name: \"x\")\n"));
+    for cmd in ["sample", "eval"] {
+        let args: &[&str] =
+            if cmd == "sample" { &["sample", "spec.ron", "--prompt", "a"] } else { &["eval", "spec.ron"] };
+        let o = widen(&dir, args);
+        assert_eq!(o.status.code(), Some(1), "{cmd}");
+        let e = stderr(&o);
+        assert!(
+            e.contains("spec.ron is a spec file, not a checkpoint") && e.contains("widen train spec.ron"),
+            "{cmd}: {e}"
+        );
+        assert!(!e.contains("corrupt"), "{cmd}: {e}");
+    }
+    std::fs::write(dir.join("sweep.ron"), "Sweep(base: \"spec.ron\", budget: Steps(2))").unwrap();
+    let e = stderr(&widen(&dir, &["eval", "sweep.ron"]));
+    assert!(e.contains("sweep.ron is a sweep file, not a checkpoint"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -93,7 +93,10 @@ fn the_quick_readme_commands_run_as_written() {
             "the README's Commands block has no quick `{want}` line: {commands:?}"
         );
     }
-    assert!(dir.join("runs/tiny-init/init.safetensors").exists(), "train --steps 0 writes the initial checkpoint");
+    assert!(
+        dir.join("runs/tiny-init/init.safetensors").exists(),
+        "train --steps 0 writes the initial checkpoint"
+    );
     assert!(dir.join("out/mhc/kernels.c").exists(), "compile writes the kernels");
     std::fs::remove_dir_all(&dir).unwrap();
 }

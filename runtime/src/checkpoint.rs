@@ -57,6 +57,12 @@ pub enum CheckpointError {
     Io { path: PathBuf, source: std::io::Error },
     #[error("checkpoint {path} is corrupt or truncated: {message}")]
     Corrupt { path: PathBuf, message: String },
+    /// A spec or sweep file given where a checkpoint belongs.
+    #[error(
+        "{path} is a {what} file, not a checkpoint; train it first (`widen train {path}`) and pass the \
+         run's checkpoint, e.g. runs/<name>/final.safetensors"
+    )]
+    NotACheckpoint { path: PathBuf, what: &'static str },
     #[error("checkpoint {path} has format version {found}; this build reads version {FORMAT_VERSION}")]
     Version { path: PathBuf, found: String },
     #[error(
@@ -301,13 +307,40 @@ pub struct Checkpoint {
     tensors: HashMap<String, (Vec<usize>, Vec<f32>)>,
 }
 
+/// `spec` or `sweep` when `bytes` are RON text of one (the first item after
+/// comments is `Model(`/`(` or `Sweep(`), so a mistaken argument is named as such.
+fn ron_kind(bytes: &[u8]) -> Option<&'static str> {
+    let text = std::str::from_utf8(bytes.get(..bytes.len().min(4096))?).ok()?;
+    let mut rest = text.trim_start_matches('\u{feff}');
+    loop {
+        rest = rest.trim_start();
+        if let Some(after) = rest.strip_prefix("//") {
+            rest = after.split_once('\n').map_or("", |(_, r)| r);
+        } else if let Some(after) = rest.strip_prefix("/*") {
+            rest = after.split_once("*/").map_or("", |(_, r)| r);
+        } else {
+            break;
+        }
+    }
+    if rest.starts_with("Sweep") {
+        Some("sweep")
+    } else if rest.starts_with("Model") || rest.starts_with('(') {
+        Some("spec")
+    } else {
+        None
+    }
+}
+
 impl Checkpoint {
     /// Reads and validates a checkpoint file (header, metadata and every tensor's dtype).
     pub fn read(path: &Path) -> Result<Checkpoint, CheckpointError> {
         let corrupt = |message: String| CheckpointError::Corrupt { path: path.to_path_buf(), message };
         let bytes =
             std::fs::read(path).map_err(|source| CheckpointError::Io { path: path.to_path_buf(), source })?;
-        let st = SafeTensors::deserialize(&bytes).map_err(|e| corrupt(format!("{e:?}")))?;
+        let st = SafeTensors::deserialize(&bytes).map_err(|e| match ron_kind(&bytes) {
+            Some(what) => CheckpointError::NotACheckpoint { path: path.to_path_buf(), what },
+            None => corrupt(format!("{e:?}")),
+        })?;
         let (_, header) = SafeTensors::read_metadata(&bytes).map_err(|e| corrupt(format!("{e:?}")))?;
         let meta = header.metadata().clone().unwrap_or_default();
         let field =

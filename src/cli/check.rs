@@ -34,6 +34,35 @@ struct Problem {
     at: Option<(usize, usize)>,
 }
 
+/// Why the spec's data file would not be found by `widen train` run from here, if
+/// it would not: a valid spec may name data that is elsewhere when it trains, so
+/// this is a warning, not an error. Paths are relative to the working folder;
+/// when the file is beside the spec instead, that is said.
+fn data_warning(spec_path: &std::path::Path, data: &ir::spec::DataSpec) -> Option<String> {
+    let ir::spec::DataSpec::Text(path) = data else { return None };
+    let meta = std::fs::metadata(path);
+    if meta.as_ref().is_ok_and(|m| m.is_file()) {
+        return None;
+    }
+    let here = std::env::current_dir().map(|d| d.display().to_string()).unwrap_or_else(|_| ".".into());
+    let what = match meta {
+        Ok(_) => "is not a regular file",
+        Err(_) => "does not exist",
+    };
+    let mut text = format!(
+        "train.data: Text(\"{path}\") {what} from the working folder {here}; `widen train` here would \
+         fail (data paths are relative to the folder widen runs in, not the spec's folder)"
+    );
+    let beside = spec_path.parent().map(|d| d.join(path));
+    if let Some(beside) = beside.filter(|b| b.is_file() && !std::path::Path::new(path).is_absolute()) {
+        text.push_str(&format!(
+            "; a file {} is beside the spec: run from there or give that path",
+            beside.display()
+        ));
+    }
+    Some(text)
+}
+
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     if std::fs::read_to_string(&args.spec).is_ok_and(|text| sweep::file::is_sweep_file(&text)) {
         let message = format!(
@@ -47,6 +76,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         Ok(spec) => spec,
         Err(err) => return Ok(fail(&args, &load_problems(err))),
     };
+    if let Some(warning) = data_warning(&args.spec, &spec.train.data) {
+        eprintln!("warning: {warning}");
+    }
     // Validation refuses only what no machine holds; before lowering (which allocates
     // parameter inits) the estimate must also fit this machine (README, "What widen guarantees"). Where the
     // memory cannot be read the estimate is still printed.

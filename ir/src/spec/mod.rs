@@ -787,7 +787,8 @@ impl Default for TrainSpec {
 pub enum DataSpec {
     /// A built-in generated corpus: no download needed.
     Synthetic(SyntheticCorpus),
-    /// A byte-level text file.
+    /// A byte-level text file, `Text("data/input.txt")`: a path relative to the folder
+    /// widen runs in (not the spec's folder), or absolute.
     Text(String),
 }
 
