@@ -26,8 +26,9 @@
 
 use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::data::{BatchSampler, Corpus, DataError, DataIdentity};
-use crate::executor::{Device, StepError, StepExecutor};
+use crate::device::Device;
 use crate::params::{ParamError, ParamSet};
+use crate::step::{StepError, StepExecutor};
 use ir::spec::DataSpec;
 use safetensors::tensor::{Dtype, TensorView};
 use std::collections::HashMap;
