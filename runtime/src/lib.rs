@@ -5,7 +5,7 @@
 //!
 //! The modules form layers; a module imports only from its own layer's lower
 //! modules and from the layers below it, never from a layer above, so there is
-//! no circle (docs/architecture.md §7, "Layers"):
+//! no circle (docs/architecture.md §7, "Layers"; `layers.rs` checks it on these sources):
 //!
 //! 1. **Foundations**, which know nothing of devices or steps: [`rng`],
 //!    [`params`] (the model's parameter tensors), [`process`], [`optim`] (AdamW,
@@ -44,6 +44,8 @@ pub mod device;
 pub mod dist;
 pub mod eval;
 pub mod init;
+#[cfg(test)]
+mod layers;
 pub mod moe;
 pub mod optim;
 pub mod params;

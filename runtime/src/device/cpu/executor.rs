@@ -382,3 +382,21 @@ impl ReadsOutputs for CpuExecutor {
         Ok(device.read_f32(id)?.to_vec())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The step contract names no device: a Cpu failure reaches the loop as
+    /// [`StepError::Device`], printing the Cpu error's own message once.
+    #[test]
+    fn a_cpu_failure_is_a_device_error_with_its_own_message() {
+        let cpu = CpuError::StepRange { start: 3, end: 9, count: 4 };
+        let shown = cpu.to_string();
+        let err = StepError::from(cpu);
+        assert_eq!(err.to_string(), shown);
+        assert!(std::error::Error::source(&err).is_none(), "the message is not repeated as a cause");
+        let StepError::Device(inner) = err else { panic!("not a device error: {err:?}") };
+        assert!(matches!(inner.downcast_ref::<CpuError>(), Some(CpuError::StepRange { start: 3, .. })));
+    }
+}
