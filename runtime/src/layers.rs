@@ -74,7 +74,7 @@ fn paths(code: &str, module: &[String]) -> Vec<Vec<String>> {
     let is_ident = |c: char| c.is_alphanumeric() || c == '_';
     let mut out = Vec::new();
     let mut rest = code;
-    while let Some(i) = rest.find(|c: char| c == 'c' || c == 's') {
+    while let Some(i) = rest.find(['c', 's']) {
         let before = rest[..i].chars().next_back();
         let here = &rest[i..];
         rest = &rest[i + 1..];
