@@ -40,7 +40,7 @@ pub use ir::spec::VirtualWidth;
 /// The derive, in the macro namespace under the trait's name (as serde does).
 pub use macros::VirtualWidth;
 
-pub use runtime::executor::Device;
+pub use runtime::device::Device;
 
 /// Training from Rust in one line, for every [`VirtualWidth`] type:
 /// `Tiny::train(Device::Cpu, "runs/tiny")?` compiles the model for the device, trains

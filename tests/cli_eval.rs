@@ -195,7 +195,7 @@ fn eval_without_data_finds_the_runs_data_and_refuses_other_bytes() {
         let mut header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
         header["__metadata__"].as_object_mut().unwrap().remove(key).expect("the entry exists");
         let mut text = serde_json::to_vec(&header).unwrap();
-        while text.len() % 8 != 0 {
+        while !text.len().is_multiple_of(8) {
             text.push(b' ');
         }
         let mut out = (text.len() as u64).to_le_bytes().to_vec();

@@ -10,6 +10,11 @@
 //!   roofline).
 //! - [`nvrtc`]: compiles a CUDA module with a dynamically loaded NVRTC and
 //!   reports per-kernel resources from the ptxas report.
+//! - [`training`]: the pipeline of one training step, from a lowered model graph
+//!   to its Plan (autodiff, the passes before fusion, fusion, compilation).
+//!
+//! With the `serde` feature the Plan and the kernel IR are serializable (the
+//! standalone trainers embed their Plans as JSON, docs/architecture.md §7).
 
 pub mod cc;
 pub mod compile;
@@ -21,3 +26,4 @@ pub mod optimizer;
 pub mod plan;
 pub mod plan_report;
 pub mod render;
+pub mod training;

@@ -11,10 +11,12 @@ use ir::DType;
 
 /// Index into [`Plan::buffers`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct BufferId(pub usize);
 
 /// What a buffer holds, and therefore how long it lives.
 #[derive(Debug, Clone, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub enum BufferRole {
     /// A trainable parameter (persistent across steps), by its stable graph name.
     Param { name: String },
@@ -25,7 +27,10 @@ pub enum BufferRole {
     /// A named graph output read back by the runtime (`loss`, `logits`, ...).
     Output { name: String },
     /// A constant filled once at load time (the graph's `Constant` nodes).
-    Constant { value: f64 },
+    Constant {
+        #[cfg_attr(feature = "serde", serde(with = "crate::kernel::float_bits::f64"))]
+        value: f64,
+    },
     /// Optimizer state of a parameter (persistent), by its checkpoint name:
     /// AdamW's moments `opt.<param>.m` and `opt.<param>.v`
     /// ([`crate::optimizer`]).
@@ -37,6 +42,7 @@ pub enum BufferRole {
 
 /// One buffer of the Plan.
 #[derive(Debug, Clone, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct BufferDecl {
     pub id: BufferId,
     /// Length in elements.
@@ -53,6 +59,7 @@ pub struct BufferDecl {
 /// The lowering builds the same product over its own buffer handles (`Gemm<emit::Arg>`)
 /// before buffers are assigned.
 #[derive(Debug, Clone, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct Gemm<B = BufferId> {
     pub a: B,
     pub b: B,
@@ -111,6 +118,7 @@ impl<B> Gemm<B> {
 /// the grouped GEMMs that follow ([`GroupedGemm`]), which need the group sizes to
 /// issue one library call per expert.
 #[derive(Debug, Clone, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct MoeRoute<B = BufferId> {
     pub idx: B,
     pub rows: B,
@@ -144,6 +152,7 @@ impl<B> MoeRoute<B> {
 
 /// Which product a [`GroupedGemm`] computes (docs/math.md §1.6).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub enum GroupedForm {
     /// `ir`'s `GroupedMatMul`: a [m, k] rows, b [groups, k, n] weights (`[groups, n,
     /// k]` with `trans_b`), c [m, n]; `c[r] = a[r] · op(b[e])` for every row r of group
@@ -163,6 +172,7 @@ pub enum GroupedForm {
 /// share one element type (f32, or bf16 under mixed precision) and `c` is f32, as for
 /// [`Gemm`].
 #[derive(Debug, Clone, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct GroupedGemm<B = BufferId> {
     pub form: GroupedForm,
     pub a: B,
@@ -288,6 +298,7 @@ impl<B: Copy> GroupedGemm<B> {
 
 /// One entry of the launch list, executed in order on one stream.
 #[derive(Debug, Clone, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub enum Step {
     /// Launch `kernels[kernel]` over its grid with `args` bound to its params in order.
     Kernel { kernel: usize, args: Vec<BufferId> },
@@ -326,6 +337,7 @@ impl Step {
 /// between the GEMMs and the row kernels. The arena keeps every buffer a
 /// chain touches alive over the whole chain.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct Chain {
     pub start: usize,
     pub end: usize,
@@ -369,6 +381,7 @@ impl Chain {
 
 /// A compiled training step.
 #[derive(Debug, Clone, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct Plan {
     pub kernels: Vec<Kernel>,
     pub steps: Vec<Step>,

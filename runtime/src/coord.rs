@@ -28,10 +28,11 @@
 //! width starts from the spec's seed and sees the same batches.
 
 use crate::data::{BatchSampler, Corpus, DataError};
-use crate::executor::{ReferenceExecutor, StepError, StepExecutor, UpdateSettings};
+use crate::device::reference::ReferenceExecutor;
 use crate::init::{init_params, InitError};
 use crate::optim::Optimizer;
 use crate::params::ParamSet;
+use crate::step::{StepError, StepExecutor, UpdateSettings};
 use ir::exec::{ExecError, Tensor, Value};
 use ir::graph::NodeId;
 use ir::spec::{ConstantSpec, FfnSpec, ModelSpec, MupSpec, Parametrization, ScheduleSpec, SwiGluSpec};

@@ -45,8 +45,9 @@
 
 use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::data::{read_text, BatchSampler, Corpus, DataError, DataIdentity};
-use crate::executor::{Device, StepError, StepExecutor};
+use crate::device::Device;
 use crate::params::{ParamError, ParamSet};
+use crate::step::{StepError, StepExecutor};
 use ir::spec::{DataSpec, ModelSpec};
 use safetensors::tensor::{Dtype, TensorView};
 use std::collections::HashMap;

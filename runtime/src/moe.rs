@@ -14,8 +14,8 @@
 //! fingerprints before a checkpoint stay equal) and the metrics count the global batch.
 
 use crate::dist::Group;
-use crate::executor::StepExecutor;
 use crate::params::ParamSet;
+use crate::step::StepExecutor;
 use ir::lower::{expert_load_output, router_bias_param, MOE_AUX_LOSS_OUTPUT};
 use ir::spec::{FfnSpec, ModelSpec, MoeBalance, MoeSpec};
 

@@ -24,10 +24,11 @@
 //! of ordinary size normalized as before.
 
 use crate::data::{BatchSampler, Corpus, DataError};
-use crate::executor::{ReferenceExecutor, StepError, StepExecutor, UpdateSettings};
+use crate::device::reference::ReferenceExecutor;
 use crate::init::{init_params, InitError};
 use crate::optim::Optimizer;
 use crate::params::ParamSet;
+use crate::step::{StepError, StepExecutor, UpdateSettings};
 use ir::spec::{ModelSpec, OptimizerSpec};
 use serde_json::{json, Value};
 use std::fmt;

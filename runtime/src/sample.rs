@@ -7,9 +7,10 @@
 //! position `len - 1` do not see the padding.
 
 use crate::checkpoint::{Checkpoint, CheckpointError};
-use crate::executor::{Device, StepError, StepExecutor};
+use crate::device::Device;
 use crate::params::{ParamError, ParamSet};
 use crate::rng::Rng;
+use crate::step::{StepError, StepExecutor};
 use std::path::Path;
 
 /// The most bytes one [`generate`] call produces. Each byte is a forward pass of

@@ -58,13 +58,14 @@
 
 use crate::checkpoint::{self, Checkpoint, CheckpointError, TrainState};
 use crate::data::{BatchSampler, Corpus, DataError, DataIdentity};
+use crate::device::Device;
 use crate::dist::{DistError, Fault, Group, Shard};
-use crate::executor::{Device, StepError, StepExecutor, StepStats, UpdateSettings};
 use crate::init::{init_params, InitError};
 use crate::moe::{ExpertLoads, MoeError};
 use crate::optim::schedule::lr_multiplier;
 use crate::optim::Optimizer;
 use crate::params::ParamSet;
+use crate::step::{StepError, StepExecutor, StepStats, UpdateSettings};
 use ir::spec::{ModelSpec, OptimizerSpec, ScheduleSpec};
 use std::fs::File;
 use std::io::{IsTerminal, Write};

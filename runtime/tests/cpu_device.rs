@@ -10,7 +10,7 @@ use codegen::plan::{BufferId, BufferRole, Chain, Gemm, Plan, Step};
 use common::plan::{data, decl, rms_rows, scale_bias};
 use ir::DType;
 use runtime::device::cpu::{CpuDevice, CpuError, CpuOptions, Profile, ProfileRows};
-use runtime::device::plan_check::PlanError;
+use runtime::device::plan_check::PlanCheckError;
 use std::path::PathBuf;
 
 /// A cache folder per test (removed at the end), so tests never share objects.
@@ -393,7 +393,7 @@ fn unsound_plans_are_rejected_at_load() {
     let mut short = test_plan();
     short.buffers[BIAS.0].len = D - 1;
     assert!(
-        matches!(try_load(short), Some(CpuError::Plan(PlanError::ParamMismatch { ref param, .. })) if param == "b")
+        matches!(try_load(short), Some(CpuError::Plan(PlanCheckError::ParamMismatch { ref param, .. })) if param == "b")
     );
 
     // A kernel output placed over its own input in the arena.
@@ -401,44 +401,47 @@ fn unsound_plans_are_rejected_at_load() {
     aliased.buffers[Y.0].role = BufferRole::Scratch { offset: ROWS * D + 10 };
     assert!(matches!(
         try_load(aliased),
-        Some(CpuError::Plan(PlanError::Aliased { step: 2, written: 6, other: 5, .. }))
+        Some(CpuError::Plan(PlanCheckError::Aliased { step: 2, written: 6, other: 5, .. }))
     ));
 
     // A GEMM reaching past its operand.
     let mut past = test_plan();
     past.buffers[W.0].len = D * F - 1;
-    assert!(matches!(try_load(past), Some(CpuError::Plan(PlanError::Gemm { step: 1, .. }))));
+    assert!(matches!(try_load(past), Some(CpuError::Plan(PlanCheckError::Gemm { step: 1, .. }))));
 
     // Sizes whose ends overflow: a scratch placement, a buffer's bytes, a
     // GEMM's batch extent. Each is a load error, not a wrapped (short) arena.
     let mut placed = test_plan();
     placed.buffers[H.0].role = BufferRole::Scratch { offset: usize::MAX - 8 };
-    assert!(matches!(try_load(placed), Some(CpuError::Plan(PlanError::TooLarge { .. }))));
+    assert!(matches!(try_load(placed), Some(CpuError::Plan(PlanCheckError::TooLarge { .. }))));
     let mut huge = test_plan();
     huge.buffers[Y.0].len = usize::MAX / 2;
-    assert!(matches!(try_load(huge), Some(CpuError::Plan(PlanError::TooLarge { .. }))));
+    assert!(matches!(try_load(huge), Some(CpuError::Plan(PlanCheckError::TooLarge { .. }))));
     let mut strided = test_plan();
     if let Step::Gemm(g) = &mut strided.steps[1] {
         (g.batch, g.stride_b) = (3, usize::MAX / 2);
     }
-    assert!(matches!(try_load(strided), Some(CpuError::Plan(PlanError::Gemm { step: 1, .. }))));
+    assert!(matches!(try_load(strided), Some(CpuError::Plan(PlanCheckError::Gemm { step: 1, .. }))));
 
     // Wrong arity and unknown buffers.
     let mut arity = test_plan();
     arity.steps[0] = Step::Kernel { kernel: 0, args: vec![X, SCALE, BIAS] };
-    assert!(matches!(try_load(arity), Some(CpuError::Plan(PlanError::Arity { got: 3, expected: 4, .. }))));
+    assert!(matches!(
+        try_load(arity),
+        Some(CpuError::Plan(PlanCheckError::Arity { got: 3, expected: 4, .. }))
+    ));
     let mut unknown = test_plan();
     unknown.steps[3] = Step::Zero { buffer: BufferId(99) };
     assert!(matches!(
         try_load(unknown),
-        Some(CpuError::Plan(PlanError::UnknownBuffer { step: 3, id: 99, .. }))
+        Some(CpuError::Plan(PlanCheckError::UnknownBuffer { step: 3, id: 99, .. }))
     ));
 
     // Chains: a valid one loads; one past the steps, one whose kernel's items
     // do not split into its entries, one with a zeroing step, none of them.
     let chained = |start, end, entries| Plan { chains: vec![Chain { start, end, entries }], ..test_plan() };
     assert!(try_load(chained(0, 3, 1)).is_none(), "scale, product, norm over one entry");
-    let rejected = |plan: Plan| matches!(try_load(plan), Some(CpuError::Plan(PlanError::Chain { .. })));
+    let rejected = |plan: Plan| matches!(try_load(plan), Some(CpuError::Plan(PlanCheckError::Chain { .. })));
     assert!(rejected(chained(4, 7, 1)), "past the last step");
     assert!(rejected(chained(0, 1, 7)), "{ROWS} rows do not split into 7 entries");
     assert!(rejected(chained(2, 4, 1)), "a zeroing step");
@@ -791,7 +794,7 @@ fn malformed_moe_steps_are_rejected() {
     let compiler = cache.compiler();
     let try_load = |plan: Plan| CpuDevice::with_options(plan, &compiler, CpuOptions { threads: 2 }).err();
     let grouped_error = |plan: Plan, what: &str| match try_load(plan) {
-        Some(CpuError::Plan(PlanError::Grouped { what: message, .. })) => {
+        Some(CpuError::Plan(PlanCheckError::Grouped { what: message, .. })) => {
             assert!(message.contains(what), "{message}")
         }
         other => panic!("expected a grouped GEMM error naming {what}, got {other:?}"),
@@ -800,7 +803,10 @@ fn malformed_moe_steps_are_rejected() {
     // Counts that are not i32.
     let mut float_counts = moe_plan(None);
     float_counts.buffers[M_COUNTS.0].dtype = DType::F32;
-    assert!(matches!(try_load(float_counts.clone()), Some(CpuError::Plan(PlanError::Route { step: 0, .. }))));
+    assert!(matches!(
+        try_load(float_counts.clone()),
+        Some(CpuError::Plan(PlanCheckError::Route { step: 0, .. }))
+    ));
     float_counts.steps.remove(0);
     grouped_error(float_counts, "counts");
     // Sizes past an operand: more rows than x holds, a wider product than w holds.
@@ -827,16 +833,16 @@ fn malformed_moe_steps_are_rejected() {
         g.form = codegen::plan::GroupedForm::Rows;
         (g.k, g.n) = (MOE_D, MOE_D);
     }
-    assert!(matches!(try_load(aliased), Some(CpuError::Plan(PlanError::Grouped { step: 2, .. }))));
+    assert!(matches!(try_load(aliased), Some(CpuError::Plan(PlanCheckError::Grouped { step: 2, .. }))));
     // A routing output over another, and a routing of too many assignments.
     let mut route_aliased = moe_plan(None);
     route_aliased.buffers[M_TOKENS.0].role = BufferRole::Scratch { offset: 10 };
-    assert!(matches!(try_load(route_aliased), Some(CpuError::Plan(PlanError::Route { step: 0, .. }))));
+    assert!(matches!(try_load(route_aliased), Some(CpuError::Plan(PlanCheckError::Route { step: 0, .. }))));
     let mut long = moe_plan(None);
     if let MoeRoute(r) = &mut long.steps[0] {
         r.assignments = MOE_ROWS + 2;
     }
-    assert!(matches!(try_load(long), Some(CpuError::Plan(PlanError::Route { step: 0, .. }))));
+    assert!(matches!(try_load(long), Some(CpuError::Plan(PlanCheckError::Route { step: 0, .. }))));
 
     // At run time: an expert index out of range is an error, not an access past counts.
     let mut dev =

@@ -7,13 +7,13 @@
 //! level, [`Tolerances::FP32`]; bf16 specs [`Tolerances::BF16`]).
 
 use codegen::cc::Compiler;
+use codegen::training::TrainingGraph;
 use ir::spec::{ConstantSpec, FfnSpec, ModelSpec, MoeDispatch, MoeGate, Precision, ScheduleSpec};
 use runtime::data::{BatchSampler, Corpus};
-use runtime::device::cpu::{CpuDevice, CpuOptions};
-use runtime::device::cpu_executor::{CpuExecutor, TrainingGraph};
-use runtime::executor::StepExecutor;
+use runtime::device::cpu::{CpuDevice, CpuExecutor, CpuOptions};
 use runtime::init::init_params;
 use runtime::parity::{compare, Quantity, Tolerances};
+use runtime::step::StepExecutor;
 use std::path::PathBuf;
 
 mod common;
@@ -144,9 +144,9 @@ fn sparse_moe_bf16_matches_the_reference() {
 /// parameter is edited between steps (the next step must see the edit).
 #[test]
 fn train_step_matches_the_host_update() {
-    use runtime::executor::UpdateSettings;
     use runtime::optim::clip::clip_global_norm;
     use runtime::optim::Optimizer;
+    use runtime::step::UpdateSettings;
     for optimizer in [None, Some(ir::spec::OptimizerSpec::Muon(ir::spec::MuonSpec::default()))] {
         let mut spec = shrunk("mhc.ron");
         spec.train.clip = Some(0.05);

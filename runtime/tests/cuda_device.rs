@@ -18,7 +18,7 @@ use runtime::device::cuda::{
     column_major_gemm, copy_bandwidth, driver_available, launch_config, probe, BlasGemm, CudaDevice,
     CudaError, Layout, Placement,
 };
-use runtime::device::plan_check::PlanError;
+use runtime::device::plan_check::PlanCheckError;
 
 fn scratch(offset: usize) -> BufferRole {
     BufferRole::Scratch { offset }
@@ -272,7 +272,7 @@ fn buffer_ids_must_match_positions() {
         update_start: None,
         chains: vec![],
     };
-    assert!(matches!(Layout::of(&plan), Err(CudaError::Plan(PlanError::BufferId { index: 1, id: 2 }))));
+    assert!(matches!(Layout::of(&plan), Err(CudaError::Plan(PlanCheckError::BufferId { index: 1, id: 2 }))));
 }
 
 // ---------------------------------------------------------------- on a GPU
@@ -437,26 +437,29 @@ fn malformed_plans_are_rejected_before_touching_the_gpu() {
     let err = |plan| CudaDevice::new(plan).expect_err("malformed plan");
     assert!(matches!(
         err(with_steps(vec![launch(vec![0, 1, 2])])),
-        CudaError::Plan(PlanError::Arity { got: 3, expected: 4, .. })
+        CudaError::Plan(PlanCheckError::Arity { got: 3, expected: 4, .. })
     ));
     // w (D * F elements) bound where x (ROWS * D) is expected.
     assert!(matches!(
         err(with_steps(vec![launch(vec![3, 1, 2, 4])])),
-        CudaError::Plan(PlanError::ParamMismatch { id: 3, want_len, .. }) if want_len == ROWS * D
+        CudaError::Plan(PlanCheckError::ParamMismatch { id: 3, want_len, .. }) if want_len == ROWS * D
     ));
     assert!(matches!(
         err(with_steps(vec![launch(vec![0, 1, 2, 42])])),
-        CudaError::Plan(PlanError::UnknownBuffer { id: 42, .. })
+        CudaError::Plan(PlanCheckError::UnknownBuffer { id: 42, .. })
     ));
     assert!(matches!(
         err(with_steps(vec![Step::Kernel { kernel: 9, args: vec![] }])),
-        CudaError::Plan(PlanError::UnknownKernel { .. })
+        CudaError::Plan(PlanCheckError::UnknownKernel { .. })
     ));
     // Four batch entries of h @ w overrun q.
     let overrun =
         Gemm { batch: 4, ..gemm(ROWS / 3, F, D, 1, (false, false), [ROWS / 3 * D, 0, ROWS / 3 * F], false) };
     let overrun = Gemm { a: BufferId(4), b: BufferId(3), c: BufferId(8), ..overrun };
-    assert!(matches!(err(with_steps(vec![Step::Gemm(overrun)])), CudaError::Plan(PlanError::Gemm { .. })));
+    assert!(matches!(
+        err(with_steps(vec![Step::Gemm(overrun)])),
+        CudaError::Plan(PlanCheckError::Gemm { .. })
+    ));
 }
 
 // ---------------------------------------------------------------- training steps
@@ -470,11 +473,11 @@ fn malformed_plans_are_rejected_before_touching_the_gpu() {
 #[test]
 fn gpu_training_steps_match_the_cpu_device() {
     use ir::spec::{AdamWSpec, ConstantSpec, ModelSpec, OptimizerSpec, ScheduleSpec};
-    use runtime::device::cpu::CpuOptions;
-    use runtime::device::cpu_executor::CpuExecutor;
-    use runtime::executor::{cuda_executor, StepExecutor, UpdateSettings};
+    use runtime::device::cpu::{CpuExecutor, CpuOptions};
+    use runtime::device::cuda_executor;
     use runtime::init::init_params;
     use runtime::optim::Optimizer;
+    use runtime::step::{StepExecutor, UpdateSettings};
     if !driver_available() {
         eprintln!("no CUDA driver: GPU training steps not checked here (scripts/gpu_check.sh runs it)");
         return;
@@ -532,12 +535,13 @@ fn gpu_training_steps_match_the_cpu_device() {
 /// the Cpu device's, and so do training steps (a capacity drops assignments).
 #[test]
 fn gpu_sparse_moe_matches_the_cpu_device() {
+    use codegen::training::TrainingGraph;
     use ir::spec::{FfnSpec, ModelSpec, MoeDispatch, MoeGate, MoeSpec};
-    use runtime::device::cpu::CpuOptions;
-    use runtime::device::cpu_executor::{CpuExecutor, TrainingGraph};
-    use runtime::executor::{cuda_executor, StepExecutor, UpdateSettings};
+    use runtime::device::cpu::{CpuExecutor, CpuOptions};
+    use runtime::device::cuda_executor;
     use runtime::init::init_params;
     use runtime::optim::Optimizer;
+    use runtime::step::{StepExecutor, UpdateSettings};
     let moe = MoeSpec {
         experts: 4,
         top_k: 2,

@@ -4,12 +4,14 @@
 //! device.
 
 use codegen::plan::{BufferRole, Plan};
+use codegen::training::TrainingGraph;
 use ir::spec::{ConstantSpec, ModelSpec, Precision, ScheduleSpec};
 use ir::DType;
 use runtime::data::{BatchSampler, Corpus};
-use runtime::device::cpu_executor::TrainingGraph;
-use runtime::executor::{Device, ReferenceExecutor, StepExecutor};
+use runtime::device::reference::ReferenceExecutor;
+use runtime::device::Device;
 use runtime::init::init_params;
+use runtime::step::StepExecutor;
 use runtime::train::{train_spec, TrainOptions};
 
 mod common;

@@ -7,9 +7,8 @@
 use ir::spec::{AuxLossSpec, BiasUpdateSpec, FfnSpec, ModelSpec, MoeBalance, MoeDispatch, MoeGate, MoeSpec};
 use runtime::checkpoint::Checkpoint;
 use runtime::data::{BatchSampler, Corpus};
-use runtime::device::cpu::CpuOptions;
-use runtime::device::cpu_executor::CpuExecutor;
-use runtime::executor::Device;
+use runtime::device::cpu::{CpuExecutor, CpuOptions};
+use runtime::device::Device;
 use runtime::init::init_params;
 use runtime::optim::Optimizer;
 use runtime::parity::{compare, Tolerances};
@@ -209,7 +208,7 @@ fn cpu_aux_loss_case(balance: MoeBalance) {
     let step = |device: Device| {
         let mut exec = device.executor(lowered.clone()).unwrap();
         let (mut p, mut optimizer) = (params.clone(), Optimizer::new(&spec, &params));
-        let settings = runtime::executor::UpdateSettings { lr_mult: 1.0, clip: None };
+        let settings = runtime::step::UpdateSettings { lr_mult: 1.0, clip: None };
         let stats = exec.train_step(&mut p, &tokens, &mut optimizer, settings).unwrap();
         (stats.loss, exec.statistics().to_vec(), exec.step_statistics().to_vec())
     };

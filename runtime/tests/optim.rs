@@ -452,8 +452,9 @@ fn apply_scales_gradients_and_fills_mirrors() {
 /// with the parameters as they were.
 #[test]
 fn non_finite_loss_skips_the_update() {
-    use runtime::executor::{update_on_host, UpdateSettings};
     use runtime::optim::UpdateTarget;
+    use runtime::step::host::update_on_host;
+    use runtime::step::UpdateSettings;
     let g = graph_with(&[("w", &[8, 4], ParamClass::Hidden)]);
     let mut params = ParamSet::zeros(&g).unwrap();
     let before = params.clone();

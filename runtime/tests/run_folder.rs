@@ -3,7 +3,7 @@
 
 use ir::spec::{AdamWSpec, ConstantSpec, ModelSpec, OptimizerSpec, ResidualSpec, ScheduleSpec};
 use runtime::checkpoint::{self, Checkpoint, CheckpointError, TrainState};
-use runtime::executor::Device;
+use runtime::device::Device;
 use runtime::init::init_params;
 use runtime::train::{train_spec, TrainError};
 use std::path::{Path, PathBuf};

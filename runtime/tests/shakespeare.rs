@@ -8,7 +8,7 @@
 //! this test with a message.
 
 use ir::spec::{load_spec, DataSpec};
-use runtime::executor::Device;
+use runtime::device::Device;
 use runtime::train::{train_spec, TrainOptions};
 use std::path::Path;
 

@@ -8,12 +8,13 @@
 //! "successful" step on garbage). This file is its own test binary, so such a
 //! crash fails these tests without taking others down.
 
+use codegen::training::TrainingGraph;
 use ir::spec::ModelSpec;
-use runtime::device::cpu::{CpuDevice, CpuOptions};
-use runtime::device::cpu_executor::{CpuExecutor, TrainingGraph};
-use runtime::executor::{check_tokens, ReferenceExecutor, StepError, StepExecutor, UpdateSettings};
+use runtime::device::cpu::{CpuDevice, CpuExecutor, CpuOptions};
+use runtime::device::reference::ReferenceExecutor;
 use runtime::init::init_params;
 use runtime::optim::Optimizer;
+use runtime::step::{check_tokens, StepError, StepExecutor, UpdateSettings};
 
 /// Byte-level, as every corpus is, so the spec validates whatever it checks
 /// about data; the ids tested lie outside it.

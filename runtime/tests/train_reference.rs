@@ -8,7 +8,7 @@ use ir::spec::{
     OptimizerSpec, ScheduleSpec,
 };
 use runtime::checkpoint::Checkpoint;
-use runtime::executor::Device;
+use runtime::device::Device;
 use runtime::train::{train_spec, TrainError, TrainOptions};
 use std::path::PathBuf;
 

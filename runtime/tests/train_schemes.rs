@@ -4,7 +4,7 @@
 //! (virtual-width) model, whose hidden matrices include W_reduce and the MTP mixers.
 
 use ir::spec::{ConstantSpec, Flash, ModelSpec, MuonSpec, OptimizerSpec, ResidualSpec, ScheduleSpec};
-use runtime::executor::Device;
+use runtime::device::Device;
 use runtime::train::{train_spec, TrainOptions};
 use std::path::PathBuf;
 

@@ -24,10 +24,10 @@
 
 use anyhow::Context;
 use codegen::plan_report::{kernels_tsv, plan_text};
+use codegen::training::TrainingGraph;
 use ir::graph::Graph;
 use ir::passes::{FusedGraph, GroupKind};
 use ir::spec::load_spec;
-use runtime::device::cpu_executor::TrainingGraph;
 use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::path::PathBuf;

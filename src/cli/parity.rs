@@ -17,7 +17,7 @@ use super::{parallel_map, Backbone};
 use anyhow::Context;
 use ir::spec::load_spec;
 use runtime::device::cuda::{driver_available, CudaError};
-use runtime::executor::Device;
+use runtime::device::Device;
 use runtime::parity::{compare, Tolerances};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};

@@ -14,8 +14,8 @@
 
 use anyhow::Context;
 use ir::spec::{load_spec, DataSpec};
+use runtime::device::Device;
 use runtime::dist::Group;
-use runtime::executor::Device;
 use runtime::train::{train_spec, Progress, TrainError, TrainOptions};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;

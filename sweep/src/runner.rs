@@ -40,7 +40,7 @@ use std::time::{Instant, SystemTime};
 
 use ir::spec::{DataSpec, ModelSpec};
 use runtime::data::Corpus;
-use runtime::executor::Device;
+use runtime::device::Device;
 use runtime::train::{
     train_spec, StepEvent, StepObserver, TrainError, TrainOptions, FINAL_CHECKPOINT, METRICS_FILE,
 };

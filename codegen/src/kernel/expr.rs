@@ -8,6 +8,7 @@ use ir::DType;
 /// Scalar types of expressions and variables. Index arithmetic is `I64`;
 /// `Bf16` buffers load and store as `F32` (see [`crate::kernel::Param`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub enum Ty {
     F32,
     F64,
@@ -56,6 +57,7 @@ impl std::fmt::Display for Ty {
 
 /// A buffer that can be indexed: a kernel parameter or a local array.
 #[derive(Debug, Clone, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub enum Buf {
     Param { name: String, dtype: DType },
     Local { name: String, ty: Ty },
@@ -85,6 +87,7 @@ impl Buf {
 
 /// Unary operators.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub enum UnOp {
     Neg,
     /// Logical not of a `Bool`.
@@ -93,6 +96,7 @@ pub enum UnOp {
 
 /// Binary arithmetic and logical operators; both operands have the same type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub enum BinOp {
     Add,
     Sub,
@@ -108,6 +112,7 @@ pub enum BinOp {
 
 /// Comparisons; both operands have the same type, the result is `Bool`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub enum CmpOp {
     Lt,
     Le,
@@ -133,6 +138,7 @@ impl CmpOp {
 
 /// Math functions of float arguments, printed per type (`expf` / `exp`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub enum MathFn {
     Exp,
     Log,
@@ -174,9 +180,10 @@ impl MathFn {
 
 /// A typed scalar expression.
 #[derive(Debug, Clone, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub enum Expr {
-    F32(f32),
-    F64(f64),
+    F32(#[cfg_attr(feature = "serde", serde(with = "super::float_bits::f32"))] f32),
+    F64(#[cfg_attr(feature = "serde", serde(with = "super::float_bits::f64"))] f64),
     I32(i32),
     I64(i64),
     Bool(bool),

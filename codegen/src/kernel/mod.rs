@@ -46,6 +46,38 @@ pub use validate::KernelError;
 
 pub(crate) use counts::stmt_work;
 
+/// Floats in serialized Plans travel as their IEEE bit patterns: JSON has no
+/// infinities or NaNs (masking constants are `-inf`), and a Plan read back must
+/// be bit for bit the one compiled (`runtime::standalone::codec`).
+#[cfg(feature = "serde")]
+pub(crate) mod float_bits {
+    /// An `f32` as its bit pattern.
+    pub mod f32 {
+        use serde::{Deserialize, Deserializer, Serializer};
+
+        pub fn serialize<S: Serializer>(v: &f32, s: S) -> Result<S::Ok, S::Error> {
+            s.serialize_u32(v.to_bits())
+        }
+
+        pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<f32, D::Error> {
+            u32::deserialize(d).map(f32::from_bits)
+        }
+    }
+
+    /// An `f64` as its bit pattern.
+    pub mod f64 {
+        use serde::{Deserialize, Deserializer, Serializer};
+
+        pub fn serialize<S: Serializer>(v: &f64, s: S) -> Result<S::Ok, S::Error> {
+            s.serialize_u64(v.to_bits())
+        }
+
+        pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+            u64::deserialize(d).map(f64::from_bits)
+        }
+    }
+}
+
 use std::collections::{HashMap, HashSet};
 
 use ir::DType;
@@ -54,6 +86,7 @@ use ir::DType;
 /// `const`; validation rejects loads from write-only and stores to read-only
 /// buffers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub enum Access {
     Read,
     Write,
@@ -87,6 +120,7 @@ impl Access {
 /// One buffer parameter. Buffers never alias (the memory planner guarantees
 /// it), which is why the renderers mark them `restrict`.
 #[derive(Debug, Clone, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct Param {
     pub name: String,
     /// Storage type. `Bf16` is storage only: loads widen to f32 and stores
@@ -106,6 +140,7 @@ impl Param {
 
 /// The 1-D launch grid over `n` items.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub enum Grid {
     /// Items are independent; each item is processed by one thread. In C each
     /// runtime thread runs the items of its `[start, end)` range; in CUDA one
@@ -164,6 +199,7 @@ impl Grid {
 
 /// A block-wide reduction operator.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub enum ReduceOp {
     Sum,
     Max,
@@ -171,6 +207,7 @@ pub enum ReduceOp {
 
 /// A statement of the body of one item.
 #[derive(Debug, Clone, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub enum Stmt {
     /// Immutable scalar: `const T var = expr;`.
     Let {
@@ -237,6 +274,7 @@ pub enum Stmt {
 
 /// What a loop asks of the compiler's unrolling (a pragma before the loop).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub enum Unroll {
     /// No request: the compiler decides.
     #[default]
@@ -252,6 +290,7 @@ pub enum Unroll {
 
 /// One kernel: the unit the renderers print and the runtime launches.
 #[derive(Debug, Clone, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct Kernel {
     /// Identifier; the rendered function is `widen_<name>`.
     pub name: String,

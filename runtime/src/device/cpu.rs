@@ -35,13 +35,20 @@
 //!    item owns its outputs; reductions over items are two-phase, docs/architecture.md §5)
 //!    that the code generator upholds; it cannot be checked here.
 
-use super::plan_check::{self, PlanError};
-use super::pool::Pool;
-use super::{paired_gemm, sgemm};
+mod executor;
+mod paired_gemm;
+mod pool;
+mod sgemm;
+
+pub use executor::CpuExecutor;
+
+use super::plan_check::{self, PlanCheckError};
+use crate::step::StepError;
 use codegen::cc::{CcError, Compiler, Entry};
 use codegen::kernel::{Expr, Grid, Kernel, Stmt};
 use codegen::plan::{BufferDecl, BufferId, BufferRole, Chain, Gemm, GroupedGemm, MoeRoute, Plan, Step};
 use ir::DType;
+use pool::Pool;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -52,7 +59,7 @@ pub enum CpuError {
     #[error(transparent)]
     Cc(#[from] CcError),
     #[error(transparent)]
-    Plan(#[from] PlanError),
+    Plan(#[from] PlanCheckError),
     #[error("steps {start}..{end} are not within the plan's {count} steps")]
     StepRange { start: usize, end: usize, count: usize },
     #[error("buffer #{id} does not exist: the plan has {count} buffers")]
@@ -69,6 +76,13 @@ pub enum CpuError {
     /// group sizes past the rows): checked before any access, never a read out of bounds.
     #[error("step {step}: {what}")]
     Step { step: usize, what: String },
+}
+
+/// The loop sees a Cpu failure as a device error (the step contract names no device).
+impl From<CpuError> for StepError {
+    fn from(e: CpuError) -> StepError {
+        StepError::Device(Box::new(e))
+    }
 }
 
 /// How the device runs.
@@ -653,7 +667,7 @@ impl CpuDevice {
         let lead: Vec<AtomicU64> = steps.iter().map(|_| AtomicU64::new(0)).collect();
         let parts = self.pool.threads().min(chain.entries);
         let work = |p: usize| {
-            let (lo, hi) = super::pool::part_range(chain.entries as i64, parts, p);
+            let (lo, hi) = pool::part_range(chain.entries as i64, parts, p);
             for entry in lo as usize..hi as usize {
                 for (i, step) in steps.iter().enumerate() {
                     let started = (timed && p == 0).then(Instant::now);
@@ -782,7 +796,9 @@ fn constant(d: &BufferDecl, value: f64) -> Result<HostVec, CpuError> {
             HostVec::I32(vec![value as i32; d.len])
         }
         dtype => {
-            return Err(PlanError::ConstantDType { id: d.id.0, role: format!("{:?}", d.role), dtype }.into())
+            return Err(
+                PlanCheckError::ConstantDType { id: d.id.0, role: format!("{:?}", d.role), dtype }.into()
+            )
         }
     })
 }
@@ -994,7 +1010,7 @@ unsafe fn run_gemm(g: &Gemm, a: *const f32, b: *const f32, c: *mut f32, pool: &P
     };
     let parts = threads.min(count.max(1));
     let part = |p: usize| {
-        let (lo, hi) = super::pool::part_range(count as i64, parts, p);
+        let (lo, hi) = pool::part_range(count as i64, parts, p);
         let (lo, hi) = (lo as usize, hi as usize);
         let (batches, rows, cols) = if by_batch {
             (lo..hi, 0..g.m, 0..g.n)
@@ -1127,7 +1143,7 @@ unsafe fn run_gemm_split_k(
     let parts = pool.threads().min(SPLIT_K_CHUNKS);
     let part = |t: usize| {
         for chunk in (t..SPLIT_K_CHUNKS).step_by(parts) {
-            let (lo, hi) = super::pool::part_range(g.k as i64, SPLIT_K_CHUNKS, chunk);
+            let (lo, hi) = pool::part_range(g.k as i64, SPLIT_K_CHUNKS, chunk);
             let (lo, hi) = (lo as usize, hi as usize);
             let pa = (a + lo * a_cs * f32s) as *const f32;
             let pb = (b + lo * b_rs * f32s) as *const f32;

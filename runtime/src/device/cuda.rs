@@ -91,12 +91,17 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 use ir::DType;
 
-use super::cpu_executor::{first_loss, Interface};
-use super::plan_check::{self, PlanError};
-use super::update::{Held, PlanBuffers, PlanUpdate};
-use crate::executor::{check_tokens, train_step_on_host, StepError, StepExecutor, StepStats, UpdateSettings};
+use super::plan_check::{self, PlanCheckError};
+use super::plan_io::{first_loss, Interface};
+use super::plan_update::{Held, PlanBuffers, PlanUpdate};
 use crate::optim::Optimizer;
 use crate::params::{ParamSet, ParamVersion};
+use crate::step::host::train_step_on_host;
+use crate::step::statistics::ReadsOutputs;
+use crate::step::{check_tokens, token_shape_of, StepError, StepExecutor, StepStats, UpdateSettings};
+use codegen::compile::Target;
+use codegen::training::TrainingGraph;
+use ir::lower::Lowered;
 
 /// The driver library that [`CudaError::NoCudaDriver`] names.
 pub const DRIVER_LIBRARY: &str = "libcuda.so.1";
@@ -148,7 +153,7 @@ pub enum CudaError {
     #[error("the driver rejected the compiled module: as CUBIN ({cubin}), then as PTX ({ptx})")]
     ModuleLoad { cubin: DriverError, ptx: DriverError },
     #[error(transparent)]
-    Plan(#[from] PlanError),
+    Plan(#[from] PlanCheckError),
     #[error("kernel `{kernel}`: {what}")]
     Launch { kernel: String, what: String },
     #[error("{context} failed: {source}")]
@@ -1045,7 +1050,9 @@ fn fill(stream: &CudaStream, d: &BufferDecl, ptr: sys::CUdeviceptr, value: f64) 
             unsafe { drv::memcpy_htod_async(ptr, &host, s) }
         }
         dtype => {
-            return Err(PlanError::ConstantDType { id: d.id.0, role: format!("{:?}", d.role), dtype }.into());
+            return Err(
+                PlanCheckError::ConstantDType { id: d.id.0, role: format!("{:?}", d.role), dtype }.into()
+            );
         }
     }
     .map_err(driver(what()))
@@ -1097,12 +1104,12 @@ fn prepare(plan: &Plan, ptrs: &[sys::CUdeviceptr]) -> Result<Vec<Vec<Op>>, CudaE
 }
 
 /// The [`StepExecutor`] over a [`CudaDevice`], with the interface of the
-/// Cpu device's executor ([`super::cpu_executor::CpuExecutor`]): a `tokens`
+/// Cpu device's executor ([`super::cpu::CpuExecutor`]): a `tokens`
 /// input, a `loss` output, an optional `logits` output and a gradient buffer
 /// per parameter. Parameters are uploaded only when the set handed in is not
 /// the one the device holds; with AdamW the Plan runs the update, so
 /// parameters and moments stay on the GPU and a step moves only the new
-/// parameters back (`super::update`, the protocol the Cpu executor shares).
+/// parameters back (`super::plan_update`, the protocol the Cpu executor shares).
 #[derive(Debug)]
 pub struct CudaExecutor {
     /// This rank's NCCL communicator in a data-parallel run; declared before
@@ -1122,6 +1129,19 @@ pub struct CudaExecutor {
 }
 
 impl CudaExecutor {
+    /// Differentiates, fuses and compiles `lowered` into a training Plan
+    /// sized for the GPU ([`TrainingGraph`]) and loads it on GPU `ordinal`.
+    /// The driver is checked first, so a machine without one fails fast
+    /// ([`CudaError::NoCudaDriver`]) instead of compiling a Plan it cannot run.
+    pub fn from_lowered(lowered: Lowered, ordinal: usize) -> Result<CudaExecutor, StepError> {
+        if !driver_available() {
+            return Err(CudaError::NoCudaDriver.into());
+        }
+        let token_shape = token_shape_of(&lowered.graph, lowered.tokens);
+        let plan = TrainingGraph::new(lowered)?.plan_for(Target::Cuda)?;
+        CudaExecutor::new(CudaDevice::on(plan, ordinal)?, token_shape)
+    }
+
     /// An executor over a loaded Plan whose `tokens` input has shape
     /// `token_shape` (`[batch, seq_len + 1]`).
     pub fn new(device: CudaDevice, token_shape: [usize; 2]) -> Result<CudaExecutor, StepError> {
@@ -1246,7 +1266,7 @@ impl StepExecutor for CudaExecutor {
     ) -> Result<StepStats, StepError> {
         check_tokens(tokens, self.token_shape, self.vocab)?;
         if !self.update.as_ref().is_some_and(|u| u.takes(params, optimizer)) {
-            return crate::executor::train_step_on_host_averaged(
+            return crate::step::host::train_step_on_host_averaged(
                 self, params, tokens, optimizer, settings, group,
             );
         }
@@ -1284,7 +1304,7 @@ impl StepExecutor for CudaExecutor {
 }
 
 impl CudaExecutor {
-    /// A training step with the Plan's own update (`super::update`). With
+    /// A training step with the Plan's own update (`super::plan_update`). With
     /// `average` (a data-parallel step, docs/distributed.md) the Plan runs in
     /// two parts, its gradient steps and then its update steps, and `average`
     /// replaces the loss and the gradients in the Plan's buffers by their
@@ -1353,9 +1373,20 @@ impl PlanBuffers for CudaDevice {
     }
 }
 
+/// The loop sees a Cuda failure as a device error (the step contract names no device).
 impl From<CudaError> for StepError {
     fn from(e: CudaError) -> StepError {
-        StepError::Cuda(Box::new(e))
+        StepError::Device(Box::new(e))
+    }
+}
+
+impl ReadsOutputs for CudaExecutor {
+    fn read_output(&self, name: &str) -> Result<Vec<f32>, StepError> {
+        let id = self
+            .device
+            .find(&BufferRole::Output { name: name.into() })
+            .ok_or(StepError::MissingOutput { what: "step statistic" })?;
+        Ok(self.device.read_f32(id)?)
     }
 }
 

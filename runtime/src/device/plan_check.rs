@@ -14,7 +14,7 @@ use ir::DType;
 
 /// Why a Plan cannot be loaded.
 #[derive(Debug, thiserror::Error)]
-pub enum PlanError {
+pub enum PlanCheckError {
     #[error("plan buffer #{index} declares id {id}; buffer ids must equal their position")]
     BufferId { index: usize, id: usize },
     #[error("step {step} refers to buffer #{id}, but the plan has {count} buffers")]
@@ -64,12 +64,14 @@ const MAX_BYTES: usize = isize::MAX as usize - 4096;
 /// the other checks compute cannot overflow: a wrapped end would size an
 /// arena short and let a kernel run past it (see README, "What widen guarantees": a
 /// malformed Plan is a load error, never memory corruption).
-pub fn check_sizes(plan: &Plan) -> Result<(), PlanError> {
+pub fn check_sizes(plan: &Plan) -> Result<(), PlanCheckError> {
     let fits = |elements: Option<usize>, dtype: DType| {
         elements.and_then(|n| n.checked_mul(dtype.size_bytes())).is_some_and(|b| b <= MAX_BYTES)
     };
     if !fits(Some(plan.arena_len), DType::F32) {
-        return Err(PlanError::TooLarge { what: format!("the f32 arena of {} elements", plan.arena_len) });
+        return Err(PlanCheckError::TooLarge {
+            what: format!("the f32 arena of {} elements", plan.arena_len),
+        });
     }
     for d in &plan.buffers {
         let end = match d.role {
@@ -77,7 +79,7 @@ pub fn check_sizes(plan: &Plan) -> Result<(), PlanError> {
             _ => Some(d.len),
         };
         if !fits(end, d.dtype) {
-            return Err(PlanError::TooLarge {
+            return Err(PlanCheckError::TooLarge {
                 what: format!("buffer #{} ({} x {}, {:?})", d.id.0, d.len, d.dtype, d.role),
             });
         }
@@ -91,11 +93,11 @@ pub fn check_sizes(plan: &Plan) -> Result<(), PlanError> {
 /// f32 GEMMs over exactly the entries). (That
 /// an entry reads only its own entries of the chain's outputs is the
 /// lowering's promise; these are the parts a device's indexing relies on.)
-pub fn check_chains(plan: &Plan) -> Result<(), PlanError> {
+pub fn check_chains(plan: &Plan) -> Result<(), PlanCheckError> {
     let mut after = 0;
     for (index, chain) in plan.chains.iter().enumerate() {
         let Chain { start, end, entries } = *chain;
-        let err = |what: String| PlanError::Chain { index, start, end, entries, what };
+        let err = |what: String| PlanCheckError::Chain { index, start, end, entries, what };
         if start < after || start >= end || end > plan.steps.len() {
             return Err(err(format!(
                 "must be a non-empty range of the plan's {} steps, after the previous chain (ending at {after})",
@@ -117,9 +119,9 @@ pub fn check_chains(plan: &Plan) -> Result<(), PlanError> {
 
 /// Checks that every buffer's id equals its position, which both devices
 /// rely on to index their storage by id.
-pub fn check_buffer_ids(plan: &Plan) -> Result<(), PlanError> {
+pub fn check_buffer_ids(plan: &Plan) -> Result<(), PlanCheckError> {
     match plan.buffers.iter().enumerate().find(|(index, d)| d.id.0 != *index) {
-        Some((index, d)) => Err(PlanError::BufferId { index, id: d.id.0 }),
+        Some((index, d)) => Err(PlanCheckError::BufferId { index, id: d.id.0 }),
         None => Ok(()),
     }
 }
@@ -135,7 +137,7 @@ pub fn check_buffer_ids(plan: &Plan) -> Result<(), PlanError> {
 /// data: each device checks them against the rows when it runs the step,
 /// `GroupedGemm::products`). Runs [`check_sizes`] first, so no extent it
 /// computes overflows.
-pub fn check_steps(plan: &Plan) -> Result<(), PlanError> {
+pub fn check_steps(plan: &Plan) -> Result<(), PlanCheckError> {
     check_sizes(plan)?;
     let count = plan.buffers.len();
     for (step, s) in plan.steps.iter().enumerate() {
@@ -143,12 +145,12 @@ pub fn check_steps(plan: &Plan) -> Result<(), PlanError> {
             if id.0 < count {
                 Ok(())
             } else {
-                Err(PlanError::UnknownBuffer { step, id: id.0, count })
+                Err(PlanCheckError::UnknownBuffer { step, id: id.0, count })
             }
         };
         match s {
             Step::Kernel { kernel, args } => {
-                let k = plan.kernels.get(*kernel).ok_or(PlanError::UnknownKernel {
+                let k = plan.kernels.get(*kernel).ok_or(PlanCheckError::UnknownKernel {
                     step,
                     kernel: *kernel,
                     count: plan.kernels.len(),
@@ -184,10 +186,10 @@ fn check_kernel_args(
     step: usize,
     k: &Kernel,
     args: &[BufferId],
-    known: impl Fn(&BufferId) -> Result<(), PlanError>,
-) -> Result<(), PlanError> {
+    known: impl Fn(&BufferId) -> Result<(), PlanCheckError>,
+) -> Result<(), PlanCheckError> {
     if args.len() != k.params.len() {
-        return Err(PlanError::Arity {
+        return Err(PlanCheckError::Arity {
             step,
             kernel: k.name.clone(),
             got: args.len(),
@@ -198,7 +200,7 @@ fn check_kernel_args(
         known(id)?;
         let d = &plan.buffers[id.0];
         if d.dtype != p.dtype || d.len < p.len {
-            return Err(PlanError::ParamMismatch {
+            return Err(PlanCheckError::ParamMismatch {
                 step,
                 kernel: k.name.clone(),
                 param: p.name.clone(),
@@ -216,15 +218,20 @@ fn check_kernel_args(
         }
         for (j, o) in args.iter().enumerate() {
             if i != j && overlaps(extent(plan, *w), extent(plan, *o)) {
-                return Err(PlanError::Aliased { step, kernel: k.name.clone(), written: w.0, other: o.0 });
+                return Err(PlanCheckError::Aliased {
+                    step,
+                    kernel: k.name.clone(),
+                    written: w.0,
+                    other: o.0,
+                });
             }
         }
     }
     Ok(())
 }
 
-fn check_gemm(plan: &Plan, step: usize, g: &Gemm) -> Result<(), PlanError> {
-    let err = |what: String| PlanError::Gemm { step, what };
+fn check_gemm(plan: &Plan, step: usize, g: &Gemm) -> Result<(), PlanCheckError> {
+    let err = |what: String| PlanCheckError::Gemm { step, what };
     let product = |x: usize, y: usize, what: &str| {
         x.checked_mul(y).ok_or_else(|| err(format!("operand {what}: {x} x {y} elements overflow")))
     };
@@ -278,8 +285,8 @@ fn check_gemm(plan: &Plan, step: usize, g: &Gemm) -> Result<(), PlanError> {
     Ok(())
 }
 
-fn check_route(plan: &Plan, step: usize, r: &MoeRoute) -> Result<(), PlanError> {
-    let err = |what: String| PlanError::Route { step, what };
+fn check_route(plan: &Plan, step: usize, r: &MoeRoute) -> Result<(), PlanCheckError> {
+    let err = |what: String| PlanCheckError::Route { step, what };
     if r.k == 0 || r.experts == 0 || r.capacity == Some(0) || !r.assignments.is_multiple_of(r.k) {
         return Err(err(format!(
             "of {} assignments, {} per token, over {} experts with capacity {:?}: needs k, experts and \
@@ -315,8 +322,8 @@ fn check_route(plan: &Plan, step: usize, r: &MoeRoute) -> Result<(), PlanError> 
     Ok(())
 }
 
-fn check_grouped(plan: &Plan, step: usize, g: &GroupedGemm) -> Result<(), PlanError> {
-    let err = |what: String| PlanError::Grouped { step, what };
+fn check_grouped(plan: &Plan, step: usize, g: &GroupedGemm) -> Result<(), PlanCheckError> {
+    let err = |what: String| PlanCheckError::Grouped { step, what };
     let Some([a, b, c]) = g.extents() else {
         return Err(err(format!("of {} groups of {} x {} x {} overflows", g.groups, g.m, g.n, g.k)));
     };

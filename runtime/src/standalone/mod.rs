@@ -38,7 +38,7 @@ mod package;
 pub use cargo::{is_built_output, BUILT_MARKER};
 pub use package::{compile_plans, generate, widen_root, Package};
 
-use crate::executor::StepError;
+use codegen::training::TrainingError;
 use ir::spec::{ModelSpec, ScheduleSpec};
 use std::ffi::OsString;
 use std::fmt;
@@ -51,7 +51,7 @@ pub enum BuildError {
     #[error(transparent)]
     Lower(#[from] ir::lower::LowerError),
     #[error("compiling the training plan")]
-    Plan(#[from] StepError),
+    Plan(#[from] TrainingError),
     #[error(transparent)]
     Codec(#[from] codec::CodecError),
     #[error("the embedded plan does not read back as the compiled one")]

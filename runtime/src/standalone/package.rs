@@ -5,15 +5,18 @@
 //! [`crate::train::train`] with an executor over the embedded Plan.
 
 use super::{codec, BuildError};
-use crate::device::cpu_executor::TrainingGraph;
 use codegen::compile::Target;
 use codegen::plan::Plan;
+use codegen::training::TrainingGraph;
 use ir::spec::ModelSpec;
 use proc_macro2::TokenStream;
 use quote::quote;
 use sha2::{Digest, Sha256};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
+
+/// The version of the generated package's format, hashed into its name.
+const PACKAGE_FORMAT: &str = "widen-build/2";
 
 /// A generated package, not yet written to disk.
 #[derive(Debug, Clone)]
@@ -72,8 +75,12 @@ pub fn generate(spec: &ModelSpec) -> Result<Package, BuildError> {
     let main_rs = main_rs(spec, &plan).to_string();
     let deps = dependencies(&root)?;
 
+    // The first part is the package format's version: bumped whenever the generated
+    // files change for the same spec and sources (2: the Plan's JSON is codegen's own
+    // serde form, whose fields follow `codegen::plan::Plan`'s order), so a package
+    // folder of an older format is never taken for a current one.
     let mut h = Sha256::new();
-    for part in ["widen-build/1", &spec.name, &main_rs, &plan_json, &cuda_plan_json, &deps] {
+    for part in [PACKAGE_FORMAT, &spec.name, &main_rs, &plan_json, &cuda_plan_json, &deps] {
         h.update((part.len() as u64).to_le_bytes());
         h.update(part.as_bytes());
     }
@@ -302,9 +309,9 @@ fn main_rs(spec: &ModelSpec, plan: &Plan) -> TokenStream {
                 group: group.cloned(),
             };
             let device = match args.device {
-                DeviceArg::Reference => runtime::executor::Device::Reference,
-                DeviceArg::Cpu => runtime::executor::Device::Cpu,
-                DeviceArg::Cuda => runtime::executor::Device::Cuda,
+                DeviceArg::Reference => runtime::device::Device::Reference,
+                DeviceArg::Cpu => runtime::device::Device::Cpu,
+                DeviceArg::Cuda => runtime::device::Device::Cuda,
             };
             let report = if group.is_some() {
                 // The embedded Plans are for the whole batch on one process: each rank
@@ -375,22 +382,22 @@ fn main_rs(spec: &ModelSpec, plan: &Plan) -> TokenStream {
             let params = runtime::init::init_params(&lowered.graph, spec.train.seed)?;
             let token_shape = [spec.train.batch, window];
             let statistics = lowered.statistics.clone();
-            let mut exec: Box<dyn runtime::executor::StepExecutor> = match args.device {
-                DeviceArg::Reference => Box::new(runtime::executor::ReferenceExecutor::from_lowered(lowered)),
+            let mut exec: Box<dyn runtime::step::StepExecutor> = match args.device {
+                DeviceArg::Reference => Box::new(runtime::device::reference::ReferenceExecutor::from_lowered(lowered)),
                 DeviceArg::Cpu => {
                     let compiler = codegen::cc::Compiler::from_env()?;
                     let options = runtime::device::cpu::CpuOptions::default();
                     let device = runtime::device::cpu::CpuDevice::with_options(plan(PLAN_JSON)?, &compiler, options)
                         .context("loading the embedded plan on the cpu device")?;
-                    runtime::step_outputs::with_statistics(
-                        runtime::device::cpu_executor::CpuExecutor::new(device, token_shape)?,
+                    runtime::step::statistics::with_statistics(
+                        runtime::device::cpu::CpuExecutor::new(device, token_shape)?,
                         statistics,
                     )
                 }
                 DeviceArg::Cuda => {
                     let device = runtime::device::cuda::CudaDevice::new(plan(CUDA_PLAN_JSON)?)
                         .context("loading the embedded plan on the cuda device")?;
-                    runtime::step_outputs::with_statistics(
+                    runtime::step::statistics::with_statistics(
                         runtime::device::cuda::CudaExecutor::new(device, token_shape)?,
                         statistics,
                     )

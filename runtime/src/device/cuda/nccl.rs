@@ -14,7 +14,7 @@
 
 use super::{driver, CudaDevice, CudaError};
 use crate::dist::{DistError, Group};
-use crate::executor::StepError;
+use crate::step::StepError;
 use codegen::plan::BufferId;
 use cudarc::nccl::{result, sys};
 use ir::DType;
@@ -154,7 +154,7 @@ pub fn executor_for_rank(
         group.rank(),
         gpus.max(0) as usize,
     )?;
-    let mut exec = crate::executor::cuda_executor_on(lowered, gpu)?;
+    let mut exec = super::CudaExecutor::from_lowered(lowered, gpu)?;
     exec.nccl = Some(NcclComm::join(&exec.device, group)?);
     Ok(exec)
 }

@@ -420,7 +420,7 @@ unsafe fn tile<const P: usize>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::device::sgemm::triple_loop;
+    use crate::device::cpu::sgemm::triple_loop;
 
     #[test]
     fn the_packed_layout_holds_each_column_of_both_rows_once() {

@@ -10,9 +10,9 @@
 //! when the optimizer is not the one whose moments the device holds
 //! ([`Held`]); [`sync_moments`] returns them for checkpoints.
 
-use crate::executor::{StepError, StepStats, UpdateSettings};
 use crate::optim::Optimizer;
 use crate::params::ParamSet;
+use crate::step::{StepError, StepStats, UpdateSettings};
 use codegen::optimizer::{moment_names, rates_input, GRAD_NORM_OUTPUT, SETTINGS_INPUT};
 use codegen::plan::{BufferId, BufferRole, Plan};
 use std::collections::HashMap;

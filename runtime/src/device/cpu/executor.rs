@@ -7,126 +7,19 @@
 //! gradients in the Plan's buffers and writes each new value to the host set
 //! and the device's buffer in one pass.
 
-use super::cpu::{CpuDevice, CpuError, CpuOptions};
-use super::update::{Held, PlanBuffers, PlanUpdate};
+use super::{CpuDevice, CpuError, CpuOptions};
+use crate::device::plan_io::{first_loss, Interface};
+use crate::device::plan_update::{Held, PlanBuffers, PlanUpdate};
 use crate::dist::Group;
-use crate::executor::{
-    check_tokens, plan_vocab, train_step_on_host_averaged, update_on_host, StepError, StepExecutor,
-    StepStats, UpdateSettings,
-};
 use crate::optim::{Optimizer, UpdateTarget};
 use crate::params::{ParamSet, ParamVersion};
-use codegen::compile::{compile, fused_partition, CompileError, Request, Target};
-use codegen::plan::{BufferId, BufferRole, Plan};
-use ir::graph::Graph;
+use crate::step::host::{train_step_on_host_averaged, update_on_host};
+use crate::step::statistics::ReadsOutputs;
+use crate::step::{check_tokens, token_shape_of, StepError, StepExecutor, StepStats, UpdateSettings};
+use codegen::plan::{BufferId, BufferRole};
+use codegen::training::TrainingGraph;
 use ir::lower::Lowered;
 use std::collections::HashMap;
-
-/// The interface buffers of a training Plan, resolved by role once; shared
-/// by the Cpu and Cuda executors.
-#[derive(Debug)]
-pub(super) struct Interface {
-    pub(super) tokens: BufferId,
-    pub(super) loss: BufferId,
-    pub(super) logits: Option<BufferId>,
-    /// `(name, parameter buffer, gradient buffer)` of every parameter of the Plan.
-    pub(super) params: Vec<(String, BufferId, Option<BufferId>)>,
-    /// Gradient buffer by parameter name.
-    pub(super) grads: HashMap<String, BufferId>,
-}
-
-impl Interface {
-    pub(super) fn of(plan: &Plan) -> Result<Interface, StepError> {
-        let output = |name: &str| plan.find(&BufferRole::Output { name: name.into() });
-        let tokens = plan
-            .find(&BufferRole::Input { name: "tokens".into() })
-            .ok_or(StepError::MissingOutput { what: "`tokens` input buffer" })?;
-        let loss = output("loss").ok_or(StepError::MissingOutput { what: "loss" })?;
-        let params = plan
-            .buffers
-            .iter()
-            .filter_map(|b| match &b.role {
-                BufferRole::Param { name } => {
-                    Some((name.clone(), b.id, plan.find(&BufferRole::Grad { name: name.clone() })))
-                }
-                _ => None,
-            })
-            .collect::<Vec<_>>();
-        let grads = params.iter().filter_map(|(n, _, g)| g.map(|g| (n.clone(), g))).collect();
-        Ok(Interface { tokens, loss, logits: output("logits"), params, grads })
-    }
-
-    /// The vocabulary bounding the token ids of `plan` for batches of
-    /// `token_shape` (the last axis of its `logits` output,
-    /// [`crate::executor::plan_vocab`]): what [`check_tokens`] holds every
-    /// batch to before it is uploaded.
-    pub(super) fn vocab(&self, plan: &Plan, token_shape: [usize; 2]) -> Result<usize, StepError> {
-        let logits = self.logits.ok_or(StepError::MissingOutput { what: "logits" })?;
-        let len = plan.buffers.get(logits.0).map_or(0, |b| b.len);
-        plan_vocab(len, token_shape)
-    }
-
-    /// The gradient of every parameter of `params`, in its order, read by
-    /// `read`. A parameter the loss does not reach has no gradient buffer:
-    /// its gradient is zero.
-    pub(super) fn grads(
-        &self,
-        params: &ParamSet,
-        mut read: impl FnMut(BufferId) -> Result<Vec<f32>, StepError>,
-    ) -> Result<Vec<Vec<f32>>, StepError> {
-        params
-            .iter()
-            .map(|p| match self.grads.get(&p.name) {
-                Some(&g) => read(g),
-                None => Ok(vec![0.0; p.value.len()]),
-            })
-            .collect()
-    }
-}
-
-/// The loss value of a run: the single element of the `loss` buffer.
-pub(super) fn first_loss(loss: &[f32]) -> Result<f32, StepError> {
-    loss.first().copied().ok_or(StepError::MissingOutput { what: "loss" })
-}
-
-/// The differentiated and simplified training graph, and what its Plan must
-/// expose: the graph's named outputs and one gradient per parameter.
-#[derive(Debug, Clone)]
-pub struct TrainingGraph {
-    pub graph: Graph,
-    pub request: Request,
-    /// What the passes before fusion did (`ir::passes::prepare_for_fusion`).
-    pub passes: ir::passes::PrepareStats,
-}
-
-impl TrainingGraph {
-    /// Appends the backward pass of `loss` to the lowered graph
-    /// (`ir::autodiff`) and runs the passes before fusion, keeping every
-    /// parameter gradient (`ir::passes::prepare_for_fusion`: CSE and DCE, token
-    /// sums within each token first, cheap chains copied for their readers).
-    pub fn new(lowered: Lowered) -> Result<TrainingGraph, StepError> {
-        let Lowered { mut graph, loss, .. } = lowered;
-        let params = graph.params();
-        let grads = ir::autodiff::grad(&mut graph, loss, &params)?;
-        let passes = ir::passes::prepare_for_fusion(&mut graph, &grads)
-            .map_err(|e| StepError::from(CompileError::from(e)))?;
-        let request = Request::new(&graph, params.into_iter().zip(grads).collect()).with_update();
-        Ok(TrainingGraph { graph, request, passes })
-    }
-
-    /// The Plan of one training step for the Cpu device, partitioned by
-    /// `ir::passes::fuse` (docs/architecture.md §5).
-    pub fn plan(&self) -> Result<Plan, StepError> {
-        self.plan_for(Target::Cpu)
-    }
-
-    /// The Plan of one training step with kernels sized for `target`.
-    pub fn plan_for(&self, target: Target) -> Result<Plan, StepError> {
-        let partition = fused_partition(&self.graph, &self.request).map_err(StepError::from)?;
-        let request = self.request.clone().for_target(target);
-        compile(&self.graph, &partition, &request).map_err(StepError::from)
-    }
-}
 
 /// A loaded Plan, its interface buffers and its optimizer update's.
 #[derive(Debug)]
@@ -162,8 +55,7 @@ impl CpuExecutor {
     /// An executor for the output of `ir::lower::lower`; the Plan is compiled
     /// and loaded on the first call.
     pub fn from_lowered(lowered: Lowered, opts: CpuOptions) -> CpuExecutor {
-        let dims = lowered.graph.node(lowered.tokens).shape.dims().to_vec();
-        let token_shape = [dims.first().copied().unwrap_or(1), dims.get(1).copied().unwrap_or(1)];
+        let token_shape = token_shape_of(&lowered.graph, lowered.tokens);
         let vocab = lowered.graph.node(lowered.logits).shape.dims().last().copied().unwrap_or(0);
         CpuExecutor {
             state: State::Pending(Box::new(lowered), opts),
@@ -285,7 +177,7 @@ impl Loaded {
 }
 
 impl CpuExecutor {
-    /// A training step with the Plan's own update (`super::update`). With a
+    /// A training step with the Plan's own update (`crate::device::plan_update`). With a
     /// `group` (a data-parallel step, docs/distributed.md) the Plan runs in two
     /// parts: its gradient steps; then, once the loss and the gradients in the
     /// Plan's buffers are replaced by their means across the ranks, its update
@@ -380,7 +272,7 @@ impl StepExecutor for CpuExecutor {
     }
 
     /// With AdamW on every parameter the Plan runs the update
-    /// (`super::update`); otherwise (Muon) the host does, reading each
+    /// (`crate::device::plan_update`); otherwise (Muon) the host does, reading each
     /// gradient in its Plan buffer (no copy) and writing each new parameter
     /// value to `params` and to the device's parameter buffer in the same
     /// pass. Either way the next step uploads no parameters.
@@ -480,14 +372,31 @@ impl StepExecutor for CpuExecutor {
     }
 }
 
-impl From<CpuError> for StepError {
-    fn from(e: CpuError) -> StepError {
-        StepError::Cpu(Box::new(e))
+impl ReadsOutputs for CpuExecutor {
+    fn read_output(&self, name: &str) -> Result<Vec<f32>, StepError> {
+        let device = self.device().ok_or(StepError::MissingOutput { what: "step statistic before a run" })?;
+        let id = device
+            .plan()
+            .find(&BufferRole::Output { name: name.into() })
+            .ok_or(StepError::MissingOutput { what: "step statistic" })?;
+        Ok(device.read_f32(id)?.to_vec())
     }
 }
 
-impl From<CompileError> for StepError {
-    fn from(e: CompileError) -> StepError {
-        StepError::Compile(Box::new(e))
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The step contract names no device: a Cpu failure reaches the loop as
+    /// [`StepError::Device`], printing the Cpu error's own message once.
+    #[test]
+    fn a_cpu_failure_is_a_device_error_with_its_own_message() {
+        let cpu = CpuError::StepRange { start: 3, end: 9, count: 4 };
+        let shown = cpu.to_string();
+        let err = StepError::from(cpu);
+        assert_eq!(err.to_string(), shown);
+        assert!(std::error::Error::source(&err).is_none(), "the message is not repeated as a cause");
+        let StepError::Device(inner) = err else { panic!("not a device error: {err:?}") };
+        assert!(matches!(inner.downcast_ref::<CpuError>(), Some(CpuError::StepRange { start: 3, .. })));
     }
 }

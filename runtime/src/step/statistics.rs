@@ -10,39 +10,16 @@
 //! changes the host's parameter set, so the next step uploads the parameters again;
 //! the moments stay on the device.)
 
-use crate::device::cpu_executor::CpuExecutor;
-use crate::device::cuda::CudaExecutor;
+use super::{StepError, StepExecutor, StepStats, UpdateSettings};
 use crate::dist::Group;
-use crate::executor::{StepError, StepExecutor, StepStats, UpdateSettings};
 use crate::optim::Optimizer;
 use crate::params::ParamSet;
-use codegen::plan::BufferRole;
 
-/// An executor whose Plan's named outputs can be read after a run.
+/// An executor whose Plan's named outputs can be read after a run; each
+/// compiled device implements it for its executor.
 pub trait ReadsOutputs: StepExecutor {
     /// The f32 values of the Plan output `name` as the last run left them.
     fn read_output(&self, name: &str) -> Result<Vec<f32>, StepError>;
-}
-
-impl ReadsOutputs for CpuExecutor {
-    fn read_output(&self, name: &str) -> Result<Vec<f32>, StepError> {
-        let device = self.device().ok_or(StepError::MissingOutput { what: "step statistic before a run" })?;
-        let id = device
-            .plan()
-            .find(&BufferRole::Output { name: name.into() })
-            .ok_or(StepError::MissingOutput { what: "step statistic" })?;
-        Ok(device.read_f32(id)?.to_vec())
-    }
-}
-
-impl ReadsOutputs for CudaExecutor {
-    fn read_output(&self, name: &str) -> Result<Vec<f32>, StepError> {
-        let device = self.device();
-        let id = device
-            .find(&BufferRole::Output { name: name.into() })
-            .ok_or(StepError::MissingOutput { what: "step statistic" })?;
-        Ok(device.read_f32(id)?)
-    }
 }
 
 /// `exec` reading back `statistics` after every training step, or `exec` itself when

@@ -1,0 +1,70 @@
+//! The compiler pipeline of one training step (docs/architecture.md §2, §5): a
+//! lowered model graph is differentiated, prepared for fusion and compiled into
+//! the [`Plan`] of a training step for a [`Target`].
+//!
+//! It is device-neutral and uses only `ir` and this crate, so everything that
+//! needs a training Plan starts here: `widen compile` (which dumps every stage),
+//! `widen build` (which embeds the Plans) and the runtime's compiled devices
+//! (which load one). They all compile the same Plan from the same spec.
+
+use crate::compile::{compile, fused_partition, CompileError, Request, Target};
+use crate::plan::Plan;
+use ir::autodiff::AutodiffError;
+use ir::graph::Graph;
+use ir::lower::Lowered;
+
+/// Why a training step could not be compiled.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainingError {
+    /// Differentiating the loss failed.
+    #[error(transparent)]
+    Autodiff(#[from] AutodiffError),
+    /// A pass before fusion, fusion or compilation failed (boxed: it is large,
+    /// and every `Result` of a training step carries it).
+    #[error(transparent)]
+    Compile(Box<CompileError>),
+}
+
+impl From<CompileError> for TrainingError {
+    fn from(e: CompileError) -> TrainingError {
+        TrainingError::Compile(Box::new(e))
+    }
+}
+
+/// The differentiated and simplified training graph, and what its Plan must
+/// expose: the graph's named outputs and one gradient per parameter.
+#[derive(Debug, Clone)]
+pub struct TrainingGraph {
+    pub graph: Graph,
+    pub request: Request,
+    /// What the passes before fusion did (`ir::passes::prepare_for_fusion`).
+    pub passes: ir::passes::PrepareStats,
+}
+
+impl TrainingGraph {
+    /// Appends the backward pass of `loss` to the lowered graph
+    /// (`ir::autodiff`) and runs the passes before fusion, keeping every
+    /// parameter gradient (`ir::passes::prepare_for_fusion`: CSE and DCE, token
+    /// sums within each token first, cheap chains copied for their readers).
+    pub fn new(lowered: Lowered) -> Result<TrainingGraph, TrainingError> {
+        let Lowered { mut graph, loss, .. } = lowered;
+        let params = graph.params();
+        let grads = ir::autodiff::grad(&mut graph, loss, &params)?;
+        let passes = ir::passes::prepare_for_fusion(&mut graph, &grads).map_err(CompileError::from)?;
+        let request = Request::new(&graph, params.into_iter().zip(grads).collect()).with_update();
+        Ok(TrainingGraph { graph, request, passes })
+    }
+
+    /// The Plan of one training step for the Cpu device, partitioned by
+    /// `ir::passes::fuse` (docs/architecture.md §5).
+    pub fn plan(&self) -> Result<Plan, TrainingError> {
+        self.plan_for(Target::Cpu)
+    }
+
+    /// The Plan of one training step with kernels sized for `target`.
+    pub fn plan_for(&self, target: Target) -> Result<Plan, TrainingError> {
+        let partition = fused_partition(&self.graph, &self.request)?;
+        let request = self.request.clone().for_target(target);
+        Ok(compile(&self.graph, &partition, &request)?)
+    }
+}
