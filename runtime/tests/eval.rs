@@ -6,7 +6,7 @@ use common::run::{temp_dir, tiny_spec};
 use runtime::checkpoint::Checkpoint;
 use runtime::data::Corpus;
 use runtime::eval::{evaluate, evaluate_with_progress, max_batches, EvalError, EvalOptions};
-use runtime::executor::Device;
+use runtime::device::Device;
 use runtime::params::ParamSet;
 use runtime::train::{validation_loss, write_initial, TrainOptions};
 
