@@ -247,34 +247,117 @@ fn legend_box(c: RGBColor) -> impl Fn((i32, i32)) -> Rectangle<(i32, i32)> {
     move |(x, y)| Rectangle::new([(x, y - 5), (x + 14, y + 5)], c.filled())
 }
 
-/// Plot (a): train and validation loss against tokens, per point.
+/// Series of at most this many positions get a marker at each position as well as
+/// their line: one evaluation is a line of one point, which draws nothing visible.
+pub const MARKED_UP_TO: usize = 20;
+
+/// How far the first steps' training loss may rise above the rest before the y axis
+/// stops covering it: up to this many times the span of the later curves above
+/// their top, the axis covers everything; beyond, it covers the later curves and the
+/// values above are drawn at its top edge and said so.
+pub const FULL_RANGE_WITHIN: f64 = 3.0;
+
+/// What the training curves of [`loss_curves_with`] measure, which sets the
+/// training panel's title.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TrainCurve {
+    /// The main head's next-token loss (a model without MTP, or a `loss_main` metric).
+    #[default]
+    Loss,
+    /// The training objective with its MTP terms (docs/math.md §7), which is larger
+    /// than the next-token loss that the validation panel and models without MTP show.
+    ObjectiveWithMtp,
+    /// The training objective of a run whose spec could not be read: it includes
+    /// MTP terms if the model has MTP.
+    ObjectiveMaybeMtp,
+}
+
+/// Drawing options of [`loss_curves_with`].
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct LossOptions {
+    /// What the training curves are; [`TrainCurve::ObjectiveWithMtp`] when any
+    /// point's model has `mtp.depth` > 0 and its curves are the metrics' `loss`.
+    pub train_curve: TrainCurve,
+}
+
+/// The panel's note on values drawn at the edge of the y axis: how many positions
+/// lie above and below it, and the extreme value.
+fn clip_note(band: &[Vec<(f64, f64, f64, f64)>], y0: f64, y1: f64) -> Option<String> {
+    let above = band.iter().map(|b| b.iter().filter(|q| q.3 > y1).count()).max().unwrap_or(0);
+    let below = band.iter().map(|b| b.iter().filter(|q| q.2 < y0).count()).max().unwrap_or(0);
+    let top = band.iter().flatten().map(|q| q.3).fold(f64::NEG_INFINITY, f64::max);
+    let bottom = band.iter().flatten().map(|q| q.2).fold(f64::INFINITY, f64::min);
+    let steps = |n: usize| if n == 1 { "1 step".to_string() } else { format!("{n} steps") };
+    let mut parts = Vec::new();
+    if above > 0 {
+        parts.push(format!("▲ {} above the axis, up to {top:.3}, drawn at its top edge", steps(above)));
+    }
+    if below > 0 {
+        parts.push(format!(
+            "▼ {} below the axis, down to {bottom:.3}, drawn at its bottom edge",
+            steps(below)
+        ));
+    }
+    (!parts.is_empty()).then(|| parts.join("; "))
+}
+
+/// Plot (a) with the default [`LossOptions`]: the training curves are the loss.
 pub fn loss_curves(data: &LossCurves) -> Result<String, PlotError> {
+    loss_curves_with(data, &LossOptions::default())
+}
+
+/// Plot (a): train and validation loss against tokens, per point.
+///
+/// The y axis, shared by both panels, covers every value when the first steps rise
+/// at most [`FULL_RANGE_WITHIN`] times the later span above the later curves, and
+/// otherwise what the curves do after the first tenth of the tokens; values outside
+/// are drawn at the edge, with a triangle at each point's extreme and a note in the
+/// panel saying how many steps and how far (docs/sweeps.md, "Fits and plots").
+pub fn loss_curves_with(data: &LossCurves, options: &LossOptions) -> Result<String, PlotError> {
     const PLOT: &str = "loss curves";
     let steps = data.points.iter().flat_map(|p| p.train.iter().map(Vec::len)).max().unwrap_or(0);
     let window = (steps / 50).max(1);
-    let bands: Vec<(Vec<_>, Vec<_>)> = data
+    let full: Vec<(Vec<_>, Vec<_>)> = data
         .points
         .iter()
         .map(|p| {
             let smooth: Vec<Vec<(f64, f64)>> = p.train.iter().map(|s| trailing_mean(s, window)).collect();
-            (thin(band(&smooth), MAX_DRAWN), thin(band(&p.val), MAX_DRAWN))
+            (band(&smooth), band(&p.val))
         })
         .collect();
-    let all = || bands.iter().flat_map(|(t, v)| t.iter().chain(v));
+    let all = || full.iter().flat_map(|(t, v)| t.iter().chain(v));
     let (x0, x1) = range(all().map(|b| b.0), 0.0).ok_or(PlotError::NoData { plot: PLOT })?;
-    // The first steps' loss (near ln 256) would squeeze the part where points differ
-    // into a sliver: the y axis covers what the curves do after the first tenth of
-    // the tokens, and earlier values are drawn at its top edge.
-    let late = x0 + 0.1 * (x1 - x0);
-    let (y0, y1) = range(all().filter(|b| b.0 >= late).flat_map(|b| [b.2, b.3]), 0.08)
-        .or_else(|| range(all().flat_map(|b| [b.2, b.3]), 0.05))
-        .ok_or(PlotError::NoData { plot: PLOT })?;
-    let clamp = |y: f64| y.clamp(y0, y1);
-    let train_title = if window > 1 {
-        format!("training loss (mean of the last {window} steps)")
-    } else {
-        "training loss".into()
+    let extremes = |xs: &mut dyn Iterator<Item = &(f64, f64, f64, f64)>| {
+        xs.flat_map(|b| [b.2, b.3]).filter(|v| v.is_finite()).fold(None, |acc: Option<(f64, f64)>, v| {
+            Some(acc.map_or((v, v), |(lo, hi)| (lo.min(v), hi.max(v))))
+        })
     };
+    let late = x0 + 0.1 * (x1 - x0);
+    let whole = extremes(&mut all()).ok_or(PlotError::NoData { plot: PLOT })?;
+    let (y0, y1) = match extremes(&mut all().filter(|b| b.0 >= late)) {
+        Some((lo, hi))
+            if whole.1 > hi + FULL_RANGE_WITHIN * (hi - lo)
+                || whole.0 < lo - FULL_RANGE_WITHIN * (hi - lo) =>
+        {
+            range([lo, hi].into_iter(), 0.08)
+        }
+        _ => range([whole.0, whole.1].into_iter(), 0.05),
+    }
+    .ok_or(PlotError::NoData { plot: PLOT })?;
+    let clamp = |y: f64| y.clamp(y0, y1);
+    let what = match options.train_curve {
+        TrainCurve::Loss => "training loss",
+        TrainCurve::ObjectiveWithMtp => "training objective (with MTP terms)",
+        TrainCurve::ObjectiveMaybeMtp => "training objective (with MTP terms if the model has MTP)",
+    };
+    let train_title =
+        if window > 1 { format!("{what} (mean of the last {window} steps)") } else { what.to_string() };
+    let notes: [Option<String>; 2] = [
+        clip_note(&full.iter().map(|b| b.0.clone()).collect::<Vec<_>>(), y0, y1),
+        clip_note(&full.iter().map(|b| b.1.clone()).collect::<Vec<_>>(), y0, y1),
+    ];
+    let bands: Vec<(Vec<_>, Vec<_>)> =
+        full.into_iter().map(|(t, v)| (thin(t, MAX_DRAWN), thin(v, MAX_DRAWN))).collect();
     let mut svg = String::new();
     {
         let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
@@ -309,6 +392,31 @@ pub fn loss_curves(data: &LossCurves) -> Result<String, PlotError> {
                     .map_err(draw_err(PLOT))?
                     .label(p.label.as_str())
                     .legend(legend_box(c));
+                if b.len() <= MARKED_UP_TO {
+                    chart
+                        .draw_series(b.iter().map(|q| Circle::new((q.0, clamp(q.1)), 4, c.filled())))
+                        .map_err(draw_err(PLOT))?;
+                }
+                // A triangle at each point's extreme beyond the axis, pointing off it.
+                if let Some(q) = b.iter().filter(|q| q.3 > y1).max_by(|a, z| a.3.total_cmp(&z.3)) {
+                    chart
+                        .draw_series(std::iter::once(TriangleMarker::new((q.0, y1), 7, c.filled())))
+                        .map_err(draw_err(PLOT))?;
+                }
+                if let Some(q) = b.iter().filter(|q| q.2 < y0).min_by(|a, z| a.2.total_cmp(&z.2)) {
+                    let down = EmptyElement::at((q.0, y0))
+                        + Polygon::new(vec![(-7, -4), (7, -4), (0, 8)], c.filled());
+                    chart.draw_series(std::iter::once(down)).map_err(draw_err(PLOT))?;
+                }
+            }
+            if let Some(note) = &notes[which] {
+                chart
+                    .draw_series(std::iter::once(Text::new(
+                        note.clone(),
+                        (x0 + 0.02 * (x1 - x0), y0 + 0.04 * (y1 - y0)),
+                        (FONT, 12),
+                    )))
+                    .map_err(draw_err(PLOT))?;
             }
             legend(&mut chart, 13, SeriesLabelPosition::UpperRight).map_err(draw_err(PLOT))?;
         }
@@ -581,6 +689,70 @@ mod tests {
         }
         for needle in ["GHC over r", "training loss", "validation loss"] {
             assert!(has_text(&doc, needle), "missing title {needle:?}");
+        }
+    }
+
+    /// One point: `steps` training steps of `loss(step)`, evaluated at `evals`.
+    fn run(steps: u64, loss: impl Fn(u64) -> f64, evals: &[u64]) -> LossCurves {
+        let x = |s: u64| s as f64 * 256.0;
+        LossCurves {
+            title: "one run".into(),
+            points: vec![PointCurves {
+                label: "run".into(),
+                train: vec![(1..=steps).map(|s| (x(s), loss(s))).collect()],
+                val: vec![evals.iter().map(|&s| (x(s), loss(s) + 0.05)).collect()],
+            }],
+        }
+    }
+
+    #[test]
+    fn short_series_get_a_marker_at_each_position() {
+        let decay = |s: u64| 2.0 + 1.0 / s as f64;
+        for evals in [&[100][..], &[50, 100], &[10, 20, 30, 40, 50, 60, 70, 80, 90, 100]] {
+            let doc_text = loss_curves(&run(100, decay, evals)).unwrap();
+            let doc = parse(&doc_text);
+            // The 100 training steps are a line alone; each evaluation is a dot.
+            assert_eq!(count(&doc, "circle", "fill", 0), evals.len(), "{evals:?}");
+        }
+        let long: Vec<u64> = (1..=MARKED_UP_TO as u64 + 1).collect();
+        let doc_text = loss_curves(&run(100, decay, &long)).unwrap();
+        assert_eq!(count(&parse(&doc_text), "circle", "fill", 0), 0, "a long series is a line alone");
+    }
+
+    #[test]
+    fn first_steps_far_above_the_rest_are_drawn_at_the_edge_and_said_so() {
+        // Five steps at 5.5, then a slow decline from 2.0 to 1.9: the axis covers the
+        // decline, and the steps above it are marked with a triangle and a note.
+        let steep = |s: u64| if s <= 5 { 5.5 } else { 2.0 - 0.001 * s as f64 };
+        let doc_text = loss_curves(&run(100, steep, &[50, 100])).unwrap();
+        let doc = parse(&doc_text);
+        let note = texts(&doc).into_iter().find(|t| t.contains("above the axis"));
+        let note = note.unwrap_or_else(|| panic!("no note on the clipped steps: {:?}", texts(&doc)));
+        // The trailing mean over 2 steps keeps step 6 above too.
+        assert!(note.contains("6 steps above the axis, up to 5.500, drawn at its top edge"), "{note}");
+        assert_eq!(count(&doc, "polygon", "fill", 0), 2 + 1, "two bands and one edge triangle");
+
+        // Early values within a few times the later span: the axis covers them all.
+        let gentle = |s: u64| if s <= 5 { 2.2 } else { 2.0 - 0.001 * s as f64 };
+        let doc_text = loss_curves(&run(100, gentle, &[50, 100])).unwrap();
+        let doc = parse(&doc_text);
+        assert!(!has_text(&doc, "above the axis"), "{:?}", texts(&doc));
+        assert_eq!(count(&doc, "polygon", "fill", 0), 2, "two bands, no triangle");
+    }
+
+    #[test]
+    fn the_training_panel_names_an_objective_with_mtp_terms() {
+        let data = run(10, |s| 2.0 + 1.0 / s as f64, &[10]);
+        let plain = loss_curves(&data).unwrap();
+        assert!(has_text(&parse(&plain), "training loss"));
+        for (curve, title) in [
+            (TrainCurve::ObjectiveWithMtp, "training objective (with MTP terms)"),
+            (TrainCurve::ObjectiveMaybeMtp, "training objective (with MTP terms if the model has MTP)"),
+        ] {
+            let svg = loss_curves_with(&data, &LossOptions { train_curve: curve }).unwrap();
+            let doc = parse(&svg);
+            assert!(has_text(&doc, title), "{:?}", texts(&doc));
+            assert!(!has_text(&doc, "training loss"), "{:?}", texts(&doc));
         }
     }
 
