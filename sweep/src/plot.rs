@@ -5,10 +5,16 @@
 //!
 //! - [`loss_curves`] (a): training and validation loss against tokens, one line per
 //!   point (the mean over seeds) with a band from the seeds' minimum to maximum; the
-//!   training loss as a trailing mean over a fiftieth of the steps, and the y axis
-//!   fitted to the curves after the first tenth of the tokens.
+//!   training loss as a trailing mean over a fiftieth of the steps; series of at
+//!   most [`MARKED_UP_TO`] positions also get a marker at each; the y axis covers
+//!   every value unless the first steps lie far above the rest
+//!   ([`FULL_RANGE_WITHIN`]), and then marks what it leaves out.
+//! - [`run_panels`]: one run's learning rate, gradient norm and MoE load balance
+//!   against steps (`widen plot`'s `train.svg`).
 //! - [`law`] (b): final validation loss against log2 of the swept axis, the fitted
-//!   line `L = a + b·log2(x)` of docs/math.md §5 and its equation with standard errors.
+//!   line `L = a + b·log2(x)` of docs/math.md §5 and its equation with standard errors;
+//!   over an axis that includes 0 or a negative value (log2 undefined), the linear
+//!   law `L = a + b·x` over every point instead ([`LawForm`]).
 //! - [`frontier`] (c): validation loss against training FLOPs (log axis), the
 //!   non-dominated points joined and filled ([`crate::frontier`]).
 //! - [`speed`] (d): milliseconds per step and overhead over the plain-residual twin,
@@ -23,7 +29,7 @@
 use plotters::coord::Shift;
 use plotters::prelude::*;
 
-use crate::fit::{log2_law, FitError, LinearFit};
+use crate::fit::{linear, FitError, LinearFit};
 
 const SIZE: (u32, u32) = (1200, 560);
 const FONT: &str = "sans-serif";
@@ -425,29 +431,82 @@ pub fn loss_curves_with(data: &LossCurves, options: &LossOptions) -> Result<Stri
     Ok(svg)
 }
 
-/// Plot (b): final validation loss against log2 of the axis, with the fitted law.
-/// Returns the SVG and the fit (or why there is none: fewer than 3 points, all equal).
+/// Which law [`law`] fits and draws.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LawForm {
+    /// `L = a + b·log2(x)` (docs/math.md §5), over an axis of positive values.
+    Log2,
+    /// `L = a + b·x`, over an axis that includes 0 or a negative value (e.g.
+    /// `mtp.depth = 0, 1, 2`), where log2 is undefined: no point is left out.
+    Linear,
+}
+
+impl LawForm {
+    /// The x of the fit's equation: `log2(axis)` or `axis`.
+    pub fn x_label(self, axis: &str) -> String {
+        match self {
+            LawForm::Log2 => format!("log2({axis})"),
+            LawForm::Linear => axis.to_string(),
+        }
+    }
+
+    /// Where value `x` of the axis lies on the fit's x.
+    pub fn position(self, x: f64) -> f64 {
+        match self {
+            LawForm::Log2 => x.log2(),
+            LawForm::Linear => x,
+        }
+    }
+}
+
+impl LawPlot {
+    /// The form [`law`] fits: [`LawForm::Linear`] when a point with a finite loss
+    /// has an axis value of 0 or below, else [`LawForm::Log2`].
+    pub fn form(&self) -> LawForm {
+        let nonpositive = self.points.iter().any(|p| p.loss.is_finite() && p.x.is_finite() && p.x <= 0.0);
+        if nonpositive {
+            LawForm::Linear
+        } else {
+            LawForm::Log2
+        }
+    }
+}
+
+/// Plot (b): final validation loss against log2 of the axis, with the fitted law;
+/// against the axis itself, with a linear law, when the axis includes 0 or a
+/// negative value ([`LawPlot::form`]). Returns the SVG and the fit (or why there
+/// is none: fewer than 3 points, all equal).
 pub fn law(data: &LawPlot) -> Result<(String, Result<LinearFit, FitError>), PlotError> {
     const PLOT: &str = "loss vs log2(axis)";
-    let pts: Vec<(usize, &LawPoint)> = data
-        .points
-        .iter()
-        .enumerate()
-        .filter(|(_, p)| p.x > 0.0 && p.x.is_finite() && p.loss.is_finite())
-        .collect();
-    let xs: Vec<f64> = pts.iter().map(|(_, p)| p.x).collect();
+    let form = data.form();
+    let pts: Vec<(usize, &LawPoint)> =
+        data.points.iter().enumerate().filter(|(_, p)| p.x.is_finite() && p.loss.is_finite()).collect();
+    let xs: Vec<f64> = pts.iter().map(|(_, p)| form.position(p.x)).collect();
     let ls: Vec<f64> = pts.iter().map(|(_, p)| p.loss).collect();
-    let fit = log2_law(&xs, &ls);
-    let (x0, x1) = range(xs.iter().map(|x| x.log2()), 0.08).ok_or(PlotError::NoData { plot: PLOT })?;
+    let fit = linear(&xs, &ls);
+    let (x0, x1) = range(xs.iter().copied(), 0.08).ok_or(PlotError::NoData { plot: PLOT })?;
     let spans = pts.iter().flat_map(|(_, p)| {
         let h = p.ci95.filter(|h| h.is_finite()).unwrap_or(0.0);
         [p.loss - h, p.loss + h]
     });
     let (y0, y1) = range(spans, 0.15).ok_or(PlotError::NoData { plot: PLOT })?;
-    let xlabel = format!("log2({})", data.axis);
+    let xlabel = form.x_label(&data.axis);
+    let kind = match form {
+        LawForm::Log2 => "fit".to_string(),
+        LawForm::Linear => format!("linear fit (log2 is undefined at {} ≤ 0)", data.axis),
+    };
+    let bars = if pts.iter().any(|(_, p)| bar_ends(0.0, p.loss, p.ci95).is_some()) {
+        "; bars: 95% interval of the mean over seeds"
+    } else {
+        ""
+    };
     let caption = match &fit {
-        Ok(f) => format!("fit: {}   (R² = {:.3}, n = {})", f.equation("L", &xlabel), f.r2, f.n),
-        Err(e) => format!("no fit: {e}"),
+        Ok(f) => format!("{kind}: {}   (R² = {:.3}, n = {}{bars})", f.equation("L", &xlabel), f.r2, f.n),
+        Err(e) => format!("no {kind}: {e}"),
+    };
+    let x_desc = match form {
+        LawForm::Log2 => format!("{xlabel} (swept axis, log2 scale)"),
+        LawForm::Linear => format!("{xlabel} (swept axis, linear scale)"),
     };
     let mut svg = String::new();
     {
@@ -463,7 +522,7 @@ pub fn law(data: &LawPlot) -> Result<(String, Result<LinearFit, FitError>), Plot
             .map_err(draw_err(PLOT))?;
         chart
             .configure_mesh()
-            .x_desc(format!("{xlabel} (swept axis, log2 scale)"))
+            .x_desc(x_desc)
             .y_desc("final validation loss (nats per byte)")
             .draw()
             .map_err(draw_err(PLOT))?;
@@ -479,13 +538,13 @@ pub fn law(data: &LawPlot) -> Result<(String, Result<LinearFit, FitError>), Plot
         }
         for (i, p) in &pts {
             let c = color(*i);
-            if let Some(ends) = bar_ends(p.x.log2(), p.loss, p.ci95) {
+            if let Some(ends) = bar_ends(form.position(p.x), p.loss, p.ci95) {
                 chart
                     .draw_series(std::iter::once(PathElement::new(ends, c.stroke_width(2))))
                     .map_err(draw_err(PLOT))?;
             }
             chart
-                .draw_series(std::iter::once(Circle::new((p.x.log2(), p.loss), 6, c.filled())))
+                .draw_series(std::iter::once(Circle::new((form.position(p.x), p.loss), 6, c.filled())))
                 .map_err(draw_err(PLOT))?
                 .label(format!("{} ({} = {})", p.label, data.axis, p.x))
                 .legend(legend_box(c));
@@ -843,6 +902,7 @@ mod tests {
         let eq = fit.equation("L", "log2(r)");
         assert!(has_text(&doc, &eq), "the equation {eq:?} is shown");
         assert!(has_text(&doc, "R² = ") && has_text(&doc, "log2(r) (swept axis, log2 scale)"));
+        assert!(has_text(&doc, "bars: 95% interval of the mean over seeds"), "the error bars are explained");
         assert!(has_text(&doc, "final validation loss (nats per byte)"));
 
         // Two points: no fit, said so, and the points are still drawn.
@@ -851,6 +911,42 @@ mod tests {
         let doc = parse(&svg);
         assert!(has_text(&doc, "no fit: 2 points"));
         assert_eq!(count(&doc, "circle", "fill", 1), 1);
+    }
+
+    #[test]
+    fn an_axis_through_zero_gets_a_linear_law_over_every_point() {
+        let data = LawPlot {
+            title: "final loss vs mtp.depth".into(),
+            axis: "mtp.depth".into(),
+            points: [0.0, 1.0, 2.0]
+                .iter()
+                .map(|&x| LawPoint {
+                    label: format!("mtp.depth-{x}"),
+                    x,
+                    loss: 2.0 - 0.05 * x + if x == 1.0 { 0.01 } else { 0.0 },
+                    ci95: None,
+                })
+                .collect(),
+        };
+        assert_eq!(data.form(), LawForm::Linear);
+        assert_eq!(law_data(3).form(), LawForm::Log2);
+        let (svg, fit) = law(&data).unwrap();
+        let fit = fit.unwrap_or_else(|e| panic!("no fit: {e}"));
+        assert_eq!(fit.n, 3, "the depth-0 point is fitted");
+        let want = linear(&[0.0, 1.0, 2.0], &data.points.iter().map(|p| p.loss).collect::<Vec<_>>()).unwrap();
+        assert_eq!(fit, want, "the fit is L = a + b·x over x itself");
+        let doc = parse(&svg);
+        for i in 0..3 {
+            assert_eq!(count(&doc, "circle", "fill", i), 1, "point {i} is drawn");
+        }
+        let eq = fit.equation("L", "mtp.depth");
+        assert!(
+            has_text(&doc, &format!("linear fit (log2 is undefined at mtp.depth ≤ 0): {eq}")),
+            "{:?}",
+            texts(&doc)
+        );
+        assert!(has_text(&doc, "mtp.depth (swept axis, linear scale)"));
+        assert!(!has_text(&doc, "log2("), "{:?}", texts(&doc));
     }
 
     #[test]
