@@ -53,7 +53,7 @@ fn log_range(values: impl Iterator<Item = f64>, factor: f64) -> Option<(f64, f64
 }
 
 /// A log axis' tick label: `512`, `0.02`, `1.5`, or `3e-5` outside 0.001..10000.
-fn tick(x: f64) -> String {
+pub(crate) fn tick(x: f64) -> String {
     if !(1e-3..1e4).contains(&x.abs()) {
         return format!("{x:.0e}");
     }

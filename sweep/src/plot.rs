@@ -685,6 +685,88 @@ pub fn speed(data: &SpeedPlot) -> Result<String, PlotError> {
     Ok(svg)
 }
 
+/// One panel of [`run_panels`]: a quantity against training steps.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct RunPanel {
+    pub title: String,
+    pub y_desc: String,
+    /// `(step, value)` pairs; non-finite values are left out.
+    pub points: Vec<(f64, f64)>,
+}
+
+/// A figure of one run's training quantities, one panel each.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct RunPanels {
+    pub title: String,
+    pub panels: Vec<RunPanel>,
+}
+
+/// Panel size of [`run_panels`]; panels are laid out two to a row.
+const RUN_PANEL: (u32, u32) = (600, 340);
+
+/// One run's training quantities against steps (`widen plot`'s `train.svg`): a
+/// line per panel, thinned like the loss curves with a band from each thinned
+/// run's minimum to maximum, and a marker at each position of a short series. A
+/// panel without a finite value is left out.
+pub fn run_panels(data: &RunPanels) -> Result<String, PlotError> {
+    const PLOT: &str = "training quantities";
+    let drawn: Vec<(&RunPanel, Vec<(f64, f64, f64, f64)>)> = data
+        .panels
+        .iter()
+        .map(|p| (p, thin(band(std::slice::from_ref(&p.points)), MAX_DRAWN)))
+        .filter(|(_, b)| !b.is_empty())
+        .collect();
+    if drawn.is_empty() {
+        return Err(PlotError::NoData { plot: PLOT });
+    }
+    let columns = drawn.len().min(2);
+    let rows = drawn.len().div_ceil(columns);
+    let size = (RUN_PANEL.0 * columns as u32, RUN_PANEL.1 * rows as u32 + 40);
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, size).into_drawing_area();
+        root.fill(&WHITE).map_err(draw_err(PLOT))?;
+        let root = root.titled(&data.title, (FONT, 22)).map_err(draw_err(PLOT))?;
+        let areas = root.split_evenly((rows, columns));
+        for (i, ((panel, b), area)) in drawn.iter().zip(&areas).enumerate() {
+            let (x0, x1) = range(b.iter().map(|q| q.0), 0.0).ok_or(PlotError::NoData { plot: PLOT })?;
+            let (y0, y1) =
+                range(b.iter().flat_map(|q| [q.2, q.3]), 0.05).ok_or(PlotError::NoData { plot: PLOT })?;
+            let mut chart = ChartBuilder::on(area)
+                .caption(&panel.title, (FONT, 16))
+                .margin(12)
+                .x_label_area_size(40)
+                .y_label_area_size(72)
+                .build_cartesian_2d(x0..x1, y0..y1)
+                .map_err(draw_err(PLOT))?;
+            chart
+                .configure_mesh()
+                .x_desc("step")
+                .y_desc(panel.y_desc.as_str())
+                .x_label_formatter(&|x| si(*x))
+                .y_label_formatter(&|y| if *y == 0.0 { "0".into() } else { crate::coord_plot::tick(*y) })
+                .draw()
+                .map_err(draw_err(PLOT))?;
+            let c = color(i);
+            let mut outline: Vec<(f64, f64)> = b.iter().map(|q| (q.0, q.3)).collect();
+            outline.extend(b.iter().rev().map(|q| (q.0, q.2)));
+            chart
+                .draw_series(std::iter::once(Polygon::new(outline, c.mix(0.18).filled())))
+                .map_err(draw_err(PLOT))?;
+            chart
+                .draw_series(LineSeries::new(b.iter().map(|q| (q.0, q.1)), c.stroke_width(2)))
+                .map_err(draw_err(PLOT))?;
+            if b.len() <= MARKED_UP_TO {
+                chart
+                    .draw_series(b.iter().map(|q| Circle::new((q.0, q.1), 4, c.filled())))
+                    .map_err(draw_err(PLOT))?;
+            }
+        }
+        root.present().map_err(draw_err(PLOT))?;
+    }
+    Ok(svg)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
