@@ -276,6 +276,13 @@ mod tests {
     }
 
     #[test]
+    #[ignore = "writes a coordinate-check figure to $WIDEN_PLOT_DIR for viewing"]
+    fn write_example() {
+        let dir = std::path::PathBuf::from(std::env::var("WIDEN_PLOT_DIR").unwrap_or_else(|_| "/tmp".into()));
+        std::fs::write(dir.join("coord.svg"), coord_plot(&data(4)).unwrap()).unwrap();
+    }
+
+    #[test]
     fn points_a_log_axis_cannot_show_are_left_out_and_nothing_drawable_is_an_error() {
         let mut d = data(1);
         d.panels[0].series[0].points.push((512.0, 0.0));

@@ -1130,5 +1130,22 @@ mod tests {
                 .collect(),
         };
         std::fs::write(dir.join("d.svg"), speed(&d).unwrap()).unwrap();
+        let steep = run(2000, |s| if s <= 30 { 5.5 } else { 2.0 - 0.0001 * s as f64 }, &[1000, 2000]);
+        std::fs::write(dir.join("a-clipped.svg"), loss_curves(&steep).unwrap()).unwrap();
+        let e = RunPanels {
+            title: "run: training against steps".into(),
+            panels: ["learning rate", "gradient norm", "MoE load imbalance"]
+                .iter()
+                .enumerate()
+                .map(|(k, t)| RunPanel {
+                    title: (*t).into(),
+                    y_desc: (*t).into(),
+                    points: (1..=200)
+                        .map(|s| (s as f64, 1e-3 * (k + 1) as f64 / (s as f64).sqrt()))
+                        .collect(),
+                })
+                .collect(),
+        };
+        std::fs::write(dir.join("e.svg"), run_panels(&e).unwrap()).unwrap();
     }
 }
