@@ -220,6 +220,9 @@ pub fn band(per_seed: &[Vec<(f64, f64)>]) -> Vec<(f64, f64, f64, f64)> {
     out
 }
 
+/// One drawn position of a band: x, mean, minimum, maximum.
+type Position = (f64, f64, f64, f64);
+
 /// The most x positions a curve is drawn with: an SVG of a million-step run stays
 /// small, and a screen shows no more.
 pub const MAX_DRAWN: usize = 1000;
@@ -710,7 +713,7 @@ const RUN_PANEL: (u32, u32) = (600, 340);
 /// panel without a finite value is left out.
 pub fn run_panels(data: &RunPanels) -> Result<String, PlotError> {
     const PLOT: &str = "training quantities";
-    let drawn: Vec<(&RunPanel, Vec<(f64, f64, f64, f64)>)> = data
+    let drawn: Vec<(&RunPanel, Vec<Position>)> = data
         .panels
         .iter()
         .map(|p| (p, thin(band(std::slice::from_ref(&p.points)), MAX_DRAWN)))
