@@ -9,11 +9,17 @@
 //! left out.
 
 use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 use crate::plot::PlotError;
 
-/// Panel size; panels are laid out in rows of at most [`COLUMNS`].
+/// Size of a panel's chart; panels are laid out in rows of at most [`COLUMNS`],
+/// each with its legend in a strip to the right of the chart, so no legend covers
+/// a line (the smallest width's points sit at the chart's left edge).
 const PANEL: (u32, u32) = (520, 420);
+/// Legend rows: height and font size.
+const LEGEND_ROW: i32 = 16;
+const LEGEND_FONT: u32 = 11;
 const COLUMNS: usize = 3;
 const TITLE_HEIGHT: u32 = 40;
 const FONT: &str = "sans-serif";
@@ -40,7 +46,33 @@ pub struct CoordPlot {
     pub panels: Vec<CoordPanel>,
 }
 
-use crate::plot::{color, legend};
+use crate::plot::color;
+
+/// The legend strip's width: wide enough for the longest layer name.
+fn legend_width(data: &CoordPlot) -> u32 {
+    let longest = data.panels.iter().flat_map(|p| &p.series).map(|s| s.layer.chars().count()).max();
+    (44 + 7 * longest.unwrap_or(0) as u32).clamp(100, 320)
+}
+
+/// Draws a legend (a white box with a black border, a line sample and the name
+/// per layer) into `area`, beside the chart rather than on it.
+fn side_legend<DB: DrawingBackend>(
+    area: &DrawingArea<DB, plotters::coord::Shift>,
+    series: &[CoordSeries],
+) -> Result<(), DrawingAreaErrorKind<DB::ErrorType>> {
+    let (w, _) = area.dim_in_pixel();
+    let top = 36;
+    let bottom = top + LEGEND_ROW * series.len() as i32 + 8;
+    area.draw(&Rectangle::new([(2, top), (w as i32 - 8, bottom)], WHITE.filled()))?;
+    area.draw(&Rectangle::new([(2, top), (w as i32 - 8, bottom)], BLACK))?;
+    for (i, s) in series.iter().enumerate() {
+        let y = top + 4 + LEGEND_ROW * i as i32 + LEGEND_ROW / 2;
+        area.draw(&PathElement::new([(8, y), (24, y)], color(i).stroke_width(2)))?;
+        let style = TextStyle::from((FONT, LEGEND_FONT).into_font()).pos(Pos::new(HPos::Left, VPos::Center));
+        area.draw(&Text::new(s.layer.clone(), (30, y), style))?;
+    }
+    Ok(())
+}
 
 fn drawable(p: &(f64, f64)) -> bool {
     p.0 > 0.0 && p.1 > 0.0 && p.0.is_finite() && p.1.is_finite()
@@ -53,7 +85,7 @@ fn log_range(values: impl Iterator<Item = f64>, factor: f64) -> Option<(f64, f64
 }
 
 /// A log axis' tick label: `512`, `0.02`, `1.5`, or `3e-5` outside 0.001..10000.
-fn tick(x: f64) -> String {
+pub(crate) fn tick(x: f64) -> String {
     if !(1e-3..1e4).contains(&x.abs()) {
         return format!("{x:.0e}");
     }
@@ -81,7 +113,8 @@ pub fn coord_plot(data: &CoordPlot) -> Result<String, PlotError> {
     widths.dedup();
     let columns = data.panels.len().clamp(1, COLUMNS);
     let rows = data.panels.len().div_ceil(columns).max(1);
-    let size = (PANEL.0 * columns as u32, PANEL.1 * rows as u32 + TITLE_HEIGHT);
+    let legend_w = legend_width(data);
+    let size = ((PANEL.0 + legend_w) * columns as u32, PANEL.1 * rows as u32 + TITLE_HEIGHT);
     let mut svg = String::new();
     {
         let root = SVGBackend::with_string(&mut svg, size).into_drawing_area();
@@ -94,7 +127,8 @@ pub fn coord_plot(data: &CoordPlot) -> Result<String, PlotError> {
             let x_axis =
                 LogCoord::<f64>::from((x0..x1).log_scale().base(2.0)).with_key_points(widths.clone());
             let y_axis = (y0..y1).log_scale();
-            let mut chart = ChartBuilder::on(area)
+            let (chart_area, legend_area) = area.split_horizontally(PANEL.0);
+            let mut chart = ChartBuilder::on(&chart_area)
                 .caption(&panel.title, (FONT, 16))
                 .margin(10)
                 .x_label_area_size(40)
@@ -114,11 +148,9 @@ pub fn coord_plot(data: &CoordPlot) -> Result<String, PlotError> {
                 let line: Vec<(f64, f64)> = s.points.iter().copied().filter(drawable).collect();
                 chart
                     .draw_series(LineSeries::new(line, c.stroke_width(2)).point_size(3))
-                    .map_err(&draw_err)?
-                    .label(s.layer.as_str())
-                    .legend(move |(x, y)| PathElement::new([(x, y), (x + 16, y)], c.stroke_width(2)));
+                    .map_err(&draw_err)?;
             }
-            legend(&mut chart, 11, SeriesLabelPosition::UpperLeft).map_err(&draw_err)?;
+            side_legend(&legend_area, &panel.series).map_err(&draw_err)?;
         }
         root.present().map_err(&draw_err)?;
     }
@@ -206,6 +238,48 @@ mod tests {
         ] {
             assert!(texts.iter().any(|t| t.contains(needle)), "missing text {needle:?}");
         }
+    }
+
+    fn number(n: &roxmltree::Node, attr: &str) -> f64 {
+        n.attribute(attr).and_then(|v| v.parse().ok()).unwrap_or(0.0)
+    }
+
+    #[test]
+    fn no_legend_box_covers_a_data_marker() {
+        // Flat lines at init and rising ones later: markers at every corner of a panel.
+        let svg = coord_plot(&data(3)).unwrap();
+        let doc = roxmltree::Document::parse(&svg).unwrap_or_else(|e| panic!("not XML: {e}"));
+        let boxes: Vec<(f64, f64, f64, f64)> = doc
+            .descendants()
+            .filter(|n| {
+                n.has_tag_name("rect")
+                    && n.attribute("stroke").is_some_and(|c| c.eq_ignore_ascii_case("#000000"))
+            })
+            .map(|n| {
+                let (x, y) = (number(&n, "x"), number(&n, "y"));
+                (x, y, x + number(&n, "width"), y + number(&n, "height"))
+            })
+            .collect();
+        assert_eq!(boxes.len(), 3, "one legend box per panel");
+        let markers: Vec<(f64, f64, f64)> = doc
+            .descendants()
+            .filter(|n| n.has_tag_name("circle"))
+            .map(|n| (number(&n, "cx"), number(&n, "cy"), number(&n, "r")))
+            .collect();
+        assert_eq!(markers.len(), 3 * 4 * 3, "a marker per panel, layer and width");
+        for &(x0, y0, x1, y1) in &boxes {
+            for &(cx, cy, r) in &markers {
+                let clear = cx + r < x0 || cx - r > x1 || cy + r < y0 || cy - r > y1;
+                assert!(clear, "legend box {:?} covers the marker at ({cx}, {cy})", (x0, y0, x1, y1));
+            }
+        }
+    }
+
+    #[test]
+    #[ignore = "writes a coordinate-check figure to $WIDEN_PLOT_DIR for viewing"]
+    fn write_example() {
+        let dir = std::path::PathBuf::from(std::env::var("WIDEN_PLOT_DIR").unwrap_or_else(|_| "/tmp".into()));
+        std::fs::write(dir.join("coord.svg"), coord_plot(&data(4)).unwrap()).unwrap();
     }
 
     #[test]

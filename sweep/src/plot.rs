@@ -5,10 +5,16 @@
 //!
 //! - [`loss_curves`] (a): training and validation loss against tokens, one line per
 //!   point (the mean over seeds) with a band from the seeds' minimum to maximum; the
-//!   training loss as a trailing mean over a fiftieth of the steps, and the y axis
-//!   fitted to the curves after the first tenth of the tokens.
+//!   training loss as a trailing mean over a fiftieth of the steps; series of at
+//!   most [`MARKED_UP_TO`] positions also get a marker at each; the y axis covers
+//!   every value unless the first steps lie far above the rest
+//!   ([`FULL_RANGE_WITHIN`]), and then marks what it leaves out.
+//! - [`run_panels`]: one run's learning rate, gradient norm and MoE load balance
+//!   against steps (`widen plot`'s `train.svg`).
 //! - [`law`] (b): final validation loss against log2 of the swept axis, the fitted
-//!   line `L = a + b·log2(x)` of docs/math.md §5 and its equation with standard errors.
+//!   line `L = a + b·log2(x)` of docs/math.md §5 and its equation with standard errors;
+//!   over an axis that includes 0 or a negative value (log2 undefined), the linear
+//!   law `L = a + b·x` over every point instead ([`LawForm`]).
 //! - [`frontier`] (c): validation loss against training FLOPs (log axis), the
 //!   non-dominated points joined and filled ([`crate::frontier`]).
 //! - [`speed`] (d): milliseconds per step and overhead over the plain-residual twin,
@@ -23,7 +29,7 @@
 use plotters::coord::Shift;
 use plotters::prelude::*;
 
-use crate::fit::{log2_law, FitError, LinearFit};
+use crate::fit::{linear, FitError, LinearFit};
 
 const SIZE: (u32, u32) = (1200, 560);
 const FONT: &str = "sans-serif";
@@ -214,6 +220,9 @@ pub fn band(per_seed: &[Vec<(f64, f64)>]) -> Vec<(f64, f64, f64, f64)> {
     out
 }
 
+/// One drawn position of a band: x, mean, minimum, maximum.
+type Position = (f64, f64, f64, f64);
+
 /// The most x positions a curve is drawn with: an SVG of a million-step run stays
 /// small, and a screen shows no more.
 pub const MAX_DRAWN: usize = 1000;
@@ -247,34 +256,117 @@ fn legend_box(c: RGBColor) -> impl Fn((i32, i32)) -> Rectangle<(i32, i32)> {
     move |(x, y)| Rectangle::new([(x, y - 5), (x + 14, y + 5)], c.filled())
 }
 
-/// Plot (a): train and validation loss against tokens, per point.
+/// Series of at most this many positions get a marker at each position as well as
+/// their line: one evaluation is a line of one point, which draws nothing visible.
+pub const MARKED_UP_TO: usize = 20;
+
+/// How far the first steps' training loss may rise above the rest before the y axis
+/// stops covering it: up to this many times the span of the later curves above
+/// their top, the axis covers everything; beyond, it covers the later curves and the
+/// values above are drawn at its top edge and said so.
+pub const FULL_RANGE_WITHIN: f64 = 3.0;
+
+/// What the training curves of [`loss_curves_with`] measure, which sets the
+/// training panel's title.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TrainCurve {
+    /// The main head's next-token loss (a model without MTP, or a `loss_main` metric).
+    #[default]
+    Loss,
+    /// The training objective with its MTP terms (docs/math.md §7), which is larger
+    /// than the next-token loss that the validation panel and models without MTP show.
+    ObjectiveWithMtp,
+    /// The training objective of a run whose spec could not be read: it includes
+    /// MTP terms if the model has MTP.
+    ObjectiveMaybeMtp,
+}
+
+/// Drawing options of [`loss_curves_with`].
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct LossOptions {
+    /// What the training curves are; [`TrainCurve::ObjectiveWithMtp`] when any
+    /// point's model has `mtp.depth` > 0 and its curves are the metrics' `loss`.
+    pub train_curve: TrainCurve,
+}
+
+/// The panel's note on values drawn at the edge of the y axis: how many positions
+/// lie above and below it, and the extreme value.
+fn clip_note(band: &[Vec<(f64, f64, f64, f64)>], y0: f64, y1: f64) -> Option<String> {
+    let above = band.iter().map(|b| b.iter().filter(|q| q.3 > y1).count()).max().unwrap_or(0);
+    let below = band.iter().map(|b| b.iter().filter(|q| q.2 < y0).count()).max().unwrap_or(0);
+    let top = band.iter().flatten().map(|q| q.3).fold(f64::NEG_INFINITY, f64::max);
+    let bottom = band.iter().flatten().map(|q| q.2).fold(f64::INFINITY, f64::min);
+    let steps = |n: usize| if n == 1 { "1 step".to_string() } else { format!("{n} steps") };
+    let mut parts = Vec::new();
+    if above > 0 {
+        parts.push(format!("▲ {} above the axis, up to {top:.3}, drawn at its top edge", steps(above)));
+    }
+    if below > 0 {
+        parts.push(format!(
+            "▼ {} below the axis, down to {bottom:.3}, drawn at its bottom edge",
+            steps(below)
+        ));
+    }
+    (!parts.is_empty()).then(|| parts.join("; "))
+}
+
+/// Plot (a) with the default [`LossOptions`]: the training curves are the loss.
 pub fn loss_curves(data: &LossCurves) -> Result<String, PlotError> {
+    loss_curves_with(data, &LossOptions::default())
+}
+
+/// Plot (a): train and validation loss against tokens, per point.
+///
+/// The y axis, shared by both panels, covers every value when the first steps rise
+/// at most [`FULL_RANGE_WITHIN`] times the later span above the later curves, and
+/// otherwise what the curves do after the first tenth of the tokens; values outside
+/// are drawn at the edge, with a triangle at each point's extreme and a note in the
+/// panel saying how many steps and how far (docs/sweeps.md, "Fits and plots").
+pub fn loss_curves_with(data: &LossCurves, options: &LossOptions) -> Result<String, PlotError> {
     const PLOT: &str = "loss curves";
     let steps = data.points.iter().flat_map(|p| p.train.iter().map(Vec::len)).max().unwrap_or(0);
     let window = (steps / 50).max(1);
-    let bands: Vec<(Vec<_>, Vec<_>)> = data
+    let full: Vec<(Vec<_>, Vec<_>)> = data
         .points
         .iter()
         .map(|p| {
             let smooth: Vec<Vec<(f64, f64)>> = p.train.iter().map(|s| trailing_mean(s, window)).collect();
-            (thin(band(&smooth), MAX_DRAWN), thin(band(&p.val), MAX_DRAWN))
+            (band(&smooth), band(&p.val))
         })
         .collect();
-    let all = || bands.iter().flat_map(|(t, v)| t.iter().chain(v));
+    let all = || full.iter().flat_map(|(t, v)| t.iter().chain(v));
     let (x0, x1) = range(all().map(|b| b.0), 0.0).ok_or(PlotError::NoData { plot: PLOT })?;
-    // The first steps' loss (near ln 256) would squeeze the part where points differ
-    // into a sliver: the y axis covers what the curves do after the first tenth of
-    // the tokens, and earlier values are drawn at its top edge.
-    let late = x0 + 0.1 * (x1 - x0);
-    let (y0, y1) = range(all().filter(|b| b.0 >= late).flat_map(|b| [b.2, b.3]), 0.08)
-        .or_else(|| range(all().flat_map(|b| [b.2, b.3]), 0.05))
-        .ok_or(PlotError::NoData { plot: PLOT })?;
-    let clamp = |y: f64| y.clamp(y0, y1);
-    let train_title = if window > 1 {
-        format!("training loss (mean of the last {window} steps)")
-    } else {
-        "training loss".into()
+    let extremes = |xs: &mut dyn Iterator<Item = &(f64, f64, f64, f64)>| {
+        xs.flat_map(|b| [b.2, b.3]).filter(|v| v.is_finite()).fold(None, |acc: Option<(f64, f64)>, v| {
+            Some(acc.map_or((v, v), |(lo, hi)| (lo.min(v), hi.max(v))))
+        })
     };
+    let late = x0 + 0.1 * (x1 - x0);
+    let whole = extremes(&mut all()).ok_or(PlotError::NoData { plot: PLOT })?;
+    let (y0, y1) = match extremes(&mut all().filter(|b| b.0 >= late)) {
+        Some((lo, hi))
+            if whole.1 > hi + FULL_RANGE_WITHIN * (hi - lo)
+                || whole.0 < lo - FULL_RANGE_WITHIN * (hi - lo) =>
+        {
+            range([lo, hi].into_iter(), 0.08)
+        }
+        _ => range([whole.0, whole.1].into_iter(), 0.05),
+    }
+    .ok_or(PlotError::NoData { plot: PLOT })?;
+    let clamp = |y: f64| y.clamp(y0, y1);
+    let what = match options.train_curve {
+        TrainCurve::Loss => "training loss",
+        TrainCurve::ObjectiveWithMtp => "training objective (with MTP terms)",
+        TrainCurve::ObjectiveMaybeMtp => "training objective (with MTP terms if the model has MTP)",
+    };
+    let train_title =
+        if window > 1 { format!("{what} (mean of the last {window} steps)") } else { what.to_string() };
+    let notes: [Option<String>; 2] = [
+        clip_note(&full.iter().map(|b| b.0.clone()).collect::<Vec<_>>(), y0, y1),
+        clip_note(&full.iter().map(|b| b.1.clone()).collect::<Vec<_>>(), y0, y1),
+    ];
+    let bands: Vec<(Vec<_>, Vec<_>)> =
+        full.into_iter().map(|(t, v)| (thin(t, MAX_DRAWN), thin(v, MAX_DRAWN))).collect();
     let mut svg = String::new();
     {
         let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
@@ -309,6 +401,31 @@ pub fn loss_curves(data: &LossCurves) -> Result<String, PlotError> {
                     .map_err(draw_err(PLOT))?
                     .label(p.label.as_str())
                     .legend(legend_box(c));
+                if b.len() <= MARKED_UP_TO {
+                    chart
+                        .draw_series(b.iter().map(|q| Circle::new((q.0, clamp(q.1)), 4, c.filled())))
+                        .map_err(draw_err(PLOT))?;
+                }
+                // A triangle at each point's extreme beyond the axis, pointing off it.
+                if let Some(q) = b.iter().filter(|q| q.3 > y1).max_by(|a, z| a.3.total_cmp(&z.3)) {
+                    chart
+                        .draw_series(std::iter::once(TriangleMarker::new((q.0, y1), 7, c.filled())))
+                        .map_err(draw_err(PLOT))?;
+                }
+                if let Some(q) = b.iter().filter(|q| q.2 < y0).min_by(|a, z| a.2.total_cmp(&z.2)) {
+                    let down = EmptyElement::at((q.0, y0))
+                        + Polygon::new(vec![(-7, -4), (7, -4), (0, 8)], c.filled());
+                    chart.draw_series(std::iter::once(down)).map_err(draw_err(PLOT))?;
+                }
+            }
+            if let Some(note) = &notes[which] {
+                chart
+                    .draw_series(std::iter::once(Text::new(
+                        note.clone(),
+                        (x0 + 0.02 * (x1 - x0), y0 + 0.04 * (y1 - y0)),
+                        (FONT, 12),
+                    )))
+                    .map_err(draw_err(PLOT))?;
             }
             legend(&mut chart, 13, SeriesLabelPosition::UpperRight).map_err(draw_err(PLOT))?;
         }
@@ -317,29 +434,82 @@ pub fn loss_curves(data: &LossCurves) -> Result<String, PlotError> {
     Ok(svg)
 }
 
-/// Plot (b): final validation loss against log2 of the axis, with the fitted law.
-/// Returns the SVG and the fit (or why there is none: fewer than 3 points, all equal).
+/// Which law [`law`] fits and draws.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LawForm {
+    /// `L = a + b·log2(x)` (docs/math.md §5), over an axis of positive values.
+    Log2,
+    /// `L = a + b·x`, over an axis that includes 0 or a negative value (e.g.
+    /// `mtp.depth = 0, 1, 2`), where log2 is undefined: no point is left out.
+    Linear,
+}
+
+impl LawForm {
+    /// The x of the fit's equation: `log2(axis)` or `axis`.
+    pub fn x_label(self, axis: &str) -> String {
+        match self {
+            LawForm::Log2 => format!("log2({axis})"),
+            LawForm::Linear => axis.to_string(),
+        }
+    }
+
+    /// Where value `x` of the axis lies on the fit's x.
+    pub fn position(self, x: f64) -> f64 {
+        match self {
+            LawForm::Log2 => x.log2(),
+            LawForm::Linear => x,
+        }
+    }
+}
+
+impl LawPlot {
+    /// The form [`law`] fits: [`LawForm::Linear`] when a point with a finite loss
+    /// has an axis value of 0 or below, else [`LawForm::Log2`].
+    pub fn form(&self) -> LawForm {
+        let nonpositive = self.points.iter().any(|p| p.loss.is_finite() && p.x.is_finite() && p.x <= 0.0);
+        if nonpositive {
+            LawForm::Linear
+        } else {
+            LawForm::Log2
+        }
+    }
+}
+
+/// Plot (b): final validation loss against log2 of the axis, with the fitted law;
+/// against the axis itself, with a linear law, when the axis includes 0 or a
+/// negative value ([`LawPlot::form`]). Returns the SVG and the fit (or why there
+/// is none: fewer than 3 points, all equal).
 pub fn law(data: &LawPlot) -> Result<(String, Result<LinearFit, FitError>), PlotError> {
     const PLOT: &str = "loss vs log2(axis)";
-    let pts: Vec<(usize, &LawPoint)> = data
-        .points
-        .iter()
-        .enumerate()
-        .filter(|(_, p)| p.x > 0.0 && p.x.is_finite() && p.loss.is_finite())
-        .collect();
-    let xs: Vec<f64> = pts.iter().map(|(_, p)| p.x).collect();
+    let form = data.form();
+    let pts: Vec<(usize, &LawPoint)> =
+        data.points.iter().enumerate().filter(|(_, p)| p.x.is_finite() && p.loss.is_finite()).collect();
+    let xs: Vec<f64> = pts.iter().map(|(_, p)| form.position(p.x)).collect();
     let ls: Vec<f64> = pts.iter().map(|(_, p)| p.loss).collect();
-    let fit = log2_law(&xs, &ls);
-    let (x0, x1) = range(xs.iter().map(|x| x.log2()), 0.08).ok_or(PlotError::NoData { plot: PLOT })?;
+    let fit = linear(&xs, &ls);
+    let (x0, x1) = range(xs.iter().copied(), 0.08).ok_or(PlotError::NoData { plot: PLOT })?;
     let spans = pts.iter().flat_map(|(_, p)| {
         let h = p.ci95.filter(|h| h.is_finite()).unwrap_or(0.0);
         [p.loss - h, p.loss + h]
     });
     let (y0, y1) = range(spans, 0.15).ok_or(PlotError::NoData { plot: PLOT })?;
-    let xlabel = format!("log2({})", data.axis);
+    let xlabel = form.x_label(&data.axis);
+    let kind = match form {
+        LawForm::Log2 => "fit".to_string(),
+        LawForm::Linear => format!("linear fit (log2 is undefined at {} ≤ 0)", data.axis),
+    };
+    let bars = if pts.iter().any(|(_, p)| bar_ends(0.0, p.loss, p.ci95).is_some()) {
+        "; bars: 95% interval of the mean over seeds"
+    } else {
+        ""
+    };
     let caption = match &fit {
-        Ok(f) => format!("fit: {}   (R² = {:.3}, n = {})", f.equation("L", &xlabel), f.r2, f.n),
-        Err(e) => format!("no fit: {e}"),
+        Ok(f) => format!("{kind}: {}   (R² = {:.3}, n = {}{bars})", f.equation("L", &xlabel), f.r2, f.n),
+        Err(e) => format!("no {kind}: {e}"),
+    };
+    let x_desc = match form {
+        LawForm::Log2 => format!("{xlabel} (swept axis, log2 scale)"),
+        LawForm::Linear => format!("{xlabel} (swept axis, linear scale)"),
     };
     let mut svg = String::new();
     {
@@ -355,7 +525,7 @@ pub fn law(data: &LawPlot) -> Result<(String, Result<LinearFit, FitError>), Plot
             .map_err(draw_err(PLOT))?;
         chart
             .configure_mesh()
-            .x_desc(format!("{xlabel} (swept axis, log2 scale)"))
+            .x_desc(x_desc)
             .y_desc("final validation loss (nats per byte)")
             .draw()
             .map_err(draw_err(PLOT))?;
@@ -371,13 +541,13 @@ pub fn law(data: &LawPlot) -> Result<(String, Result<LinearFit, FitError>), Plot
         }
         for (i, p) in &pts {
             let c = color(*i);
-            if let Some(ends) = bar_ends(p.x.log2(), p.loss, p.ci95) {
+            if let Some(ends) = bar_ends(form.position(p.x), p.loss, p.ci95) {
                 chart
                     .draw_series(std::iter::once(PathElement::new(ends, c.stroke_width(2))))
                     .map_err(draw_err(PLOT))?;
             }
             chart
-                .draw_series(std::iter::once(Circle::new((p.x.log2(), p.loss), 6, c.filled())))
+                .draw_series(std::iter::once(Circle::new((form.position(p.x), p.loss), 6, c.filled())))
                 .map_err(draw_err(PLOT))?
                 .label(format!("{} ({} = {})", p.label, data.axis, p.x))
                 .legend(legend_box(c));
@@ -518,6 +688,88 @@ pub fn speed(data: &SpeedPlot) -> Result<String, PlotError> {
     Ok(svg)
 }
 
+/// One panel of [`run_panels`]: a quantity against training steps.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct RunPanel {
+    pub title: String,
+    pub y_desc: String,
+    /// `(step, value)` pairs; non-finite values are left out.
+    pub points: Vec<(f64, f64)>,
+}
+
+/// A figure of one run's training quantities, one panel each.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct RunPanels {
+    pub title: String,
+    pub panels: Vec<RunPanel>,
+}
+
+/// Panel size of [`run_panels`]; panels are laid out two to a row.
+const RUN_PANEL: (u32, u32) = (600, 340);
+
+/// One run's training quantities against steps (`widen plot`'s `train.svg`): a
+/// line per panel, thinned like the loss curves with a band from each thinned
+/// run's minimum to maximum, and a marker at each position of a short series. A
+/// panel without a finite value is left out.
+pub fn run_panels(data: &RunPanels) -> Result<String, PlotError> {
+    const PLOT: &str = "training quantities";
+    let drawn: Vec<(&RunPanel, Vec<Position>)> = data
+        .panels
+        .iter()
+        .map(|p| (p, thin(band(std::slice::from_ref(&p.points)), MAX_DRAWN)))
+        .filter(|(_, b)| !b.is_empty())
+        .collect();
+    if drawn.is_empty() {
+        return Err(PlotError::NoData { plot: PLOT });
+    }
+    let columns = drawn.len().min(2);
+    let rows = drawn.len().div_ceil(columns);
+    let size = (RUN_PANEL.0 * columns as u32, RUN_PANEL.1 * rows as u32 + 40);
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, size).into_drawing_area();
+        root.fill(&WHITE).map_err(draw_err(PLOT))?;
+        let root = root.titled(&data.title, (FONT, 22)).map_err(draw_err(PLOT))?;
+        let areas = root.split_evenly((rows, columns));
+        for (i, ((panel, b), area)) in drawn.iter().zip(&areas).enumerate() {
+            let (x0, x1) = range(b.iter().map(|q| q.0), 0.0).ok_or(PlotError::NoData { plot: PLOT })?;
+            let (y0, y1) =
+                range(b.iter().flat_map(|q| [q.2, q.3]), 0.05).ok_or(PlotError::NoData { plot: PLOT })?;
+            let mut chart = ChartBuilder::on(area)
+                .caption(&panel.title, (FONT, 16))
+                .margin(12)
+                .x_label_area_size(40)
+                .y_label_area_size(72)
+                .build_cartesian_2d(x0..x1, y0..y1)
+                .map_err(draw_err(PLOT))?;
+            chart
+                .configure_mesh()
+                .x_desc("step")
+                .y_desc(panel.y_desc.as_str())
+                .x_label_formatter(&|x| si(*x))
+                .y_label_formatter(&|y| if *y == 0.0 { "0".into() } else { crate::coord_plot::tick(*y) })
+                .draw()
+                .map_err(draw_err(PLOT))?;
+            let c = color(i);
+            let mut outline: Vec<(f64, f64)> = b.iter().map(|q| (q.0, q.3)).collect();
+            outline.extend(b.iter().rev().map(|q| (q.0, q.2)));
+            chart
+                .draw_series(std::iter::once(Polygon::new(outline, c.mix(0.18).filled())))
+                .map_err(draw_err(PLOT))?;
+            chart
+                .draw_series(LineSeries::new(b.iter().map(|q| (q.0, q.1)), c.stroke_width(2)))
+                .map_err(draw_err(PLOT))?;
+            if b.len() <= MARKED_UP_TO {
+                chart
+                    .draw_series(b.iter().map(|q| Circle::new((q.0, q.1), 4, c.filled())))
+                    .map_err(draw_err(PLOT))?;
+            }
+        }
+        root.present().map_err(draw_err(PLOT))?;
+    }
+    Ok(svg)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -581,6 +833,70 @@ mod tests {
         }
         for needle in ["GHC over r", "training loss", "validation loss"] {
             assert!(has_text(&doc, needle), "missing title {needle:?}");
+        }
+    }
+
+    /// One point: `steps` training steps of `loss(step)`, evaluated at `evals`.
+    fn run(steps: u64, loss: impl Fn(u64) -> f64, evals: &[u64]) -> LossCurves {
+        let x = |s: u64| s as f64 * 256.0;
+        LossCurves {
+            title: "one run".into(),
+            points: vec![PointCurves {
+                label: "run".into(),
+                train: vec![(1..=steps).map(|s| (x(s), loss(s))).collect()],
+                val: vec![evals.iter().map(|&s| (x(s), loss(s) + 0.05)).collect()],
+            }],
+        }
+    }
+
+    #[test]
+    fn short_series_get_a_marker_at_each_position() {
+        let decay = |s: u64| 2.0 + 1.0 / s as f64;
+        for evals in [&[100][..], &[50, 100], &[10, 20, 30, 40, 50, 60, 70, 80, 90, 100]] {
+            let doc_text = loss_curves(&run(100, decay, evals)).unwrap();
+            let doc = parse(&doc_text);
+            // The 100 training steps are a line alone; each evaluation is a dot.
+            assert_eq!(count(&doc, "circle", "fill", 0), evals.len(), "{evals:?}");
+        }
+        let long: Vec<u64> = (1..=MARKED_UP_TO as u64 + 1).collect();
+        let doc_text = loss_curves(&run(100, decay, &long)).unwrap();
+        assert_eq!(count(&parse(&doc_text), "circle", "fill", 0), 0, "a long series is a line alone");
+    }
+
+    #[test]
+    fn first_steps_far_above_the_rest_are_drawn_at_the_edge_and_said_so() {
+        // Five steps at 5.5, then a slow decline from 2.0 to 1.9: the axis covers the
+        // decline, and the steps above it are marked with a triangle and a note.
+        let steep = |s: u64| if s <= 5 { 5.5 } else { 2.0 - 0.001 * s as f64 };
+        let doc_text = loss_curves(&run(100, steep, &[50, 100])).unwrap();
+        let doc = parse(&doc_text);
+        let note = texts(&doc).into_iter().find(|t| t.contains("above the axis"));
+        let note = note.unwrap_or_else(|| panic!("no note on the clipped steps: {:?}", texts(&doc)));
+        // The trailing mean over 2 steps keeps step 6 above too.
+        assert!(note.contains("6 steps above the axis, up to 5.500, drawn at its top edge"), "{note}");
+        assert_eq!(count(&doc, "polygon", "fill", 0), 2 + 1, "two bands and one edge triangle");
+
+        // Early values within a few times the later span: the axis covers them all.
+        let gentle = |s: u64| if s <= 5 { 2.2 } else { 2.0 - 0.001 * s as f64 };
+        let doc_text = loss_curves(&run(100, gentle, &[50, 100])).unwrap();
+        let doc = parse(&doc_text);
+        assert!(!has_text(&doc, "above the axis"), "{:?}", texts(&doc));
+        assert_eq!(count(&doc, "polygon", "fill", 0), 2, "two bands, no triangle");
+    }
+
+    #[test]
+    fn the_training_panel_names_an_objective_with_mtp_terms() {
+        let data = run(10, |s| 2.0 + 1.0 / s as f64, &[10]);
+        let plain = loss_curves(&data).unwrap();
+        assert!(has_text(&parse(&plain), "training loss"));
+        for (curve, title) in [
+            (TrainCurve::ObjectiveWithMtp, "training objective (with MTP terms)"),
+            (TrainCurve::ObjectiveMaybeMtp, "training objective (with MTP terms if the model has MTP)"),
+        ] {
+            let svg = loss_curves_with(&data, &LossOptions { train_curve: curve }).unwrap();
+            let doc = parse(&svg);
+            assert!(has_text(&doc, title), "{:?}", texts(&doc));
+            assert!(!has_text(&doc, "training loss"), "{:?}", texts(&doc));
         }
     }
 
@@ -671,6 +987,7 @@ mod tests {
         let eq = fit.equation("L", "log2(r)");
         assert!(has_text(&doc, &eq), "the equation {eq:?} is shown");
         assert!(has_text(&doc, "R² = ") && has_text(&doc, "log2(r) (swept axis, log2 scale)"));
+        assert!(has_text(&doc, "bars: 95% interval of the mean over seeds"), "the error bars are explained");
         assert!(has_text(&doc, "final validation loss (nats per byte)"));
 
         // Two points: no fit, said so, and the points are still drawn.
@@ -679,6 +996,42 @@ mod tests {
         let doc = parse(&svg);
         assert!(has_text(&doc, "no fit: 2 points"));
         assert_eq!(count(&doc, "circle", "fill", 1), 1);
+    }
+
+    #[test]
+    fn an_axis_through_zero_gets_a_linear_law_over_every_point() {
+        let data = LawPlot {
+            title: "final loss vs mtp.depth".into(),
+            axis: "mtp.depth".into(),
+            points: [0.0, 1.0, 2.0]
+                .iter()
+                .map(|&x| LawPoint {
+                    label: format!("mtp.depth-{x}"),
+                    x,
+                    loss: 2.0 - 0.05 * x + if x == 1.0 { 0.01 } else { 0.0 },
+                    ci95: None,
+                })
+                .collect(),
+        };
+        assert_eq!(data.form(), LawForm::Linear);
+        assert_eq!(law_data(3).form(), LawForm::Log2);
+        let (svg, fit) = law(&data).unwrap();
+        let fit = fit.unwrap_or_else(|e| panic!("no fit: {e}"));
+        assert_eq!(fit.n, 3, "the depth-0 point is fitted");
+        let want = linear(&[0.0, 1.0, 2.0], &data.points.iter().map(|p| p.loss).collect::<Vec<_>>()).unwrap();
+        assert_eq!(fit, want, "the fit is L = a + b·x over x itself");
+        let doc = parse(&svg);
+        for i in 0..3 {
+            assert_eq!(count(&doc, "circle", "fill", i), 1, "point {i} is drawn");
+        }
+        let eq = fit.equation("L", "mtp.depth");
+        assert!(
+            has_text(&doc, &format!("linear fit (log2 is undefined at mtp.depth ≤ 0): {eq}")),
+            "{:?}",
+            texts(&doc)
+        );
+        assert!(has_text(&doc, "mtp.depth (swept axis, linear scale)"));
+        assert!(!has_text(&doc, "log2("), "{:?}", texts(&doc));
     }
 
     #[test]
@@ -780,5 +1133,22 @@ mod tests {
                 .collect(),
         };
         std::fs::write(dir.join("d.svg"), speed(&d).unwrap()).unwrap();
+        let steep = run(2000, |s| if s <= 30 { 5.5 } else { 2.0 - 0.0001 * s as f64 }, &[1000, 2000]);
+        std::fs::write(dir.join("a-clipped.svg"), loss_curves(&steep).unwrap()).unwrap();
+        let e = RunPanels {
+            title: "run: training against steps".into(),
+            panels: ["learning rate", "gradient norm", "MoE load imbalance"]
+                .iter()
+                .enumerate()
+                .map(|(k, t)| RunPanel {
+                    title: (*t).into(),
+                    y_desc: (*t).into(),
+                    points: (1..=200)
+                        .map(|s| (s as f64, 1e-3 * (k + 1) as f64 / (s as f64).sqrt()))
+                        .collect(),
+                })
+                .collect(),
+        };
+        std::fs::write(dir.join("e.svg"), run_panels(&e).unwrap()).unwrap();
     }
 }

@@ -17,7 +17,7 @@
 use std::path::{Path, PathBuf};
 
 use ir::cost::cost_report;
-use runtime::train::{FINAL_CHECKPOINT, METRICS_FILE};
+use runtime::train::{FINAL_CHECKPOINT, INIT_CHECKPOINT, METRICS_FILE};
 use serde::Deserialize;
 
 use crate::budget::Budget;
@@ -25,7 +25,8 @@ use crate::folder::{
     lock_results, read_outcome, write_atomic, OutcomeFile, PlanFile, PLOTS_DIR, RESULTS_CSV, RESULTS_JSON,
 };
 use crate::plot::{
-    self, CostPoint, FrontierPlot, LawPlot, LawPoint, LossCurves, PointCurves, SpeedBar, SpeedPlot,
+    self, CostPoint, FrontierPlot, LawPlot, LawPoint, LossCurves, LossOptions, PointCurves, RunPanel,
+    RunPanels, SpeedBar, SpeedPlot, TrainCurve,
 };
 use crate::point::{Point, RATIO_AXIS};
 use crate::results::{self, fill_overheads, fill_significance, PointResult, RunMetrics, RunOutcome};
@@ -297,16 +298,106 @@ pub(crate) fn metrics_lines(run_dir: &Path) -> Result<Vec<MetricsLine>, String> 
     Ok(out)
 }
 
+/// The files [`plot_run`] wrote.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunPlots {
+    /// `RUN_DIR/loss.svg`: training and validation loss against tokens.
+    pub loss: PathBuf,
+    /// `RUN_DIR/train.svg`: learning rate, gradient norm and (MoE) load balance
+    /// against steps; `None` when the metrics hold none of them (older files).
+    pub train: Option<PathBuf>,
+}
+
+/// One line of a run's `metrics.jsonl` as [`plot_run`] draws it.
+#[derive(Deserialize)]
+struct RunLine {
+    /// The fields a report reads (`step`, `tokens`, `loss`, `val_loss`).
+    #[serde(flatten)]
+    base: MetricsLine,
+    /// The main head's next-token training loss, when the metrics record it apart
+    /// from the objective.
+    #[serde(default)]
+    loss_main: Option<f64>,
+    #[serde(default)]
+    lr: Option<f64>,
+    #[serde(default)]
+    grad_norm: Option<f64>,
+    #[serde(default)]
+    moe_imbalance: Option<f64>,
+    #[serde(default)]
+    moe_dropped: Option<f64>,
+}
+
+/// Every complete line of `path` as a `T`, by the rule of [`metrics_lines`]: an
+/// unparsable last line without a newline is still being written and left out.
+fn jsonl_lines<T: serde::de::DeserializeOwned>(path: &Path) -> Result<Vec<T>, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let open_tail = !text.is_empty() && !text.ends_with('\n');
+    let count = text.lines().count();
+    let mut out = Vec::with_capacity(count);
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        match serde_json::from_str::<T>(line) {
+            Ok(l) => out.push(l),
+            Err(_) if open_tail && i + 1 == count => {}
+            Err(e) => return Err(format!("{} line {}: not a metrics line: {e}", path.display(), i + 1)),
+        }
+    }
+    Ok(out)
+}
+
+/// The model spec a run folder's newest checkpoint records in its header
+/// (docs/checkpoints.md): `final.safetensors`, else the `ckpt-<step>` of the
+/// highest step, else `init.safetensors`. Only the header is read.
+fn run_spec(run_dir: &Path) -> Option<ir::spec::ModelSpec> {
+    let mut steps: Vec<(u64, PathBuf)> = std::fs::read_dir(run_dir)
+        .ok()?
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let step = name.strip_prefix("ckpt-")?.strip_suffix(".safetensors")?.parse().ok()?;
+            Some((step, e.path()))
+        })
+        .collect();
+    steps.sort_by_key(|s| std::cmp::Reverse(s.0));
+    let candidates = std::iter::once(run_dir.join(FINAL_CHECKPOINT))
+        .chain(steps.into_iter().map(|s| s.1))
+        .chain(std::iter::once(run_dir.join(INIT_CHECKPOINT)));
+    candidates.filter(|p| p.is_file()).find_map(|p| header_spec(&p))
+}
+
+/// The `spec` of a safetensors file's `__metadata__`, parsed.
+fn header_spec(path: &Path) -> Option<ir::spec::ModelSpec> {
+    use std::io::Read;
+    let mut file = std::fs::File::open(path).ok()?;
+    let mut len = [0u8; 8];
+    file.read_exact(&mut len).ok()?;
+    // safetensors caps headers at 100 MB; a larger length is not a header.
+    let n = usize::try_from(u64::from_le_bytes(len)).ok().filter(|&n| n <= 100_000_000)?;
+    let mut header = vec![0u8; n];
+    file.read_exact(&mut header).ok()?;
+    let header: serde_json::Value = serde_json::from_slice(&header).ok()?;
+    let spec = header.get("__metadata__")?.get("spec")?.as_str()?;
+    ir::spec::parse_spec(spec, "header `spec`").ok()
+}
+
 /// Draws one run's training and validation loss against tokens into
-/// `RUN_DIR/loss.svg` (what `widen plot` does); returns the file.
-pub fn plot_run(run_dir: &Path) -> Result<PathBuf, SweepRunError> {
+/// `RUN_DIR/loss.svg`, and its learning rate, gradient norm and MoE load balance
+/// against steps into `RUN_DIR/train.svg` (what `widen plot` does).
+///
+/// The training curve is the main head's loss `loss_main` when the metrics hold
+/// it, else the objective `loss`, titled as including MTP terms when the run's
+/// checkpoint says the model has MTP (or that it may, when no checkpoint reads).
+pub fn plot_run(run_dir: &Path) -> Result<RunPlots, SweepRunError> {
     let path = run_dir.join(METRICS_FILE);
-    let lines =
-        metrics_lines(run_dir).map_err(|message| SweepRunError::Read { path: path.clone(), message })?;
+    let lines: Vec<RunLine> =
+        jsonl_lines(&path).map_err(|message| SweepRunError::Read { path: path.clone(), message })?;
     if lines.is_empty() {
         return Err(SweepRunError::Read { path, message: "it holds no step yet".into() });
     }
-    let Some(per_step) = lines.iter().find_map(|l| l.tokens.map(|t| t / l.step.max(1))) else {
+    let Some(per_step) = lines.iter().find_map(|l| l.base.tokens.map(|t| t / l.base.step.max(1))) else {
         return Err(SweepRunError::Read {
             path,
             message:
@@ -314,21 +405,58 @@ pub fn plot_run(run_dir: &Path) -> Result<PathBuf, SweepRunError> {
                     .into(),
         });
     };
-    let x = |l: &MetricsLine| l.tokens.unwrap_or(l.step.saturating_mul(per_step)) as f64;
+    let x = |l: &RunLine| l.base.tokens.unwrap_or(l.base.step.saturating_mul(per_step)) as f64;
+    let main = lines.iter().any(|l| l.loss_main.is_some());
+    let train_curve = if main {
+        TrainCurve::Loss
+    } else {
+        match run_spec(run_dir) {
+            Some(spec) if spec.mtp.depth > 0 => TrainCurve::ObjectiveWithMtp,
+            Some(_) => TrainCurve::Loss,
+            None => TrainCurve::ObjectiveMaybeMtp,
+        }
+    };
+    let train_y = |l: &RunLine| if main { l.loss_main.unwrap_or(f64::NAN) } else { l.base.loss() };
     let label = run_dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "run".into());
     let curves = PointCurves {
         label: label.clone(),
-        train: vec![lines.iter().map(|l| (x(l), l.loss())).collect()],
-        val: vec![lines.iter().filter_map(|l| l.val_loss.map(|v| (x(l), v))).collect()],
+        train: vec![lines.iter().map(|l| (x(l), train_y(l))).collect()],
+        val: vec![lines.iter().filter_map(|l| l.base.val_loss.map(|v| (x(l), v))).collect()],
     };
-    let svg = plot::loss_curves(&LossCurves {
-        title: format!("{label}: loss against tokens"),
-        points: vec![curves],
-    })
-    .map_err(|e| SweepRunError::Read { path, message: e.to_string() })?;
-    let out = run_dir.join("loss.svg");
-    write_atomic(&out, svg.as_bytes())?;
-    Ok(out)
+    let svg = plot::loss_curves_with(
+        &LossCurves { title: format!("{label}: loss against tokens"), points: vec![curves] },
+        &LossOptions { train_curve },
+    )
+    .map_err(|e| SweepRunError::Read { path: path.clone(), message: e.to_string() })?;
+    let loss = run_dir.join("loss.svg");
+    write_atomic(&loss, svg.as_bytes())?;
+
+    let series = |f: fn(&RunLine) -> Option<f64>| -> Vec<(f64, f64)> {
+        lines.iter().filter_map(|l| f(l).map(|v| (l.base.step as f64, v))).collect()
+    };
+    let panel =
+        |title: &str, y_desc: &str, points| RunPanel { title: title.into(), y_desc: y_desc.into(), points };
+    let panels = vec![
+        panel("learning rate", "learning rate", series(|l| l.lr)),
+        panel("gradient norm", "global gradient norm", series(|l| l.grad_norm)),
+        panel(
+            "MoE load imbalance (largest max/mean load of a sublayer; 1 is even)",
+            "max / mean expert load",
+            series(|l| l.moe_imbalance),
+        ),
+        panel("MoE assignments dropped over capacity", "assignments dropped", series(|l| l.moe_dropped)),
+    ];
+    let train =
+        match plot::run_panels(&RunPanels { title: format!("{label}: training against steps"), panels }) {
+            Ok(svg) => {
+                let out = run_dir.join("train.svg");
+                write_atomic(&out, svg.as_bytes())?;
+                Some(out)
+            }
+            Err(plot::PlotError::NoData { .. }) => None,
+            Err(e) => return Err(SweepRunError::Read { path, message: e.to_string() }),
+        };
+    Ok(RunPlots { loss, train })
 }
 
 /// What a finished run measured, from its metrics (see the module doc).
@@ -376,6 +504,141 @@ mod tests {
         std::fs::write(dir.join(METRICS_FILE), format!("{good}{{\"step\":3,\"loss\":null}}")).unwrap();
         let lines = metrics_lines(&dir).unwrap();
         assert!(lines.len() == 2 && lines[1].loss().is_nan(), "a complete last line counts, null is NaN");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    fn run_dir(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("widen-plot-run-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    /// 30 steps of 256 tokens, evaluated at steps 10, 20 and 30; `extra(step)` adds fields.
+    fn write_metrics(dir: &Path, extra: impl Fn(u64) -> String) {
+        let text: String = (1..=30u64)
+            .map(|s| {
+                let val = if s % 10 == 0 {
+                    format!(",\"val_loss\":{}", 2.05 + 1.0 / s as f64)
+                } else {
+                    String::new()
+                };
+                format!(
+                    "{{\"step\":{s},\"tokens\":{},\"loss\":{},\"tokens_per_s\":100.0{val}{}}}\n",
+                    256 * s,
+                    2.0 + 1.0 / s as f64,
+                    extra(s)
+                )
+            })
+            .collect();
+        std::fs::write(dir.join(METRICS_FILE), text).unwrap();
+    }
+
+    fn svg_texts(path: &Path) -> Vec<String> {
+        let text = std::fs::read_to_string(path).unwrap();
+        let doc =
+            roxmltree::Document::parse(&text).unwrap_or_else(|e| panic!("{}: not XML: {e}", path.display()));
+        doc.descendants()
+            .filter(|n| n.has_tag_name("text"))
+            .filter_map(|n| n.text())
+            .map(|t| t.trim().into())
+            .collect()
+    }
+
+    fn circles(path: &Path) -> usize {
+        let text = std::fs::read_to_string(path).unwrap();
+        let doc = roxmltree::Document::parse(&text).unwrap();
+        doc.descendants().filter(|n| n.has_tag_name("circle")).count()
+    }
+
+    #[test]
+    fn plot_run_draws_the_learning_rate_gradient_norm_and_moe_balance() {
+        let dir = run_dir("train");
+        write_metrics(&dir, |s| {
+            format!(",\"lr\":{},\"grad_norm\":{}", 1e-3 * s as f64 / 30.0, 1.0 / s as f64)
+        });
+        let plots = plot_run(&dir).unwrap();
+        assert_eq!(plots.loss, dir.join("loss.svg"));
+        assert_eq!(circles(&plots.loss), 3, "each of the 3 evaluations is a dot");
+        let train = plots.train.clone().expect("train.svg is written");
+        assert_eq!(train, dir.join("train.svg"));
+        let t = svg_texts(&train);
+        for needle in ["learning rate", "gradient norm", "step"] {
+            assert!(t.iter().any(|x| x.contains(needle)), "missing {needle:?}: {t:?}");
+        }
+        assert!(!t.iter().any(|x| x.contains("MoE")), "no MoE panel without MoE fields: {t:?}");
+
+        write_metrics(&dir, |s| {
+            format!(
+                ",\"lr\":1e-3,\"grad_norm\":0.5,\"moe_imbalance\":{},\"moe_dropped\":{}",
+                1.0 + 1.0 / s as f64,
+                30 - s
+            )
+        });
+        let t = svg_texts(&plot_run(&dir).unwrap().train.unwrap());
+        for needle in
+            ["learning rate", "gradient norm", "MoE load imbalance", "MoE assignments dropped over capacity"]
+        {
+            assert!(t.iter().any(|x| x.contains(needle)), "missing {needle:?}: {t:?}");
+        }
+
+        // Metrics of an older widen, without lr or grad_norm: loss.svg alone.
+        std::fs::remove_file(dir.join("train.svg")).unwrap();
+        write_metrics(&dir, |_| String::new());
+        let plots = plot_run(&dir).unwrap();
+        assert!(plots.train.is_none() && !dir.join("train.svg").exists());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A checkpoint file holding only a safetensors header whose metadata records `spec`.
+    fn write_header(path: &Path, spec: &ir::spec::ModelSpec) {
+        let header = serde_json::json!({ "__metadata__": { "spec": spec.to_ron() } }).to_string();
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(header.as_bytes());
+        std::fs::write(path, bytes).unwrap();
+    }
+
+    #[test]
+    fn plot_run_titles_the_training_curve_by_what_it_measures() {
+        let dir = run_dir("mtp");
+        write_metrics(&dir, |_| String::new());
+        let title = |dir: &Path| {
+            let t = svg_texts(&plot_run(dir).unwrap().loss);
+            t.into_iter().find(|x| x.starts_with("training")).unwrap_or_default()
+        };
+        assert_eq!(title(&dir), "training objective (with MTP terms if the model has MTP)", "no checkpoint");
+        let mut spec = ir::spec::ModelSpec::default();
+        spec.mtp.depth = 1;
+        write_header(&dir.join("ckpt-30.safetensors"), &spec);
+        assert_eq!(title(&dir), "training objective (with MTP terms)");
+        spec.mtp.depth = 0;
+        write_header(&dir.join(FINAL_CHECKPOINT), &spec);
+        assert_eq!(title(&dir), "training loss", "the final checkpoint comes first");
+
+        // `loss_main` is the main head's loss: drawn instead of the objective (here 9+).
+        spec.mtp.depth = 1;
+        write_header(&dir.join(FINAL_CHECKPOINT), &spec);
+        let text: String = std::fs::read_to_string(dir.join(METRICS_FILE))
+            .unwrap()
+            .lines()
+            .map(|l| {
+                l.replacen("\"loss\":", "\"loss\":7.0,\"loss_main\":", 1).replacen(
+                    ",\"loss\":7.0",
+                    ",\"loss\":9.0",
+                    1,
+                ) + "\n"
+            })
+            .collect();
+        assert!(text.contains("\"loss\":9.0,\"loss_main\":2"), "{text}");
+        std::fs::write(dir.join(METRICS_FILE), text).unwrap();
+        assert_eq!(title(&dir), "training loss");
+        let t = svg_texts(&dir.join("loss.svg"));
+        // y tick labels are the only numbers with a decimal point (token ticks are whole).
+        let ticks: Vec<f64> = t.iter().filter(|x| x.contains('.')).filter_map(|x| x.parse().ok()).collect();
+        assert!(
+            !ticks.is_empty() && ticks.iter().all(|&y| y < 4.0),
+            "the axis holds loss_main, not 9: {ticks:?}"
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
