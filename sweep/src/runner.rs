@@ -28,6 +28,13 @@
 //! and the data is checked again before every run, so a file changed during a sweep
 //! stops it instead of training the remaining runs on other text.
 //!
+//! **Many runs at once.** [`SweepOptions::jobs`] above 1 trains that many runs at
+//! once, each in a process of its own that trains one run of the plan
+//! ([`run_index`], `widen sweep DIR --run-index K`): the parent holds the sweep lock,
+//! each run its own `run.lock`, and results rewrites take `results.lock`. A cluster's
+//! job array runs the same [`run_index`] per task ([`plan_only`] writes the plan).
+//! Every run trains as it would alone, so the results do not depend on the jobs.
+//!
 //! **Fairness.** Every point trained with seed s sees the same batches in the same
 //! order and is validated on the same held-out windows (both follow `train.seed`,
 //! crate::point). Validation loss is the main head's next-token loss in nats; bits
@@ -48,7 +55,7 @@ use runtime::train::{
 use crate::file::Sweep;
 use crate::folder::{
     check_sweep_folder, lock_sweep, read_outcome, write_atomic, write_outcome, DataRecord, FolderError,
-    OutcomeFile, PlanFile, ELAPSED_FILE,
+    OutcomeFile, PlanFile, Provenance, ELAPSED_FILE,
 };
 use crate::point::{expand, ExpandError, Expansion, Point};
 use crate::report::{measured, report_into, SweepReport};
@@ -71,6 +78,21 @@ pub struct SweepOptions {
     /// The point every other is compared with in the results (a point name); `None`
     /// keeps the folder's choice, or each point's twin, else the first point.
     pub against: Option<String>,
+    /// How many runs train at once, each in a process of its own ([`SweepOptions::child`]);
+    /// 1 trains them one after another in this process.
+    pub jobs: usize,
+    /// How to start a process that trains one run of the plan (`--jobs` above 1).
+    pub child: Option<ChildCommand>,
+}
+
+/// The command that trains run `K` of a sweep folder's plan in a process of its own:
+/// `program args... DIR --run-index K --device NAME --quiet [--retry-failed]` (the
+/// `widen sweep` flags, docs/sweeps.md "Many runs at once").
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChildCommand {
+    pub program: PathBuf,
+    /// The arguments before the folder (`["sweep"]` for widen).
+    pub args: Vec<String>,
 }
 
 impl SweepOptions {
@@ -83,6 +105,8 @@ impl SweepOptions {
             catch_signals: false,
             retry_failed: false,
             against: None,
+            jobs: 1,
+            child: None,
         }
     }
 }
@@ -139,6 +163,21 @@ pub enum SweepRunError {
     Write { run: PathBuf, source: Box<TrainError> },
     #[error("interrupted during run {run}; it is saved in {}; run the same command again to continue the sweep", checkpoint.display())]
     Interrupted { run: PathBuf, checkpoint: PathBuf },
+    /// `--run-index` past the plan's runs.
+    #[error("--run-index {index}: {dir} plans {runs} runs, so the index must be in 0..={}", runs.saturating_sub(1))]
+    NoSuchRun { dir: PathBuf, index: usize, runs: usize },
+    /// `--jobs 0`, or `--jobs` above 1 with no way to start a process.
+    #[error("--jobs {jobs}: {why}")]
+    Jobs { jobs: usize, why: String },
+    /// A process training one run could not start.
+    #[error("cannot start the process training run {run}")]
+    Spawn { run: PathBuf, source: std::io::Error },
+    /// A process training one run ended without recording an outcome.
+    #[error(
+        "the process training run {run} ended with {status} without recording an outcome (its error is \
+         above); run the same command again to continue the sweep"
+    )]
+    Child { run: PathBuf, status: String },
     #[error(transparent)]
     Results(#[from] results::ResultsError),
     #[error("cannot catch Ctrl-C and SIGTERM")]
@@ -209,18 +248,23 @@ pub fn data_records(plan: &Expansion) -> Result<BTreeMap<String, DataRecord>, Sw
     Ok(out)
 }
 
-/// Expands `sweep`, checks the folder holds no other sweep, trains every run not yet
-/// done, and writes the results and plots (after every run, so an interrupted sweep
-/// leaves its results so far).
-pub fn run(sweep: &Sweep, opts: &SweepOptions) -> Result<SweepReport, SweepRunError> {
+/// The sweep planned into its folder: the expansion, the joined `plan.json` (written),
+/// the kept runs and the folder's training lock.
+struct Prepared {
+    plan: Expansion,
+    file: PlanFile,
+    kept: Vec<PathBuf>,
+    _lock: std::fs::File,
+}
+
+/// Expands `sweep`, checks the folder holds no other sweep, takes its lock, joins the
+/// plan with the folder's and writes `plan.json`.
+fn prepare(sweep: &Sweep, opts: &SweepOptions) -> Result<Prepared, SweepRunError> {
     let plan = expand(sweep)?;
-    if opts.device == Device::Cuda && !runtime::device::cuda::driver_available() {
-        return Err(SweepRunError::NoCuda);
-    }
     let dir = &opts.out_dir;
     check_sweep_folder(dir)?;
     std::fs::create_dir_all(dir).map_err(io(dir))?;
-    let _lock = lock_sweep(dir)?;
+    let lock = lock_sweep(dir)?;
     let data = data_records(&plan)?;
     let (mut file, kept) = merge_with_folder(dir, PlanFile::of(sweep, &plan, data, None))?;
     if let Some(a) = &opts.against {
@@ -228,6 +272,33 @@ pub fn run(sweep: &Sweep, opts: &SweepOptions) -> Result<SweepReport, SweepRunEr
         file.against = Some(a.clone());
     }
     file.write(dir)?;
+    Ok(Prepared { plan, file, kept, _lock: lock })
+}
+
+/// Writes the sweep's plan into `opts.out_dir` as [`run`] would, and trains nothing
+/// (for a cluster's job array: docs/sweeps.md, "A cluster"). Returns the plan.
+pub fn plan_only(sweep: &Sweep, opts: &SweepOptions) -> Result<PlanFile, SweepRunError> {
+    Ok(prepare(sweep, opts)?.file)
+}
+
+/// Expands `sweep`, checks the folder holds no other sweep, trains every run not yet
+/// done, and writes the results and plots (after every run, so an interrupted sweep
+/// leaves its results so far).
+pub fn run(sweep: &Sweep, opts: &SweepOptions) -> Result<SweepReport, SweepRunError> {
+    if opts.jobs == 0 {
+        return Err(SweepRunError::Jobs { jobs: 0, why: "at least one run must train at a time".into() });
+    }
+    if opts.jobs > 1 && opts.child.is_none() {
+        return Err(SweepRunError::Jobs {
+            jobs: opts.jobs,
+            why: "several runs at once need a command to start each run's process".into(),
+        });
+    }
+    if opts.device == Device::Cuda && !runtime::device::cuda::driver_available() {
+        return Err(SweepRunError::NoCuda);
+    }
+    let Prepared { plan, file, kept, _lock } = prepare(sweep, opts)?;
+    let dir = &opts.out_dir;
     let mut watch = DataWatch::default();
 
     let runs: Vec<(usize, &Point, &crate::point::Run)> =
@@ -247,35 +318,34 @@ pub fn run(sweep: &Sweep, opts: &SweepOptions) -> Result<SweepReport, SweepRunEr
         open: false,
     }));
     let (mut trained, mut reused) = (0, 0);
+    let mut queue = Vec::new();
     for (n, ((i, point, run), todo)) in runs.iter().zip(todo).enumerate() {
         let run_dir = dir.join(&run.dir);
         if !todo {
             reused += 1;
             continue;
         }
-        if !matches!(read_outcome(&run_dir), OutcomeFile::Read(_)) && run_dir.join(FINAL_CHECKPOINT).exists()
-        {
-            // Killed after its final checkpoint, before (or while) writing its outcome: finished.
-            let outcome = match measured(&run_dir, point, read_elapsed(&run_dir)) {
-                Ok(m) => RunOutcome::Finished(m),
-                Err(reason) => RunOutcome::Failed(reason),
-            };
-            write_outcome(&run_dir, &outcome)?;
+        if finish_from_checkpoint(&run_dir, point, opts.device, &file)? {
             reused += 1;
+            continue;
+        }
+        let label = format!(
+            "point {}/{} {} seed {} (run {}/{})",
+            i + 1,
+            plan.points.len(),
+            point.name,
+            run.seed,
+            n + 1,
+            runs.len()
+        );
+        if opts.jobs > 1 {
+            queue.push((label, run_dir));
             continue;
         }
         watch.check(dir, point, &file.data[&point.name])?;
         {
             let mut p = progress.lock().expect("progress lock");
-            p.label = format!(
-                "point {}/{} {} seed {} (run {}/{})",
-                i + 1,
-                plan.points.len(),
-                point.name,
-                run.seed,
-                n + 1,
-                runs.len()
-            );
+            p.label = label;
             p.run_work_per_step = work(point) / point.budget.steps.max(1) as f64;
             p.start_run();
         }
@@ -286,14 +356,180 @@ pub fn run(sweep: &Sweep, opts: &SweepOptions) -> Result<SweepReport, SweepRunEr
         let outcome = train_run(point, run, &run_dir, opts, observer)?;
         progress.lock().expect("progress lock").end_run(&outcome);
         trained += 1;
-        write_outcome(&run_dir, &outcome)?;
+        write_outcome(
+            &run_dir,
+            &outcome,
+            &Provenance::here(opts.device, file.data.get(&point.name).cloned()),
+        )?;
         report_into(dir, &file)?;
+    }
+    if !queue.is_empty() {
+        trained += run_children(dir, &file, queue, opts)?;
     }
     let mut report = report_into(dir, &file)?;
     report.trained = trained;
     report.reused = reused;
     report.kept = kept;
     Ok(report)
+}
+
+/// A run killed after its final checkpoint, before (or while) writing its outcome, is
+/// finished: its outcome is written from its metrics. Says whether that was the case.
+fn finish_from_checkpoint(
+    run_dir: &Path,
+    point: &Point,
+    device: Device,
+    file: &PlanFile,
+) -> Result<bool, SweepRunError> {
+    if matches!(read_outcome(run_dir), OutcomeFile::Read(_)) || !run_dir.join(FINAL_CHECKPOINT).exists() {
+        return Ok(false);
+    }
+    let outcome = match measured(run_dir, point, read_elapsed(run_dir)) {
+        Ok(m) => RunOutcome::Finished(m),
+        Err(reason) => RunOutcome::Failed(reason),
+    };
+    write_outcome(run_dir, &outcome, &Provenance::here(device, file.data.get(&point.name).cloned()))?;
+    Ok(true)
+}
+
+/// Trains the queued runs `opts.jobs` at a time, each in a process of its own started
+/// by [`SweepOptions::child`] as `--run-index K` of the plan in `dir`. Each process
+/// gets an even share of the cores: the Cpu device shares its threads among the
+/// processes training on one machine (runtime::dist::local_ranks, read from
+/// `OMPI_COMM_WORLD_LOCAL_SIZE`). Every run is trained exactly as it would be alone
+/// (same data order, same steps), so the results are those of `--jobs 1`. One line
+/// per finished run on stderr. Returns how many runs ended.
+fn run_children(
+    dir: &Path,
+    file: &PlanFile,
+    queue: Vec<(String, PathBuf)>,
+    opts: &SweepOptions,
+) -> Result<usize, SweepRunError> {
+    let child = opts.child.as_ref().expect("checked by run");
+    let index: HashMap<PathBuf, usize> =
+        file.runs().enumerate().map(|(k, (_, r))| (dir.join(&r.dir), k)).collect();
+    let share = opts.jobs.saturating_mul(runtime::dist::local_ranks());
+    let mut queue: std::collections::VecDeque<(String, PathBuf)> = queue.into();
+    let mut live: Vec<(std::process::Child, String, PathBuf)> = Vec::new();
+    let mut error: Option<SweepRunError> = None;
+    let mut ended = 0;
+    while !live.is_empty() || (error.is_none() && !queue.is_empty()) {
+        while error.is_none() && live.len() < opts.jobs {
+            let Some((label, run_dir)) = queue.pop_front() else { break };
+            let k = index[&run_dir];
+            let mut cmd = std::process::Command::new(&child.program);
+            cmd.args(&child.args)
+                .arg(dir)
+                .args(["--run-index", &k.to_string(), "--device", opts.device.name(), "--quiet"])
+                .env(runtime::dist::LOCAL_SIZE_VARS[0], share.to_string())
+                .stdin(std::process::Stdio::null())
+                .stdout(std::process::Stdio::null());
+            if opts.retry_failed {
+                cmd.arg("--retry-failed");
+            }
+            match cmd.spawn() {
+                Ok(c) => live.push((c, label, run_dir)),
+                Err(source) => error = Some(SweepRunError::Spawn { run: run_dir, source }),
+            }
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let mut i = 0;
+        while i < live.len() {
+            let status = match live[i].0.try_wait() {
+                Ok(Some(status)) => status,
+                Ok(None) => {
+                    i += 1;
+                    continue;
+                }
+                Err(e) => {
+                    error.get_or_insert(SweepRunError::Spawn { run: live[i].2.clone(), source: e });
+                    i += 1;
+                    continue;
+                }
+            };
+            let (_, label, run_dir) = live.swap_remove(i);
+            match read_outcome(&run_dir) {
+                OutcomeFile::Read(outcome) => {
+                    ended += 1;
+                    if opts.progress {
+                        let mut p = ProgressState::quiet(label);
+                        p.on = true;
+                        p.end_run(&outcome);
+                    }
+                }
+                _ if status.code() == Some(130) => {
+                    error.get_or_insert(SweepRunError::Interrupted {
+                        checkpoint: newest_checkpoint(&run_dir).unwrap_or_else(|| run_dir.clone()),
+                        run: run_dir,
+                    });
+                }
+                _ => {
+                    error.get_or_insert(SweepRunError::Child { run: run_dir, status: status.to_string() });
+                }
+            }
+        }
+    }
+    match error {
+        Some(e) => Err(e),
+        None => Ok(ended),
+    }
+}
+
+/// How `--run-index` ended: the run, and its outcome.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunIndexReport {
+    /// `point <name> seed <s>`.
+    pub label: String,
+    pub run_dir: PathBuf,
+    pub outcome: RunOutcome,
+    /// Whether this call trained it (false: its outcome was already recorded).
+    pub trained: bool,
+}
+
+/// Trains run `index` of the plan in `opts.out_dir` (in [`PlanFile::runs`] order),
+/// unless it has ended, then rewrites the results under the results lock. Takes only
+/// the run's own lock (runtime's `run.lock`), not the sweep's, so any number of runs
+/// of one folder train at once (`--jobs`, a cluster's job array).
+pub fn run_index(index: usize, opts: &SweepOptions) -> Result<RunIndexReport, SweepRunError> {
+    let dir = &opts.out_dir;
+    let file = PlanFile::read(dir)?;
+    let total = file.runs().count();
+    let Some((point, run)) = file.runs().nth(index) else {
+        return Err(SweepRunError::NoSuchRun { dir: dir.clone(), index, runs: total });
+    };
+    if opts.device == Device::Cuda && !runtime::device::cuda::driver_available() {
+        return Err(SweepRunError::NoCuda);
+    }
+    let run_dir = dir.join(&run.dir);
+    let label = format!("point {} seed {} (run {index} of 0..{total})", point.name, run.seed);
+    let done = |trained| -> Result<RunIndexReport, SweepRunError> {
+        report_into(dir, &file)?;
+        let outcome = read_outcome(&run_dir).outcome().ok_or_else(|| SweepRunError::Read {
+            path: run_dir.join(crate::folder::OUTCOME_FILE),
+            message: "no outcome after training".into(),
+        })?;
+        Ok(RunIndexReport { label: label.clone(), run_dir: run_dir.clone(), outcome, trained })
+    };
+    if !needs_training(&run_dir, opts.retry_failed)
+        || finish_from_checkpoint(&run_dir, point, opts.device, &file)?
+    {
+        return done(false);
+    }
+    DataWatch::default().check(dir, point, &file.data[&point.name])?;
+    let progress = Arc::new(Mutex::new(ProgressState::quiet(label.clone())));
+    {
+        let mut p = progress.lock().expect("progress lock");
+        p.on = opts.progress;
+        p.start_run();
+    }
+    let observer = {
+        let progress = Arc::clone(&progress);
+        StepObserver::new(move |e: StepEvent| progress.lock().expect("progress lock").step(e))
+    };
+    let outcome = train_run(point, run, &run_dir, opts, observer)?;
+    progress.lock().expect("progress lock").end_run(&outcome);
+    write_outcome(&run_dir, &outcome, &Provenance::here(opts.device, file.data.get(&point.name).cloned()))?;
+    done(true)
 }
 
 /// Checks a point's data again before each run, re-hashing a file only when its
@@ -602,6 +838,21 @@ struct ProgressState {
 }
 
 impl ProgressState {
+    /// A state for one run labelled `label`, off until `on` is set.
+    fn quiet(label: String) -> ProgressState {
+        ProgressState {
+            on: false,
+            terminal: false,
+            started: Instant::now(),
+            total_runs: 1,
+            work_total: 0.0,
+            work_done: 0.0,
+            run_work_per_step: 0.0,
+            label,
+            open: false,
+        }
+    }
+
     fn start_run(&mut self) {
         if self.on && !self.terminal {
             eprintln!("{}: starting ({} runs in all)", self.label, self.total_runs);
