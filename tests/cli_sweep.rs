@@ -1007,3 +1007,74 @@ fn an_emitted_slurm_array_trains_every_run_out_of_order_and_at_once() {
     assert!(!o.status.success() && stderr(&o).contains("add --emit slurm"), "{}", stderr(&o));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn a_time_budget_fixes_each_points_steps_from_a_recorded_calibration() {
+    let dir = common::workdir("sweep-time", Some(SPEC));
+    let args = [
+        "sweep",
+        "spec.ron",
+        "--set",
+        "d_model=32,128",
+        "--budget",
+        "time=0.3",
+        "--device",
+        "reference",
+        "--out",
+        "sw",
+    ];
+    let o = widen(&dir, &args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let e = stderr(&o);
+    assert_eq!(e.matches("calibrated d_model-").count(), 2, "{e}");
+    let sw = dir.join("sw");
+    let read_plan = || -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(sw.join("plan.json")).unwrap()).unwrap()
+    };
+    let plan = read_plan();
+    let (_, rows) = read_csv(&sw.join("results.csv"));
+    let mut per_step = Vec::new();
+    for (point, row) in plan["points"].as_array().unwrap().iter().zip(&rows) {
+        let cal = &point["budget"]["calibration"];
+        let s = cal["seconds_per_step"].as_f64().unwrap();
+        let steps = point["budget"]["steps"].as_u64().unwrap();
+        assert_eq!(cal["steps_timed"], 3, "{cal}");
+        assert_eq!(steps, ((0.3 / s).floor() as u64).max(1), "{cal}");
+        assert_eq!(cal["steps"].as_u64(), Some(steps));
+        assert_eq!(point["runs"][0]["spec"]["train"]["steps"].as_u64(), Some(steps));
+        let run = format!("{}/seed-0/metrics.jsonl", point["name"].as_str().unwrap());
+        let lines = std::fs::read_to_string(sw.join(run)).unwrap();
+        assert_eq!(lines.lines().count() as u64, steps, "the run trains the calibrated steps");
+        assert_eq!(num(row, "steps") as u64, steps);
+        assert_eq!(num(row, "calibrated_s_per_step"), s);
+        per_step.push((s, steps));
+    }
+    assert!(
+        per_step[1].0 > per_step[0].0 && per_step[1].1 <= per_step[0].1,
+        "D = 128 is slower: {per_step:?}"
+    );
+    assert!(!sw.join(".calibration").exists(), "the scratch runs are removed");
+
+    // A rerun reads the calibration instead of timing again: same steps, nothing trained.
+    let o = widen(&dir, &args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!stderr(&o).contains("calibrated"), "{}", stderr(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("0 runs trained, 2 reused"));
+    assert_eq!(read_plan()["points"], plan["points"]);
+
+    // Steps too few for the spec's warmup are refused, naming the point and the budget.
+    std::fs::write(
+        dir.join("warm.ron"),
+        SPEC.replace("warmup: 0", "warmup: 1000000").replace("steps: 3", "steps: 2000000"),
+    )
+    .unwrap();
+    let o =
+        widen(&dir, &["sweep", "warm.ron", "--budget", "time=0.05", "--device", "reference", "--out", "w"]);
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    assert!(
+        e.contains("point `base`") && e.contains("time budget of 0.05 s gives") && e.contains("warmup"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -33,7 +33,8 @@ pub struct Args {
     #[arg(long, default_value = "1")]
     pub seeds: String,
     /// How long each point trains: tokens=N, flops=F (steps from the cost model's
-    /// training FLOPs per token) or steps=N [default: the spec's train.steps].
+    /// training FLOPs per token), steps=N, or time=S (seconds of steps on the
+    /// sweep's device, from a short timing of each point) [default: the spec's train.steps].
     #[arg(long)]
     pub budget: Option<String>,
     /// Also train each point's plain-residual twin and report the overhead over it.
@@ -140,7 +141,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         // The data is read and hashed as a sweep would, so a missing or too short
         // file is found here rather than at the first run.
         let data = sweep::runner::data_records(&plan)?;
-        print_plan(&plan, &data);
+        print_plan(&plan, &data, &sweep.budget);
         return Ok(ExitCode::SUCCESS);
     }
     let out = args.out.clone().unwrap_or_else(|| PathBuf::from("sweeps").join(&sweep.base.name));
@@ -316,7 +317,15 @@ fn load(args: &Args) -> anyhow::Result<Sweep> {
 }
 
 /// What a sweep would train, on stdout.
-fn print_plan(plan: &sweep::Expansion, data: &std::collections::BTreeMap<String, sweep::DataRecord>) {
+fn print_plan(
+    plan: &sweep::Expansion,
+    data: &std::collections::BTreeMap<String, sweep::DataRecord>,
+    budget: &sweep::Budget,
+) {
+    if let sweep::Budget::Time(seconds) = budget {
+        // The steps are measured on the device when the sweep starts.
+        println!("time budget: {seconds} s of steps per point; each point's steps are fixed by timing a few of its steps on the sweep's device when it starts (the counts below are before that)");
+    }
     let width = plan.points.iter().map(|p| p.name.len()).max().unwrap_or(5).max(5);
     println!(
         "{:<width$}  {:>6}  {:>8}  {:>12}  {:>12}  {:>10}",

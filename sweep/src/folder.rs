@@ -45,6 +45,8 @@ pub const RESULTS_CSV: &str = "results.csv";
 pub const RESULTS_JSON: &str = "results.json";
 /// The plots' folder.
 pub const PLOTS_DIR: &str = "plots";
+/// Scratch runs timing a time budget's points (removed after each).
+pub const CALIBRATION_DIR: &str = ".calibration";
 
 /// Errors of the sweep folder; each names the file.
 #[derive(Debug, thiserror::Error)]
@@ -138,7 +140,7 @@ pub fn check_sweep_folder(dir: &Path) -> Result<(), FolderError> {
     let mut names: Vec<String> = entries
         .filter_map(|e| e.ok())
         .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n != LOCK_FILE && n != RESULTS_LOCK)
+        .filter(|n| n != LOCK_FILE && n != RESULTS_LOCK && n != CALIBRATION_DIR)
         .collect();
     if names.is_empty() {
         return Ok(());

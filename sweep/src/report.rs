@@ -260,6 +260,7 @@ fn budget_text(budget: &Budget) -> String {
         Budget::Tokens(n) => format!("equal tokens: {n} per point"),
         Budget::Flops(f) => format!("equal training compute: {f:.3e} FLOPs per point"),
         Budget::Steps(n) => format!("{n} steps per point"),
+        Budget::Time(t) => format!("equal time: {t} s of steps per point"),
     }
 }
 
@@ -282,6 +283,11 @@ pub(crate) struct MetricsLine {
 impl MetricsLine {
     fn loss(&self) -> f64 {
         self.loss.unwrap_or(f64::NAN)
+    }
+
+    /// The step's throughput, as the training measured it.
+    pub(crate) fn tokens_per_s(&self) -> Option<f64> {
+        self.tokens_per_s
     }
 }
 

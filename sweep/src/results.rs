@@ -32,12 +32,13 @@ use std::path::Path;
 use ir::cost::CostReport;
 use serde::{Deserialize, Serialize};
 
+use crate::budget::Calibration;
 use crate::folder::{DataRecord, Provenance};
 use crate::point::Point;
 use crate::stats::{self, Difference};
 
 /// The CSV columns after the axis columns, in order.
-pub const COLUMNS: [&str; 38] = [
+pub const COLUMNS: [&str; 40] = [
     "point",
     "baseline",
     "status",
@@ -76,6 +77,8 @@ pub const COLUMNS: [&str; 38] = [
     "host",
     "threads",
     "data_sha256",
+    "steps",
+    "calibrated_s_per_step",
 ];
 
 /// What one finished run measured.
@@ -195,6 +198,12 @@ pub struct PointResult {
     /// The point's data by content, as `plan.json` records it.
     #[serde(default)]
     pub data: Option<DataRecord>,
+    /// Optimizer steps each run trains (the budget plan).
+    #[serde(default)]
+    pub steps: usize,
+    /// Under a time budget, the measured time per step that fixed the steps.
+    #[serde(default)]
+    pub calibration: Option<Calibration>,
 }
 
 /// One run's provenance.
@@ -297,6 +306,8 @@ impl PointResult {
             val_loss_seeds: finished_seeds,
             provenance: Vec::new(),
             data: None,
+            steps: point.budget.steps,
+            calibration: point.budget.calibration,
             compared_to: None,
             delta_val_loss: None,
         }
@@ -420,6 +431,8 @@ pub fn to_csv(axes: &[String], results: &[PointResult]) -> Result<String, Result
             r.provenance_values(|p| p.host.clone()),
             r.provenance_values(|p| p.threads.to_string()),
             r.data.as_ref().map(|d| d.sha256.clone()).unwrap_or_default(),
+            r.steps.to_string(),
+            cell(r.calibration.map(|c| c.seconds_per_step)),
         ]);
         w.write_record(&row)?;
     }

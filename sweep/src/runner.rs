@@ -45,13 +45,14 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Instant, SystemTime};
 
-use ir::spec::{DataSpec, ModelSpec};
+use ir::spec::{DataSpec, ModelSpec, ScheduleSpec};
 use runtime::data::Corpus;
 use runtime::executor::Device;
 use runtime::train::{
     train_spec, StepEvent, StepObserver, TrainError, TrainOptions, FINAL_CHECKPOINT, METRICS_FILE,
 };
 
+use crate::budget::{plan_time, Budget, CALIBRATION_STEPS};
 use crate::file::Sweep;
 use crate::folder::{
     check_sweep_folder, lock_sweep, read_outcome, write_atomic, write_outcome, DataRecord, FolderError,
@@ -163,6 +164,15 @@ pub enum SweepRunError {
     Write { run: PathBuf, source: Box<TrainError> },
     #[error("interrupted during run {run}; it is saved in {}; run the same command again to continue the sweep", checkpoint.display())]
     Interrupted { run: PathBuf, checkpoint: PathBuf },
+    /// A time budget's calibration could not train the point.
+    #[error("point `{point}`: cannot time its steps for the time budget: {message}")]
+    Calibration { point: String, message: String },
+    /// A time budget gives a point steps its spec refuses (a warmup longer than them).
+    #[error(
+        "point `{point}`: the time budget of {seconds} s gives {steps} steps, which its spec refuses ({errors}); \
+         give a larger time budget"
+    )]
+    TimeSteps { point: String, steps: usize, seconds: f64, errors: String },
     /// `--run-index` past the plan's runs.
     #[error("--run-index {index}: {dir} plans {runs} runs, so the index must be in 0..={}", runs.saturating_sub(1))]
     NoSuchRun { dir: PathBuf, index: usize, runs: usize },
@@ -260,12 +270,15 @@ struct Prepared {
 /// Expands `sweep`, checks the folder holds no other sweep, takes its lock, joins the
 /// plan with the folder's and writes `plan.json`.
 fn prepare(sweep: &Sweep, opts: &SweepOptions) -> Result<Prepared, SweepRunError> {
-    let plan = expand(sweep)?;
+    let mut plan = expand(sweep)?;
     let dir = &opts.out_dir;
     check_sweep_folder(dir)?;
     std::fs::create_dir_all(dir).map_err(io(dir))?;
     let lock = lock_sweep(dir)?;
     let data = data_records(&plan)?;
+    if let Budget::Time(seconds) = sweep.budget {
+        calibrate_plan(dir, &mut plan, seconds, opts)?;
+    }
     let (mut file, kept) = merge_with_folder(dir, PlanFile::of(sweep, &plan, data, None))?;
     if let Some(a) = &opts.against {
         crate::report::check_against(&file, a)?;
@@ -273,6 +286,105 @@ fn prepare(sweep: &Sweep, opts: &SweepOptions) -> Result<Prepared, SweepRunError
     }
     file.write(dir)?;
     Ok(Prepared { plan, file, kept, _lock: lock })
+}
+
+/// Fixes every point's steps under a time budget of `seconds`: from the calibration
+/// the folder's plan recorded for a point of the same name (so a rerun trains the same
+/// steps), else from [`calibrate`] on `opts.device`.
+fn calibrate_plan(
+    dir: &Path,
+    plan: &mut Expansion,
+    seconds: f64,
+    opts: &SweepOptions,
+) -> Result<(), SweepRunError> {
+    if opts.device == Device::Cuda && !runtime::device::cuda::driver_available() {
+        return Err(SweepRunError::NoCuda);
+    }
+    let old = if dir.join(crate::folder::PLAN_FILE).exists() { Some(PlanFile::read(dir)?) } else { None };
+    for point in &mut plan.points {
+        let recorded = old
+            .as_ref()
+            .and_then(|o| o.points.iter().find(|p| p.name == point.name))
+            .and_then(|p| p.budget.calibration);
+        let (per_step, timed) = match recorded {
+            Some(c) => (c.seconds_per_step, c.steps_timed),
+            None => (calibrate(dir, point, opts.device)?, CALIBRATION_STEPS),
+        };
+        let budget = plan_time(
+            seconds,
+            per_step,
+            timed,
+            point.budget.tokens_per_step,
+            point.budget.train_flops_per_token,
+        );
+        if opts.progress && recorded.is_none() {
+            eprintln!(
+                "calibrated {} on {}: {:.2} ms/step, {} steps in {seconds} s",
+                point.name,
+                opts.device.name(),
+                1000.0 * per_step,
+                budget.steps
+            );
+        }
+        point.budget = budget;
+        point.spec.train.steps = budget.steps;
+        for run in &mut point.runs {
+            run.spec.train.steps = budget.steps;
+        }
+        point.spec.validate().map_err(|errors| SweepRunError::TimeSteps {
+            point: point.name.clone(),
+            steps: budget.steps,
+            seconds,
+            errors: errors.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "),
+        })?;
+    }
+    let scratch = dir.join(crate::folder::CALIBRATION_DIR);
+    if scratch.exists() {
+        std::fs::remove_dir(&scratch).map_err(io(&scratch))?;
+    }
+    Ok(())
+}
+
+/// Times a point's training steps on `device`: [`CALIBRATION_STEPS`] steps after an
+/// untimed first one (one-off setup, compilation), in a scratch folder removed after,
+/// with the step time every run's metrics report (evaluation and checkpoints are not
+/// in it). Returns the mean seconds per step.
+fn calibrate(dir: &Path, point: &Point, device: Device) -> Result<f64, SweepRunError> {
+    let scratch = dir.join(crate::folder::CALIBRATION_DIR).join(&point.name);
+    if scratch.exists() {
+        std::fs::remove_dir_all(&scratch).map_err(io(&scratch))?;
+    }
+    let mut spec = point.spec.clone();
+    spec.train.steps = CALIBRATION_STEPS + 1;
+    spec.train.eval_every = spec.train.steps;
+    spec.train.checkpoint_every = 0;
+    // The schedule changes no step's time; its warmup must fit in the few steps timed.
+    match &mut spec.train.schedule {
+        ScheduleSpec::Constant(c) => c.warmup = 0,
+        ScheduleSpec::Cosine(c) => c.warmup = 0,
+        ScheduleSpec::Wsd(c) => c.warmup = 0,
+    }
+    let fail = |message: String| SweepRunError::Calibration { point: point.name.clone(), message };
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        train_spec(&spec, device, &TrainOptions::quiet(scratch.clone()))
+    }));
+    match result {
+        Ok(Ok(_)) => {}
+        Ok(Err(err)) => return Err(fail(chain(&err))),
+        Err(_) => return Err(fail("training panicked".into())),
+    }
+    let lines = crate::report::metrics_lines(&scratch).map_err(fail)?;
+    let per_step = point.budget.tokens_per_step as f64;
+    let times: Vec<f64> = lines
+        .iter()
+        .skip(1)
+        .filter_map(|l| l.tokens_per_s().filter(|t| *t > 0.0).map(|t| per_step / t))
+        .collect();
+    std::fs::remove_dir_all(&scratch).map_err(io(&scratch))?;
+    if times.is_empty() {
+        return Err(fail("its metrics hold no timed step".into()));
+    }
+    Ok(times.iter().sum::<f64>() / times.len() as f64)
 }
 
 /// Writes the sweep's plan into `opts.out_dir` as [`run`] would, and trains nothing
