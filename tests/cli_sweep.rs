@@ -1078,3 +1078,67 @@ fn a_time_budget_fixes_each_points_steps_from_a_recorded_calibration() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn until_adds_seeds_to_undecided_comparisons_up_to_the_cap_saying_why() {
+    let dir = common::workdir("sweep-until", Some(SPEC));
+    let args = [
+        "sweep",
+        "spec.ron",
+        "--set",
+        "residual.r=1,2",
+        "--seeds",
+        "auto",
+        "--until",
+        "p<0.01",
+        "--max-seeds",
+        "4",
+        "--device",
+        "reference",
+        "--out",
+        "sw",
+    ];
+    let o = widen(&dir, &args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let sw = dir.join("sw");
+    let plan: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(sw.join("plan.json")).unwrap()).unwrap();
+    let added = plan["added_seeds"].as_array().unwrap();
+    assert!(!added.is_empty(), "two seeds decide nothing at p < 0.01 here: {plan}");
+    let seeds_of = |name: &str| -> Vec<u64> {
+        let p = plan["points"].as_array().unwrap().iter().find(|p| p["name"] == name).unwrap();
+        p["runs"].as_array().unwrap().iter().map(|r| r["seed"].as_u64().unwrap()).collect()
+    };
+    for a in added {
+        let (point, seed, reason) =
+            (a["point"].as_str().unwrap(), a["seed"].as_u64().unwrap(), a["reason"].as_str().unwrap());
+        assert!(seed >= 2, "the planned seeds are 0 and 1: {a}");
+        assert!(seeds_of(point).contains(&seed), "{a}");
+        assert!(reason.contains("undecided") || reason.contains("pairs seed"), "{a}");
+        if reason.starts_with('`') {
+            assert!(reason.contains("p = ") && reason.contains("includes 0"), "{a}");
+            assert!(seeds_of("residual.r-1").contains(&seed), "the reference gets the same seed: {a}");
+        }
+    }
+    let results = results_json(&sw);
+    let r2 = results["points"].as_array().unwrap().iter().find(|p| p["point"] == "residual.r-2").unwrap();
+    assert_eq!(r2["compared_to"], "residual.r-1");
+    let d = &r2["delta_val_loss"];
+    let decided = d["p_value"].as_f64().unwrap() <= 0.01
+        || d["ci95_lo"].as_f64().unwrap() > 0.0
+        || d["ci95_hi"].as_f64().unwrap() < 0.0;
+    let n = r2["seeds"].as_array().unwrap().len();
+    assert!(decided || n == 4, "undecided with {n} seeds, below the cap: {r2}");
+    assert!(n <= 4, "never past the cap: {plan}");
+    assert!(stderr(&o).contains("adding seed 2 to residual.r-2: "), "{}", stderr(&o));
+    // The same command again adds nothing: what is undecided is at the cap.
+    let o = widen(&dir, &args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!stderr(&o).contains("adding seed"), "{}", stderr(&o));
+    // Bad flags name themselves.
+    let o = widen(&dir, &[&SMALL[..], &["--out", "x", "--until", "q<1"]].concat());
+    assert!(!o.status.success() && stderr(&o).contains("--until q<1: expected p<P"), "{}", stderr(&o));
+    let o = widen(&dir, &["sweep", "spec.ron", "--seeds", "auto", "--out", "x"]);
+    assert!(!o.status.success() && stderr(&o).contains("give --until"), "{}", stderr(&o));
+    std::fs::remove_dir_all(&dir).unwrap();
+}

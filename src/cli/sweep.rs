@@ -71,6 +71,14 @@ pub struct Args {
     /// (what --jobs and a cluster's job array run); then rewrite the results.
     #[arg(long, value_name = "K")]
     pub run_index: Option<usize>,
+    /// After the planned seeds, add seeds to every point whose comparison with its
+    /// reference is undecided (p above P and the 95% interval includes 0), up to
+    /// --max-seeds: `--until p<0.01`. `--seeds auto` starts from 2 seeds.
+    #[arg(long, value_name = "p<P")]
+    pub until: Option<String>,
+    /// With --until: the most seeds any point gets.
+    #[arg(long, default_value = "8", value_name = "N")]
+    pub max_seeds: usize,
     /// No progress on stderr.
     #[arg(long)]
     pub quiet: bool,
@@ -132,6 +140,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     if let Some(k) = args.run_index {
         return run_index(&args, k);
     }
+    let until = until(&args)?;
     let mut sweep = load(&args)?;
     if let Some(data) = &args.data {
         sweep.base.train.data = DataSpec::Text(data.display().to_string());
@@ -158,6 +167,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         against: args.against.clone(),
         jobs: args.jobs,
         child: Some(child),
+        until,
     };
     if let Some(Emit::Slurm) = args.emit {
         return emit_slurm(&args, &sweep, &opts);
@@ -175,6 +185,32 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         }
         Err(err) => Err(err).with_context(|| format!("sweep {} into {}", args.spec.display(), out.display())),
     }
+}
+
+/// `--until p<P` with `--max-seeds`, checked.
+fn until(args: &Args) -> anyhow::Result<Option<sweep::runner::Until>> {
+    let Some(text) = &args.until else {
+        anyhow::ensure!(
+            args.seeds != "auto",
+            "--seeds auto adds seeds until a comparison is decided: give --until p<0.01"
+        );
+        return Ok(None);
+    };
+    let p: f64 = text
+        .trim()
+        .strip_prefix("p<")
+        .and_then(|v| v.trim().parse().ok())
+        .filter(|p: &f64| *p > 0.0 && *p < 1.0)
+        .ok_or_else(|| {
+            anyhow::anyhow!("--until {text}: expected p<P with P in (0, 1), e.g. --until p<0.01")
+        })?;
+    let seeds = if args.seeds == "auto" { 2 } else { sweep::file::parse_seeds(&args.seeds)?.len() };
+    anyhow::ensure!(
+        (2..=1000).contains(&args.max_seeds) && args.max_seeds >= seeds,
+        "--max-seeds {}: must be in 2..=1000 and at least the {seeds} planned seeds",
+        args.max_seeds
+    );
+    Ok(Some(sweep::runner::Until { p, max_seeds: args.max_seeds }))
 }
 
 /// `--run-index K`: trains run K of the plan in the folder given as SPEC.
@@ -309,8 +345,8 @@ fn load(args: &Args) -> anyhow::Result<Sweep> {
     }
     let base = load_spec(&args.spec)?;
     let budget = args.budget.clone().unwrap_or_else(|| format!("steps={}", base.train.steps));
-    let mut sweep =
-        Sweep::from_cli(base, &args.spec.display().to_string(), &args.sets, &args.seeds, &budget)?;
+    let seeds = if args.seeds == "auto" { "2" } else { args.seeds.as_str() };
+    let mut sweep = Sweep::from_cli(base, &args.spec.display().to_string(), &args.sets, seeds, &budget)?;
     sweep.baseline = args.baseline;
     sweep.on_invalid = if args.skip_invalid { OnInvalid::Skip } else { OnInvalid::Refuse };
     Ok(sweep)

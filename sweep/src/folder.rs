@@ -202,6 +202,19 @@ pub struct PlanFile {
     /// plain-residual twin, else the first point (crate::results::fill_significance).
     #[serde(default)]
     pub against: Option<String>,
+    /// Seeds added after the planned ones because a comparison was still undecided
+    /// (`--until`), each with why.
+    #[serde(default)]
+    pub added_seeds: Vec<AddedSeed>,
+}
+
+/// A seed `--until` added to a point, and why.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AddedSeed {
+    pub point: String,
+    pub seed: u64,
+    /// The comparison that was undecided (or the point that needed the seed to pair).
+    pub reason: String,
 }
 
 impl PlanFile {

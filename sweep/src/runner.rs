@@ -84,6 +84,19 @@ pub struct SweepOptions {
     pub jobs: usize,
     /// How to start a process that trains one run of the plan (`--jobs` above 1).
     pub child: Option<ChildCommand>,
+    /// After the planned seeds, add seeds to points whose comparison is undecided.
+    pub until: Option<Until>,
+}
+
+/// `--until p<P --max-seeds M`: a point's comparison with its reference is undecided
+/// while its p-value is above `p` and its 95% interval includes 0 (or it has no test
+/// yet); such a point gets one more seed (and its reference the same seed, so the
+/// test stays paired), round after round, until every comparison is decided or has
+/// `max_seeds` seeds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Until {
+    pub p: f64,
+    pub max_seeds: usize,
 }
 
 /// The command that trains run `K` of a sweep folder's plan in a process of its own:
@@ -108,6 +121,7 @@ impl SweepOptions {
             against: None,
             jobs: 1,
             child: None,
+            until: None,
         }
     }
 }
@@ -209,6 +223,7 @@ impl PlanFile {
             invalid: plan.invalid.iter().map(|p| (p.name.clone(), p.error.to_string())).collect(),
             data,
             against,
+            added_seeds: Vec::new(),
         }
     }
 }
@@ -478,11 +493,122 @@ pub fn run(sweep: &Sweep, opts: &SweepOptions) -> Result<SweepReport, SweepRunEr
     if !queue.is_empty() {
         trained += run_children(dir, &file, queue, opts)?;
     }
+    let mut file = file;
+    if let Some(until) = opts.until {
+        trained += add_seeds(dir, &mut file, until, opts)?;
+    }
     let mut report = report_into(dir, &file)?;
     report.trained = trained;
     report.reused = reused;
     report.kept = kept;
     Ok(report)
+}
+
+/// `--until`: rounds of one more seed for every undecided point (see [`Until`]), each
+/// recorded in `plan.json` with why, until none is left. Returns the runs trained.
+fn add_seeds(
+    dir: &Path,
+    file: &mut PlanFile,
+    until: Until,
+    opts: &SweepOptions,
+) -> Result<usize, SweepRunError> {
+    let mut trained = 0;
+    loop {
+        let report = report_into(dir, file)?;
+        let mut added: Vec<crate::folder::AddedSeed> = Vec::new();
+        for r in &report.results {
+            let Some(reference) = &r.compared_to else { continue };
+            if r.seeds.len() >= until.max_seeds {
+                continue;
+            }
+            let why = match &r.delta_val_loss {
+                Some(d) if d.p_value <= until.p || d.ci95_lo > 0.0 || d.ci95_hi < 0.0 => continue,
+                Some(d) => format!(
+                    "`{}` against `{reference}` undecided over {} seeds: p = {:.3e} > {}, 95% CI [{:+.4}, {:+.4}] \
+                     includes 0",
+                    r.point,
+                    r.seeds_finished,
+                    d.p_value,
+                    until.p,
+                    d.ci95_lo,
+                    d.ci95_hi
+                ),
+                None => format!("`{}` against `{reference}`: no test yet (fewer than two finished seeds)", r.point),
+            };
+            let Some(seed) = (0..).find(|s| !r.seeds.contains(s)) else { continue };
+            for (point, reason) in [
+                (r.point.clone(), why.clone()),
+                (reference.clone(), format!("pairs seed {seed} of `{}` ({why})", r.point)),
+            ] {
+                let taken = added.iter().any(|a| a.point == point && a.seed == seed);
+                let has =
+                    file.points.iter().any(|p| p.name == point && p.runs.iter().any(|x| x.seed == seed));
+                if !taken && !has {
+                    added.push(crate::folder::AddedSeed { point, seed, reason });
+                }
+            }
+        }
+        if added.is_empty() {
+            return Ok(trained);
+        }
+        let mut queue = Vec::new();
+        for a in &added {
+            let point = file.points.iter_mut().find(|p| p.name == a.point).expect("a point of the results");
+            let mut spec = point.spec.clone();
+            spec.train.seed = a.seed;
+            let run_dir = PathBuf::from(&point.name).join(format!("seed-{}", a.seed));
+            point.runs.push(crate::point::Run { seed: a.seed, dir: run_dir.clone(), spec });
+            point.runs.sort_by_key(|r| r.seed);
+            if opts.progress {
+                eprintln!("adding seed {} to {}: {}", a.seed, a.point, a.reason);
+            }
+            queue.push((format!("point {} seed {} (added)", a.point, a.seed), dir.join(run_dir)));
+        }
+        file.seeds.extend(added.iter().map(|a| a.seed));
+        file.seeds.sort_unstable();
+        file.seeds.dedup();
+        file.added_seeds.extend(added);
+        file.write(dir)?;
+        trained += train_queue(dir, file, queue, opts)?;
+    }
+}
+
+/// Trains the queued runs of `file` (label, run folder): in child processes with
+/// `--jobs` above 1, else one after another here. Returns the runs that ended.
+fn train_queue(
+    dir: &Path,
+    file: &PlanFile,
+    queue: Vec<(String, PathBuf)>,
+    opts: &SweepOptions,
+) -> Result<usize, SweepRunError> {
+    if opts.jobs > 1 {
+        return run_children(dir, file, queue, opts);
+    }
+    let mut watch = DataWatch::default();
+    for (label, run_dir) in &queue {
+        let (point, run) =
+            file.runs().find(|(_, r)| dir.join(&r.dir) == *run_dir).expect("a run of the plan");
+        watch.check(dir, point, &file.data[&point.name])?;
+        let progress = Arc::new(Mutex::new(ProgressState::quiet(label.clone())));
+        {
+            let mut p = progress.lock().expect("progress lock");
+            p.on = opts.progress;
+            p.start_run();
+        }
+        let observer = {
+            let progress = Arc::clone(&progress);
+            StepObserver::new(move |e: StepEvent| progress.lock().expect("progress lock").step(e))
+        };
+        let outcome = train_run(point, run, run_dir, opts, observer)?;
+        progress.lock().expect("progress lock").end_run(&outcome);
+        write_outcome(
+            run_dir,
+            &outcome,
+            &Provenance::here(opts.device, file.data.get(&point.name).cloned()),
+        )?;
+        report_into(dir, file)?;
+    }
+    Ok(queue.len())
 }
 
 /// A run killed after its final checkpoint, before (or while) writing its outcome, is
@@ -767,6 +893,11 @@ fn merge_with_folder(dir: &Path, mut new: PlanFile) -> Result<(PlanFile, Vec<Pat
     if new.against.is_none() {
         new.against = old.against.filter(|a| new.points.iter().any(|p| p.name == *a));
     }
+    new.added_seeds = old
+        .added_seeds
+        .into_iter()
+        .filter(|a| new.points.iter().any(|p| p.name == a.point && p.runs.iter().any(|r| r.seed == a.seed)))
+        .collect();
     let mut seeds: Vec<u64> = new.points.iter().flat_map(|p| p.runs.iter().map(|r| r.seed)).collect();
     seeds.sort_unstable();
     seeds.dedup();
