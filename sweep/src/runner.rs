@@ -35,6 +35,13 @@
 //! job array runs the same [`run_index`] per task ([`plan_only`] writes the plan).
 //! Every run trains as it would alone, so the results do not depend on the jobs.
 //!
+//! **Equal time.** Under [`Budget::Time`] every point's steps are fixed before anything
+//! trains from a short timing of its steps on the sweep's device, recorded in
+//! `plan.json`; a rerun reads the recording, so the runs stay deterministic.
+//!
+//! **Seeds until decided.** With [`SweepOptions::until`], points whose comparison is
+//! undecided get more seeds after the planned ones, each recorded with why.
+//!
 //! **Fairness.** Every point trained with seed s sees the same batches in the same
 //! order and is validated on the same held-out windows (both follow `train.seed`,
 //! crate::point). Validation loss is the main head's next-token loss in nats; bits
