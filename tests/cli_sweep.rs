@@ -987,6 +987,22 @@ fn an_emitted_slurm_array_trains_every_run_out_of_order_and_at_once() {
     for out in [a.wait_with_output().unwrap(), b.wait_with_output().unwrap()] {
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     }
+    // A task whose run another process is training says so, and records nothing.
+    let run = cl.join("residual.r-1/seed-0");
+    std::fs::create_dir_all(&run).unwrap();
+    let held = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(run.join("run.lock"))
+        .unwrap();
+    held.try_lock().unwrap();
+    let out = array_task(&dir, &script_path, 0).wait_with_output().unwrap();
+    assert!(!out.status.success());
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(e.contains("is training in another process") && e.contains("residual.r-1/seed-0"), "{e}");
+    assert!(!run.join("outcome.json").exists());
+    drop(held);
     let out = array_task(&dir, &script_path, 0).wait_with_output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let out = array_task(&dir, &script_path, 4).wait_with_output().unwrap();

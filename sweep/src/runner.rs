@@ -180,6 +180,16 @@ pub enum SweepRunError {
         #[source]
         source: runtime::data::DataError,
     },
+    /// Another process trains this run now (its `run.lock` is held): `--run-index K`
+    /// twice at once, or a job array task run by hand.
+    #[error(
+        "run {run} is training in another process; wait for it (its outcome will be recorded) or stop it"
+    )]
+    RunInUse {
+        run: PathBuf,
+        #[source]
+        source: Box<TrainError>,
+    },
     /// A run cannot write its folder (a full disk, no permission): the sweep cannot record results.
     #[error("run {run} cannot write its folder")]
     Write { run: PathBuf, source: Box<TrainError> },
@@ -1010,7 +1020,8 @@ fn train_run(
         }
         TrainError::Data(source) => Err(SweepRunError::Data { run: run_path, source }),
         TrainError::Signals(_) => Err(SweepRunError::Signals(Box::new(err))),
-        TrainError::Io { .. } | TrainError::SaveFailed { .. } | TrainError::Locked { .. } => {
+        TrainError::Locked { .. } => Err(SweepRunError::RunInUse { run: run_path, source: Box::new(err) }),
+        TrainError::Io { .. } | TrainError::SaveFailed { .. } => {
             Err(SweepRunError::Write { run: run_path, source: Box::new(err) })
         }
         TrainError::TooLarge(_)
