@@ -33,7 +33,8 @@
 //! ([`run_index`], `widen sweep DIR --run-index K`): the parent holds the sweep lock,
 //! each run its own `run.lock`, and results rewrites take `results.lock`. A cluster's
 //! job array runs the same [`run_index`] per task ([`plan_only`] writes the plan).
-//! Every run trains as it would alone, so the results do not depend on the jobs.
+//! Every run trains as it would alone, so on the reference device the results do not
+//! depend on the jobs.
 //!
 //! **Equal time.** Under [`Budget::Time`] every point's steps are fixed before anything
 //! trains from a short timing of its steps on the sweep's device, recorded in
@@ -652,8 +653,9 @@ fn finish_from_checkpoint(
 /// gets an even share of the cores: the Cpu device shares its threads among the
 /// processes training on one machine (runtime::dist::local_ranks, read from
 /// `OMPI_COMM_WORLD_LOCAL_SIZE`). Every run is trained exactly as it would be alone
-/// (same data order, same steps), so the results are those of `--jobs 1`. One line
-/// per finished run on stderr. Returns how many runs ended.
+/// (same data order, same steps), so on the reference device the results are those
+/// of `--jobs 1` bit for bit (docs/sweeps.md, "Many runs at once"). One line per
+/// finished run on stderr. Returns how many runs ended.
 fn run_children(
     dir: &Path,
     file: &PlanFile,
