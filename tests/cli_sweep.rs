@@ -803,3 +803,358 @@ fn the_summary_states_each_difference_with_its_interval_and_p_value() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A step's (loss, val_loss).
+type StepLosses = (Option<f64>, Option<f64>);
+
+/// Each run's losses per step, from its metrics.jsonl, by run folder.
+fn run_losses(sw: &Path) -> BTreeMap<String, Vec<StepLosses>> {
+    let plan: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(sw.join("plan.json")).unwrap()).unwrap();
+    let mut out = BTreeMap::new();
+    for p in plan["points"].as_array().unwrap() {
+        for r in p["runs"].as_array().unwrap() {
+            let dir = r["dir"].as_str().unwrap().to_string();
+            let text = std::fs::read_to_string(sw.join(&dir).join("metrics.jsonl")).unwrap();
+            let lines = text
+                .lines()
+                .map(|l| {
+                    let v: serde_json::Value = serde_json::from_str(l).unwrap();
+                    (v["loss"].as_f64(), v["val_loss"].as_f64())
+                })
+                .collect();
+            out.insert(dir, lines);
+        }
+    }
+    out
+}
+
+/// Each point's validation-loss columns, as written.
+fn val_columns(sw: &Path) -> Vec<(String, String, String, String)> {
+    let (_, rows) = read_csv(&sw.join("results.csv"));
+    rows.iter()
+        .map(|r| {
+            (
+                r["point"].clone(),
+                r["val_loss_mean"].clone(),
+                r["val_loss_std"].clone(),
+                r["val_loss_seeds"].clone(),
+            )
+        })
+        .collect()
+}
+
+/// The 2-point x 2-seed sweep of the tests below, on the reference device.
+const SMALL: [&str; 8] =
+    ["sweep", "spec.ron", "--set", "residual.r=1,2", "--seeds", "2", "--device", "reference"];
+
+#[test]
+fn every_run_and_the_results_record_their_provenance() {
+    let dir = common::workdir("sweep-provenance", Some(SPEC));
+    let o = widen(
+        &dir,
+        &["sweep", "spec.ron", "--set", "residual.r=1,2", "--device", "reference", "--out", "sw"],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let sw = dir.join("sw");
+    let plan: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(sw.join("plan.json")).unwrap()).unwrap();
+    let data = &plan["data"]["residual.r-1"];
+    assert_eq!(data["sha256"].as_str().unwrap().len(), 64, "{plan}");
+    let git = Command::new("git")
+        .args(["rev-parse", "HEAD"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string());
+    let outcome: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(sw.join("residual.r-1/seed-0/outcome.json")).unwrap())
+            .unwrap();
+    let p = &outcome["provenance"];
+    assert!(outcome["Finished"]["val_loss"].is_f64(), "{outcome}");
+    assert_eq!(p["widen_version"], env!("CARGO_PKG_VERSION"), "{outcome}");
+    // The test is built from the same checkout as the binary (when it is one).
+    let commit = p["git_commit"].as_str().unwrap();
+    match &git {
+        Some(head) => assert_eq!(commit, head, "{outcome}"),
+        None => assert_eq!(commit, "unknown"),
+    }
+    assert_eq!(p["device"], "reference");
+    assert!(!p["host"].as_str().unwrap().is_empty());
+    let cores = std::thread::available_parallelism().unwrap().get() as u64;
+    assert_eq!(p["cores"].as_u64(), Some(cores));
+    assert_eq!(p["threads"].as_u64(), Some(cores), "one sweep process has every core");
+    assert_eq!(&p["data"], data, "the run's data is the plan's");
+
+    let results = results_json(&sw);
+    for point in results["points"].as_array().unwrap() {
+        assert_eq!(point["provenance"][0]["seed"], 0, "{point}");
+        assert_eq!(point["provenance"][0]["git_commit"], commit);
+        assert_eq!(point["data"]["sha256"], data["sha256"]);
+    }
+    let (_, rows) = read_csv(&sw.join("results.csv"));
+    for row in &rows {
+        assert_eq!(row["widen_version"], env!("CARGO_PKG_VERSION"));
+        assert_eq!(row["git_commit"], commit);
+        assert_eq!((row["device"].as_str(), row["threads"].clone()), ("reference", cores.to_string()));
+        assert_eq!(row["host"], p["host"].as_str().unwrap());
+        assert_eq!(row["data_sha256"], data["sha256"].as_str().unwrap());
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn jobs_train_runs_at_once_with_the_results_of_one_job_bit_for_bit() {
+    let dir = common::workdir("sweep-jobs", Some(SPEC));
+    let one = widen(&dir, &[&SMALL[..], &["--out", "one"]].concat());
+    assert!(one.status.success(), "{}", stderr(&one));
+    let two = widen(&dir, &[&SMALL[..], &["--out", "two", "--jobs", "2"]].concat());
+    assert!(two.status.success(), "{}", stderr(&two));
+    assert!(String::from_utf8_lossy(&two.stdout).contains("4 runs trained, 0 reused, 0 failed"));
+    let e = stderr(&two);
+    assert_eq!(e.matches(": done, val loss").count(), 4, "one line per finished run: {e}");
+    let (a, b) = (run_losses(&dir.join("one")), run_losses(&dir.join("two")));
+    assert_eq!(a.len(), 4);
+    assert!(a.values().all(|l| l.len() == 3 && l.iter().any(|(_, v)| v.is_some())), "{a:?}");
+    assert_eq!(a, b, "every step's loss and val_loss equal");
+    assert_eq!(val_columns(&dir.join("one")), val_columns(&dir.join("two")));
+    // Each process had its share of the cores.
+    let cores = std::thread::available_parallelism().unwrap().get();
+    let (_, rows) = read_csv(&dir.join("two/results.csv"));
+    assert!(rows.iter().all(|r| r["threads"] == (cores / 2).max(1).to_string()), "{rows:?}");
+    // A rerun with jobs finds everything done.
+    let again = widen(&dir, &[&SMALL[..], &["--out", "two", "--jobs", "2"]].concat());
+    assert!(
+        String::from_utf8_lossy(&again.stdout).contains("0 runs trained, 4 reused"),
+        "{}",
+        stderr(&again)
+    );
+    let zero = widen(&dir, &[&SMALL[..], &["--out", "zero", "--jobs", "0"]].concat());
+    assert!(!zero.status.success() && stderr(&zero).contains("--jobs 0"), "{}", stderr(&zero));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Runs the job script as array task `k` (its #SBATCH lines are comments to bash).
+fn array_task(dir: &Path, script: &Path, k: usize) -> std::process::Child {
+    Command::new("bash")
+        .arg(script)
+        .env("SLURM_ARRAY_TASK_ID", k.to_string())
+        .current_dir(dir)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+#[test]
+fn an_emitted_slurm_array_trains_every_run_out_of_order_and_at_once() {
+    let dir = common::workdir("sweep-slurm", Some(SPEC));
+    let emit = [
+        "--out",
+        "cluster",
+        "--emit",
+        "slurm",
+        "--max-parallel",
+        "3",
+        "--slurm-gpus",
+        "1",
+        "--slurm-time",
+        "00:20:00",
+        "--slurm-option=--account=lab",
+    ];
+    let o = widen(&dir, &[&SMALL[..], &emit[..]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let cl = dir.join("cluster");
+    let script_path = cl.join("sweep.sbatch");
+    let script = std::fs::read_to_string(&script_path).unwrap();
+    for line in
+        ["#SBATCH --array=0-3%3", "#SBATCH --gpus=1", "#SBATCH --time=00:20:00", "#SBATCH --account=lab"]
+    {
+        assert!(script.lines().any(|l| l == line), "{line} missing:\n{script}");
+    }
+    assert!(script.contains("--run-index \"$SLURM_ARRAY_TASK_ID\" --device reference"), "{script}");
+    assert!(cl.join("plan.json").exists());
+    let plan = std::fs::read_to_string(cl.join("plan.json")).unwrap();
+    assert_eq!(plan.matches("seed-").count(), 4, "{plan}");
+    assert!(!cl.join("residual.r-1/seed-0/outcome.json").exists(), "emit trains nothing");
+
+    // The last run first, then two at once, then the rest.
+    let out = array_task(&dir, &script_path, 3).wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("residual.r-2 seed 1"), "{out:?}");
+    let (a, b) = (array_task(&dir, &script_path, 1), array_task(&dir, &script_path, 2));
+    for out in [a.wait_with_output().unwrap(), b.wait_with_output().unwrap()] {
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    }
+    // A task whose run another process is training says so, and records nothing.
+    let run = cl.join("residual.r-1/seed-0");
+    std::fs::create_dir_all(&run).unwrap();
+    let held = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(run.join("run.lock"))
+        .unwrap();
+    held.try_lock().unwrap();
+    let out = array_task(&dir, &script_path, 0).wait_with_output().unwrap();
+    assert!(!out.status.success());
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(e.contains("is training in another process") && e.contains("residual.r-1/seed-0"), "{e}");
+    assert!(!run.join("outcome.json").exists());
+    drop(held);
+    let out = array_task(&dir, &script_path, 0).wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = array_task(&dir, &script_path, 4).wait_with_output().unwrap();
+    assert!(!out.status.success());
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(e.contains("--run-index 4") && e.contains("0..=3"), "{e}");
+
+    let o = widen(&dir, &["report", "cluster"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let (_, rows) = read_csv(&cl.join("results.csv"));
+    assert!(rows.iter().all(|r| r["status"] == "ok" && r["seeds_finished"] == "2"), "{rows:?}");
+    let o = widen(&dir, &[&SMALL[..], &["--out", "seq"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(val_columns(&cl), val_columns(&dir.join("seq")));
+    assert_eq!(run_losses(&cl), run_losses(&dir.join("seq")));
+
+    let o = widen(&dir, &[&SMALL[..], &["--out", "x", "--slurm-gpus", "1"]].concat());
+    assert!(!o.status.success() && stderr(&o).contains("add --emit slurm"), "{}", stderr(&o));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_time_budget_fixes_each_points_steps_from_a_recorded_calibration() {
+    let dir = common::workdir("sweep-time", Some(SPEC));
+    let args = [
+        "sweep",
+        "spec.ron",
+        "--set",
+        "d_model=32,128",
+        "--budget",
+        "time=0.3",
+        "--device",
+        "reference",
+        "--out",
+        "sw",
+    ];
+    let o = widen(&dir, &args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let e = stderr(&o);
+    assert_eq!(e.matches("calibrated d_model-").count(), 2, "{e}");
+    let sw = dir.join("sw");
+    let read_plan = || -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(sw.join("plan.json")).unwrap()).unwrap()
+    };
+    let plan = read_plan();
+    let (_, rows) = read_csv(&sw.join("results.csv"));
+    let mut per_step = Vec::new();
+    for (point, row) in plan["points"].as_array().unwrap().iter().zip(&rows) {
+        let cal = &point["budget"]["calibration"];
+        let s = cal["seconds_per_step"].as_f64().unwrap();
+        let steps = point["budget"]["steps"].as_u64().unwrap();
+        assert_eq!(cal["steps_timed"], 3, "{cal}");
+        assert_eq!(steps, ((0.3 / s).floor() as u64).max(1), "{cal}");
+        assert_eq!(cal["steps"].as_u64(), Some(steps));
+        assert_eq!(point["runs"][0]["spec"]["train"]["steps"].as_u64(), Some(steps));
+        let run = format!("{}/seed-0/metrics.jsonl", point["name"].as_str().unwrap());
+        let lines = std::fs::read_to_string(sw.join(run)).unwrap();
+        assert_eq!(lines.lines().count() as u64, steps, "the run trains the calibrated steps");
+        assert_eq!(num(row, "steps") as u64, steps);
+        assert_eq!(num(row, "calibrated_s_per_step"), s);
+        per_step.push((s, steps));
+    }
+    assert!(
+        per_step[1].0 > per_step[0].0 && per_step[1].1 <= per_step[0].1,
+        "D = 128 is slower: {per_step:?}"
+    );
+    assert!(!sw.join(".calibration").exists(), "the scratch runs are removed");
+
+    // A rerun reads the calibration instead of timing again: same steps, nothing trained.
+    let o = widen(&dir, &args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!stderr(&o).contains("calibrated"), "{}", stderr(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("0 runs trained, 2 reused"));
+    assert_eq!(read_plan()["points"], plan["points"]);
+
+    // Steps too few for the spec's warmup are refused, naming the point and the budget.
+    std::fs::write(
+        dir.join("warm.ron"),
+        SPEC.replace("warmup: 0", "warmup: 1000000").replace("steps: 3", "steps: 2000000"),
+    )
+    .unwrap();
+    let o =
+        widen(&dir, &["sweep", "warm.ron", "--budget", "time=0.05", "--device", "reference", "--out", "w"]);
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    assert!(
+        e.contains("point `base`") && e.contains("time budget of 0.05 s gives") && e.contains("warmup"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn until_adds_seeds_to_undecided_comparisons_up_to_the_cap_saying_why() {
+    let dir = common::workdir("sweep-until", Some(SPEC));
+    let args = [
+        "sweep",
+        "spec.ron",
+        "--set",
+        "residual.r=1,2",
+        "--seeds",
+        "auto",
+        "--until",
+        "p<0.01",
+        "--max-seeds",
+        "4",
+        "--device",
+        "reference",
+        "--out",
+        "sw",
+    ];
+    let o = widen(&dir, &args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let sw = dir.join("sw");
+    let plan: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(sw.join("plan.json")).unwrap()).unwrap();
+    let added = plan["added_seeds"].as_array().unwrap();
+    assert!(!added.is_empty(), "two seeds decide nothing at p < 0.01 here: {plan}");
+    let seeds_of = |name: &str| -> Vec<u64> {
+        let p = plan["points"].as_array().unwrap().iter().find(|p| p["name"] == name).unwrap();
+        p["runs"].as_array().unwrap().iter().map(|r| r["seed"].as_u64().unwrap()).collect()
+    };
+    for a in added {
+        let (point, seed, reason) =
+            (a["point"].as_str().unwrap(), a["seed"].as_u64().unwrap(), a["reason"].as_str().unwrap());
+        assert!(seed >= 2, "the planned seeds are 0 and 1: {a}");
+        assert!(seeds_of(point).contains(&seed), "{a}");
+        assert!(reason.contains("undecided") || reason.contains("pairs seed"), "{a}");
+        if reason.starts_with('`') {
+            assert!(reason.contains("p = ") && reason.contains("includes 0"), "{a}");
+            assert!(seeds_of("residual.r-1").contains(&seed), "the reference gets the same seed: {a}");
+        }
+    }
+    let results = results_json(&sw);
+    let r2 = results["points"].as_array().unwrap().iter().find(|p| p["point"] == "residual.r-2").unwrap();
+    assert_eq!(r2["compared_to"], "residual.r-1");
+    let d = &r2["delta_val_loss"];
+    let decided = d["p_value"].as_f64().unwrap() <= 0.01
+        || d["ci95_lo"].as_f64().unwrap() > 0.0
+        || d["ci95_hi"].as_f64().unwrap() < 0.0;
+    let n = r2["seeds"].as_array().unwrap().len();
+    assert!(decided || n == 4, "undecided with {n} seeds, below the cap: {r2}");
+    assert!(n <= 4, "never past the cap: {plan}");
+    assert!(stderr(&o).contains("adding seed 2 to residual.r-2: "), "{}", stderr(&o));
+    // The same command again adds nothing: what is undecided is at the cap.
+    let o = widen(&dir, &args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!stderr(&o).contains("adding seed"), "{}", stderr(&o));
+    // Bad flags name themselves.
+    let o = widen(&dir, &[&SMALL[..], &["--out", "x", "--until", "q<1"]].concat());
+    assert!(!o.status.success() && stderr(&o).contains("--until q<1: expected p<P"), "{}", stderr(&o));
+    let o = widen(&dir, &["sweep", "spec.ron", "--seeds", "auto", "--out", "x"]);
+    assert!(!o.status.success() && stderr(&o).contains("give --until"), "{}", stderr(&o));
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -1,7 +1,9 @@
 //! Steps per point from the sweep's budget.
 //!
 //! A fair comparison fixes what every point may spend: the same number of training
-//! tokens, the same training FLOPs, or the same number of steps. Tokens per step are
+//! tokens, the same training FLOPs, the same number of steps, or the same seconds of
+//! steps on the sweep's device (a time budget, whose steps the runner fixes from a
+//! measured [`Calibration`], docs/sweeps.md "Budgets"). Tokens per step are
 //! `batch · seq_len`; training FLOPs per token come from the cost model
 //! ([`ir::cost::cost_report`]: `flops_per_token.train`, 3 × forward, counted from the
 //! lowered graph). Steps are rounded to the nearest whole step, so the tokens (or
@@ -27,6 +29,26 @@ pub enum Budget {
     Flops(f64),
     /// Optimizer steps per point.
     Steps(u64),
+    /// Seconds of training steps per point on the sweep's device: equal time. Each
+    /// point's steps are fixed up front from a short measured calibration
+    /// ([`Calibration`], [`plan_time`]) and recorded, so runs stay deterministic.
+    Time(f64),
+}
+
+/// Steps a [`Budget::Time`] calibration times (after one untimed first step, which
+/// includes one-off setup and compilation).
+pub const CALIBRATION_STEPS: usize = 3;
+
+/// How a point's steps under a time budget were chosen: its measured time per step
+/// on the sweep's device, and the steps that fill the budget.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Calibration {
+    /// Mean seconds per training step over the timed steps.
+    pub seconds_per_step: f64,
+    /// How many steps were timed.
+    pub steps_timed: usize,
+    /// floor(budget / seconds_per_step), at least 1, at most the spec's limit.
+    pub steps: usize,
 }
 
 /// The most steps a point may train: the spec's limit on `train.steps`.
@@ -48,7 +70,10 @@ impl Budget {
             Budget::Flops(f) if !(f.is_finite() && f > 0.0) => {
                 Err(format!("Flops({f}) must be a finite FLOP count > 0"))
             }
-            Budget::Tokens(_) | Budget::Steps(_) | Budget::Flops(_) => Ok(()),
+            Budget::Time(t) if !(t.is_finite() && t > 0.0) => {
+                Err(format!("Time({t}) must be a finite number of seconds > 0"))
+            }
+            Budget::Tokens(_) | Budget::Steps(_) | Budget::Flops(_) | Budget::Time(_) => Ok(()),
         }
     }
 }
@@ -66,6 +91,10 @@ pub struct BudgetPlan {
     pub train_flops_per_token: u64,
     /// Training FLOPs actually spent: tokens · train_flops_per_token.
     pub flops: f64,
+    /// Under a time budget, how the steps were chosen; `None` before calibration
+    /// (and under every other budget).
+    #[serde(default)]
+    pub calibration: Option<Calibration>,
 }
 
 /// Errors planning a point's budget.
@@ -115,6 +144,9 @@ pub fn plan_with(
         Budget::Steps(n) => n,
         // Nearest whole step, in integers so large budgets round exactly.
         Budget::Tokens(n) => (n / tokens_per_step) + u64::from(2 * (n % tokens_per_step) >= tokens_per_step),
+        // Not calibrated yet: the most steps a spec may train, so validation sees
+        // any warmup fit; the runner replaces it ([`plan_time`]) before training.
+        Budget::Time(_) => max_steps(),
         Budget::Flops(f) => {
             if train_flops_per_token == 0 {
                 return Err(BudgetError::NoFlops);
@@ -135,7 +167,31 @@ pub fn plan_with(
         tokens,
         train_flops_per_token,
         flops: tokens as f64 * train_flops_per_token as f64,
+        calibration: None,
     })
+}
+
+/// A time budget's plan from a point's measured seconds per step: floor(seconds /
+/// seconds_per_step) steps, at least 1 and at most the spec's limit.
+pub fn plan_time(
+    seconds: f64,
+    seconds_per_step: f64,
+    steps_timed: usize,
+    tokens_per_step: u64,
+    train_flops_per_token: u64,
+) -> BudgetPlan {
+    let raw = seconds / seconds_per_step;
+    let steps = if raw.is_finite() { (raw.floor() as u64).clamp(1, max_steps()) } else { max_steps() };
+    let steps = usize::try_from(steps).unwrap_or(usize::MAX);
+    let tokens = (steps as u64).saturating_mul(tokens_per_step);
+    BudgetPlan {
+        steps,
+        tokens_per_step,
+        tokens,
+        train_flops_per_token,
+        flops: tokens as f64 * train_flops_per_token as f64,
+        calibration: Some(Calibration { seconds_per_step, steps_timed, steps }),
+    }
 }
 
 #[cfg(test)]
@@ -187,6 +243,19 @@ mod tests {
         let s = p(Budget::Steps(7));
         assert_eq!((s.steps, s.tokens, s.flops), (7, 448, 448_000.0));
         assert_eq!(p(Budget::Flops(64_000.0 * 3.4)).steps, 3);
+    }
+
+    #[test]
+    fn time_budgets_floor_seconds_over_the_measured_step_time() {
+        let p = plan_time(10.0, 0.3, 3, 64, 1000);
+        assert_eq!((p.steps, p.tokens, p.flops), (33, 33 * 64, (33 * 64 * 1000) as f64));
+        assert_eq!(p.calibration, Some(Calibration { seconds_per_step: 0.3, steps_timed: 3, steps: 33 }));
+        assert_eq!(plan_time(1.0, 5.0, 3, 64, 1000).steps, 1, "at least one step");
+        assert_eq!(plan_time(1e30, 1e-9, 3, 64, 1000).steps as u64, max_steps(), "within the limit");
+        assert!(
+            matches!(plan_with(&Budget::Time(0.0), 1, 16, 10), Err(BudgetError::Budget(m)) if m.contains("Time(0)"))
+        );
+        assert!(matches!(plan_with(&Budget::Time(f64::INFINITY), 1, 16, 10), Err(BudgetError::Budget(_))));
     }
 
     #[test]

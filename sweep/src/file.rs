@@ -15,7 +15,7 @@
 //!     },
 //!     combine: Product,                   // or Zip: the i-th values of every axis together
 //!     seeds: 3,                           // seeds 0, 1, 2; or a list: [1, 7]
-//!     budget: Tokens(1000000),            // or Flops(2e14), Steps(300)
+//!     budget: Tokens(1000000),            // or Flops(2e14), Steps(300), Time(600)
 //!     baseline: true,                     // also train each point's plain-residual twin
 //!     on_invalid: Skip,                   // or Refuse (the default)
 //! )
@@ -28,7 +28,7 @@
 //!
 //! The CLI shorthand builds the same [`Sweep`]: `--set residual.n=4,8,16` (one axis per
 //! `--set`; values split at top-level commas), `--seeds 3` (or `--seeds 1,7`) and
-//! `--budget flops=2e14 | tokens=1e6 | steps=300`.
+//! `--budget flops=2e14 | tokens=1e6 | steps=300 | time=600`.
 //!
 //! **Limits** (docs/sweeps.md, Limits), checked before anything is built, so no input
 //! can make a sweep allocate or loop without bound: at most [`MAX_AXES`] axes,
@@ -151,7 +151,7 @@ pub enum SweepError {
     #[error("--set {arg}: {reason}")]
     BadSet { arg: String, reason: String },
     /// A `--budget` argument that is not `flops=F`, `tokens=N` or `steps=N`.
-    #[error("--budget {arg}: {reason}; expected flops=2e14, tokens=1e6 or steps=300")]
+    #[error("--budget {arg}: {reason}; expected flops=2e14, tokens=1e6, steps=300 or time=600")]
     BadBudget { arg: String, reason: String },
     /// A `--seeds` argument that is not a count or a list.
     #[error("--seeds {arg}: expected a count (3) or a comma-separated list of seeds (1,7), each a whole number in 0..=18446744073709551615")]
@@ -370,7 +370,9 @@ impl Sweep {
 fn file_budget(raw: &str) -> Result<Budget, SweepError> {
     let raw = raw.trim();
     let bad = |reason: String| {
-        SweepError::Budget(format!("{raw}: {reason}; expected Tokens(1000000), Flops(2e14) or Steps(300)"))
+        SweepError::Budget(format!(
+            "{raw}: {reason}; expected Tokens(1000000), Flops(2e14), Steps(300) or Time(600)"
+        ))
     };
     let (kind, rest) =
         raw.split_at(raw.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).unwrap_or(raw.len()));
@@ -383,6 +385,7 @@ fn file_budget(raw: &str) -> Result<Budget, SweepError> {
         "Tokens" => "tokens",
         "Flops" => "flops",
         "Steps" => "steps",
+        "Time" => "time",
         _ => return Err(bad(format!("unknown budget kind `{kind}`"))),
     };
     parse_budget(kind, amount.trim()).map_err(bad)
@@ -665,6 +668,7 @@ fn parse_budget(kind: &str, amount: &str) -> Result<Budget, String> {
         "flops" => Budget::Flops(amount.parse().map_err(|_| format!("`{amount}` is not a number"))?),
         "tokens" => Budget::Tokens(whole(amount, "tokens", u64::MAX)?),
         "steps" => Budget::Steps(whole(amount, "steps", max_steps())?),
+        "time" => Budget::Time(amount.parse().map_err(|_| format!("`{amount}` is not a number of seconds"))?),
         other => return Err(format!("unknown budget kind `{other}`")),
     };
     budget.check()?;

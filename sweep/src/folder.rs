@@ -45,6 +45,8 @@ pub const RESULTS_CSV: &str = "results.csv";
 pub const RESULTS_JSON: &str = "results.json";
 /// The plots' folder.
 pub const PLOTS_DIR: &str = "plots";
+/// Scratch runs timing a time budget's points (removed after each).
+pub const CALIBRATION_DIR: &str = ".calibration";
 
 /// Errors of the sweep folder; each names the file.
 #[derive(Debug, thiserror::Error)]
@@ -138,7 +140,7 @@ pub fn check_sweep_folder(dir: &Path) -> Result<(), FolderError> {
     let mut names: Vec<String> = entries
         .filter_map(|e| e.ok())
         .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n != LOCK_FILE && n != RESULTS_LOCK)
+        .filter(|n| n != LOCK_FILE && n != RESULTS_LOCK && n != CALIBRATION_DIR)
         .collect();
     if names.is_empty() {
         return Ok(());
@@ -200,6 +202,19 @@ pub struct PlanFile {
     /// plain-residual twin, else the first point (crate::results::fill_significance).
     #[serde(default)]
     pub against: Option<String>,
+    /// Seeds added after the planned ones because a comparison was still undecided
+    /// (`--until`), each with why.
+    #[serde(default)]
+    pub added_seeds: Vec<AddedSeed>,
+}
+
+/// A seed `--until` added to a point, and why.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AddedSeed {
+    pub point: String,
+    pub seed: u64,
+    /// The comparison that was undecided (or the point that needed the seed to pair).
+    pub reason: String,
 }
 
 impl PlanFile {
@@ -215,6 +230,12 @@ impl PlanFile {
         })?;
         file.check().map_err(|(field, message)| FolderError::BadPlan { path, field, message })?;
         Ok(file)
+    }
+
+    /// Every run of the plan, point by point in plan order, each point's runs in
+    /// seed order: run `K` of `--run-index K` is the K-th (from 0).
+    pub fn runs(&self) -> impl Iterator<Item = (&Point, &crate::point::Run)> {
+        self.points.iter().flat_map(|p| p.runs.iter().map(move |r| (p, r)))
     }
 
     /// Writes `DIR/plan.json`.
@@ -323,22 +344,97 @@ impl OutcomeFile {
     }
 }
 
-/// Reads a run's `outcome.json`.
-pub fn read_outcome(run_dir: &Path) -> OutcomeFile {
-    let path = run_dir.join(OUTCOME_FILE);
-    match std::fs::read_to_string(&path) {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => OutcomeFile::Missing,
-        Err(e) => OutcomeFile::Damaged(format!("cannot read {}: {e}", path.display())),
-        Ok(text) => match serde_json::from_str(&text) {
-            Ok(o) => OutcomeFile::Read(o),
-            Err(e) => OutcomeFile::Damaged(format!("{} does not read as an outcome: {e}", path.display())),
-        },
+/// Where and by what a run was trained: what makes a result traceable
+/// (docs/sweeps.md, "Provenance"). Recorded in every run's `outcome.json` and
+/// gathered per point into the results.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Provenance {
+    /// widen's version (the crate version it was built as).
+    pub widen_version: String,
+    /// The git commit widen was built from, or `unknown` (built outside a checkout,
+    /// or without git).
+    pub git_commit: String,
+    /// The device the run trained on (`reference`, `cpu`, `cuda`).
+    pub device: String,
+    /// The machine's host name, or `unknown`.
+    pub host: String,
+    /// Cores this process may use (`std::thread::available_parallelism`).
+    pub cores: usize,
+    /// Threads the Cpu device runs each kernel on: the cores shared out among the
+    /// processes training on this machine at once (`--jobs`).
+    pub threads: usize,
+    /// The data the run trained on, by content.
+    pub data: Option<DataRecord>,
+}
+
+/// The git commit of this build (see `sweep/build.rs`).
+pub const GIT_COMMIT: &str = env!("WIDEN_GIT_COMMIT");
+
+impl Provenance {
+    /// This process, training on `device` from `data`.
+    pub fn here(device: runtime::executor::Device, data: Option<DataRecord>) -> Provenance {
+        Provenance {
+            widen_version: env!("CARGO_PKG_VERSION").to_string(),
+            git_commit: GIT_COMMIT.to_string(),
+            device: device.name().to_string(),
+            host: host_name(),
+            cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            threads: runtime::device::cpu::CpuOptions::default().threads,
+            data,
+        }
     }
 }
 
-/// Writes a run's `outcome.json` and drops its elapsed-time note.
-pub fn write_outcome(run_dir: &Path, outcome: &RunOutcome) -> Result<(), FolderError> {
-    let text = serde_json::to_string_pretty(outcome).expect("an outcome serializes");
+/// The kernel's host name (Linux), else `$HOSTNAME`, else `unknown`.
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .map(|h| h.trim().to_string())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "unknown".into())
+}
+
+/// `outcome.json`: how the run ended and, since provenance was recorded, what
+/// trained it (older outcomes read with none).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OutcomeRecord {
+    #[serde(flatten)]
+    pub outcome: RunOutcome,
+    #[serde(default)]
+    pub provenance: Option<Provenance>,
+}
+
+/// Reads a run's `outcome.json`.
+pub fn read_outcome(run_dir: &Path) -> OutcomeFile {
+    match read_record(run_dir) {
+        Ok(Some(r)) => OutcomeFile::Read(r.outcome),
+        Ok(None) => OutcomeFile::Missing,
+        Err(why) => OutcomeFile::Damaged(why),
+    }
+}
+
+/// Reads a run's `outcome.json` with its provenance: `None` when there is none yet,
+/// the reason when it does not read.
+pub fn read_record(run_dir: &Path) -> Result<Option<OutcomeRecord>, String> {
+    let path = run_dir.join(OUTCOME_FILE);
+    match std::fs::read_to_string(&path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(format!("cannot read {}: {e}", path.display())),
+        Ok(text) => serde_json::from_str(&text)
+            .map(Some)
+            .map_err(|e| format!("{} does not read as an outcome: {e}", path.display())),
+    }
+}
+
+/// Writes a run's `outcome.json` (with what trained it) and drops its elapsed-time note.
+pub fn write_outcome(
+    run_dir: &Path,
+    outcome: &RunOutcome,
+    provenance: &Provenance,
+) -> Result<(), FolderError> {
+    let record = OutcomeRecord { outcome: outcome.clone(), provenance: Some(provenance.clone()) };
+    let text = serde_json::to_string_pretty(&record).expect("an outcome serializes");
     write_atomic(&run_dir.join(OUTCOME_FILE), text.as_bytes())?;
     let elapsed = run_dir.join(ELAPSED_FILE);
     match std::fs::remove_file(&elapsed) {
@@ -407,7 +503,18 @@ mod tests {
         assert_eq!(read_outcome(&dir), OutcomeFile::Missing);
         std::fs::write(dir.join(OUTCOME_FILE), "{\"Finished\": ").unwrap();
         assert!(matches!(read_outcome(&dir), OutcomeFile::Damaged(m) if m.contains("outcome.json")));
-        write_outcome(&dir, &RunOutcome::Failed("x".into())).unwrap();
+        let here = Provenance::here(runtime::executor::Device::Reference, None);
+        write_outcome(&dir, &RunOutcome::Failed("x".into()), &here).unwrap();
+        let record = read_record(&dir).unwrap().unwrap();
+        assert_eq!(record.provenance.as_ref(), Some(&here));
+        assert_eq!(here.widen_version, env!("CARGO_PKG_VERSION"));
+        assert!(here.git_commit == "unknown" || here.git_commit.len() == 40, "{}", here.git_commit);
+        assert!(here.cores >= 1 && here.threads >= 1 && !here.host.is_empty());
+        // An outcome written before provenance was recorded still reads.
+        std::fs::write(dir.join(OUTCOME_FILE), r#"{"Failed": "y"}"#).unwrap();
+        assert_eq!(read_record(&dir).unwrap().unwrap().provenance, None);
+        assert_eq!(read_outcome(&dir), OutcomeFile::Read(RunOutcome::Failed("y".into())));
+        write_outcome(&dir, &RunOutcome::Failed("x".into()), &here).unwrap();
         assert_eq!(read_outcome(&dir), OutcomeFile::Read(RunOutcome::Failed("x".into())));
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -394,7 +394,7 @@ fn plan_and_validate(
     // Token and step budgets fix the steps without the cost model, so the first
     // validation already sees them; a FLOP budget needs a valid spec to count.
     match budget {
-        Budget::Tokens(_) | Budget::Steps(_) => {
+        Budget::Tokens(_) | Budget::Steps(_) | Budget::Time(_) => {
             let pre =
                 plan_with(budget, spec.train.batch, spec.train.seq_len, 0).map_err(PointError::Budget)?;
             spec.train.steps = pre.steps;

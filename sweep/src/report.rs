@@ -22,14 +22,16 @@ use serde::Deserialize;
 
 use crate::budget::Budget;
 use crate::folder::{
-    lock_results, read_outcome, write_atomic, OutcomeFile, PlanFile, PLOTS_DIR, RESULTS_CSV, RESULTS_JSON,
+    lock_results, read_record, write_atomic, PlanFile, PLOTS_DIR, RESULTS_CSV, RESULTS_JSON,
 };
 use crate::plot::{
     self, CostPoint, FrontierPlot, LawPlot, LawPoint, LossCurves, LossOptions, PointCurves, RunPanel,
     RunPanels, SpeedBar, SpeedPlot, TrainCurve,
 };
 use crate::point::{Point, RATIO_AXIS};
-use crate::results::{self, fill_overheads, fill_significance, PointResult, RunMetrics, RunOutcome};
+use crate::results::{
+    self, fill_overheads, fill_significance, PointResult, RunMetrics, RunOutcome, SeedProvenance,
+};
 use crate::runner::SweepRunError;
 
 /// What a sweep did, or what a folder holds.
@@ -107,15 +109,19 @@ pub(crate) fn report_into(dir: &Path, file: &PlanFile) -> Result<SweepReport, Sw
             .map_err(|e| SweepRunError::Read { path: dir.join(&point.name), message: e.to_string() })?;
         let mut outcomes = Vec::new();
         let mut seeds = PointCurves { label: point.name.clone(), train: Vec::new(), val: Vec::new() };
+        let mut provenance = Vec::new();
         for run in &point.runs {
             let run_dir = dir.join(&run.dir);
-            match read_outcome(&run_dir) {
-                OutcomeFile::Read(outcome) => {
-                    failed += usize::from(matches!(outcome, RunOutcome::Failed(_)));
-                    outcomes.push((run.seed, outcome));
+            match read_record(&run_dir) {
+                Ok(Some(record)) => {
+                    failed += usize::from(matches!(record.outcome, RunOutcome::Failed(_)));
+                    outcomes.push((run.seed, record.outcome));
+                    if let Some(p) = record.provenance {
+                        provenance.push(SeedProvenance { seed: run.seed, provenance: p });
+                    }
                 }
-                OutcomeFile::Damaged(why) => damaged.push(why),
-                OutcomeFile::Missing => {}
+                Err(why) => damaged.push(why),
+                Ok(None) => {}
             }
             if let Ok(lines) = metrics_lines(&run_dir) {
                 let tokens = |step: u64| step.saturating_mul(point.budget.tokens_per_step) as f64;
@@ -125,7 +131,11 @@ pub(crate) fn report_into(dir: &Path, file: &PlanFile) -> Result<SweepReport, Sw
                     .push(lines.iter().filter_map(|l| l.val_loss.map(|v| (tokens(l.step), v))).collect());
             }
         }
-        rows.push(PointResult::aggregate(point, &cost, &outcomes));
+        let mut row = PointResult::aggregate(point, &cost, &outcomes);
+        provenance.sort_by_key(|p| p.seed);
+        row.provenance = provenance;
+        row.data = file.data.get(&point.name).cloned();
+        rows.push(row);
         curves.push(seeds);
     }
     fill_overheads(&mut rows);
@@ -251,6 +261,7 @@ fn budget_text(budget: &Budget) -> String {
         Budget::Tokens(n) => format!("equal tokens: {n} per point"),
         Budget::Flops(f) => format!("equal training compute: {f:.3e} FLOPs per point"),
         Budget::Steps(n) => format!("{n} steps per point"),
+        Budget::Time(t) => format!("equal time: {t} s of steps per point"),
     }
 }
 
@@ -273,6 +284,11 @@ pub(crate) struct MetricsLine {
 impl MetricsLine {
     fn loss(&self) -> f64 {
         self.loss.unwrap_or(f64::NAN)
+    }
+
+    /// The step's throughput, as the training measured it.
+    pub(crate) fn tokens_per_s(&self) -> Option<f64> {
+        self.tokens_per_s
     }
 }
 

@@ -32,11 +32,13 @@ use std::path::Path;
 use ir::cost::CostReport;
 use serde::{Deserialize, Serialize};
 
+use crate::budget::Calibration;
+use crate::folder::{DataRecord, Provenance};
 use crate::point::Point;
 use crate::stats::{self, Difference};
 
 /// The CSV columns after the axis columns, in order.
-pub const COLUMNS: [&str; 32] = [
+pub const COLUMNS: [&str; 40] = [
     "point",
     "baseline",
     "status",
@@ -69,6 +71,14 @@ pub const COLUMNS: [&str; 32] = [
     "delta_ci95_hi",
     "delta_p_value",
     "delta_test",
+    "widen_version",
+    "git_commit",
+    "device",
+    "host",
+    "threads",
+    "data_sha256",
+    "steps",
+    "calibrated_s_per_step",
 ];
 
 /// What one finished run measured.
@@ -181,6 +191,42 @@ pub struct PointResult {
     /// Validation loss minus `compared_to`'s, with its interval and p-value.
     #[serde(default)]
     pub delta_val_loss: Option<Difference>,
+    /// What trained each run that has an outcome recording it, in seed order
+    /// (docs/sweeps.md, "Provenance").
+    #[serde(default)]
+    pub provenance: Vec<SeedProvenance>,
+    /// The point's data by content, as `plan.json` records it.
+    #[serde(default)]
+    pub data: Option<DataRecord>,
+    /// Optimizer steps each run trains (the budget plan).
+    #[serde(default)]
+    pub steps: usize,
+    /// Under a time budget, the measured time per step that fixed the steps.
+    #[serde(default)]
+    pub calibration: Option<Calibration>,
+}
+
+/// One run's provenance.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SeedProvenance {
+    pub seed: u64,
+    #[serde(flatten)]
+    pub provenance: Provenance,
+}
+
+impl PointResult {
+    /// The distinct values of one provenance field over the point's runs, `;`-joined
+    /// in seed order (one value when every run agrees, as they should).
+    pub fn provenance_values(&self, field: impl Fn(&Provenance) -> String) -> String {
+        let mut out: Vec<String> = Vec::new();
+        for p in &self.provenance {
+            let v = field(&p.provenance);
+            if !out.contains(&v) {
+                out.push(v);
+            }
+        }
+        out.join(";")
+    }
 }
 
 /// One seed's final validation loss.
@@ -258,6 +304,10 @@ impl PointResult {
             overhead_train_flops: None,
             val_loss_ci95: stats::mean_ci95(&col(|m| m.val_loss)),
             val_loss_seeds: finished_seeds,
+            provenance: Vec::new(),
+            data: None,
+            steps: point.budget.steps,
+            calibration: point.budget.calibration,
             compared_to: None,
             delta_val_loss: None,
         }
@@ -375,6 +425,14 @@ pub fn to_csv(axes: &[String], results: &[PointResult]) -> Result<String, Result
             cell(r.delta_val_loss.map(|d| d.ci95_hi)),
             cell(r.delta_val_loss.map(|d| d.p_value)),
             r.delta_val_loss.map(|d| d.test.name().to_string()).unwrap_or_default(),
+            r.provenance_values(|p| p.widen_version.clone()),
+            r.provenance_values(|p| p.git_commit.clone()),
+            r.provenance_values(|p| p.device.clone()),
+            r.provenance_values(|p| p.host.clone()),
+            r.provenance_values(|p| p.threads.to_string()),
+            r.data.as_ref().map(|d| d.sha256.clone()).unwrap_or_default(),
+            r.steps.to_string(),
+            cell(r.calibration.map(|c| c.seconds_per_step)),
         ]);
         w.write_record(&row)?;
     }

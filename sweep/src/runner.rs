@@ -28,6 +28,21 @@
 //! and the data is checked again before every run, so a file changed during a sweep
 //! stops it instead of training the remaining runs on other text.
 //!
+//! **Many runs at once.** [`SweepOptions::jobs`] above 1 trains that many runs at
+//! once, each in a process of its own that trains one run of the plan
+//! ([`run_index`], `widen sweep DIR --run-index K`): the parent holds the sweep lock,
+//! each run its own `run.lock`, and results rewrites take `results.lock`. A cluster's
+//! job array runs the same [`run_index`] per task ([`plan_only`] writes the plan).
+//! Every run trains as it would alone, so on the reference device the results do not
+//! depend on the jobs.
+//!
+//! **Equal time.** Under [`Budget::Time`] every point's steps are fixed before anything
+//! trains from a short timing of its steps on the sweep's device, recorded in
+//! `plan.json`; a rerun reads the recording, so the runs stay deterministic.
+//!
+//! **Seeds until decided.** With [`SweepOptions::until`], points whose comparison is
+//! undecided get more seeds after the planned ones, each recorded with why.
+//!
 //! **Fairness.** Every point trained with seed s sees the same batches in the same
 //! order and is validated on the same held-out windows (both follow `train.seed`,
 //! crate::point). Validation loss is the main head's next-token loss in nats; bits
@@ -38,17 +53,18 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Instant, SystemTime};
 
-use ir::spec::{DataSpec, ModelSpec};
+use ir::spec::{DataSpec, ModelSpec, ScheduleSpec};
 use runtime::data::Corpus;
 use runtime::device::Device;
 use runtime::train::{
     train_spec, StepEvent, StepObserver, TrainError, TrainOptions, FINAL_CHECKPOINT, METRICS_FILE,
 };
 
+use crate::budget::{plan_time, Budget, CALIBRATION_STEPS};
 use crate::file::Sweep;
 use crate::folder::{
     check_sweep_folder, lock_sweep, read_outcome, write_atomic, write_outcome, DataRecord, FolderError,
-    OutcomeFile, PlanFile, ELAPSED_FILE,
+    OutcomeFile, PlanFile, Provenance, ELAPSED_FILE,
 };
 use crate::point::{expand, ExpandError, Expansion, Point};
 use crate::report::{measured, report_into, SweepReport};
@@ -71,6 +87,34 @@ pub struct SweepOptions {
     /// The point every other is compared with in the results (a point name); `None`
     /// keeps the folder's choice, or each point's twin, else the first point.
     pub against: Option<String>,
+    /// How many runs train at once, each in a process of its own ([`SweepOptions::child`]);
+    /// 1 trains them one after another in this process.
+    pub jobs: usize,
+    /// How to start a process that trains one run of the plan (`--jobs` above 1).
+    pub child: Option<ChildCommand>,
+    /// After the planned seeds, add seeds to points whose comparison is undecided.
+    pub until: Option<Until>,
+}
+
+/// `--until p<P --max-seeds M`: a point's comparison with its reference is undecided
+/// while its p-value is above `p` and its 95% interval includes 0 (or it has no test
+/// yet); such a point gets one more seed (and its reference the same seed, so the
+/// test stays paired), round after round, until every comparison is decided or has
+/// `max_seeds` seeds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Until {
+    pub p: f64,
+    pub max_seeds: usize,
+}
+
+/// The command that trains run `K` of a sweep folder's plan in a process of its own:
+/// `program args... DIR --run-index K --device NAME --quiet [--retry-failed]` (the
+/// `widen sweep` flags, docs/sweeps.md "Many runs at once").
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChildCommand {
+    pub program: PathBuf,
+    /// The arguments before the folder (`["sweep"]` for widen).
+    pub args: Vec<String>,
 }
 
 impl SweepOptions {
@@ -83,6 +127,9 @@ impl SweepOptions {
             catch_signals: false,
             retry_failed: false,
             against: None,
+            jobs: 1,
+            child: None,
+            until: None,
         }
     }
 }
@@ -134,11 +181,45 @@ pub enum SweepRunError {
         #[source]
         source: runtime::data::DataError,
     },
+    /// Another process trains this run now (its `run.lock` is held): `--run-index K`
+    /// twice at once, or a job array task run by hand.
+    #[error(
+        "run {run} is training in another process; wait for it (its outcome will be recorded) or stop it"
+    )]
+    RunInUse {
+        run: PathBuf,
+        #[source]
+        source: Box<TrainError>,
+    },
     /// A run cannot write its folder (a full disk, no permission): the sweep cannot record results.
     #[error("run {run} cannot write its folder")]
     Write { run: PathBuf, source: Box<TrainError> },
     #[error("interrupted during run {run}; it is saved in {}; run the same command again to continue the sweep", checkpoint.display())]
     Interrupted { run: PathBuf, checkpoint: PathBuf },
+    /// A time budget's calibration could not train the point.
+    #[error("point `{point}`: cannot time its steps for the time budget: {message}")]
+    Calibration { point: String, message: String },
+    /// A time budget gives a point steps its spec refuses (a warmup longer than them).
+    #[error(
+        "point `{point}`: the time budget of {seconds} s gives {steps} steps, which its spec refuses ({errors}); \
+         give a larger time budget"
+    )]
+    TimeSteps { point: String, steps: usize, seconds: f64, errors: String },
+    /// `--run-index` past the plan's runs.
+    #[error("--run-index {index}: {dir} plans {runs} runs, so the index must be in 0..={}", runs.saturating_sub(1))]
+    NoSuchRun { dir: PathBuf, index: usize, runs: usize },
+    /// `--jobs 0`, or `--jobs` above 1 with no way to start a process.
+    #[error("--jobs {jobs}: {why}")]
+    Jobs { jobs: usize, why: String },
+    /// A process training one run could not start.
+    #[error("cannot start the process training run {run}")]
+    Spawn { run: PathBuf, source: std::io::Error },
+    /// A process training one run ended without recording an outcome.
+    #[error(
+        "the process training run {run} ended with {status} without recording an outcome (its error is \
+         above); run the same command again to continue the sweep"
+    )]
+    Child { run: PathBuf, status: String },
     #[error(transparent)]
     Results(#[from] results::ResultsError),
     #[error("cannot catch Ctrl-C and SIGTERM")]
@@ -160,6 +241,7 @@ impl PlanFile {
             invalid: plan.invalid.iter().map(|p| (p.name.clone(), p.error.to_string())).collect(),
             data,
             against,
+            added_seeds: Vec::new(),
         }
     }
 }
@@ -209,25 +291,159 @@ pub fn data_records(plan: &Expansion) -> Result<BTreeMap<String, DataRecord>, Sw
     Ok(out)
 }
 
-/// Expands `sweep`, checks the folder holds no other sweep, trains every run not yet
-/// done, and writes the results and plots (after every run, so an interrupted sweep
-/// leaves its results so far).
-pub fn run(sweep: &Sweep, opts: &SweepOptions) -> Result<SweepReport, SweepRunError> {
-    let plan = expand(sweep)?;
-    if opts.device == Device::Cuda && !runtime::device::cuda::driver_available() {
-        return Err(SweepRunError::NoCuda);
-    }
+/// The sweep planned into its folder: the expansion, the joined `plan.json` (written),
+/// the kept runs and the folder's training lock.
+struct Prepared {
+    plan: Expansion,
+    file: PlanFile,
+    kept: Vec<PathBuf>,
+    _lock: std::fs::File,
+}
+
+/// Expands `sweep`, checks the folder holds no other sweep, takes its lock, joins the
+/// plan with the folder's and writes `plan.json`.
+fn prepare(sweep: &Sweep, opts: &SweepOptions) -> Result<Prepared, SweepRunError> {
+    let mut plan = expand(sweep)?;
     let dir = &opts.out_dir;
     check_sweep_folder(dir)?;
     std::fs::create_dir_all(dir).map_err(io(dir))?;
-    let _lock = lock_sweep(dir)?;
+    let lock = lock_sweep(dir)?;
     let data = data_records(&plan)?;
+    if let Budget::Time(seconds) = sweep.budget {
+        calibrate_plan(dir, &mut plan, seconds, opts)?;
+    }
     let (mut file, kept) = merge_with_folder(dir, PlanFile::of(sweep, &plan, data, None))?;
     if let Some(a) = &opts.against {
         crate::report::check_against(&file, a)?;
         file.against = Some(a.clone());
     }
     file.write(dir)?;
+    Ok(Prepared { plan, file, kept, _lock: lock })
+}
+
+/// Fixes every point's steps under a time budget of `seconds`: from the calibration
+/// the folder's plan recorded for a point of the same name (so a rerun trains the same
+/// steps), else from [`calibrate`] on `opts.device`.
+fn calibrate_plan(
+    dir: &Path,
+    plan: &mut Expansion,
+    seconds: f64,
+    opts: &SweepOptions,
+) -> Result<(), SweepRunError> {
+    if opts.device == Device::Cuda && !runtime::device::cuda::driver_available() {
+        return Err(SweepRunError::NoCuda);
+    }
+    let old = if dir.join(crate::folder::PLAN_FILE).exists() { Some(PlanFile::read(dir)?) } else { None };
+    for point in &mut plan.points {
+        let recorded = old
+            .as_ref()
+            .and_then(|o| o.points.iter().find(|p| p.name == point.name))
+            .and_then(|p| p.budget.calibration);
+        let (per_step, timed) = match recorded {
+            Some(c) => (c.seconds_per_step, c.steps_timed),
+            None => (calibrate(dir, point, opts.device)?, CALIBRATION_STEPS),
+        };
+        let budget = plan_time(
+            seconds,
+            per_step,
+            timed,
+            point.budget.tokens_per_step,
+            point.budget.train_flops_per_token,
+        );
+        if opts.progress && recorded.is_none() {
+            eprintln!(
+                "calibrated {} on {}: {:.2} ms/step, {} steps in {seconds} s",
+                point.name,
+                opts.device.name(),
+                1000.0 * per_step,
+                budget.steps
+            );
+        }
+        point.budget = budget;
+        point.spec.train.steps = budget.steps;
+        for run in &mut point.runs {
+            run.spec.train.steps = budget.steps;
+        }
+        point.spec.validate().map_err(|errors| SweepRunError::TimeSteps {
+            point: point.name.clone(),
+            steps: budget.steps,
+            seconds,
+            errors: errors.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "),
+        })?;
+    }
+    let scratch = dir.join(crate::folder::CALIBRATION_DIR);
+    if scratch.exists() {
+        std::fs::remove_dir(&scratch).map_err(io(&scratch))?;
+    }
+    Ok(())
+}
+
+/// Times a point's training steps on `device`: [`CALIBRATION_STEPS`] steps after an
+/// untimed first one (one-off setup, compilation), in a scratch folder removed after,
+/// with the step time every run's metrics report (evaluation and checkpoints are not
+/// in it). Returns the mean seconds per step.
+fn calibrate(dir: &Path, point: &Point, device: Device) -> Result<f64, SweepRunError> {
+    let scratch = dir.join(crate::folder::CALIBRATION_DIR).join(&point.name);
+    if scratch.exists() {
+        std::fs::remove_dir_all(&scratch).map_err(io(&scratch))?;
+    }
+    let mut spec = point.spec.clone();
+    spec.train.steps = CALIBRATION_STEPS + 1;
+    spec.train.eval_every = spec.train.steps;
+    spec.train.checkpoint_every = 0;
+    // The schedule changes no step's time; its warmup must fit in the few steps timed.
+    match &mut spec.train.schedule {
+        ScheduleSpec::Constant(c) => c.warmup = 0,
+        ScheduleSpec::Cosine(c) => c.warmup = 0,
+        ScheduleSpec::Wsd(c) => c.warmup = 0,
+    }
+    let fail = |message: String| SweepRunError::Calibration { point: point.name.clone(), message };
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        train_spec(&spec, device, &TrainOptions::quiet(scratch.clone()))
+    }));
+    match result {
+        Ok(Ok(_)) => {}
+        Ok(Err(err)) => return Err(fail(chain(&err))),
+        Err(_) => return Err(fail("training panicked".into())),
+    }
+    let lines = crate::report::metrics_lines(&scratch).map_err(fail)?;
+    let per_step = point.budget.tokens_per_step as f64;
+    let times: Vec<f64> = lines
+        .iter()
+        .skip(1)
+        .filter_map(|l| l.tokens_per_s().filter(|t| *t > 0.0).map(|t| per_step / t))
+        .collect();
+    std::fs::remove_dir_all(&scratch).map_err(io(&scratch))?;
+    if times.is_empty() {
+        return Err(fail("its metrics hold no timed step".into()));
+    }
+    Ok(times.iter().sum::<f64>() / times.len() as f64)
+}
+
+/// Writes the sweep's plan into `opts.out_dir` as [`run`] would, and trains nothing
+/// (for a cluster's job array: docs/sweeps.md, "A cluster"). Returns the plan.
+pub fn plan_only(sweep: &Sweep, opts: &SweepOptions) -> Result<PlanFile, SweepRunError> {
+    Ok(prepare(sweep, opts)?.file)
+}
+
+/// Expands `sweep`, checks the folder holds no other sweep, trains every run not yet
+/// done, and writes the results and plots (after every run, so an interrupted sweep
+/// leaves its results so far).
+pub fn run(sweep: &Sweep, opts: &SweepOptions) -> Result<SweepReport, SweepRunError> {
+    if opts.jobs == 0 {
+        return Err(SweepRunError::Jobs { jobs: 0, why: "at least one run must train at a time".into() });
+    }
+    if opts.jobs > 1 && opts.child.is_none() {
+        return Err(SweepRunError::Jobs {
+            jobs: opts.jobs,
+            why: "several runs at once need a command to start each run's process".into(),
+        });
+    }
+    if opts.device == Device::Cuda && !runtime::device::cuda::driver_available() {
+        return Err(SweepRunError::NoCuda);
+    }
+    let Prepared { plan, file, kept, _lock } = prepare(sweep, opts)?;
+    let dir = &opts.out_dir;
     let mut watch = DataWatch::default();
 
     let runs: Vec<(usize, &Point, &crate::point::Run)> =
@@ -247,35 +463,34 @@ pub fn run(sweep: &Sweep, opts: &SweepOptions) -> Result<SweepReport, SweepRunEr
         open: false,
     }));
     let (mut trained, mut reused) = (0, 0);
+    let mut queue = Vec::new();
     for (n, ((i, point, run), todo)) in runs.iter().zip(todo).enumerate() {
         let run_dir = dir.join(&run.dir);
         if !todo {
             reused += 1;
             continue;
         }
-        if !matches!(read_outcome(&run_dir), OutcomeFile::Read(_)) && run_dir.join(FINAL_CHECKPOINT).exists()
-        {
-            // Killed after its final checkpoint, before (or while) writing its outcome: finished.
-            let outcome = match measured(&run_dir, point, read_elapsed(&run_dir)) {
-                Ok(m) => RunOutcome::Finished(m),
-                Err(reason) => RunOutcome::Failed(reason),
-            };
-            write_outcome(&run_dir, &outcome)?;
+        if finish_from_checkpoint(&run_dir, point, opts.device, &file)? {
             reused += 1;
+            continue;
+        }
+        let label = format!(
+            "point {}/{} {} seed {} (run {}/{})",
+            i + 1,
+            plan.points.len(),
+            point.name,
+            run.seed,
+            n + 1,
+            runs.len()
+        );
+        if opts.jobs > 1 {
+            queue.push((label, run_dir));
             continue;
         }
         watch.check(dir, point, &file.data[&point.name])?;
         {
             let mut p = progress.lock().expect("progress lock");
-            p.label = format!(
-                "point {}/{} {} seed {} (run {}/{})",
-                i + 1,
-                plan.points.len(),
-                point.name,
-                run.seed,
-                n + 1,
-                runs.len()
-            );
+            p.label = label;
             p.run_work_per_step = work(point) / point.budget.steps.max(1) as f64;
             p.start_run();
         }
@@ -286,14 +501,292 @@ pub fn run(sweep: &Sweep, opts: &SweepOptions) -> Result<SweepReport, SweepRunEr
         let outcome = train_run(point, run, &run_dir, opts, observer)?;
         progress.lock().expect("progress lock").end_run(&outcome);
         trained += 1;
-        write_outcome(&run_dir, &outcome)?;
+        write_outcome(
+            &run_dir,
+            &outcome,
+            &Provenance::here(opts.device, file.data.get(&point.name).cloned()),
+        )?;
         report_into(dir, &file)?;
+    }
+    if !queue.is_empty() {
+        trained += run_children(dir, &file, queue, opts)?;
+    }
+    let mut file = file;
+    if let Some(until) = opts.until {
+        trained += add_seeds(dir, &mut file, until, opts)?;
     }
     let mut report = report_into(dir, &file)?;
     report.trained = trained;
     report.reused = reused;
     report.kept = kept;
     Ok(report)
+}
+
+/// `--until`: rounds of one more seed for every undecided point (see [`Until`]), each
+/// recorded in `plan.json` with why, until none is left. Returns the runs trained.
+fn add_seeds(
+    dir: &Path,
+    file: &mut PlanFile,
+    until: Until,
+    opts: &SweepOptions,
+) -> Result<usize, SweepRunError> {
+    let mut trained = 0;
+    loop {
+        let report = report_into(dir, file)?;
+        let mut added: Vec<crate::folder::AddedSeed> = Vec::new();
+        for r in &report.results {
+            let Some(reference) = &r.compared_to else { continue };
+            if r.seeds.len() >= until.max_seeds {
+                continue;
+            }
+            let why = match &r.delta_val_loss {
+                Some(d) if d.p_value <= until.p || d.ci95_lo > 0.0 || d.ci95_hi < 0.0 => continue,
+                Some(d) => format!(
+                    "`{}` against `{reference}` undecided over {} seeds: p = {:.3e} > {}, 95% CI [{:+.4}, {:+.4}] \
+                     includes 0",
+                    r.point,
+                    r.seeds_finished,
+                    d.p_value,
+                    until.p,
+                    d.ci95_lo,
+                    d.ci95_hi
+                ),
+                None => format!("`{}` against `{reference}`: no test yet (fewer than two finished seeds)", r.point),
+            };
+            let Some(seed) = (0..).find(|s| !r.seeds.contains(s)) else { continue };
+            for (point, reason) in [
+                (r.point.clone(), why.clone()),
+                (reference.clone(), format!("pairs seed {seed} of `{}` ({why})", r.point)),
+            ] {
+                let taken = added.iter().any(|a| a.point == point && a.seed == seed);
+                let has =
+                    file.points.iter().any(|p| p.name == point && p.runs.iter().any(|x| x.seed == seed));
+                if !taken && !has {
+                    added.push(crate::folder::AddedSeed { point, seed, reason });
+                }
+            }
+        }
+        if added.is_empty() {
+            return Ok(trained);
+        }
+        let mut queue = Vec::new();
+        for a in &added {
+            let point = file.points.iter_mut().find(|p| p.name == a.point).expect("a point of the results");
+            let mut spec = point.spec.clone();
+            spec.train.seed = a.seed;
+            let run_dir = PathBuf::from(&point.name).join(format!("seed-{}", a.seed));
+            point.runs.push(crate::point::Run { seed: a.seed, dir: run_dir.clone(), spec });
+            point.runs.sort_by_key(|r| r.seed);
+            if opts.progress {
+                eprintln!("adding seed {} to {}: {}", a.seed, a.point, a.reason);
+            }
+            queue.push((format!("point {} seed {} (added)", a.point, a.seed), dir.join(run_dir)));
+        }
+        file.seeds.extend(added.iter().map(|a| a.seed));
+        file.seeds.sort_unstable();
+        file.seeds.dedup();
+        file.added_seeds.extend(added);
+        file.write(dir)?;
+        trained += train_queue(dir, file, queue, opts)?;
+    }
+}
+
+/// Trains the queued runs of `file` (label, run folder): in child processes with
+/// `--jobs` above 1, else one after another here. Returns the runs that ended.
+fn train_queue(
+    dir: &Path,
+    file: &PlanFile,
+    queue: Vec<(String, PathBuf)>,
+    opts: &SweepOptions,
+) -> Result<usize, SweepRunError> {
+    if opts.jobs > 1 {
+        return run_children(dir, file, queue, opts);
+    }
+    let mut watch = DataWatch::default();
+    for (label, run_dir) in &queue {
+        let (point, run) =
+            file.runs().find(|(_, r)| dir.join(&r.dir) == *run_dir).expect("a run of the plan");
+        watch.check(dir, point, &file.data[&point.name])?;
+        let progress = Arc::new(Mutex::new(ProgressState::quiet(label.clone())));
+        {
+            let mut p = progress.lock().expect("progress lock");
+            p.on = opts.progress;
+            p.start_run();
+        }
+        let observer = {
+            let progress = Arc::clone(&progress);
+            StepObserver::new(move |e: StepEvent| progress.lock().expect("progress lock").step(e))
+        };
+        let outcome = train_run(point, run, run_dir, opts, observer)?;
+        progress.lock().expect("progress lock").end_run(&outcome);
+        write_outcome(
+            run_dir,
+            &outcome,
+            &Provenance::here(opts.device, file.data.get(&point.name).cloned()),
+        )?;
+        report_into(dir, file)?;
+    }
+    Ok(queue.len())
+}
+
+/// A run killed after its final checkpoint, before (or while) writing its outcome, is
+/// finished: its outcome is written from its metrics. Says whether that was the case.
+fn finish_from_checkpoint(
+    run_dir: &Path,
+    point: &Point,
+    device: Device,
+    file: &PlanFile,
+) -> Result<bool, SweepRunError> {
+    if matches!(read_outcome(run_dir), OutcomeFile::Read(_)) || !run_dir.join(FINAL_CHECKPOINT).exists() {
+        return Ok(false);
+    }
+    let outcome = match measured(run_dir, point, read_elapsed(run_dir)) {
+        Ok(m) => RunOutcome::Finished(m),
+        Err(reason) => RunOutcome::Failed(reason),
+    };
+    write_outcome(run_dir, &outcome, &Provenance::here(device, file.data.get(&point.name).cloned()))?;
+    Ok(true)
+}
+
+/// Trains the queued runs `opts.jobs` at a time, each in a process of its own started
+/// by [`SweepOptions::child`] as `--run-index K` of the plan in `dir`. Each process
+/// gets an even share of the cores: the Cpu device shares its threads among the
+/// processes training on one machine (runtime::dist::local_ranks, read from
+/// `OMPI_COMM_WORLD_LOCAL_SIZE`). Every run is trained exactly as it would be alone
+/// (same data order, same steps), so on the reference device the results are those
+/// of `--jobs 1` bit for bit (docs/sweeps.md, "Many runs at once"). One line per
+/// finished run on stderr. Returns how many runs ended.
+fn run_children(
+    dir: &Path,
+    file: &PlanFile,
+    queue: Vec<(String, PathBuf)>,
+    opts: &SweepOptions,
+) -> Result<usize, SweepRunError> {
+    let child = opts.child.as_ref().expect("checked by run");
+    let index: HashMap<PathBuf, usize> =
+        file.runs().enumerate().map(|(k, (_, r))| (dir.join(&r.dir), k)).collect();
+    let share = opts.jobs.saturating_mul(runtime::dist::local_ranks());
+    let mut queue: std::collections::VecDeque<(String, PathBuf)> = queue.into();
+    let mut live: Vec<(std::process::Child, String, PathBuf)> = Vec::new();
+    let mut error: Option<SweepRunError> = None;
+    let mut ended = 0;
+    while !live.is_empty() || (error.is_none() && !queue.is_empty()) {
+        while error.is_none() && live.len() < opts.jobs {
+            let Some((label, run_dir)) = queue.pop_front() else { break };
+            let k = index[&run_dir];
+            let mut cmd = std::process::Command::new(&child.program);
+            cmd.args(&child.args)
+                .arg(dir)
+                .args(["--run-index", &k.to_string(), "--device", opts.device.name(), "--quiet"])
+                .env(runtime::dist::LOCAL_SIZE_VARS[0], share.to_string())
+                .stdin(std::process::Stdio::null())
+                .stdout(std::process::Stdio::null());
+            if opts.retry_failed {
+                cmd.arg("--retry-failed");
+            }
+            match cmd.spawn() {
+                Ok(c) => live.push((c, label, run_dir)),
+                Err(source) => error = Some(SweepRunError::Spawn { run: run_dir, source }),
+            }
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let mut i = 0;
+        while i < live.len() {
+            let status = match live[i].0.try_wait() {
+                Ok(Some(status)) => status,
+                Ok(None) => {
+                    i += 1;
+                    continue;
+                }
+                Err(e) => {
+                    error.get_or_insert(SweepRunError::Spawn { run: live[i].2.clone(), source: e });
+                    i += 1;
+                    continue;
+                }
+            };
+            let (_, label, run_dir) = live.swap_remove(i);
+            match read_outcome(&run_dir) {
+                OutcomeFile::Read(outcome) => {
+                    ended += 1;
+                    if opts.progress {
+                        let mut p = ProgressState::quiet(label);
+                        p.on = true;
+                        p.end_run(&outcome);
+                    }
+                }
+                _ if status.code() == Some(130) => {
+                    error.get_or_insert(SweepRunError::Interrupted {
+                        checkpoint: newest_checkpoint(&run_dir).unwrap_or_else(|| run_dir.clone()),
+                        run: run_dir,
+                    });
+                }
+                _ => {
+                    error.get_or_insert(SweepRunError::Child { run: run_dir, status: status.to_string() });
+                }
+            }
+        }
+    }
+    match error {
+        Some(e) => Err(e),
+        None => Ok(ended),
+    }
+}
+
+/// How `--run-index` ended: the run, and its outcome.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunIndexReport {
+    /// `point <name> seed <s>`.
+    pub label: String,
+    pub run_dir: PathBuf,
+    pub outcome: RunOutcome,
+    /// Whether this call trained it (false: its outcome was already recorded).
+    pub trained: bool,
+}
+
+/// Trains run `index` of the plan in `opts.out_dir` (in [`PlanFile::runs`] order),
+/// unless it has ended, then rewrites the results under the results lock. Takes only
+/// the run's own lock (runtime's `run.lock`), not the sweep's, so any number of runs
+/// of one folder train at once (`--jobs`, a cluster's job array).
+pub fn run_index(index: usize, opts: &SweepOptions) -> Result<RunIndexReport, SweepRunError> {
+    let dir = &opts.out_dir;
+    let file = PlanFile::read(dir)?;
+    let total = file.runs().count();
+    let Some((point, run)) = file.runs().nth(index) else {
+        return Err(SweepRunError::NoSuchRun { dir: dir.clone(), index, runs: total });
+    };
+    if opts.device == Device::Cuda && !runtime::device::cuda::driver_available() {
+        return Err(SweepRunError::NoCuda);
+    }
+    let run_dir = dir.join(&run.dir);
+    let label = format!("point {} seed {} (run {index} of 0..{total})", point.name, run.seed);
+    let done = |trained| -> Result<RunIndexReport, SweepRunError> {
+        report_into(dir, &file)?;
+        let outcome = read_outcome(&run_dir).outcome().ok_or_else(|| SweepRunError::Read {
+            path: run_dir.join(crate::folder::OUTCOME_FILE),
+            message: "no outcome after training".into(),
+        })?;
+        Ok(RunIndexReport { label: label.clone(), run_dir: run_dir.clone(), outcome, trained })
+    };
+    if !needs_training(&run_dir, opts.retry_failed)
+        || finish_from_checkpoint(&run_dir, point, opts.device, &file)?
+    {
+        return done(false);
+    }
+    DataWatch::default().check(dir, point, &file.data[&point.name])?;
+    let progress = Arc::new(Mutex::new(ProgressState::quiet(label.clone())));
+    {
+        let mut p = progress.lock().expect("progress lock");
+        p.on = opts.progress;
+        p.start_run();
+    }
+    let observer = {
+        let progress = Arc::clone(&progress);
+        StepObserver::new(move |e: StepEvent| progress.lock().expect("progress lock").step(e))
+    };
+    let outcome = train_run(point, run, &run_dir, opts, observer)?;
+    progress.lock().expect("progress lock").end_run(&outcome);
+    write_outcome(&run_dir, &outcome, &Provenance::here(opts.device, file.data.get(&point.name).cloned()))?;
+    done(true)
 }
 
 /// Checks a point's data again before each run, re-hashing a file only when its
@@ -419,6 +912,11 @@ fn merge_with_folder(dir: &Path, mut new: PlanFile) -> Result<(PlanFile, Vec<Pat
     if new.against.is_none() {
         new.against = old.against.filter(|a| new.points.iter().any(|p| p.name == *a));
     }
+    new.added_seeds = old
+        .added_seeds
+        .into_iter()
+        .filter(|a| new.points.iter().any(|p| p.name == a.point && p.runs.iter().any(|r| r.seed == a.seed)))
+        .collect();
     let mut seeds: Vec<u64> = new.points.iter().flat_map(|p| p.runs.iter().map(|r| r.seed)).collect();
     seeds.sort_unstable();
     seeds.dedup();
@@ -524,7 +1022,8 @@ fn train_run(
         }
         TrainError::Data(source) => Err(SweepRunError::Data { run: run_path, source }),
         TrainError::Signals(_) => Err(SweepRunError::Signals(Box::new(err))),
-        TrainError::Io { .. } | TrainError::SaveFailed { .. } | TrainError::Locked { .. } => {
+        TrainError::Locked { .. } => Err(SweepRunError::RunInUse { run: run_path, source: Box::new(err) }),
+        TrainError::Io { .. } | TrainError::SaveFailed { .. } => {
             Err(SweepRunError::Write { run: run_path, source: Box::new(err) })
         }
         TrainError::TooLarge(_)
@@ -602,6 +1101,21 @@ struct ProgressState {
 }
 
 impl ProgressState {
+    /// A state for one run labelled `label`, off until `on` is set.
+    fn quiet(label: String) -> ProgressState {
+        ProgressState {
+            on: false,
+            terminal: false,
+            started: Instant::now(),
+            total_runs: 1,
+            work_total: 0.0,
+            work_done: 0.0,
+            run_work_per_step: 0.0,
+            label,
+            open: false,
+        }
+    }
+
     fn start_run(&mut self) {
         if self.on && !self.terminal {
             eprintln!("{}: starting ({} runs in all)", self.label, self.total_runs);

@@ -318,7 +318,7 @@ fn whole_number_budgets_are_read_exactly() {
     assert_eq!(ok("steps=1e8"), Budget::Steps(100_000_000));
     assert_eq!(ok("steps=300"), Budget::Steps(300));
     let err = |arg: &str| arg.parse::<Budget>().unwrap_err().to_string();
-    let tail = "; expected flops=2e14, tokens=1e6 or steps=300";
+    let tail = "; expected flops=2e14, tokens=1e6, steps=300 or time=600";
     for (arg, reason) in [
         (
             "steps=18446744073709551616",
@@ -348,9 +348,27 @@ fn whole_number_budgets_are_read_exactly() {
     assert_eq!(
         err,
         "budget: Steps(18446744073709551616): steps must be a whole number in 1..=100000000, got \
-         18446744073709551616; expected Tokens(1000000), Flops(2e14) or Steps(300)"
+         18446744073709551616; expected Tokens(1000000), Flops(2e14), Steps(300) or Time(600)"
     );
     assert_eq!(file("Sweep(base: Model(), budget: Tokens(1e6))").unwrap().budget, Budget::Tokens(1_000_000));
+}
+
+#[test]
+fn time_budgets_are_seconds_and_refuse_what_trains_nothing() {
+    assert_eq!("time=600".parse::<Budget>().unwrap(), Budget::Time(600.0));
+    assert_eq!("time=1.5".parse::<Budget>().unwrap(), Budget::Time(1.5));
+    assert_eq!(file("Sweep(base: Model(), budget: Time(600))").unwrap().budget, Budget::Time(600.0));
+    let tail = "; expected flops=2e14, tokens=1e6, steps=300 or time=600";
+    for (arg, reason) in [
+        ("time=0", "Time(0) must be a finite number of seconds > 0"),
+        ("time=-5", "Time(-5) must be a finite number of seconds > 0"),
+        ("time=inf", "Time(inf) must be a finite number of seconds > 0"),
+        ("time=ten", "`ten` is not a number of seconds"),
+    ] {
+        assert_eq!(arg.parse::<Budget>().unwrap_err().to_string(), format!("--budget {arg}: {reason}{tail}"));
+    }
+    let err = file("Sweep(base: Model(), budget: Time(NaN))").unwrap_err().to_string();
+    assert!(err.contains("Time(NaN)") && err.contains("seconds > 0"), "{err}");
 }
 
 #[test]
