@@ -174,7 +174,12 @@ fn a_tiny_sweep_writes_every_run_row_and_plot() {
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(std::fs::read_to_string(sw.join("results.json")).unwrap(), before);
     assert!(sw.join("results.csv").exists() && plots.join("law.svg").exists());
-    assert!(String::from_utf8_lossy(&o.stdout).contains("residual.r-4"));
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(out.contains("residual.r-4"), "{out}");
+    assert!(
+        out.contains("6 runs: 6 finished, 0 failed, 0 without a result yet"),
+        "a report trains nothing: {out}"
+    );
 
     // `widen plot` draws one run.
     let o = widen(&dir, &["plot", "sw/residual.r-2/seed-1"]);
@@ -1156,5 +1161,24 @@ fn until_adds_seeds_to_undecided_comparisons_up_to_the_cap_saying_why() {
     assert!(!o.status.success() && stderr(&o).contains("--until q<1: expected p<P"), "{}", stderr(&o));
     let o = widen(&dir, &["sweep", "spec.ron", "--seeds", "auto", "--out", "x"]);
     assert!(!o.status.success() && stderr(&o).contains("give --until"), "{}", stderr(&o));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_law_over_an_axis_through_zero_is_linear_and_says_so() {
+    let dir = common::workdir("sweep-linear-law", Some(SPEC));
+    let o = widen(
+        &dir,
+        &["sweep", "spec.ron", "--set", "mtp.depth=0,1,2", "--device", "reference", "--out", "sw"],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    let line = out.lines().find(|l| l.starts_with("law over mtp.depth")).unwrap_or_else(|| panic!("{out}"));
+    assert!(line.contains("·mtp.depth") && !line.contains("log2("), "{line}");
+    assert!(line.contains("n = 3") && line.contains("per unit of mtp.depth"), "no point is left out: {line}");
+    let law = svg(&dir.join("sw/plots/law.svg"));
+    assert!(law.contains("validation loss against mtp.depth"), "the title names the linear form");
+    // MTP points train on an objective with MTP terms: the loss plot says so.
+    assert!(svg(&dir.join("sw/plots/loss.svg")).contains("with MTP terms"));
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -5,8 +5,8 @@ mod common;
 use common::run::{temp_dir, tiny_spec};
 use runtime::checkpoint::Checkpoint;
 use runtime::data::Corpus;
-use runtime::eval::{evaluate, evaluate_with_progress, max_batches, EvalError, EvalOptions};
 use runtime::device::Device;
+use runtime::eval::{evaluate, evaluate_with_progress, max_batches, EvalError, EvalOptions};
 use runtime::params::ParamSet;
 use runtime::train::{validation_loss, write_initial, TrainOptions};
 

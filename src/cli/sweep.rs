@@ -265,7 +265,7 @@ fn emit_slurm(args: &Args, sweep: &Sweep, opts: &SweepOptions) -> anyhow::Result
     let dir = std::fs::canonicalize(&opts.out_dir)
         .with_context(|| format!("cannot resolve {}", opts.out_dir.display()))?;
     let exe = std::env::current_exe().context("cannot find the widen executable for the job script")?;
-    let device: runtime::executor::Device = args.device.into();
+    let device: runtime::device::Device = args.device.into();
     let script = sbatch_script(args, &sweep.base.name, &dir, &exe, device.name(), runs);
     let path = dir.join(SBATCH_FILE);
     sweep::folder::write_atomic(&path, script.as_bytes())?;
@@ -470,10 +470,16 @@ pub fn print_report(report: &SweepReport) {
         match &law.fit {
             Ok(fit) => {
                 let half = fit.slope_ci95();
+                let per = match law.form {
+                    sweep::plot::LawForm::Log2 => "per doubling".to_string(),
+                    sweep::plot::LawForm::Linear => {
+                        format!("per unit of {} (log2 is undefined at 0)", law.axis)
+                    }
+                };
                 println!(
-                    "law over {}: {}, R² = {:.3}, n = {}; slope {:+.4} ± {:.4} per doubling (95% CI{}) ({})",
+                    "law over {}: {}, R² = {:.3}, n = {}; slope {:+.4} ± {:.4} {per} (95% CI{}) ({})",
                     law.axis,
-                    fit.equation("L", &format!("log2({})", law.axis)),
+                    fit.equation("L", &law.form.x_label(&law.axis)),
                     fit.r2,
                     fit.n,
                     fit.b,
@@ -485,11 +491,20 @@ pub fn print_report(report: &SweepReport) {
             Err(e) => println!("law over {}: no fit ({e})", law.axis),
         }
     }
+    // `widen report` trains and reuses nothing: it says what the folder holds.
+    let counts = if report.trained == 0 && report.reused == 0 {
+        let runs: usize = report.results.iter().map(|r| r.seeds.len()).sum();
+        let finished: usize = report.results.iter().map(|r| r.seeds_finished).sum();
+        format!(
+            "{runs} runs: {finished} finished, {} failed, {} without a result yet",
+            report.failed,
+            runs.saturating_sub(finished + report.failed)
+        )
+    } else {
+        format!("{} runs trained, {} reused, {} failed", report.trained, report.reused, report.failed)
+    };
     println!(
-        "{} runs trained, {} reused, {} failed; results in {} ({}, {}, {}/)",
-        report.trained,
-        report.reused,
-        report.failed,
+        "{counts}; results in {} ({}, {}, {}/)",
         report.dir.display(),
         sweep::folder::RESULTS_CSV,
         sweep::folder::RESULTS_JSON,

@@ -372,7 +372,7 @@ pub const GIT_COMMIT: &str = env!("WIDEN_GIT_COMMIT");
 
 impl Provenance {
     /// This process, training on `device` from `data`.
-    pub fn here(device: runtime::executor::Device, data: Option<DataRecord>) -> Provenance {
+    pub fn here(device: runtime::device::Device, data: Option<DataRecord>) -> Provenance {
         Provenance {
             widen_version: env!("CARGO_PKG_VERSION").to_string(),
             git_commit: GIT_COMMIT.to_string(),
@@ -503,7 +503,7 @@ mod tests {
         assert_eq!(read_outcome(&dir), OutcomeFile::Missing);
         std::fs::write(dir.join(OUTCOME_FILE), "{\"Finished\": ").unwrap();
         assert!(matches!(read_outcome(&dir), OutcomeFile::Damaged(m) if m.contains("outcome.json")));
-        let here = Provenance::here(runtime::executor::Device::Reference, None);
+        let here = Provenance::here(runtime::device::Device::Reference, None);
         write_outcome(&dir, &RunOutcome::Failed("x".into()), &here).unwrap();
         let record = read_record(&dir).unwrap().unwrap();
         assert_eq!(record.provenance.as_ref(), Some(&here));

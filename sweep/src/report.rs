@@ -65,6 +65,8 @@ pub struct LawSummary {
     pub axis: String,
     /// The fit's equation with standard errors and R², or why there is none.
     pub fit: Result<crate::fit::LinearFit, crate::fit::FitError>,
+    /// Whether the fit is over log2 of the axis or (an axis through 0) the axis itself.
+    pub form: plot::LawForm,
 }
 
 /// Re-reads a sweep folder: collects every run's outcome, writes `results.csv`,
@@ -182,7 +184,16 @@ fn render(
     let title = |what: &str| format!("{what} ({})", budget_text(&file.budget));
     write(
         "loss.svg",
-        plot::loss_curves(&LossCurves { title: title("loss against tokens"), points: curves }),
+        plot::loss_curves_with(
+            &LossCurves { title: title("loss against tokens"), points: curves },
+            &plot::LossOptions {
+                train_curve: if file.points.iter().any(|p| p.spec.mtp.depth > 0) {
+                    plot::TrainCurve::ObjectiveWithMtp
+                } else {
+                    plot::TrainCurve::Loss
+                },
+            },
+        ),
     )?;
     let finished: Vec<&PointResult> = rows.iter().filter(|r| r.val_loss.mean.is_some()).collect();
     write(
@@ -244,13 +255,12 @@ fn render(
         }
         let name = if file.axes.len() == 1 { "law.svg".to_string() } else { format!("law-{axis}.svg") };
         let shown = if axis == RATIO_AXIS { "r = n/m".to_string() } else { axis.clone() };
-        if let Ok((svg, fit)) = plot::law(&LawPlot {
-            title: title(&format!("validation loss against log2({shown})")),
-            axis: shown,
-            points,
-        }) {
+        let mut data = LawPlot { title: String::new(), axis: shown.clone(), points };
+        let form = data.form();
+        data.title = title(&format!("validation loss against {}", form.x_label(&shown)));
+        if let Ok((svg, fit)) = plot::law(&data) {
             write_atomic(&plots.join(&name), svg.as_bytes())?;
-            laws.push(LawSummary { file: plots.join(&name), axis: axis.clone(), fit });
+            laws.push(LawSummary { file: plots.join(&name), axis: axis.clone(), fit, form });
         }
     }
     Ok(laws)
