@@ -141,10 +141,13 @@ pub(super) fn item_ok(
                 whole || (rows && s == 0 && !trans_a)
             })
         }
-        Op::Cast { .. } => false,
         op => match op.family() {
             // The same element of each operand (broadcast): inside the item if the
-            // operand's item axes are the output's.
+            // operand's item axes are the output's. A `Cast` too: a cast to bf16 rounds
+            // in registers (`item::cast`, docs/math.md §6.12), so its value is the same
+            // whether the operand comes from a local array of this kernel or a bf16
+            // buffer, and every bf16 value a kernel holds is already a bf16 value (a
+            // cast's result, or data moved unchanged).
             OpFamily::Elementwise | OpFamily::View(View::Broadcast { .. }) => operands_in_item(),
             OpFamily::View(View::Reshape { .. }) => true,
             OpFamily::View(View::Permute { perm }) => (0..k).all(|d| o[d] == 1 || perm[d] == d),
