@@ -164,7 +164,7 @@ impl Grid {
 
 /// A block-wide reduction operator.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum ReduceOp {
+pub enum Combine {
     Sum,
     Max,
 }
@@ -227,7 +227,7 @@ pub enum Stmt {
     /// every lane gets the reduction in the new immutable `var`.
     BlockReduce {
         var: String,
-        op: ReduceOp,
+        op: Combine,
         value: Expr,
     },
     /// Block-per-item only, top level only: all lanes finish the statements
