@@ -169,6 +169,9 @@ pub enum Combine {
     Max,
 }
 
+/// The former name of [`Combine`], kept while the runtime's codec still spells it.
+pub type ReduceOp = Combine;
+
 /// A statement of the body of one item.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Stmt {
