@@ -1,6 +1,7 @@
-//! What the lowering must know of each op, one exhaustive match per rule, so a
-//! new op fails to compile until every rule states its case (docs/adding-an-op.md
-//! lists them): whether the op is lowered on a grid of its own
+//! What the lowering must know of each op, each rule a match over the op's family
+//! ([`ir::graph::OpFamily`]) that names the ops that are exceptions to their family,
+//! so a new family fails to compile until every rule states its case
+//! (docs/adding-an-op.md lists them): whether the op is lowered on a grid of its own
 //! ([`has_own_grid`]), the per-item scratch it needs besides its output
 //! ([`op_scratch`]), whether a kernel of `n` items computes its output in whole
 //! items and may read its in-kernel operands inside its own item ([`item_ok`],
