@@ -26,7 +26,7 @@
 
 use crate::emit::Target;
 use crate::kernel::{
-    f32, f64, i64, item, lane, select, Access, Grid, Kernel, KernelBuilder, KernelError, ReduceOp, Ty, Unroll,
+    f32, f64, i64, item, lane, select, Access, Combine, Grid, Kernel, KernelBuilder, KernelError, Ty, Unroll,
 };
 use crate::plan::{BufferDecl, BufferId, BufferRole, Plan, Step};
 use ir::DType;
@@ -264,7 +264,7 @@ fn sum_of_squares(len: usize, target: Target) -> Result<Kernel, KernelError> {
             let x = b.let_("x", grad.at(j).cast(Ty::F64));
             b.assign(&sum, sum.clone() + x.clone() * x);
         });
-        let total = k.block_reduce("total", ReduceOp::Sum, part);
+        let total = k.block_reduce("total", Combine::Sum, part);
         k.if_(lane().eq_(i64(0)), |b| b.store(&partial, item(), total));
     } else {
         let acc = k.local_array("acc", Ty::F64, lanes);

@@ -28,7 +28,7 @@ use std::fmt::Write as _;
 use ir::DType;
 
 use crate::kernel::{
-    Access, BinOp, Buf, CmpOp, Expr, Grid, Kernel, KernelError, MathFn, Param, ReduceOp, Stmt, Ty, UnOp,
+    Access, BinOp, Buf, CmpOp, Combine, Expr, Grid, Kernel, KernelError, MathFn, Param, Stmt, Ty, UnOp,
     Unroll,
 };
 
@@ -573,10 +573,10 @@ impl Printer {
         self.close();
     }
 
-    fn combine(&self, op: ReduceOp, t: Ty, a: &str, b: &str) -> String {
+    fn combine(&self, op: Combine, t: Ty, a: &str, b: &str) -> String {
         match op {
-            ReduceOp::Sum => format!("{a} + {b}"),
-            ReduceOp::Max => format!("{}({a}, {b})", math_name(MathFn::Max, t)),
+            Combine::Sum => format!("{a} + {b}"),
+            Combine::Max => format!("{}({a}, {b})", math_name(MathFn::Max, t)),
         }
     }
 

@@ -440,6 +440,26 @@ fn c_kernels_are_split_by_the_scratch_that_survives_fusion() {
     assert_eq!(k.local_elements(), 12000 + 1, "only the squared row and its mean stay arrays");
 }
 
+/// A `Cast` fuses like the other elementwise ops: one that reads a value its own
+/// kernel computes (here `exp(x)`, rounded to bf16 and widened back) stays in that
+/// kernel, and the kernel's registers round as a bf16 store would (docs/math.md §6.12).
+#[test]
+fn a_cast_of_a_value_of_its_own_kernel_stays_in_that_kernel() {
+    for target in [Target::Cpu, Target::Cuda] {
+        let mut g = Graph::new();
+        let x = param(&mut g, "x", &[8, 64]);
+        let e = add(&mut g, Op::Unary(UnaryOp::Exp), &[x]);
+        let h = add(&mut g, Op::Cast { to: ir::DType::Bf16 }, &[e]);
+        let w = add(&mut g, Op::Cast { to: ir::DType::F32 }, &[h]);
+        let out = add(&mut g, Op::Binary(BinaryOp::Mul), &[w, x]);
+        g.set_output("out", out);
+        let sources = Sources::random(&g, &mut Rng::new(5), 1.0, &|_, n| vec![0; n]);
+        let request = Request::new(&g, Vec::new()).for_target(target);
+        let plan = check(&g, &sources, &request, &one_group(&g), 1e-6, &format!("cast chain {target:?}"));
+        assert_eq!(plan.kernels.len(), 1, "{target:?}: the casts fuse with their producer and consumer");
+    }
+}
+
 #[test]
 fn attention_and_its_gradients() {
     for rope in [None, Some(10000.0)] {

@@ -3,7 +3,7 @@
 mod common;
 
 use codegen::kernel::{
-    f32, f64, i32, i64, item, lane, Access, Expr, Grid, KernelBuilder, KernelError, MathFn, ReduceOp, Ty,
+    f32, f64, i32, i64, item, lane, Access, Combine, Expr, Grid, KernelBuilder, KernelError, MathFn, Ty,
     Unroll,
 };
 use codegen::render::{render_module, Dialect};
@@ -100,7 +100,7 @@ fn block_constructs_need_a_block_grid_at_top_level() {
     let mut b = KernelBuilder::new("b", Grid::block_per_item(2, 64));
     let x = b.param("x", DType::F32, Access::Read, 128);
     b.if_(lane().lt(i64(1)), |b| {
-        b.block_reduce("s", ReduceOp::Sum, x.at(lane()));
+        b.block_reduce("s", Combine::Sum, x.at(lane()));
     });
     assert!(matches!(b.finish().validate(), Err(KernelError::NotTopLevel { .. })));
 

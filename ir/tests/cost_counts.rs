@@ -167,3 +167,32 @@ fn per_token_figures_do_not_depend_on_the_batch() {
     assert!((a.activation_bytes - b.activation_bytes).abs() < 1e-3 * a.activation_bytes);
     assert_eq!(a.traffic_per_sublayer(), b.traffic_per_sublayer());
 }
+
+/// The two counts of `stored_elements` differ only where the papers' traffic model
+/// departs from what memory holds: a parameter (not traffic, but held), and a
+/// broadcast over inner axes (re-read as materialized, but held once). A slice holds
+/// at most what its source holds under both, so a slice of a broadcast scalar is
+/// one element of memory, not its own size.
+#[test]
+fn stored_elements_memory_and_paper_traffic_differ_only_at_params_and_inner_broadcasts() {
+    use ir::cost::{stored_elements, Holding};
+    let mut g = Graph::new();
+    let w = param(&mut g, "w", &[8, 3]);
+    assert_eq!(stored_elements(&g, w, Holding::Memory), 24);
+    assert_eq!(stored_elements(&g, w, Holding::PaperTraffic), 0);
+    // The stream copies of an embedding: inner axes only.
+    let x = input(&mut g, &[2, 5, 1, 8]);
+    let streams = g.add(Op::Broadcast { shape: vec![2, 5, 4, 8] }, &[x]).unwrap();
+    assert_eq!(stored_elements(&g, streams, Holding::Memory), 80);
+    assert_eq!(stored_elements(&g, streams, Holding::PaperTraffic), 320);
+    // A scalar broadcast over the token axes, then sliced: one element either way.
+    let s = input(&mut g, &[1]);
+    let wide = g.add(Op::Broadcast { shape: vec![2, 5, 8] }, &[s]).unwrap();
+    let part = g.add(Op::Slice { axis: 2, start: 0, end: 4 }, &[wide]).unwrap();
+    assert_eq!(stored_elements(&g, part, Holding::Memory), 1);
+    assert_eq!(stored_elements(&g, part, Holding::PaperTraffic), 1);
+    // Views of a stored operand hold what it holds.
+    let r = g.add(Op::Reshape { shape: vec![10, 8] }, &[wide]).unwrap();
+    let c = g.add(Op::Concat { axis: 0 }, &[r, r]).unwrap();
+    assert_eq!(stored_elements(&g, c, Holding::Memory), 2);
+}

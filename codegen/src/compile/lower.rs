@@ -5,7 +5,7 @@
 
 use std::collections::HashSet;
 
-use ir::graph::{Graph, NodeId, Op};
+use ir::graph::{Graph, NodeId, Op, OpFamily};
 
 use super::builder::PlanBuilder;
 use super::gemm::{through_reshapes, Gemms};
@@ -126,37 +126,19 @@ fn special_lowering(
         Op::Sinkhorn { .. } | Op::SinkhornGrad { .. } if target == Target::Cpu => {
             emit::lower_sinkhorn_lanes(graph, id, name)
         }
-        Op::Input { .. }
-        | Op::Param(_)
-        | Op::Constant { .. }
-        | Op::Unary(_)
-        | Op::Binary(_)
-        | Op::Affine { .. }
-        | Op::Cast { .. }
-        | Op::MatMul { .. }
-        | Op::Reshape { .. }
-        | Op::Permute { .. }
-        | Op::Broadcast { .. }
-        | Op::Slice { .. }
-        | Op::Concat { .. }
-        | Op::Gather { .. }
-        | Op::ScatterRows { .. }
-        | Op::TopK { .. }
-        | Op::Softmax
-        | Op::RmsNorm { .. }
-        | Op::LayerNorm { .. }
-        | Op::GroupNorm { .. }
-        | Op::NormProject { .. }
-        | Op::SoftmaxCrossEntropy
-        | Op::CausalAttention { .. }
-        | Op::Sinkhorn { .. }
-        | Op::TemporalAugment { .. }
-        | Op::CausalAttentionGrad { .. }
-        | Op::SinkhornGrad { .. }
-        | Op::TemporalAugmentGrad { .. }
-        | Op::MoeRoute { .. }
-        | Op::GroupedMatMul { .. }
-        | Op::GroupedMatMulGrad { .. } => Ok(None),
+        // Every other op is lowered by the fused-unit kernel.
+        ref op => match op.family() {
+            OpFamily::Source(_)
+            | OpFamily::Elementwise
+            | OpFamily::View(_)
+            | OpFamily::Reduction
+            | OpFamily::RowWise
+            | OpFamily::MatrixWise
+            | OpFamily::Contraction
+            | OpFamily::Indexed
+            | OpFamily::OwnGrid
+            | OpFamily::PlanStep => Ok(None),
+        },
     }
 }
 

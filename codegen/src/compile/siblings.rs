@@ -5,7 +5,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use ir::graph::{Graph, NodeId, Op};
+use ir::graph::{Graph, NodeId, Op, OpFamily};
 
 use super::Target;
 use crate::emit;
@@ -41,36 +41,19 @@ fn grad_key(graph: &Graph, id: NodeId) -> Option<(GradKey, usize, usize)> {
         Op::MoeRoute { experts, capacity, out } => {
             (SiblingOp::Route, format!("{experts} {capacity:?}"), emit::route_slot(out), 3)
         }
-        Op::Input { .. }
-        | Op::Param(_)
-        | Op::Constant { .. }
-        | Op::Unary(_)
-        | Op::Binary(_)
-        | Op::Affine { .. }
-        | Op::Cast { .. }
-        | Op::Reduce { .. }
-        | Op::MatMul { .. }
-        | Op::Reshape { .. }
-        | Op::Permute { .. }
-        | Op::Broadcast { .. }
-        | Op::Slice { .. }
-        | Op::Concat { .. }
-        | Op::Gather { .. }
-        | Op::ScatterAdd { .. }
-        | Op::ScatterRows { .. }
-        | Op::TopK { .. }
-        | Op::Softmax
-        | Op::RmsNorm { .. }
-        | Op::LayerNorm { .. }
-        | Op::GroupNorm { .. }
-        | Op::NormProject { .. }
-        | Op::SoftmaxCrossEntropy
-        | Op::CausalAttention { .. }
-        | Op::Sinkhorn { .. }
-        | Op::TemporalAugment { .. }
-        | Op::SinkhornGrad { .. }
-        | Op::GroupedMatMul { .. }
-        | Op::GroupedMatMulGrad { .. } => return None,
+        // Every other op is lowered node by node.
+        ref op => match op.family() {
+            OpFamily::Source(_)
+            | OpFamily::Elementwise
+            | OpFamily::View(_)
+            | OpFamily::Reduction
+            | OpFamily::RowWise
+            | OpFamily::MatrixWise
+            | OpFamily::Contraction
+            | OpFamily::Indexed
+            | OpFamily::OwnGrid
+            | OpFamily::PlanStep => return None,
+        },
     };
     (wrt < slots).then_some(((kind, inputs, attrs), wrt, slots))
 }

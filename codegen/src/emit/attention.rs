@@ -39,7 +39,7 @@ use ir::DType;
 use super::buffers::Kb;
 use super::folds::{fold_dynamic, maximum, shift_maximum};
 use super::{ix, lit, Arg, ChainWorks, EmitError, GemmCall, Lowering, Names, Target, Temps, Work};
-use crate::kernel::{f64, i64, item, lane, select, Access, Block, Buf, Expr, Grid, ReduceOp, Ty, Unroll};
+use crate::kernel::{f64, i64, item, lane, select, Access, Block, Buf, Combine, Expr, Grid, Ty, Unroll};
 
 /// Sizes and options of one attention node: q [B, T, H, dh], k and v [B, T, Hkv, dh].
 #[derive(Debug, Clone, Copy)]
@@ -417,7 +417,7 @@ fn softmax_rows_blocks(
         let v = b.let_("v", s.at(base.clone() + j) * scale.clone());
         b.assign(&lane_max, maximum(lane_max.clone(), v));
     });
-    let m = k.block_reduce("row_max", ReduceOp::Max, lane_max);
+    let m = k.block_reduce("row_max", Combine::Max, lane_max);
     let lane_sum = k.var("lane_sum", lit(ty, 0.0));
     keys(k, "j1", &end, &|b, j| {
         let at = b.let_("at", base.clone() + j);
@@ -425,7 +425,7 @@ fn softmax_rows_blocks(
         b.store(&s, at, e.clone());
         b.assign(&lane_sum, lane_sum.clone() + e);
     });
-    let total = k.block_reduce("row_sum", ReduceOp::Sum, lane_sum);
+    let total = k.block_reduce("row_sum", Combine::Sum, lane_sum);
     let inv = k.let_("inv", lit(ty, 1.0) / total);
     keys(k, "j2", &len, &|b, j| {
         let at = b.let_("at", base.clone() + j.clone());
@@ -438,7 +438,7 @@ fn softmax_rows_blocks(
             let at = b.let_("at", base.clone() + j);
             b.assign(&lane_dot, lane_dot.clone() + s.at(at.clone()) * dp.at(at));
         });
-        let centre = k.block_reduce("centre", ReduceOp::Sum, lane_dot);
+        let centre = k.block_reduce("centre", Combine::Sum, lane_dot);
         keys(k, "j4", &len, &|b, j| {
             let at = b.let_("at", base.clone() + j);
             // Masked entries have p = 0, so their dS is 0 as well.

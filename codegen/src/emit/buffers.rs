@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 
-use ir::graph::{Graph, Node, NodeId, Op};
+use ir::graph::{Graph, Node, NodeId, Op, OpFamily, Source};
 
 use super::views::{view_of, Val};
 use super::{grid, ix, Arg, EmitError, Launch, Target, Temps, Work};
@@ -52,46 +52,26 @@ impl<'g> Reader<'g> {
             return v.clone();
         }
         let node: &Node = self.graph.node(id);
-        let v = match &node.op {
-            Op::Constant { value } => Val::Const { value: *value, ty: Ty::of_storage(node.dtype) },
-            op if op.is_view() => {
+        let v = match node.op.family() {
+            // A constant is folded into the load; a view reads what it views.
+            OpFamily::Source(Source::Constant { value }) => {
+                Val::Const { value, ty: Ty::of_storage(node.dtype) }
+            }
+            OpFamily::View(view) => {
                 let inputs = self.graph.inputs(id);
                 let ins: Vec<Val> = inputs.iter().map(|&i| self.read(k, i)).collect();
                 let dims: Vec<&[usize]> = inputs.iter().map(|&i| self.graph.node(i).shape.dims()).collect();
-                view_of(op, &dims, node.shape.dims(), ins)
+                view_of(view, &dims, node.shape.dims(), ins)
             }
-            Op::Input { .. }
-            | Op::Param(_)
-            | Op::Unary(_)
-            | Op::Binary(_)
-            | Op::Affine { .. }
-            | Op::Cast { .. }
-            | Op::Reduce { .. }
-            | Op::MatMul { .. }
-            | Op::Reshape { .. }
-            | Op::Permute { .. }
-            | Op::Broadcast { .. }
-            | Op::Slice { .. }
-            | Op::Concat { .. }
-            | Op::Gather { .. }
-            | Op::ScatterAdd { .. }
-            | Op::ScatterRows { .. }
-            | Op::TopK { .. }
-            | Op::Softmax
-            | Op::RmsNorm { .. }
-            | Op::LayerNorm { .. }
-            | Op::GroupNorm { .. }
-            | Op::NormProject { .. }
-            | Op::SoftmaxCrossEntropy
-            | Op::CausalAttention { .. }
-            | Op::Sinkhorn { .. }
-            | Op::TemporalAugment { .. }
-            | Op::CausalAttentionGrad { .. }
-            | Op::SinkhornGrad { .. }
-            | Op::TemporalAugmentGrad { .. }
-            | Op::MoeRoute { .. }
-            | Op::GroupedMatMul { .. }
-            | Op::GroupedMatMulGrad { .. } => Val::Buffer(self.buffer(k, id, Access::Read)),
+            OpFamily::Source(Source::Input { .. } | Source::Param(_))
+            | OpFamily::Elementwise
+            | OpFamily::Reduction
+            | OpFamily::RowWise
+            | OpFamily::MatrixWise
+            | OpFamily::Contraction
+            | OpFamily::Indexed
+            | OpFamily::OwnGrid
+            | OpFamily::PlanStep => Val::Buffer(self.buffer(k, id, Access::Read)),
         };
         self.vals.insert(id, v.clone());
         v

@@ -121,9 +121,15 @@ pub(super) fn emit(b: &mut Block, cx: &ItemOp) -> Result<(), EmitError> {
     let ty = cx.ty();
     match &cx.node.op {
         Op::Constant { value } => cx.pointwise(b, |_, _| lit(ty, *value)),
-        op if op.is_view() => {
-            let v = view_of(op, cx.in_dims, o, cx.ins.to_vec());
-            cx.pointwise(b, |_, g| v.load(g));
+        op @ (Op::Reshape { .. }
+        | Op::Permute { .. }
+        | Op::Broadcast { .. }
+        | Op::Slice { .. }
+        | Op::Concat { .. }) => {
+            if let Some(view) = op.view() {
+                let v = view_of(view, cx.in_dims, o, cx.ins.to_vec());
+                cx.pointwise(b, |_, g| v.load(g));
+            }
         }
         Op::Unary(u) => {
             let x = cx.ins[0].clone();
@@ -169,11 +175,6 @@ pub(super) fn emit(b: &mut Block, cx: &ItemOp) -> Result<(), EmitError> {
         Op::Cast { to } => cast(b, cx, *to),
         op @ (Op::Input { .. }
         | Op::Param(_)
-        | Op::Reshape { .. }
-        | Op::Permute { .. }
-        | Op::Broadcast { .. }
-        | Op::Slice { .. }
-        | Op::Concat { .. }
         | Op::NormProject { .. }
         | Op::SoftmaxCrossEntropy
         | Op::CausalAttention { .. }

@@ -16,7 +16,7 @@
 //! the same order from ε, the same reciprocals and products, the same
 //! first-maximum convention), so the results are bitwise those of the fused form.
 
-use ir::graph::{Graph, NodeId, Op};
+use ir::graph::{Graph, NodeId, Op, OpFamily};
 
 use super::buffers::Reader;
 use super::folds::maximum;
@@ -51,37 +51,19 @@ pub fn lower_sinkhorn_lanes(graph: &Graph, id: NodeId, name: &str) -> Result<Opt
     let (iters, eps, grad) = match node.op {
         Op::Sinkhorn { iters, eps } => (iters, eps, false),
         Op::SinkhornGrad { iters, eps } => (iters, eps, true),
-        Op::Input { .. }
-        | Op::Param(_)
-        | Op::Constant { .. }
-        | Op::Unary(_)
-        | Op::Binary(_)
-        | Op::Affine { .. }
-        | Op::Cast { .. }
-        | Op::Reduce { .. }
-        | Op::MatMul { .. }
-        | Op::Reshape { .. }
-        | Op::Permute { .. }
-        | Op::Broadcast { .. }
-        | Op::Slice { .. }
-        | Op::Concat { .. }
-        | Op::Gather { .. }
-        | Op::ScatterAdd { .. }
-        | Op::ScatterRows { .. }
-        | Op::TopK { .. }
-        | Op::Softmax
-        | Op::RmsNorm { .. }
-        | Op::LayerNorm { .. }
-        | Op::GroupNorm { .. }
-        | Op::NormProject { .. }
-        | Op::SoftmaxCrossEntropy
-        | Op::CausalAttention { .. }
-        | Op::TemporalAugment { .. }
-        | Op::CausalAttentionGrad { .. }
-        | Op::TemporalAugmentGrad { .. }
-        | Op::MoeRoute { .. }
-        | Op::GroupedMatMul { .. }
-        | Op::GroupedMatMulGrad { .. } => return Ok(None),
+        // Only the Sinkhorn ops have a lanes form (checked by `has_lanes_form`).
+        ref op => match op.family() {
+            OpFamily::Source(_)
+            | OpFamily::Elementwise
+            | OpFamily::View(_)
+            | OpFamily::Reduction
+            | OpFamily::RowWise
+            | OpFamily::MatrixWise
+            | OpFamily::Contraction
+            | OpFamily::Indexed
+            | OpFamily::OwnGrid
+            | OpFamily::PlanStep => return Ok(None),
+        },
     };
     let n = node.shape.last();
     let mats = numel(node.shape.dims()) / (n * n);

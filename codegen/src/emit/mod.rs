@@ -33,7 +33,7 @@
 //! - `buffers`: plan buffers as kernel parameters, the sinks ops write their
 //!   items into, and the copy that gives a view a buffer of its own;
 //! - `op_rules`: what the lowering must know of each op (own grid or not,
-//!   per-item scratch, how it splits into items), one exhaustive match each;
+//!   per-item scratch, how it splits into items), each by the op's family;
 //! - `item_split`: the item count of a fused kernel ([`itemize`]);
 //! - `item`: the per-op emitters of one item's part;
 //! - `fused`: a fused kernel from its nodes;

@@ -1,52 +1,30 @@
-//! What the lowering must know of each op, one exhaustive match per rule, so a
-//! new op fails to compile until every rule states its case (docs/adding-an-op.md
-//! lists them): whether the op is lowered on a grid of its own
+//! What the lowering must know of each op, each rule a match over the op's family
+//! ([`ir::graph::OpFamily`]) that names the ops that are exceptions to their family,
+//! so a new family fails to compile until every rule states its case
+//! (docs/adding-an-op.md lists them): whether the op is lowered on a grid of its own
 //! ([`has_own_grid`]), the per-item scratch it needs besides its output
 //! ([`op_scratch`]), whether a kernel of `n` items computes its output in whole
 //! items and may read its in-kernel operands inside its own item ([`item_ok`],
 //! which [`super::itemize`] applies op by op), and which reductions fold by
 //! adding ([`folds_by_adding`]).
 
-use ir::graph::{Graph, NodeId, Op};
+use ir::graph::{Graph, NodeId, Op, OpFamily, View};
 
 use super::numel;
 
-/// Ops lowered by [`super::lower_own_grid`]: each needs a grid (or Plan steps) of its own.
+/// Ops lowered by [`super::lower_own_grid`]: each needs a grid (or Plan steps) of its
+/// own. These are the families [`OpFamily::OwnGrid`] and [`OpFamily::PlanStep`].
 pub fn has_own_grid(op: &Op) -> bool {
-    match op {
-        Op::CausalAttention { .. }
-        | Op::CausalAttentionGrad { .. }
-        | Op::NormProject { .. }
-        | Op::SoftmaxCrossEntropy
-        | Op::TemporalAugment { .. }
-        | Op::TemporalAugmentGrad { .. }
-        | Op::MoeRoute { .. }
-        | Op::GroupedMatMul { .. }
-        | Op::GroupedMatMulGrad { .. } => true,
-        Op::Input { .. }
-        | Op::Param(_)
-        | Op::Constant { .. }
-        | Op::Unary(_)
-        | Op::Binary(_)
-        | Op::Affine { .. }
-        | Op::Cast { .. }
-        | Op::Reduce { .. }
-        | Op::MatMul { .. }
-        | Op::Reshape { .. }
-        | Op::Permute { .. }
-        | Op::Broadcast { .. }
-        | Op::Slice { .. }
-        | Op::Concat { .. }
-        | Op::Gather { .. }
-        | Op::ScatterAdd { .. }
-        | Op::ScatterRows { .. }
-        | Op::TopK { .. }
-        | Op::Softmax
-        | Op::RmsNorm { .. }
-        | Op::LayerNorm { .. }
-        | Op::GroupNorm { .. }
-        | Op::Sinkhorn { .. }
-        | Op::SinkhornGrad { .. } => false,
+    match op.family() {
+        OpFamily::OwnGrid | OpFamily::PlanStep => true,
+        OpFamily::Source(_)
+        | OpFamily::Elementwise
+        | OpFamily::View(_)
+        | OpFamily::Reduction
+        | OpFamily::RowWise
+        | OpFamily::MatrixWise
+        | OpFamily::Contraction
+        | OpFamily::Indexed => false,
     }
 }
 
@@ -54,39 +32,23 @@ pub fn has_own_grid(op: &Op) -> bool {
 pub(super) fn op_scratch(op: &Op, dims: &[usize]) -> usize {
     let nn = dims.last().copied().unwrap_or(1).pow(2);
     match op {
+        // Sinkhorn iterates on a copy of its matrix; its gradient keeps every
+        // half-step's scaling for the reverse sweep (docs/math.md §4.5).
         Op::Sinkhorn { .. } => nn,
         Op::SinkhornGrad { iters, .. } => nn * (2 * iters + 2),
-        Op::Input { .. }
-        | Op::Param(_)
-        | Op::Constant { .. }
-        | Op::Unary(_)
-        | Op::Binary(_)
-        | Op::Affine { .. }
-        | Op::Cast { .. }
-        | Op::Reduce { .. }
-        | Op::MatMul { .. }
-        | Op::Reshape { .. }
-        | Op::Permute { .. }
-        | Op::Broadcast { .. }
-        | Op::Slice { .. }
-        | Op::Concat { .. }
-        | Op::Gather { .. }
-        | Op::ScatterAdd { .. }
-        | Op::ScatterRows { .. }
-        | Op::TopK { .. }
-        | Op::Softmax
-        | Op::RmsNorm { .. }
-        | Op::LayerNorm { .. }
-        | Op::GroupNorm { .. }
-        | Op::NormProject { .. }
-        | Op::SoftmaxCrossEntropy
-        | Op::CausalAttention { .. }
-        | Op::TemporalAugment { .. }
-        | Op::CausalAttentionGrad { .. }
-        | Op::TemporalAugmentGrad { .. }
-        | Op::MoeRoute { .. }
-        | Op::GroupedMatMul { .. }
-        | Op::GroupedMatMulGrad { .. } => 0,
+        // Every other op computes in registers and its output.
+        op => match op.family() {
+            OpFamily::Source(_)
+            | OpFamily::Elementwise
+            | OpFamily::View(_)
+            | OpFamily::Reduction
+            | OpFamily::RowWise
+            | OpFamily::MatrixWise
+            | OpFamily::Contraction
+            | OpFamily::Indexed
+            | OpFamily::OwnGrid
+            | OpFamily::PlanStep => 0,
+        },
     }
 }
 
@@ -128,37 +90,20 @@ pub(super) fn item_ok(
         let Some(k) = own_rank else { return false };
         let rank = o.len();
         let own = match &node.op {
-            Op::Softmax
-            | Op::RmsNorm { .. }
-            | Op::LayerNorm { .. }
-            | Op::GroupNorm { .. }
-            | Op::TopK { .. } => k < rank || rank == 0,
-            Op::Sinkhorn { .. } | Op::SinkhornGrad { .. } => k + 2 <= rank,
+            // A scatter writes whole rows along `axis`: its items must not split them.
             Op::ScatterAdd { axis } | Op::ScatterRows { axis } => k <= *axis,
-            op @ (Op::Input { .. }
-            | Op::Param(_)
-            | Op::Constant { .. }
-            | Op::Unary(_)
-            | Op::Binary(_)
-            | Op::Affine { .. }
-            | Op::Cast { .. }
-            | Op::Reduce { .. }
-            | Op::MatMul { .. }
-            | Op::Reshape { .. }
-            | Op::Permute { .. }
-            | Op::Broadcast { .. }
-            | Op::Slice { .. }
-            | Op::Concat { .. }
-            | Op::Gather { .. }
-            | Op::NormProject { .. }
-            | Op::SoftmaxCrossEntropy
-            | Op::CausalAttention { .. }
-            | Op::TemporalAugment { .. }
-            | Op::CausalAttentionGrad { .. }
-            | Op::TemporalAugmentGrad { .. }
-            | Op::MoeRoute { .. }
-            | Op::GroupedMatMul { .. }
-            | Op::GroupedMatMulGrad { .. }) => !has_own_grid(op),
+            op => match op.family() {
+                // A row (a matrix) is computed whole, inside one item.
+                OpFamily::RowWise => k < rank || rank == 0,
+                OpFamily::MatrixWise => k + 2 <= rank,
+                OpFamily::OwnGrid | OpFamily::PlanStep => false,
+                OpFamily::Source(_)
+                | OpFamily::Elementwise
+                | OpFamily::View(_)
+                | OpFamily::Reduction
+                | OpFamily::Contraction
+                | OpFamily::Indexed => true,
+            },
         };
         if !own {
             return false;
@@ -176,17 +121,10 @@ pub(super) fn item_ok(
         (0..k).all(|d| o[d] == 1 || (d >= lead && x[d - lead] == o[d]))
     };
     let per = numel(o) / n;
+    let operands_in_item = || inputs.iter().enumerate().all(|(s, _)| !restricted[s] || bcast_ok(in_dims[s]));
     match &node.op {
-        Op::Unary(_) | Op::Affine { .. } | Op::Binary(_) | Op::Broadcast { .. } => {
-            inputs.iter().enumerate().all(|(s, _)| !restricted[s] || bcast_ok(in_dims[s]))
-        }
-        Op::Reshape { .. } => true,
-        Op::Permute { perm } => (0..k).all(|d| o[d] == 1 || perm[d] == d),
-        Op::Slice { axis, .. } | Op::Concat { axis } => *axis >= k,
+        // Attribute-dependent members of their families.
         Op::Reduce { axis, .. } => per.is_multiple_of(numel(&in_dims[0][axis + 1..]).max(1)),
-        Op::Softmax | Op::RmsNorm { .. } | Op::LayerNorm { .. } | Op::GroupNorm { .. } | Op::TopK { .. } => {
-            !restricted[1..].iter().any(|&r| r)
-        }
         Op::MatMul { trans_a, .. } => {
             let (m, nn) = (o[o.len() - 2], o[o.len() - 1]);
             let batch = numel(&o[..o.len() - 2]);
@@ -204,21 +142,25 @@ pub(super) fn item_ok(
                 whole || (rows && s == 0 && !trans_a)
             })
         }
-        Op::Gather { .. } | Op::ScatterAdd { .. } | Op::ScatterRows { .. } => true,
-        Op::Sinkhorn { .. } | Op::SinkhornGrad { .. } => true,
-        Op::Input { .. }
-        | Op::Param(_)
-        | Op::Constant { .. }
-        | Op::Cast { .. }
-        | Op::NormProject { .. }
-        | Op::SoftmaxCrossEntropy
-        | Op::CausalAttention { .. }
-        | Op::TemporalAugment { .. }
-        | Op::CausalAttentionGrad { .. }
-        | Op::TemporalAugmentGrad { .. }
-        | Op::MoeRoute { .. }
-        | Op::GroupedMatMul { .. }
-        | Op::GroupedMatMulGrad { .. } => false,
+        op => match op.family() {
+            // The same element of each operand (broadcast): inside the item if the
+            // operand's item axes are the output's. A `Cast` too: a cast to bf16 rounds
+            // in registers (`item::cast`, docs/math.md §6.12), so its value is the same
+            // whether the operand comes from a local array of this kernel or a bf16
+            // buffer, and every bf16 value a kernel holds is already a bf16 value (a
+            // cast's result, or data moved unchanged).
+            OpFamily::Elementwise | OpFamily::View(View::Broadcast { .. }) => operands_in_item(),
+            OpFamily::View(View::Reshape { .. }) => true,
+            OpFamily::View(View::Permute { perm }) => (0..k).all(|d| o[d] == 1 || perm[d] == d),
+            OpFamily::View(View::Slice { axis, .. } | View::Concat { axis }) => axis >= k,
+            // The row comes from the kernel; gains and biases must be whole in memory.
+            OpFamily::RowWise => !restricted[1..].iter().any(|&r| r),
+            OpFamily::Indexed | OpFamily::MatrixWise => true,
+            // Reduce and MatMul, the members of these families, are matched above by
+            // their attributes.
+            OpFamily::Reduction | OpFamily::Contraction => false,
+            OpFamily::Source(_) | OpFamily::OwnGrid | OpFamily::PlanStep => false,
+        },
     }
 }
 

@@ -12,7 +12,7 @@ use super::folds::{self, shift_maximum};
 use super::views::Val;
 use super::{grid, ix, lit, EmitError, GemmCall, Launch, Lowering, Names, Target, Temps, Work};
 use crate::kernel::{
-    i64, item, lane, select, Access, Block, Buf, Expr, Grid, KernelBuilder, ReduceOp, Ty, Unroll,
+    i64, item, lane, select, Access, Block, Buf, Combine, Expr, Grid, KernelBuilder, Ty, Unroll,
 };
 
 /// ε_abs of the Gram–Schmidt guard (docs/math.md §6.5 DECISION; `ir::exec` uses the same).
@@ -247,7 +247,7 @@ pub(super) fn cross_entropy(graph: &Graph, id: NodeId, name: &str) -> Result<Low
         let target = b.let_("target", targets.load(row).cast(Ty::I64));
         b.assign(&part, part.clone() + (lse - x.load(base + target)));
     });
-    let block_total = k.block_reduce("block_total", ReduceOp::Sum, part);
+    let block_total = k.block_reduce("block_total", Combine::Sum, part);
     k.if_(lane().eq_(i64(0)), |b| b.store(&partial, item(), block_total));
     let per_block = kb.finish()?;
 

@@ -65,7 +65,7 @@ fn lower_block_reduce(
     k.for_step("j", lane(), ix(n), i64::from(lanes), Unroll::Auto, |b, j| {
         b.assign(&sum, sum.clone() + x.load(row0 + j * ix(inner)));
     });
-    let total = k.block_reduce("total", crate::kernel::ReduceOp::Sum, part);
+    let total = k.block_reduce("total", crate::kernel::Combine::Sum, part);
     let value = if op == ir::graph::ReduceOp::Mean { total / lit(ty, n as f64) } else { total };
     k.if_(lane().eq_(i64(0)), |b| b.store(&out, item(), value));
     let kernel = k.finish();

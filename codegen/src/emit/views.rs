@@ -4,7 +4,7 @@
 //! folds a whole view chain into its loads and a view is only copied when its
 //! value must exist in memory (see the module docs of [`super`]).
 
-use ir::graph::Op;
+use ir::graph::View;
 
 use super::{ix, lit, strides};
 use crate::kernel::{item, select, Buf, Expr, Ty};
@@ -105,53 +105,25 @@ pub(super) fn strided_index(g: &Expr, dims: &[usize], st: &[usize], base: usize)
 }
 
 /// The view a view op makes of its operands' values.
-pub(crate) fn view_of(op: &Op, in_dims: &[&[usize]], out_dims: &[usize], ins: Vec<Val>) -> Val {
+pub(crate) fn view_of(view: View<'_>, in_dims: &[&[usize]], out_dims: &[usize], ins: Vec<Val>) -> Val {
     let mut ins = ins;
-    match op {
-        Op::Reshape { .. } => ins.swap_remove(0),
-        Op::Permute { perm } => {
+    match view {
+        View::Reshape { .. } => ins.swap_remove(0),
+        View::Permute { perm } => {
             let st = strides(in_dims[0]);
             let pst = perm.iter().map(|&p| st[p]).collect();
             Val::Strided { src: Box::new(ins.swap_remove(0)), dims: out_dims.to_vec(), strides: pst, base: 0 }
         }
-        Op::Broadcast { .. } => ins.swap_remove(0).broadcast(in_dims[0], out_dims),
-        Op::Slice { axis, start, .. } => {
+        View::Broadcast { .. } => ins.swap_remove(0).broadcast(in_dims[0], out_dims),
+        View::Slice { axis, start, .. } => {
             let st = strides(in_dims[0]);
-            let base = start * st[*axis];
+            let base = start * st[axis];
             Val::Strided { src: Box::new(ins.swap_remove(0)), dims: out_dims.to_vec(), strides: st, base }
         }
-        Op::Concat { axis } => {
-            let sizes = in_dims.iter().map(|d| d[*axis]).collect();
+        View::Concat { axis } => {
+            let sizes = in_dims.iter().map(|d| d[axis]).collect();
             let inner = out_dims[axis + 1..].iter().product();
-            Val::Concat { parts: ins, sizes, inner, total: out_dims[*axis] }
+            Val::Concat { parts: ins, sizes, inner, total: out_dims[axis] }
         }
-        Op::Input { .. }
-        | Op::Param(_)
-        | Op::Constant { .. }
-        | Op::Unary(_)
-        | Op::Binary(_)
-        | Op::Affine { .. }
-        | Op::Cast { .. }
-        | Op::Reduce { .. }
-        | Op::MatMul { .. }
-        | Op::Gather { .. }
-        | Op::ScatterAdd { .. }
-        | Op::ScatterRows { .. }
-        | Op::TopK { .. }
-        | Op::Softmax
-        | Op::RmsNorm { .. }
-        | Op::LayerNorm { .. }
-        | Op::GroupNorm { .. }
-        | Op::NormProject { .. }
-        | Op::SoftmaxCrossEntropy
-        | Op::CausalAttention { .. }
-        | Op::Sinkhorn { .. }
-        | Op::TemporalAugment { .. }
-        | Op::CausalAttentionGrad { .. }
-        | Op::SinkhornGrad { .. }
-        | Op::TemporalAugmentGrad { .. }
-        | Op::MoeRoute { .. }
-        | Op::GroupedMatMul { .. }
-        | Op::GroupedMatMulGrad { .. } => unreachable!("view_of is only called for view ops"),
     }
 }

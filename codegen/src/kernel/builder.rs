@@ -5,7 +5,7 @@ use std::ops::{Deref, DerefMut};
 
 use ir::DType;
 
-use super::{Access, Buf, Expr, Grid, Kernel, Param, ReduceOp, Stmt, Ty, Unroll};
+use super::{Access, Buf, Combine, Expr, Grid, Kernel, Param, Stmt, Ty, Unroll};
 
 /// A list of statements under construction (a kernel body, a loop body or an
 /// `if` branch).
@@ -162,7 +162,7 @@ impl Block {
 
     /// A block-wide reduction (block-per-item kernels, top level); returns
     /// the result, the same on every lane.
-    pub fn block_reduce(&mut self, name: &str, op: ReduceOp, value: impl Into<Expr>) -> Expr {
+    pub fn block_reduce(&mut self, name: &str, op: Combine, value: impl Into<Expr>) -> Expr {
         let value = value.into();
         let ty = value.ty();
         self.stmts.push(Stmt::BlockReduce { var: name.into(), op, value });

@@ -200,7 +200,7 @@ impl Grid {
 /// A block-wide reduction operator.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
-pub enum ReduceOp {
+pub enum Combine {
     Sum,
     Max,
 }
@@ -264,7 +264,7 @@ pub enum Stmt {
     /// every lane gets the reduction in the new immutable `var`.
     BlockReduce {
         var: String,
-        op: ReduceOp,
+        op: Combine,
         value: Expr,
     },
     /// Block-per-item only, top level only: all lanes finish the statements

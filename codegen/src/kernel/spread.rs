@@ -31,8 +31,8 @@
 use std::collections::{HashMap, HashSet};
 
 use super::{
-    collect_declared, each_expr, renamed, rewrite_stmts, stmt_work, BinOp, Buf, Expr, Grid, Kernel,
-    KernelError, ReduceOp, Stmt, Ty, Unroll,
+    collect_declared, each_expr, renamed, rewrite_stmts, stmt_work, BinOp, Buf, Combine, Expr, Grid, Kernel,
+    KernelError, Stmt, Ty, Unroll,
 };
 
 /// Lanes per item: one warp, so a block reduction stays within the warp.
@@ -86,7 +86,7 @@ pub fn spread_over_lanes(kernel: &Kernel) -> Result<Option<Kernel>, KernelError>
             out.push(looped);
             for (r, p, ty) in partials {
                 let sum = format!("{r}_sum{loop_index}");
-                out.push(Stmt::BlockReduce { var: sum.clone(), op: ReduceOp::Sum, value: scalar(&p, ty) });
+                out.push(Stmt::BlockReduce { var: sum.clone(), op: Combine::Sum, value: scalar(&p, ty) });
                 out.push(Stmt::Assign { var: r.clone(), value: scalar(&r, ty) + scalar(&sum, ty) });
                 hazards.clear();
             }

@@ -2,7 +2,7 @@
 //! plain Rust computation it must match.
 
 use codegen::kernel::{
-    f32, i64, item, lane, select, Access, Grid, Kernel, KernelBuilder, ReduceOp, Ty, Unroll,
+    f32, i64, item, lane, select, Access, Combine, Grid, Kernel, KernelBuilder, Ty, Unroll,
 };
 use ir::DType;
 
@@ -162,12 +162,12 @@ pub fn softmax() -> Kernel {
     k.for_step("j", lane(), i64(SM_D as i64), t, Unroll::Auto, |b, j| {
         b.assign(&mx, mx.clone().max(x.at(&base + &j)))
     });
-    let m = k.block_reduce("m", ReduceOp::Max, mx);
+    let m = k.block_reduce("m", Combine::Max, mx);
     let sum = k.var("sum", f32(0.0));
     k.for_step("j", lane(), i64(SM_D as i64), t, Unroll::Auto, |b, j| {
         b.assign(&sum, &sum + (x.at(&base + &j) - &m).exp());
     });
-    let total = k.block_reduce("total", ReduceOp::Sum, sum);
+    let total = k.block_reduce("total", Combine::Sum, sum);
     k.store(&centered, item() * t + lane(), &own - &m);
     k.barrier();
     k.for_step("j", lane(), i64(SM_D as i64), t, Unroll::Auto, |b, j| {

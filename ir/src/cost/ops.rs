@@ -4,7 +4,7 @@
 //! report divides by the trunk's B·T. Every op is in the one `match` of
 //! [`op_cost`], so a new op cannot be added without deciding its cost.
 
-use crate::graph::{Graph, NodeId, Op};
+use crate::graph::{Graph, NodeId, Op, OpFamily, Source, View};
 
 /// The cost of one node over its whole output tensor.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -34,59 +34,63 @@ impl OpCost {
     }
 }
 
-/// Elements a consumer of `id` really loads from memory. Parameters are excluded (the
-/// traffic model of docs/math.md §2.6, §4.7, §6.9 counts activations only). Views are
-/// resolved to what they view: a slice counts at most its own elements, a concat the
-/// sum of its parts, and a broadcast depends on what it expands:
-/// - over the token axes (axes 0 and 1 of the output, `[B, T, ..]`), from a source
-///   that lacks them (a static matrix, a scalar): the source's elements, read once;
-/// - over inner axes only (the replicated embedding that creates the streams,
-///   docs/math.md §0.3): every element, since the papers' traffic model reads a
-///   materialized state in every sublayer, the first one included.
-pub fn stored_elements(graph: &Graph, id: NodeId) -> usize {
+/// Which count [`stored_elements`] gives: the two differ only in what they say of a
+/// parameter and of a broadcast over inner axes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Holding {
+    /// What the operand's memory holds once views are undone: a parameter its own
+    /// elements, a broadcast its source's. The fusion analysis sizes a shared operand
+    /// with it (is it small enough to unroll into every item, `passes::fuse`).
+    Memory,
+    /// What the papers' traffic model counts a reader loading (docs/math.md §2.6, §4.7,
+    /// §6.9): activations only, so a parameter holds nothing; a broadcast over inner
+    /// axes only (the replicated embedding that creates the streams, docs/math.md §0.3)
+    /// every element, since that model reads a materialized state in every sublayer,
+    /// the first one included; a broadcast over the token axes (axes 0 and 1 of the
+    /// output, `[B, T, ..]`) of a source that lacks them (a static matrix, a scalar)
+    /// its source's elements, read once. The cost model counts reads with it.
+    PaperTraffic,
+}
+
+/// Elements node `id` really holds when another op reads it, counted as `holding`
+/// says. A view holds what it views: a reshape or permutation what its source holds,
+/// a slice at most its own elements and at most what its source holds, a concat the
+/// sum of its parts, a broadcast as [`Holding`] says. Every other op holds its output.
+pub fn stored_elements(graph: &Graph, id: NodeId, holding: Holding) -> usize {
     let node = graph.node(id);
-    match &node.op {
-        Op::Param(_) => 0,
-        Op::Reshape { .. } | Op::Permute { .. } => stored_elements(graph, graph.inputs(id)[0]),
-        Op::Broadcast { .. } => {
-            let source = graph.inputs(id)[0];
-            let real = stored_elements(graph, source);
-            if real == 0 || expands_token_axes(graph.node(source).shape.dims(), node.shape.dims()) {
-                real
+    let source = || stored_elements(graph, graph.inputs(id)[0], holding);
+    match node.op.family() {
+        OpFamily::Source(Source::Param(_)) if holding == Holding::PaperTraffic => 0,
+        OpFamily::View(View::Reshape { .. } | View::Permute { .. }) => source(),
+        OpFamily::View(View::Broadcast { .. }) => {
+            let from = graph.node(graph.inputs(id)[0]).shape.dims();
+            let real = source();
+            let materialized =
+                holding == Holding::PaperTraffic && real != 0 && !expands_token_axes(from, node.shape.dims());
+            if materialized {
+                real * (node.shape.numel() / numel(from).max(1))
             } else {
-                real * (node.shape.numel() / graph.node(source).shape.numel().max(1))
+                real
             }
         }
-        Op::Slice { .. } => node.shape.numel().min(stored_elements(graph, graph.inputs(id)[0])),
-        Op::Concat { .. } => graph.inputs(id).into_iter().map(|i| stored_elements(graph, i)).sum(),
-        Op::Input { .. }
-        | Op::Constant { .. }
-        | Op::Unary(_)
-        | Op::Binary(_)
-        | Op::Affine { .. }
-        | Op::Cast { .. }
-        | Op::Reduce { .. }
-        | Op::MatMul { .. }
-        | Op::Gather { .. }
-        | Op::ScatterAdd { .. }
-        | Op::ScatterRows { .. }
-        | Op::TopK { .. }
-        | Op::Softmax
-        | Op::RmsNorm { .. }
-        | Op::LayerNorm { .. }
-        | Op::GroupNorm { .. }
-        | Op::NormProject { .. }
-        | Op::SoftmaxCrossEntropy
-        | Op::CausalAttention { .. }
-        | Op::Sinkhorn { .. }
-        | Op::TemporalAugment { .. }
-        | Op::CausalAttentionGrad { .. }
-        | Op::SinkhornGrad { .. }
-        | Op::TemporalAugmentGrad { .. }
-        | Op::MoeRoute { .. }
-        | Op::GroupedMatMul { .. }
-        | Op::GroupedMatMulGrad { .. } => node.shape.numel(),
+        OpFamily::View(View::Slice { .. }) => node.shape.numel().min(source()),
+        OpFamily::View(View::Concat { .. }) => {
+            graph.inputs(id).into_iter().map(|i| stored_elements(graph, i, holding)).sum()
+        }
+        OpFamily::Source(_)
+        | OpFamily::Elementwise
+        | OpFamily::Reduction
+        | OpFamily::RowWise
+        | OpFamily::MatrixWise
+        | OpFamily::Contraction
+        | OpFamily::Indexed
+        | OpFamily::OwnGrid
+        | OpFamily::PlanStep => node.shape.numel(),
     }
+}
+
+fn numel(dims: &[usize]) -> usize {
+    dims.iter().product()
 }
 
 /// The rows a grouped product really multiplies (docs/math.md §1.6, cost): every row of
@@ -122,7 +126,8 @@ pub fn op_cost(graph: &Graph, id: NodeId) -> OpCost {
     let out = node.shape.numel() as f64;
     let in_numel = |slot: usize| graph.node(inputs[slot]).shape.numel() as f64;
     let in_dims = |slot: usize| graph.node(inputs[slot]).shape.dims().to_vec();
-    let reads_all = || inputs.iter().map(|&i| stored_elements(graph, i) as f64).sum::<f64>();
+    let reads_all =
+        || inputs.iter().map(|&i| stored_elements(graph, i, Holding::PaperTraffic) as f64).sum::<f64>();
 
     // (flops, flops_papers, read, written)
     let (flops, papers, read, written) = match &node.op {
@@ -144,8 +149,8 @@ pub fn op_cost(graph: &Graph, id: NodeId) -> OpCost {
             (f, f, reads_all(), out)
         }
         Op::Gather { .. } => {
-            let table = if stored_elements(graph, inputs[0]) == 0 { 0.0 } else { out };
-            (0.0, 0.0, table + stored_elements(graph, inputs[1]) as f64, out)
+            let table = if stored_elements(graph, inputs[0], Holding::PaperTraffic) == 0 { 0.0 } else { out };
+            (0.0, 0.0, table + stored_elements(graph, inputs[1], Holding::PaperTraffic) as f64, out)
         }
         Op::ScatterAdd { .. } => (in_numel(2), 0.0, reads_all(), out),
         Op::ScatterRows { .. } => (0.0, 0.0, 0.0, 0.0),

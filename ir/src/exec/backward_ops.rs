@@ -2,80 +2,12 @@
 //! op set (docs/architecture.md §4): the derivatives of the composites whose backward is not
 //! written with primitive ops. Each recomputes what it needs from the forward
 //! inputs (docs/math.md §4.5: recompute rather than store), reusing the forward kernels.
-//! The dispatch in `exec/mod.rs` handles every forward op and hands any other op to
-//! [`eval`] here.
+//! `eval_op` in `exec/mod.rs` dispatches to them.
 
 use super::attention::{rope_in_place, AttnDims};
 use super::connection::{causal_depthwise_conv, GS_EPS_ABS};
 use super::reduce::softmax_row;
-use super::{ExecError, Float, OpCtx, Tensor, Value};
-use crate::graph::Op;
-use crate::Shape;
-
-/// Evaluates an op the forward dispatch does not know: `inputs` are the operands in
-/// slot order, `out_shape` is the node's inferred shape. Every op without a
-/// reference implementation is an error naming the op and node.
-pub(super) fn eval<T: Float>(
-    cx: &OpCtx,
-    inputs: &[&Value<T>],
-    out_shape: &Shape,
-) -> Result<Value<T>, ExecError> {
-    let float = |slot| cx.float(inputs, slot);
-    let value = match cx.op {
-        Op::CausalAttentionGrad { scale, rope_base, wrt } => {
-            causal_attention_grad(float(0)?, float(1)?, float(2)?, float(3)?, *scale, *rope_base, *wrt)
-                .map_err(|m| cx.err(m))?
-        }
-        Op::SinkhornGrad { iters, eps } => sinkhorn_grad(float(0)?, float(1)?, *iters, *eps),
-        Op::TemporalAugmentGrad { gram_schmidt, eps_rel, wrt } => {
-            let n = inputs.len();
-            if n < 3 || *wrt >= n - 1 {
-                return Err(cx.err(format!("wrt {wrt} is not a forward operand of {n} operands")));
-            }
-            let kernels = (1..n - 1).map(float).collect::<Result<Vec<_>, _>>()?;
-            temporal_augment_grad(float(0)?, &kernels, float(n - 1)?, *gram_schmidt, *eps_rel, *wrt)
-        }
-        Op::GroupedMatMulGrad { trans_b } => {
-            super::moe::grouped_matmul_grad(float(0)?, float(1)?, cx.int(inputs, 2)?, *trans_b, out_shape)
-                .map_err(|m| cx.err(m))?
-        }
-        Op::Input { .. }
-        | Op::Param(_)
-        | Op::Constant { .. }
-        | Op::Unary(_)
-        | Op::Binary(_)
-        | Op::Affine { .. }
-        | Op::Cast { .. }
-        | Op::Reduce { .. }
-        | Op::MatMul { .. }
-        | Op::Reshape { .. }
-        | Op::Permute { .. }
-        | Op::Broadcast { .. }
-        | Op::Slice { .. }
-        | Op::Concat { .. }
-        | Op::Gather { .. }
-        | Op::ScatterAdd { .. }
-        | Op::ScatterRows { .. }
-        | Op::TopK { .. }
-        | Op::Softmax
-        | Op::RmsNorm { .. }
-        | Op::LayerNorm { .. }
-        | Op::GroupNorm { .. }
-        | Op::NormProject { .. }
-        | Op::SoftmaxCrossEntropy
-        | Op::CausalAttention { .. }
-        | Op::Sinkhorn { .. }
-        | Op::TemporalAugment { .. }
-        | Op::MoeRoute { .. }
-        | Op::GroupedMatMul { .. } => {
-            return Err(cx.err(format!("no reference implementation for op {}", cx.op.name())))
-        }
-    };
-    if value.shape != *out_shape {
-        return Err(cx.err(format!("produced shape {}, expected {out_shape}", value.shape)));
-    }
-    Ok(Value::Float(value))
-}
+use super::{Float, Tensor};
 
 fn dot<T: Float>(a: &[T], b: &[T]) -> T {
     a.iter().zip(b).fold(T::zero(), |s, (&x, &y)| s + x * y)

@@ -23,7 +23,7 @@ mod tensor;
 
 pub use tensor::{Float, Tensor, Value};
 
-use crate::graph::{Graph, GraphError, Node, NodeId, Op};
+use crate::graph::{Graph, GraphError, Node, NodeId, Op, OpFamily, Source};
 use crate::{DType, Shape};
 use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
@@ -132,39 +132,20 @@ pub fn run<T: Float>(
     for id in graph.topo_order().into_iter().filter(|id| needed.contains(id)) {
         let node = graph.node(id);
         let input_ids = graph.inputs(id);
-        let value = match &node.op {
-            Op::Input { .. } | Op::Param(_) => Cow::Borrowed(bound(node, id, sources)?),
-            Op::Constant { value } => Cow::Owned(constant(node, *value)),
-            op @ (Op::Unary(_)
-            | Op::Binary(_)
-            | Op::Affine { .. }
-            | Op::Cast { .. }
-            | Op::Reduce { .. }
-            | Op::MatMul { .. }
-            | Op::Reshape { .. }
-            | Op::Permute { .. }
-            | Op::Broadcast { .. }
-            | Op::Slice { .. }
-            | Op::Concat { .. }
-            | Op::Gather { .. }
-            | Op::ScatterAdd { .. }
-            | Op::ScatterRows { .. }
-            | Op::TopK { .. }
-            | Op::Softmax
-            | Op::RmsNorm { .. }
-            | Op::LayerNorm { .. }
-            | Op::GroupNorm { .. }
-            | Op::NormProject { .. }
-            | Op::SoftmaxCrossEntropy
-            | Op::CausalAttention { .. }
-            | Op::Sinkhorn { .. }
-            | Op::TemporalAugment { .. }
-            | Op::CausalAttentionGrad { .. }
-            | Op::SinkhornGrad { .. }
-            | Op::TemporalAugmentGrad { .. }
-            | Op::MoeRoute { .. }
-            | Op::GroupedMatMul { .. }
-            | Op::GroupedMatMulGrad { .. }) => {
+        let value = match node.op.family() {
+            OpFamily::Source(Source::Input { name }) => Cow::Borrowed(bound(node, name, id, sources)?),
+            OpFamily::Source(Source::Param(p)) => Cow::Borrowed(bound(node, &p.name, id, sources)?),
+            OpFamily::Source(Source::Constant { value }) => Cow::Owned(constant(node, value)),
+            OpFamily::Elementwise
+            | OpFamily::View(_)
+            | OpFamily::Reduction
+            | OpFamily::RowWise
+            | OpFamily::MatrixWise
+            | OpFamily::Contraction
+            | OpFamily::Indexed
+            | OpFamily::OwnGrid
+            | OpFamily::PlanStep => {
+                let op = &node.op;
                 let args: Vec<&Value<T>> = input_ids.iter().map(|i| values[i].as_ref()).collect();
                 let cx = OpCtx { op, node: id.index() };
                 let value = eval_op(&cx, &args, &node.shape)?;
@@ -187,59 +168,22 @@ pub fn run<T: Float>(
         .collect())
 }
 
-fn source_name(node: &Node) -> String {
-    match &node.op {
-        Op::Input { name } => name.clone(),
-        Op::Param(p) => p.name.clone(),
-        Op::Constant { .. }
-        | Op::Unary(_)
-        | Op::Binary(_)
-        | Op::Affine { .. }
-        | Op::Cast { .. }
-        | Op::Reduce { .. }
-        | Op::MatMul { .. }
-        | Op::Reshape { .. }
-        | Op::Permute { .. }
-        | Op::Broadcast { .. }
-        | Op::Slice { .. }
-        | Op::Concat { .. }
-        | Op::Gather { .. }
-        | Op::ScatterAdd { .. }
-        | Op::ScatterRows { .. }
-        | Op::TopK { .. }
-        | Op::Softmax
-        | Op::RmsNorm { .. }
-        | Op::LayerNorm { .. }
-        | Op::GroupNorm { .. }
-        | Op::NormProject { .. }
-        | Op::SoftmaxCrossEntropy
-        | Op::CausalAttention { .. }
-        | Op::Sinkhorn { .. }
-        | Op::TemporalAugment { .. }
-        | Op::CausalAttentionGrad { .. }
-        | Op::SinkhornGrad { .. }
-        | Op::TemporalAugmentGrad { .. }
-        | Op::MoeRoute { .. }
-        | Op::GroupedMatMul { .. }
-        | Op::GroupedMatMulGrad { .. } => node.label.clone().unwrap_or_default(),
-    }
-}
-
 /// The value bound to a source node, checked against the node's shape and dtype.
 fn bound<'a, T>(
     node: &Node,
+    name: &str,
     id: NodeId,
     sources: &'a HashMap<NodeId, Value<T>>,
 ) -> Result<&'a Value<T>, ExecError> {
     let value = sources.get(&id).ok_or_else(|| ExecError::Unbound {
         kind: if matches!(node.op, Op::Param(_)) { "param" } else { "input" },
         node: id.index(),
-        name: source_name(node),
+        name: name.to_string(),
     })?;
     if *value.shape() != node.shape {
         return Err(ExecError::BoundShape {
             node: id.index(),
-            name: source_name(node),
+            name: name.to_string(),
             got: value.shape().clone(),
             expected: node.shape.clone(),
         });
@@ -247,7 +191,7 @@ fn bound<'a, T>(
     if matches!(value, Value::Int(_)) != (node.dtype == DType::I32) {
         return Err(ExecError::BoundKind {
             node: id.index(),
-            name: source_name(node),
+            name: name.to_string(),
             got: value.kind(),
             expected: node.dtype,
         });
@@ -355,11 +299,41 @@ pub(crate) fn eval_op<T: Float>(
         Op::GroupedMatMul { trans_b } => Value::Float(
             moe::grouped_matmul(float(0)?, float(1)?, int(2)?, *trans_b, out_shape).map_err(|m| cx.err(m))?,
         ),
-        // Backward-only ops appended to `Op` by autodiff.
-        Op::CausalAttentionGrad { .. }
-        | Op::SinkhornGrad { .. }
-        | Op::TemporalAugmentGrad { .. }
-        | Op::GroupedMatMulGrad { .. } => return backward_ops::eval(cx, inputs, out_shape),
+        // Backward-only ops appended to `Op` by autodiff (`backward_ops`).
+        Op::CausalAttentionGrad { scale, rope_base, wrt } => Value::Float(
+            backward_ops::causal_attention_grad(
+                float(0)?,
+                float(1)?,
+                float(2)?,
+                float(3)?,
+                *scale,
+                *rope_base,
+                *wrt,
+            )
+            .map_err(|m| cx.err(m))?,
+        ),
+        Op::SinkhornGrad { iters, eps } => {
+            Value::Float(backward_ops::sinkhorn_grad(float(0)?, float(1)?, *iters, *eps))
+        }
+        Op::TemporalAugmentGrad { gram_schmidt, eps_rel, wrt } => {
+            let n = inputs.len();
+            if n < 3 || *wrt >= n - 1 {
+                return Err(cx.err(format!("wrt {wrt} is not a forward operand of {n} operands")));
+            }
+            let kernels = (1..n - 1).map(float).collect::<Result<Vec<_>, _>>()?;
+            Value::Float(backward_ops::temporal_augment_grad(
+                float(0)?,
+                &kernels,
+                float(n - 1)?,
+                *gram_schmidt,
+                *eps_rel,
+                *wrt,
+            ))
+        }
+        Op::GroupedMatMulGrad { trans_b } => Value::Float(
+            moe::grouped_matmul_grad(float(0)?, float(1)?, int(2)?, *trans_b, out_shape)
+                .map_err(|m| cx.err(m))?,
+        ),
     };
     Ok(value)
 }

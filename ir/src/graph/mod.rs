@@ -8,7 +8,9 @@ mod infer;
 pub mod op;
 mod shorthands;
 
-pub use op::{BinaryOp, Init, MoeRouteOut, Op, ParamClass, ParamInfo, ReduceOp, UnaryOp};
+pub use op::{
+    BinaryOp, Init, MoeRouteOut, Op, OpFamily, ParamClass, ParamInfo, ReduceOp, Source, UnaryOp, View,
+};
 pub use shorthands::Build;
 
 use crate::{DType, Shape};

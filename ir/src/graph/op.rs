@@ -234,6 +234,74 @@ pub enum MoeRouteOut {
     Counts,
 }
 
+/// What kind of computation an op is ([`Op::family`]): the questions passes and
+/// lowerings ask of every op (is it fusable? does it move data? does it read other
+/// rows? does it get a kernel of its own?) are answered per family, so a new op that
+/// joins a family gets its family's answers (docs/adding-an-op.md).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum OpFamily<'a> {
+    /// No inputs: per-step data, a parameter or a filled constant. Nothing computes a
+    /// source; the runtime binds it (a constant is folded into its readers' loads).
+    Source(Source<'a>),
+    /// Each output element is a function of the same-index element of each operand
+    /// (NumPy broadcasting): `Unary`, `Binary`, `Affine`, `Cast`. Fuses into any
+    /// kernel, may read an operand of its own kernel inside its item, and is cheap
+    /// to recompute in a consumer (rematerialization).
+    Elementwise,
+    /// Index math only, no data moved (docs/architecture.md §4 "movement as views"):
+    /// the output is the operands' elements at other indices. No traffic in the cost
+    /// model; lowered as address arithmetic in the reader's loads.
+    View(View<'a>),
+    /// `Reduce`: folds one axis of one operand. A token reduction when the axis is a
+    /// token axis (docs/architecture.md §5).
+    Reduction,
+    /// Each row of the output (last axis) from the same row of the first operand and
+    /// whole, token-free further operands (a gain, a bias): `Softmax`, the norms, `TopK`.
+    RowWise,
+    /// Each trailing n×n matrix of the output from the same matrix of its operands:
+    /// `Sinkhorn` and its gradient (docs/math.md §4.2, §4.5).
+    MatrixWise,
+    /// `MatMul`: a contraction the compile phase lowers to a library GEMM step, or
+    /// unrolls per item when it is small (`passes::fuse`, docs/architecture.md §5).
+    Contraction,
+    /// Rows chosen by an index operand: `Gather`, `ScatterAdd`, `ScatterRows`.
+    Indexed,
+    /// Lowered as kernels of their own, never per item inside a fused kernel
+    /// (`codegen::emit::lower_own_grid`): attention and its gradient, the loss, the
+    /// norm projection, temporal augmentation and its gradient.
+    OwnGrid,
+    /// Plan steps that are no kernels: MoE routing (a sequential count a device runs
+    /// on the host) and the grouped products (a library GEMM per expert whose row
+    /// count is data) (docs/math.md §1.6).
+    PlanStep,
+}
+
+/// Which view a view op makes ([`OpFamily::View`]), with its attributes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum View<'a> {
+    /// Same elements, same order, new shape.
+    Reshape { shape: &'a [usize] },
+    /// `out.dims[i] = x.dims[perm[i]]`.
+    Permute { perm: &'a [usize] },
+    /// NumPy broadcast to `shape`: an element is read by every output it expands to.
+    Broadcast { shape: &'a [usize] },
+    /// `x[.., start..end, ..]` on `axis`.
+    Slice { axis: usize, start: usize, end: usize },
+    /// The operands one after the other along `axis`.
+    Concat { axis: usize },
+}
+
+/// Which source a source op is ([`OpFamily::Source`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Source<'a> {
+    /// Per-step data bound by name.
+    Input { name: &'a str },
+    /// A trainable parameter.
+    Param(&'a ParamInfo),
+    /// One value everywhere.
+    Constant { value: f64 },
+}
+
 impl Op {
     /// Short op name for dumps and errors.
     pub fn name(&self) -> &'static str {
@@ -299,119 +367,115 @@ impl Op {
         }
     }
 
-    /// Pure views: no data is moved (docs/architecture.md §4 "movement as views"). The cost model
-    /// counts no traffic for them.
-    pub fn is_view(&self) -> bool {
+    /// The op's family: the one place that says which kind of computation each op is
+    /// (docs/adding-an-op.md). Passes and lowerings that ask a yes/no question about an
+    /// op ask it of the family, and name the ops that are exceptions to their family;
+    /// only the sites that implement an op's own semantics (its shape, reference,
+    /// derivative, cost and emitter) match on the op itself.
+    pub fn family(&self) -> OpFamily<'_> {
         match self {
-            Op::Reshape { .. }
-            | Op::Permute { .. }
-            | Op::Broadcast { .. }
-            | Op::Slice { .. }
-            | Op::Concat { .. } => true,
-            Op::Input { .. }
-            | Op::Param(_)
-            | Op::Constant { .. }
-            | Op::Unary(_)
-            | Op::Binary(_)
-            | Op::Affine { .. }
-            | Op::Cast { .. }
-            | Op::Reduce { .. }
-            | Op::MatMul { .. }
-            | Op::Gather { .. }
-            | Op::ScatterAdd { .. }
-            | Op::ScatterRows { .. }
-            | Op::TopK { .. }
-            | Op::Softmax
-            | Op::RmsNorm { .. }
-            | Op::LayerNorm { .. }
-            | Op::GroupNorm { .. }
-            | Op::NormProject { .. }
-            | Op::SoftmaxCrossEntropy
-            | Op::CausalAttention { .. }
-            | Op::Sinkhorn { .. }
-            | Op::TemporalAugment { .. }
-            | Op::CausalAttentionGrad { .. }
-            | Op::SinkhornGrad { .. }
-            | Op::TemporalAugmentGrad { .. }
-            | Op::MoeRoute { .. }
-            | Op::GroupedMatMul { .. }
-            | Op::GroupedMatMulGrad { .. } => false,
+            Op::Input { name } => OpFamily::Source(Source::Input { name }),
+            Op::Param(info) => OpFamily::Source(Source::Param(info)),
+            Op::Constant { value } => OpFamily::Source(Source::Constant { value: *value }),
+            Op::Unary(_) => OpFamily::Elementwise,
+            Op::Binary(_) => OpFamily::Elementwise,
+            Op::Affine { .. } => OpFamily::Elementwise,
+            Op::Cast { .. } => OpFamily::Elementwise,
+            Op::Reshape { shape } => OpFamily::View(View::Reshape { shape }),
+            Op::Permute { perm } => OpFamily::View(View::Permute { perm }),
+            Op::Broadcast { shape } => OpFamily::View(View::Broadcast { shape }),
+            Op::Slice { axis, start, end } => {
+                OpFamily::View(View::Slice { axis: *axis, start: *start, end: *end })
+            }
+            Op::Concat { axis } => OpFamily::View(View::Concat { axis: *axis }),
+            Op::Reduce { .. } => OpFamily::Reduction,
+            Op::Softmax => OpFamily::RowWise,
+            Op::RmsNorm { .. } => OpFamily::RowWise,
+            Op::LayerNorm { .. } => OpFamily::RowWise,
+            Op::GroupNorm { .. } => OpFamily::RowWise,
+            Op::TopK { .. } => OpFamily::RowWise,
+            Op::Sinkhorn { .. } => OpFamily::MatrixWise,
+            Op::SinkhornGrad { .. } => OpFamily::MatrixWise,
+            Op::MatMul { .. } => OpFamily::Contraction,
+            Op::Gather { .. } => OpFamily::Indexed,
+            Op::ScatterAdd { .. } => OpFamily::Indexed,
+            Op::ScatterRows { .. } => OpFamily::Indexed,
+            Op::SoftmaxCrossEntropy => OpFamily::OwnGrid,
+            Op::NormProject { .. } => OpFamily::OwnGrid,
+            Op::CausalAttention { .. } => OpFamily::OwnGrid,
+            Op::CausalAttentionGrad { .. } => OpFamily::OwnGrid,
+            Op::TemporalAugment { .. } => OpFamily::OwnGrid,
+            Op::TemporalAugmentGrad { .. } => OpFamily::OwnGrid,
+            Op::MoeRoute { .. } => OpFamily::PlanStep,
+            Op::GroupedMatMul { .. } => OpFamily::PlanStep,
+            Op::GroupedMatMulGrad { .. } => OpFamily::PlanStep,
         }
     }
 
-    /// Heavy ops that are kernels of their own (docs/architecture.md §5).
-    pub fn is_heavy(&self) -> bool {
-        match self {
-            Op::MatMul { .. }
-            | Op::CausalAttention { .. }
-            | Op::CausalAttentionGrad { .. }
-            | Op::GroupedMatMul { .. }
-            | Op::GroupedMatMulGrad { .. }
-            | Op::SoftmaxCrossEntropy => true,
-            Op::Input { .. }
-            | Op::Param(_)
-            | Op::Constant { .. }
-            | Op::Unary(_)
-            | Op::Binary(_)
-            | Op::Affine { .. }
-            | Op::Cast { .. }
-            | Op::Reduce { .. }
-            | Op::Reshape { .. }
-            | Op::Permute { .. }
-            | Op::Broadcast { .. }
-            | Op::Slice { .. }
-            | Op::Concat { .. }
-            | Op::Gather { .. }
-            | Op::ScatterAdd { .. }
-            | Op::ScatterRows { .. }
-            | Op::TopK { .. }
-            | Op::Softmax
-            | Op::RmsNorm { .. }
-            | Op::LayerNorm { .. }
-            | Op::GroupNorm { .. }
-            | Op::NormProject { .. }
-            | Op::Sinkhorn { .. }
-            | Op::TemporalAugment { .. }
-            | Op::SinkhornGrad { .. }
-            | Op::TemporalAugmentGrad { .. }
-            | Op::MoeRoute { .. } => false,
+    /// Pure views: no data is moved (docs/architecture.md §4 "movement as views"). The cost model
+    /// counts no traffic for them.
+    pub fn is_view(&self) -> bool {
+        self.view().is_some()
+    }
+
+    /// The view this op makes of its operands, if it is one.
+    pub fn view(&self) -> Option<View<'_>> {
+        match self.family() {
+            OpFamily::View(view) => Some(view),
+            OpFamily::Source(_)
+            | OpFamily::Elementwise
+            | OpFamily::Reduction
+            | OpFamily::RowWise
+            | OpFamily::MatrixWise
+            | OpFamily::Contraction
+            | OpFamily::Indexed
+            | OpFamily::OwnGrid
+            | OpFamily::PlanStep => None,
         }
     }
 
     /// Sources have no inputs.
     pub fn is_source(&self) -> bool {
+        self.source().is_some()
+    }
+
+    /// Which source this op is, if it is one.
+    pub fn source(&self) -> Option<Source<'_>> {
+        match self.family() {
+            OpFamily::Source(source) => Some(source),
+            OpFamily::View(_)
+            | OpFamily::Elementwise
+            | OpFamily::Reduction
+            | OpFamily::RowWise
+            | OpFamily::MatrixWise
+            | OpFamily::Contraction
+            | OpFamily::Indexed
+            | OpFamily::OwnGrid
+            | OpFamily::PlanStep => None,
+        }
+    }
+
+    /// Heavy ops: those the fusion analysis may make a kernel of their own
+    /// (docs/architecture.md §5; `passes::fuse` decides per node, a `MatMul` by its shapes).
+    pub fn is_heavy(&self) -> bool {
         match self {
-            Op::Input { .. } | Op::Param(_) | Op::Constant { .. } => true,
-            Op::Unary(_)
-            | Op::Binary(_)
-            | Op::Affine { .. }
-            | Op::Cast { .. }
-            | Op::Reduce { .. }
-            | Op::MatMul { .. }
-            | Op::Reshape { .. }
-            | Op::Permute { .. }
-            | Op::Broadcast { .. }
-            | Op::Slice { .. }
-            | Op::Concat { .. }
-            | Op::Gather { .. }
-            | Op::ScatterAdd { .. }
-            | Op::ScatterRows { .. }
-            | Op::TopK { .. }
-            | Op::Softmax
-            | Op::RmsNorm { .. }
-            | Op::LayerNorm { .. }
-            | Op::GroupNorm { .. }
-            | Op::NormProject { .. }
-            | Op::SoftmaxCrossEntropy
-            | Op::CausalAttention { .. }
-            | Op::Sinkhorn { .. }
-            | Op::TemporalAugment { .. }
-            | Op::CausalAttentionGrad { .. }
-            | Op::SinkhornGrad { .. }
-            | Op::TemporalAugmentGrad { .. }
-            | Op::MoeRoute { .. }
-            | Op::GroupedMatMul { .. }
-            | Op::GroupedMatMulGrad { .. } => false,
+            // Own-grid ops the fusion analysis keeps with their token-local neighbours:
+            // the norm projection is row-wise and a temporal augmentation a causal
+            // stencil over tokens (docs/math.md §4.3, §6.5); each still gets a grid of
+            // its own inside its fused unit.
+            Op::NormProject { .. } | Op::TemporalAugment { .. } | Op::TemporalAugmentGrad { .. } => false,
+            // Routing orders every token's assignments: a token reduction (docs/math.md §1.6).
+            Op::MoeRoute { .. } => false,
+            op => match op.family() {
+                OpFamily::Contraction | OpFamily::OwnGrid | OpFamily::PlanStep => true,
+                OpFamily::Source(_)
+                | OpFamily::Elementwise
+                | OpFamily::View(_)
+                | OpFamily::Reduction
+                | OpFamily::RowWise
+                | OpFamily::MatrixWise
+                | OpFamily::Indexed => false,
+            },
         }
     }
 }

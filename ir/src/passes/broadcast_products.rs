@@ -27,7 +27,7 @@
 
 use petgraph::visit::EdgeRef;
 
-use crate::graph::{BinaryOp, Graph, GraphError, NodeId, Op, ReduceOp};
+use crate::graph::{BinaryOp, Graph, GraphError, NodeId, Op, OpFamily, ReduceOp};
 
 /// A value that is another's rows repeated: `x` (through reshapes) is a
 /// broadcast of `source` along one axis to `n` copies, and `x`'s last axis
@@ -100,38 +100,19 @@ pub fn narrow_broadcast_products(graph: &mut Graph) -> NarrowedProducts {
             Op::Reduce { op: ReduceOp::Sum, axis, .. } => {
                 rewritten.sums += usize::from(sum_copies(graph, id, axis).unwrap_or(false));
             }
-            Op::Input { .. }
-            | Op::Param(_)
-            | Op::Constant { .. }
-            | Op::Unary(_)
-            | Op::Binary(_)
-            | Op::Affine { .. }
-            | Op::Cast { .. }
-            | Op::Reduce { .. }
-            | Op::MatMul { .. }
-            | Op::Reshape { .. }
-            | Op::Permute { .. }
-            | Op::Broadcast { .. }
-            | Op::Slice { .. }
-            | Op::Concat { .. }
-            | Op::Gather { .. }
-            | Op::ScatterAdd { .. }
-            | Op::ScatterRows { .. }
-            | Op::TopK { .. }
-            | Op::MoeRoute { .. }
-            | Op::GroupedMatMul { .. }
-            | Op::GroupedMatMulGrad { .. }
-            | Op::Softmax
-            | Op::RmsNorm { .. }
-            | Op::LayerNorm { .. }
-            | Op::GroupNorm { .. }
-            | Op::SoftmaxCrossEntropy
-            | Op::CausalAttention { .. }
-            | Op::Sinkhorn { .. }
-            | Op::TemporalAugment { .. }
-            | Op::CausalAttentionGrad { .. }
-            | Op::SinkhornGrad { .. }
-            | Op::TemporalAugmentGrad { .. } => {}
+            // The rewrite narrows products and sums of copies only (see the module docs); no family has more.
+            op => match op.family() {
+                OpFamily::Source(_)
+                | OpFamily::Elementwise
+                | OpFamily::View(_)
+                | OpFamily::Reduction
+                | OpFamily::RowWise
+                | OpFamily::MatrixWise
+                | OpFamily::Contraction
+                | OpFamily::Indexed
+                | OpFamily::OwnGrid
+                | OpFamily::PlanStep => {}
+            },
         }
     }
     graph.set_role(role);
@@ -231,44 +212,25 @@ fn summable_terms(graph: &Graph, y: NodeId, copies: Copies) -> Option<(Option<Bi
             && d[..d.len() - 1] == dims[..dims.len() - 1];
         per_row.then_some(Term::PerRow(i))
     };
-    match graph.node(y).op {
+    match &graph.node(y).op {
         Op::Reshape { .. } => Some((None, vec![Term::Full(inputs[0])])),
         Op::Binary(op @ (BinaryOp::Add | BinaryOp::Sub)) => {
             let terms = inputs.iter().map(|&i| term(i)).collect::<Option<Vec<_>>>()?;
-            terms.iter().any(|t| matches!(t, Term::Full(_))).then_some((Some(op), terms))
+            terms.iter().any(|t| matches!(t, Term::Full(_))).then_some((Some(*op), terms))
         }
-        Op::Input { .. }
-        | Op::Param(_)
-        | Op::Constant { .. }
-        | Op::Unary(_)
-        | Op::Binary(_)
-        | Op::Affine { .. }
-        | Op::Cast { .. }
-        | Op::Reduce { .. }
-        | Op::MatMul { .. }
-        | Op::Permute { .. }
-        | Op::Broadcast { .. }
-        | Op::Slice { .. }
-        | Op::Concat { .. }
-        | Op::Gather { .. }
-        | Op::ScatterAdd { .. }
-        | Op::ScatterRows { .. }
-        | Op::TopK { .. }
-        | Op::MoeRoute { .. }
-        | Op::GroupedMatMul { .. }
-        | Op::GroupedMatMulGrad { .. }
-        | Op::Softmax
-        | Op::RmsNorm { .. }
-        | Op::LayerNorm { .. }
-        | Op::GroupNorm { .. }
-        | Op::NormProject { .. }
-        | Op::SoftmaxCrossEntropy
-        | Op::CausalAttention { .. }
-        | Op::Sinkhorn { .. }
-        | Op::TemporalAugment { .. }
-        | Op::CausalAttentionGrad { .. }
-        | Op::SinkhornGrad { .. }
-        | Op::TemporalAugmentGrad { .. } => None,
+        // Only a reshape and the sums of an add or a subtraction pass the copies on: any other op mixes them with what it computes.
+        op => match op.family() {
+            OpFamily::Source(_)
+            | OpFamily::Elementwise
+            | OpFamily::View(_)
+            | OpFamily::Reduction
+            | OpFamily::RowWise
+            | OpFamily::MatrixWise
+            | OpFamily::Contraction
+            | OpFamily::Indexed
+            | OpFamily::OwnGrid
+            | OpFamily::PlanStep => None,
+        },
     }
 }
 

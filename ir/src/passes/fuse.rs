@@ -70,8 +70,8 @@
 //! execution order of the groups.
 
 use super::tokens::TokenAxes;
-use crate::cost::op_cost;
-use crate::graph::{Graph, NodeId, Op, Region};
+use crate::cost::{op_cost, stored_elements, Holding};
+use crate::graph::{Graph, NodeId, Op, OpFamily, Region, View};
 use std::collections::{BTreeSet, HashMap, HashSet};
 
 /// Largest contraction length of a `MatMul` with an operand shared by all tokens that
@@ -197,42 +197,10 @@ fn dims(graph: &Graph, id: NodeId) -> String {
     format!("[{}]", d.join(","))
 }
 
-/// Elements an operand really holds once broadcasts and other views are undone.
+/// Elements an operand's memory holds once views are undone: a shared operand this
+/// small is unrolled into every item ([`Holding::Memory`]).
 fn stored(graph: &Graph, id: NodeId) -> usize {
-    let node = graph.node(id);
-    match &node.op {
-        Op::Broadcast { .. } | Op::Reshape { .. } | Op::Permute { .. } => stored(graph, graph.inputs(id)[0]),
-        Op::Concat { .. } => graph.inputs(id).into_iter().map(|i| stored(graph, i)).sum(),
-        Op::Input { .. }
-        | Op::Param(_)
-        | Op::Constant { .. }
-        | Op::Unary(_)
-        | Op::Binary(_)
-        | Op::Affine { .. }
-        | Op::Cast { .. }
-        | Op::Reduce { .. }
-        | Op::MatMul { .. }
-        | Op::Slice { .. }
-        | Op::Gather { .. }
-        | Op::ScatterAdd { .. }
-        | Op::ScatterRows { .. }
-        | Op::TopK { .. }
-        | Op::Softmax
-        | Op::RmsNorm { .. }
-        | Op::LayerNorm { .. }
-        | Op::GroupNorm { .. }
-        | Op::NormProject { .. }
-        | Op::SoftmaxCrossEntropy
-        | Op::CausalAttention { .. }
-        | Op::Sinkhorn { .. }
-        | Op::TemporalAugment { .. }
-        | Op::CausalAttentionGrad { .. }
-        | Op::SinkhornGrad { .. }
-        | Op::TemporalAugmentGrad { .. }
-        | Op::MoeRoute { .. }
-        | Op::GroupedMatMul { .. }
-        | Op::GroupedMatMulGrad { .. } => node.shape.numel(),
-    }
+    stored_elements(graph, id, Holding::Memory)
 }
 
 impl<'g> Analysis<'g> {
@@ -314,43 +282,25 @@ impl<'g> Analysis<'g> {
     /// Whether a view moves data along a token axis (its consumers read other tokens).
     fn shifts_tokens(&self, x: NodeId) -> bool {
         let (g, t) = (self.graph, &self.tokens);
-        match &g.node(x).op {
-            Op::Slice { axis, start, end } => {
+        match g.node(x).op.family() {
+            OpFamily::View(View::Slice { axis, start, end }) => {
                 let input = g.inputs(x)[0];
-                t.is_token_axis(g, input, *axis) && (*start != 0 || *end != g.node(input).shape.dims()[*axis])
+                t.is_token_axis(g, input, axis) && (start != 0 || end != g.node(input).shape.dims()[axis])
             }
-            Op::Concat { axis } => g.inputs(x).len() > 1 && t.is_token_axis(g, x, *axis),
-            Op::Input { .. }
-            | Op::Param(_)
-            | Op::Constant { .. }
-            | Op::Unary(_)
-            | Op::Binary(_)
-            | Op::Affine { .. }
-            | Op::Cast { .. }
-            | Op::Reduce { .. }
-            | Op::MatMul { .. }
-            | Op::Reshape { .. }
-            | Op::Permute { .. }
-            | Op::Broadcast { .. }
-            | Op::Gather { .. }
-            | Op::ScatterAdd { .. }
-            | Op::ScatterRows { .. }
-            | Op::TopK { .. }
-            | Op::Softmax
-            | Op::RmsNorm { .. }
-            | Op::LayerNorm { .. }
-            | Op::GroupNorm { .. }
-            | Op::NormProject { .. }
-            | Op::SoftmaxCrossEntropy
-            | Op::CausalAttention { .. }
-            | Op::Sinkhorn { .. }
-            | Op::TemporalAugment { .. }
-            | Op::CausalAttentionGrad { .. }
-            | Op::SinkhornGrad { .. }
-            | Op::TemporalAugmentGrad { .. }
-            | Op::MoeRoute { .. }
-            | Op::GroupedMatMul { .. }
-            | Op::GroupedMatMulGrad { .. } => false,
+            OpFamily::View(View::Concat { axis }) => g.inputs(x).len() > 1 && t.is_token_axis(g, x, axis),
+            // A reshape and a permutation keep every element at its token; a broadcast
+            // repeats a token's elements at that token (docs/architecture.md §5).
+            OpFamily::View(View::Reshape { .. } | View::Permute { .. } | View::Broadcast { .. }) => false,
+            // Not views: what they read is their own business (`stencil_slots`).
+            OpFamily::Source(_)
+            | OpFamily::Elementwise
+            | OpFamily::Reduction
+            | OpFamily::RowWise
+            | OpFamily::MatrixWise
+            | OpFamily::Contraction
+            | OpFamily::Indexed
+            | OpFamily::OwnGrid
+            | OpFamily::PlanStep => false,
         }
     }
 
@@ -358,41 +308,26 @@ impl<'g> Analysis<'g> {
     fn stencil_slots(&self, id: NodeId) -> Vec<usize> {
         let (g, t) = (self.graph, &self.tokens);
         match &g.node(id).op {
+            // A causal convolution over tokens reads earlier tokens of `out`; its
+            // gradient w.r.t. `out` reads later tokens of dY too (docs/math.md §6.5, §6.8).
             Op::TemporalAugment { .. } => vec![0],
             Op::TemporalAugmentGrad { wrt: 0, .. } => vec![0, g.inputs(id).len() - 1],
+            // A gather along a token axis reads the rows its indices name.
             Op::Gather { axis } if t.is_token_axis(g, g.inputs(id)[0], *axis) => vec![0],
-            Op::Input { .. }
-            | Op::Param(_)
-            | Op::Constant { .. }
-            | Op::Unary(_)
-            | Op::Binary(_)
-            | Op::Affine { .. }
-            | Op::Cast { .. }
-            | Op::Reduce { .. }
-            | Op::MatMul { .. }
-            | Op::Reshape { .. }
-            | Op::Permute { .. }
-            | Op::Broadcast { .. }
-            | Op::Slice { .. }
-            | Op::Concat { .. }
-            | Op::Gather { .. }
-            | Op::ScatterAdd { .. }
-            | Op::ScatterRows { .. }
-            | Op::TopK { .. }
-            | Op::Softmax
-            | Op::RmsNorm { .. }
-            | Op::LayerNorm { .. }
-            | Op::GroupNorm { .. }
-            | Op::NormProject { .. }
-            | Op::SoftmaxCrossEntropy
-            | Op::CausalAttention { .. }
-            | Op::Sinkhorn { .. }
-            | Op::CausalAttentionGrad { .. }
-            | Op::SinkhornGrad { .. }
-            | Op::TemporalAugmentGrad { .. }
-            | Op::MoeRoute { .. }
-            | Op::GroupedMatMul { .. }
-            | Op::GroupedMatMulGrad { .. } => Vec::new(),
+            // Every family computes a token from the same token of its operands (a
+            // token reduction or a heavy op is a group of its own, `classify`).
+            op => match op.family() {
+                OpFamily::Source(_)
+                | OpFamily::Elementwise
+                | OpFamily::View(_)
+                | OpFamily::Reduction
+                | OpFamily::RowWise
+                | OpFamily::MatrixWise
+                | OpFamily::Contraction
+                | OpFamily::Indexed
+                | OpFamily::OwnGrid
+                | OpFamily::PlanStep => Vec::new(),
+            },
         }
     }
 
@@ -400,35 +335,36 @@ impl<'g> Analysis<'g> {
         let (g, t) = (self.graph, &self.tokens);
         let op = &g.node(id).op;
         let inputs = g.inputs(id);
-        if op.is_source() {
-            return (Class::Source, "source".into());
-        }
-        if op.is_view() {
-            return if root {
-                (Class::Local, "view requested as a root: materialized by a copy".into())
-            } else {
-                (Class::View, "view: index math".into())
-            };
-        }
         let reduces_last = |axis_from_end: usize| {
             let x = inputs[0];
             let r = g.node(x).shape.rank();
             r >= axis_from_end && t.is_token_axis(g, x, r - axis_from_end)
         };
+        let local = || (Class::Local, "token-local".to_string());
         match op {
+            // Own-grid and plan-step ops: each has a token structure of its own.
             Op::CausalAttention { .. } => (Class::Heavy, "attention over all earlier tokens".into()),
             Op::CausalAttentionGrad { .. } => (Class::Heavy, "attention backward over all tokens".into()),
             Op::SoftmaxCrossEntropy => {
                 (Class::Heavy, "cross-entropy over the vocabulary, reduced to a scalar".into())
             }
-            Op::MatMul { trans_a, trans_b } => self.classify_matmul(id, *trans_a, *trans_b),
-            Op::MoeRoute { .. } => (Class::Reduction, "orders every token's expert assignments".into()),
             Op::GroupedMatMul { .. } => {
                 (Class::Heavy, "grouped matrix product over expert row groups".into())
             }
             Op::GroupedMatMulGrad { .. } => {
                 (Class::Heavy, "grouped weight gradient, summed over each expert's rows".into())
             }
+            Op::MoeRoute { .. } => (Class::Reduction, "orders every token's expert assignments".into()),
+            Op::TemporalAugmentGrad { wrt, .. } if *wrt > 0 => {
+                (Class::Reduction, "convolution-kernel gradient sums over tokens".into())
+            }
+            // The norm projection normalizes rows as the row-wise family does.
+            Op::NormProject { .. } if reduces_last(1) => {
+                (Class::Reduction, "normalizes over a token axis".into())
+            }
+            Op::TemporalAugment { .. } | Op::TemporalAugmentGrad { .. } | Op::NormProject { .. } => local(),
+            // Attribute-dependent members of their families.
+            Op::MatMul { trans_a, trans_b } => self.classify_matmul(id, *trans_a, *trans_b),
             Op::Reduce { axis, .. } if t.is_token_axis(g, inputs[0], *axis) => {
                 (Class::Reduction, format!("sums axis {axis} of {}, a token axis", dims(g, inputs[0])))
             }
@@ -438,49 +374,32 @@ impl<'g> Analysis<'g> {
                 if (*axis..rank).any(|k| t.is_token_axis(g, idx, k)) || t.is_token_axis(g, inputs[0], *axis) {
                     (Class::Reduction, "scatters token rows into a shared table".into())
                 } else {
-                    (Class::Local, "token-local".into())
+                    local()
                 }
             }
-            Op::TemporalAugmentGrad { wrt, .. } if *wrt > 0 => {
-                (Class::Reduction, "convolution-kernel gradient sums over tokens".into())
-            }
-            Op::Softmax
-            | Op::RmsNorm { .. }
-            | Op::LayerNorm { .. }
-            | Op::GroupNorm { .. }
-            | Op::NormProject { .. }
-            | Op::TopK { .. }
-                if reduces_last(1) =>
-            {
-                (Class::Reduction, "normalizes over a token axis".into())
-            }
-            Op::Sinkhorn { .. } | Op::SinkhornGrad { .. } if reduces_last(1) || reduces_last(2) => {
-                (Class::Reduction, "normalizes over a token axis".into())
-            }
-            Op::Input { .. }
-            | Op::Param(_)
-            | Op::Constant { .. }
-            | Op::Unary(_)
-            | Op::Binary(_)
-            | Op::Affine { .. }
-            | Op::Cast { .. }
-            | Op::Reduce { .. }
-            | Op::Reshape { .. }
-            | Op::Permute { .. }
-            | Op::Broadcast { .. }
-            | Op::Slice { .. }
-            | Op::Concat { .. }
-            | Op::Gather { .. }
-            | Op::TopK { .. }
-            | Op::Softmax
-            | Op::RmsNorm { .. }
-            | Op::LayerNorm { .. }
-            | Op::GroupNorm { .. }
-            | Op::NormProject { .. }
-            | Op::Sinkhorn { .. }
-            | Op::TemporalAugment { .. }
-            | Op::SinkhornGrad { .. }
-            | Op::TemporalAugmentGrad { .. } => (Class::Local, "token-local".into()),
+            op => match op.family() {
+                OpFamily::Source(_) => (Class::Source, "source".into()),
+                OpFamily::View(_) if root => {
+                    (Class::Local, "view requested as a root: materialized by a copy".into())
+                }
+                OpFamily::View(_) => (Class::View, "view: index math".into()),
+                OpFamily::RowWise if reduces_last(1) => {
+                    (Class::Reduction, "normalizes over a token axis".into())
+                }
+                OpFamily::MatrixWise if reduces_last(1) || reduces_last(2) => {
+                    (Class::Reduction, "normalizes over a token axis".into())
+                }
+                // A reduction over a non-token axis and a gather (its rows by index, at
+                // its own token) are token-local; so is every remaining family member.
+                OpFamily::Elementwise
+                | OpFamily::Reduction
+                | OpFamily::RowWise
+                | OpFamily::MatrixWise
+                | OpFamily::Contraction
+                | OpFamily::Indexed
+                | OpFamily::OwnGrid
+                | OpFamily::PlanStep => local(),
+            },
         }
     }
 

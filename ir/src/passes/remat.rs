@@ -32,7 +32,7 @@
 use std::collections::{HashMap, HashSet};
 
 use super::fuse::{fuse, FuseError, FusedGraph, GroupId, GroupKind};
-use crate::graph::{Graph, NodeId, Op, Region, Role};
+use crate::graph::{Graph, NodeId, Op, OpFamily, Region, Role};
 
 /// Deepest chain copied for one value: the value and the elementwise nodes
 /// it is computed from, up to operands the reader has.
@@ -170,9 +170,21 @@ fn view_read_by(graph: &Graph, id: NodeId, members: &HashSet<NodeId>) -> bool {
         && graph.users(id).iter().any(|&(u, _)| members.contains(&u) || view_read_by(graph, u, members))
 }
 
-/// Elementwise ops, whose copy costs a few FLOPs per element.
+/// The elementwise family ([`OpFamily::Elementwise`]), whose copy costs a few FLOPs
+/// per element (a `Cast` none: it only rounds).
 fn recomputable(op: &Op) -> bool {
-    matches!(op, Op::Unary(_) | Op::Binary(_) | Op::Affine { .. } | Op::Cast { .. })
+    match op.family() {
+        OpFamily::Elementwise => true,
+        OpFamily::Source(_)
+        | OpFamily::View(_)
+        | OpFamily::Reduction
+        | OpFamily::RowWise
+        | OpFamily::MatrixWise
+        | OpFamily::Contraction
+        | OpFamily::Indexed
+        | OpFamily::OwnGrid
+        | OpFamily::PlanStep => false,
+    }
 }
 
 /// A per-token product over at most [`SHORT_CONTRACTION`] terms: both

@@ -1,7 +1,7 @@
 //! Building blocks of the device tests' hand-built Plans: kernels sized by each
 //! test, buffer declarations and deterministic data.
 
-use codegen::kernel::{f32, i64, item, lane, Access, Grid, Kernel, KernelBuilder, ReduceOp, Unroll};
+use codegen::kernel::{f32, i64, item, lane, Access, Grid, Kernel, KernelBuilder, Combine, Unroll};
 use codegen::plan::{BufferDecl, BufferId, BufferRole};
 use ir::DType;
 
@@ -48,7 +48,7 @@ pub fn rms_rows(rows: usize, f: usize, lanes: u32, eps: f32) -> Kernel {
         let v = b.let_("v", x.at(&base + &j));
         b.assign(&acc, &acc + &v * &v);
     });
-    let ss = k.block_reduce("ss", ReduceOp::Sum, acc);
+    let ss = k.block_reduce("ss", Combine::Sum, acc);
     let r = k.let_("r", (ss / f32(f as f32) + f32(eps)).rsqrt());
     k.for_step("j", lane(), i64(f as i64), i64::from(lanes), Unroll::Auto, |b, j| {
         b.store(&y, &base + &j, x.at(&base + &j) * &r);
