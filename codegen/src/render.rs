@@ -28,7 +28,7 @@ use std::fmt::Write as _;
 use ir::DType;
 
 use crate::kernel::{
-    Access, BinOp, Buf, CmpOp, Combine, Expr, Grid, Kernel, KernelError, MathFn, Param, Stmt, Ty, UnOp,
+    Access, BinOp, Buf, CmpOp, Combine, Expr, Grid, Kernel, KernelError, KernelParam, MathFn, Stmt, Ty, UnOp,
     Unroll,
 };
 
@@ -297,7 +297,7 @@ fn next_item_prefetches(k: &Kernel) -> Vec<Vec<RowPrefetch>> {
             }
         })
     });
-    let rows: Vec<(&Param, usize)> = first_loads
+    let rows: Vec<(&KernelParam, usize)> = first_loads
         .iter()
         .filter_map(|name| k.params.iter().find(|p| &p.name == name))
         .filter(|p| p.access.readable() && p.len % n == 0)
@@ -305,7 +305,7 @@ fn next_item_prefetches(k: &Kernel) -> Vec<Vec<RowPrefetch>> {
         .filter(|(p, row)| row * p.dtype.size_bytes() >= LINE_BYTES)
         .collect();
     // (parameter, row length, first byte, end byte) of each line of the rows.
-    let lines: Vec<(&Param, usize, usize, usize)> = rows
+    let lines: Vec<(&KernelParam, usize, usize, usize)> = rows
         .iter()
         .flat_map(|&(p, row)| {
             let bytes = row * p.dtype.size_bytes();
@@ -431,7 +431,7 @@ impl Printer {
         }
     }
 
-    fn param_decl(&self, p: &Param) -> String {
+    fn param_decl(&self, p: &KernelParam) -> String {
         let konst = if p.access == Access::Read { "const " } else { "" };
         let restrict = if self.cuda() { "__restrict__" } else { "restrict" };
         format!("{konst}{}* {restrict} {}", self.storage(p.dtype), p.name)

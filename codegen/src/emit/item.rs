@@ -635,7 +635,7 @@ fn matmul(b: &mut Block, cx: &ItemOp, trans_a: bool, trans_b: bool) {
 /// out[p, j, r] = x[p, idx[p, j], r] (`ir::exec::movement::gather`).
 ///
 /// Index safety: the kernel does not bound `idx`. Its ids are either token ids
-/// (the embedding lookup), which `runtime::executor::check_tokens` holds to
+/// (the embedding lookup), which `runtime::step::check_tokens` holds to
 /// `0..vocab` before any batch is uploaded, or [`topk`]'s, in range by
 /// construction.
 fn gather(b: &mut Block, cx: &ItemOp, axis: usize) {
@@ -659,7 +659,7 @@ fn gather(b: &mut Block, cx: &ItemOp, axis: usize) {
 ///
 /// Index safety: a scatter-add writes at `idx` unchecked; its ids are token
 /// ids (the embedding's gradient, and the cross-entropy gradient's one-hot
-/// targets over the vocabulary axis), checked by `runtime::executor::check_tokens`
+/// targets over the vocabulary axis), checked by `runtime::step::check_tokens`
 /// before upload, or [`topk`]'s. `ScatterRows` compares each id with the row it
 /// writes, so only its reads follow an id, and those come from [`topk`].
 fn scatter(b: &mut Block, cx: &ItemOp, axis: usize, add: bool) {

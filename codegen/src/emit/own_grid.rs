@@ -214,7 +214,7 @@ const LOSS_BLOCKS: usize = 16;
 /// GPU multiprocessor.
 ///
 /// Index safety: the targets (token ids) pick the logit each row subtracts
-/// unchecked; `runtime::executor::check_tokens` holds them to `0..vocab`, the
+/// unchecked; `runtime::step::check_tokens` holds them to `0..vocab`, the
 /// logits' last axis, before any batch is uploaded.
 pub(super) fn cross_entropy(graph: &Graph, id: NodeId, name: &str) -> Result<Lowering, EmitError> {
     let inputs = graph.inputs(id);

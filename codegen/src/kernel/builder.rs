@@ -5,7 +5,7 @@ use std::ops::{Deref, DerefMut};
 
 use ir::DType;
 
-use super::{Access, Buf, Combine, Expr, Grid, Kernel, Param, Stmt, Ty, Unroll};
+use super::{Access, Buf, Combine, Expr, Grid, Kernel, KernelParam, Stmt, Ty, Unroll};
 
 /// A list of statements under construction (a kernel body, a loop body or an
 /// `if` branch).
@@ -181,7 +181,7 @@ impl Block {
 pub struct KernelBuilder {
     name: String,
     grid: Grid,
-    params: Vec<Param>,
+    params: Vec<KernelParam>,
     body: Block,
 }
 
@@ -193,7 +193,7 @@ impl KernelBuilder {
 
     /// Declares the next buffer parameter and returns its handle.
     pub fn param(&mut self, name: &str, dtype: DType, access: Access, len: usize) -> Buf {
-        let p = Param { name: name.into(), dtype, access, len };
+        let p = KernelParam { name: name.into(), dtype, access, len };
         let buf = p.buf();
         self.params.push(p);
         buf

@@ -121,7 +121,7 @@ impl Access {
 /// it), which is why the renderers mark them `restrict`.
 #[derive(Debug, Clone, PartialEq)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
-pub struct Param {
+pub struct KernelParam {
     pub name: String,
     /// Storage type. `Bf16` is storage only: loads widen to f32 and stores
     /// round to nearest even (docs/math.md §6.12 keeps arithmetic in f32).
@@ -131,7 +131,7 @@ pub struct Param {
     pub len: usize,
 }
 
-impl Param {
+impl KernelParam {
     /// The buffer handle used to load from and store to this parameter.
     pub fn buf(&self) -> Buf {
         Buf::Param { name: self.name.clone(), dtype: self.dtype }
@@ -294,7 +294,7 @@ pub enum Unroll {
 pub struct Kernel {
     /// Identifier; the rendered function is `widen_<name>`.
     pub name: String,
-    pub params: Vec<Param>,
+    pub params: Vec<KernelParam>,
     pub grid: Grid,
     pub body: Vec<Stmt>,
 }
@@ -345,8 +345,8 @@ impl Kernel {
             names.entry(p.name.clone()).or_insert(fresh);
         }
         declared_names(&self.body, &mut names);
-        let params: Vec<Param> =
-            self.params.iter().map(|p| Param { name: names[&p.name].clone(), ..p.clone() }).collect();
+        let params: Vec<KernelParam> =
+            self.params.iter().map(|p| KernelParam { name: names[&p.name].clone(), ..p.clone() }).collect();
         let body = renamed(&self.body, &names);
         format!("{:?}|{params:?}|{body:?}", self.grid)
     }

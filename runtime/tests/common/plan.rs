@@ -1,7 +1,7 @@
 //! Building blocks of the device tests' hand-built Plans: kernels sized by each
 //! test, buffer declarations and deterministic data.
 
-use codegen::kernel::{f32, i64, item, lane, Access, Grid, Kernel, KernelBuilder, Combine, Unroll};
+use codegen::kernel::{f32, i64, item, lane, Access, Combine, Grid, Kernel, KernelBuilder, Unroll};
 use codegen::plan::{BufferDecl, BufferId, BufferRole};
 use ir::DType;
 
