@@ -306,22 +306,7 @@ impl MetricsLine {
 /// no newline that does not parse is one a running training is still writing, and
 /// is left out; any other bad line is an error naming the file and line.
 pub(crate) fn metrics_lines(run_dir: &Path) -> Result<Vec<MetricsLine>, String> {
-    let path = run_dir.join(METRICS_FILE);
-    let text = std::fs::read_to_string(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-    let open_tail = !text.is_empty() && !text.ends_with('\n');
-    let count = text.lines().count();
-    let mut out = Vec::with_capacity(count);
-    for (i, line) in text.lines().enumerate() {
-        if line.trim().is_empty() {
-            continue;
-        }
-        match serde_json::from_str::<MetricsLine>(line) {
-            Ok(l) => out.push(l),
-            Err(_) if open_tail && i + 1 == count => {}
-            Err(e) => return Err(format!("{} line {}: not a metrics line: {e}", path.display(), i + 1)),
-        }
-    }
-    Ok(out)
+    jsonl_lines(&run_dir.join(METRICS_FILE))
 }
 
 /// The files [`plot_run`] wrote.
@@ -354,8 +339,8 @@ struct RunLine {
     moe_dropped: Option<f64>,
 }
 
-/// Every complete line of `path` as a `T`, by the rule of [`metrics_lines`]: an
-/// unparsable last line without a newline is still being written and left out.
+/// Every complete line of the JSON-lines file `path` as a `T`: an unparsable last
+/// line without a newline is still being written and left out (see [`metrics_lines`]).
 fn jsonl_lines<T: serde::de::DeserializeOwned>(path: &Path) -> Result<Vec<T>, String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
     let open_tail = !text.is_empty() && !text.ends_with('\n');

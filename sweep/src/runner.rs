@@ -607,23 +607,7 @@ fn train_queue(
         let (point, run) =
             file.runs().find(|(_, r)| dir.join(&r.dir) == *run_dir).expect("a run of the plan");
         watch.check(dir, point, &file.data[&point.name])?;
-        let progress = Arc::new(Mutex::new(ProgressState::quiet(label.clone())));
-        {
-            let mut p = progress.lock().expect("progress lock");
-            p.on = opts.progress;
-            p.start_run();
-        }
-        let observer = {
-            let progress = Arc::clone(&progress);
-            StepObserver::new(move |e: StepEvent| progress.lock().expect("progress lock").step(e))
-        };
-        let outcome = train_run(point, run, run_dir, opts, observer)?;
-        progress.lock().expect("progress lock").end_run(&outcome);
-        write_outcome(
-            run_dir,
-            &outcome,
-            &Provenance::here(opts.device, file.data.get(&point.name).cloned()),
-        )?;
+        train_and_record(file, point, run, run_dir, opts, label)?;
         report_into(dir, file)?;
     }
     Ok(queue.len())
@@ -773,7 +757,21 @@ pub fn run_index(index: usize, opts: &SweepOptions) -> Result<RunIndexReport, Sw
         return done(false);
     }
     DataWatch::default().check(dir, point, &file.data[&point.name])?;
-    let progress = Arc::new(Mutex::new(ProgressState::quiet(label.clone())));
+    train_and_record(&file, point, run, &run_dir, opts, &label)?;
+    done(true)
+}
+
+/// Trains one run with a progress line of its own (one run of many, or of a
+/// cluster task) and writes its outcome with this process's provenance.
+fn train_and_record(
+    file: &PlanFile,
+    point: &Point,
+    run: &crate::point::Run,
+    run_dir: &Path,
+    opts: &SweepOptions,
+    label: &str,
+) -> Result<(), SweepRunError> {
+    let progress = Arc::new(Mutex::new(ProgressState::quiet(label.to_string())));
     {
         let mut p = progress.lock().expect("progress lock");
         p.on = opts.progress;
@@ -783,10 +781,10 @@ pub fn run_index(index: usize, opts: &SweepOptions) -> Result<RunIndexReport, Sw
         let progress = Arc::clone(&progress);
         StepObserver::new(move |e: StepEvent| progress.lock().expect("progress lock").step(e))
     };
-    let outcome = train_run(point, run, &run_dir, opts, observer)?;
+    let outcome = train_run(point, run, run_dir, opts, observer)?;
     progress.lock().expect("progress lock").end_run(&outcome);
-    write_outcome(&run_dir, &outcome, &Provenance::here(opts.device, file.data.get(&point.name).cloned()))?;
-    done(true)
+    write_outcome(run_dir, &outcome, &Provenance::here(opts.device, file.data.get(&point.name).cloned()))?;
+    Ok(())
 }
 
 /// Checks a point's data again before each run, re-hashing a file only when its
