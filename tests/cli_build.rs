@@ -107,9 +107,15 @@ fn slow_built_binary_trains_like_widen_train_without_the_spec() {
 
     // A second build of the same spec reuses the generated package (the binary
     // itself is relinked only if the widen sources changed in between).
+    let package = std::fs::read_dir(cache.join("build")).unwrap().next().unwrap().unwrap().path();
+    let written = |f: &str| std::fs::metadata(package.join(f)).and_then(|m| m.modified()).unwrap();
+    let before = (written("src/main.rs"), written("src/plan.json"));
     let again = dir.join("out/tiny-bin-2");
     build(&again);
     assert!(again.is_file());
+    // Not one file of the package is written again (cargo rewrote its lock file on the
+    // first build), so cargo finds nothing to compile.
+    assert_eq!((written("src/main.rs"), written("src/plan.json")), before, "the package was rewritten");
     let packages = std::fs::read_dir(cache.join("build")).unwrap().count();
     assert_eq!(packages, 1, "one package folder; the target folder is the workspace's");
     std::fs::remove_dir_all(dir).unwrap();

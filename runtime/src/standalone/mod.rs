@@ -184,12 +184,28 @@ fn write_package(package: &Package, dir: &Path) -> Result<(), BuildError> {
     let mut stamp = String::new();
     for (rel, text) in &package.files {
         let path = dir.join(rel);
+        if rel == Path::new(LOCK) {
+            // Cargo owns the lock file once it exists (its first build rewrites it for
+            // the package): written only when missing, and stamped as present, not by
+            // digest, so the next build finds the package whole and compiles nothing.
+            if !path.is_file() {
+                write_atomic(&path, text.as_bytes())?;
+            }
+            stamp.push_str(&format!("{ANY}  {}\n", rel.display()));
+            continue;
+        }
         let text = if rel.extension().is_some_and(|e| e == "rs") { rustfmt(text) } else { text.clone() };
         write_atomic(&path, text.as_bytes())?;
         stamp.push_str(&format!("{}  {}\n", sha256_hex(text.as_bytes()), rel.display()));
     }
     write_atomic(&dir.join(STAMP), stamp.as_bytes())
 }
+
+/// The package's lock file, seeded from the workspace's and then cargo's.
+const LOCK: &str = "Cargo.lock";
+
+/// A stamp digest that asks only that the file exists.
+const ANY: &str = "-";
 
 /// Whether `dir` holds a complete package: a [`STAMP`] whose every listed
 /// file exists with the listed digest.
@@ -198,8 +214,9 @@ fn package_intact(dir: &Path) -> bool {
     let mut lines = stamp.lines().peekable();
     lines.peek().is_some()
         && lines.all(|line| {
-            line.split_once("  ").is_some_and(|(digest, rel)| {
-                std::fs::read(dir.join(rel)).is_ok_and(|bytes| sha256_hex(&bytes) == digest)
+            line.split_once("  ").is_some_and(|(digest, rel)| match digest {
+                ANY => dir.join(rel).is_file(),
+                _ => std::fs::read(dir.join(rel)).is_ok_and(|bytes| sha256_hex(&bytes) == digest),
             })
         })
 }
@@ -305,6 +322,7 @@ mod tests {
             files: vec![
                 (PathBuf::from("Cargo.toml"), "[package]\nname = \"x\"\n".into()),
                 (PathBuf::from("src/plan.json"), "{\"kernels\": []}".into()),
+                (PathBuf::from(LOCK), "# the workspace's lock\n".into()),
             ],
             name: "x".into(),
             hash: "h".into(),
@@ -318,6 +336,14 @@ mod tests {
         write_package(&package, &dir).unwrap();
         let again = std::fs::metadata(dir.join(STAMP)).and_then(|m| m.modified()).unwrap();
         assert_eq!(stamp_time, again, "a whole package is not rewritten");
+        // Cargo rewrites the lock file on the first build: the package is still whole,
+        // and the lock is cargo's from then on.
+        std::fs::write(dir.join(LOCK), "# rewritten by cargo\n").unwrap();
+        assert!(package_intact(&dir), "a lock file cargo rewrote keeps the package whole");
+        write_package(&package, &dir).unwrap();
+        assert_eq!(std::fs::read_to_string(dir.join(LOCK)).unwrap(), "# rewritten by cargo\n");
+        let unchanged = std::fs::metadata(dir.join(STAMP)).and_then(|m| m.modified()).unwrap();
+        assert_eq!(stamp_time, unchanged, "nothing is rewritten after cargo's lock update");
         for damage in ["truncate", "remove", "unstamp"] {
             match damage {
                 "truncate" => std::fs::write(&plan, "{\"ker").unwrap(),
