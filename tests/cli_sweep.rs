@@ -149,7 +149,7 @@ fn a_tiny_sweep_writes_every_run_row_and_plot() {
     let strokes = series_strokes(&doc);
     assert_eq!(strokes.len(), 3, "one colour per point: {strokes:?}");
     assert!(strokes.values().all(|&n| n == 2), "a training and a validation line per point: {strokes:?}");
-    for (name, marks) in [("law.svg", 3), ("frontier.svg", 3)] {
+    for (name, marks) in [("law.svg", 3), ("frontier.svg", 3), ("frontier-time.svg", 3)] {
         let text = svg(&plots.join(name));
         let doc = roxmltree::Document::parse(&text).unwrap_or_else(|e| panic!("{name} is not XML: {e}"));
         let circles = doc.descendants().filter(|n| n.has_tag_name("circle")).count();

@@ -85,8 +85,9 @@ pub struct LawPlot {
 #[derive(Debug, Clone, PartialEq)]
 pub struct CostPoint {
     pub label: String,
-    /// Training FLOPs the point spent.
-    pub flops: f64,
+    /// What the point spent, on the x axis: training FLOPs, or training seconds
+    /// ([`FrontierX`]).
+    pub cost: f64,
     /// Mean final validation loss (nats).
     pub loss: f64,
     /// Half-width of the 95% interval of that mean over seeds, drawn as an error bar.
@@ -98,6 +99,17 @@ pub struct CostPoint {
 pub struct FrontierPlot {
     pub title: String,
     pub points: Vec<CostPoint>,
+}
+
+/// What the frontier's x axis measures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FrontierX {
+    /// Training FLOPs (the cost model's count).
+    #[default]
+    Flops,
+    /// Training wall-clock seconds (steps × measured step time): hyper-connections
+    /// cost memory traffic more than FLOPs, so equal FLOPs can flatter them.
+    Seconds,
 }
 
 /// One bar pair of plot (d).
@@ -560,11 +572,16 @@ pub fn law(data: &LawPlot) -> Result<(String, Result<LinearFit, FitError>), Plot
 
 /// Plot (c): validation loss against training FLOPs (log axis), frontier highlighted.
 pub fn frontier(data: &FrontierPlot) -> Result<String, PlotError> {
+    frontier_with(data, FrontierX::Flops)
+}
+
+/// [`frontier`] against the cost `x` says: FLOPs or training seconds.
+pub fn frontier_with(data: &FrontierPlot, x: FrontierX) -> Result<String, PlotError> {
     const PLOT: &str = "loss vs compute";
     let pairs: Vec<(f64, f64)> = data
         .points
         .iter()
-        .map(|p| if p.flops > 0.0 { (p.flops, p.loss) } else { (f64::NAN, p.loss) })
+        .map(|p| if p.cost > 0.0 { (p.cost, p.loss) } else { (f64::NAN, p.loss) })
         .collect();
     let on = crate::frontier::frontier(&pairs);
     let usable: Vec<usize> =
@@ -591,9 +608,15 @@ pub fn frontier(data: &FrontierPlot) -> Result<String, PlotError> {
             .map_err(draw_err(PLOT))?;
         chart
             .configure_mesh()
-            .x_desc("training FLOPs (log scale)")
+            .x_desc(match x {
+                FrontierX::Flops => "training FLOPs (log scale)",
+                FrontierX::Seconds => "training time, seconds (log scale)",
+            })
             .y_desc("final validation loss (nats per byte)")
-            .x_label_formatter(&|x| format!("{:.2e}", 10f64.powf(*x)))
+            .x_label_formatter(&|v| match x {
+                FrontierX::Flops => format!("{:.2e}", 10f64.powf(*v)),
+                FrontierX::Seconds => format!("{:.3}", 10f64.powf(*v)),
+            })
             .draw()
             .map_err(draw_err(PLOT))?;
         chart
@@ -1042,7 +1065,12 @@ mod tests {
             points: pts
                 .iter()
                 .enumerate()
-                .map(|(i, &(flops, loss))| CostPoint { label: format!("p{i}"), flops, loss, ci95: None })
+                .map(|(i, &(flops, loss))| CostPoint {
+                    label: format!("p{i}"),
+                    cost: flops,
+                    loss,
+                    ci95: None,
+                })
                 .collect(),
         };
         let doc_text = frontier(&data).unwrap();
@@ -1059,6 +1087,8 @@ mod tests {
             "failed point left out"
         );
         assert!(has_text(&doc, "training FLOPs (log scale)") && has_text(&doc, "frontier"));
+        let timed = frontier_with(&data, FrontierX::Seconds).unwrap();
+        assert!(has_text(&parse(&timed), "training time, seconds (log scale)"));
     }
 
     #[test]
@@ -1090,7 +1120,7 @@ mod tests {
         assert!(matches!(law(&LawPlot::default()), Err(PlotError::NoData { .. })));
         let nan = FrontierPlot {
             title: String::new(),
-            points: vec![CostPoint { label: "x".into(), flops: 1.0, loss: f64::NAN, ci95: None }],
+            points: vec![CostPoint { label: "x".into(), cost: 1.0, loss: f64::NAN, ci95: None }],
         };
         assert!(matches!(frontier(&nan), Err(PlotError::NoData { .. })));
         let none = SpeedPlot {
@@ -1116,7 +1146,7 @@ mod tests {
                 .map(|i| CostPoint {
                     ci95: None,
                     label: format!("p{i}"),
-                    flops: 1e12 * (i + 1) as f64,
+                    cost: 1e12 * (i + 1) as f64,
                     loss: [2.0, 1.8, 1.9, 1.7][i],
                 })
                 .collect(),

@@ -196,20 +196,28 @@ fn render(
         ),
     )?;
     let finished: Vec<&PointResult> = rows.iter().filter(|r| r.val_loss.mean.is_some()).collect();
+    let frontier = |what: &str, cost: &dyn Fn(&PointResult) -> f64| FrontierPlot {
+        title: title(what),
+        points: finished
+            .iter()
+            .map(|r| CostPoint {
+                label: r.point.clone(),
+                cost: cost(r),
+                loss: r.val_loss.mean.unwrap_or(f64::NAN),
+                ci95: r.val_loss_ci95,
+            })
+            .collect(),
+    };
+    let flops = |r: &PointResult| r.tokens_trained as f64 * r.flops_per_token_train as f64;
+    write("frontier.svg", plot::frontier(&frontier("validation loss against training compute", &flops)))?;
+    // Each run's training seconds: its tokens at the point's measured throughput.
+    let seconds = |r: &PointResult| r.tokens_per_s.map_or(f64::NAN, |t| r.tokens_trained as f64 / t);
     write(
-        "frontier.svg",
-        plot::frontier(&FrontierPlot {
-            title: title("validation loss against training compute"),
-            points: finished
-                .iter()
-                .map(|r| CostPoint {
-                    label: r.point.clone(),
-                    flops: r.tokens_trained as f64 * r.flops_per_token_train as f64,
-                    loss: r.val_loss.mean.unwrap_or(f64::NAN),
-                    ci95: r.val_loss_ci95,
-                })
-                .collect(),
-        }),
+        "frontier-time.svg",
+        plot::frontier_with(
+            &frontier("validation loss against training time", &seconds),
+            plot::FrontierX::Seconds,
+        ),
     )?;
     write(
         "speed.svg",
