@@ -31,6 +31,8 @@ pub enum DataError {
          (seq_len + 1) in both the training and the validation split needs at least {needed} bytes"
     )]
     TooShort { path: String, len: usize, window: usize, needed: usize },
+    #[error("token shards {path}: not readable yet")]
+    Tokens { path: String },
     #[error("validation fraction {fraction} must be strictly between 0 and 1")]
     Fraction { fraction: f64 },
 }
@@ -77,6 +79,7 @@ impl Corpus {
             DataSpec::Text(path) => {
                 Corpus::from_bytes(path.clone(), read_text(Path::new(path))?, val_fraction, window)
             }
+            DataSpec::Tokens(t) => Err(DataError::Tokens { path: t.train.clone() }),
         }
     }
 

@@ -274,6 +274,9 @@ fn training_corpus(
             return Ok(corpus);
         }
         DataSpec::Text(path) => PathBuf::from(path),
+        DataSpec::Tokens(_) => {
+            return Corpus::load(&spec.train.data, fraction, window).map_err(EvalError::TrainingData)
+        }
     };
     let mut seen: Vec<PathBuf> = Vec::new();
     let (mut tried, mut other, mut unreadable) = (Vec::new(), Vec::<DataIdentity>::new(), None);

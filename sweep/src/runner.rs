@@ -800,7 +800,7 @@ impl DataWatch {
             DataSpec::Text(path) => {
                 std::fs::metadata(path).ok().and_then(|m| Some((m.len(), m.modified().ok()?)))
             }
-            DataSpec::Synthetic(_) => None,
+            DataSpec::Synthetic(_) | DataSpec::Tokens(_) => None,
         };
         let key = data_key(point);
         let now = match self.checked.get(&key) {

@@ -101,7 +101,7 @@ pub fn gib(bytes: f64) -> f64 {
 /// The estimate for `spec` at its own `train.batch` and `train.seq_len`.
 pub fn training_memory(spec: &ModelSpec) -> TrainingMemory {
     let f = |x: usize| x as f64;
-    let (v, d, l) = (f(spec.vocab), f(spec.d_model), f(spec.layers));
+    let (v, d, l) = (f(spec.model_vocab()), f(spec.d_model), f(spec.layers));
     let (h, hkv, dh) = (f(spec.heads), f(spec.kv_heads()), f(spec.head_dim()));
     let tokens = f(spec.train.batch) * f(spec.train.seq_len);
 

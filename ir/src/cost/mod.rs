@@ -345,7 +345,7 @@ pub fn cost_report(spec: &ModelSpec) -> Result<CostReport, LowerError> {
         scheme: scheme_label(&spec.residual),
         d_model: spec.d_model,
         layers: spec.layers,
-        vocab: spec.vocab,
+        vocab: spec.model_vocab(),
         seq_len: spec.train.seq_len,
         params: counts.params,
         connection_params_per_block: counts.connection_params_per_block(),

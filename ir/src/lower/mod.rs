@@ -321,7 +321,7 @@ impl HeadParams {
     fn new(cx: &mut Cx) -> Result<Self, GraphError> {
         cx.set_role(Role::new(Region::Head));
         let spec = cx.spec.clone();
-        let (d, v) = (spec.d_model, spec.vocab);
+        let (d, v) = (spec.d_model, spec.model_vocab());
         let readout_mult = match &spec.parametrization {
             Parametrization::Standard => 1.0,
             Parametrization::MuP(m) => m.output_mult / cx.width_mult(),

@@ -53,6 +53,12 @@ const WIDTH: &str = "widths above 2^24 exceed any model by 1000x";
 /// Every integer field of a spec with its range.
 pub const INTEGER_LIMITS: &[IntegerLimit] = &[
     IntegerLimit { path: "vocab", min: 256, max: 1 << 31, why: "token ids are 32-bit integers in the graph" },
+    IntegerLimit {
+        path: "vocab_pad_to",
+        min: 1,
+        max: 1 << 16,
+        why: "it is an alignment; nanoGPT pads to 64, and 65536 rows of padding would only waste memory",
+    },
     IntegerLimit { path: "d_model", min: 1, max: MAX_WIDTH, why: WIDTH },
     IntegerLimit {
         path: "layers",
@@ -135,6 +141,12 @@ pub const INTEGER_LIMITS: &[IntegerLimit] = &[
         min: 1,
         max: 100_000,
         why: "every evaluation runs them all; 1e5 batches would dwarf the training it measures",
+    },
+    IntegerLimit {
+        path: "train.val_tokens",
+        min: 3,
+        max: 1 << 40,
+        why: "every evaluation reads them all; 2^40 tokens is 100x the largest published corpus",
     },
     IntegerLimit {
         path: "train.checkpoint_every",

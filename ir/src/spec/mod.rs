@@ -61,8 +61,13 @@ pub struct ModelSpec {
     /// Name of reports and of the run's folder under `runs/`: 1..=64 characters from
     /// `A-Za-z0-9._-`, not `.` or `..` (one safe path component).
     pub name: String,
-    /// Vocabulary size V [>= 256 to train: every corpus is byte-level; >= 2 for a graph].
+    /// Vocabulary size V: the tokenizer's, every token id lies in `0..vocab` [>= 256 to
+    /// train on bytes; >= 2 for a graph].
     pub vocab: usize,
+    /// Pad the embedding and output rows up to a multiple of this (nanoGPT pads GPT-2's
+    /// 50257 to 50304 = 64 x 786) for aligned matmuls; the padded rows are never a
+    /// target and never sampled. `None` (the default): no padding (docs/data.md).
+    pub vocab_pad_to: Option<usize>,
     /// Backbone width D (= C) [>= 1].
     pub d_model: usize,
     /// Transformer blocks L [>= 1]; each has two sublayers (attention, FFN).
@@ -97,11 +102,23 @@ pub struct ModelSpec {
     pub train: TrainSpec,
 }
 
+impl ModelSpec {
+    /// The rows of the embedding and the output layer: `vocab` rounded up to a multiple
+    /// of `vocab_pad_to` (docs/data.md). Every shape uses this; token checks use `vocab`.
+    pub fn model_vocab(&self) -> usize {
+        match self.vocab_pad_to {
+            Some(m) if m > 1 => self.vocab.div_ceil(m).saturating_mul(m),
+            _ => self.vocab,
+        }
+    }
+}
+
 impl Default for ModelSpec {
     fn default() -> Self {
         ModelSpec {
             name: "model".into(),
             vocab: 256,
+            vocab_pad_to: None,
             d_model: 64,
             layers: 2,
             heads: 4,
@@ -754,6 +771,12 @@ pub struct TrainSpec {
     pub eval_batches: usize,
     /// Fraction of the text held out for validation (0 < f < 1); default 0.1.
     pub val_fraction: f64,
+    /// Order of the training windows; default `Random` (docs/data.md).
+    pub order: DataOrder,
+    /// Validate on this many tokens taken in order from the start of the validation
+    /// split (modded-nanogpt uses 10485760), so the number is comparable with published
+    /// ones; `None` (the default) scores `eval_batches` random windows instead.
+    pub val_tokens: Option<usize>,
     /// Checkpoint every this many steps (0 = only at the end); default 0.
     pub checkpoint_every: usize,
     /// Keep only the newest this many `ckpt-<step>` files of a run, deleting older
@@ -776,6 +799,8 @@ impl Default for TrainSpec {
             eval_every: 50,
             eval_batches: 4,
             val_fraction: 0.1,
+            order: DataOrder::Random,
+            val_tokens: None,
             checkpoint_every: 0,
             keep_last: 0,
         }
@@ -790,6 +815,77 @@ pub enum DataSpec {
     /// A byte-level text file, `Text("data/input.txt")`: a path relative to the folder
     /// widen runs in (not the spec's folder), or absolute.
     Text(String),
+    /// Token shards on disk (llm.c / modded-nanogpt shards, or nanoGPT's headerless
+    /// `.bin`), memory-mapped and never read whole (docs/data.md).
+    Tokens(TokenData),
+}
+
+/// A token dataset: the training shards, optionally separate validation shards, and
+/// how to read headerless files.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TokenData {
+    /// A path or glob (`dir/fineweb_train_*.bin`); the matches are read in name order.
+    pub train: String,
+    /// A path or glob of validation shards; `None` splits the training tokens by
+    /// `train.val_fraction` (the last fraction is validation), as for text.
+    pub val: Option<String>,
+    /// Token width of headerless files (nanoGPT's `train.bin` is `U16`); `None` accepts
+    /// only files with an llm.c header, which states the width itself.
+    pub dtype: Option<TokenWidth>,
+    /// The tokenizer the ids come from; `None` reads it from the `manifest.json` beside
+    /// the training shards (written by `widen data prepare`), if there is one.
+    pub tokenizer: Option<TokenizerSpec>,
+}
+
+impl Default for TokenData {
+    fn default() -> Self {
+        TokenData { train: String::new(), val: None, dtype: None, tokenizer: None }
+    }
+}
+
+/// The stored width of one token id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum TokenWidth {
+    /// Little-endian u16 (ids below 65536: GPT-2's 50257 fit).
+    U16,
+    /// Little-endian u32 (128k-class vocabularies).
+    U32,
+}
+
+impl TokenWidth {
+    /// Bytes per token id.
+    pub fn bytes(self) -> usize {
+        match self {
+            TokenWidth::U16 => 2,
+            TokenWidth::U32 => 4,
+        }
+    }
+}
+
+/// Which tokenizer turns text into ids (docs/data.md).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum TokenizerSpec {
+    /// One token per byte, vocabulary 256 (the default for text).
+    Bytes,
+    /// GPT-2's byte-level BPE (`r50k_base`, vocabulary 50257, `<|endoftext|>` = 50256),
+    /// embedded in the binary.
+    Gpt2,
+    /// A Hugging Face `tokenizer.json`, identified by its path and the SHA-256 of its
+    /// bytes, so a changed file is refused rather than silently decoding other ids.
+    HuggingFace { path: String, sha256: String },
+}
+
+/// The order in which training windows are drawn (docs/data.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum DataOrder {
+    /// Windows at uniformly random offsets, with replacement (resumable: the sampler's
+    /// state is checkpointed).
+    #[default]
+    Random,
+    /// Consecutive windows in shard order without replacement, wrapping at the end
+    /// (modded-nanogpt's loader); resumable from the position in the stream.
+    Sequential,
 }
 
 /// Built-in corpora.

@@ -71,6 +71,12 @@ impl ModelSpec {
         let corpus = match &self.train.data {
             DataSpec::Synthetic(SyntheticCorpus::Default) => "Synthetic(Default)".to_string(),
             DataSpec::Text(path) => format!("Text({:?})", path.chars().take(80).collect::<String>()),
+            // Token ids are checked against `vocab` as each window is read (docs/data.md),
+            // since only the data knows its largest id; any `vocab` >= 2 is a softmax.
+            DataSpec::Tokens(_) => {
+                c.at_least("vocab", self.vocab, 2);
+                return;
+            }
         };
         if self.vocab < 256 {
             c.fail(
@@ -152,12 +158,15 @@ impl ModelSpec {
     /// Every integer field with its path and value (list items as `path[i]`).
     pub(crate) fn integer_fields(&self) -> Vec<(String, u64)> {
         let u = |x: usize| x as u64;
-        let mut out: Vec<(String, u64)> = vec![
-            ("vocab".into(), u(self.vocab)),
+        let mut out: Vec<(String, u64)> = vec![("vocab".into(), u(self.vocab))];
+        if let Some(m) = self.vocab_pad_to {
+            out.push(("vocab_pad_to".into(), u(m)));
+        }
+        out.extend([
             ("d_model".into(), u(self.d_model)),
             ("layers".into(), u(self.layers)),
             ("heads".into(), u(self.heads)),
-        ];
+        ]);
         if let Some(kv) = self.kv_heads {
             out.push(("kv_heads".into(), u(kv)));
         }
@@ -208,8 +217,11 @@ impl ModelSpec {
             ("train.seed".into(), t.seed),
             ("train.eval_every".into(), u(t.eval_every)),
             ("train.eval_batches".into(), u(t.eval_batches)),
-            ("train.checkpoint_every".into(), u(t.checkpoint_every)),
         ]);
+        if let Some(v) = t.val_tokens {
+            out.push(("train.val_tokens".into(), u(v)));
+        }
+        out.extend([("train.checkpoint_every".into(), u(t.checkpoint_every))]);
         let warmup = match &t.schedule {
             ScheduleSpec::Constant(s) => s.warmup,
             ScheduleSpec::Cosine(s) => s.warmup,
@@ -402,19 +414,36 @@ impl ModelSpec {
 
     fn check_train(&self, c: &mut Checker) {
         let t = &self.train;
-        if let DataSpec::Text(path) = &t.data {
-            if path.trim().is_empty() {
-                c.fail("train.data", format!("train.data = Text({path:?}) must name a text file"));
-            } else if path.len() > MAX_PATH_LEN || path.contains('\0') {
-                let shown: String = path.chars().take(40).collect();
-                c.fail(
-                    "train.data",
-                    format!(
-                        "train.data = Text({shown:?}...) must be a file path of at most {MAX_PATH_LEN} bytes \
-                         without NUL characters"
-                    ),
-                );
+        match &t.data {
+            DataSpec::Text(path) => check_data_path(c, "train.data", "Text(", path, "a text file"),
+            DataSpec::Tokens(tokens) => {
+                check_data_path(c, "train.data.train", "Tokens(train:", &tokens.train, "token shards");
+                if let Some(val) = &tokens.val {
+                    check_data_path(c, "train.data.val", "Tokens(val:", val, "validation shards");
+                }
+                if let Some(crate::spec::TokenizerSpec::HuggingFace { path, sha256 }) = &tokens.tokenizer {
+                    check_data_path(
+                        c,
+                        "train.data.tokenizer.path",
+                        "HuggingFace(path:",
+                        path,
+                        "a tokenizer.json",
+                    );
+                    if sha256.len() != 64 || !sha256.bytes().all(|b| b.is_ascii_hexdigit()) {
+                        c.fail(
+                            "train.data.tokenizer.sha256",
+                            format!("train.data.tokenizer.sha256 = {sha256:?} must be 64 hex digits"),
+                        );
+                    }
+                }
             }
+            DataSpec::Synthetic(_) => {}
+        }
+        if let Some(v) = t.val_tokens {
+            c.at_least("train.val_tokens", v, t.seq_len + 1);
+        }
+        if let Some(m) = self.vocab_pad_to {
+            c.at_least("vocab_pad_to", m, 1);
         }
         c.at_least("train.seq_len", t.seq_len, 2);
         c.at_least("train.batch", t.batch, 1);
@@ -586,5 +615,22 @@ impl Checker {
         if !(0.0..1.0).contains(&value) {
             self.fail(path, format!("{path} = {value:?} must be in [0, 1)"));
         }
+    }
+}
+
+/// A data path of the spec: not empty, bounded, without NUL (the OS would refuse it
+/// later with a less helpful message). `form` opens the value as the message shows it.
+fn check_data_path(c: &mut Checker, field: &str, form: &str, path: &str, what: &str) {
+    if path.trim().is_empty() {
+        c.fail(field, format!("{field} = {form}{path:?}) must name {what}"));
+    } else if path.len() > MAX_PATH_LEN || path.contains('\0') {
+        let shown: String = path.chars().take(40).collect();
+        c.fail(
+            field,
+            format!(
+                "{field} = {form}{shown:?}...) must be a file path of at most {MAX_PATH_LEN} bytes \
+                 without NUL characters"
+            ),
+        );
     }
 }

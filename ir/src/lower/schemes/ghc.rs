@@ -191,7 +191,7 @@ impl Scheme for Ghc {
     /// (§5.6 DECISION); W_expand draws N(0, 1/D).
     fn embed(&mut self, cx: &mut Cx, ids: NodeId) -> Result<NodeId, GraphError> {
         let (b, t) = (cx.shape(ids)[0], cx.shape(ids)[1]);
-        let (v, d, wide, std) = (cx.spec.vocab, self.d, self.wide(), cx.spec.init_std);
+        let (v, d, wide, std) = (cx.spec.model_vocab(), self.d, self.wide(), cx.spec.init_std);
         let flat = match self.spec.embed_mode {
             EmbedMode::Full => {
                 let table = *self.table.get_or_insert_with(|| {

@@ -23,7 +23,7 @@ pub(crate) fn embedding_table(cx: &mut Cx, slot: &mut Option<NodeId>) -> NodeId 
     if let Some(table) = *slot {
         return table;
     }
-    let (v, d, std) = (cx.spec.vocab, cx.spec.d_model, cx.spec.init_std);
+    let (v, d, std) = (cx.spec.model_vocab(), cx.spec.d_model, cx.spec.init_std);
     let table = cx.param("embed", &[v, d], Init::Normal { std }, ParamClass::Embedding);
     cx.embedding_table = Some(table);
     *slot = Some(table);
