@@ -4,5 +4,7 @@
 //! are described in docs/data.md.
 
 pub mod shard;
+pub mod tokenizer;
 
 pub use shard::{ShardError, ShardFormat, ShardInfo, ShardSet};
+pub use tokenizer::{Tokenizer, TokenizerError};
