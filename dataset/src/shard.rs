@@ -169,7 +169,7 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> ShardError + '_ {
 
 /// Refuses anything but a regular file (or a symlink to one) from its metadata, which
 /// follows symlinks and does not open the file (a FIFO would block the open).
-fn regular_file_len(path: &Path) -> Result<u64, ShardError> {
+pub(crate) fn regular_file_len(path: &Path) -> Result<u64, ShardError> {
     let meta = std::fs::metadata(path).map_err(io_err(path))?;
     if !meta.is_file() {
         return Err(ShardError::NotAFile { path: path.to_path_buf(), kind: file_kind(&meta) });
@@ -329,7 +329,7 @@ impl std::fmt::Debug for ShardSet {
     }
 }
 
-fn has_glob_chars(s: &str) -> bool {
+pub(crate) fn has_glob_chars(s: &str) -> bool {
     s.contains(['*', '?', '['])
 }
 
