@@ -40,6 +40,8 @@ enum Command {
     Plot(cli::plot::Args),
     /// muP coordinate check: activation size per layer across widths over a few steps.
     CoordCheck(cli::coord_check::Args),
+    /// Token datasets: `widen data prepare` tokenizes text into llm.c shards (docs/data.md).
+    Data(cli::data::Args),
 }
 
 fn main() -> ExitCode {
@@ -64,6 +66,7 @@ fn main() -> ExitCode {
         Command::Report(args) => cli::report::run(args),
         Command::Plot(args) => cli::plot::run(args),
         Command::CoordCheck(args) => cli::coord_check::run(args),
+        Command::Data(args) => cli::data::run(args),
     };
     match result {
         Ok(code) => code,

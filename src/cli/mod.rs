@@ -5,6 +5,7 @@ pub mod bench;
 pub mod check;
 pub mod compile;
 pub mod coord_check;
+pub mod data;
 pub mod eval;
 pub mod parity;
 pub mod plot;
