@@ -677,8 +677,17 @@ impl Progress {
     }
 
     fn finish(&mut self) {
-        if let Progress::Bar(bar) = self {
-            bar.finish_and_clear();
+        match self {
+            Progress::Quiet => {}
+            Progress::Bar(bar) => bar.finish_and_clear(),
+            Progress::Lines { start, done, .. } => {
+                let secs = start.elapsed().as_secs_f64();
+                eprintln!(
+                    "tokenized {:.1} MiB in {secs:.1} s ({:.1} MiB/s)",
+                    *done as f64 / 1048576.0,
+                    *done as f64 / 1048576.0 / secs.max(1e-9)
+                );
+            }
         }
     }
 }
