@@ -458,18 +458,19 @@ impl ShardSet {
     pub fn file_sha256s(&self) -> Result<Vec<String>, ShardError> {
         let workers = std::thread::available_parallelism().map_or(1, |n| n.get()).min(self.shards.len());
         let next = AtomicUsize::new(0);
-        let results: Mutex<Vec<Option<String>>> = Mutex::new(vec![None; self.shards.len()]);
+        let results: Mutex<Vec<Option<Result<String, ShardError>>>> =
+            Mutex::new((0..self.shards.len()).map(|_| None).collect());
         std::thread::scope(|scope| {
             for _ in 0..workers.max(1) {
                 scope.spawn(|| loop {
                     let i = next.fetch_add(1, Ordering::Relaxed);
                     let Some(shard) = self.shards.get(i) else { break };
-                    let hex = hash_bytes(&shard.map);
+                    let hex = hash_file(&shard.info.path);
                     results.lock().unwrap_or_else(|e| e.into_inner())[i] = Some(hex);
                 });
             }
         });
-        Ok(results.into_inner().unwrap_or_else(|e| e.into_inner()).into_iter().flatten().collect())
+        results.into_inner().unwrap_or_else(|e| e.into_inner()).into_iter().flatten().collect()
     }
 
     /// SHA-256 (hex) identifying the set: over each file's content hash
@@ -520,13 +521,23 @@ fn decode(ids: impl Iterator<Item = u64>, dst: &mut [i32], limit: u64) -> Option
     None
 }
 
-/// SHA-256 of a mapped file in 1 MiB steps, so only the pages being hashed need be resident.
-fn hash_bytes(bytes: &[u8]) -> String {
+/// SHA-256 of a shard's file, read through a 1 MiB buffer rather than the map: the pages
+/// pass through the page cache without becoming part of this process's resident set, so
+/// hashing a corpus larger than memory keeps the process small (docs/data.md).
+fn hash_file(path: &Path) -> Result<String, ShardError> {
+    use std::io::Read;
+    let io = |source| ShardError::Io { path: path.to_path_buf(), source };
+    let mut file = std::fs::File::open(path).map_err(io)?;
     let mut h = Sha256::new();
-    for chunk in bytes.chunks(1 << 20) {
-        h.update(chunk);
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = file.read(&mut buf).map_err(io)?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
     }
-    hex(&h.finalize())
+    Ok(hex(&h.finalize()))
 }
 
 /// Lower-case hex of bytes.

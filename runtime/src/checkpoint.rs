@@ -10,14 +10,18 @@
 //! `format` = `widen-checkpoint`, `format_version`, `spec` (the model spec as
 //! RON, `ModelSpec::to_ron`), `spec_hash` (16 hex digits, FNV-1a 64 of the canonical spec
 //! with `train.steps` cleared, so a run may be resumed with a longer step
-//! budget), `step` (optimizer steps taken) and `data_rng` (the training data
-//! sampler's generator state, four hex words). Together with the optimizer
-//! tensors this is everything a resumed run needs to continue bit for bit.
+//! budget), `step` (optimizer steps taken) and the training sampler's state:
+//! `data_rng` (a random-order sampler's generator state, four hex words) or
+//! `data_position` (a sequential sampler's next token offset, decimal; docs/data.md).
+//! Together with the optimizer tensors this is everything a resumed run needs to
+//! continue bit for bit.
 //! Written by this build and optional when read (older files lack them):
 //! `spec_json` (the same spec as JSON, every field with its default filled in, for
 //! readers without a RON parser) and the training data's identity, `data_source`
 //! (the path, or `synthetic:Default`), `data_bytes` and `data_sha256` (of its
-//! bytes), so a resume on other data can say so. docs/checkpoints.md documents
+//! bytes), so a resume on other data can say so, and `tokenizer` (the tokenizer
+//! behind the ids as RON, `Bytes`, `Gpt2` or `HuggingFace(..)`), which `widen sample`
+//! encodes and decodes through. docs/checkpoints.md documents
 //! the format for readers outside widen.
 //!
 //! Files are written to a temporary name, synced and renamed into place, so an
@@ -37,11 +41,11 @@
 //! the seed, batch and sequence length, the name) is the model being trained,
 //! and a difference in any of it is refused naming the field.
 
-use crate::data::DataIdentity;
+use crate::data::{DataIdentity, SamplerState};
 use crate::optim::Optimizer;
 use crate::params::ParamSet;
 use crate::rng::fnv1a64;
-use ir::spec::ModelSpec;
+use ir::spec::{ModelSpec, TokenizerSpec};
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -100,8 +104,8 @@ pub enum CheckpointError {
 pub struct TrainState {
     /// Optimizer steps taken.
     pub step: u64,
-    /// The training data sampler's generator state.
-    pub data_rng: [u64; 4],
+    /// The training data sampler's state.
+    pub sampler: SamplerState,
 }
 
 fn canonical_value(spec: &ModelSpec) -> serde_json::Value {
@@ -121,6 +125,7 @@ pub const RESUMABLE_FIELDS: &[&str] = &[
     "train.val_fraction",
     "train.eval_every",
     "train.eval_batches",
+    "train.val_tokens",
     "train.checkpoint_every",
     "train.keep_last",
 ];
@@ -175,7 +180,7 @@ pub fn save(
     optimizer: Option<&Optimizer>,
     state: &TrainState,
 ) -> Result<(), CheckpointError> {
-    save_with_data(path, spec, params, optimizer, state, None)
+    save_with_data(path, spec, params, optimizer, state, None, None)
 }
 
 /// [`save`], recording the identity of the data the run trains on.
@@ -186,6 +191,7 @@ pub fn save_with_data(
     optimizer: Option<&Optimizer>,
     state: &TrainState,
     data: Option<&DataIdentity>,
+    tokenizer: Option<&TokenizerSpec>,
 ) -> Result<(), CheckpointError> {
     let ser_err = |message: String| CheckpointError::Serialize { path: path.to_path_buf(), message };
     if optimizer.is_some_and(|opt| opt.moments_on_device()) {
@@ -216,11 +222,20 @@ pub fn save_with_data(
         ("spec_json", spec_json),
         ("spec_hash", spec_hash(spec)),
         ("step", state.step.to_string()),
-        ("data_rng", state.data_rng.iter().map(|w| format!("{w:016x}")).collect::<Vec<_>>().join(" ")),
+        match state.sampler {
+            SamplerState::Random(words) => {
+                ("data_rng", words.iter().map(|w| format!("{w:016x}")).collect::<Vec<_>>().join(" "))
+            }
+            SamplerState::Sequential { position } => ("data_position", position.to_string()),
+        },
     ]
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
     .collect();
+    if let Some(tokenizer) = tokenizer {
+        let ron = ron::to_string(tokenizer).map_err(|e| ser_err(e.to_string()))?;
+        metadata.insert("tokenizer".into(), ron);
+    }
     if let Some(data) = data {
         metadata.insert("data_source".into(), data.source.clone());
         metadata.insert("data_bytes".into(), data.bytes.to_string());
@@ -304,6 +319,8 @@ pub struct Checkpoint {
     pub data: Option<DataIdentity>,
     /// The absolute path of that data as the run resolved it (`data_path`), when recorded.
     pub data_path: Option<PathBuf>,
+    /// The tokenizer behind the ids (`tokenizer`), when recorded.
+    pub tokenizer: Option<TokenizerSpec>,
     tensors: HashMap<String, (Vec<usize>, Vec<f32>)>,
 }
 
@@ -355,13 +372,34 @@ impl Checkpoint {
         let spec =
             ir::spec::parse_spec(&field("spec")?, "header `spec`").map_err(|e| corrupt(e.to_string()))?;
         let step = field("step")?.parse::<u64>().map_err(|e| corrupt(format!("header `step`: {e}")))?;
-        let words: Vec<u64> = field("data_rng")?
-            .split_whitespace()
-            .map(|w| u64::from_str_radix(w, 16))
-            .collect::<Result<_, _>>()
-            .map_err(|e| corrupt(format!("header `data_rng`: {e}")))?;
-        let data_rng: [u64; 4] =
-            words.try_into().map_err(|_| corrupt("header `data_rng` must hold four words".into()))?;
+        let sampler = match (meta.get("data_rng"), meta.get("data_position")) {
+            (Some(words), None) => {
+                let words: Vec<u64> = words
+                    .split_whitespace()
+                    .map(|w| u64::from_str_radix(w, 16))
+                    .collect::<Result<_, _>>()
+                    .map_err(|e| corrupt(format!("header `data_rng`: {e}")))?;
+                SamplerState::Random(
+                    words.try_into().map_err(|_| corrupt("header `data_rng` must hold four words".into()))?,
+                )
+            }
+            (None, Some(position)) => SamplerState::Sequential {
+                position: position.parse().map_err(|e| corrupt(format!("header `data_position`: {e}")))?,
+            },
+            (Some(_), Some(_)) => {
+                return Err(corrupt(
+                    "header has both `data_rng` and `data_position`; a run has one sampler".into(),
+                ))
+            }
+            (None, None) => return Err(corrupt("header has no `data_rng` (nor `data_position`)".into())),
+        };
+        let tokenizer = match meta.get("tokenizer") {
+            Some(text) => Some(
+                ron::from_str::<TokenizerSpec>(text)
+                    .map_err(|e| corrupt(format!("header `tokenizer`: {e}")))?,
+            ),
+            None => None,
+        };
         let data = match (meta.get("data_source"), meta.get("data_bytes"), meta.get("data_sha256")) {
             (Some(source), Some(bytes), Some(sha256)) => Some(DataIdentity {
                 source: source.clone(),
@@ -397,8 +435,9 @@ impl Checkpoint {
             path: path.to_path_buf(),
             spec,
             spec_hash: field("spec_hash")?,
-            state: TrainState { step, data_rng },
+            state: TrainState { step, sampler },
             data,
+            tokenizer,
             data_path: meta.get("data_path").map(PathBuf::from),
             tensors,
         })

@@ -185,7 +185,7 @@ pub fn coord_check(
     steps: usize,
     param: CoordParam,
 ) -> Result<CoordCheck, CoordError> {
-    let corpus = Corpus::load(&base.train.data, base.train.val_fraction, base.train.seq_len + 1)?;
+    let corpus = Corpus::load(base)?;
     coord_check_on(base, widths, steps, param, &corpus, &mut |_, _| {})
 }
 
@@ -225,7 +225,7 @@ pub fn coord_check_on(
     corpus.check_window(seq_len + 1)?;
     // One fixed batch to measure on, the same for every width and step.
     let probe_tokens =
-        BatchSampler::validation(base.train.seed, batch, seq_len + 1).next_batch(corpus.validation());
+        BatchSampler::validation(base.train.seed, batch, seq_len + 1).next_batch(corpus.validation())?;
     let mut check = CoordCheck {
         parametrization: param,
         widths: sorted.clone(),
@@ -248,11 +248,11 @@ pub fn coord_check_on(
             .map_err(|source| CoordError::Init { width, source })?;
         let mut exec = ReferenceExecutor::from_lowered(lowered);
         let mut optimizer = Optimizer::new(spec, &params);
-        let mut sampler = BatchSampler::train(spec.train.seed, batch, seq_len + 1);
+        let mut sampler = BatchSampler::for_run(&spec.train, batch, seq_len + 1);
         let settings = UpdateSettings { lr_mult: 1.0, clip: None };
         for step in 0..=steps {
             if step > 0 {
-                let tokens = sampler.next_batch(corpus.train());
+                let tokens = sampler.next_batch(corpus.train())?;
                 exec.train_step(&mut params, &tokens, &mut optimizer, settings)
                     .map_err(|source| CoordError::Step { width, step, source })?;
             }

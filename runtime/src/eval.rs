@@ -44,10 +44,11 @@
 //! ([`max_batches`]).
 
 use crate::checkpoint::{Checkpoint, CheckpointError};
-use crate::data::{read_text, BatchSampler, Corpus, DataError, DataIdentity};
+use crate::data::{read_text, BatchSampler, Corpus, DataError, DataIdentity, ValidationPlan};
 use crate::device::Device;
 use crate::params::{ParamError, ParamSet};
 use crate::step::{StepError, StepExecutor};
+use crate::train::{Validation, ValidationError};
 use ir::spec::{DataSpec, ModelSpec};
 use safetensors::tensor::{Dtype, TensorView};
 use std::collections::HashMap;
@@ -68,8 +69,9 @@ pub fn max_batches() -> usize {
 /// What to evaluate on and what to write.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct EvalOptions {
-    /// A byte-level text file instead of the checkpoint's data (`--data`).
-    pub data: Option<PathBuf>,
+    /// Other data than the checkpoint's (`--data`): a text file, or token shards
+    /// ([`crate::data::data_from_arg`]).
+    pub data: Option<String>,
     /// Validation batches to average (default: the spec's `eval_batches`), at
     /// most [`max_batches`].
     pub batches: Option<usize>,
@@ -95,16 +97,21 @@ pub struct EvalReport {
     /// Validation batches averaged, and their shape `[batch, seq_len + 1]`.
     pub batches: usize,
     pub token_shape: [usize; 2],
-    /// Main-head next-token loss in nats per byte (tokens are bytes).
-    pub val_loss: f64,
+    /// Main-head next-token loss in nats per token, with the targets it scored.
+    pub validation: Validation,
     /// The files written by `--dump`.
     pub dumped: Vec<PathBuf>,
 }
 
 impl EvalReport {
-    /// The validation loss in bits per byte.
-    pub fn bits_per_byte(&self) -> f64 {
-        self.val_loss / std::f64::consts::LN_2
+    /// Main-head next-token loss in nats per token.
+    pub fn val_loss(&self) -> f64 {
+        self.validation.loss
+    }
+
+    /// The validation loss in bits per byte, when the bytes behind the tokens are known.
+    pub fn bits_per_byte(&self) -> Option<f64> {
+        self.validation.bits_per_byte()
     }
 }
 
@@ -127,6 +134,12 @@ pub enum EvalError {
         recorded.source, found.source
     )]
     OtherData { recorded: DataIdentity, found: DataIdentity },
+    #[error(
+        "{} are not the tokens the checkpoint was trained on: they hash to sha256 {}…, the \
+         checkpoint records {} ({} bytes, sha256 {}…); pass --data naming the training shards",
+        found.source, found.short_sha256(), recorded.source, recorded.bytes, recorded.short_sha256()
+    )]
+    OtherTokens { recorded: DataIdentity, found: DataIdentity },
     #[error(
         "this build's {} corpus ({} bytes, sha256 {}…) is not the one the checkpoint was trained on \
          ({} bytes, sha256 {}…); pass --data FILE to evaluate on a text file",
@@ -154,6 +167,8 @@ pub enum EvalError {
     Params(#[from] ParamError),
     #[error(transparent)]
     Step(#[from] StepError),
+    #[error(transparent)]
+    Validation(#[from] ValidationError),
     #[error("validation loss of {checkpoint} is {value}: not finite")]
     NonFinite { checkpoint: PathBuf, value: f64 },
     #[error("cannot write {path}: {message}")]
@@ -190,9 +205,8 @@ pub fn evaluate_with_progress(
     let mut notes = Vec::new();
     let corpus = match &opts.data {
         Some(data) => {
-            spec.train.data = DataSpec::Text(data.display().to_string());
-            let corpus = Corpus::load(&spec.train.data, spec.train.val_fraction, seq_len + 1)
-                .map_err(EvalError::DataFile)?;
+            spec.train.data = crate::data::data_from_arg(data).map_err(EvalError::DataFile)?;
+            let corpus = Corpus::load(&spec).map_err(EvalError::DataFile)?;
             if let Some(recorded) = ckpt.data.as_ref().filter(|r| !r.same_bytes(&corpus.identity())) {
                 notes.push(format!(
                     "the --data file {} is not the data the checkpoint was trained on, {}; \
@@ -209,17 +223,18 @@ pub fn evaluate_with_progress(
     let mut params = ParamSet::zeros(&lowered.graph)?;
     ckpt.restore_params(&mut params)?;
     let mut exec = device.executor(lowered)?;
-    let batches = if batches == 0 { spec.train.eval_batches.clamp(1, max_batches()) } else { batches };
-    let val_loss = crate::train::validation_loss_with_progress(
-        &spec,
-        exec.as_mut(),
-        &params,
-        &corpus,
-        batches,
-        progress,
-    )?;
-    if !val_loss.is_finite() {
-        return Err(EvalError::NonFinite { checkpoint: checkpoint.to_path_buf(), value: val_loss });
+    // `--batches` scores that many random windows; without it, what training scored.
+    let plan = match batches {
+        0 => ValidationPlan::of(&spec.train),
+        b => ValidationPlan::Random { batches: b },
+    };
+    let batches = plan
+        .batches(batch, seq_len + 1, corpus.validation(), &corpus.source)
+        .map_err(EvalError::TrainingData)?;
+    let validation =
+        crate::train::validation_loss_with_progress(&spec, exec.as_mut(), &params, &corpus, plan, progress)?;
+    if !validation.loss.is_finite() {
+        return Err(EvalError::NonFinite { checkpoint: checkpoint.to_path_buf(), value: validation.loss });
     }
     let mut dumped = Vec::new();
     if let Some(dir) = &opts.dump {
@@ -232,7 +247,7 @@ pub fn evaluate_with_progress(
         notes,
         batches,
         token_shape: exec.token_shape(),
-        val_loss,
+        validation,
         dumped,
     })
 }
@@ -262,11 +277,11 @@ fn training_corpus(
     let fraction = spec.train.val_fraction;
     let Some(recorded) = &ckpt.data else {
         // Written before checkpoints recorded their data: nothing to check against.
-        return Corpus::load(&spec.train.data, fraction, window).map_err(EvalError::TrainingData);
+        return Corpus::load(spec).map_err(EvalError::TrainingData);
     };
     let path = match &spec.train.data {
         DataSpec::Synthetic(_) => {
-            let corpus = Corpus::load(&spec.train.data, fraction, window).map_err(EvalError::TrainingData)?;
+            let corpus = Corpus::load(spec).map_err(EvalError::TrainingData)?;
             let found = corpus.identity();
             if !found.same_bytes(recorded) {
                 return Err(EvalError::SyntheticChanged { recorded: recorded.clone(), found });
@@ -274,8 +289,14 @@ fn training_corpus(
             return Ok(corpus);
         }
         DataSpec::Text(path) => PathBuf::from(path),
+        // Shards are found where the spec names them; their content must be the run's.
         DataSpec::Tokens(_) => {
-            return Corpus::load(&spec.train.data, fraction, window).map_err(EvalError::TrainingData)
+            let corpus = Corpus::load(spec).map_err(EvalError::TrainingData)?;
+            let found = corpus.identity();
+            if !found.same_bytes(recorded) {
+                return Err(EvalError::OtherTokens { recorded: recorded.clone(), found });
+            }
+            return Ok(corpus);
         }
     };
     let mut seen: Vec<PathBuf> = Vec::new();
@@ -348,8 +369,9 @@ fn dump(
     let write_err = |path: &Path, message: String| EvalError::Write { path: path.to_path_buf(), message };
     std::fs::create_dir_all(dir).map_err(|e| write_err(dir, e.to_string()))?;
     let [batch, window] = exec.token_shape();
-    let tokens =
-        BatchSampler::validation(ckpt.spec.train.seed, batch, window).next_batch(corpus.validation());
+    let tokens = BatchSampler::validation(ckpt.spec.train.seed, batch, window)
+        .next_batch(corpus.validation())
+        .map_err(EvalError::TrainingData)?;
     let logits = exec.logits(params, &tokens)?;
     let (loss, grads) = exec.loss_and_grads(params, &tokens)?;
     let loss_main = crate::train::next_token_loss(&logits, &tokens, batch, window) as f32;

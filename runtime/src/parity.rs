@@ -299,11 +299,11 @@ pub fn compare(
             want: reference.token_shape(),
         });
     }
-    let corpus = Corpus::load(&spec.train.data, spec.train.val_fraction, seq_len + 1)?;
-    let mut sampler = BatchSampler::train(spec.train.seed, batch, seq_len + 1);
+    let corpus = Corpus::load(spec)?;
+    let mut sampler = BatchSampler::for_run(&spec.train, batch, seq_len + 1);
     let on_device = |source| ParityError::Device { device: name, source };
 
-    let tokens = sampler.next_batch(corpus.train());
+    let tokens = sampler.next_batch(corpus.train())?;
     let (want_loss, want_grads) =
         reference.loss_and_grads(&ref_params, &tokens).map_err(ParityError::Reference)?;
     let (loss, grads) = device.loss_and_grads(&ref_params, &tokens).map_err(on_device)?;
@@ -339,7 +339,7 @@ pub fn compare(
     // checks that update too.
     let settings = UpdateSettings { lr_mult: 1.0, clip: None };
     for _ in 0..steps {
-        let tokens = sampler.next_batch(corpus.train());
+        let tokens = sampler.next_batch(corpus.train())?;
         reference
             .train_step(&mut ref_params, &tokens, &mut opt_ref, settings)
             .map_err(ParityError::Reference)?;

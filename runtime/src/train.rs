@@ -57,7 +57,7 @@
 //! holds the state after it.
 
 use crate::checkpoint::{self, Checkpoint, CheckpointError, TrainState};
-use crate::data::{BatchSampler, Corpus, DataError, DataIdentity};
+use crate::data::{BatchSampler, Corpus, DataError, DataIdentity, ValidationPlan};
 use crate::device::Device;
 use crate::dist::{DistError, Fault, Group, Shard};
 use crate::init::{init_params, InitError};
@@ -129,6 +129,13 @@ pub enum TrainError {
     Device(#[source] StepError),
     #[error("training step {step} failed")]
     Step { step: u64, source: StepError },
+    #[error("validation after step {step} failed")]
+    Validation { step: u64, source: ValidationError },
+    #[error(
+        "{path} holds a {found:?}-order data sampler, but train.order = {order:?}; resume with the \
+         checkpoint's order, or start a fresh run"
+    )]
+    OtherOrder { path: PathBuf, found: ir::spec::DataOrder, order: ir::spec::DataOrder },
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
     #[error(transparent)]
@@ -272,8 +279,7 @@ pub fn train_spec(spec: &ModelSpec, device: Device, opts: &TrainOptions) -> Resu
     if let Some(bytes) = ir::spec::host_memory_bytes() {
         spec.check_fits(bytes).map_err(TrainError::TooLarge)?;
     }
-    let window = spec.train.seq_len + 1;
-    let corpus = Corpus::load(&spec.train.data, spec.train.val_fraction, window)?;
+    let corpus = Corpus::load(spec)?;
     // Across ranks, each rank's graph takes its shard of the global batch.
     let group = opts.group.as_ref().filter(|g| g.data_parallel());
     let batch = Shard::of(group).local_batch(spec.train.batch)?;
@@ -313,7 +319,7 @@ fn cuda_rank_executor(
 /// refuses a folder that already holds a run's files.
 pub fn write_initial(spec: &ModelSpec, opts: &TrainOptions) -> Result<PathBuf, TrainError> {
     let window = spec.train.seq_len + 1;
-    let corpus = Corpus::load(&spec.train.data, spec.train.val_fraction, window)?;
+    let corpus = Corpus::load(spec)?;
     let lowered = ir::lower::lower(spec, spec.train.batch, spec.train.seq_len)?;
     let params = init_params(&lowered.graph, spec.train.seed)?;
     let out = &opts.out_dir;
@@ -324,13 +330,20 @@ pub fn write_initial(spec: &ModelSpec, opts: &TrainOptions) -> Result<PathBuf, T
         return Err(TrainError::RunExists { path });
     }
     let optimizer = Optimizer::new(spec, &params);
-    let state = TrainState {
-        step: 0,
-        data_rng: BatchSampler::train(spec.train.seed, spec.train.batch, window).state(),
-    };
+    let state =
+        TrainState { step: 0, sampler: BatchSampler::for_run(&spec.train, spec.train.batch, window).state() };
     let path = out.join(INIT_CHECKPOINT);
-    checkpoint::save_with_data(&path, spec, &params, Some(&optimizer), &state, Some(&corpus.identity()))
-        .map_err(|source| TrainError::SaveFailed { step: 0, last_good: None, source: Box::new(source) })?;
+    let tokenizer = corpus.tokenizer().map(|t| t.spec());
+    checkpoint::save_with_data(
+        &path,
+        spec,
+        &params,
+        Some(&optimizer),
+        &state,
+        Some(&corpus.identity()),
+        tokenizer,
+    )
+    .map_err(|source| TrainError::SaveFailed { step: 0, last_good: None, source: Box::new(source) })?;
     Ok(path)
 }
 
@@ -372,6 +385,9 @@ pub fn train(
         return Err(DistError::Batch { batch: spec.train.batch, world: shard.world }.into());
     }
     corpus.check_window(window)?;
+    // A validation budget the split cannot hold is refused now, not at the first evaluation.
+    let validation = ValidationPlan::of(&spec.train);
+    validation.batches(batch, window, corpus.validation(), &corpus.source)?;
     let total = spec.train.steps;
     let mut optimizer = Optimizer::new(spec, &params);
     let experts = ExpertLoads::new(spec, &*exec, &params)?;
@@ -393,7 +409,14 @@ pub fn train(
             note_resume_changes(&ckpt, spec, &changed, &notes);
             note_data_change(&ckpt, &data, &notes);
             let step = ckpt.state.step;
-            (step, BatchSampler::from_state(ckpt.state.data_rng, batch, window), Some((path.clone(), step)))
+            if ckpt.state.sampler.order() != spec.train.order {
+                return Err(TrainError::OtherOrder {
+                    path: path.clone(),
+                    found: ckpt.state.sampler.order(),
+                    order: spec.train.order,
+                });
+            }
+            (step, BatchSampler::from_state(ckpt.state.sampler, batch, window), Some((path.clone(), step)))
         }
         None => {
             if root {
@@ -401,7 +424,7 @@ pub fn train(
                     return Err(TrainError::RunExists { path });
                 }
             }
-            (0, BatchSampler::train(spec.train.seed, batch, window), None)
+            (0, BatchSampler::for_run(&spec.train, batch, window), None)
         }
     };
     let mut metrics = if root {
@@ -417,7 +440,9 @@ pub fn train(
     };
     let signals =
         if opts.catch_signals { Some(signals::catch().map_err(TrainError::Signals)?) } else { None };
-    let mut saver = Saver { spec, metrics_path: &metrics_path, last_good, data: &data };
+    let tokenizer = corpus.tokenizer().map(|t| t.spec().clone());
+    let mut saver =
+        Saver { spec, metrics_path: &metrics_path, last_good, data: &data, tokenizer: tokenizer.as_ref() };
     let fault = group.and_then(|_| Fault::from_env());
 
     let peak_lr = match &spec.train.optimizer {
@@ -436,17 +461,19 @@ pub fn train(
             shard.world,
             start + 1
         );
+        eprintln!("data: {}", corpus.describe());
     }
     let mut progress = ProgressLine::new(progress_mode, total);
     let mut losses = Vec::new();
     let mut val_loss = None;
+    let mut val_bpb = None;
     for step in start + 1..=total as u64 {
         if let Some(fault) = &fault {
             fault.strike(shard.rank, step);
         }
         let started = Instant::now();
         let reduced_before = group.map(Group::reduce_time);
-        let tokens = sampler.next_batch(corpus.train());
+        let tokens = sampler.next_batch(corpus.train())?;
         let lr_mult = lr_multiplier(&spec.train.schedule, (step - 1) as usize, total);
         let settings = UpdateSettings { lr_mult, clip: spec.train.clip };
         let stepped = match group {
@@ -491,12 +518,17 @@ pub fn train(
         }
         let evaluate = step.is_multiple_of(spec.train.eval_every.max(1) as u64) || step == total as u64;
         if evaluate {
-            let v = sharded_validation_loss(spec, exec, &params, corpus, spec.train.eval_batches, group)
-                .map_err(|source| TrainError::Step { step, source })? as f32;
+            let scored = sharded_validation_loss(spec, exec, &params, corpus, validation, group)
+                .map_err(|source| TrainError::Validation { step, source })?;
+            let v = scored.loss as f32;
             if !v.is_finite() {
                 return Err(TrainError::NonFinite { step, what: "validation loss", value: v });
             }
             record["val_loss"] = serde_json::json!(v);
+            val_bpb = scored.bits_per_byte();
+            if let Some(bpb) = val_bpb {
+                record["val_bpb"] = serde_json::json!(bpb);
+            }
             val_loss = Some(v);
         }
         if let Some(metrics) = &mut metrics {
@@ -504,7 +536,13 @@ pub fn train(
                 .and_then(|_| metrics.flush())
                 .map_err(|source| TrainError::Io { path: metrics_path.clone(), source })?;
         }
-        progress.show(step, loss, peak_lr * lr_mult, tokens_per_s, evaluate.then_some(val_loss).flatten());
+        progress.show(
+            step,
+            loss,
+            peak_lr * lr_mult,
+            tokens_per_s,
+            evaluate.then_some(val_loss).flatten().map(|v| (v, val_bpb)),
+        );
         if let Some(observer) = &opts.on_step {
             let val_loss = evaluate.then_some(val_loss).flatten();
             (observer.0)(StepEvent { step, total: total as u64, loss, val_loss });
@@ -556,6 +594,8 @@ struct Saver<'a> {
     last_good: Option<(PathBuf, u64)>,
     /// The data this run trains on, recorded in every checkpoint.
     data: &'a DataIdentity,
+    /// The tokenizer behind its ids, when known, recorded too.
+    tokenizer: Option<&'a ir::spec::TokenizerSpec>,
 }
 
 impl Saver<'_> {
@@ -579,13 +619,21 @@ impl Saver<'_> {
         metrics
             .sync_data()
             .map_err(|source| TrainError::Io { path: self.metrics_path.to_path_buf(), source })?;
-        let state = TrainState { step, data_rng: sampler.state() };
-        checkpoint::save_with_data(path, self.spec, params, Some(optimizer), &state, Some(self.data))
-            .map_err(|source| TrainError::SaveFailed {
-                step,
-                last_good: self.last_good.clone(),
-                source: Box::new(source),
-            })?;
+        let state = TrainState { step, sampler: sampler.state() };
+        checkpoint::save_with_data(
+            path,
+            self.spec,
+            params,
+            Some(optimizer),
+            &state,
+            Some(self.data),
+            self.tokenizer,
+        )
+        .map_err(|source| TrainError::SaveFailed {
+            step,
+            last_good: self.last_good.clone(),
+            source: Box::new(source),
+        })?;
         self.last_good = Some((path.to_path_buf(), step));
         Ok(())
     }
@@ -1004,19 +1052,49 @@ mod signals {
     }
 }
 
+/// Errors of one evaluation: reading its windows, or running the model on them.
+#[derive(Debug, thiserror::Error)]
+pub enum ValidationError {
+    #[error(transparent)]
+    Data(#[from] DataError),
+    #[error(transparent)]
+    Step(#[from] StepError),
+}
+
+/// What one evaluation measured.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Validation {
+    /// The main head's mean next-token loss, nats per token.
+    pub loss: f64,
+    /// Next-token targets scored (per rank in a data-parallel run).
+    pub targets: u64,
+    /// Bytes behind those targets, when the tokenizer is known.
+    pub target_bytes: Option<u64>,
+}
+
+impl Validation {
+    /// Bits per byte: the loss per target times targets per byte, over ln 2
+    /// (docs/data.md), when the bytes behind the tokens are known.
+    pub fn bits_per_byte(&self) -> Option<f64> {
+        let bytes = self.target_bytes.filter(|&b| b > 0)?;
+        Some(self.loss * self.targets as f64 / bytes as f64 / std::f64::consts::LN_2)
+    }
+}
+
 /// The validation loss of `params`: the main head's mean next-token loss (nats
-/// per byte) over the first `batches` (at least 1) validation windows of
-/// `corpus`, drawn from a fresh `data.validation` sampler of the spec's seed, so
-/// every evaluation of a run, and `widen eval` of its checkpoints, scores the same
-/// windows. `exec` fixes the batch shape.
+/// per token) over the windows `plan` names (docs/data.md, "Validation"): the first
+/// batches of a fresh `data.validation` sampler of the spec's seed, or a fixed token
+/// budget in order from the start of the validation split. Either way every
+/// evaluation of a run, and `widen eval` of its checkpoints, scores the same windows.
+/// `exec` fixes the batch shape.
 pub fn validation_loss(
     spec: &ModelSpec,
     exec: &mut dyn StepExecutor,
     params: &ParamSet,
     corpus: &Corpus,
-    batches: usize,
-) -> Result<f64, StepError> {
-    validation_loss_of_shard(spec, exec, params, corpus, batches, Shard::WHOLE, &mut |_, _| {})
+    plan: ValidationPlan,
+) -> Result<Validation, ValidationError> {
+    validation_loss_of_shard(spec, exec, params, corpus, plan, Shard::WHOLE, &mut |_, _| {})
 }
 
 /// [`validation_loss`], calling `progress(done, batches)` after each batch (`widen
@@ -1026,10 +1104,10 @@ pub fn validation_loss_with_progress(
     exec: &mut dyn StepExecutor,
     params: &ParamSet,
     corpus: &Corpus,
-    batches: usize,
+    plan: ValidationPlan,
     progress: &mut dyn FnMut(usize, usize),
-) -> Result<f64, StepError> {
-    validation_loss_of_shard(spec, exec, params, corpus, batches, Shard::WHOLE, progress)
+) -> Result<Validation, ValidationError> {
+    validation_loss_of_shard(spec, exec, params, corpus, plan, Shard::WHOLE, progress)
 }
 
 /// [`validation_loss`] in a data-parallel run: each rank scores its rows of
@@ -1041,12 +1119,20 @@ fn sharded_validation_loss(
     exec: &mut dyn StepExecutor,
     params: &ParamSet,
     corpus: &Corpus,
-    batches: usize,
+    plan: ValidationPlan,
     group: Option<&Group>,
-) -> Result<f64, StepError> {
-    let mine =
-        validation_loss_of_shard(spec, exec, params, corpus, batches, Shard::of(group), &mut |_, _| {})?;
-    Ok(group.map_or(mine, |g| g.mean(mine)))
+) -> Result<Validation, ValidationError> {
+    let mine = validation_loss_of_shard(spec, exec, params, corpus, plan, Shard::of(group), &mut |_, _| {})?;
+    Ok(match group {
+        // Every rank scores as many targets, so the mean of means is the mean; the
+        // bytes per target are averaged the same way.
+        Some(g) => Validation {
+            loss: g.mean(mine.loss),
+            targets: mine.targets * g.size() as u64,
+            target_bytes: mine.target_bytes.map(|b| (g.mean(b as f64) * g.size() as f64).round() as u64),
+        },
+        None => mine,
+    })
 }
 
 /// The validation loss over `shard`'s rows of the validation batches of
@@ -1056,25 +1142,33 @@ fn validation_loss_of_shard(
     exec: &mut dyn StepExecutor,
     params: &ParamSet,
     corpus: &Corpus,
-    batches: usize,
+    plan: ValidationPlan,
     shard: Shard,
     progress: &mut dyn FnMut(usize, usize),
-) -> Result<f64, StepError> {
+) -> Result<Validation, ValidationError> {
     let [batch, window] = exec.token_shape();
-    let mut sampler = BatchSampler::validation(spec.train.seed, batch * shard.world, window);
-    let n = batches.max(1);
-    let mut sum = 0.0f64;
+    let global = batch * shard.world;
+    let n = plan.batches(global, window, corpus.validation(), &corpus.source)?;
+    let mut sampler = plan.sampler(spec.train.seed, global, window);
+    let tokenizer = corpus.tokenizer();
+    let (mut sum, mut targets, mut bytes) = (0.0f64, 0u64, 0u64);
     for done in 1..=n {
-        let all = sampler.next_batch(corpus.validation());
+        let all = sampler.next_batch(corpus.validation())?;
         let tokens = shard.rows(&all, window);
         sum += if spec.mtp.depth == 0 {
             f64::from(exec.loss(params, tokens)?)
         } else {
             next_token_loss(&exec.logits(params, tokens)?, tokens, batch, window)
         };
+        for row in tokens.chunks(window) {
+            targets += (window - 1) as u64;
+            if let Some(t) = tokenizer {
+                bytes += row[1..].iter().map(|&id| t.token_bytes(id as u32) as u64).sum::<u64>();
+            }
+        }
         progress(done, n);
     }
-    Ok(sum / n as f64)
+    Ok(Validation { loss: sum / n as f64, targets, target_bytes: tokenizer.map(|_| bytes) })
 }
 
 /// Mean next-token cross-entropy (nats) of the main head's `logits`
@@ -1111,12 +1205,14 @@ impl ProgressLine {
         ProgressLine { mode, terminal: std::io::stderr().is_terminal(), total, open: false }
     }
 
-    fn show(&mut self, step: u64, loss: f32, lr: f64, tokens_per_s: f64, val: Option<f32>) {
+    /// `val`: the validation loss and, when the bytes behind the tokens are known, bits per byte.
+    fn show(&mut self, step: u64, loss: f32, lr: f64, tokens_per_s: f64, val: Option<(f32, Option<f64>)>) {
         let Progress::Auto { every } = self.mode else { return };
-        // Every widen corpus is bytes, one token each: nats per token are nats per byte.
-        let val = val
-            .map(|v| format!("  val {v:.4} ({:.3} bits/byte)", f64::from(v) / std::f64::consts::LN_2))
-            .unwrap_or_default();
+        let val = match val {
+            Some((v, Some(bpb))) => format!("  val {v:.4} ({bpb:.3} bits/byte)"),
+            Some((v, None)) => format!("  val {v:.4}"),
+            None => String::new(),
+        };
         let line =
             format!("step {step}/{}  loss {loss:.4}  lr {lr:.3e}  {tokens_per_s:.0} tok/s{val}", self.total);
         let mut err = std::io::stderr().lock();

@@ -57,7 +57,8 @@ fn round_trip_restores_params_optimizer_and_state() {
     let spec = muon_spec();
     let g = graph(None, vec![4, 4]);
     let (params, opt) = trained(&spec, &g);
-    let state = TrainState { step: 2, data_rng: [1, u64::MAX, 3, 0xDEAD_BEEF] };
+    let state =
+        TrainState { step: 2, sampler: runtime::data::SamplerState::Random([1, u64::MAX, 3, 0xDEAD_BEEF]) };
     let path = dir.join("ckpt-2.safetensors");
     checkpoint::save(&path, &spec, &params, Some(&opt), &state).unwrap();
 
@@ -89,7 +90,14 @@ fn truncated_and_garbage_files_are_reported_with_their_path() {
     let g = graph(None, vec![4, 4]);
     let (params, opt) = trained(&spec, &g);
     let path = dir.join("final.safetensors");
-    checkpoint::save(&path, &spec, &params, Some(&opt), &TrainState { step: 2, data_rng: [0; 4] }).unwrap();
+    checkpoint::save(
+        &path,
+        &spec,
+        &params,
+        Some(&opt),
+        &TrainState { step: 2, sampler: runtime::data::SamplerState::Random([0; 4]) },
+    )
+    .unwrap();
     let bytes = std::fs::read(&path).unwrap();
     std::fs::write(&path, &bytes[..bytes.len() - 10]).unwrap();
     let err = Checkpoint::read(&path).unwrap_err();
@@ -111,7 +119,14 @@ fn another_spec_is_rejected_naming_the_difference_or_tensor() {
     let g = graph(None, vec![4, 4]);
     let (params, opt) = trained(&spec, &g);
     let path = dir.join("ckpt.safetensors");
-    checkpoint::save(&path, &spec, &params, Some(&opt), &TrainState { step: 2, data_rng: [0; 4] }).unwrap();
+    checkpoint::save(
+        &path,
+        &spec,
+        &params,
+        Some(&opt),
+        &TrainState { step: 2, sampler: runtime::data::SamplerState::Random([0; 4]) },
+    )
+    .unwrap();
     let ckpt = Checkpoint::read(&path).unwrap();
 
     let other = ModelSpec { d_model: 128, ..spec.clone() };

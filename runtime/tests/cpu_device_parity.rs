@@ -51,8 +51,10 @@ fn check_model(file: &str, spec: &ModelSpec) {
     assert_eq!(grads, params.len(), "{file}: one gradient check per parameter");
 
     // The validation path reruns the same Plan: bit-identical on the host.
-    let corpus = Corpus::load(&spec.train.data, spec.train.val_fraction, seq + 1).expect("corpus");
-    let tokens = BatchSampler::train(spec.train.seed, batch, seq + 1).next_batch(corpus.train());
+    let corpus =
+        Corpus::load_data(&spec.train.data, spec.train.val_fraction, seq + 1, spec.vocab).expect("corpus");
+    let tokens =
+        BatchSampler::train(spec.train.seed, batch, seq + 1).next_batch(corpus.train()).expect("a batch");
     let (loss, _) = cpu.loss_and_grads(&params, &tokens).expect("cpu step");
     let val = cpu.loss(&params, &tokens).expect("cpu loss");
     assert_eq!(val.to_bits(), loss.to_bits(), "{file}: loss() differs from loss_and_grads()");
@@ -160,11 +162,12 @@ fn train_step_matches_the_host_update() {
         let mut device_opt = Optimizer::new(&spec, &device_params);
         let mut host_opt = device_opt.clone();
         let mut cpu = CpuExecutor::from_lowered(lowered, CpuOptions { threads: 2 });
-        let corpus = Corpus::load(&spec.train.data, spec.train.val_fraction, seq + 1).expect("corpus");
+        let corpus = Corpus::load_data(&spec.train.data, spec.train.val_fraction, seq + 1, spec.vocab)
+            .expect("corpus");
         let mut sampler = BatchSampler::train(spec.train.seed, batch, seq + 1);
         let mut clipped = 0;
         for step in 0..4 {
-            let tokens = sampler.next_batch(corpus.train());
+            let tokens = sampler.next_batch(corpus.train()).expect("a batch");
             if step == 2 {
                 device_params[0].value[0] += 0.5;
                 host_params[0].value[0] += 0.5;
@@ -193,7 +196,7 @@ fn train_step_matches_the_host_update() {
         assert_eq!(device_opt, host_opt, "optimizer state");
         // The device's own copy is current: a validation loss without any
         // upload equals one after a forced upload (a fresh set's identity).
-        let tokens = sampler.next_batch(corpus.train());
+        let tokens = sampler.next_batch(corpus.train()).expect("a batch");
         let resident = cpu.loss(&device_params, &tokens).expect("loss");
         let uploaded = cpu.loss(&device_params.clone(), &tokens).expect("loss");
         assert_eq!(resident.to_bits(), uploaded.to_bits(), "the device's parameters are stale");
@@ -224,8 +227,10 @@ fn chained_and_in_order_agree(spec: &ModelSpec) {
     assert!(plan.chains.iter().all(|c| c.entries == batch * spec.heads && c.entries >= threads), "{what}");
     let mut in_order = plan.clone();
     in_order.chains.clear();
-    let corpus = Corpus::load(&spec.train.data, spec.train.val_fraction, seq + 1).expect("corpus");
-    let tokens = BatchSampler::train(spec.train.seed, batch, seq + 1).next_batch(corpus.train());
+    let corpus =
+        Corpus::load_data(&spec.train.data, spec.train.val_fraction, seq + 1, spec.vocab).expect("corpus");
+    let tokens =
+        BatchSampler::train(spec.train.seed, batch, seq + 1).next_batch(corpus.train()).expect("a batch");
     let run = |plan| {
         let compiler = Compiler::from_env().expect("C compiler");
         let device = CpuDevice::with_options(plan, &compiler, CpuOptions { threads }).expect("load");

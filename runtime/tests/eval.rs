@@ -4,7 +4,7 @@ mod common;
 
 use common::run::{temp_dir, tiny_spec};
 use runtime::checkpoint::Checkpoint;
-use runtime::data::Corpus;
+use runtime::data::{Corpus, ValidationPlan};
 use runtime::device::Device;
 use runtime::eval::{evaluate, evaluate_with_progress, max_batches, EvalError, EvalOptions};
 use runtime::params::ParamSet;
@@ -34,9 +34,14 @@ fn eval_scores_the_windows_training_scores_bit_for_bit_and_reports_each_batch() 
         let mut params = ParamSet::zeros(&lowered.graph).unwrap();
         ckpt.restore_params(&mut params).unwrap();
         let mut exec = Device::Reference.executor(lowered).unwrap();
-        let corpus = Corpus::load(&spec.train.data, spec.train.val_fraction, spec.train.seq_len + 1).unwrap();
-        let logged = validation_loss(&spec, exec.as_mut(), &params, &corpus, 5).unwrap();
-        assert_eq!(report.val_loss.to_bits(), logged.to_bits(), "mtp depth {depth}");
+        let corpus =
+            Corpus::load_data(&spec.train.data, spec.train.val_fraction, spec.train.seq_len + 1, spec.vocab)
+                .unwrap();
+        let logged =
+            validation_loss(&spec, exec.as_mut(), &params, &corpus, ValidationPlan::Random { batches: 5 })
+                .unwrap()
+                .loss;
+        assert_eq!(report.val_loss().to_bits(), logged.to_bits(), "mtp depth {depth}");
         std::fs::remove_dir_all(dir).unwrap();
     }
 }

@@ -38,8 +38,10 @@ fn reference_loss(spec: &ModelSpec, tokens: &[i32]) -> f32 {
 fn bf16_loss_at_init_is_close_to_the_f32_loss() {
     let spec = bf16_spec();
     let (batch, seq) = (spec.train.batch, spec.train.seq_len);
-    let corpus = Corpus::load(&spec.train.data, spec.train.val_fraction, seq + 1).expect("corpus");
-    let tokens = BatchSampler::train(spec.train.seed, batch, seq + 1).next_batch(corpus.train());
+    let corpus =
+        Corpus::load_data(&spec.train.data, spec.train.val_fraction, seq + 1, spec.vocab).expect("corpus");
+    let tokens =
+        BatchSampler::train(spec.train.seed, batch, seq + 1).next_batch(corpus.train()).expect("a batch");
     let bf16 = reference_loss(&spec, &tokens);
     let f32 = reference_loss(&as_f32(&spec), &tokens);
     let rel = f64::from((bf16 - f32).abs() / f32.abs());

@@ -52,7 +52,7 @@ fn metrics(dir: &Path) -> Vec<Value> {
 /// (zero elsewhere, as initialized); returns the metrics lines.
 fn train_skewed(spec: &ModelSpec, device: Device, skew: f32, dir: &Path) -> Vec<Value> {
     let window = spec.train.seq_len + 1;
-    let corpus = Corpus::load(&spec.train.data, spec.train.val_fraction, window).unwrap();
+    let corpus = Corpus::load_data(&spec.train.data, spec.train.val_fraction, window, spec.vocab).unwrap();
     let lowered = ir::lower::lower(spec, spec.train.batch, spec.train.seq_len).unwrap();
     let mut params = init_params(&lowered.graph, spec.train.seed).unwrap();
     let mut skewed = 0;
@@ -202,8 +202,9 @@ fn cpu_aux_loss_case(balance: MoeBalance) {
     assert!(failures.is_empty(), "{balance:?}: {report}");
 
     // One training step on each: the same statistics, the aux value at f32 rounding.
-    let corpus = Corpus::load(&spec.train.data, spec.train.val_fraction, seq + 1).unwrap();
-    let tokens = BatchSampler::train(spec.train.seed, batch, seq + 1).next_batch(corpus.train());
+    let corpus = Corpus::load_data(&spec.train.data, spec.train.val_fraction, seq + 1, spec.vocab).unwrap();
+    let tokens =
+        BatchSampler::train(spec.train.seed, batch, seq + 1).next_batch(corpus.train()).expect("a batch");
     let params = init_params(&lowered.graph, spec.train.seed).unwrap();
     let step = |device: Device| {
         let mut exec = device.executor(lowered.clone()).unwrap();

@@ -51,7 +51,7 @@ fn non_finite_checkpoints_are_neither_written_nor_read() {
     let spec = tiny_spec(2);
     let lowered = ir::lower::lower(&spec, 1, spec.train.seq_len).unwrap();
     let mut params = init_params(&lowered.graph, 0).unwrap();
-    let state = TrainState { step: 1, data_rng: [0; 4] };
+    let state = TrainState { step: 1, sampler: runtime::data::SamplerState::Random([0; 4]) };
     let good = dir.join("good.safetensors");
     checkpoint::save(&good, &spec, &params, None, &state).unwrap();
 
@@ -101,7 +101,14 @@ fn a_resume_may_change_the_step_budget_and_data_but_not_the_model() {
     let lowered = ir::lower::lower(&spec, 1, spec.train.seq_len).unwrap();
     let params = init_params(&lowered.graph, 0).unwrap();
     let path = dir.join("ckpt-2.safetensors");
-    checkpoint::save(&path, &spec, &params, None, &TrainState { step: 2, data_rng: [0; 4] }).unwrap();
+    checkpoint::save(
+        &path,
+        &spec,
+        &params,
+        None,
+        &TrainState { step: 2, sampler: runtime::data::SamplerState::Random([0; 4]) },
+    )
+    .unwrap();
     let ckpt = Checkpoint::read(&path).unwrap();
 
     let mut longer = spec.clone();

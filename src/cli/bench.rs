@@ -125,7 +125,7 @@ impl Model {
         total_steps: usize,
     ) -> anyhow::Result<Model> {
         let (batch, seq_len) = (spec.train.batch, spec.train.seq_len);
-        let corpus = Corpus::load(&spec.train.data, spec.train.val_fraction, seq_len + 1)?;
+        let corpus = Corpus::load_data(&spec.train.data, spec.train.val_fraction, seq_len + 1, spec.vocab)?;
         let lowered = ir::lower::lower(&spec, batch, seq_len)?;
         let params = init_params(&lowered.graph, spec.train.seed)?;
         let optimizer = Optimizer::new(&spec, &params);
@@ -180,7 +180,7 @@ impl Model {
 
     /// One full training step, as the training loop takes it; returns its wall time in ms.
     fn step(&mut self) -> anyhow::Result<f64> {
-        let tokens = self.sampler.next_batch(self.corpus.train());
+        let tokens = self.sampler.next_batch(self.corpus.train())?;
         let started = Instant::now();
         let lr_mult = lr_multiplier(&self.spec.train.schedule, self.steps_taken, self.total_steps);
         let settings = UpdateSettings { lr_mult, clip: self.spec.train.clip };

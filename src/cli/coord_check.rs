@@ -90,7 +90,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             runtime::coord::width_spec(&spec, widest, widest, CoordParam::Standard).context("--widths")?;
         super::fits_this_machine(&widest)?;
     }
-    let corpus = Corpus::load(&spec.train.data, spec.train.val_fraction, spec.train.seq_len + 1)?;
+    let corpus = Corpus::load(&spec)?;
     let mut checks = Vec::new();
     for param in params {
         // A line redrawn in place: on a terminal only, so a log gets no control codes.

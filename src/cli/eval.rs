@@ -17,12 +17,14 @@ use std::time::{Duration, Instant};
 pub struct Args {
     /// A checkpoint written by `widen train` (its header holds the spec).
     pub checkpoint: PathBuf,
-    /// Evaluate on this byte-level text file instead of the checkpoint's data
-    /// (without it, the checkpoint's data must hold the bytes the run trained on).
-    #[arg(long)]
-    pub data: Option<PathBuf>,
-    /// Validation batches to average, 1..=100000 like train.eval_batches
-    /// [default: the spec's train.eval_batches].
+    /// Evaluate on this data instead of the checkpoint's: token shards (a glob, or a
+    /// file with an llm.c header) or a byte-level text file (without it, the
+    /// checkpoint's data must hold the content the run trained on).
+    #[arg(long, value_name = "PATH_OR_GLOB")]
+    pub data: Option<String>,
+    /// Score this many batches of random validation windows, 1..=100000 like
+    /// train.eval_batches [default: what training scored: train.val_tokens in order
+    /// when the spec sets it, else train.eval_batches random batches].
     #[arg(long, value_parser = batches_parser())]
     pub batches: Option<u64>,
     /// Where to run.
@@ -69,8 +71,11 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     println!("checkpoint {} (step {})", args.checkpoint.display(), report.step);
     println!("data {}", report.data.describe());
     println!("validation batches {} of {batch} x {}", report.batches, window - 1);
-    println!("val_loss {:.6} nats/byte", report.val_loss);
-    println!("bits_per_byte {:.6}", report.bits_per_byte());
+    println!("val_loss {:.6} nats/token over {} tokens", report.val_loss(), report.validation.targets);
+    match report.bits_per_byte() {
+        Some(bpb) => println!("bits_per_byte {bpb:.6}"),
+        None => println!("bits_per_byte unknown (the tokenizer behind the ids is not recorded)"),
+    }
     for path in &report.dumped {
         println!("wrote {}", path.display());
     }

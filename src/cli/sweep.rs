@@ -14,7 +14,7 @@
 //! continues. Exit status 1 when any point failed, after the others finished.
 
 use anyhow::Context;
-use ir::spec::{load_spec, DataSpec};
+use ir::spec::load_spec;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use sweep::{OnInvalid, Status, Sweep, SweepOptions, SweepReport, SweepRunError};
@@ -46,9 +46,10 @@ pub struct Args {
     /// Sweep folder [default: sweeps/<spec name>].
     #[arg(long)]
     pub out: Option<PathBuf>,
-    /// Train every point on this byte-level text file instead of the spec's data.
-    #[arg(long)]
-    pub data: Option<PathBuf>,
+    /// Train every point on this data instead of the spec's: token shards (a glob, or
+    /// a file with an llm.c header) or a byte-level text file (docs/data.md).
+    #[arg(long, value_name = "PATH_OR_GLOB")]
+    pub data: Option<String>,
     /// Train again the runs recorded as failed.
     #[arg(long)]
     pub retry_failed: bool,
@@ -143,7 +144,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let until = until(&args)?;
     let mut sweep = load(&args)?;
     if let Some(data) = &args.data {
-        sweep.base.train.data = DataSpec::Text(data.display().to_string());
+        sweep.base.train.data = runtime::data::data_from_arg(data)?;
     }
     if args.dry_run {
         let plan = sweep::expand(&sweep)?;
@@ -441,8 +442,9 @@ pub fn print_report(report: &SweepReport) {
         );
     }
     println!(
-        "losses are validation next-token losses in nats per byte (the vocabulary is the 256 byte \
-         values); bits/byte = nats / ln 2; ± is the standard deviation over seeds"
+        "losses are validation next-token losses in nats per token; bits/byte counts the bytes \
+         behind the tokens (nats / ln 2 for byte data, '-' when the tokenizer is unknown); ± is the \
+         standard deviation over seeds"
     );
     for (name, reason) in &report.invalid {
         println!("skipped (invalid) {name}: {reason}");

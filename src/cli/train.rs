@@ -13,7 +13,7 @@
 //! independent copies into one folder.
 
 use anyhow::Context;
-use ir::spec::{load_spec, DataSpec};
+use ir::spec::load_spec;
 use runtime::device::Device;
 use runtime::dist::Group;
 use runtime::train::{train_spec, Progress, TrainError, TrainOptions};
@@ -57,9 +57,10 @@ libopenmpi-dev openmpi-bin libclang-dev`). See docs/distributed.md.";
 pub struct Args {
     /// Path to the RON spec.
     pub spec: PathBuf,
-    /// Train on this byte-level text file instead of the spec's data.
-    #[arg(long)]
-    pub data: Option<PathBuf>,
+    /// Train on this data instead of the spec's: token shards (a glob, or a file with
+    /// an llm.c header) or a byte-level text file (docs/data.md).
+    #[arg(long, value_name = "PATH_OR_GLOB")]
+    pub data: Option<String>,
     /// Number of optimizer steps (overrides `train.steps`). 0 writes the initial
     /// checkpoint `init.safetensors` (step 0) and trains nothing.
     #[arg(long)]
@@ -101,7 +102,7 @@ fn run_rank(args: &Args, group: Option<&Group>) -> anyhow::Result<ExitCode> {
     let root = group.is_none_or(Group::is_root);
     let mut spec = load_spec(&args.spec)?;
     if let Some(data) = &args.data {
-        spec.train.data = DataSpec::Text(data.display().to_string());
+        spec.train.data = runtime::data::data_from_arg(data)?;
     }
     if args.steps == Some(0) {
         // The initial state is the same on every rank: rank 0 writes it.
@@ -189,7 +190,7 @@ fn write_initial(args: &Args, spec: &ir::spec::ModelSpec) -> anyhow::Result<Exit
 fn resume_command(args: &Args, out_dir: &Path, checkpoint: &Path) -> String {
     let mut words = vec!["widen".to_string(), "train".to_string(), quote(&args.spec.display().to_string())];
     if let Some(data) = &args.data {
-        words.extend(["--data".to_string(), quote(&data.display().to_string())]);
+        words.extend(["--data".to_string(), quote(data)]);
     }
     if let Some(steps) = args.steps {
         words.extend(["--steps".to_string(), steps.to_string()]);

@@ -296,6 +296,8 @@ pub(crate) struct MetricsLine {
     #[serde(default)]
     pub val_loss: Option<f64>,
     #[serde(default)]
+    val_bpb: Option<f64>,
+    #[serde(default)]
     tokens_per_s: Option<f64>,
 }
 
@@ -491,6 +493,7 @@ pub(crate) fn measured(run_dir: &Path, point: &Point, wall_s: f64) -> Result<Run
         .rev()
         .find_map(|l| l.val_loss)
         .ok_or_else(|| format!("{} holds no validation loss", run_dir.display()))?;
+    let val_bpb = lines.iter().rev().find(|l| l.val_loss.is_some()).and_then(|l| l.val_bpb);
     let per_step = point.budget.tokens_per_step as f64;
     let times: Vec<f64> = lines
         .iter()
@@ -500,6 +503,7 @@ pub(crate) fn measured(run_dir: &Path, point: &Point, wall_s: f64) -> Result<Run
     Ok(RunMetrics {
         train_loss: last.iter().sum::<f64>() / last.len() as f64,
         val_loss,
+        val_bpb,
         ms_per_step: times.iter().sum::<f64>() / times.len().max(1) as f64,
         tokens: point.budget.tokens,
         wall_s,

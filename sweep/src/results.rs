@@ -86,8 +86,12 @@ pub const COLUMNS: [&str; 40] = [
 pub struct RunMetrics {
     /// Final training loss (nats).
     pub train_loss: f64,
-    /// Final validation loss (nats).
+    /// Final validation loss (nats per token).
     pub val_loss: f64,
+    /// Final validation bits per byte, when the run knew the bytes behind its tokens
+    /// (absent from older outcomes).
+    #[serde(default)]
+    pub val_bpb: Option<f64>,
     /// Mean milliseconds per optimizer step.
     pub ms_per_step: f64,
     /// Tokens trained.
@@ -289,10 +293,19 @@ impl PointResult {
             tokens_trained: point.budget.tokens,
             train_loss: Stat::of(&col(|m| m.train_loss)),
             val_loss,
-            val_bits_per_byte: if point.spec.vocab == 256 {
-                val_loss.mean.map(|l| l / std::f64::consts::LN_2)
-            } else {
-                None
+            // The runs' own bits per byte (the tokenizer's bytes per token); for runs
+            // recorded before that, byte-level data's loss in bits.
+            val_bits_per_byte: match Stat::of(&col(|m| m.val_bpb.unwrap_or(f64::NAN)))
+                .mean
+                .filter(|b| b.is_finite())
+            {
+                Some(bpb) => Some(bpb),
+                None if point.spec.vocab == 256
+                    && !matches!(point.spec.train.data, ir::spec::DataSpec::Tokens(_)) =>
+                {
+                    val_loss.mean.map(|l| l / std::f64::consts::LN_2)
+                }
+                None => None,
             },
             ms_per_step,
             tokens_per_s: ms_per_step
@@ -510,6 +523,7 @@ mod tests {
         RunOutcome::Finished(RunMetrics {
             train_loss: val + 0.1,
             val_loss: val,
+            val_bpb: None,
             ms_per_step: ms,
             tokens: 320,
             wall_s: 2.0,

@@ -263,8 +263,7 @@ fn data_key(point: &Point) -> DataKey {
 
 /// Loads a point's data as its runs will, and identifies it.
 fn load_record(point: &Point) -> Result<DataRecord, SweepRunError> {
-    let t = &point.spec.train;
-    Ok(Corpus::load(&t.data, t.val_fraction, t.seq_len + 1)
+    Ok(Corpus::load(&point.spec)
         .map_err(|source| SweepRunError::PointData { point: point.name.clone(), source })?
         .identity()
         .into())
@@ -1018,7 +1017,10 @@ fn train_run(
             )?;
             Err(SweepRunError::Interrupted { run: run_path, checkpoint })
         }
-        TrainError::Data(source) => Err(SweepRunError::Data { run: run_path, source }),
+        TrainError::Data(source)
+        | TrainError::Validation { source: runtime::train::ValidationError::Data(source), .. } => {
+            Err(SweepRunError::Data { run: run_path, source })
+        }
         TrainError::Signals(_) => Err(SweepRunError::Signals(Box::new(err))),
         TrainError::Locked { .. } => Err(SweepRunError::RunInUse { run: run_path, source: Box::new(err) }),
         TrainError::Io { .. } | TrainError::SaveFailed { .. } => {
@@ -1032,6 +1034,8 @@ fn train_run(
         | TrainError::Diverged { .. }
         | TrainError::Device(_)
         | TrainError::Step { .. }
+        | TrainError::Validation { .. }
+        | TrainError::OtherOrder { .. }
         | TrainError::Checkpoint(_)
         | TrainError::Lower(_)
         | TrainError::Init(_)

@@ -822,7 +822,7 @@ pub enum DataSpec {
 
 /// A token dataset: the training shards, optionally separate validation shards, and
 /// how to read headerless files.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct TokenData {
     /// A path or glob (`dir/fineweb_train_*.bin`); the matches are read in name order.
@@ -836,12 +836,6 @@ pub struct TokenData {
     /// The tokenizer the ids come from; `None` reads it from the `manifest.json` beside
     /// the training shards (written by `widen data prepare`), if there is one.
     pub tokenizer: Option<TokenizerSpec>,
-}
-
-impl Default for TokenData {
-    fn default() -> Self {
-        TokenData { train: String::new(), val: None, dtype: None, tokenizer: None }
-    }
 }
 
 /// The stored width of one token id.
@@ -873,7 +867,12 @@ pub enum TokenizerSpec {
     Gpt2,
     /// A Hugging Face `tokenizer.json`, identified by its path and the SHA-256 of its
     /// bytes, so a changed file is refused rather than silently decoding other ids.
-    HuggingFace { path: String, sha256: String },
+    HuggingFace {
+        /// The `tokenizer.json` file (relative to the folder widen runs in, or absolute).
+        path: String,
+        /// SHA-256 of its bytes, 64 hex digits (`widen data prepare` records it).
+        sha256: String,
+    },
 }
 
 /// The order in which training windows are drawn (docs/data.md).

@@ -291,7 +291,7 @@ fn main_rs(spec: &ModelSpec, plan: &Plan) -> TokenStream {
             let Some(args) = parse_args()? else { return Ok(Outcome::Done) };
             let mut spec = ir::spec::ModelSpec::from_ron_str(SPEC_RON).context("reading the embedded spec")?;
             if let Some(data) = &args.data {
-                spec.train.data = ir::spec::DataSpec::Text(data.display().to_string());
+                spec.train.data = runtime::data::data_from_arg(&data.display().to_string())?;
             }
             if let Some(steps) = args.steps {
                 if let Some(w) = runtime::standalone::set_steps(&mut spec, steps) {
@@ -377,7 +377,7 @@ fn main_rs(spec: &ModelSpec, plan: &Plan) -> TokenStream {
             opts: &runtime::train::TrainOptions,
         ) -> anyhow::Result<Result<runtime::train::TrainReport, runtime::train::TrainError>> {
             let window = spec.train.seq_len + 1;
-            let corpus = runtime::data::Corpus::load(&spec.train.data, spec.train.val_fraction, window)?;
+            let corpus = runtime::data::Corpus::load(spec)?;
             let lowered = ir::lower::lower(spec, spec.train.batch, spec.train.seq_len)?;
             let params = runtime::init::init_params(&lowered.graph, spec.train.seed)?;
             let token_shape = [spec.train.batch, window];
