@@ -14,9 +14,10 @@
 //! - [`Decoding::Full`] runs the whole `[1, seq_len + 1]` window through a device's
 //!   [`StepExecutor::logits`] for every token (the rest of the window is padding, which
 //!   causal attention does not let position `len - 1` see);
-//! - [`Decoding::Cached`] feeds one token at a time to the incremental decoder
-//!   (`ir::exec::incremental`) on the host, and when the window slides, rebuilds its cache
-//!   from the new window (so past `seq_len` every token costs a whole window again).
+//! - [`Decoding::Cached`] runs the incremental decoder (`ir::exec::incremental`) on the
+//!   host: one whole-window pass over the prompt fills its cache, then each token is one
+//!   position; when the window slides, another whole-window pass rebuilds the cache from
+//!   the new window (so past `seq_len` every token costs a whole window again).
 
 use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::device::Device;
@@ -283,21 +284,27 @@ impl Generator {
             Engine::Cached { decoder, fed, last } => {
                 // A window that extends what was fed continues the cache; anything else
                 // (the window slid) starts it again.
-                if !(fed.len() <= window.len() && window[..fed.len()] == fed[..]) {
+                let extends = !fed.is_empty() && fed.len() <= window.len() && window[..fed.len()] == fed[..];
+                let result = if extends {
+                    window[fed.len()..].iter().try_for_each(|&id| {
+                        *last = decoder.step(id as i32)?;
+                        fed.push(id);
+                        Ok::<(), DecodeError>(())
+                    })
+                } else {
+                    // A new context, or the window slid: one whole-window pass refills the cache.
+                    fed.clear();
+                    let ids: Vec<i32> = window.iter().map(|&id| id as i32).collect();
+                    decoder.prefill(&ids).map(|logits| {
+                        *last = logits;
+                        fed.extend_from_slice(window);
+                    })
+                };
+                if let Err(e) = result {
+                    // A failed position leaves some caches a position ahead.
                     decoder.reset();
                     fed.clear();
-                }
-                for &id in &window[fed.len()..] {
-                    match decoder.step(id as i32) {
-                        Ok(logits) => *last = logits,
-                        Err(e) => {
-                            // A failed position leaves some caches a position ahead.
-                            decoder.reset();
-                            fed.clear();
-                            return Err(e.into());
-                        }
-                    }
-                    fed.push(id);
+                    return Err(e.into());
                 }
                 if last.len() != self.row {
                     return Err(SampleError::LogitsLength {

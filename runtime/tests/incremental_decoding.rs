@@ -114,6 +114,44 @@ fn cached_logits_equal_the_full_window_at_every_position_on_every_scheme() {
     }
 }
 
+/// A prefill of the first positions in one whole-window pass, then one position at a
+/// time: the logits of the prefill's last position and of every later one equal the
+/// full window's.
+#[test]
+fn a_prefill_then_steps_equal_the_full_window_on_every_scheme() {
+    for file in SPECS {
+        let spec = spec(file);
+        let bound = if file.contains("bf16") { 2e-2 } else { 1e-9 };
+        let errors = prefill_errors(&spec);
+        assert!(errors.iter().all(|&e| e <= bound), "{file}: {errors:?}");
+    }
+}
+
+/// The relative errors of a prefill of the first 5 positions and steps after it
+/// against the full window, from the prefill's last position on.
+fn prefill_errors(spec: &ModelSpec) -> Vec<f64> {
+    let params = params(spec);
+    let (full, _) = both_logits(spec, &params);
+    let mut decoder = Decoder::<f64>::for_spec(spec).unwrap();
+    let wanted: Vec<String> = decoder.params().iter().map(|(n, _)| n.to_string()).collect();
+    for name in wanted {
+        let p = params.get(&name).unwrap();
+        let values: Vec<f64> = p.value.iter().map(|&v| f64::from(v)).collect();
+        decoder.set_param(&name, Tensor::from_f64(p.shape.clone(), &values)).unwrap();
+    }
+    let tokens = window(SEQ_LEN + 1, spec.vocab);
+    let row = spec.model_vocab();
+    let at = 5;
+    let mut cached = decoder.prefill(&tokens[..at]).unwrap();
+    assert_eq!(decoder.position(), at);
+    for &t in &tokens[at..SEQ_LEN] {
+        cached.extend(decoder.step(t).unwrap());
+    }
+    let errors = position_errors(&full[(at - 1) * row..], &cached, row);
+    assert_eq!(errors.len(), SEQ_LEN - at + 1);
+    errors
+}
+
 /// Kernels shorter than the window: the temporal cache keeps only the κ − 1 rows the
 /// longest kernel reads, and still agrees with the full window at every position.
 #[test]
@@ -125,6 +163,8 @@ fn short_temporal_kernels_agree_past_their_reach() {
         let (full, cached) = both_logits(&spec, &params(&spec));
         let errors = position_errors(&full, &cached, spec.model_vocab());
         assert!(errors.iter().all(|&e| e <= 1e-9), "{file}: {errors:?}");
+        let errors = prefill_errors(&spec);
+        assert!(errors.iter().all(|&e| e <= 1e-9), "{file} after a prefill: {errors:?}");
     }
 }
 

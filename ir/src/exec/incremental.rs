@@ -15,6 +15,10 @@
 //!   `out`, the rows its causal convolutions read, and evaluates the op on that short
 //!   window (the Gram–Schmidt sweep is per position).
 //!
+//! [`Decoder::prefill`] fills every cache at once from one whole-window forward of the
+//! reference executor (the same spec lowered for the window's length): the keys, values
+//! and temporal rows are read from that graph's operands of the matching ops.
+//!
 //! MoE routing (`MoeRoute`, docs/math.md §1.6) orders the assignments of every position
 //! of the window jointly, so with a capacity limit a full-window forward may drop a
 //! position's assignment that an earlier position crowded out. Here it routes one
@@ -149,6 +153,25 @@ pub struct Decoder<T> {
     fixed: HashMap<NodeId, Value<T>>,
     caches: HashMap<NodeId, Cache<T>>,
     position: usize,
+    /// The spec without MTP modules, when the decoder was built from one: what
+    /// [`Decoder::prefill`] lowers its whole-window graphs from.
+    spec: Option<ModelSpec>,
+    /// Whole-window graphs by window length, lowered on first use.
+    prefills: HashMap<usize, Prefill>,
+}
+
+/// A whole-window forward graph for [`Decoder::prefill`] and how its nodes match the
+/// one-position graph's.
+#[derive(Debug)]
+struct Prefill {
+    graph: Graph,
+    tokens: NodeId,
+    logits: NodeId,
+    /// Each parameter: its node here and in the one-position graph.
+    params: Vec<(NodeId, NodeId)>,
+    /// Each cached node of the one-position graph and the operands here it is filled
+    /// from: keys and values of an attention, the `out` operand of a temporal augmentation.
+    caches: Vec<(NodeId, Vec<NodeId>)>,
 }
 
 impl<T: Float> Decoder<T> {
@@ -158,7 +181,9 @@ impl<T: Float> Decoder<T> {
         let mut one = spec.clone();
         one.mtp.depth = 0;
         let lowered = lower(&one, 1, 1)?;
-        Decoder::new(lowered.graph, lowered.tokens, lowered.logits)
+        let mut decoder = Decoder::new(lowered.graph, lowered.tokens, lowered.logits)?;
+        decoder.spec = Some(one);
+        Ok(decoder)
     }
 
     /// A decoder over a one-position graph: `tokens` its i32 `[1, 2]` window input (the
@@ -213,7 +238,17 @@ impl<T: Float> Decoder<T> {
             }
             schedule.push(Step { id, inputs: graph.inputs(id), kind, frees: std::mem::take(&mut frees[at]) });
         }
-        Ok(Decoder { graph, tokens, logits, schedule, fixed, caches: HashMap::new(), position: 0 })
+        Ok(Decoder {
+            graph,
+            tokens,
+            logits,
+            schedule,
+            fixed,
+            caches: HashMap::new(),
+            position: 0,
+            spec: None,
+            prefills: HashMap::new(),
+        })
     }
 
     /// The parameters the logits read: name and shape, in schedule order.
@@ -265,12 +300,163 @@ impl<T: Float> Decoder<T> {
         self.position = 0;
     }
 
+    /// Starts a new context with `tokens` (at least one) and returns the logits after the
+    /// last of them: one whole-window forward of the reference executor fills every cache
+    /// at once (the keys and values of every position, the last rows of every temporal
+    /// input), the work of a full-window forward instead of one evaluation per position.
+    /// A decoder built by [`Decoder::new`] (no spec to lower) feeds them one by one.
+    pub fn prefill(&mut self, tokens: &[i32]) -> Result<Vec<T>, DecodeError> {
+        self.reset();
+        let Some((&last, _)) = tokens.split_last() else {
+            return Err(cache_err(
+                &OpCtx { op: &self.graph.node(self.tokens).op, node: self.tokens.index() },
+                "a prefill needs at least one token",
+            ));
+        };
+        if tokens.len() == 1 || self.spec.is_none() {
+            for &t in &tokens[..tokens.len() - 1] {
+                self.step(t)?;
+            }
+            return self.step(last);
+        }
+        let w = tokens.len();
+        if !self.prefills.contains_key(&w) {
+            let prefill = self.prefill_graph(w)?;
+            self.prefills.insert(w, prefill);
+        }
+        let prefill = &self.prefills[&w];
+        let mut sources: HashMap<NodeId, Value<T>> = HashMap::with_capacity(prefill.params.len() + 1);
+        for &(here, one) in &prefill.params {
+            let value = self.fixed.get(&one).ok_or_else(|| DecodeError::Unbound {
+                name: match &self.graph.node(one).op {
+                    Op::Param(p) => p.name.clone(),
+                    op => op.name().to_string(),
+                },
+            })?;
+            sources.insert(here, value.clone());
+        }
+        let mut window = tokens.to_vec();
+        window.push(0);
+        sources.insert(prefill.tokens, Value::Int(Tensor::new(Shape::new([1, w + 1]), window)));
+        let mut outputs = vec![prefill.logits];
+        outputs.extend(prefill.caches.iter().flat_map(|(_, operands)| operands.iter().copied()));
+        let values = super::run(&prefill.graph, &sources, &outputs)?;
+        let float = |id: &NodeId| -> &[T] { values[id].as_float().map_or(&[], |t| &t.data[..]) };
+        for (one, operands) in &prefill.caches {
+            let cache = match self.schedule.iter().find(|s| s.id == *one).map(|s| s.kind) {
+                Some(EvalKind::CachedAttention { rope_base, .. }) => {
+                    let mut keys = float(&operands[0]).to_vec();
+                    let dims = prefill.graph.node(operands[0]).shape.dims().to_vec();
+                    let (row, dh) = (dims[2] * dims[3], dims[3]);
+                    if let Some(base) = rope_base.filter(|_| dh > 0) {
+                        for (pos, chunk) in keys.chunks_exact_mut(row).enumerate() {
+                            rope_position(chunk, pos, dh, base);
+                        }
+                    }
+                    Cache::Attention { keys, values: float(&operands[1]).to_vec() }
+                }
+                Some(EvalKind::CachedTemporal { .. }) => {
+                    let out = float(&operands[0]);
+                    let c = prefill.graph.node(operands[0]).shape.last();
+                    let keep = self.temporal_keep(*one);
+                    Cache::Temporal { rows: out[out.len() - keep.min(w) * c..].to_vec(), keep }
+                }
+                _ => continue,
+            };
+            self.caches.insert(*one, cache);
+        }
+        self.position = w;
+        let logits = float(&prefill.logits);
+        let v = self.vocab();
+        Ok(logits[logits.len() - v..].to_vec())
+    }
+
+    /// The rows a temporal augmentation node keeps: κ − 1 of its longest kernel.
+    fn temporal_keep(&self, id: NodeId) -> usize {
+        let kernels = &self.graph.inputs(id)[1..];
+        kernels.iter().map(|&k| self.graph.node(k).shape.dims()[0]).max().unwrap_or(1).saturating_sub(1)
+    }
+
+    /// Lowers the whole-window graph of `w` positions and matches its parameters (by
+    /// name) and its cached ops (in evaluation order) to the one-position graph's.
+    fn prefill_graph(&self, w: usize) -> Result<Prefill, DecodeError> {
+        let spec = self.spec.as_ref().expect("only a decoder built from a spec prefills");
+        let lowered = lower(spec, 1, w)?;
+        let graph = lowered.graph;
+        let mut needed = std::collections::HashSet::new();
+        let mut stack = vec![lowered.logits];
+        while let Some(id) = stack.pop() {
+            if needed.insert(id) {
+                stack.extend(graph.inputs(id));
+            }
+        }
+        let order: Vec<NodeId> = graph.topo_order().into_iter().filter(|id| needed.contains(id)).collect();
+        let mut params = Vec::new();
+        for &id in &order {
+            if let Op::Param(p) = &graph.node(id).op {
+                let one = self
+                    .schedule
+                    .iter()
+                    .map(|s| s.id)
+                    .find(|&o| matches!(&self.graph.node(o).op, Op::Param(q) if q.name == p.name))
+                    .ok_or_else(|| DecodeError::UnknownParam { name: p.name.clone() })?;
+                params.push((id, one));
+            }
+        }
+        let cached = |g: &Graph, ids: &[NodeId]| -> Vec<NodeId> {
+            ids.iter()
+                .copied()
+                .filter(|&id| {
+                    matches!(g.node(id).op, Op::CausalAttention { .. } | Op::TemporalAugment { .. })
+                })
+                .collect()
+        };
+        let here = cached(&graph, &order);
+        let ones: Vec<NodeId> = self.schedule.iter().map(|s| s.id).collect();
+        let ones = cached(&self.graph, &ones);
+        let mismatch = |node: NodeId, message: String| DecodeError::Cache {
+            op: self.graph.node(node).op.name(),
+            node: node.index(),
+            message,
+        };
+        if here.len() != ones.len() {
+            return Err(mismatch(
+                self.logits,
+                format!(
+                    "the {w}-position graph has {} cached ops, the one-position graph {}",
+                    here.len(),
+                    ones.len()
+                ),
+            ));
+        }
+        let mut caches = Vec::new();
+        for (&h, &o) in here.iter().zip(&ones) {
+            if graph.node(h).op != self.graph.node(o).op {
+                return Err(mismatch(
+                    o,
+                    format!(
+                        "matches {} at %{} of the {w}-position graph",
+                        graph.node(h).op.name(),
+                        h.index()
+                    ),
+                ));
+            }
+            let inputs = graph.inputs(h);
+            let operands = match graph.node(h).op {
+                Op::CausalAttention { .. } => vec![inputs[1], inputs[2]],
+                _ => vec![inputs[0]],
+            };
+            caches.push((o, operands));
+        }
+        Ok(Prefill { graph, tokens: lowered.tokens, logits: lowered.logits, params, caches })
+    }
+
     /// Feeds `token` at the next position and returns that position's logits (the
     /// prediction of the token after it). The token id is not range-checked here beyond
     /// what the embedding gather checks.
     pub fn step(&mut self, token: i32) -> Result<Vec<T>, DecodeError> {
         let window = Value::Int(Tensor::new(Shape::new([1, 2]), vec![token, 0]));
-        let Decoder { graph, tokens, logits, schedule, fixed, caches, position } = self;
+        let Decoder { graph, tokens, logits, schedule, fixed, caches, position, .. } = self;
         let mut values: HashMap<NodeId, Cow<Value<T>>> = HashMap::new();
         for step in schedule.iter() {
             let node = graph.node(step.id);
