@@ -453,8 +453,17 @@ impl<T: Float> Decoder<T> {
 
     /// Feeds `token` at the next position and returns that position's logits (the
     /// prediction of the token after it). The token id is not range-checked here beyond
-    /// what the embedding gather checks.
+    /// what the embedding gather checks. A failed position forgets the whole context
+    /// (some caches would otherwise be a position ahead of others): reset and feed again.
     pub fn step(&mut self, token: i32) -> Result<Vec<T>, DecodeError> {
+        let result = self.step_once(token);
+        if result.is_err() {
+            self.reset();
+        }
+        result
+    }
+
+    fn step_once(&mut self, token: i32) -> Result<Vec<T>, DecodeError> {
         let window = Value::Int(Tensor::new(Shape::new([1, 2]), vec![token, 0]));
         let Decoder { graph, tokens, logits, schedule, fixed, caches, position, .. } = self;
         let mut values: HashMap<NodeId, Cow<Value<T>>> = HashMap::new();
@@ -637,4 +646,63 @@ fn augment<T: Float>(
 
 fn cache_err(cx: &OpCtx, message: impl Into<String>) -> DecodeError {
     DecodeError::Cache { op: cx.op.name(), node: cx.node, message: message.into() }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::graph::{Init, ParamClass, ParamInfo};
+
+    fn small() -> ModelSpec {
+        ModelSpec { d_model: 16, layers: 1, heads: 2, ..ModelSpec::default() }
+    }
+
+    #[test]
+    fn losses_and_backward_ops_are_not_placed_per_position() {
+        assert!(eval_kind(&Op::SoftmaxCrossEntropy).is_err());
+        assert!(eval_kind(&Op::SinkhornGrad { iters: 1, eps: 0.0 }).is_err());
+        assert_eq!(
+            eval_kind(&Op::CausalAttention { scale: 0.5, rope_base: None }).unwrap(),
+            EvalKind::CachedAttention { scale: 0.5, rope_base: None }
+        );
+        assert_eq!(eval_kind(&Op::Softmax).unwrap(), EvalKind::PerPosition);
+    }
+
+    #[test]
+    fn a_graph_whose_output_needs_a_loss_is_refused_naming_the_op() {
+        let lowered = lower(&small(), 1, 1).unwrap();
+        let loss = lowered.graph.output("loss_main").unwrap();
+        // The loss is a scalar, so make a [1, 1, V]-shaped output that reads it.
+        let mut graph = lowered.graph;
+        let v = small().model_vocab();
+        let wide = graph.add(Op::Broadcast { shape: vec![1, 1, v] }, &[loss]).unwrap();
+        let e = Decoder::<f64>::new(graph, lowered.tokens, wide).unwrap_err().to_string();
+        assert!(e.starts_with("softmax_cross_entropy at %") && e.contains("reads the targets"), "{e}");
+    }
+
+    #[test]
+    fn parameters_are_checked_by_name_and_shape_and_must_all_be_bound() {
+        let mut d = Decoder::<f64>::for_spec(&small()).unwrap();
+        let (name, shape) = d.params().first().map(|(n, s)| (n.to_string(), (*s).clone())).unwrap();
+        let e = d.set_param("nope", Tensor::zeros(shape.clone())).unwrap_err().to_string();
+        assert_eq!(e, "the graph has no parameter `nope`");
+        let e = d.set_param(&name, Tensor::zeros(Shape::new([3]))).unwrap_err().to_string();
+        assert_eq!(e, format!("parameter `{name}` has shape [3], the graph expects {shape}"));
+        let e = d.step(1).unwrap_err().to_string();
+        assert!(e.starts_with("no value bound for parameter `"), "{e}");
+        assert_eq!(d.position(), 0, "a failed position does not count");
+    }
+
+    #[test]
+    fn a_graph_that_is_not_one_position_is_refused() {
+        let lowered = lower(&small(), 1, 4).unwrap();
+        let e = Decoder::<f64>::new(lowered.graph, lowered.tokens, lowered.logits).unwrap_err().to_string();
+        assert_eq!(e, "the token input must be i32 [1, 2] (one position's window), the graph has i32 [1, 5]");
+        let mut g = Graph::new();
+        let tokens = g.add_source(Op::Input { name: "tokens".into() }, Shape::new([1, 2]), DType::I32, None);
+        let info = ParamInfo { name: "w".into(), init: Init::Zeros, class: ParamClass::Gain };
+        let w = g.add_source(Op::Param(info), Shape::new([1, 3]), DType::F32, None);
+        let e = Decoder::<f64>::new(g, tokens, w).unwrap_err().to_string();
+        assert_eq!(e, "the logits output must be float [1, 1, V], the graph has f32 [1, 3]");
+    }
 }
