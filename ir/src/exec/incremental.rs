@@ -23,7 +23,8 @@
 //! of the window jointly, so with a capacity limit a full-window forward may drop a
 //! position's assignment that an earlier position crowded out. Here it routes one
 //! position: each chosen expert has one assignment and the capacity (at least 1) never
-//! binds, so the decoder equals the full window exactly when the window drops nothing.
+//! binds, so the decoder equals the full window exactly when the window drops nothing
+//! (a prefill routes its window jointly, as the full window does).
 
 use super::attention::AttnDims;
 use super::reduce::softmax_row;
