@@ -202,13 +202,14 @@ fn muon_runs_learn_the_synthetic_corpus() {
 
 #[test]
 fn sampling_from_a_checkpoint_is_seeded() {
-    use runtime::sample::{sample_checkpoint, SampleError, SampleOptions};
+    use runtime::sample::{sample_checkpoint, Decoding, SampleError, SampleOptions};
     let out = temp_dir("sample");
     let report = train_spec(&tiny_spec(3), Device::Reference, &opts(&out, None)).unwrap();
     let ckpt = &report.final_checkpoint;
     let sample = |temperature: f64, top_k: Option<usize>, seed: u64| {
-        let o = SampleOptions { tokens: 12, temperature, top_k, seed };
-        sample_checkpoint(ckpt, Device::Reference, b"The cat", &o)
+        let top_k = top_k.and_then(std::num::NonZeroUsize::new);
+        let o = SampleOptions { tokens: 12, temperature, top_k, top_p: None, seed };
+        sample_checkpoint(ckpt, Decoding::Full(Device::Reference), b"The cat", &o).map(|s| s.bytes)
     };
     let a = sample(1.0, None, 7).unwrap();
     assert_eq!(a.len(), 12);

@@ -7,12 +7,14 @@
 //! One function per op, grouped by file: `elementwise`, `reduce`, `matmul`,
 //! `movement`, `norms`, `attention`, `connection` (Sinkhorn, TopK,
 //! TemporalAugment, NormProject) and `loss`. Backward-only ops live in
-//! `backward_ops`.
+//! `backward_ops`. `incremental` evaluates the forward graph of one position with
+//! caches for the ops that look across positions (sampling, docs/architecture.md §7).
 
 mod attention;
 mod backward_ops;
 mod connection;
 mod elementwise;
+pub mod incremental;
 mod loss;
 mod matmul;
 pub mod moe;
