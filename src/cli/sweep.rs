@@ -147,6 +147,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     }
     if args.dry_run {
         let plan = sweep::expand(&sweep)?;
+        if let Some(note) = plan.warmup_note() {
+            eprintln!("note: {note}");
+        }
         // The data is read and hashed as a sweep would, so a missing or too short
         // file is found here rather than at the first run.
         let data = sweep::runner::data_records(&plan)?;

@@ -56,6 +56,7 @@ use std::time::{Instant, SystemTime};
 use ir::spec::{DataSpec, ModelSpec, ScheduleSpec};
 use runtime::data::Corpus;
 use runtime::device::Device;
+use runtime::progress::{clock, eta_text, Line, Mark, Mode};
 use runtime::train::{
     train_spec, StepEvent, StepObserver, TrainError, TrainOptions, FINAL_CHECKPOINT, METRICS_FILE,
 };
@@ -304,6 +305,9 @@ struct Prepared {
 /// plan with the folder's and writes `plan.json`.
 fn prepare(sweep: &Sweep, opts: &SweepOptions) -> Result<Prepared, SweepRunError> {
     let mut plan = expand(sweep)?;
+    if let Some(note) = plan.warmup_note().filter(|_| opts.progress) {
+        eprintln!("note: {note}");
+    }
     let dir = &opts.out_dir;
     check_sweep_folder(dir)?;
     std::fs::create_dir_all(dir).map_err(io(dir))?;
@@ -453,14 +457,13 @@ pub fn run(sweep: &Sweep, opts: &SweepOptions) -> Result<SweepReport, SweepRunEr
     let work = |p: &Point| p.budget.flops;
     let progress = Arc::new(Mutex::new(ProgressState {
         on: opts.progress,
-        terminal: std::io::IsTerminal::is_terminal(&std::io::stderr()),
+        line: Line::new(Mode::of_stderr()),
         started: Instant::now(),
         total_runs: runs.len(),
         work_total: runs.iter().zip(&todo).filter(|(_, t)| **t).map(|((_, p, _), _)| work(p)).sum(),
         work_done: 0.0,
         run_work_per_step: 0.0,
         label: String::new(),
-        open: false,
     }));
     let (mut trained, mut reused) = (0, 0);
     let mut queue = Vec::new();
@@ -1084,10 +1087,12 @@ fn newest_checkpoint(run_dir: &Path) -> Option<PathBuf> {
 }
 
 /// The sweep's progress line: run i/n, the run's step, elapsed time and an ETA from
-/// the training FLOPs still to do at the rate seen so far in this call.
+/// the training FLOPs still to do at the rate seen so far in this call. Drawn by
+/// [`runtime::progress::Line`]: in place on a terminal, else a line every tenth of a
+/// run's steps and at its evaluations.
 struct ProgressState {
     on: bool,
-    terminal: bool,
+    line: Line,
     started: Instant,
     total_runs: usize,
     /// Training FLOPs of the runs this call trains, and of the steps done so far.
@@ -1095,7 +1100,6 @@ struct ProgressState {
     work_done: f64,
     run_work_per_step: f64,
     label: String,
-    open: bool,
 }
 
 impl ProgressState {
@@ -1103,20 +1107,19 @@ impl ProgressState {
     fn quiet(label: String) -> ProgressState {
         ProgressState {
             on: false,
-            terminal: false,
+            line: Line::new(Mode::of_stderr()),
             started: Instant::now(),
             total_runs: 1,
             work_total: 0.0,
             work_done: 0.0,
             run_work_per_step: 0.0,
             label,
-            open: false,
         }
     }
 
     fn start_run(&mut self) {
-        if self.on && !self.terminal {
-            eprintln!("{}: starting ({} runs in all)", self.label, self.total_runs);
+        if self.on && self.line.mode() == Mode::Log {
+            self.line.say(&format!("{}: starting ({} runs in all)", self.label, self.total_runs));
         }
     }
 
@@ -1125,57 +1128,46 @@ impl ProgressState {
         if !self.on {
             return;
         }
-        let elapsed = self.started.elapsed().as_secs_f64();
-        let eta = if self.work_done > 0.0 {
-            duration(elapsed * (self.work_total - self.work_done).max(0.0) / self.work_done)
-        } else {
-            "?".into()
-        };
+        if let Some(text) = self.update(e, self.started.elapsed()) {
+            runtime::progress::write_stderr(&text);
+        }
+    }
+
+    /// What to write after step event `e`, `elapsed` into the sweep.
+    fn update(&mut self, e: StepEvent, elapsed: std::time::Duration) -> Option<String> {
+        let eta = eta_text(elapsed, self.work_done, self.work_total);
         let val = e.val_loss.map(|v| format!("  val {v:.4}")).unwrap_or_default();
-        let line = format!(
+        let text = format!(
             "{}  step {}/{}  loss {:.4}{val}  elapsed {}  ETA {eta}",
             self.label,
             e.step,
             e.total,
             e.loss,
-            duration(elapsed)
+            clock(elapsed)
         );
         let every = (e.total / 10).max(1);
-        if self.terminal {
-            eprint!("\r{line}\x1b[K");
-            self.open = true;
-        } else if e.step.is_multiple_of(every) || e.step == e.total {
-            eprintln!("{line}");
-        }
+        let mark = if e.step.is_multiple_of(every) || e.step == e.total || e.val_loss.is_some() {
+            Mark::Line
+        } else {
+            Mark::Tick
+        };
+        self.line.update(&text, elapsed, mark)
     }
 
     fn end_run(&mut self, outcome: &RunOutcome) {
         if !self.on {
             return;
         }
-        if self.open {
-            eprintln!();
-            self.open = false;
-        }
-        match outcome {
-            RunOutcome::Finished(m) => eprintln!(
+        let text = match outcome {
+            RunOutcome::Finished(m) => format!(
                 "{}: done, val loss {:.4} ({:.4} bits/byte), {:.1} ms/step",
                 self.label,
                 m.val_loss,
                 m.val_loss / std::f64::consts::LN_2,
                 m.ms_per_step
             ),
-            RunOutcome::Failed(reason) => eprintln!("{}: FAILED: {reason}; the sweep goes on", self.label),
-        }
-    }
-}
-
-/// `75` as `1m15s`.
-fn duration(s: f64) -> String {
-    let s = s.max(0.0).round() as u64;
-    match s {
-        0..60 => format!("{s}s"),
-        60..3600 => format!("{}m{:02}s", s / 60, s % 60),
-        _ => format!("{}h{:02}m", s / 3600, (s % 3600) / 60),
+            RunOutcome::Failed(reason) => format!("{}: FAILED: {reason}; the sweep goes on", self.label),
+        };
+        self.line.say(&text);
     }
 }
