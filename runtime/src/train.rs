@@ -1108,18 +1108,23 @@ struct ProgressLine {
     /// The step before the first of this invocation, and when the loop started.
     first: u64,
     started: Instant,
+    /// When the first step of this invocation ended: it holds one-off work (the
+    /// kernels' compilation), so the ETA is at the rate of the steps after it.
+    first_done: Option<Duration>,
 }
 
 impl ProgressLine {
     fn new(mode: Progress, total: usize, first: u64) -> Self {
         let line = crate::progress::Line::new(crate::progress::Mode::of_stderr());
-        ProgressLine { mode, line, total, first, started: Instant::now() }
+        ProgressLine { mode, line, total, first, started: Instant::now(), first_done: None }
     }
 
     fn show(&mut self, step: u64, loss: f32, lr: f64, tokens_per_s: f64, val: Option<f32>) {
         let Progress::Auto { every } = self.mode else { return };
         let elapsed = self.started.elapsed();
-        let text = step_text(step, self.total as u64, loss, lr, tokens_per_s, val, elapsed, self.first);
+        let since = *self.first_done.get_or_insert(elapsed);
+        let text =
+            step_text(step, self.total as u64, loss, lr, tokens_per_s, val, elapsed, self.first, since);
         use crate::progress::Mark;
         let mark = if val.is_some() {
             Mark::Keep
@@ -1134,7 +1139,8 @@ impl ProgressLine {
 
 /// One progress line of a run: `step 40/300  loss 2.1234  lr 3.000e-3  51234 tok/s
 /// elapsed 4s  ETA 26s`, with the validation loss when the step evaluated. The ETA is
-/// at the rate of the steps since `first` (the step this invocation started after).
+/// at the rate of the steps after the first of this invocation (step `first + 1`,
+/// which ended at `first_done`), so one-off setup does not inflate it.
 #[allow(clippy::too_many_arguments)]
 fn step_text(
     step: u64,
@@ -1145,14 +1151,18 @@ fn step_text(
     val: Option<f32>,
     elapsed: Duration,
     first: u64,
+    first_done: Duration,
 ) -> String {
     use crate::progress::{clock, eta_text};
     // Every widen corpus is bytes, one token each: nats per token are nats per byte.
     let val = val
         .map(|v| format!("  val {v:.4} ({:.3} bits/byte)", f64::from(v) / std::f64::consts::LN_2))
         .unwrap_or_default();
-    let done = step.saturating_sub(first) as f64;
-    let eta = eta_text(elapsed, done, total.saturating_sub(first) as f64);
+    let done = step.saturating_sub(first + 1) as f64;
+    let eta = match step >= total {
+        true => clock(Duration::ZERO),
+        false => eta_text(elapsed.saturating_sub(first_done), done, total.saturating_sub(first + 1) as f64),
+    };
     format!(
         "step {step}/{total}  loss {loss:.4}  lr {lr:.3e}  {tokens_per_s:.0} tok/s{val}  elapsed {}  ETA {eta}",
         clock(elapsed)
@@ -1173,10 +1183,16 @@ mod tests {
 
     #[test]
     fn a_step_line_says_elapsed_time_and_the_time_left_at_this_invocations_rate() {
-        let line = step_text(40, 100, 2.5, 3e-3, 1000.0, None, Duration::from_secs(12), 10);
-        // 30 steps in 12 s: 60 more take 24 s.
-        assert_eq!(line, "step 40/100  loss 2.5000  lr 3.000e-3  1000 tok/s  elapsed 12s  ETA 24s");
-        let line = step_text(100, 100, 2.0, 0.0, 1.0, Some(1.0), Duration::from_secs(75), 0);
+        // Resumed after step 10; step 11 (compilation included) ended at 5 s, and 29
+        // more steps took 7 s: 60 more take about 14 s.
+        let line =
+            step_text(40, 100, 2.5, 3e-3, 1000.0, None, Duration::from_secs(12), 10, Duration::from_secs(5));
+        assert_eq!(line, "step 40/100  loss 2.5000  lr 3.000e-3  1000 tok/s  elapsed 12s  ETA 14s");
+        let first =
+            step_text(11, 100, 2.5, 3e-3, 1000.0, None, Duration::from_secs(5), 10, Duration::from_secs(5));
+        assert!(first.ends_with("ETA ?"), "no rate before a second step: {first}");
+        let line =
+            step_text(100, 100, 2.0, 0.0, 1.0, Some(1.0), Duration::from_secs(75), 0, Duration::from_secs(1));
         assert!(
             line.contains("val 1.0000 (1.443 bits/byte)") && line.ends_with("elapsed 1m15s  ETA 0s"),
             "{line}"

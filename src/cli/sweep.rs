@@ -141,6 +141,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         return run_index(&args, k);
     }
     let until = until(&args)?;
+    if !args.quiet && args.jobs <= 1 && !args.dry_run {
+        // With --jobs the runs train in processes of their own, whose progress is a line per run.
+        runtime::progress::show_compiles();
+    }
     let mut sweep = load(&args)?;
     if let Some(data) = &args.data {
         sweep.base.train.data = DataSpec::Text(data.display().to_string());

@@ -508,6 +508,30 @@ fn plan_and_validate(
     Ok((plan, scaled))
 }
 
+/// One `--set PATH=VALUE` of `widen train` or `widen check`: a sweep axis
+/// (`Axis`'s syntax, so the paths and RON values are exactly a sweep's) with one value.
+pub fn parse_set(arg: &str) -> Result<(String, String), SweepError> {
+    let axis: crate::file::Axis = arg.parse()?;
+    match <[String; 1]>::try_from(axis.values) {
+        Ok([value]) => Ok((axis.path, value)),
+        Err(values) => Err(SweepError::BadSet {
+            arg: arg.to_string(),
+            reason: format!(
+                "{} values; a run takes one value per field (`widen sweep --set` trains one point per value)",
+                values.len()
+            ),
+        }),
+    }
+}
+
+/// `base` with every `--set` value set ([`apply`], as a sweep point's) and then
+/// validated as a spec file holding those values would be.
+pub fn apply_sets(base: &ModelSpec, sets: &[(String, String)]) -> Result<ModelSpec, PointError> {
+    let spec = apply(base, sets)?;
+    spec.validate().map_err(|errors| PointError::Invalid { errors })?;
+    Ok(spec)
+}
+
 /// Sets every (path, value) on `base` in order, the derived `residual.r` last. Does not validate.
 pub fn apply(base: &ModelSpec, values: &[(String, String)]) -> Result<ModelSpec, PointError> {
     Applier::new(base).apply(values)
