@@ -1171,3 +1171,47 @@ impl ProgressState {
         self.line.say(&text);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn state(mode: Mode) -> ProgressState {
+        let mut p = ProgressState::quiet("point 1/2 base seed 0 (run 1/2)".into());
+        p.on = true;
+        p.line = Line::new(mode);
+        p.work_total = 200.0;
+        p.run_work_per_step = 1.0;
+        p
+    }
+
+    fn event(step: u64, val_loss: Option<f32>) -> StepEvent {
+        StepEvent { step, total: 100, loss: 2.0, val_loss }
+    }
+
+    /// In a log the sweep's line is plain text, every tenth of a run's steps and at
+    /// its evaluations, with the ETA from the FLOPs still to do.
+    #[test]
+    fn a_log_gets_a_plain_line_every_tenth_of_the_steps_with_an_eta() {
+        let mut p = state(Mode::Log);
+        let mut out = Vec::new();
+        for step in 1..=100 {
+            p.work_done += p.run_work_per_step;
+            let val = (step == 55).then_some(1.5);
+            out.extend(p.update(event(step, val), Duration::from_millis(step * 100)));
+        }
+        assert_eq!(out.len(), 11, "{out:?}");
+        assert_eq!(out[0], "point 1/2 base seed 0 (run 1/2)  step 10/100  loss 2.0000  elapsed 1s  ETA 19s\n");
+        assert!(out[5].contains("step 55/100") && out[5].contains("val 1.5000"), "{out:?}");
+        assert!(out.iter().all(|l| !l.contains('\r') && !l.contains('\x1b')));
+    }
+
+    #[test]
+    fn a_terminal_line_is_redrawn_in_place() {
+        let mut p = state(Mode::Terminal);
+        p.work_done = 50.0;
+        let out = p.update(event(50, None), Duration::from_secs(5)).unwrap();
+        assert_eq!(out, "\rpoint 1/2 base seed 0 (run 1/2)  step 50/100  loss 2.0000  elapsed 5s  ETA 15s\x1b[K");
+    }
+}
