@@ -1182,3 +1182,52 @@ fn a_law_over_an_axis_through_zero_is_linear_and_says_so() {
     assert!(svg(&dir.join("sw/plots/loss.svg")).contains("with MTP terms"));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `--budget steps=5` below the spec's warmup scales the warmup as `widen train
+/// --steps 5` does, said in one note for every point; the points train.
+#[test]
+fn a_budget_shorter_than_the_warmup_scales_it_once_for_every_point() {
+    let spec = SPEC
+        .replace("schedule: Constant(warmup: 0)", "schedule: Cosine(warmup: 20)")
+        .replace("steps: 3", "steps: 100");
+    let dir = common::workdir("sweep-warmup", Some(&spec));
+    let o = widen(
+        &dir,
+        &[
+            "sweep",
+            "spec.ron",
+            "--set",
+            "d_model=32,64",
+            "--budget",
+            "steps=5",
+            "--device",
+            "reference",
+            "--out",
+            "sw",
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let e = stderr(&o);
+    assert_eq!(e.matches("warmup scaled").count(), 1, "{e}");
+    assert!(e.contains("warmup of 20; warmup scaled to 1") && e.contains("in 2 of 2 points"), "{e}");
+    let metrics = std::fs::read_to_string(dir.join("sw/d_model-64/seed-0/metrics.jsonl")).unwrap();
+    assert_eq!(metrics.lines().count(), 5);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A path with a known last name elsewhere gets that path suggested, and an error
+/// every point shares is said once; a `Vwn` value points at `Ghc`.
+#[test]
+fn a_misplaced_path_is_suggested_once_and_vwn_points_at_ghc() {
+    let dir = common::workdir("sweep-suggest", Some(SPEC));
+    let o = widen(&dir, &["sweep", "spec.ron", "--set", "train.lr=1e-3,2e-3,3e-3", "--dry-run"]);
+    assert_eq!(o.status.code(), Some(1));
+    let e = stderr(&o);
+    assert!(e.contains("did you mean `train.optimizer.lr`"), "{e}");
+    assert_eq!(e.matches("has no field `lr`").count(), 1, "{e}");
+    assert!(e.contains("3 points (`train.lr-1e-3`, `train.lr-2e-3`, `train.lr-3e-3`)"), "{e}");
+    let o = widen(&dir, &["sweep", "spec.ron", "--set", "residual=Vwn(m: 2, n: 4)", "--dry-run"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("unknown variant `Vwn` for residual; did you mean `Ghc`?"), "{}", stderr(&o));
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 pub const REDRAW: Duration = Duration::from_millis(250);
 /// In a log, the longest a wait goes without a line (when nothing marks one sooner).
 pub const LOG_EVERY: Duration = Duration::from_secs(10);
-/// A stage that ends sooner shows nothing at all.
+/// A stage that ends sooner shows nothing on a terminal (a log records every stage).
 pub const STAGE_QUIET: Duration = Duration::from_secs(1);
 
 /// Where progress goes: a terminal (redrawn in place) or a log (plain lines).
@@ -161,9 +161,10 @@ pub fn eta_text(elapsed: Duration, done: f64, total: f64) -> String {
 
 /// The display of a stage: a wait on one blocking call whose length is unknown
 /// (a compile), shown with its label, what it reports so far and the time it has
-/// taken. Nothing for the first [`STAGE_QUIET`]; then a terminal gets a spinner line
-/// redrawn every tick and a log a line at once and at most every [`LOG_EVERY`] after;
-/// at the end, `label: done in 19.2s` when anything was shown.
+/// taken. A terminal gets nothing for the first [`STAGE_QUIET`], then a spinner line
+/// redrawn every tick; a log gets a line at once and at most every [`LOG_EVERY`]
+/// after (a log is read afterwards, so it says every stage, however short). At the
+/// end, `label: done in 19.2s` when anything was shown.
 #[derive(Debug)]
 pub struct StageLine {
     label: String,
@@ -182,7 +183,7 @@ impl StageLine {
 
     /// What to write at `elapsed`, with `detail` the stage's report so far (may be empty).
     pub fn tick(&mut self, elapsed: Duration, detail: &str) -> Option<String> {
-        if elapsed < STAGE_QUIET {
+        if elapsed < STAGE_QUIET && self.line.mode == Mode::Terminal {
             return None;
         }
         let detail = if detail.is_empty() { String::new() } else { format!(": {detail}") };
@@ -332,13 +333,18 @@ mod tests {
     }
 
     #[test]
-    fn a_short_stage_shows_nothing() {
-        for mode in [Mode::Terminal, Mode::Log] {
-            let mut stage = StageLine::new(mode, "compiling 3 kernels for cpu");
-            let shown: Vec<_> = (0..4).filter_map(|i| stage.tick(ms(i * 250), "")).collect();
-            assert!(shown.is_empty(), "{shown:?}");
-            assert_eq!(stage.finish(ms(999)), None);
-        }
+    fn a_short_stage_shows_nothing_on_a_terminal_and_two_lines_in_a_log() {
+        let mut stage = StageLine::new(Mode::Terminal, "compiling 3 kernels for cpu");
+        let shown: Vec<_> = (0..4).filter_map(|i| stage.tick(ms(i * 250), "")).collect();
+        assert!(shown.is_empty(), "{shown:?}");
+        assert_eq!(stage.finish(ms(999)), None);
+        let mut stage = StageLine::new(Mode::Log, "compiling 3 kernels for cpu");
+        let mut shown: Vec<_> = (0..4).filter_map(|i| stage.tick(ms(i * 250), "")).collect();
+        shown.extend(stage.finish(ms(999)));
+        assert_eq!(
+            shown,
+            ["compiling 3 kernels for cpu, 0s\n", "compiling 3 kernels for cpu: done in 1.0s\n"]
+        );
     }
 
     #[test]
@@ -349,9 +355,9 @@ mod tests {
         assert_eq!(
             shown,
             [
-                "building: 3 crates built, 1s\n",
-                "building: 3 crates built, 11s\n",
-                "building: 3 crates built, 21s\n"
+                "building: 3 crates built, 0s\n",
+                "building: 3 crates built, 10s\n",
+                "building: 3 crates built, 20s\n"
             ]
         );
         assert_eq!(stage.finish(ms(25_000)).as_deref(), Some("building: done in 25.0s\n"));

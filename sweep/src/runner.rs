@@ -1202,7 +1202,10 @@ mod tests {
             out.extend(p.update(event(step, val), Duration::from_millis(step * 100)));
         }
         assert_eq!(out.len(), 11, "{out:?}");
-        assert_eq!(out[0], "point 1/2 base seed 0 (run 1/2)  step 10/100  loss 2.0000  elapsed 1s  ETA 19s\n");
+        assert_eq!(
+            out[0],
+            "point 1/2 base seed 0 (run 1/2)  step 10/100  loss 2.0000  elapsed 1s  ETA 19s\n"
+        );
         assert!(out[5].contains("step 55/100") && out[5].contains("val 1.5000"), "{out:?}");
         assert!(out.iter().all(|l| !l.contains('\r') && !l.contains('\x1b')));
     }
@@ -1212,6 +1215,9 @@ mod tests {
         let mut p = state(Mode::Terminal);
         p.work_done = 50.0;
         let out = p.update(event(50, None), Duration::from_secs(5)).unwrap();
-        assert_eq!(out, "\rpoint 1/2 base seed 0 (run 1/2)  step 50/100  loss 2.0000  elapsed 5s  ETA 15s\x1b[K");
+        assert_eq!(
+            out,
+            "\rpoint 1/2 base seed 0 (run 1/2)  step 50/100  loss 2.0000  elapsed 5s  ETA 15s\x1b[K"
+        );
     }
 }

@@ -101,7 +101,8 @@ fn run(inv: &Invocation, offline: bool) -> Result<Run, BuildError> {
     let verbose = inv.verbose;
     let counts = Arc::new(Mutex::new(CargoProgress::default()));
     let stage = (inv.progress && !verbose).then(|| {
-        let label = format!("cargo build --profile {}{}", inv.profile, if offline { " --offline" } else { "" });
+        let label =
+            format!("cargo build --profile {}{}", inv.profile, if offline { " --offline" } else { "" });
         Arc::new(crate::progress::Stage::start(label))
     });
     let note = {
