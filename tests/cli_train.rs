@@ -391,6 +391,16 @@ fn train_set_trains_the_spec_with_the_values_and_suggests_a_path() {
     assert!(!o.status.success());
     assert!(stderr(&o).contains("2 values"), "{}", stderr(&o));
     assert!(!dir.join("bad").exists(), "refused before anything is written");
+
+    // The command that continues a run repeats the values: a resume trains the same spec.
+    let o = widen(&dir, &["train", "spec.ron", "--set", "d_model=32", "--steps", "0", "--out", "init"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let e = stderr(&o);
+    let command = e.split("continue with: ").nth(1).unwrap_or_else(|| panic!("{e}")).trim();
+    assert!(command.starts_with("widen train spec.ron --set d_model=32 --out init --resume "), "{command}");
+    let words: Vec<&str> = command.split_whitespace().skip(1).collect();
+    let o = widen(&dir, &[&words[..], &["--device", "reference"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
