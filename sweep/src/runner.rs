@@ -305,16 +305,16 @@ struct Prepared {
 /// plan with the folder's and writes `plan.json`.
 fn prepare(sweep: &Sweep, opts: &SweepOptions) -> Result<Prepared, SweepRunError> {
     let mut plan = expand(sweep)?;
-    if let Some(note) = plan.warmup_note().filter(|_| opts.progress) {
-        eprintln!("note: {note}");
-    }
     let dir = &opts.out_dir;
     check_sweep_folder(dir)?;
     std::fs::create_dir_all(dir).map_err(io(dir))?;
     let lock = lock_sweep(dir)?;
     let data = data_records(&plan)?;
     if let Budget::Time(seconds) = sweep.budget {
-        calibrate_plan(dir, &mut plan, seconds, opts)?;
+        calibrate_plan(dir, &mut plan, seconds, opts, sweep.base.train.steps)?;
+    }
+    if let Some(note) = plan.warmup_note().filter(|_| opts.progress) {
+        eprintln!("note: {note}");
     }
     let (mut file, kept) = merge_with_folder(dir, PlanFile::of(sweep, &plan, data, None))?;
     if let Some(a) = &opts.against {
@@ -327,12 +327,15 @@ fn prepare(sweep: &Sweep, opts: &SweepOptions) -> Result<Prepared, SweepRunError
 
 /// Fixes every point's steps under a time budget of `seconds`: from the calibration
 /// the folder's plan recorded for a point of the same name (so a rerun trains the same
-/// steps), else from [`calibrate`] on `opts.device`.
+/// steps), else from [`calibrate`] on `opts.device`. A warmup longer than the steps
+/// keeps its fraction of the spec's own `planned` steps, as under every budget
+/// ([`runtime::standalone::set_steps`], recorded in `plan.warmup_scaled`).
 fn calibrate_plan(
     dir: &Path,
     plan: &mut Expansion,
     seconds: f64,
     opts: &SweepOptions,
+    planned: usize,
 ) -> Result<(), SweepRunError> {
     if opts.device == Device::Cuda && !runtime::device::cuda::driver_available() {
         return Err(SweepRunError::NoCuda);
@@ -364,9 +367,13 @@ fn calibrate_plan(
             );
         }
         point.budget = budget;
-        point.spec.train.steps = budget.steps;
+        point.spec.train.steps = planned;
+        if let Some(w) = runtime::standalone::set_steps(&mut point.spec, budget.steps) {
+            plan.warmup_scaled.push((point.name.clone(), w));
+        }
         for run in &mut point.runs {
             run.spec.train.steps = budget.steps;
+            run.spec.train.schedule = point.spec.train.schedule.clone();
         }
         point.spec.validate().map_err(|errors| SweepRunError::TimeSteps {
             point: point.name.clone(),
