@@ -56,6 +56,9 @@ fn slow_built_binary_trains_like_widen_train_without_the_spec() {
     };
     let first = build(&bin);
     assert!(first.contains("kernels") && first.contains("launch steps"), "{first}");
+    // cargo's build is shown while it runs (a plain line in a log) and when it ends.
+    assert!(first.contains("cargo build --profile dev --offline: done in"), "{first}");
+    assert!(!first.contains('\r') && !first.contains('\x1b'), "no control codes in a log: {first:?}");
 
     // No spec anywhere near the binary: an empty working folder.
     let empty = dir.join("empty");

@@ -280,3 +280,44 @@ fn a_data_file_that_train_would_not_find_is_a_warning() {
     assert!(o.status.success() && !common::stderr(&o).contains("warning"), "{}", common::stderr(&o));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Names other papers use, and fields written in the wrong place, get widen's name:
+/// `Vwn` is `Ghc` (docs/math.md §5), `train.lr` is `train.optimizer.lr`.
+#[test]
+fn vwn_points_at_ghc_and_a_misplaced_field_at_its_path() {
+    let spec = TempSpec::new(
+        "aliases",
+        "Model(name: \"v\", d_model: 64, heads: 4, residual: Vwn(m: 2, n: 4), train: (lr: 1e-3))\n",
+    );
+    let out = widen_check(&spec.0, false);
+    assert!(!out.status.success());
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(e.contains("unknown variant `Vwn` for residual; did you mean `Ghc`?"), "{e}");
+    assert!(e.contains("unknown field `lr` in train; did you mean `train.optimizer.lr`"), "{e}");
+}
+
+/// `widen check --set` checks the spec with the values, as `widen train --set` trains it.
+#[test]
+fn check_set_checks_the_spec_with_the_values() {
+    let spec = TempSpec::new("set", "Model(name: \"s\", d_model: 64, heads: 4)\n");
+    let base = parse(&widen_check(&spec.0, true));
+    let wider = Command::new(env!("CARGO_BIN_EXE_widen"))
+        .args(["check", "--json", "--set", "d_model=128"])
+        .arg(&spec.0)
+        .output()
+        .unwrap();
+    assert!(wider.status.success(), "{}", String::from_utf8_lossy(&wider.stderr));
+    let wider = parse(&wider);
+    assert!(uint(&wider["params"], "total") > uint(&base["params"], "total"), "{wider}");
+    let bad = Command::new(env!("CARGO_BIN_EXE_widen"))
+        .args(["check", "--json", "--set", "residual=Vwn(m: 2, n: 4)"])
+        .arg(&spec.0)
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    let r = parse(&bad);
+    assert_eq!(r["valid"], Value::Bool(false));
+    let err = &r["errors"][0];
+    assert_eq!(err["path"], "residual", "{r}");
+    assert!(err["message"].as_str().unwrap().contains("did you mean `Ghc`"), "{r}");
+}

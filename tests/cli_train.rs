@@ -342,3 +342,95 @@ fn specs_larger_than_this_machine_are_refused_before_building() {
     assert!(!dir.join("runs/big").join("metrics.jsonl").exists());
     assert!(!dir.join("trainer").exists());
 }
+
+/// `--set` takes the sweep's field paths and RON values: the run trains (and its
+/// checkpoint holds) the spec with them, says so first, and a mistyped path gets the
+/// sweep's suggestion.
+#[test]
+fn train_set_trains_the_spec_with_the_values_and_suggests_a_path() {
+    let dir = common::workdir("train-set", Some(SPEC));
+    let args = [
+        "train",
+        "spec.ron",
+        "--set",
+        "train.optimizer.lr=3e-3",
+        "--set",
+        "d_model=32",
+        "--device",
+        "reference",
+        "--out",
+        "run",
+    ];
+    let o = widen(&dir, &args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let e = stderr(&o);
+    assert!(e.lines().next().unwrap().contains("--set train.optimizer.lr=3e-3, d_model=32"), "{e}");
+    let meta = &common::safetensors_header(&dir.join("run/final.safetensors"))["__metadata__"];
+    let spec: serde_json::Value = serde_json::from_str(meta["spec_json"].as_str().unwrap()).unwrap();
+    assert_eq!(spec["d_model"], 32);
+    assert_eq!(spec["train"]["optimizer"]["AdamW"]["lr"].as_f64().unwrap() as f32, 3e-3);
+    let lr1 = std::fs::read_to_string(dir.join("run/metrics.jsonl")).unwrap();
+    let first: serde_json::Value = serde_json::from_str(lr1.lines().next().unwrap()).unwrap();
+    assert!((first["lr"].as_f64().unwrap() - 3e-3).abs() < 1e-9, "{first}");
+
+    // A path with the right last name elsewhere: the sweep's suggestion, nothing trained.
+    let o = widen(&dir, &["train", "spec.ron", "--set", "train.lr=1e-3", "--out", "bad"]);
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    assert!(e.contains("`train.lr`") && e.contains("did you mean `train.optimizer.lr`"), "{e}");
+    // A value of the wrong type names the path and what it takes, as in a sweep.
+    let o = widen(&dir, &["train", "spec.ron", "--set", "layers=two", "--out", "bad"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("`layers` = two: expected a whole number"), "{}", stderr(&o));
+    // The values are validated with the rest of the spec.
+    let o = widen(&dir, &["train", "spec.ron", "--set", "d_model=33", "--out", "bad"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("d_model = 33"), "{}", stderr(&o));
+    // One value per field: several are a sweep.
+    let o = widen(&dir, &["train", "spec.ron", "--set", "d_model=32,64", "--out", "bad"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("2 values"), "{}", stderr(&o));
+    assert!(!dir.join("bad").exists(), "refused before anything is written");
+
+    // The command that continues a run repeats the values: a resume trains the same spec.
+    let o = widen(&dir, &["train", "spec.ron", "--set", "d_model=32", "--steps", "0", "--out", "init"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let e = stderr(&o);
+    let command = e.split("continue with: ").nth(1).unwrap_or_else(|| panic!("{e}")).trim();
+    assert!(command.starts_with("widen train spec.ron --set d_model=32 --out init --resume "), "{command}");
+    let words: Vec<&str> = command.split_whitespace().skip(1).collect();
+    let o = widen(&dir, &[&words[..], &["--device", "reference"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A cold kernel cache is not a silent wait: the compile shows what it compiles and
+/// how long it took, and the step lines say the time elapsed and left. Piped stderr
+/// gets plain lines.
+#[test]
+fn train_shows_the_kernel_compile_and_an_eta() {
+    let dir = common::workdir("train-compile-progress", Some(SPEC));
+    let cache = dir.join("cache");
+    let o = Command::new(env!("CARGO_BIN_EXE_widen"))
+        .current_dir(&dir)
+        .env("WIDEN_CACHE_DIR", &cache)
+        .args(["train", "spec.ron", "--device", "cpu", "--out", "run"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let e = stderr(&o);
+    assert!(!e.contains('\r') && !e.contains('\x1b'), "no control codes in a log: {e:?}");
+    let eta = e.lines().find(|l| l.starts_with("step 4/4")).unwrap_or_else(|| panic!("{e}"));
+    assert!(eta.contains("elapsed ") && eta.ends_with("ETA 0s"), "{eta}");
+    assert!(e.lines().any(|l| l.contains("kernels for cpu") && l.contains("done in")), "{e}");
+    // Cached now: nothing compiles, nothing is said about it.
+    let o = Command::new(env!("CARGO_BIN_EXE_widen"))
+        .current_dir(&dir)
+        .env("WIDEN_CACHE_DIR", &cache)
+        .args(["train", "spec.ron", "--device", "cpu", "--out", "run2"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!stderr(&o).contains("kernels for cpu"), "{}", stderr(&o));
+    std::fs::remove_dir_all(&dir).unwrap();
+}

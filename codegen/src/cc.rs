@@ -38,7 +38,7 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use sha2::{Digest, Sha256};
@@ -106,6 +106,30 @@ fn host_cpu() -> String {
         .filter(|l| wanted.iter().any(|w| l.starts_with(w)))
         .collect();
     format!("{} {}", std::env::consts::ARCH, lines.join("\n"))
+}
+
+/// What a compile that runs the compiler (a cache miss) tells the
+/// [`observe_compiles`] observer before it starts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CompileNotice {
+    /// The number of kernels in the module, when it is compiled from kernels.
+    pub kernels: Option<usize>,
+    /// The compiler's command line (`cc`, or what `CC` names).
+    pub compiler: String,
+}
+
+/// Called before each compiler run; what it returns is held until the run ends
+/// (a progress display that clears itself when dropped).
+pub type CompileObserver = dyn Fn(&CompileNotice) -> Box<dyn std::any::Any> + Send + Sync;
+
+static OBSERVER: OnceLock<Box<CompileObserver>> = OnceLock::new();
+
+/// Installs the process's compile observer (the first call wins): a command
+/// that trains shows the wait for the C compiler with it, since a cold kernel
+/// cache can take tens of seconds on a large Plan (`runtime::progress`). A
+/// cached build calls nothing.
+pub fn observe_compiles(f: impl Fn(&CompileNotice) -> Box<dyn std::any::Any> + Send + Sync + 'static) {
+    let _ = OBSERVER.set(Box::new(f));
 }
 
 /// The uniform entry point of every compiled kernel (see the module docs).
@@ -293,7 +317,7 @@ impl Compiler {
     /// Renders `kernels` as one C module and compiles it (or loads the cached build).
     pub fn compile_kernels(&self, kernels: &[Kernel]) -> Result<Library, CcError> {
         let source = render_c(kernels)?;
-        let mut lib = self.compile_source(&source)?;
+        let mut lib = self.compile_observed(&source, Some(kernels.len()))?;
         lib.kernels = Some(kernels.iter().map(|k| (k.name.clone(), k.params.len())).collect());
         Ok(lib)
     }
@@ -304,6 +328,10 @@ impl Compiler {
     /// A cached object is reused only when it matches its digest and loads;
     /// a corrupt, truncated or unloadable one is rebuilt in its place.
     pub fn compile_source(&self, source: &str) -> Result<Library, CcError> {
+        self.compile_observed(source, None)
+    }
+
+    fn compile_observed(&self, source: &str, kernels: Option<usize>) -> Result<Library, CcError> {
         let key = self.key(source);
         let so = self.cache_dir.join(format!("widen-{key}.so"));
         if so.is_file() && verified(&so) {
@@ -313,7 +341,11 @@ impl Compiler {
                 return Ok(Library { lib: Arc::new(lib), path: so, cached: true, kernels: None });
             }
         }
-        self.build(&key, source, &so)?;
+        let notice = CompileNotice { kernels, compiler: self.command.join(" ") };
+        let shown = OBSERVER.get().map(|observe| observe(&notice));
+        let built = self.build(&key, source, &so);
+        drop(shown);
+        built?;
         // SAFETY: as above; the object was just compiled from `source`.
         let lib = unsafe { libloading::Library::new(&so) }
             .map_err(|source| CcError::Load { file: so.clone(), source })?;

@@ -51,6 +51,7 @@ pub mod optim;
 pub mod params;
 pub mod parity;
 pub mod process;
+pub mod progress;
 pub mod rng;
 pub mod sample;
 pub mod standalone;

@@ -13,7 +13,7 @@ use std::process::ExitCode;
 use ir::cost::{cost_report, gib, training_memory, CostReport, TrainingMemory};
 use ir::lower::LowerError;
 use ir::passes::fused_connection_traffic;
-use ir::spec::{host_memory_bytes, load_spec, SpecLoadError};
+use ir::spec::{host_memory_bytes, SpecLoadError};
 use serde_json::{json, Value};
 
 #[derive(clap::Args)]
@@ -23,6 +23,9 @@ pub struct Args {
     /// Print one machine-readable JSON object instead of the table.
     #[arg(long)]
     pub json: bool,
+    /// Set a spec field before checking, as `widen train --set` does (repeatable).
+    #[arg(long = "set", value_name = "PATH=VALUE")]
+    pub sets: Vec<String>,
 }
 
 /// One problem that makes the spec unusable.
@@ -72,7 +75,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         );
         return Ok(fail(&args, &[Problem { path: String::new(), message, at: None }]));
     }
-    let spec = match load_spec(&args.spec) {
+    let spec = match super::train::load_spec_with_sets(&args.spec, &args.sets) {
         Ok(spec) => spec,
         Err(err) => return Ok(fail(&args, &load_problems(err))),
     };

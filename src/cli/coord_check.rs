@@ -13,9 +13,10 @@ use anyhow::Context;
 use ir::spec::load_spec;
 use runtime::coord::{coord_check_on, to_csv, CoordCheck, CoordError, CoordParam};
 use runtime::data::Corpus;
-use std::io::{IsTerminal, Write};
+use runtime::progress::{clock, Line, Mark, Mode};
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Instant;
 use sweep::coord_plot::{coord_plot, CoordPanel, CoordPlot, CoordSeries};
 
 /// Which parametrizations to check.
@@ -93,19 +94,17 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let corpus = Corpus::load(&spec)?;
     let mut checks = Vec::new();
     for param in params {
-        // A line redrawn in place: on a terminal only, so a log gets no control codes.
-        let terminal = std::io::stderr().is_terminal();
+        // A line redrawn in place on a terminal; a log gets a line as each width starts.
+        let mut line = Line::new(Mode::of_stderr());
+        let started = Instant::now();
         let mut progress = |width: usize, step: usize| {
-            if !terminal {
-                return;
-            }
-            eprint!("\r{} D={width}: step {step}/{steps}\x1b[K", param.name());
-            let _ = std::io::stderr().flush();
+            let mark = if step <= 1 { Mark::Line } else { Mark::Tick };
+            let text =
+                format!("{} D={width}: step {step}/{steps}, {}", param.name(), clock(started.elapsed()));
+            line.show(&text, started.elapsed(), mark);
         };
         let check = coord_check_on(&spec, &widths, steps, param, &corpus, &mut progress);
-        if terminal {
-            eprint!("\r\x1b[K");
-        }
+        line.end(true);
         let check = match check {
             Ok(check) => check,
             Err(err) => {

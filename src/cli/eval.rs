@@ -8,7 +8,8 @@
 use super::train::DeviceArg;
 use anyhow::Context;
 use runtime::eval::{evaluate_with_progress, EvalOptions};
-use std::io::{IsTerminal, Write};
+use runtime::progress::{clock, eta_text, write_stderr, Line, Mark, Mode};
+use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -51,13 +52,12 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         dump: args.dump.clone(),
         force: args.force,
     };
+    runtime::progress::show_compiles();
     let mut progress = ProgressLine::new(std::io::stderr().is_terminal());
     let started = Instant::now();
     let result = evaluate_with_progress(&args.checkpoint, args.device.into(), &opts, &mut |done, total| {
         if let Some(text) = progress.update(done, total, started.elapsed()) {
-            let mut err = std::io::stderr().lock();
-            let _ = write!(err, "{text}");
-            let _ = err.flush();
+            write_stderr(&text);
         }
     });
     if let Some(text) = progress.finish() {
@@ -82,26 +82,22 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// The progress of a long evaluation on stderr. Nothing is shown for the first
-/// [`ProgressLine::QUIET`] (most evaluations end before); then a terminal gets
-/// one line refreshed in place, and anything else (a log file) one line at each
-/// quarter of the batches, so a log never fills with progress.
+/// The progress of a long evaluation on stderr ([`runtime::progress`]). Nothing is
+/// shown for the first [`ProgressLine::QUIET`] (most evaluations end before); then a
+/// terminal gets one line refreshed in place, and anything else (a log file) one line
+/// at each quarter of the batches, so a log never fills with progress.
 struct ProgressLine {
-    terminal: bool,
-    /// When the terminal line was last drawn.
-    drawn: Option<Duration>,
-    /// Quarters of the batches already reported (not a terminal).
+    line: Line,
+    /// Quarters of the batches already reached.
     quarters: usize,
 }
 
 impl ProgressLine {
     /// How long an evaluation runs before its progress is shown.
     const QUIET: Duration = Duration::from_secs(2);
-    /// How often the terminal line is redrawn.
-    const REDRAW: Duration = Duration::from_millis(250);
 
     fn new(terminal: bool) -> Self {
-        ProgressLine { terminal, drawn: None, quarters: 0 }
+        ProgressLine { line: Line::new(if terminal { Mode::Terminal } else { Mode::Log }), quarters: 0 }
     }
 
     /// What to write to stderr after `done` of `total` batches, `elapsed` in.
@@ -112,46 +108,23 @@ impl ProgressLine {
         let text = format!(
             "eval: batch {done}/{total}, {} elapsed, about {} left",
             clock(elapsed),
-            clock(elapsed.mul_f64((total - done) as f64 / done.max(1) as f64))
+            eta_text(elapsed, done as f64, total as f64)
         );
-        if self.terminal {
-            if self.drawn.is_some_and(|t| elapsed < t + Self::REDRAW) {
-                return None;
-            }
-            self.drawn = Some(elapsed);
-            return Some(format!("\r{text}\x1b[K"));
-        }
         let quarter = done * 4 / total.max(1);
-        if quarter <= self.quarters {
-            return None;
-        }
-        self.quarters = quarter;
-        Some(format!("{text}\n"))
+        let mark = if quarter > self.quarters { Mark::Line } else { Mark::Tick };
+        self.quarters = self.quarters.max(quarter);
+        self.line.update(&text, elapsed, mark)
     }
 
     /// What clears the terminal line at the end, if one was drawn.
-    fn finish(&self) -> Option<String> {
-        self.drawn.map(|_| "\r\x1b[K".to_string())
-    }
-}
-
-/// `42s`, `3m04s` or `2h05m`.
-fn clock(d: Duration) -> String {
-    let s = d.as_secs();
-    match s {
-        0..60 => format!("{s}s"),
-        60..3600 => format!("{}m{:02}s", s / 60, s % 60),
-        _ => format!("{}h{:02}m", s / 3600, s % 3600 / 60),
+    fn finish(&mut self) -> Option<String> {
+        self.line.finish(true)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn secs(s: f64) -> Duration {
-        Duration::from_secs_f64(s)
-    }
 
     fn ms(ms: usize) -> Duration {
         Duration::from_millis(ms as u64)
@@ -192,12 +165,6 @@ mod tests {
         assert_eq!(shown.len(), 32, "{shown:?}");
         assert_eq!(shown[0], "\reval: batch 200/1000, 2s elapsed, about 8s left\x1b[K");
         assert_eq!(p.finish().as_deref(), Some("\r\x1b[K"));
-    }
-
-    #[test]
-    fn clock_reads_as_seconds_minutes_or_hours() {
-        assert_eq!(clock(secs(59.9)), "59s");
-        assert_eq!(clock(secs(184.0)), "3m04s");
-        assert_eq!(clock(secs(7500.0)), "2h05m");
+        assert_eq!(p.finish(), None, "cleared once");
     }
 }

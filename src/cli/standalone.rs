@@ -42,6 +42,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     }
     let opts = BuildOptions {
         verbose: args.verbose,
+        progress: !args.verbose,
         force: args.force,
         profile: args.profile.clone(),
         ..BuildOptions::from_env()
@@ -52,6 +53,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         opts.profile,
         opts.cache_dir.join("build").display()
     );
+    runtime::progress::show_compiles();
     let built = build(&spec, &args.output, &opts)
         .with_context(|| format!("building {} into {}", args.spec.display(), args.output.display()))?;
     let online = if built.online { ", dependencies fetched online" } else { "" };

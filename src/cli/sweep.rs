@@ -142,12 +142,19 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         return run_index(&args, k);
     }
     let until = until(&args)?;
+    if !args.quiet && args.jobs <= 1 && !args.dry_run {
+        // With --jobs the runs train in processes of their own, whose progress is a line per run.
+        runtime::progress::show_compiles();
+    }
     let mut sweep = load(&args)?;
     if let Some(data) = &args.data {
         sweep.base.train.data = runtime::data::data_from_arg(data)?;
     }
     if args.dry_run {
         let plan = sweep::expand(&sweep)?;
+        if let Some(note) = plan.warmup_note() {
+            eprintln!("note: {note}");
+        }
         // The data is read and hashed as a sweep would, so a missing or too short
         // file is found here rather than at the first run.
         let data = sweep::runner::data_records(&plan)?;

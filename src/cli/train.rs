@@ -13,12 +13,13 @@
 //! independent copies into one folder.
 
 use anyhow::Context;
-use ir::spec::load_spec;
+use ir::spec::{load_spec, parse_spec, FieldError, ModelSpec, SpecLoadError};
 use runtime::device::Device;
 use runtime::dist::Group;
 use runtime::train::{train_spec, Progress, TrainError, TrainOptions};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use sweep::PointError;
 
 /// The device to run on: the reference interpreter, or the compiled Plan on
 /// the host or on a GPU.
@@ -79,6 +80,43 @@ pub struct Args {
     /// Where to run.
     #[arg(long, value_enum, default_value = "cpu")]
     pub device: DeviceArg,
+    /// Set a spec field before training, named as a sweep axis names it and written
+    /// in RON as in a spec file: `--set train.optimizer.lr=1e-3`, `--set
+    /// residual=Ghc(m: 2, n: 4)`. Repeatable; the spec with the values is validated
+    /// as a spec file is.
+    #[arg(long = "set", value_name = "PATH=VALUE")]
+    pub sets: Vec<String>,
+}
+
+/// The spec at `path` with the `--set` values on it: read without validating,
+/// the values set by the sweep's own code (`sweep::apply_sets`: its field paths, RON
+/// values and suggestions for a path that does not exist, docs/sweeps.md), then
+/// validated as a spec file holding them would be. Without any, [`load_spec`].
+pub fn load_spec_with_sets(path: &Path, sets: &[String]) -> Result<ModelSpec, SpecLoadError> {
+    if sets.is_empty() {
+        return load_spec(path);
+    }
+    let shown = format!("{} with --set {}", path.display(), sets.join(" --set "));
+    let invalid = |path: &str, message: String| SpecLoadError::Invalid {
+        path: shown.clone(),
+        errors: vec![FieldError { path: path.to_string(), message }],
+    };
+    let text = std::fs::read_to_string(path)
+        .map_err(|source| SpecLoadError::Io { path: path.display().to_string(), source })?;
+    let base = parse_spec(&text, &path.display().to_string())?;
+    let values = sets
+        .iter()
+        .map(|arg| sweep::parse_set(arg))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| invalid("", e.to_string()))?;
+    sweep::apply_sets(&base, &values).map_err(|e| match e {
+        PointError::Invalid { errors } => SpecLoadError::Invalid { path: shown.clone(), errors },
+        PointError::UnknownField { ref path, .. }
+        | PointError::NoFields { ref path, .. }
+        | PointError::Value { ref path, .. }
+        | PointError::Derived { ref path, .. } => invalid(&path.clone(), e.to_string()),
+        other => invalid("", other.to_string()),
+    })
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
@@ -100,7 +138,11 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
 /// This process's part of `widen train`: the whole run alone, or one rank's.
 fn run_rank(args: &Args, group: Option<&Group>) -> anyhow::Result<ExitCode> {
     let root = group.is_none_or(Group::is_root);
-    let mut spec = load_spec(&args.spec)?;
+    let mut spec = load_spec_with_sets(&args.spec, &args.sets)?;
+    if root && !args.sets.is_empty() {
+        // The run says what it trains: these values are in its spec and checkpoints.
+        eprintln!("spec {} with --set {}", args.spec.display(), args.sets.join(", "));
+    }
     if let Some(data) = &args.data {
         spec.train.data = runtime::data::data_from_arg(data)?;
     }
@@ -129,6 +171,9 @@ fn run_rank(args: &Args, group: Option<&Group>) -> anyhow::Result<ExitCode> {
         group: group.cloned(),
     };
     let device = Device::from(args.device);
+    if root {
+        runtime::progress::show_compiles();
+    }
     let report = match train_spec(&spec, device, &opts) {
         Ok(report) => report,
         Err(err) => {
@@ -175,8 +220,9 @@ fn write_initial(args: &Args, spec: &ir::spec::ModelSpec) -> anyhow::Result<Exit
     let path = runtime::train::write_initial(spec, &opts).with_context(|| {
         format!("initializing {} (run folder {})", args.spec.display(), out_dir.display())
     })?;
+    let sets: String = args.sets.iter().map(|s| format!(" --set {}", quote(s))).collect();
     eprintln!(
-        "wrote the initial checkpoint {} (step 0, no training); continue with: widen train {} --out {} --resume {}",
+        "wrote the initial checkpoint {} (step 0, no training); continue with: widen train {}{sets} --out {} --resume {}",
         path.display(),
         quote(&args.spec.display().to_string()),
         quote(&out_dir.display().to_string()),
@@ -189,6 +235,9 @@ fn write_initial(args: &Args, spec: &ir::spec::ModelSpec) -> anyhow::Result<Exit
 /// spec, data, step budget, device and run folder.
 fn resume_command(args: &Args, out_dir: &Path, checkpoint: &Path) -> String {
     let mut words = vec!["widen".to_string(), "train".to_string(), quote(&args.spec.display().to_string())];
+    for set in &args.sets {
+        words.extend(["--set".to_string(), quote(set)]);
+    }
     if let Some(data) = &args.data {
         words.extend(["--data".to_string(), quote(data)]);
     }

@@ -45,7 +45,9 @@ pub use budget::{Budget, BudgetError, BudgetPlan};
 pub use file::{Axis, Combine, OnInvalid, Sweep, SweepError};
 pub use fit::{FitError, LinearFit};
 pub use folder::{DataRecord, FolderError, PlanFile};
-pub use point::{expand, ExpandError, Expansion, InvalidPoint, Point, PointError, Run};
+pub use point::{
+    apply_sets, expand, parse_set, ExpandError, Expansion, InvalidPoint, Point, PointError, Run,
+};
 pub use report::{report, SweepReport};
 pub use results::{PointResult, RunMetrics, RunOutcome, Stat, Status};
 pub use runner::{SweepOptions, SweepRunError};

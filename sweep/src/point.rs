@@ -45,6 +45,8 @@ use ir::spec::{host_memory_bytes, parse_spec, FieldError, ModelSpec, ResidualSpe
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+use runtime::standalone::{set_steps, WarmupRescale};
+
 use crate::budget::{plan_with, Budget, BudgetError, BudgetPlan};
 use crate::file::{Combine, OnInvalid, Sweep, SweepError, MAX_RUNS};
 
@@ -104,7 +106,12 @@ impl fmt::Display for InvalidPoint {
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum PointError {
     /// A path step names a field the spec does not have there.
-    #[error("`{path}`: {} has no field `{field}`; its fields are {}", at_name(.at), fields.join(", "))]
+    #[error(
+        "`{path}`: {} has no field `{field}`{}; its fields are {}",
+        at_name(.at),
+        hint(.path),
+        fields.join(", ")
+    )]
     UnknownField { path: String, at: String, field: String, fields: Vec<String> },
     /// A path continues past a value that has no fields (a number, a unit variant, `None`, a list).
     #[error("`{path}`: {} is {found}, which has no fields; set `{at}` itself", at_name(.at))]
@@ -123,6 +130,16 @@ pub enum PointError {
     Budget(BudgetError),
 }
 
+/// ` (did you mean `train.optimizer.lr`?)` for a path the spec does not have there
+/// ([`ir::spec::path_hint`]: the paths with the same last name, or the variants that
+/// have this one), or nothing.
+fn hint(path: &str) -> String {
+    match ir::spec::path_hint(path) {
+        h if h.is_empty() => h,
+        h => format!(" ({h})"),
+    }
+}
+
 fn at_name(at: &str) -> String {
     if at.is_empty() {
         "the spec".into()
@@ -138,9 +155,19 @@ pub struct Expansion {
     pub points: Vec<Point>,
     /// Points that were skipped (`on_invalid: Skip`); empty under `Refuse`, which fails instead.
     pub invalid: Vec<InvalidPoint>,
+    /// Points whose budget gives fewer steps than their spec's warmup, which was
+    /// scaled to its fraction of the spec's steps by the rule `widen train --steps`
+    /// follows ([`runtime::standalone::set_steps`]): (point, how).
+    pub warmup_scaled: Vec<(String, WarmupRescale)>,
 }
 
 impl Expansion {
+    /// One note for every point whose warmup the budget scaled (said once, not per
+    /// point), or `None` when no warmup was.
+    pub fn warmup_note(&self) -> Option<String> {
+        warmup_note(&self.warmup_scaled, self.points.len())
+    }
+
     /// Every run of every point, in point order.
     pub fn runs(&self) -> impl Iterator<Item = (&Point, &Run)> {
         self.points.iter().flat_map(|p| p.runs.iter().map(move |r| (p, r)))
@@ -177,8 +204,65 @@ pub enum ExpandError {
     TooManyRuns { runs: usize, points: usize, seeds: usize },
 }
 
+/// The note for the points whose warmup a budget scaled: one line whatever their
+/// number, each distinct change once.
+fn warmup_note(scaled: &[(String, WarmupRescale)], points: usize) -> Option<String> {
+    let mut seen: Vec<WarmupRescale> = Vec::new();
+    for (_, w) in scaled {
+        if !seen.contains(w) {
+            seen.push(*w);
+        }
+    }
+    let first = seen.first()?;
+    let changes = if seen.len() == 1 {
+        format!(
+            "the budget's {} steps are shorter than the spec's warmup of {}; warmup scaled to {} \
+             (its fraction of the spec's {} steps)",
+            first.steps, first.from, first.to, first.planned
+        )
+    } else {
+        let each: Vec<String> = seen
+            .iter()
+            .map(|w| format!("{} -> {} at {} of {} steps", w.from, w.to, w.steps, w.planned))
+            .collect();
+        format!(
+            "the budget gives fewer steps than the spec's warmup; warmup scaled to its fraction of \
+             the spec's steps ({})",
+            each.join(", ")
+        )
+    };
+    let n = scaled.len();
+    Some(format!(
+        "{changes}, in {n} of {points} point{}, as `widen train --steps` does",
+        if points == 1 { "" } else { "s" }
+    ))
+}
+
+/// The invalid points, one line per distinct error: an error every point shares (a
+/// mistyped path) is said once, naming how many points it applies to.
 fn list(invalid: &[InvalidPoint]) -> String {
-    invalid.iter().map(|p| format!("\n  - {p}")).collect()
+    let mut groups: Vec<(String, Vec<&str>)> = Vec::new();
+    for p in invalid {
+        let error = p.error.to_string();
+        match groups.iter_mut().find(|(e, _)| *e == error) {
+            Some((_, names)) => names.push(&p.name),
+            None => groups.push((error, vec![&p.name])),
+        }
+    }
+    groups
+        .iter()
+        .map(|(error, names)| match names.as_slice() {
+            [one] => format!("\n  - point `{one}`: {error}"),
+            more => {
+                const SHOWN: usize = 3;
+                let mut shown: Vec<String> = more.iter().take(SHOWN).map(|n| format!("`{n}`")).collect();
+                if more.len() > SHOWN {
+                    shown.push(format!("{} more", more.len() - SHOWN));
+                }
+                format!("\n  - {} points ({}): {error}", more.len(), shown.join(", "))
+            }
+        })
+        .collect()
 }
 
 /// Expands a sweep into points and runs: combines the axes, sets each point's values,
@@ -202,6 +286,7 @@ pub fn expand_within(sweep: &Sweep, memory_bytes: Option<u64>) -> Result<Expansi
     let mut applier = Applier::new(&sweep.base);
     let mut points: Vec<Point> = Vec::new();
     let mut invalid: Vec<InvalidPoint> = Vec::new();
+    let mut warmup_scaled: Vec<(String, WarmupRescale)> = Vec::new();
     // Point name -> the values shown for it, and spec (as RON) -> point index.
     let mut names: HashMap<String, String> = HashMap::new();
     let mut specs: HashMap<String, usize> = HashMap::new();
@@ -228,7 +313,10 @@ pub fn expand_within(sweep: &Sweep, memory_bytes: Option<u64>) -> Result<Expansi
         let name = point_name(&values);
         claim(&name, &values)?;
         match build_point(&mut applier, &values, &sweep.budget, memory_bytes) {
-            Ok((spec, budget)) => {
+            Ok((spec, budget, scaled)) => {
+                if let Some(w) = scaled {
+                    warmup_scaled.push((name.clone(), w));
+                }
                 let key = spec_key(&spec);
                 if let Some(&i) = specs.get(&key) {
                     let first: &Point = &points[i];
@@ -265,7 +353,7 @@ pub fn expand_within(sweep: &Sweep, memory_bytes: Option<u64>) -> Result<Expansi
                 points[i].values.iter().filter(|(p, _)| !is_residual_path(p)).cloned().collect();
             let mut twin = points[i].spec.with_plain_residual();
             let found = match plan_and_validate(&mut twin, &sweep.budget, memory_bytes) {
-                Ok(budget) => {
+                Ok((budget, _)) => {
                     let key = spec_key(&twin);
                     match specs.get(&key) {
                         Some(&same) => Ok(points[same].name.clone()),
@@ -327,7 +415,8 @@ pub fn expand_within(sweep: &Sweep, memory_bytes: Option<u64>) -> Result<Expansi
             })
             .collect();
     }
-    Ok(Expansion { points, invalid })
+    warmup_scaled.retain(|(name, _)| points.iter().any(|p| p.name == *name));
+    Ok(Expansion { points, invalid, warmup_scaled })
 }
 
 /// The points' (path, value) lists, in order: a product (first axis slowest) or a zip.
@@ -375,29 +464,32 @@ fn build_point(
     values: &[(String, String)],
     budget: &Budget,
     memory_bytes: Option<u64>,
-) -> Result<(ModelSpec, BudgetPlan), PointError> {
+) -> Result<(ModelSpec, BudgetPlan, Option<WarmupRescale>), PointError> {
     let mut spec = applier.apply(values)?;
-    let plan = plan_and_validate(&mut spec, budget, memory_bytes)?;
-    Ok((spec, plan))
+    let (plan, scaled) = plan_and_validate(&mut spec, budget, memory_bytes)?;
+    Ok((spec, plan, scaled))
 }
 
 /// Validates `spec` as `widen check` does (the validator, the memory check against
 /// `memory_bytes`, the cost model's lowering), plans its budget and sets
-/// `train.steps`, validating again with the final step count (a schedule's warmup
-/// must fit in it).
+/// `train.steps`, validating again with the final step count. A warmup longer than
+/// the budget's steps keeps its fraction of the spec's steps, by the rule of `widen
+/// train --steps` ([`runtime::standalone::set_steps`], docs/sweeps.md "Budgets"); how it
+/// changed is returned.
 fn plan_and_validate(
     spec: &mut ModelSpec,
     budget: &Budget,
     memory_bytes: Option<u64>,
-) -> Result<BudgetPlan, PointError> {
+) -> Result<(BudgetPlan, Option<WarmupRescale>), PointError> {
     let invalid = |errors| PointError::Invalid { errors };
+    let mut scaled = None;
     // Token and step budgets fix the steps without the cost model, so the first
     // validation already sees them; a FLOP budget needs a valid spec to count.
     match budget {
         Budget::Tokens(_) | Budget::Steps(_) | Budget::Time(_) => {
             let pre =
                 plan_with(budget, spec.train.batch, spec.train.seq_len, 0).map_err(PointError::Budget)?;
-            spec.train.steps = pre.steps;
+            scaled = set_steps(spec, pre.steps);
         }
         Budget::Flops(_) => {}
     }
@@ -411,9 +503,33 @@ fn plan_and_validate(
     })?;
     let plan = plan_with(budget, spec.train.batch, spec.train.seq_len, report.flops_per_token.train)
         .map_err(PointError::Budget)?;
-    spec.train.steps = plan.steps;
+    scaled = set_steps(spec, plan.steps).or(scaled);
     spec.validate().map_err(invalid)?;
-    Ok(plan)
+    Ok((plan, scaled))
+}
+
+/// One `--set PATH=VALUE` of `widen train` or `widen check`: a sweep axis
+/// (`Axis`'s syntax, so the paths and RON values are exactly a sweep's) with one value.
+pub fn parse_set(arg: &str) -> Result<(String, String), SweepError> {
+    let axis: crate::file::Axis = arg.parse()?;
+    match <[String; 1]>::try_from(axis.values) {
+        Ok([value]) => Ok((axis.path, value)),
+        Err(values) => Err(SweepError::BadSet {
+            arg: arg.to_string(),
+            reason: format!(
+                "{} values; a run takes one value per field (`widen sweep --set` trains one point per value)",
+                values.len()
+            ),
+        }),
+    }
+}
+
+/// `base` with every `--set` value set ([`apply`], as a sweep point's) and then
+/// validated as a spec file holding those values would be.
+pub fn apply_sets(base: &ModelSpec, sets: &[(String, String)]) -> Result<ModelSpec, PointError> {
+    let spec = apply(base, sets)?;
+    spec.validate().map_err(|errors| PointError::Invalid { errors })?;
+    Ok(spec)
 }
 
 /// Sets every (path, value) on `base` in order, the derived `residual.r` last. Does not validate.
@@ -772,7 +888,13 @@ mod tests {
         assert_eq!((path.as_str(), at.as_str(), field.as_str()), ("residual.k", "residual", "k"));
         assert!(fields.contains(&"m".to_string()) && fields.contains(&"n".to_string()), "{fields:?}");
         let msg = e.to_string();
-        assert!(msg.starts_with("`residual.k`: `residual` has no field `k`; its fields are "), "{msg}");
+        assert!(
+            msg.starts_with(
+                "`residual.k`: `residual` has no field `k` (`residual.k` is a field of `Xhc`, not of the \
+                 variant written there); its fields are "
+            ),
+            "{msg}"
+        );
 
         let e = apply(&ghc_base(), &v(&[("d_modle", "4")])).unwrap_err().to_string();
         assert!(e.contains("the spec has no field `d_modle`") && e.contains("d_model"), "{e}");
@@ -887,17 +1009,67 @@ mod tests {
         assert!(err.to_string().contains("has no field `nn`"), "{err}");
     }
 
+    /// A path that names a field elsewhere in the spec gets that path suggested, and
+    /// an error every point shares is said once, with how many points it applies to.
+    #[test]
+    fn a_misplaced_path_is_suggested_and_said_once_for_every_point() {
+        let s = sweep(&[("train.lr", &["1e-3", "2e-3", "3e-3", "4e-3"])], Budget::Steps(30));
+        let err = expand(&s).unwrap_err().to_string();
+        assert!(err.contains("has no field `lr` (did you mean `train.optimizer.lr`"), "{err}");
+        assert_eq!(err.matches("has no field `lr`").count(), 1, "{err}");
+        assert!(
+            err.contains("4 points (`train.lr-1e-3`, `train.lr-2e-3`, `train.lr-3e-3`, 1 more)"),
+            "{err}"
+        );
+        // Different errors stay apart, one line each.
+        let s = sweep(&[("residual.n", &["4", "eight", "nine"])], Budget::Steps(30));
+        let err = expand(&s).unwrap_err().to_string();
+        assert_eq!(err.lines().filter(|l| l.starts_with("  - ")).count(), 2, "{err}");
+    }
+
+    /// `Vwn` is what the VWN paper calls the scheme widen names `Ghc`.
+    #[test]
+    fn a_vwn_value_points_at_ghc() {
+        let err = apply(&ghc_base(), &v(&[("residual", "Vwn(m: 2, n: 4)")])).unwrap_err().to_string();
+        assert!(err.contains("did you mean `Ghc`?"), "{err}");
+    }
+
     #[test]
     fn the_budget_sets_steps_and_a_short_budget_is_validated() {
         // 32 tokens per step: 3200 tokens = 100 steps.
         let plan = expand(&sweep(&[("residual.n", &["4"])], Budget::Tokens(3200))).unwrap();
         assert_eq!(plan.points[0].spec.train.steps, 100);
         assert_eq!(plan.points[0].budget.tokens, 3200);
-        // A cosine schedule's 20 warmup steps do not fit in one step: the validator says so.
-        let mut s = sweep(&[("residual.n", &["4"])], Budget::Steps(1));
+    }
+
+    /// A budget shorter than the warmup scales it as `widen train --steps` does (the
+    /// same function), and the note is one line for every point.
+    #[test]
+    fn a_budget_shorter_than_the_warmup_scales_it_with_one_note() {
+        let mut s = sweep(&[("residual.n", &["4", "8"])], Budget::Steps(5));
+        s.base.train.steps = 300;
         s.base.train.schedule = ir::spec::ScheduleSpec::Cosine(Default::default());
-        let err = expand(&s).unwrap_err().to_string();
-        assert!(err.contains("warmup"), "{err}");
+        let plan = expand(&s).unwrap();
+        let mut by_train = s.base.clone();
+        let rule = set_steps(&mut by_train, 5).expect("the warmup of 20 is longer than 5 steps");
+        for p in &plan.points {
+            assert_eq!(p.spec.train.steps, 5);
+            assert_eq!(p.spec.train.schedule, by_train.train.schedule, "{}", p.name);
+        }
+        assert_eq!(plan.warmup_scaled.len(), 2);
+        let note = plan.warmup_note().unwrap();
+        assert!(!note.contains('\n'), "{note}");
+        assert!(
+            note.contains(&format!("warmup of {}; warmup scaled to {}", rule.from, rule.to))
+                && note.contains("in 2 of 2 points"),
+            "{note}"
+        );
+        // A budget longer than the warmup changes nothing.
+        let mut long = s.clone();
+        long.budget = Budget::Steps(100);
+        let plan = expand(&long).unwrap();
+        assert!(plan.warmup_scaled.is_empty() && plan.warmup_note().is_none());
+        assert_eq!(plan.points[0].spec.train.schedule, s.base.train.schedule);
     }
 
     #[test]

@@ -56,6 +56,7 @@ use std::time::{Instant, SystemTime};
 use ir::spec::{DataSpec, ModelSpec, ScheduleSpec};
 use runtime::data::Corpus;
 use runtime::device::Device;
+use runtime::progress::{clock, eta_text, Line, Mark, Mode};
 use runtime::train::{
     train_spec, StepEvent, StepObserver, TrainError, TrainOptions, FINAL_CHECKPOINT, METRICS_FILE,
 };
@@ -309,7 +310,10 @@ fn prepare(sweep: &Sweep, opts: &SweepOptions) -> Result<Prepared, SweepRunError
     let lock = lock_sweep(dir)?;
     let data = data_records(&plan)?;
     if let Budget::Time(seconds) = sweep.budget {
-        calibrate_plan(dir, &mut plan, seconds, opts)?;
+        calibrate_plan(dir, &mut plan, seconds, opts, sweep.base.train.steps)?;
+    }
+    if let Some(note) = plan.warmup_note().filter(|_| opts.progress) {
+        eprintln!("note: {note}");
     }
     let (mut file, kept) = merge_with_folder(dir, PlanFile::of(sweep, &plan, data, None))?;
     if let Some(a) = &opts.against {
@@ -322,12 +326,15 @@ fn prepare(sweep: &Sweep, opts: &SweepOptions) -> Result<Prepared, SweepRunError
 
 /// Fixes every point's steps under a time budget of `seconds`: from the calibration
 /// the folder's plan recorded for a point of the same name (so a rerun trains the same
-/// steps), else from [`calibrate`] on `opts.device`.
+/// steps), else from [`calibrate`] on `opts.device`. A warmup longer than the steps
+/// keeps its fraction of the spec's own `planned` steps, as under every budget
+/// ([`runtime::standalone::set_steps`], recorded in `plan.warmup_scaled`).
 fn calibrate_plan(
     dir: &Path,
     plan: &mut Expansion,
     seconds: f64,
     opts: &SweepOptions,
+    planned: usize,
 ) -> Result<(), SweepRunError> {
     if opts.device == Device::Cuda && !runtime::device::cuda::driver_available() {
         return Err(SweepRunError::NoCuda);
@@ -359,9 +366,13 @@ fn calibrate_plan(
             );
         }
         point.budget = budget;
-        point.spec.train.steps = budget.steps;
+        point.spec.train.steps = planned;
+        if let Some(w) = runtime::standalone::set_steps(&mut point.spec, budget.steps) {
+            plan.warmup_scaled.push((point.name.clone(), w));
+        }
         for run in &mut point.runs {
             run.spec.train.steps = budget.steps;
+            run.spec.train.schedule = point.spec.train.schedule.clone();
         }
         point.spec.validate().map_err(|errors| SweepRunError::TimeSteps {
             point: point.name.clone(),
@@ -452,14 +463,13 @@ pub fn run(sweep: &Sweep, opts: &SweepOptions) -> Result<SweepReport, SweepRunEr
     let work = |p: &Point| p.budget.flops;
     let progress = Arc::new(Mutex::new(ProgressState {
         on: opts.progress,
-        terminal: std::io::IsTerminal::is_terminal(&std::io::stderr()),
+        line: Line::new(Mode::of_stderr()),
         started: Instant::now(),
         total_runs: runs.len(),
         work_total: runs.iter().zip(&todo).filter(|(_, t)| **t).map(|((_, p, _), _)| work(p)).sum(),
         work_done: 0.0,
         run_work_per_step: 0.0,
         label: String::new(),
-        open: false,
     }));
     let (mut trained, mut reused) = (0, 0);
     let mut queue = Vec::new();
@@ -1088,10 +1098,12 @@ fn newest_checkpoint(run_dir: &Path) -> Option<PathBuf> {
 }
 
 /// The sweep's progress line: run i/n, the run's step, elapsed time and an ETA from
-/// the training FLOPs still to do at the rate seen so far in this call.
+/// the training FLOPs still to do at the rate seen so far in this call. Drawn by
+/// [`runtime::progress::Line`]: in place on a terminal, else a line every tenth of a
+/// run's steps and at its evaluations.
 struct ProgressState {
     on: bool,
-    terminal: bool,
+    line: Line,
     started: Instant,
     total_runs: usize,
     /// Training FLOPs of the runs this call trains, and of the steps done so far.
@@ -1099,7 +1111,6 @@ struct ProgressState {
     work_done: f64,
     run_work_per_step: f64,
     label: String,
-    open: bool,
 }
 
 impl ProgressState {
@@ -1107,20 +1118,19 @@ impl ProgressState {
     fn quiet(label: String) -> ProgressState {
         ProgressState {
             on: false,
-            terminal: false,
+            line: Line::new(Mode::of_stderr()),
             started: Instant::now(),
             total_runs: 1,
             work_total: 0.0,
             work_done: 0.0,
             run_work_per_step: 0.0,
             label,
-            open: false,
         }
     }
 
     fn start_run(&mut self) {
-        if self.on && !self.terminal {
-            eprintln!("{}: starting ({} runs in all)", self.label, self.total_runs);
+        if self.on && self.line.mode() == Mode::Log {
+            self.line.say(&format!("{}: starting ({} runs in all)", self.label, self.total_runs));
         }
     }
 
@@ -1129,57 +1139,96 @@ impl ProgressState {
         if !self.on {
             return;
         }
-        let elapsed = self.started.elapsed().as_secs_f64();
-        let eta = if self.work_done > 0.0 {
-            duration(elapsed * (self.work_total - self.work_done).max(0.0) / self.work_done)
-        } else {
-            "?".into()
-        };
+        if let Some(text) = self.update(e, self.started.elapsed()) {
+            runtime::progress::write_stderr(&text);
+        }
+    }
+
+    /// What to write after step event `e`, `elapsed` into the sweep.
+    fn update(&mut self, e: StepEvent, elapsed: std::time::Duration) -> Option<String> {
+        let eta = eta_text(elapsed, self.work_done, self.work_total);
         let val = e.val_loss.map(|v| format!("  val {v:.4}")).unwrap_or_default();
-        let line = format!(
+        let text = format!(
             "{}  step {}/{}  loss {:.4}{val}  elapsed {}  ETA {eta}",
             self.label,
             e.step,
             e.total,
             e.loss,
-            duration(elapsed)
+            clock(elapsed)
         );
         let every = (e.total / 10).max(1);
-        if self.terminal {
-            eprint!("\r{line}\x1b[K");
-            self.open = true;
-        } else if e.step.is_multiple_of(every) || e.step == e.total {
-            eprintln!("{line}");
-        }
+        let mark = if e.step.is_multiple_of(every) || e.step == e.total || e.val_loss.is_some() {
+            Mark::Line
+        } else {
+            Mark::Tick
+        };
+        self.line.update(&text, elapsed, mark)
     }
 
     fn end_run(&mut self, outcome: &RunOutcome) {
         if !self.on {
             return;
         }
-        if self.open {
-            eprintln!();
-            self.open = false;
-        }
-        match outcome {
-            RunOutcome::Finished(m) => eprintln!(
+        let text = match outcome {
+            RunOutcome::Finished(m) => format!(
                 "{}: done, val loss {:.4} ({:.4} bits/byte), {:.1} ms/step",
                 self.label,
                 m.val_loss,
                 m.val_loss / std::f64::consts::LN_2,
                 m.ms_per_step
             ),
-            RunOutcome::Failed(reason) => eprintln!("{}: FAILED: {reason}; the sweep goes on", self.label),
-        }
+            RunOutcome::Failed(reason) => format!("{}: FAILED: {reason}; the sweep goes on", self.label),
+        };
+        self.line.say(&text);
     }
 }
 
-/// `75` as `1m15s`.
-fn duration(s: f64) -> String {
-    let s = s.max(0.0).round() as u64;
-    match s {
-        0..60 => format!("{s}s"),
-        60..3600 => format!("{}m{:02}s", s / 60, s % 60),
-        _ => format!("{}h{:02}m", s / 3600, (s % 3600) / 60),
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn state(mode: Mode) -> ProgressState {
+        let mut p = ProgressState::quiet("point 1/2 base seed 0 (run 1/2)".into());
+        p.on = true;
+        p.line = Line::new(mode);
+        p.work_total = 200.0;
+        p.run_work_per_step = 1.0;
+        p
+    }
+
+    fn event(step: u64, val_loss: Option<f32>) -> StepEvent {
+        StepEvent { step, total: 100, loss: 2.0, val_loss }
+    }
+
+    /// In a log the sweep's line is plain text, every tenth of a run's steps and at
+    /// its evaluations, with the ETA from the FLOPs still to do.
+    #[test]
+    fn a_log_gets_a_plain_line_every_tenth_of_the_steps_with_an_eta() {
+        let mut p = state(Mode::Log);
+        let mut out = Vec::new();
+        for step in 1..=100 {
+            p.work_done += p.run_work_per_step;
+            let val = (step == 55).then_some(1.5);
+            out.extend(p.update(event(step, val), Duration::from_millis(step * 100)));
+        }
+        assert_eq!(out.len(), 11, "{out:?}");
+        assert_eq!(
+            out[0],
+            "point 1/2 base seed 0 (run 1/2)  step 10/100  loss 2.0000  elapsed 1s  ETA 19s\n"
+        );
+        assert!(out[5].contains("step 55/100") && out[5].contains("val 1.5000"), "{out:?}");
+        assert!(out.iter().all(|l| !l.contains('\r') && !l.contains('\x1b')));
+    }
+
+    #[test]
+    fn a_terminal_line_is_redrawn_in_place() {
+        let mut p = state(Mode::Terminal);
+        p.work_done = 50.0;
+        let out = p.update(event(50, None), Duration::from_secs(5)).unwrap();
+        assert_eq!(
+            out,
+            "\rpoint 1/2 base seed 0 (run 1/2)  step 50/100  loss 2.0000  elapsed 5s  ETA 15s\x1b[K"
+        );
     }
 }

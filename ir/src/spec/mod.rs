@@ -19,7 +19,7 @@ mod validate;
 mod virtual_width;
 
 pub use fits::host_memory_bytes;
-pub use names::UnknownName;
+pub use names::{field_paths, path_hint, similar_paths, UnknownName};
 pub use parse::{load_spec, parse_spec, SpecLoadError};
 pub use validate::FieldError;
 pub use virtual_width::VirtualWidth;

@@ -58,6 +58,98 @@ pub(crate) fn unknown_names(root: &Node) -> Vec<UnknownName> {
     names
 }
 
+/// Names other projects and papers use for a variant widen calls differently:
+/// (the other name, widen's variant, why). Virtual Width Networks are built from
+/// generalized hyper-connections, which widen names `Ghc` (docs/math.md §5).
+const ALIASES: &[(&str, &str, &str)] = &[
+    ("vwn", "Ghc", "Virtual Width Networks are `Ghc` in widen, docs/math.md §5"),
+    ("dghc", "Ghc", "dynamic GHC is `Ghc` in widen, docs/math.md §5"),
+];
+
+/// widen's variant for a name another source uses (`Vwn` -> `Ghc`), with why,
+/// when that variant is among `variants`.
+fn alias<'k>(given: &str, variants: &[&'k str]) -> Option<(&'k str, &'static str)> {
+    let g = given.to_lowercase();
+    let (_, to, why) = ALIASES.iter().find(|(from, _, _)| *from == g)?;
+    variants.iter().find(|v| *v == to).map(|v| (*v, *why))
+}
+
+/// Every field path the spec accepts (`train.optimizer.lr`), through every variant
+/// of every scheme and choice, with the variant that holds it (`Xhc` for
+/// `residual.k`; `None` for a field of no variant): the spec reference's rows
+/// ([`super::reference::sections`]), read once.
+fn known_paths() -> &'static [(String, Option<String>)] {
+    static PATHS: std::sync::OnceLock<Vec<(String, Option<String>)>> = std::sync::OnceLock::new();
+    PATHS.get_or_init(|| {
+        let mut paths: Vec<(String, Option<String>)> = super::reference::sections()
+            .into_iter()
+            .flat_map(|s| {
+                let variant = s.variants.last().map(|(_, v)| v.clone());
+                s.fields.into_iter().map(move |f| (f.path, variant.clone()))
+            })
+            .collect();
+        paths.sort();
+        paths.dedup();
+        paths
+    })
+}
+
+/// Every field path the spec accepts, sorted, each once.
+pub fn field_paths() -> Vec<&'static str> {
+    let mut paths: Vec<&'static str> = known_paths().iter().map(|(p, _)| p.as_str()).collect();
+    paths.dedup();
+    paths
+}
+
+/// The field paths a mistyped `path` most likely meant: the known paths
+/// ([`field_paths`]) whose last name is the given path's (`train.lr` ->
+/// `train.optimizer.lr`), else whose last name is close to it ([`suggest`]); those
+/// sharing more leading names with `path` first, at most three. Never `path` itself.
+pub fn similar_paths(path: &str) -> Vec<&'static str> {
+    let all = field_paths();
+    let leaf_of = |p: &str| p.rsplit('.').next().unwrap_or(p).to_lowercase();
+    let leaf = leaf_of(path);
+    let others = || all.iter().copied().filter(|p| *p != path);
+    let mut found: Vec<&'static str> = others().filter(|p| leaf_of(p) == leaf).collect();
+    if found.is_empty() {
+        let mut leaves: Vec<String> = others().map(leaf_of).filter(|l| *l != leaf).collect();
+        leaves.sort();
+        leaves.dedup();
+        let refs: Vec<&str> = leaves.iter().map(String::as_str).collect();
+        if let Some(close) = suggest(&leaf, &refs) {
+            found = others().filter(|p| leaf_of(p) == close).collect();
+        }
+    }
+    let given: Vec<&str> = path.split('.').collect();
+    let shared = |p: &str| p.split('.').zip(&given).take_while(|(a, b)| a == *b).count();
+    found.sort_by_key(|p| (std::cmp::Reverse(shared(p)), p.split('.').count(), *p));
+    found.truncate(3);
+    found
+}
+
+/// What a path that does not exist where it was written most likely meant: the
+/// variants that have it, when it is a field of other variants (`residual.k` is
+/// `Xhc`'s), else [`similar_paths`] (`did you mean `train.optimizer.lr`?`); empty
+/// when nothing is close.
+pub fn path_hint(path: &str) -> String {
+    let mut variants: Vec<&str> =
+        known_paths().iter().filter(|(p, _)| p == path).filter_map(|(_, v)| v.as_deref()).collect();
+    variants.dedup();
+    if !variants.is_empty() {
+        let quoted: Vec<String> = variants.iter().map(|v| format!("`{v}`")).collect();
+        return format!("`{path}` is a field of {}, not of the variant written there", quoted.join(", "));
+    }
+    let found = similar_paths(path);
+    match found.as_slice() {
+        [] => String::new(),
+        [one] => format!("did you mean `{one}`?"),
+        more => {
+            let quoted: Vec<String> = more.iter().map(|p| format!("`{p}`")).collect();
+            format!("did you mean {}?", quoted.join(" or "))
+        }
+    }
+}
+
 /// The closest valid name to `given`, when exactly one is close.
 ///
 /// Close means a case-insensitive edit distance of at most 1 for names of up to two
@@ -165,7 +257,11 @@ impl<'a> Walker<'a> {
     }
 
     fn report_variant(&self, enum_name: &str, given: &str, variants: &[&str]) {
-        let hint = suggest(given, variants).map(|s| format!("; did you mean `{s}`?")).unwrap_or_default();
+        let hint = match (suggest(given, variants), alias(given, variants)) {
+            (Some(s), _) => format!("; did you mean `{s}`?"),
+            (None, Some((s, why))) => format!("; did you mean `{s}`? ({why})"),
+            (None, None) => String::new(),
+        };
         let place = if self.path.is_empty() { enum_name } else { self.path.as_str() };
         let message = format!(
             "unknown variant `{given}` for {place}{hint}{}valid variants: {}",
@@ -304,8 +400,13 @@ impl<'de, 'a> de::Deserializer<'de> for Walker<'a> {
                 known.push(field);
                 continue;
             }
-            let hint =
-                suggest(&field.key, fields).map(|s| format!("; did you mean `{s}`?")).unwrap_or_default();
+            let hint = match suggest(&field.key, fields) {
+                Some(s) => format!("; did you mean `{s}`?"),
+                None => match path_hint(&self.field_path(&field.key)) {
+                    h if h.is_empty() => h,
+                    h => format!("; {h}"),
+                },
+            };
             let message = format!(
                 "unknown field `{}` in {place}{hint}{}valid fields: {}",
                 field.key,
@@ -482,5 +583,32 @@ mod tests {
         // `k` is one edit from both `m` and `n`: no single suggestion.
         assert_eq!(suggest("k", &["m", "n"]), None);
         assert_eq!(suggest("zzzzzz", &["vocab", "layers"]), None);
+    }
+
+    #[test]
+    fn a_path_with_a_known_last_name_suggests_the_paths_that_have_it() {
+        assert!(field_paths().contains(&"train.optimizer.lr"), "{:?}", field_paths());
+        let found = similar_paths("train.lr");
+        assert_eq!(found.first(), Some(&"train.optimizer.lr"), "{found:?}");
+        assert!(found.iter().all(|p| p.ends_with(".lr")), "{found:?}");
+        assert!(
+            path_hint("train.lr").starts_with("did you mean `train.optimizer.lr`"),
+            "{}",
+            path_hint("train.lr")
+        );
+        // A field of another variant says whose it is.
+        assert!(path_hint("residual.k").contains("`Xhc`"), "{}", path_hint("residual.k"));
+        // A close last name: `warmpu` -> the schedules' `warmup`.
+        assert!(similar_paths("train.warmpu").iter().all(|p| p.ends_with(".warmup")));
+        assert!(!similar_paths("train.warmpu").is_empty());
+        assert_eq!(path_hint("zzzzzz.qqqqqq"), "");
+    }
+
+    #[test]
+    fn other_names_of_a_variant_point_at_widens() {
+        let variants = ["Residual", "Hc", "Fc", "Mhc", "Ghc", "Xhc"];
+        assert_eq!(alias("Vwn", &variants).map(|(v, _)| v), Some("Ghc"));
+        assert_eq!(alias("VWN", &variants).map(|(v, _)| v), Some("Ghc"));
+        assert_eq!(alias("Vwn", &["Residual"]), None, "only a variant the enum has");
     }
 }

@@ -5,6 +5,7 @@ use std::ffi::{OsStr, OsString};
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
 
 /// Lines of cargo's output shown when a build fails.
 const TAIL_LINES: usize = 40;
@@ -42,6 +43,9 @@ pub struct Invocation<'a> {
     pub target_dir: Option<&'a Path>,
     /// Echo cargo's progress to stderr while building.
     pub verbose: bool,
+    /// Without `verbose`: show one progress line on stderr (crates built so far, the
+    /// one compiling, the time taken), so a build of minutes is never silent.
+    pub progress: bool,
     /// The cargo profile (`--profile`): `release`, or `dev` for a quick build.
     pub profile: &'a str,
 }
@@ -95,11 +99,30 @@ fn run(inv: &Invocation, offline: bool) -> Result<Run, BuildError> {
         .map_err(|source| BuildError::CargoNotFound { cargo: shown(), source })?;
     let stderr = child.stderr.take().map(BufReader::new);
     let verbose = inv.verbose;
+    let counts = Arc::new(Mutex::new(CargoProgress::default()));
+    let stage = (inv.progress && !verbose).then(|| {
+        let label =
+            format!("cargo build --profile {}{}", inv.profile, if offline { " --offline" } else { "" });
+        Arc::new(crate::progress::Stage::start(label))
+    });
+    let note = {
+        let (counts, stage) = (Arc::clone(&counts), stage.clone());
+        move |update: &dyn Fn(&mut CargoProgress) -> bool| {
+            let Ok(mut c) = counts.lock() else { return };
+            if update(&mut c) {
+                if let Some(stage) = &stage {
+                    stage.detail(c.detail());
+                }
+            }
+        }
+    };
+    let note_err = note.clone();
     // stderr is drained on its own thread so neither pipe can fill up and
     // stall cargo while the other is read.
     let collector = std::thread::spawn(move || {
         let mut lines = Vec::new();
         for line in stderr.into_iter().flat_map(|r| r.lines()).map_while(Result::ok) {
+            note_err(&|c| c.stderr_line(&line));
             if verbose {
                 let mut err = std::io::stderr().lock();
                 // Echoing progress is best effort: a closed stderr must not fail the build.
@@ -112,6 +135,7 @@ fn run(inv: &Invocation, offline: bool) -> Result<Run, BuildError> {
     let mut executable = None;
     if let Some(stdout) = child.stdout.take() {
         for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            note(&|c| c.stdout_line(&line));
             if let Some(exe) = artifact_executable(&line) {
                 executable = Some(exe);
             }
@@ -119,7 +143,56 @@ fn run(inv: &Invocation, offline: bool) -> Result<Run, BuildError> {
     }
     let status = child.wait().map_err(|source| BuildError::CargoNotFound { cargo: shown(), source })?;
     let stderr = collector.join().unwrap_or_default();
+    drop(stage);
     Ok(Run { success: status.success(), status: status.to_string(), stderr, executable })
+}
+
+/// What a cargo build has got to, from its JSON messages on stdout (a
+/// `compiler-artifact` per crate built or found up to date) and its status lines on
+/// stderr (`Compiling gemm v0.17.1`).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+struct CargoProgress {
+    /// Crates compiled by this build, and crates that were already up to date.
+    built: usize,
+    fresh: usize,
+    /// The crate cargo started compiling last.
+    compiling: Option<String>,
+}
+
+impl CargoProgress {
+    /// Reads one stdout line; whether anything changed.
+    fn stdout_line(&mut self, line: &str) -> bool {
+        let Ok(msg) = serde_json::from_str::<serde_json::Value>(line) else { return false };
+        if msg.get("reason").and_then(|r| r.as_str()) != Some("compiler-artifact") {
+            return false;
+        }
+        match msg.get("fresh").and_then(|f| f.as_bool()) {
+            Some(true) => self.fresh += 1,
+            _ => self.built += 1,
+        }
+        true
+    }
+
+    /// Reads one stderr line; whether anything changed.
+    fn stderr_line(&mut self, line: &str) -> bool {
+        let Some(rest) = line.trim_start().strip_prefix("Compiling ") else { return false };
+        let name = rest.split_whitespace().next().unwrap_or(rest).to_string();
+        self.compiling = Some(name);
+        true
+    }
+
+    /// `12 crates compiled, 3 up to date; compiling gemm`.
+    fn detail(&self) -> String {
+        let plural = |n: usize| if n == 1 { "" } else { "s" };
+        let mut text = format!("{} crate{} compiled", self.built, plural(self.built));
+        if self.fresh > 0 {
+            text.push_str(&format!(", {} up to date", self.fresh));
+        }
+        if let Some(c) = &self.compiling {
+            text.push_str(&format!("; compiling {c}"));
+        }
+        text
+    }
 }
 
 /// The executable of a `compiler-artifact` message for a binary target.
@@ -236,6 +309,21 @@ mod tests {
         assert_eq!(artifact_executable(lib), None);
         assert_eq!(artifact_executable(done), None);
         assert_eq!(artifact_executable("not json"), None);
+    }
+
+    /// `widen build`'s progress line counts the crates from cargo's own messages.
+    #[test]
+    fn cargo_progress_counts_crates_and_names_the_one_compiling() {
+        let mut p = CargoProgress::default();
+        assert!(p.stderr_line("   Compiling gemm v0.17.1"));
+        assert!(p.stdout_line(r#"{"reason":"compiler-artifact","fresh":true,"target":{"kind":["lib"]}}"#));
+        assert!(p.stdout_line(r#"{"reason":"compiler-artifact","fresh":false,"target":{"kind":["lib"]}}"#));
+        assert!(p.stdout_line(r#"{"reason":"compiler-artifact","fresh":false,"target":{"kind":["lib"]}}"#));
+        assert!(!p.stdout_line(r#"{"reason":"build-script-executed"}"#));
+        assert!(!p.stdout_line("not json"));
+        assert!(!p.stderr_line("warning: unused variable"));
+        assert_eq!(p.detail(), "2 crates compiled, 1 up to date; compiling gemm");
+        assert_eq!(CargoProgress::default().detail(), "0 crates compiled");
     }
 
     #[test]

@@ -92,6 +92,9 @@ pub struct BuildOptions {
     pub cargo: OsString,
     /// Echo cargo's progress while building.
     pub verbose: bool,
+    /// Without `verbose`, show a progress line on stderr while cargo builds
+    /// (`crate::progress`): crates compiled, the one compiling, the time taken.
+    pub progress: bool,
     /// Replace an existing output file even when no earlier `widen build`
     /// wrote it ([`cargo::check_output`]).
     pub force: bool,
@@ -107,6 +110,7 @@ impl BuildOptions {
             cache_dir: codegen::cc::default_cache_dir(),
             cargo: cargo::default_cargo(),
             verbose: false,
+            progress: false,
             force: false,
             profile: "release".into(),
         }
@@ -148,6 +152,7 @@ pub fn build(spec: &ModelSpec, output: &Path, opts: &BuildOptions) -> Result<Bui
         manifest: &manifest,
         target_dir: (!cargo::env_target_dir()).then_some(target.as_path()),
         verbose: opts.verbose,
+        progress: opts.progress,
         profile: &opts.profile,
     };
     let (executable, online) = cargo::build(&invocation)?;

@@ -313,6 +313,8 @@ fn main_rs(spec: &ModelSpec, plan: &Plan) -> TokenStream {
                 DeviceArg::Cpu => runtime::device::Device::Cpu,
                 DeviceArg::Cuda => runtime::device::Device::Cuda,
             };
+            // A cold kernel cache is a wait of its own: shown, as `widen train` shows it.
+            runtime::progress::show_compiles();
             let report = if group.is_some() {
                 // The embedded Plans are for the whole batch on one process: each rank
                 // compiles its own for its shard of the batch (docs/distributed.md).
