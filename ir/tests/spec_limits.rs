@@ -75,6 +75,7 @@ fn names_are_one_safe_path_component() {
 fn template(path: &str) -> &'static str {
     match path {
         "vocab" => "Model(vocab: {})",
+        "vocab_pad_to" => "Model(vocab_pad_to: {})",
         "d_model" => "Model(d_model: {}, heads: 1, head_dim: 2)",
         "layers" => "Model(layers: {})",
         "heads" => "Model(heads: {}, head_dim: 2)",
@@ -98,6 +99,7 @@ fn template(path: &str) -> &'static str {
         "train.seed" => "Model(train: (seed: {}))",
         "train.eval_every" => "Model(train: (eval_every: {}))",
         "train.eval_batches" => "Model(train: (eval_batches: {}))",
+        "train.val_tokens" => "Model(train: (val_tokens: {}))",
         "train.checkpoint_every" => "Model(train: (checkpoint_every: {}))",
         "train.schedule.warmup" => "Model(train: (schedule: Constant(warmup: {})))",
         "train.optimizer.ns_steps" => "Model(train: (optimizer: Muon(ns_steps: {})))",
@@ -140,6 +142,8 @@ fn every_integer_field_has_a_row() {
     }
     spec.kv_heads = Some(4);
     spec.head_dim = Some(16);
+    spec.vocab_pad_to = Some(64);
+    spec.train.val_tokens = Some(1 << 20);
     spec.ffn = ir::spec::FfnSpec::Moe(Default::default());
     spec.parametrization = ir::spec::Parametrization::MuP(Default::default());
     spec.train.optimizer = ir::spec::OptimizerSpec::Muon(Default::default());

@@ -363,6 +363,12 @@ pub fn sections() -> Vec<Section> {
             if out.iter().any(|s| s.ron == ron) {
                 continue;
             }
+            // A struct variant has no type name of its own: its fields are documented
+            // under the variant's (see `Docs::parse`).
+            let name: &str = match *name {
+                "" => record.chosen.iter().find(|(p, _)| *p == path).map_or("", |(_, v)| v.as_ref()),
+                other => other,
+            };
             let rows = fields
                 .iter()
                 .map(|f| {
@@ -556,6 +562,9 @@ impl Docs {
         let mut map = BTreeMap::new();
         let mut pending: Vec<String> = Vec::new();
         let mut current: Option<String> = None;
+        // A struct variant (`HuggingFace { path: .., sha256: .. }`): its fields are
+        // documented under the variant's name.
+        let mut variant: Option<String> = None;
         let mut depth = 0usize;
         for line in source.lines() {
             let t = line.trim();
@@ -580,7 +589,15 @@ impl Docs {
                     let name: String =
                         member.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
                     if !name.is_empty() && !pending.is_empty() {
-                        map.insert((type_name.clone(), name), pending.join(" "));
+                        map.insert((type_name.clone(), name.clone()), pending.join(" "));
+                    }
+                    variant = (t.ends_with('{') && !name.is_empty()).then_some(name);
+                }
+            } else if depth == 2 {
+                if let Some(variant_name) = &variant {
+                    let name: String = t.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
+                    if !name.is_empty() && !pending.is_empty() {
+                        map.insert((variant_name.clone(), name), pending.join(" "));
                     }
                 }
             }
@@ -589,6 +606,9 @@ impl Docs {
             depth = depth.saturating_sub(t.matches('}').count());
             if depth == 0 {
                 current = None;
+            }
+            if depth <= 1 && !t.ends_with('{') {
+                variant = None;
             }
         }
         Docs { map }
