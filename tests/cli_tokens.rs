@@ -95,3 +95,78 @@ fn data_names_shards_by_their_header_and_anything_else_as_text() {
     assert!(!out.status.success() && err.contains("nothing_*.bin"), "{err}");
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// The shared corpus, when the repository sits beside `../shared`.
+fn shakespeare() -> Option<std::path::PathBuf> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/data/tinyshakespeare.txt");
+    if !path.is_file() {
+        println!("skipping: {} is absent", path.display());
+        return None;
+    }
+    Some(path)
+}
+
+/// The `val_loss` of the last line of a run's metrics.
+fn logged_val_loss(run: &Path) -> f64 {
+    let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    let last: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
+    last["val_loss"].as_f64().unwrap()
+}
+
+const GPT2_SPEC: &str = r#"Model(
+    name: "gpt2-shakespeare",
+    vocab: 50257,
+    vocab_pad_to: 64,
+    d_model: 16,
+    layers: 1,
+    heads: 2,
+    train: (
+        data: Tokens(train: "tok/shakespeare_train_*.bin", val: "tok/shakespeare_val_*.bin"),
+        seq_len: 16, batch: 2, steps: 3, eval_every: 3, eval_batches: 2,
+        schedule: Constant(warmup: 0),
+    ),
+)"#;
+
+/// The whole path a user takes: prepare the corpus with GPT-2's tokenizer, train at the
+/// padded vocabulary 50304 on the reference and Cpu devices, evaluate the checkpoint
+/// (which reproduces the logged loss) and sample text from it through the tokenizer the
+/// checkpoint records.
+#[test]
+fn gpt2_tokens_prepare_train_eval_and_sample() {
+    let Some(text) = shakespeare() else { return };
+    let dir = workdir("tokens-gpt2", Some(GPT2_SPEC));
+    let text = text.display().to_string();
+    let prepared = widen(
+        &dir,
+        &["data", "prepare", &text, "--tokenizer", "gpt2", "--out", "tok", "--name", "shakespeare"],
+    );
+    assert!(prepared.status.success(), "{}", stderr(&prepared));
+    for device in ["reference", "cpu"] {
+        let run = format!("run-{device}");
+        let out = widen(&dir, &["train", "spec.ron", "--device", device, "--out", &run]);
+        let err = stderr(&out);
+        assert!(out.status.success(), "{err}");
+        assert!(err.contains("tokenizer gpt2"), "the manifest names the tokenizer: {err}");
+        let header = common::safetensors_header(&dir.join(&run).join("final.safetensors"));
+        assert_eq!(header["__metadata__"]["tokenizer"], "Gpt2");
+        assert_eq!(header["embed"]["shape"][0], 50304, "the padded vocabulary");
+        let eval = widen(&dir, &["eval", &format!("{run}/final.safetensors"), "--device", device]);
+        let printed = String::from_utf8_lossy(&eval.stdout).into_owned();
+        assert!(eval.status.success(), "{}", stderr(&eval));
+        let val: f64 = printed
+            .lines()
+            .find_map(|l| l.strip_prefix("val_loss "))
+            .and_then(|l| l.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("{printed}"));
+        assert!((val - logged_val_loss(&dir.join(&run))).abs() < 1e-5, "{printed}");
+        assert!(printed.contains("bits_per_byte "), "{printed}");
+    }
+    let sample =
+        widen(&dir, &["sample", "run-cpu/final.safetensors", "--prompt", "ROMEO:", "--tokens", "20"]);
+    assert!(sample.status.success(), "{}", stderr(&sample));
+    let stdout = String::from_utf8_lossy(&sample.stdout).into_owned();
+    // The prompt, then 20 GPT-2 tokens decoded to text (each at least one byte).
+    assert!(stdout.starts_with("ROMEO:") && stdout.len() > "ROMEO:".len() + 20, "{stdout:?}");
+    std::fs::remove_dir_all(dir).unwrap();
+}

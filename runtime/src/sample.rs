@@ -4,7 +4,8 @@
 //!
 //! The core loop ([`Generator::generate`]) works on token ids `0..spec.vocab`; the logits
 //! row is `spec.model_vocab()` long (`vocab_pad_to` pads it), and a padded id is never
-//! drawn. Bytes enter and leave only through [`encode_prompt`] and [`decode_output`].
+//! drawn. Text enters and leaves only through [`encode_prompt`] and [`decode_output`], by
+//! the tokenizer the checkpoint records ([`checkpoint_tokenizer`]).
 //!
 //! The context the model sees is at most the trained `seq_len` tokens: the last
 //! `seq_len` of the prompt and the tokens generated so far, placed at positions
@@ -24,9 +25,10 @@ use crate::device::Device;
 use crate::params::{ParamError, ParamSet};
 use crate::rng::Rng;
 use crate::step::{StepError, StepExecutor};
+use dataset::tokenizer::{Tokenizer, TokenizerError};
 use ir::exec::incremental::{DecodeError, Decoder};
 use ir::exec::Tensor;
-use ir::spec::ModelSpec;
+use ir::spec::{ModelSpec, TokenizerSpec};
 use std::num::NonZeroUsize;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -77,10 +79,16 @@ pub enum SampleError {
     EmptyPrompt,
     #[error("prompt token {id} at index {index} is outside the model's vocabulary 0..{vocab}")]
     PromptToken { id: u32, index: usize, vocab: usize },
-    #[error("the model has vocabulary {vocab}; byte-level prompts and output need 256")]
-    ByteVocab { vocab: usize },
-    #[error("token {0} is not a byte")]
-    NotAByte(u32),
+    #[error(
+        "the checkpoint records no tokenizer and its data names none, so its {vocab} token ids \
+         are not text; name one in the spec's Tokens(.., tokenizer: Gpt2) and train, or sample \
+         a checkpoint of such a run"
+    )]
+    NoTokenizer { vocab: usize },
+    #[error("the tokenizer {tokenizer} has {tokenizer_vocab} tokens, more than the model's vocab = {vocab}")]
+    TokenizerVocab { tokenizer: String, tokenizer_vocab: usize, vocab: usize },
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
     #[error("the logits at position {position} hold a non-finite value ({value})")]
     NonFinite { position: usize, value: f32 },
     #[error("the {what} logits hold {got} values, not a multiple of the {expected} per position")]
@@ -113,36 +121,57 @@ impl Generation {
     }
 }
 
-/// The byte prompt as token ids: one id per byte, for byte-level models only (the one
-/// place, with [`decode_output`], that knows how text maps to ids). An empty prompt
-/// starts from a newline.
-pub fn encode_prompt(prompt: &[u8], vocab: usize) -> Result<Vec<u32>, SampleError> {
-    if vocab != 256 {
-        return Err(SampleError::ByteVocab { vocab });
+/// The tokenizer a checkpoint's ids read through (docs/data.md): the one its header
+/// records, else the spec's `Tokens(.., tokenizer: ..)`, else bytes for a model of
+/// vocabulary 256 trained on text (every checkpoint written before tokenizers were
+/// recorded). Its vocabulary must fit the model's.
+pub fn checkpoint_tokenizer(ckpt: &Checkpoint) -> Result<Tokenizer, SampleError> {
+    let recorded = ckpt.tokenizer.clone().or_else(|| match &ckpt.spec.train.data {
+        ir::spec::DataSpec::Tokens(t) => t.tokenizer.clone(),
+        ir::spec::DataSpec::Text(_) | ir::spec::DataSpec::Synthetic(_) => Some(TokenizerSpec::Bytes),
+    });
+    let Some(spec) = recorded else {
+        return Err(SampleError::NoTokenizer { vocab: ckpt.spec.vocab });
+    };
+    let tokenizer = Tokenizer::load(&spec)?;
+    if tokenizer.vocab() > ckpt.spec.vocab {
+        return Err(SampleError::TokenizerVocab {
+            tokenizer: crate::data::tokenizer_name(&spec),
+            tokenizer_vocab: tokenizer.vocab(),
+            vocab: ckpt.spec.vocab,
+        });
     }
-    Ok(if prompt.is_empty() {
-        vec![u32::from(b'\n')]
-    } else {
-        prompt.iter().map(|&b| u32::from(b)).collect()
-    })
+    Ok(tokenizer)
 }
 
-/// Generated token ids as bytes: the inverse of [`encode_prompt`].
-pub fn decode_output(ids: &[u32], vocab: usize) -> Result<Vec<u8>, SampleError> {
-    if vocab != 256 {
-        return Err(SampleError::ByteVocab { vocab });
+/// The prompt's bytes as token ids through `tokenizer` (with [`decode_output`], the one
+/// place that knows how text maps to ids). An empty prompt starts from the tokenizer's
+/// end-of-text token (GPT-2's `<|endoftext|>`, as unconditional samples do), or a
+/// newline where it has none.
+pub fn encode_prompt(prompt: &[u8], tokenizer: &Tokenizer) -> Vec<u32> {
+    if !prompt.is_empty() {
+        return tokenizer.encode(prompt);
     }
-    ids.iter().map(|&id| u8::try_from(id).map_err(|_| SampleError::NotAByte(id))).collect()
+    match tokenizer.eot() {
+        Some(eot) => vec![eot],
+        None => tokenizer.encode(b"\n"),
+    }
 }
 
-/// A checkpoint's spec and parameters; `read` refuses a checkpoint holding a non-finite
-/// value, naming the tensor.
-pub fn load_checkpoint(checkpoint: &Path) -> Result<(ModelSpec, ParamSet), SampleError> {
+/// Generated token ids as bytes through `tokenizer`: the inverse of [`encode_prompt`].
+pub fn decode_output(ids: &[u32], tokenizer: &Tokenizer) -> Result<Vec<u8>, SampleError> {
+    Ok(tokenizer.decode(ids)?)
+}
+
+/// A checkpoint's spec, parameters and tokenizer; `read` refuses a checkpoint holding a
+/// non-finite value, naming the tensor.
+pub fn load_checkpoint(checkpoint: &Path) -> Result<(ModelSpec, ParamSet, Tokenizer), SampleError> {
     let ckpt = Checkpoint::read(checkpoint)?;
+    let tokenizer = checkpoint_tokenizer(&ckpt)?;
     let lowered = ir::lower::lower(&ckpt.spec, 1, ckpt.spec.train.seq_len)?;
     let mut params = ParamSet::zeros(&lowered.graph)?;
     ckpt.restore_params(&mut params)?;
-    Ok((ckpt.spec, params))
+    Ok((ckpt.spec, params, tokenizer))
 }
 
 /// The byte text generated from a checkpoint, and how fast.
@@ -161,11 +190,11 @@ pub fn sample_checkpoint(
     opts: &SampleOptions,
 ) -> Result<Sampled, SampleError> {
     check_options(opts, None)?;
-    let (spec, params) = load_checkpoint(checkpoint)?;
-    let ids = encode_prompt(prompt, spec.vocab)?;
+    let (spec, params, tokenizer) = load_checkpoint(checkpoint)?;
+    let ids = encode_prompt(prompt, &tokenizer);
     let mut generator = Generator::new(&spec, params, decoding)?;
     let generation = generator.generate(&ids, opts)?;
-    Ok(Sampled { bytes: decode_output(&generation.ids, spec.vocab)?, generation })
+    Ok(Sampled { bytes: decode_output(&generation.ids, &tokenizer)?, generation })
 }
 
 /// Refuses knobs that have no meaning; `vocab` bounds top-k where it is known.
@@ -420,12 +449,16 @@ mod tests {
     }
 
     #[test]
-    fn bytes_map_to_ids_only_for_a_byte_vocabulary() {
-        assert_eq!(encode_prompt(b"Hi", 256).unwrap(), [72, 105]);
-        assert_eq!(encode_prompt(b"", 256).unwrap(), [10]);
-        assert_eq!(decode_output(&[72, 105], 256).unwrap(), b"Hi");
-        let e = encode_prompt(b"Hi", 50257).unwrap_err().to_string();
-        assert_eq!(e, "the model has vocabulary 50257; byte-level prompts and output need 256");
-        assert!(decode_output(&[300], 256).is_err());
+    fn prompts_and_output_go_through_the_tokenizer() {
+        let bytes = Tokenizer::load(&TokenizerSpec::Bytes).unwrap();
+        assert_eq!(encode_prompt(b"Hi", &bytes), [72, 105]);
+        assert_eq!(encode_prompt(b"", &bytes), [10]);
+        assert_eq!(decode_output(&[72, 105], &bytes).unwrap(), b"Hi");
+        assert!(decode_output(&[300], &bytes).is_err());
+        let gpt2 = Tokenizer::load(&TokenizerSpec::Gpt2).unwrap();
+        assert_eq!(encode_prompt(b"Hello world", &gpt2), [15496, 995]);
+        // An empty prompt starts from <|endoftext|>, as GPT-2's unconditional samples do.
+        assert_eq!(encode_prompt(b"", &gpt2), [50256]);
+        assert_eq!(decode_output(&[15496, 995], &gpt2).unwrap(), b"Hello world");
     }
 }

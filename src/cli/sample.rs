@@ -103,7 +103,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         seed: args.seed,
     };
     let from = || format!("sampling from {}", args.checkpoint.display());
-    let (spec, params) = load_checkpoint(&args.checkpoint).with_context(from)?;
+    let (spec, params, tokenizer) = load_checkpoint(&args.checkpoint).with_context(from)?;
     if let Some(k) = args.top_k.filter(|k| k.get() > spec.vocab) {
         anyhow::bail!(
             "invalid value '{k}' for '--top-k <TOP_K>': must be in 1..={}, the vocabulary of {}",
@@ -111,11 +111,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             args.checkpoint.display()
         );
     }
-    let vocab = spec.vocab;
-    let prompt = encode_prompt(args.prompt.as_bytes(), vocab).with_context(from)?;
+    let prompt = encode_prompt(args.prompt.as_bytes(), &tokenizer);
     let mut generator = Generator::new(&spec, params, decoding).with_context(from)?;
     let generation = generator.generate(&prompt, &opts).with_context(from)?;
-    let text = decode_output(&generation.ids, vocab).with_context(from)?;
+    let text = decode_output(&generation.ids, &tokenizer).with_context(from)?;
     let mut out = std::io::stdout().lock();
     out.write_all(args.prompt.as_bytes())?;
     out.write_all(&text)?;
