@@ -321,3 +321,30 @@ fn check_set_checks_the_spec_with_the_values() {
     assert_eq!(err["path"], "residual", "{r}");
     assert!(err["message"].as_str().unwrap().contains("did you mean `Ghc`"), "{r}");
 }
+
+#[test]
+fn token_shards_train_could_not_open_are_a_warning() {
+    let dir = common::workdir("check-tokens", None);
+    std::fs::write(
+        dir.join("s.ron"),
+        "Model(name: \"s\", train: (data: Tokens(train: \"tok/x_train_*.bin\")))",
+    )
+    .unwrap();
+    let o = common::widen(&dir, &["check", "s.ron"]);
+    assert!(o.status.success(), "a warning, not an error: {}", common::stderr(&o));
+    let e = common::stderr(&o);
+    assert!(e.contains("warning: train.data.train: ") && e.contains("tok/x_train_*.bin"), "{e}");
+    // A shard without a header is named, with what to state.
+    std::fs::create_dir_all(dir.join("tok")).unwrap();
+    std::fs::write(dir.join("tok/x_train_0.bin"), [1u8, 0, 2, 0]).unwrap();
+    let e = common::stderr(&common::widen(&dir, &["check", "s.ron"]));
+    assert!(e.contains("x_train_0.bin") && e.contains("dtype"), "{e}");
+    std::fs::write(
+        dir.join("s.ron"),
+        "Model(name: \"s\", train: (data: Tokens(train: \"tok/x_train_*.bin\", dtype: U16)))",
+    )
+    .unwrap();
+    let e = common::stderr(&common::widen(&dir, &["check", "s.ron"]));
+    assert!(!e.contains("warning: train.data"), "{e}");
+    std::fs::remove_dir_all(dir).unwrap();
+}

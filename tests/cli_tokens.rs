@@ -170,3 +170,40 @@ fn gpt2_tokens_prepare_train_eval_and_sample() {
     assert!(stdout.starts_with("ROMEO:") && stdout.len() > "ROMEO:".len() + 20, "{stdout:?}");
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// A sweep and a coordinate check read token shards as training does; with the byte
+/// tokenizer named, the sweep's bits per byte are the runs' own.
+#[test]
+fn sweep_and_coord_check_run_on_token_shards() {
+    let spec = r#"Model(
+    name: "tokens-sweep", vocab: 256, d_model: 32, layers: 1, heads: 2,
+    train: (data: Tokens(train: "toy_train_*.bin", val: "toy_val_*.bin", tokenizer: Bytes),
+            seq_len: 16, batch: 2, steps: 2, eval_every: 2, eval_batches: 1, schedule: Constant(warmup: 0)),
+)"#;
+    let dir = workdir("tokens-sweep", Some(spec));
+    write_big_shard(&dir.join("toy_train_000000.bin"), 3000);
+    write_big_shard(&dir.join("toy_val_000000.bin"), 1000);
+    std::fs::write(
+        dir.join("sweep.ron"),
+        r#"Sweep(base: "spec.ron", axes: {"residual": [Residual, Hc(n: 2)]}, seeds: [0], budget: Steps(2))"#,
+    )
+    .unwrap();
+    let out = widen(&dir, &["sweep", "sweep.ron", "--out", "sw", "--device", "reference"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let csv = std::fs::read_to_string(dir.join("sw/results.csv")).unwrap();
+    let mut lines = csv.lines();
+    let header: Vec<&str> = lines.next().unwrap().split(',').collect();
+    let col = |name: &str| header.iter().position(|h| *h == name).unwrap();
+    let rows: Vec<Vec<&str>> = lines.map(|l| l.split(',').collect()).collect();
+    assert_eq!(rows.len(), 2, "{csv}");
+    for row in &rows {
+        assert_eq!(row[col("status")], "ok", "{csv}");
+        let (val, bpb): (f64, f64) =
+            (row[col("val_loss_mean")].parse().unwrap(), row[col("val_bits_per_byte")].parse().unwrap());
+        assert!((bpb - val / std::f64::consts::LN_2).abs() < 1e-6, "{csv}");
+    }
+    let out = widen(&dir, &["coord-check", "spec.ron", "--widths", "16,32", "--steps", "1", "--out", "cc"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(dir.join("cc").read_dir().unwrap().next().is_some(), "coord-check wrote its files");
+    std::fs::remove_dir_all(dir).unwrap();
+}

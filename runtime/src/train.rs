@@ -525,7 +525,8 @@ pub fn train(
                 return Err(TrainError::NonFinite { step, what: "validation loss", value: v });
             }
             record["val_loss"] = serde_json::json!(v);
-            val_bpb = scored.bits_per_byte();
+            // From the loss as logged (f32), so the two columns agree exactly.
+            val_bpb = Validation { loss: f64::from(v), ..scored }.bits_per_byte();
             if let Some(bpb) = val_bpb {
                 record["val_bpb"] = serde_json::json!(bpb);
             }

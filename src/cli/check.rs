@@ -42,7 +42,11 @@ struct Problem {
 /// this is a warning, not an error. Paths are relative to the working folder;
 /// when the file is beside the spec instead, that is said.
 fn data_warning(spec_path: &std::path::Path, data: &ir::spec::DataSpec) -> Option<String> {
-    let ir::spec::DataSpec::Text(path) = data else { return None };
+    let path = match data {
+        ir::spec::DataSpec::Text(path) => path,
+        ir::spec::DataSpec::Tokens(tokens) => return token_data_warning(tokens),
+        ir::spec::DataSpec::Synthetic(_) => return None,
+    };
     let meta = std::fs::metadata(path);
     if meta.as_ref().is_ok_and(|m| m.is_file()) {
         return None;
@@ -64,6 +68,22 @@ fn data_warning(spec_path: &std::path::Path, data: &ir::spec::DataSpec) -> Optio
         ));
     }
     Some(text)
+}
+
+/// Why `widen train` here could not open the spec's token shards (headers included), if
+/// it could not; opening maps the files and reads their headers, no tokens.
+fn token_data_warning(tokens: &ir::spec::TokenData) -> Option<String> {
+    let mut patterns = vec![("train.data.train", &tokens.train)];
+    patterns.extend(tokens.val.as_ref().map(|v| ("train.data.val", v)));
+    for (field, pattern) in patterns {
+        if let Err(e) = dataset::shard::ShardSet::open(pattern, tokens.dtype) {
+            return Some(format!(
+                "{field}: {e}; `widen train` here would fail (data paths are relative to the folder \
+                 widen runs in, not the spec's folder)"
+            ));
+        }
+    }
+    None
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {

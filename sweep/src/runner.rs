@@ -805,12 +805,7 @@ struct DataWatch {
 
 impl DataWatch {
     fn check(&mut self, dir: &Path, point: &Point, planned: &DataRecord) -> Result<(), SweepRunError> {
-        let stamp = match &point.spec.train.data {
-            DataSpec::Text(path) => {
-                std::fs::metadata(path).ok().and_then(|m| Some((m.len(), m.modified().ok()?)))
-            }
-            DataSpec::Synthetic(_) | DataSpec::Tokens(_) => None,
-        };
+        let stamp = runtime::data::data_stamp(&point.spec.train.data);
         let key = data_key(point);
         let now = match self.checked.get(&key) {
             Some((seen, record)) if stamp.is_some() && *seen == stamp => record.clone(),

@@ -508,3 +508,28 @@ pub fn data_from_arg(arg: &str) -> Result<DataSpec, DataError> {
         DataSpec::Text(arg.to_string())
     })
 }
+
+/// The total length and the newest modification time of the files `data` reads, or
+/// `None` for built-in data or files that cannot be read: a cheap stamp that tells a
+/// caller holding an earlier [`DataIdentity`] whether it must hash the data again (the
+/// sweep re-checks its data before every run; hashing a large token set each time would
+/// cost more than the run).
+pub fn data_stamp(data: &DataSpec) -> Option<(u64, std::time::SystemTime)> {
+    let paths: Vec<std::path::PathBuf> = match data {
+        DataSpec::Synthetic(_) => return None,
+        DataSpec::Text(path) => vec![path.into()],
+        DataSpec::Tokens(t) => {
+            let mut sets = vec![ShardSet::open(&t.train, t.dtype).ok()?];
+            if let Some(val) = &t.val {
+                sets.push(ShardSet::open(val, t.dtype).ok()?);
+            }
+            sets.iter().flat_map(|s| s.files().iter().map(|f| f.path.clone())).collect()
+        }
+    };
+    let mut stamp = (0u64, std::time::SystemTime::UNIX_EPOCH);
+    for path in paths {
+        let meta = std::fs::metadata(path).ok()?;
+        stamp = (stamp.0 + meta.len(), stamp.1.max(meta.modified().ok()?));
+    }
+    Some(stamp)
+}
