@@ -165,6 +165,7 @@ XHC_CONV_NAMES = {"ffn": TENSOR_NAMES["xhc"]["ffn.conv"], "attn": "blocks.{i}.at
 # BEGIN SPEC_LIMITS
 SPEC_LIMITS = {
     "vocab": [256, 2147483648, "token ids are 32-bit integers in the graph"],
+    "vocab_pad_to": [1, 65536, "it is an alignment; nanoGPT pads to 64, and 65536 rows of padding would only waste memory"],
     "d_model": [1, 16777216, "widths above 2^24 exceed any model by 1000x"],
     "layers": [1, 1024, "the graph unrolls every block; 1024 is 8x the deepest published language model"],
     "heads": [1, 16777216, "widths above 2^24 exceed any model by 1000x"],
@@ -541,6 +542,11 @@ def check_spec(spec, where="spec"):
         raise CheckpointError(f"{where}: the spec is {_show(spec)}; it must be a JSON object (a widen ModelSpec)")
     s = SpecSizes()
     s.vocab = r.whole(spec, "vocab", "vocab")
+    # The embedding and output rows: vocab rounded up to a multiple of vocab_pad_to
+    # (docs/data.md); absent from checkpoints written before padding existed.
+    pad = r.whole(spec, "vocab_pad_to", "vocab_pad_to", optional=True) if "vocab_pad_to" in spec else None
+    if pad is not None and pad > 1:
+        s.vocab = -(-s.vocab // pad) * pad
     s.d = r.whole(spec, "d_model", "d_model")
     s.layers = r.whole(spec, "layers", "layers")
     s.heads = r.whole(spec, "heads", "heads")

@@ -781,7 +781,7 @@ fn the_summary_states_each_difference_with_its_interval_and_p_value() {
         .find(|l| l.starts_with("residual.r-4 ") && l.contains("95% CI"))
         .unwrap_or_else(|| panic!("{out}"));
     assert!(
-        line.contains(&format!("± {half:.4} nats/byte")) && line.contains("paired over 3 seeds"),
+        line.contains(&format!("± {half:.4} nats/token")) && line.contains("paired over 3 seeds"),
         "{line}"
     );
     assert!(line.contains(&format!("p = {p:.2e}")), "{line}");

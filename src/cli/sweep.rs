@@ -403,18 +403,18 @@ fn print_plan(
     );
 }
 
-/// `residual.r-4 beats residual.r-1 by 0.0123 ± 0.0040 nats/byte (95% CI, paired over
+/// `residual.r-4 beats residual.r-1 by 0.0123 ± 0.0040 nats/token (95% CI, paired over
 /// 3 seeds, p = 0.004)`: the direction is said only when the interval excludes 0.
 pub fn significance_line(point: &str, against: &str, d: &sweep::stats::Difference) -> String {
     let half = (d.ci95_hi - d.ci95_lo) / 2.0;
     let how = format!("95% CI, {}, p = {:.2e}", d.test.describe(), d.p_value);
     if d.ci95_hi < 0.0 {
-        format!("{point} beats {against} by {:.4} ± {half:.4} nats/byte ({how})", -d.mean)
+        format!("{point} beats {against} by {:.4} ± {half:.4} nats/token ({how})", -d.mean)
     } else if d.ci95_lo > 0.0 {
-        format!("{point} is worse than {against} by {:.4} ± {half:.4} nats/byte ({how})", d.mean)
+        format!("{point} is worse than {against} by {:.4} ± {half:.4} nats/token ({how})", d.mean)
     } else {
         format!(
-            "{point} and {against} do not differ significantly: {:+.4} ± {half:.4} nats/byte ({how})",
+            "{point} and {against} do not differ significantly: {:+.4} ± {half:.4} nats/token ({how})",
             d.mean
         )
     }

@@ -396,7 +396,7 @@ pub fn loss_curves_with(data: &LossCurves, options: &LossOptions) -> Result<Stri
             chart
                 .configure_mesh()
                 .x_desc("tokens trained")
-                .y_desc("loss (nats per byte)")
+                .y_desc("loss (nats per token)")
                 .x_label_formatter(&|x| si(*x))
                 .draw()
                 .map_err(draw_err(PLOT))?;
@@ -538,7 +538,7 @@ pub fn law(data: &LawPlot) -> Result<(String, Result<LinearFit, FitError>), Plot
         chart
             .configure_mesh()
             .x_desc(x_desc)
-            .y_desc("final validation loss (nats per byte)")
+            .y_desc("final validation loss (nats per token)")
             .draw()
             .map_err(draw_err(PLOT))?;
         if let Ok(f) = &fit {
@@ -612,7 +612,7 @@ pub fn frontier_with(data: &FrontierPlot, x: FrontierX) -> Result<String, PlotEr
                 FrontierX::Flops => "training FLOPs (log scale)",
                 FrontierX::Seconds => "training time, seconds (log scale)",
             })
-            .y_desc("final validation loss (nats per byte)")
+            .y_desc("final validation loss (nats per token)")
             .x_label_formatter(&|v| match x {
                 FrontierX::Flops => format!("{:.2e}", 10f64.powf(*v)),
                 FrontierX::Seconds => format!("{:.3}", 10f64.powf(*v)),
@@ -851,7 +851,7 @@ mod tests {
             assert_eq!(count(&doc, "rect", "fill", i), 2, "one legend entry per panel for point {i}");
         }
         assert_eq!(count(&doc, "polyline", "stroke", 3), 0, "no fourth series");
-        for needle in ["residual.r-1", "residual.r-2", "a<b & c", "tokens trained", "loss (nats per byte)"] {
+        for needle in ["residual.r-1", "residual.r-2", "a<b & c", "tokens trained", "loss (nats per token)"] {
             assert!(has_text(&doc, needle), "missing text {needle:?}");
         }
         for needle in ["GHC over r", "training loss", "validation loss"] {
@@ -1011,7 +1011,7 @@ mod tests {
         assert!(has_text(&doc, &eq), "the equation {eq:?} is shown");
         assert!(has_text(&doc, "R² = ") && has_text(&doc, "log2(r) (swept axis, log2 scale)"));
         assert!(has_text(&doc, "bars: 95% interval of the mean over seeds"), "the error bars are explained");
-        assert!(has_text(&doc, "final validation loss (nats per byte)"));
+        assert!(has_text(&doc, "final validation loss (nats per token)"));
 
         // Two points: no fit, said so, and the points are still drawn.
         let (svg, fit) = law(&law_data(2)).unwrap();
