@@ -241,3 +241,21 @@ fn a_padded_gpt2_vocabulary_trains_on_reference_and_cpu() {
     assert!((reference.losses[0] - (50304f32).ln()).abs() < 0.5, "{:?}", reference.losses);
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// 128k-class vocabularies (Llama 3's 128256, u32 shards) pass validation, the cost model
+/// and the memory estimate with the padded row count.
+#[test]
+fn a_128k_vocabulary_passes_validation_cost_and_memory() {
+    let data = TokenData { train: "shards/train_*.bin".into(), dtype: Some(TokenWidth::U32), ..TokenData::default() };
+    let mut spec = token_spec("tokens-128k", data, 128_256, 2);
+    spec.vocab_pad_to = Some(128);
+    spec.validate().unwrap();
+    assert_eq!(spec.model_vocab(), 128_256);
+    spec.vocab = 128_000 + 1;
+    assert_eq!(spec.model_vocab(), 128_128);
+    let cost = ir::cost::cost_report(&spec).unwrap();
+    assert_eq!(cost.vocab, 128_128);
+    let memory = ir::cost::training_memory(&spec);
+    // E is V x D (the head is tied or not, D = 16 here): at least the padded rows.
+    assert!(memory.embedding_params >= (128_128 * 16) as f64, "{}", memory.embedding_params);
+}
