@@ -130,7 +130,7 @@ pub enum TrainError {
     #[error("training step {step} failed")]
     Step { step: u64, source: StepError },
     #[error("validation after step {step} failed")]
-    Validation { step: u64, source: ValidationError },
+    Validation { step: u64, source: Box<ValidationError> },
     #[error(
         "{path} holds a {found:?}-order data sampler, but train.order = {order:?}; resume with the \
          checkpoint's order, or start a fresh run"
@@ -138,8 +138,10 @@ pub enum TrainError {
     OtherOrder { path: PathBuf, found: ir::spec::DataOrder, order: ir::spec::DataOrder },
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
+    /// Boxed: data errors name files and counts, and would make every `Result` of
+    /// training as large as the largest of them.
     #[error(transparent)]
-    Data(#[from] DataError),
+    Data(Box<DataError>),
     #[error(transparent)]
     Lower(#[from] ir::lower::LowerError),
     #[error(transparent)]
@@ -148,6 +150,12 @@ pub enum TrainError {
     Dist(#[from] DistError),
     #[error(transparent)]
     Moe(#[from] MoeError),
+}
+
+impl From<DataError> for TrainError {
+    fn from(e: DataError) -> Self {
+        TrainError::Data(Box::new(e))
+    }
 }
 
 fn last_good_text(last_good: &Option<(PathBuf, u64)>) -> String {
@@ -519,7 +527,7 @@ pub fn train(
         let evaluate = step.is_multiple_of(spec.train.eval_every.max(1) as u64) || step == total as u64;
         if evaluate {
             let scored = sharded_validation_loss(spec, exec, &params, corpus, validation, group)
-                .map_err(|source| TrainError::Validation { step, source })?;
+                .map_err(|source| TrainError::Validation { step, source: Box::new(source) })?;
             let v = scored.loss as f32;
             if !v.is_finite() {
                 return Err(TrainError::NonFinite { step, what: "validation loss", value: v });

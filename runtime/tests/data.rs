@@ -95,7 +95,9 @@ fn short_text_names_the_file_and_the_needed_length() {
 fn load_within_a_minute(path: &std::path::Path) -> Result<Corpus, DataError> {
     let spec = DataSpec::Text(path.display().to_string());
     let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || tx.send(Corpus::load_data(&spec, 0.1, 8, 256)));
+    std::thread::spawn(move || {
+        let _ = tx.send(Corpus::load_data(&spec, 0.1, 8, 256));
+    });
     rx.recv_timeout(std::time::Duration::from_secs(60)).expect("Corpus::load returned within a minute")
 }
 

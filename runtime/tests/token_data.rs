@@ -24,7 +24,7 @@ fn tokens(n: usize, vocab: u32, seed: u32) -> Vec<u32> {
             x ^= x << 13;
             x ^= x >> 17;
             x ^= x << 5;
-            if x % 8 == 0 {
+            if x.is_multiple_of(8) {
                 x % vocab
             } else {
                 (i * 7 + i / 5) % vocab
@@ -87,7 +87,8 @@ fn an_id_at_or_above_vocab_is_refused_naming_the_file_and_offset() {
     let data = TokenData { train: dir.join("bad.bin").display().to_string(), ..TokenData::default() };
     let spec = token_spec("tokens-vocab", data, 256, 400);
     let err = train_spec(&spec, Device::Reference, &opts(&dir.join("run"), None)).unwrap_err();
-    let TrainError::Data(DataError::Shards(e)) = &err else { panic!("{err}") };
+    let TrainError::Data(data) = &err else { panic!("{err}") };
+    let DataError::Shards(e) = data.as_ref() else { panic!("{err}") };
     let msg = e.to_string();
     assert!(msg.contains("bad.bin") && msg.contains("1234") && msg.contains("260"), "{msg}");
     std::fs::remove_dir_all(dir).unwrap();
@@ -246,7 +247,11 @@ fn a_padded_gpt2_vocabulary_trains_on_reference_and_cpu() {
 /// and the memory estimate with the padded row count.
 #[test]
 fn a_128k_vocabulary_passes_validation_cost_and_memory() {
-    let data = TokenData { train: "shards/train_*.bin".into(), dtype: Some(TokenWidth::U32), ..TokenData::default() };
+    let data = TokenData {
+        train: "shards/train_*.bin".into(),
+        dtype: Some(TokenWidth::U32),
+        ..TokenData::default()
+    };
     let mut spec = token_spec("tokens-128k", data, 128_256, 2);
     spec.vocab_pad_to = Some(128);
     spec.validate().unwrap();

@@ -1022,8 +1022,13 @@ fn train_run(
             )?;
             Err(SweepRunError::Interrupted { run: run_path, checkpoint })
         }
-        TrainError::Data(source)
-        | TrainError::Validation { source: runtime::train::ValidationError::Data(source), .. } => {
+        TrainError::Data(source) => Err(SweepRunError::Data { run: run_path, source: *source }),
+        TrainError::Validation { source, .. }
+            if matches!(*source, runtime::train::ValidationError::Data(_)) =>
+        {
+            let runtime::train::ValidationError::Data(source) = *source else {
+                unreachable!("matched above")
+            };
             Err(SweepRunError::Data { run: run_path, source })
         }
         TrainError::Signals(_) => Err(SweepRunError::Signals(Box::new(err))),
