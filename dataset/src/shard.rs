@@ -177,8 +177,9 @@ pub(crate) fn regular_file_len(path: &Path) -> Result<u64, ShardError> {
     Ok(meta.len())
 }
 
-/// What a file that is not a regular file is, for [`ShardError::NotAFile`].
-fn file_kind(meta: &std::fs::Metadata) -> &'static str {
+/// What a file that is not a regular file is, for [`ShardError::NotAFile`] and every
+/// other refusal of a data path that is not a regular file.
+pub fn file_kind(meta: &std::fs::Metadata) -> &'static str {
     let t = meta.file_type();
     if t.is_dir() {
         return "a folder";

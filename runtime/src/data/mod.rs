@@ -422,34 +422,12 @@ pub fn read_text(path: &Path) -> Result<Vec<u8>, DataError> {
     let read_err = |source| DataError::Read { path: path.display().to_string(), source };
     let meta = std::fs::metadata(path).map_err(read_err)?;
     if !meta.is_file() {
-        return Err(DataError::NotAFile { path: path.display().to_string(), kind: file_kind(&meta) });
+        return Err(DataError::NotAFile {
+            path: path.display().to_string(),
+            kind: dataset::shard::file_kind(&meta),
+        });
     }
     std::fs::read(path).map_err(read_err)
-}
-
-/// What a file that is not a regular file is, for [`DataError::NotAFile`].
-fn file_kind(meta: &std::fs::Metadata) -> &'static str {
-    let t = meta.file_type();
-    if t.is_dir() {
-        return "a folder";
-    }
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::FileTypeExt;
-        if t.is_fifo() {
-            return "a FIFO (named pipe)";
-        }
-        if t.is_char_device() {
-            return "a character device";
-        }
-        if t.is_block_device() {
-            return "a block device";
-        }
-        if t.is_socket() {
-            return "a socket";
-        }
-    }
-    "a special file"
 }
 
 /// The identity of a training text, recorded in checkpoints so that a resume on

@@ -174,9 +174,10 @@ fn main_rs(spec: &ModelSpec, plan: &Plan) -> TokenStream {
     );
     let usage = format!(
         "Trains the model `{name}` (spec hash {spec_hash}); built by `widen build`.\n\n\
-         usage: {{program}} [--steps N] [--data FILE] [--out DIR] [--resume CKPT [--overwrite]] [--device cpu|reference|cuda]\n\n\
+         usage: {{program}} [--steps N] [--data PATH_OR_GLOB] [--out DIR] [--resume CKPT [--overwrite]] [--device cpu|reference|cuda]\n\n\
          \x20 --steps N       optimizer steps [default: {steps}]; a warmup longer than the run is scaled down\n\
-         \x20 --data FILE     train on this byte-level text file [default: {data:?}]\n\
+         \x20 --data PATH     train on this data: token shards (a glob, or a file with an llm.c header)\n\
+         \x20                 or a byte-level text file (docs/data.md) [default: {data:?}]\n\
          \x20 --out DIR       run folder for metrics.jsonl and checkpoints [default: runs/{name}]\n\
          \x20 --resume CKPT   continue from a checkpoint of this model\n\
          \x20 --overwrite     let --resume replace the run folder's results past the checkpoint\n\
