@@ -205,7 +205,7 @@ pub fn evaluate_with_progress(
     let mut notes = Vec::new();
     let corpus = match &opts.data {
         Some(data) => {
-            spec.train.data = crate::data::data_from_arg(data).map_err(EvalError::DataFile)?;
+            spec.train.data = crate::data::data_from_arg(data);
             let corpus = Corpus::load(&spec).map_err(EvalError::DataFile)?;
             if let Some(recorded) = ckpt.data.as_ref().filter(|r| !r.same_bytes(&corpus.identity())) {
                 notes.push(format!(

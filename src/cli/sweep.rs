@@ -148,7 +148,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     }
     let mut sweep = load(&args)?;
     if let Some(data) = &args.data {
-        sweep.base.train.data = runtime::data::data_from_arg(data)?;
+        sweep.base.train.data = runtime::data::data_from_arg(data);
     }
     if args.dry_run {
         let plan = sweep::expand(&sweep)?;

@@ -144,7 +144,7 @@ fn run_rank(args: &Args, group: Option<&Group>) -> anyhow::Result<ExitCode> {
         eprintln!("spec {} with --set {}", args.spec.display(), args.sets.join(", "));
     }
     if let Some(data) = &args.data {
-        spec.train.data = runtime::data::data_from_arg(data)?;
+        spec.train.data = runtime::data::data_from_arg(data);
     }
     if args.steps == Some(0) {
         // The initial state is the same on every rank: rank 0 writes it.

@@ -477,14 +477,16 @@ impl DataIdentity {
 /// int32 is a known llm.c magic, is token shards; anything else is a byte-level text
 /// file, as before token datasets (docs/data.md). A headerless token file (nanoGPT's
 /// `train.bin`) needs a spec's `Tokens(.., dtype: Some(U16))`.
-pub fn data_from_arg(arg: &str) -> Result<DataSpec, DataError> {
+pub fn data_from_arg(arg: &str) -> DataSpec {
     let is_glob = arg.contains(['*', '?', '[']) && !Path::new(arg).exists();
-    let shard = is_glob || dataset::shard::sniff(Path::new(arg))?.is_some();
-    Ok(if shard {
+    // A file that cannot be sniffed (missing, a FIFO, a folder) is left to the text
+    // reader, whose errors name it as the data given.
+    let shard = is_glob || matches!(dataset::shard::sniff(Path::new(arg)), Ok(Some(_)));
+    if shard {
         DataSpec::Tokens(TokenData { train: arg.to_string(), ..TokenData::default() })
     } else {
         DataSpec::Text(arg.to_string())
-    })
+    }
 }
 
 /// The total length and the newest modification time of the files `data` reads, or

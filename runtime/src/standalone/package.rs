@@ -292,7 +292,7 @@ fn main_rs(spec: &ModelSpec, plan: &Plan) -> TokenStream {
             let Some(args) = parse_args()? else { return Ok(Outcome::Done) };
             let mut spec = ir::spec::ModelSpec::from_ron_str(SPEC_RON).context("reading the embedded spec")?;
             if let Some(data) = &args.data {
-                spec.train.data = runtime::data::data_from_arg(&data.display().to_string())?;
+                spec.train.data = runtime::data::data_from_arg(&data.display().to_string());
             }
             if let Some(steps) = args.steps {
                 if let Some(w) = runtime::standalone::set_steps(&mut spec, steps) {
