@@ -28,6 +28,9 @@ fn main() {
         watched.push(git(&["rev-parse", "--git-path", &branch]));
     }
     watched.push(git(&["rev-parse", "--git-path", "packed-refs"]));
+    // The branch heads' folder too (cargo scans a folder for any change): a branch ref
+    // that was packed when this ran becomes a loose file at the next commit.
+    watched.push(git(&["rev-parse", "--git-path", "refs/heads"]));
     let root = std::env::var("CARGO_MANIFEST_DIR").unwrap_or_default();
     for path in watched.into_iter().flatten() {
         let full = Path::new(&root).join(&path);

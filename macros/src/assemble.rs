@@ -154,6 +154,7 @@ macro_rules! fields {
 fields!(ModelSpec {
     name,
     vocab,
+    vocab_pad_to,
     d_model,
     layers,
     heads,
@@ -217,6 +218,8 @@ fields!(TrainSpec {
     eval_every,
     eval_batches,
     val_fraction,
+    order,
+    val_tokens,
     checkpoint_every,
     keep_last,
 });
@@ -273,6 +276,7 @@ unit_enum!(OutProjStdMult, "init multiplier" {
 unit_enum!(MhcBiasInit, "bias init" { SingleStream => "single_stream", Zero => "zero" });
 unit_enum!(ProjInit, "projection init" { Zero => "zero", Xavier => "xavier" });
 unit_enum!(Collapse, "collapse" { Sum => "sum", Mean => "mean" });
+unit_enum!(DataOrder, "data order" { Random => "random", Sequential => "sequential" });
 unit_enum!(EmbedMode, "embedding mode" { Full => "full", Expand => "expand" });
 unit_enum!(ReduceNorm, "reduce norm" { GroupNorm => "group_norm", Off => "off" });
 unit_enum!(ReduceInit, "reduce init" { BlockIdentity => "block_identity", Normal => "normal" });
@@ -687,7 +691,7 @@ mod tests {
                 "unknown key `d_modle`; did you mean `d_model`?",
                 "expected a non-negative integer, found `2.5`",
                 "`heads` is set more than once",
-                "unknown key `flash`; expected one of `name`, `vocab`, `d_model`, `layers`, \
+                "unknown key `flash`; expected one of `name`, `vocab`, `vocab_pad_to`, `d_model`, `layers`, \
                  `heads`, `kv_heads`, `head_dim`, `ffn`, `norm_eps`, `rope_base`, \
                  `tie_embeddings`, `init_std`, `out_proj_depth_scaled`, `residual`, `mtp`, \
                  `parametrization`, `precision`, `train`",
