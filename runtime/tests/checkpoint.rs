@@ -90,14 +90,7 @@ fn truncated_and_garbage_files_are_reported_with_their_path() {
     let g = graph(None, vec![4, 4]);
     let (params, opt) = trained(&spec, &g);
     let path = dir.join("final.safetensors");
-    checkpoint::save(
-        &path,
-        &spec,
-        &params,
-        Some(&opt),
-        &TrainState { step: 2, sampler: runtime::data::SamplerState::Random([0; 4]) },
-    )
-    .unwrap();
+    checkpoint::save(&path, &spec, &params, Some(&opt), &at_step_2()).unwrap();
     let bytes = std::fs::read(&path).unwrap();
     std::fs::write(&path, &bytes[..bytes.len() - 10]).unwrap();
     let err = Checkpoint::read(&path).unwrap_err();
@@ -119,14 +112,7 @@ fn another_spec_is_rejected_naming_the_difference_or_tensor() {
     let g = graph(None, vec![4, 4]);
     let (params, opt) = trained(&spec, &g);
     let path = dir.join("ckpt.safetensors");
-    checkpoint::save(
-        &path,
-        &spec,
-        &params,
-        Some(&opt),
-        &TrainState { step: 2, sampler: runtime::data::SamplerState::Random([0; 4]) },
-    )
-    .unwrap();
+    checkpoint::save(&path, &spec, &params, Some(&opt), &at_step_2()).unwrap();
     let ckpt = Checkpoint::read(&path).unwrap();
 
     let other = ModelSpec { d_model: 128, ..spec.clone() };
@@ -163,4 +149,9 @@ fn init_is_deterministic_per_name_and_follows_the_rules() {
     let embed = &a.get("embed").unwrap().value;
     let std = (embed.iter().map(|v| v * v).sum::<f32>() / embed.len() as f32).sqrt();
     assert!(std > 0.01 && std < 0.03, "std {std}");
+}
+
+/// The training state of a checkpoint two steps in, with a fresh random sampler.
+fn at_step_2() -> TrainState {
+    TrainState { step: 2, sampler: runtime::data::SamplerState::Random([0; 4]) }
 }
