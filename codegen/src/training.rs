@@ -46,11 +46,23 @@ impl TrainingGraph {
     /// (`ir::autodiff`) and runs the passes before fusion, keeping every
     /// parameter gradient (`ir::passes::prepare_for_fusion`: CSE and DCE, token
     /// sums within each token first, cheap chains copied for their readers).
+    ///
+    /// A training step reads the losses and the gradients, never the logits: the
+    /// `logits` output is dropped, so every head's output projection and loss fuse
+    /// into one op that computes the logits in row chunks (`ir::passes::vocab_loss`,
+    /// docs/math.md §1.7) and no `B·T·V` buffer is planned. What reads logits
+    /// compiles [`forward_plan_for`] instead.
     pub fn new(lowered: Lowered) -> Result<TrainingGraph, TrainingError> {
-        let Lowered { mut graph, loss, .. } = lowered;
+        let Lowered { mut graph, mut loss, .. } = lowered;
+        graph.remove_output("logits");
+        let fused = ir::passes::fuse_vocab_losses(&mut graph);
+        if let Some(&(_, replacement)) = fused.iter().find(|&&(old, _)| old == loss) {
+            loss = replacement;
+        }
         let params = graph.params();
         let grads = ir::autodiff::grad(&mut graph, loss, &params)?;
-        let passes = ir::passes::prepare_for_fusion(&mut graph, &grads).map_err(CompileError::from)?;
+        let mut passes = ir::passes::prepare_for_fusion(&mut graph, &grads).map_err(CompileError::from)?;
+        passes.vocab_losses = fused.len();
         let request = Request::new(&graph, params.into_iter().zip(grads).collect()).with_update();
         Ok(TrainingGraph { graph, request, passes })
     }
@@ -67,4 +79,16 @@ impl TrainingGraph {
         let request = self.request.clone().for_target(target);
         Ok(compile(&self.graph, &partition, &request)?)
     }
+}
+
+/// The Plan of the forward pass alone for `target`, with every output of the lowered
+/// graph, the logits whole among them, and no gradients: what evaluation, sampling
+/// and the parity check read when the training Plan ([`TrainingGraph::new`]) has no
+/// logits.
+pub fn forward_plan_for(lowered: Lowered, target: Target) -> Result<Plan, TrainingError> {
+    let Lowered { mut graph, .. } = lowered;
+    ir::passes::prepare_for_fusion(&mut graph, &[]).map_err(CompileError::from)?;
+    let request = Request::new(&graph, Vec::new());
+    let partition = fused_partition(&graph, &request)?;
+    Ok(compile(&graph, &partition, &request.for_target(target))?)
 }

@@ -574,6 +574,67 @@ fn cross_entropy() {
     assert_eq!(grids[1].items(), 1);
 }
 
+/// The fused output projection and loss and both its gradients (docs/math.md §1.7)
+/// against the reference, w in both layouts, chunks that do and do not divide the
+/// 20 rows, at a byte vocabulary and at GPT-2's; the unfused pair (GEMM, then the
+/// loss over the whole logits) is in the same graph, so both match the same values.
+#[test]
+fn linear_cross_entropy_and_its_gradients() {
+    for (trans_b, chunk, v, d) in [(false, 7, 6, 5), (true, 5, 13, 5), (false, 20, 256, 5), (true, 6, 50304, 3)] {
+        let label = format!("trans_b {trans_b} chunk {chunk} V {v}");
+        let targets: &Ints = &move |_, n| (0..n).map(|i| ((i * 7919 + 3) % v) as i32).collect();
+        let operands = move |g: &mut Graph| {
+            let x = param(g, "x", &[2, 10, d]);
+            let w = if trans_b { param(g, "w", &[v, d]) } else { param(g, "w", &[d, v]) };
+            let t = input(g, "t", &[2, 10]);
+            (x, w, t)
+        };
+        let op = Op::LinearCrossEntropy { trans_b, scale: 0.8, chunk };
+        run_case(&format!("linear_cross_entropy {label}"), 1e-5, 1.0, targets, |g| {
+            let (x, w, t) = operands(g);
+            let logits = add(g, Op::MatMul { trans_a: false, trans_b }, &[x, w]);
+            let scaled = add(g, Op::Affine { mul: 0.8, add: 0.0 }, &[logits]);
+            let unfused = add(g, Op::SoftmaxCrossEntropy, &[scaled, t]);
+            g.set_output("unfused", unfused);
+            add(g, op.clone(), &[x, w, t])
+        });
+        for wrt in 0..2 {
+            run_case(&format!("linear_cross_entropy grad {wrt} {label}"), 1e-4, 1.0, targets, |g| {
+                let (x, w, t) = operands(g);
+                let dy = param(g, "dy", &[]);
+                let Op::LinearCrossEntropy { trans_b, scale, chunk } = op else { unreachable!() };
+                add(g, Op::LinearCrossEntropyGrad { trans_b, scale, chunk, wrt }, &[x, w, t, dy])
+            });
+        }
+    }
+}
+
+/// Both gradients of one fused loss recompute each chunk's logits once: per chunk one
+/// logits GEMM, one row kernel, dx's rows and dw's share, and no buffer of the Plan
+/// holds more than one chunk of logits.
+#[test]
+fn vocab_loss_gradients_share_one_lowering_and_one_chunk_of_logits() {
+    let (rows, d, v, chunk): (usize, usize, usize, usize) = (2 * 10, 5, 300, 6);
+    let mut g = Graph::new();
+    let x = param(&mut g, "x", &[2, 10, d]);
+    let w = param(&mut g, "w", &[d, v]);
+    let t = input(&mut g, "t", &[2, 10]);
+    let dy = param(&mut g, "dy", &[]);
+    for (wrt, name) in ["dx", "dw"].iter().enumerate() {
+        let op = Op::LinearCrossEntropyGrad { trans_b: false, scale: 1.0, chunk, wrt };
+        let grad = add(&mut g, op, &[x, w, t, dy]);
+        g.set_output(name, grad);
+    }
+    let chunks = rows.div_ceil(chunk);
+    for plan in both_partitions(&g, 1e-4, "vocab loss grads") {
+        let gemms = gemms(&plan);
+        assert_eq!(gemms.len(), 3 * chunks, "logits, dx and dw per chunk: {gemms:?}");
+        assert_eq!(plan.kernels.len(), chunks, "one row kernel per chunk");
+        let largest = plan.buffers.iter().map(|b| b.len).max().unwrap_or(0);
+        assert_eq!(largest, chunk * v, "one chunk of logits is the largest buffer");
+    }
+}
+
 #[test]
 fn temporal_augment_and_its_gradients() {
     for gs in [false, true] {

@@ -382,6 +382,22 @@ fn softmax_cross_entropy() {
     check_loss_grads(&mut c, scaled, &[logits]);
 }
 
+/// The fused output projection and loss (docs/math.md §1.7), with w stored [D, V] and
+/// [V, D] (read transposed), a readout scale, and chunks that do and do not divide the
+/// rows: the chunk is the compiled devices' business, never the value's.
+#[test]
+fn linear_cross_entropy_both_layouts() {
+    for (seed, (trans_b, scale, chunk)) in [(false, 1.0, 6), (true, 0.7, 4), (false, 2.5, 1)].into_iter().enumerate() {
+        let mut c = Case::new(170 + seed as u64);
+        let x = c.param(&[2, 3, 4], -1.0, 1.0);
+        let w = if trans_b { c.param(&[5, 4], -1.0, 1.0) } else { c.param(&[4, 5], -1.0, 1.0) };
+        let targets = c.ints(&[2, 3], vec![0, 4, 2, 2, 1, 3]);
+        let loss = c.add(Op::LinearCrossEntropy { trans_b, scale, chunk }, &[x, w, targets]);
+        let scaled = c.add(Op::Affine { mul: 1.3, add: 0.0 }, &[loss]);
+        check_loss_grads(&mut c, scaled, &[x, w]);
+    }
+}
+
 #[test]
 fn causal_attention_with_gqa_and_rope() {
     for (seed, rope_base) in [None, Some(10_000.0), Some(7.0)].into_iter().enumerate() {

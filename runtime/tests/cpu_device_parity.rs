@@ -234,7 +234,7 @@ fn chained_and_in_order_agree(spec: &ModelSpec) {
     let run = |plan| {
         let compiler = Compiler::from_env().expect("C compiler");
         let device = CpuDevice::with_options(plan, &compiler, CpuOptions { threads }).expect("load");
-        let mut cpu = CpuExecutor::new(device, [batch, seq + 1]).expect("executor");
+        let mut cpu = CpuExecutor::new(device, [batch, seq + 1], spec.model_vocab()).expect("executor");
         cpu.loss_and_grads(&params, &tokens).expect("step")
     };
     let ((chained_loss, chained), (loss, grads)) = (run(plan), run(in_order));

@@ -100,15 +100,15 @@ fn the_cpu_device_refuses_ids_outside_the_vocabulary() {
     refuses_out_of_range_ids(Box::new(cpu()), Box::new(cpu()));
 }
 
-/// The standalone trainer's path: an executor over a loaded Plan only, whose
-/// vocabulary comes from the Plan's logits.
+/// The standalone trainer's path: an executor over a loaded Plan only (which holds
+/// no logits, docs/math.md §1.7), given the spec's vocabulary.
 #[test]
-fn an_executor_over_a_bare_plan_takes_the_vocabulary_from_the_plan() {
+fn an_executor_over_a_bare_plan_refuses_ids_outside_the_vocabulary_it_is_given() {
     let cpu = || {
         let plan = TrainingGraph::new(lowered()).and_then(|g| g.plan()).expect("plan");
         let compiler = codegen::cc::Compiler::from_env().expect("C compiler");
         let device = CpuDevice::with_options(plan, &compiler, CpuOptions { threads: 2 }).expect("load");
-        CpuExecutor::new(device, [BATCH, SEQ + 1]).expect("executor")
+        CpuExecutor::new(device, [BATCH, SEQ + 1], VOCAB).expect("executor")
     };
     refuses_out_of_range_ids(Box::new(cpu()), Box::new(cpu()));
 }

@@ -266,6 +266,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let groups = fused.groups.iter().filter(|g| g.kind != GroupKind::Source).count();
     eprintln!(
         "{}: {} nodes ({} product(s) over a broadcast state and {} sum(s) of its gradient taken at its own width, \
+         {} vocabulary loss(es) fused with their projection in row chunks, \
          {} norm projection(s) split into statistic, GEMM and scaling, \
          {} token sum(s) summed within each token first, {} value(s) recomputed where read, \
          {} bytes less written and read), {} fusion groups, \
@@ -275,6 +276,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         graph.node_count(),
         training.passes.broadcast_products.products,
         training.passes.broadcast_products.sums,
+        training.passes.vocab_losses,
         training.passes.norm_projections,
         training.passes.token_sums,
         training.passes.remat.values,

@@ -1,6 +1,6 @@
 //! Gradient siblings: the nodes of one op that share one lowering, which
 //! computes what they share once. The gradients of one attention (or temporal
-//! augmentation) w.r.t. each of its operands, and the outputs of one MoE
+//! augmentation, or fused vocabulary loss) w.r.t. each of its operands, and the outputs of one MoE
 //! routing (docs/math.md §1.6), are each one node per slot in the graph.
 
 use std::collections::{HashMap, HashSet};
@@ -15,6 +15,9 @@ use crate::emit;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(super) enum SiblingOp {
     Attention,
+    /// The gradients of one fused vocabulary loss w.r.t. x and w share each chunk's
+    /// recomputed logits (docs/math.md §1.7).
+    VocabLoss,
     Temporal,
     /// `MoeRoute`'s Rows, Tokens and Counts over one input: one routing step writes
     /// all three (docs/math.md §1.6), so a layer routes once.
@@ -34,6 +37,9 @@ fn grad_key(graph: &Graph, id: NodeId) -> Option<(GradKey, usize, usize)> {
     let (kind, attrs, wrt, slots) = match graph.node(id).op {
         Op::CausalAttentionGrad { scale, rope_base, wrt } => {
             (SiblingOp::Attention, format!("{scale:?} {rope_base:?}"), wrt, 3)
+        }
+        Op::LinearCrossEntropyGrad { trans_b, scale, chunk, wrt } => {
+            (SiblingOp::VocabLoss, format!("{trans_b} {scale:?} {chunk}"), wrt, 2)
         }
         Op::TemporalAugmentGrad { gram_schmidt, eps_rel, wrt } => {
             (SiblingOp::Temporal, format!("{gram_schmidt} {eps_rel:?}"), wrt, inputs.len() - 1)
@@ -85,6 +91,7 @@ pub(super) fn lower_siblings(
     // `grad_key` decided which ops have siblings; only their lowering is chosen here.
     let lowering = match key.0 {
         SiblingOp::Attention => emit::attention_grads(graph, [outs[0], outs[1], outs[2]], name, target),
+        SiblingOp::VocabLoss => emit::linear_cross_entropy_grads(graph, [outs[0], outs[1]], name, target),
         SiblingOp::Temporal => emit::temporal_grads(graph, &outs, name, target),
         SiblingOp::Route => emit::moe_route(graph, &outs, name, target),
     };

@@ -177,6 +177,8 @@ pub(super) fn emit(b: &mut Block, cx: &ItemOp) -> Result<(), EmitError> {
         | Op::Param(_)
         | Op::NormProject { .. }
         | Op::SoftmaxCrossEntropy
+        | Op::LinearCrossEntropy { .. }
+        | Op::LinearCrossEntropyGrad { .. }
         | Op::CausalAttention { .. }
         | Op::TemporalAugment { .. }
         | Op::CausalAttentionGrad { .. }

@@ -39,7 +39,7 @@
 //! - `fused`: a fused kernel from its nodes;
 //! - `reduce` and `lanes`: kernels of their own for nodes that run better
 //!   than one item per token (sums over tokens, Sinkhorn in lanes);
-//! - `attention`, `own_grid`, `moe`: ops on grids, or Plan steps, of their own.
+//! - `attention`, `vocab_loss`, `own_grid`, `moe`: ops on grids, or Plan steps, of their own.
 
 mod attention;
 mod buffers;
@@ -53,6 +53,7 @@ mod op_rules;
 mod own_grid;
 mod reduce;
 mod views;
+mod vocab_loss;
 
 pub use attention::attention_grads;
 pub use fused::lower_fused;
@@ -62,6 +63,7 @@ pub use moe::{moe_route, route_slot};
 pub use op_rules::has_own_grid;
 pub use own_grid::temporal_grads;
 pub use reduce::{is_token_reduction, lower_column_reduce, lower_scatter_columns};
+pub use vocab_loss::linear_cross_entropy_grads;
 
 use std::cell::Cell;
 
@@ -260,6 +262,12 @@ pub fn lower_own_grid(graph: &Graph, id: NodeId, name: &str, target: Target) -> 
             attention_grads(graph, outs, name, target)
         }
         Op::SoftmaxCrossEntropy => own_grid::cross_entropy(graph, id, name),
+        Op::LinearCrossEntropy { .. } => vocab_loss::linear_cross_entropy(graph, id, name, target),
+        Op::LinearCrossEntropyGrad { wrt, .. } if *wrt < 2 => {
+            let mut outs = [None; 2];
+            outs[*wrt] = Some(id);
+            linear_cross_entropy_grads(graph, outs, name, target)
+        }
         Op::NormProject { eps, centered } => own_grid::norm_project(graph, id, name, *eps, *centered, target),
         Op::TemporalAugment { gram_schmidt, eps_rel } => {
             Ok(single(own_grid::temporal(graph, id, name, *gram_schmidt, *eps_rel, target)?))
@@ -296,6 +304,7 @@ pub fn lower_own_grid(graph: &Graph, id: NodeId, name: &str, target: Target) -> 
         | Op::GroupNorm { .. }
         | Op::Sinkhorn { .. }
         | Op::CausalAttentionGrad { .. }
+        | Op::LinearCrossEntropyGrad { .. }
         | Op::SinkhornGrad { .. }) => Err(EmitError::at(id, op, "is not lowered on a grid of its own")),
         Op::MoeRoute { out, .. } => {
             let mut outs = [None; 3];

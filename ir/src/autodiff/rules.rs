@@ -72,6 +72,13 @@ pub(super) fn vjp(b: &mut Builder, y: NodeId, dy: NodeId, needs: &[bool]) -> Res
             out[1] = dw;
         }
         Op::SoftmaxCrossEntropy => out[0] = Some(softmax_cross_entropy(b, xs[0], xs[1], dy)?),
+        // Both gradients recompute the chunks' logits (docs/math.md §1.7); the targets have none.
+        Op::LinearCrossEntropy { trans_b, scale, chunk } => {
+            let args = [xs[0], xs[1], xs[2], dy];
+            for wrt in (0..2).filter(|&i| needs[i]) {
+                out[wrt] = Some(b.op(Op::LinearCrossEntropyGrad { trans_b, scale, chunk, wrt }, &args)?);
+            }
+        }
         Op::CausalAttention { scale, rope_base } => {
             let args = [xs[0], xs[1], xs[2], dy];
             for wrt in (0..3).filter(|&i| needs[i]) {
@@ -101,6 +108,7 @@ pub(super) fn vjp(b: &mut Builder, y: NodeId, dy: NodeId, needs: &[bool]) -> Res
         | Op::MoeRoute { .. }
         | Op::GroupedMatMulGrad { .. }
         | Op::CausalAttentionGrad { .. }
+        | Op::LinearCrossEntropyGrad { .. }
         | Op::SinkhornGrad { .. }
         | Op::TemporalAugmentGrad { .. } => {
             return Err(AutodiffError::NoRule { op: op.name(), node: y.index() })

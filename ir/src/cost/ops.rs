@@ -187,6 +187,14 @@ pub fn op_cost(graph: &Graph, id: NodeId) -> OpCost {
         }
         // max, exp, sum over the vocabulary, plus the target pick: ~4V per row.
         Op::SoftmaxCrossEntropy => (4.0 * in_numel(0), 0.0, reads_all(), out),
+        // The projection (2·D·V per row, the papers count it) and the loss over the
+        // logits it never stores (~4·V per row); only x, w and the targets move
+        // (docs/math.md §1.7).
+        Op::LinearCrossEntropy { trans_b, .. } => {
+            let (rows, d, v) = vocab_loss_sizes(&in_dims(0), &in_dims(1), *trans_b);
+            let projection = 2.0 * rows * d * v;
+            (projection + 4.0 * rows * v, projection, reads_all(), out)
+        }
         Op::CausalAttention { .. } => (attention_flops(&in_dims(0)), 0.0, reads_all(), out),
         // (1 + 4·iters)·n² per matrix (docs/math.md §4.7).
         Op::Sinkhorn { iters, .. } => ((1 + 4 * iters) as f64 * out, 0.0, reads_all(), out),
@@ -198,6 +206,13 @@ pub fn op_cost(graph: &Graph, id: NodeId) -> OpCost {
         // attention recomputes the scores (one QK^T product) and does two more
         // contractions of the same size per gradient.
         Op::CausalAttentionGrad { .. } => (1.5 * attention_flops(&in_dims(0)), 0.0, reads_all(), out),
+        // Each chunk's logits again, their gradient (~5·V per row), then its product
+        // with w (for dx) or x (for dw); siblings share the recomputation in the Plan.
+        Op::LinearCrossEntropyGrad { trans_b, .. } => {
+            let (rows, d, v) = vocab_loss_sizes(&in_dims(0), &in_dims(1), *trans_b);
+            let projection = 2.0 * rows * d * v;
+            (2.0 * projection + 5.0 * rows * v, 2.0 * projection, reads_all(), out)
+        }
         // The unrolled reverse sweep costs about twice the forward iteration.
         Op::SinkhornGrad { iters, .. } => (2.0 * (1 + 4 * iters) as f64 * in_numel(0), 0.0, reads_all(), out),
         Op::TemporalAugmentGrad { gram_schmidt, .. } => {
@@ -227,6 +242,14 @@ pub fn op_cost(graph: &Graph, id: NodeId) -> OpCost {
 
 /// Causal attention on q `[B, T, H, d_h]`: query t attends to t + 1 keys, so the mean is
 /// t̄ = (T + 1)/2 and each key costs 4·H·d_h (QK^T and PV at 2 per MAC, docs/math.md §1.5).
+/// (rows, D, V) of a fused vocabulary loss over x `[.., D]` and w `[D, V]` (`trans_b`: `[V, D]`).
+fn vocab_loss_sizes(x: &[usize], w: &[usize], trans_b: bool) -> (f64, f64, f64) {
+    let d = x.last().copied().unwrap_or(1);
+    let rows: usize = x.iter().product::<usize>() / d.max(1);
+    let v = if trans_b { w[0] } else { w[w.len() - 1] };
+    (rows as f64, d as f64, v as f64)
+}
+
 fn attention_flops(q: &[usize]) -> f64 {
     let (b, t, h, dh) = (q[0] as f64, q[1] as f64, q[2] as f64, q[3] as f64);
     4.0 * h * dh * b * t * (t + 1.0) / 2.0

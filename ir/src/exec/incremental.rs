@@ -114,8 +114,11 @@ pub fn eval_kind(op: &Op) -> Result<EvalKind, &'static str> {
         Op::TemporalAugment { gram_schmidt, eps_rel } => {
             EvalKind::CachedTemporal { gram_schmidt: *gram_schmidt, eps_rel: *eps_rel }
         }
-        Op::SoftmaxCrossEntropy => return Err("a loss reads the targets, not a forward activation"),
+        Op::SoftmaxCrossEntropy | Op::LinearCrossEntropy { .. } => {
+            return Err("a loss reads the targets, not a forward activation")
+        }
         Op::CausalAttentionGrad { .. }
+        | Op::LinearCrossEntropyGrad { .. }
         | Op::SinkhornGrad { .. }
         | Op::TemporalAugmentGrad { .. }
         | Op::GroupedMatMulGrad { .. } => return Err("a backward op, added by autodiff"),

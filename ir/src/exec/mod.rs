@@ -286,6 +286,9 @@ pub(crate) fn eval_op<T: Float>(
         Op::SoftmaxCrossEntropy => {
             Value::Float(loss::softmax_cross_entropy(float(0)?, int(1)?).map_err(|m| cx.err(m))?)
         }
+        Op::LinearCrossEntropy { trans_b, scale, .. } => Value::Float(
+            loss::linear_cross_entropy(float(0)?, float(1)?, int(2)?, *trans_b, *scale).map_err(|m| cx.err(m))?,
+        ),
         Op::CausalAttention { scale, rope_base } => Value::Float(
             attention::causal_attention(float(0)?, float(1)?, float(2)?, *scale, *rope_base)
                 .map_err(|m| cx.err(m))?,
@@ -313,6 +316,10 @@ pub(crate) fn eval_op<T: Float>(
                 *wrt,
             )
             .map_err(|m| cx.err(m))?,
+        ),
+        Op::LinearCrossEntropyGrad { trans_b, scale, wrt, .. } => Value::Float(
+            loss::linear_cross_entropy_grad(float(0)?, float(1)?, int(2)?, float(3)?, *trans_b, *scale, *wrt)
+                .map_err(|m| cx.err(m))?,
         ),
         Op::SinkhornGrad { iters, eps } => {
             Value::Float(backward_ops::sinkhorn_grad(float(0)?, float(1)?, *iters, *eps))

@@ -53,6 +53,12 @@ fn attrs(op: &Op) -> String {
             Some(b) => format!("scale={scale} rope={b}"),
             None => format!("scale={scale}"),
         },
+        Op::LinearCrossEntropy { trans_b, scale, chunk } => {
+            format!("trans_b={trans_b} scale={scale} chunk={chunk}")
+        }
+        Op::LinearCrossEntropyGrad { trans_b, scale, chunk, wrt } => {
+            format!("trans_b={trans_b} scale={scale} chunk={chunk} wrt={wrt}")
+        }
         Op::Sinkhorn { iters, eps } => format!("iters={iters} eps={eps:e}"),
         Op::TemporalAugment { gram_schmidt, eps_rel } => {
             format!("gram_schmidt={gram_schmidt} eps_rel={eps_rel:e}")

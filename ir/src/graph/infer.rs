@@ -131,12 +131,21 @@ pub(super) fn infer(op: &Op, inputs: &[Typed]) -> Result<(Shape, DType), GraphEr
         Op::GroupNorm { groups, .. } => norm(op, inputs, &[3], Some(*groups)),
         Op::NormProject { centered, .. } => norm_project(op, inputs, *centered),
         Op::SoftmaxCrossEntropy => softmax_cross_entropy(op, inputs),
+        Op::LinearCrossEntropy { trans_b, chunk, .. } => linear_cross_entropy(op, inputs, *trans_b, *chunk),
         Op::CausalAttention { .. } => causal_attention(op, inputs),
         Op::Sinkhorn { .. } => sinkhorn(op, inputs),
         Op::TemporalAugment { .. } => temporal_augment(op, inputs),
         Op::CausalAttentionGrad { scale, rope_base, wrt } => {
             arity(op, inputs, &[4])?;
             let forward = Op::CausalAttention { scale: *scale, rope_base: *rope_base };
+            grad_of(op, &forward, inputs, *wrt, 3)
+        }
+        Op::LinearCrossEntropyGrad { trans_b, scale, chunk, wrt } => {
+            arity(op, inputs, &[4])?;
+            if *wrt > 1 {
+                return Err(invalid(op, format!("wrt {wrt}: only x (0) and w (1) have gradients")));
+            }
+            let forward = Op::LinearCrossEntropy { trans_b: *trans_b, scale: *scale, chunk: *chunk };
             grad_of(op, &forward, inputs, *wrt, 3)
         }
         Op::SinkhornGrad { iters, eps } => {
@@ -470,6 +479,33 @@ fn softmax_cross_entropy(op: &Op, inputs: &[Typed]) -> Result<(Shape, DType), Gr
         ));
     }
     Ok((Shape::scalar(), inputs[0].1))
+}
+
+/// (x [.., D], w [D, V] or, `trans_b`, [V, D], targets [..]) -> scalar (docs/math.md §1.7).
+fn linear_cross_entropy(
+    op: &Op,
+    inputs: &[Typed],
+    trans_b: bool,
+    chunk: usize,
+) -> Result<(Shape, DType), GraphError> {
+    arity(op, inputs, &[3])?;
+    let dt = same_dtype(op, &inputs[..2])?;
+    int(op, inputs, 2)?;
+    let (x, w, targets) = (inputs[0].0, inputs[1].0, inputs[2].0);
+    if chunk == 0 {
+        return Err(invalid(op, "chunk must be at least one row"));
+    }
+    if x.rank() == 0 || w.rank() != 2 {
+        return Err(mismatch(op, "x must be [.., D] and w a matrix", x, w));
+    }
+    let contracted = if trans_b { w.0[1] } else { w.0[0] };
+    if contracted != x.last() {
+        return Err(mismatch(op, "x's last axis must be w's contraction axis", x, w));
+    }
+    if x.0[..x.rank() - 1] != targets.0[..] {
+        return Err(mismatch(op, "targets must be x's shape without its last axis", x, targets));
+    }
+    Ok((Shape::scalar(), dt))
 }
 
 fn causal_attention(op: &Op, inputs: &[Typed]) -> Result<(Shape, DType), GraphError> {

@@ -173,6 +173,27 @@ impl Graph {
         self.outputs.iter().find(|(n, _)| n == name).map(|&(_, id)| id)
     }
 
+    /// Removes the named output (the node stays; dead-code elimination removes it
+    /// when nothing else needs it). Returns the node it named.
+    pub fn remove_output(&mut self, name: &str) -> Option<NodeId> {
+        let at = self.outputs.iter().position(|(n, _)| n == name)?;
+        Some(self.outputs.remove(at).1)
+    }
+
+    /// Makes every reader of `old`, and every output naming it, read `new` instead
+    /// (a rewrite's replacement of equal shape and type).
+    pub(crate) fn replace_uses(&mut self, old: NodeId, new: NodeId) {
+        for (user, port) in self.users(old) {
+            if let Some(edge) = self.g.find_edge(old, user) {
+                self.g.remove_edge(edge);
+            }
+            self.g.add_edge(new, user, port);
+        }
+        for output in self.outputs.iter_mut().filter(|(_, o)| *o == old) {
+            output.1 = new;
+        }
+    }
+
     pub fn outputs(&self) -> &[(String, NodeId)] {
         &self.outputs
     }

@@ -187,6 +187,13 @@ pub enum Op {
     NormProject { eps: f64, centered: usize },
     /// Mean softmax cross-entropy: (logits [.., V], targets i32 [..]) -> scalar.
     SoftmaxCrossEntropy,
+    /// The output projection fused with the mean softmax cross-entropy (docs/math.md §1.7):
+    /// (x [.., D], w [D, V] (`trans_b`: [V, D], read transposed), targets i32 [..]) -> scalar
+    /// mean over rows r of CE(scale · x_r·w, target_r). It is `SoftmaxCrossEntropy` of
+    /// `scale · MatMul(x, w)`; compiled devices compute the logits `chunk` rows at a time,
+    /// forward and backward, so neither the logits nor their gradient exists whole
+    /// (`passes::vocab_loss` forms it).
+    LinearCrossEntropy { trans_b: bool, scale: f64, chunk: usize },
     /// Causal self-attention with optional half-split RoPE (docs/math.md §1.3):
     /// (q [B, T, H, dh], k [B, T, Hkv, dh], v [B, T, Hkv, dh]) -> [B, T, H, dh].
     CausalAttention { scale: f64, rope_base: Option<f64> },
@@ -200,6 +207,10 @@ pub enum Op {
     /// Backward of `CausalAttention`, added by autodiff: (q, k, v, dout) -> the gradient
     /// of q, k or v (`wrt` = 0, 1, 2), recomputing the probabilities (docs/math.md §1.4).
     CausalAttentionGrad { scale: f64, rope_base: Option<f64>, wrt: usize },
+    /// Backward of `LinearCrossEntropy`, added by autodiff: (x, w, targets, dy) -> the
+    /// gradient of x (`wrt` = 0) or of w (`wrt` = 1), recomputing each chunk's logits
+    /// (docs/math.md §1.7).
+    LinearCrossEntropyGrad { trans_b: bool, scale: f64, chunk: usize, wrt: usize },
     /// Backward of `Sinkhorn`, added by autodiff: (logits, dout) -> d logits, unrolled
     /// through every normalization of the recomputed finite iteration (docs/math.md §4.5).
     SinkhornGrad { iters: usize, eps: f64 },
@@ -351,10 +362,12 @@ impl Op {
             Op::GroupNorm { .. } => "group_norm",
             Op::NormProject { .. } => "norm_project",
             Op::SoftmaxCrossEntropy => "softmax_cross_entropy",
+            Op::LinearCrossEntropy { .. } => "linear_cross_entropy",
             Op::CausalAttention { .. } => "causal_attention",
             Op::Sinkhorn { .. } => "sinkhorn",
             Op::TemporalAugment { .. } => "temporal_augment",
             Op::CausalAttentionGrad { .. } => "causal_attention_grad",
+            Op::LinearCrossEntropyGrad { .. } => "linear_cross_entropy_grad",
             Op::SinkhornGrad { .. } => "sinkhorn_grad",
             Op::TemporalAugmentGrad { .. } => "temporal_augment_grad",
             Op::MoeRoute { out, .. } => match out {
@@ -401,6 +414,8 @@ impl Op {
             Op::ScatterAdd { .. } => OpFamily::Indexed,
             Op::ScatterRows { .. } => OpFamily::Indexed,
             Op::SoftmaxCrossEntropy => OpFamily::OwnGrid,
+            Op::LinearCrossEntropy { .. } => OpFamily::OwnGrid,
+            Op::LinearCrossEntropyGrad { .. } => OpFamily::OwnGrid,
             Op::NormProject { .. } => OpFamily::OwnGrid,
             Op::CausalAttention { .. } => OpFamily::OwnGrid,
             Op::CausalAttentionGrad { .. } => OpFamily::OwnGrid,

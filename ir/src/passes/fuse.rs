@@ -348,6 +348,12 @@ impl<'g> Analysis<'g> {
             Op::SoftmaxCrossEntropy => {
                 (Class::Heavy, "cross-entropy over the vocabulary, reduced to a scalar".into())
             }
+            Op::LinearCrossEntropy { .. } => {
+                (Class::Heavy, "output projection and cross-entropy, the logits in row chunks".into())
+            }
+            Op::LinearCrossEntropyGrad { .. } => {
+                (Class::Heavy, "vocabulary-loss gradient, the logits recomputed in row chunks".into())
+            }
             Op::GroupedMatMul { .. } => {
                 (Class::Heavy, "grouped matrix product over expert row groups".into())
             }

@@ -1,4 +1,6 @@
-//! Graph passes between autodiff and code generation (docs/architecture.md §2, §5, §7):
+//! Graph passes between autodiff and code generation (docs/architecture.md §2, §5, §7),
+//! and one before autodiff, [`fuse_vocab_losses()`] (the output projection and the
+//! vocabulary loss as one chunked op, docs/math.md §1.7):
 //! [`narrow_broadcast_products()`] (products over a broadcast state at the
 //! state's own width), [`split_norm_projections()`] (RMS projections as statistic, GEMM and scaling),
 //! [`simplify()`] (CSE and DCE), [`sum_within_tokens_first()`] (token reductions
@@ -28,6 +30,7 @@ pub mod remat;
 pub mod simplify;
 pub mod token_sums;
 pub mod tokens;
+pub mod vocab_loss;
 
 use crate::graph::{Graph, NodeId};
 
@@ -42,6 +45,7 @@ pub use remat::{rematerialize, RematStats};
 pub use simplify::{simplify, SimplifyStats};
 pub use token_sums::sum_within_tokens_first;
 pub use tokens::TokenAxes;
+pub use vocab_loss::fuse_vocab_losses;
 
 /// What [`prepare_for_fusion`] did, pass by pass.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -54,6 +58,9 @@ pub struct PrepareStats {
     /// Token sums [`sum_within_tokens_first`] rewrote.
     pub token_sums: usize,
     pub remat: RematStats,
+    /// Heads whose output projection and loss [`fuse_vocab_losses`] fused (it runs
+    /// before autodiff; its caller records the count here).
+    pub vocab_losses: usize,
 }
 
 /// The passes between autodiff and fusion, in the order the runtime's
@@ -66,5 +73,5 @@ pub fn prepare_for_fusion(graph: &mut Graph, roots: &[NodeId]) -> Result<Prepare
     let simplify = simplify(graph, roots);
     let token_sums = sum_within_tokens_first(graph, roots);
     let remat = rematerialize(graph, roots)?;
-    Ok(PrepareStats { broadcast_products, norm_projections, simplify, token_sums, remat })
+    Ok(PrepareStats { broadcast_products, norm_projections, simplify, token_sums, remat, vocab_losses: 0 })
 }

@@ -169,12 +169,14 @@ fn propagate(graph: &Graph, id: NodeId, inputs: &[&[bool]]) -> Vec<bool> {
             }
             f
         }
-        Op::SoftmaxCrossEntropy => Vec::new(),
+        Op::SoftmaxCrossEntropy | Op::LinearCrossEntropy { .. } => Vec::new(),
         Op::TemporalAugment { .. } => {
             let out = inputs[0];
             vec![out[0], out[1], false, out[2]]
         }
-        Op::CausalAttentionGrad { wrt, .. } | Op::TemporalAugmentGrad { wrt, .. } => inputs[*wrt].to_vec(),
+        Op::CausalAttentionGrad { wrt, .. }
+        | Op::TemporalAugmentGrad { wrt, .. }
+        | Op::LinearCrossEntropyGrad { wrt, .. } => inputs[*wrt].to_vec(),
         // Rows keep the token axis of the assignments; the expert-sorted rows of `Tokens`
         // are token-slot rows; the per-expert counts sum over every token.
         Op::MoeRoute { out, .. } => match out {

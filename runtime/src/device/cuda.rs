@@ -100,7 +100,7 @@ use crate::step::host::train_step_on_host;
 use crate::step::statistics::ReadsOutputs;
 use crate::step::{check_tokens, token_shape_of, StepError, StepExecutor, StepStats, UpdateSettings};
 use codegen::compile::Target;
-use codegen::training::TrainingGraph;
+use codegen::training::{forward_plan_for, TrainingGraph};
 use ir::lower::Lowered;
 
 /// The driver library that [`CudaError::NoCudaDriver`] names.
@@ -1126,6 +1126,21 @@ pub struct CudaExecutor {
     resident: Option<ParamVersion>,
     /// Whose moments the Plan's optimizer state buffers hold.
     held: Held,
+    /// The forward Plan with the logits whole, which the training Plan does not
+    /// keep (docs/math.md §1.7): compiled and loaded on the first
+    /// [`StepExecutor::logits`] of an executor built from a lowered graph.
+    forward: CudaForward,
+}
+
+/// The logits' forward Plan of a [`CudaExecutor`].
+#[derive(Debug)]
+enum CudaForward {
+    /// Built over a loaded Plan: its own `logits` output, if any, is all there is.
+    Unavailable,
+    /// The lowered graph and the GPU it is to run on.
+    Pending(Box<Lowered>, usize),
+    /// Loaded, with the parameter version its buffers hold.
+    Ready(Box<CudaDevice>, Box<Interface>, Option<ParamVersion>),
 }
 
 impl CudaExecutor {
@@ -1138,15 +1153,18 @@ impl CudaExecutor {
             return Err(CudaError::NoCudaDriver.into());
         }
         let token_shape = token_shape_of(&lowered.graph, lowered.tokens);
+        let vocab = lowered.graph.node(lowered.logits).shape.dims().last().copied().unwrap_or(0);
+        let forward = CudaForward::Pending(Box::new(lowered.clone()), ordinal);
         let plan = TrainingGraph::new(lowered)?.plan_for(Target::Cuda)?;
-        CudaExecutor::new(CudaDevice::on(plan, ordinal)?, token_shape)
+        let mut exec = CudaExecutor::new(CudaDevice::on(plan, ordinal)?, token_shape, vocab)?;
+        exec.forward = forward;
+        Ok(exec)
     }
 
     /// An executor over a loaded Plan whose `tokens` input has shape
-    /// `token_shape` (`[batch, seq_len + 1]`).
-    pub fn new(device: CudaDevice, token_shape: [usize; 2]) -> Result<CudaExecutor, StepError> {
+    /// `token_shape` (`[batch, seq_len + 1]`) and holds ids in `0..vocab`.
+    pub fn new(device: CudaDevice, token_shape: [usize; 2], vocab: usize) -> Result<CudaExecutor, StepError> {
         let io = Interface::of(device.plan())?;
-        let vocab = io.vocab(device.plan(), token_shape)?;
         let update = PlanUpdate::of(device.plan());
         Ok(CudaExecutor {
             #[cfg(feature = "mpi")]
@@ -1158,6 +1176,7 @@ impl CudaExecutor {
             vocab,
             resident: None,
             held: None,
+            forward: CudaForward::Unavailable,
         })
     }
 
@@ -1226,9 +1245,37 @@ impl StepExecutor for CudaExecutor {
     }
 
     fn logits(&mut self, params: &ParamSet, tokens: &[i32]) -> Result<Vec<f32>, StepError> {
-        let logits = self.io.logits.ok_or(StepError::MissingOutput { what: "logits" })?;
+        check_tokens(tokens, self.token_shape, self.vocab)?;
+        if let CudaForward::Pending(lowered, ordinal) = &self.forward {
+            let plan = forward_plan_for((**lowered).clone(), Target::Cuda)?;
+            let device = CudaDevice::on(plan, *ordinal)?;
+            let io = Interface::of(device.plan())?;
+            self.forward = CudaForward::Ready(Box::new(device), Box::new(io), None);
+        }
+        let CudaForward::Ready(device, io, resident) = &mut self.forward else {
+            let logits = self.io.logits.ok_or(StepError::MissingOutput { what: "logits" })?;
+            self.run(params, tokens, false)?;
+            return Ok(self.device.read_f32(logits)?);
+        };
+        if *resident != Some(params.version()) {
+            for (name, buffer, _) in &io.params {
+                let p = params.get(name).ok_or_else(|| StepError::UnknownParam { name: name.clone() })?;
+                device.write_f32(*buffer, &p.value)?;
+            }
+            *resident = Some(params.version());
+        }
+        device.write_i32(io.tokens, tokens)?;
+        let steps = 0..device.plan().steps.len();
+        device.run_range(steps)?;
+        let logits = io.logits.ok_or(StepError::MissingOutput { what: "logits" })?;
+        Ok(device.read_f32(logits)?)
+    }
+
+    fn main_loss(&mut self, params: &ParamSet, tokens: &[i32]) -> Result<f64, StepError> {
         self.run(params, tokens, false)?;
-        Ok(self.device.read_f32(logits)?)
+        let id = self.device.find(&BufferRole::Output { name: "loss_main".into() });
+        let id = id.ok_or(StepError::MissingOutput { what: "loss_main" })?;
+        Ok(f64::from(first_loss(&self.device.read_f32(id)?)?))
     }
 
     /// With AdamW on every parameter the Plan runs the update; otherwise

@@ -4,7 +4,7 @@
 //! resolved by its role once when the Plan loads.
 
 use crate::params::ParamSet;
-use crate::step::{plan_vocab, StepError};
+use crate::step::StepError;
 use codegen::plan::{BufferId, BufferRole, Plan};
 use std::collections::HashMap;
 
@@ -40,16 +40,6 @@ impl Interface {
             .collect::<Vec<_>>();
         let grads = params.iter().filter_map(|(n, _, g)| g.map(|g| (n.clone(), g))).collect();
         Ok(Interface { tokens, loss, logits: output("logits"), params, grads })
-    }
-
-    /// The vocabulary bounding the token ids of `plan` for batches of
-    /// `token_shape` (the last axis of its `logits` output,
-    /// [`plan_vocab`]): what [`crate::step::check_tokens`] holds every
-    /// batch to before it is uploaded.
-    pub(super) fn vocab(&self, plan: &Plan, token_shape: [usize; 2]) -> Result<usize, StepError> {
-        let logits = self.logits.ok_or(StepError::MissingOutput { what: "logits" })?;
-        let len = plan.buffers.get(logits.0).map_or(0, |b| b.len);
-        plan_vocab(len, token_shape)
     }
 
     /// The gradient of every parameter of `params`, in its order, read by

@@ -393,7 +393,7 @@ fn main_rs(spec: &ModelSpec, plan: &Plan) -> TokenStream {
                     let device = runtime::device::cpu::CpuDevice::with_options(plan(PLAN_JSON)?, &compiler, options)
                         .context("loading the embedded plan on the cpu device")?;
                     runtime::step::statistics::with_statistics(
-                        runtime::device::cpu::CpuExecutor::new(device, token_shape)?,
+                        runtime::device::cpu::CpuExecutor::new(device, token_shape, spec.model_vocab())?,
                         statistics,
                     )
                 }
@@ -401,7 +401,7 @@ fn main_rs(spec: &ModelSpec, plan: &Plan) -> TokenStream {
                     let device = runtime::device::cuda::CudaDevice::new(plan(CUDA_PLAN_JSON)?)
                         .context("loading the embedded plan on the cuda device")?;
                     runtime::step::statistics::with_statistics(
-                        runtime::device::cuda::CudaExecutor::new(device, token_shape)?,
+                        runtime::device::cuda::CudaExecutor::new(device, token_shape, spec.model_vocab())?,
                         statistics,
                     )
                 }

@@ -36,10 +36,6 @@ pub enum StepError {
          vocab >= 256)"
     )]
     TokenOutOfRange { id: i32, row: usize, col: usize, vocab: usize },
-    #[error(
-        "the compiled plan's logits ({len} values) are not [batch, seq_len, vocab] for tokens {shape:?}"
-    )]
-    NoVocabulary { len: usize, shape: [usize; 2] },
     #[error("the graph produced no {what}")]
     MissingOutput { what: &'static str },
     #[error(transparent)]
@@ -103,18 +99,6 @@ pub fn check_tokens(tokens: &[i32], shape: [usize; 2], vocab: usize) -> Result<(
     }
 }
 
-/// The vocabulary of a compiled training Plan: the last axis of its `logits`
-/// output `[batch, seq_len, vocab]` for tokens of `token_shape`. Lowering
-/// gives the embedding table, every head and every cross-entropy the same
-/// `vocab` (`ir::lower`), so this is the bound of every token index.
-pub(crate) fn plan_vocab(logits_len: usize, token_shape: [usize; 2]) -> Result<usize, StepError> {
-    let positions = token_shape[0] * token_shape[1].saturating_sub(1);
-    if positions == 0 || logits_len == 0 || !logits_len.is_multiple_of(positions) {
-        return Err(StepError::NoVocabulary { len: logits_len, shape: token_shape });
-    }
-    Ok(logits_len / positions)
-}
-
 /// What the training loop and the sampler need from a device.
 pub trait StepExecutor {
     /// Device name for messages and metrics: `Device::name` of the device it runs on
@@ -136,6 +120,15 @@ pub trait StepExecutor {
 
     /// The main head's logits `[batch, seq_len, vocab]`, row-major.
     fn logits(&mut self, params: &ParamSet, tokens: &[i32]) -> Result<Vec<f32>, StepError>;
+
+    /// The main head's mean next-token loss alone (the `loss_main` output, which is
+    /// `loss` without MTP; docs/math.md §7.1): what validation compares across designs.
+    /// This default computes it from [`Self::logits`]; the compiled devices read their
+    /// Plan's `loss_main` output, whose training Plan has no logits (docs/math.md §1.7).
+    fn main_loss(&mut self, params: &ParamSet, tokens: &[i32]) -> Result<f64, StepError> {
+        let [batch, window] = self.token_shape();
+        Ok(crate::train::next_token_loss(&self.logits(params, tokens)?, tokens, batch, window))
+    }
 
     /// One training step: the loss and gradients of `tokens`, global-norm
     /// clipping, and `optimizer`'s update of `params` (docs/architecture.md §7). A loss

@@ -78,6 +78,10 @@ impl<E: ReadsOutputs> StepExecutor for WithStatistics<E> {
         self.inner.logits(params, tokens)
     }
 
+    fn main_loss(&mut self, params: &ParamSet, tokens: &[i32]) -> Result<f64, StepError> {
+        self.inner.main_loss(params, tokens)
+    }
+
     fn train_step(
         &mut self,
         params: &mut ParamSet,

@@ -6,6 +6,10 @@
 //! a training step updates them where they are: the optimizer reads the
 //! gradients in the Plan's buffers and writes each new value to the host set
 //! and the device's buffer in one pass.
+//!
+//! The training Plan computes the logits in row chunks and keeps none of them
+//! (docs/math.md §1.7); [`StepExecutor::logits`] runs a second Plan, the forward
+//! pass alone with the logits whole ([`forward_plan_for`]), compiled on its first use.
 
 use super::{CpuDevice, CpuError, CpuOptions};
 use crate::device::plan_io::{first_loss, Interface};
@@ -17,7 +21,8 @@ use crate::step::host::{train_step_on_host_averaged, update_on_host};
 use crate::step::statistics::ReadsOutputs;
 use crate::step::{check_tokens, token_shape_of, StepError, StepExecutor, StepStats, UpdateSettings};
 use codegen::plan::{BufferId, BufferRole};
-use codegen::training::TrainingGraph;
+use codegen::compile::Target;
+use codegen::training::{forward_plan_for, TrainingGraph};
 use ir::lower::Lowered;
 use std::collections::HashMap;
 
@@ -49,6 +54,19 @@ pub struct CpuExecutor {
     resident: Option<ParamVersion>,
     /// Whose moments the Plan's optimizer state buffers hold.
     held: Held,
+    /// The forward Plan that reads the logits, when this executor was built from
+    /// a lowered graph.
+    forward: Forward,
+}
+
+/// The logits' forward Plan of a [`CpuExecutor`].
+#[derive(Debug)]
+enum Forward {
+    /// Built over a loaded Plan: its own `logits` output, if any, is all there is.
+    Unavailable,
+    Pending(Box<Lowered>, CpuOptions),
+    /// Loaded, with the parameter version its buffers hold.
+    Ready(Box<Loaded>, Option<ParamVersion>),
 }
 
 impl CpuExecutor {
@@ -58,6 +76,7 @@ impl CpuExecutor {
         let token_shape = token_shape_of(&lowered.graph, lowered.tokens);
         let vocab = lowered.graph.node(lowered.logits).shape.dims().last().copied().unwrap_or(0);
         CpuExecutor {
+            forward: Forward::Pending(Box::new(lowered.clone()), opts),
             state: State::Pending(Box::new(lowered), opts),
             token_shape,
             vocab,
@@ -67,11 +86,10 @@ impl CpuExecutor {
     }
 
     /// An executor over a loaded Plan with a `tokens` input of `token_shape`
-    /// (`[batch, seq_len + 1]`), a `loss` output and, for training, one
-    /// gradient buffer per parameter.
-    pub fn new(device: CpuDevice, token_shape: [usize; 2]) -> Result<CpuExecutor, StepError> {
+    /// (`[batch, seq_len + 1]`) holding ids in `0..vocab`, a `loss` output and,
+    /// for training, one gradient buffer per parameter.
+    pub fn new(device: CpuDevice, token_shape: [usize; 2], vocab: usize) -> Result<CpuExecutor, StepError> {
         let io = Interface::of(device.plan())?;
-        let vocab = io.vocab(device.plan(), token_shape)?;
         let update = PlanUpdate::of(device.plan());
         let loaded = Loaded { device, io, update };
         Ok(CpuExecutor {
@@ -80,6 +98,7 @@ impl CpuExecutor {
             vocab,
             resident: None,
             held: None,
+            forward: Forward::Unavailable,
         })
     }
 
@@ -266,9 +285,39 @@ impl StepExecutor for CpuExecutor {
     }
 
     fn logits(&mut self, params: &ParamSet, tokens: &[i32]) -> Result<Vec<f32>, StepError> {
-        let l = self.run(params, tokens)?;
+        check_tokens(tokens, self.token_shape, self.vocab)?;
+        if let Forward::Pending(lowered, opts) = &self.forward {
+            let plan = forward_plan_for((**lowered).clone(), Target::Cpu)?;
+            let compiler =
+                codegen::cc::Compiler::from_env().map_err(|e| StepError::from(CpuError::from(e)))?;
+            let device = CpuDevice::with_options(plan, &compiler, *opts)?;
+            let io = Interface::of(device.plan())?;
+            self.forward = Forward::Ready(Box::new(Loaded { device, io, update: None }), None);
+        }
+        let Forward::Ready(l, resident) = &mut self.forward else {
+            let l = self.run(params, tokens)?;
+            let logits = l.io.logits.ok_or(StepError::MissingOutput { what: "logits" })?;
+            return Ok(l.device.read_f32(logits).map_err(StepError::from)?.to_vec());
+        };
+        if *resident != Some(params.version()) {
+            for (name, buffer, _) in &l.io.params {
+                let p = params.get(name).ok_or_else(|| StepError::UnknownParam { name: name.clone() })?;
+                l.device.write_f32(*buffer, &p.value)?;
+            }
+            *resident = Some(params.version());
+        }
+        l.device.write_i32(l.io.tokens, tokens)?;
+        let steps = 0..l.device.plan().steps.len();
+        l.device.run_range(steps)?;
         let logits = l.io.logits.ok_or(StepError::MissingOutput { what: "logits" })?;
         Ok(l.device.read_f32(logits).map_err(StepError::from)?.to_vec())
+    }
+
+    fn main_loss(&mut self, params: &ParamSet, tokens: &[i32]) -> Result<f64, StepError> {
+        let l = self.run(params, tokens)?;
+        let id = l.device.plan().find(&BufferRole::Output { name: "loss_main".into() });
+        let id = id.ok_or(StepError::MissingOutput { what: "loss_main" })?;
+        Ok(f64::from(first_loss(l.device.read_f32(id)?)?))
     }
 
     /// With AdamW on every parameter the Plan runs the update
