@@ -199,12 +199,9 @@ pub fn spec_training_graph(
     let mut spec = ir::spec::load_spec(&path).unwrap_or_else(|e| panic!("{name}: {e}"));
     edit(&mut spec);
     let lowered = ir::lower::lower(&spec, batch, seq_len).unwrap_or_else(|e| panic!("{name}: {e}"));
-    let mut graph = lowered.graph;
-    let params = graph.params();
-    let grads =
-        ir::autodiff::grad(&mut graph, lowered.loss, &params).unwrap_or_else(|e| panic!("{name}: {e}"));
-    // The passes the runtime's training graph runs before fusion.
-    ir::passes::prepare_for_fusion(&mut graph, &grads).unwrap_or_else(|e| panic!("{name}: {e}"));
-    let request = Request::new(&graph, params.into_iter().zip(grads).collect());
-    (graph, request, spec.vocab)
+    // The runtime's training graph: the vocabulary losses fused, autodiff, the passes
+    // before fusion.
+    let training = codegen::training::TrainingGraph::new(lowered).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let request = Request::new(&training.graph, training.request.grads);
+    (training.graph, request, spec.vocab)
 }

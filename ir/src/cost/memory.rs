@@ -15,7 +15,8 @@
 
 use serde::Serialize;
 
-use crate::spec::{EmbedMode, FfnSpec, Flash, ModelSpec, MoeBalance, MoeDispatch, ResidualSpec};
+use crate::passes::vocab_loss::{CHUNK_ELEMENTS, MAX_CHUNKS};
+use crate::spec::{EmbedMode, FfnSpec, Flash, ModelSpec, MoeBalance, MoeDispatch, Precision, ResidualSpec};
 
 /// Bytes per parameter in training: the f32 weight, its gradient and two optimizer
 /// moments (AdamW; Muon keeps one momentum for hidden matrices, so this bounds it).
@@ -185,8 +186,15 @@ pub fn training_memory(spec: &ModelSpec) -> TrainingMemory {
     let connection_act = 2.0 * (6.0 * touched + 6.0 * coefficients_per_token(spec));
     let per_block = attention_act + ffn_act + 2.0 * d + connection_act;
     let heads = 1.0 + depth;
-    let per_token = (l + depth) * per_block + heads * 2.0 * v + state;
-    let activation_bytes = tokens * per_token * BYTES_PER_ACTIVATION;
+    let per_token = (l + depth) * per_block + state;
+    // Each head's logits and their gradient: one chunk of rows at a time where the head's
+    // projection and loss fuse (f32, docs/math.md §1.7), every row in bf16 mode.
+    let logit_rows = match spec.precision {
+        Precision::F32 => vocab_chunk_rows(tokens, v),
+        Precision::Bf16 => tokens,
+    };
+    let logits = heads * 2.0 * logit_rows * v;
+    let activation_bytes = (tokens * per_token + logits) * BYTES_PER_ACTIVATION;
 
     let param_bytes = params * TRAIN_BYTES_PER_PARAM;
     TrainingMemory {
@@ -200,6 +208,12 @@ pub fn training_memory(spec: &ModelSpec) -> TrainingMemory {
         activation_bytes,
         total_bytes: param_bytes + activation_bytes,
     }
+}
+
+/// `passes::vocab_loss::default_chunk` in `f64`: the rows of one chunk of logits.
+fn vocab_chunk_rows(rows: f64, vocab: f64) -> f64 {
+    let chunks = (rows * vocab / CHUNK_ELEMENTS as f64).ceil().clamp(1.0, MAX_CHUNKS as f64);
+    (rows / chunks).ceil().max(1.0)
 }
 
 /// [`FfnSpec::default_hidden`] in `f64`, so a huge `d_model` cannot overflow.
