@@ -53,8 +53,21 @@ impl TrainingGraph {
     /// docs/math.md §1.7) and no `B·T·V` buffer is planned. What reads logits
     /// compiles [`forward_plan_for`] instead.
     pub fn new(lowered: Lowered) -> Result<TrainingGraph, TrainingError> {
+        TrainingGraph::build(lowered, false)
+    }
+
+    /// [`TrainingGraph::new`] with the `logits` output kept: the main head's logits
+    /// then exist whole, as a graph without the fused loss has them (the MTP heads
+    /// still fuse). For comparisons that hold the head fixed.
+    pub fn keeping_logits(lowered: Lowered) -> Result<TrainingGraph, TrainingError> {
+        TrainingGraph::build(lowered, true)
+    }
+
+    fn build(lowered: Lowered, keep_logits: bool) -> Result<TrainingGraph, TrainingError> {
         let Lowered { mut graph, mut loss, .. } = lowered;
-        graph.remove_output("logits");
+        if !keep_logits {
+            graph.remove_output("logits");
+        }
         let fused = ir::passes::fuse_vocab_losses(&mut graph);
         if let Some(&(_, replacement)) = fused.iter().find(|&&(old, _)| old == loss) {
             loss = replacement;

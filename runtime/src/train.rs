@@ -1176,26 +1176,7 @@ fn validation_loss_of_shard(
     Ok(Validation { loss: sum / n as f64, targets, target_bytes: tokenizer.map(|_| bytes) })
 }
 
-/// Mean next-token cross-entropy (nats) of the main head's `logits`
-/// `[batch, window - 1, vocab]` against `tokens` `[batch, window]`: the validation
-/// loss of a model with MTP modules, whose training loss also holds their
-/// weighted terms (docs/math.md §7.1), so that validation compares models of any
-/// MTP depth on the one quantity they share.
-pub fn next_token_loss(logits: &[f32], tokens: &[i32], batch: usize, window: usize) -> f64 {
-    let positions = batch * (window - 1);
-    let vocab = logits.len() / positions.max(1);
-    let mut sum = 0.0f64;
-    for b in 0..batch {
-        for t in 0..window - 1 {
-            let row = &logits[(b * (window - 1) + t) * vocab..][..vocab];
-            let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)) as f64;
-            let lse = max + row.iter().map(|&x| (x as f64 - max).exp()).sum::<f64>().ln();
-            let target = tokens[b * window + t + 1] as usize;
-            sum += lse - row[target] as f64;
-        }
-    }
-    sum / positions as f64
-}
+pub use crate::step::next_token_loss;
 
 /// The progress display on stderr ([`crate::progress`]): the step, loss, learning
 /// rate, throughput and, from the steps this invocation has taken, the time elapsed

@@ -127,7 +127,7 @@ pub trait StepExecutor {
     /// Plan's `loss_main` output, whose training Plan has no logits (docs/math.md §1.7).
     fn main_loss(&mut self, params: &ParamSet, tokens: &[i32]) -> Result<f64, StepError> {
         let [batch, window] = self.token_shape();
-        Ok(crate::train::next_token_loss(&self.logits(params, tokens)?, tokens, batch, window))
+        Ok(next_token_loss(&self.logits(params, tokens)?, tokens, batch, window))
     }
 
     /// One training step: the loss and gradients of `tokens`, global-norm
@@ -233,4 +233,25 @@ impl From<TrainingError> for StepError {
             TrainingError::Compile(e) => StepError::Compile(e),
         }
     }
+}
+
+/// Mean next-token cross-entropy (nats) of the main head's `logits`
+/// `[batch, window - 1, vocab]` against `tokens` `[batch, window]`: the validation
+/// loss of a model with MTP modules, whose training loss also holds their
+/// weighted terms (docs/math.md §7.1), so that validation compares models of any
+/// MTP depth on the one quantity they share.
+pub fn next_token_loss(logits: &[f32], tokens: &[i32], batch: usize, window: usize) -> f64 {
+    let positions = batch * (window - 1);
+    let vocab = logits.len() / positions.max(1);
+    let mut sum = 0.0f64;
+    for b in 0..batch {
+        for t in 0..window - 1 {
+            let row = &logits[(b * (window - 1) + t) * vocab..][..vocab];
+            let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)) as f64;
+            let lse = max + row.iter().map(|&x| (x as f64 - max).exp()).sum::<f64>().ln();
+            let target = tokens[b * window + t + 1] as usize;
+            sum += lse - row[target] as f64;
+        }
+    }
+    sum / positions as f64
 }
