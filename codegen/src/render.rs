@@ -141,20 +141,31 @@ static inline float widen_round_bf16(float f) {
 /// reference executor's exp over a sweep by `codegen/tests/cc_driver.rs`); NaN
 /// stays NaN, `exp(+inf) = inf`, `exp(-inf) = 0`. The CUDA dialect keeps the
 /// device library's `expf`.
+///
+/// Always inlined (`WIDEN_INLINE`): as a plain `static inline`, GCC stops inlining
+/// it once a file's growth limit is reached, and in a Plan with many exp loops (the
+/// chunk kernels of the fused vocabulary loss) the later loops called it once per
+/// element, unvectorized, at a quarter of the inlined rate.
 const C_EXPF: &str = "
+#if defined(__GNUC__) || defined(__clang__)
+#define WIDEN_INLINE static inline __attribute__((always_inline))
+#else
+#define WIDEN_INLINE static inline
+#endif
+
 #if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
 #define WIDEN_FMA(a, b, c) fmaf(a, b, c)
 #else
 #define WIDEN_FMA(a, b, c) ((a) * (b) + (c))
 #endif
 
-static inline float widen_pow2i(int32_t k) {
+WIDEN_INLINE float widen_pow2i(int32_t k) {
     union { int32_t i; float f; } v;
     v.i = (k + 127) << 23;
     return v.f;
 }
 
-static inline float widen_expf(float x) {
+WIDEN_INLINE float widen_expf(float x) {
     const float c = x < -104.0f ? -104.0f : x > 89.0f ? 89.0f : x == x ? x : 0.0f;
     const float shifter = 12582912.0f;
     const float n = (c * 1.44269504088896341f + shifter) - shifter;
@@ -181,7 +192,7 @@ static inline float widen_expf(float x) {
 /// `copysignf` so -0 stays -0 and NaN stays NaN. Within 2 ulp of a correctly
 /// rounded `tanhf` (`codegen/tests/cc_driver.rs`).
 const C_TANHF: &str = "
-static inline float widen_tanhf(float x) {
+WIDEN_INLINE float widen_tanhf(float x) {
     const float a = fabsf(x);
     const float z = a * a;
     float q = WIDEN_FMA(-5.70498872745e-3f, z, 2.06390887954e-2f);
