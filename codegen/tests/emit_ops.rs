@@ -580,7 +580,9 @@ fn cross_entropy() {
 /// loss over the whole logits) is in the same graph, so both match the same values.
 #[test]
 fn linear_cross_entropy_and_its_gradients() {
-    for (trans_b, chunk, v, d) in [(false, 7, 6, 5), (true, 5, 13, 5), (false, 20, 256, 5), (true, 6, 50304, 3)] {
+    for (trans_b, chunk, v, d) in
+        [(false, 7, 6, 5), (true, 5, 13, 5), (false, 20, 256, 5), (true, 6, 50304, 3)]
+    {
         let label = format!("trans_b {trans_b} chunk {chunk} V {v}");
         let targets: &Ints = &move |_, n| (0..n).map(|i| ((i * 7919 + 3) % v) as i32).collect();
         let operands = move |g: &mut Graph| {

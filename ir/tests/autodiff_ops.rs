@@ -387,7 +387,9 @@ fn softmax_cross_entropy() {
 /// rows: the chunk is the compiled devices' business, never the value's.
 #[test]
 fn linear_cross_entropy_both_layouts() {
-    for (seed, (trans_b, scale, chunk)) in [(false, 1.0, 6), (true, 0.7, 4), (false, 2.5, 1)].into_iter().enumerate() {
+    for (seed, (trans_b, scale, chunk)) in
+        [(false, 1.0, 6), (true, 0.7, 4), (false, 2.5, 1)].into_iter().enumerate()
+    {
         let mut c = Case::new(170 + seed as u64);
         let x = c.param(&[2, 3, 4], -1.0, 1.0);
         let w = if trans_b { c.param(&[5, 4], -1.0, 1.0) } else { c.param(&[4, 5], -1.0, 1.0) };

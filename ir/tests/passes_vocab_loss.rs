@@ -61,7 +61,8 @@ fn fused_heads_keep_the_loss_and_every_gradient_of_every_spec() {
         let after_wanted: Vec<NodeId> = std::iter::once(loss).chain(grads.iter().copied()).collect();
         let after = run::<f64>(&g, &values, &after_wanted).unwrap_or_else(|e| panic!("{name}: {e}"));
         for (want, got) in wanted.iter().zip(&after_wanted) {
-            let (x, y) = (&before[want].as_float().expect("float").data, &after[got].as_float().expect("float").data);
+            let (x, y) =
+                (&before[want].as_float().expect("float").data, &after[got].as_float().expect("float").data);
             assert_eq!(x.len(), y.len(), "{name}");
             for (a, b) in x.iter().zip(y) {
                 assert!((a - b).abs() <= 1e-12 * a.abs().max(1.0), "{name}: {a} vs {b}");

@@ -1164,7 +1164,11 @@ fn validation_loss_of_shard(
     for done in 1..=n {
         let all = sampler.next_batch(corpus.validation())?;
         let tokens = shard.rows(&all, window);
-        sum += if spec.mtp.depth == 0 { f64::from(exec.loss(params, tokens)?) } else { exec.main_loss(params, tokens)? };
+        sum += if spec.mtp.depth == 0 {
+            f64::from(exec.loss(params, tokens)?)
+        } else {
+            exec.main_loss(params, tokens)?
+        };
         for row in tokens.chunks(window) {
             targets += (window - 1) as u64;
             if let Some(t) = tokenizer {

@@ -124,6 +124,7 @@ enum RowWork {
 }
 
 /// The row kernel of chunk `(r0, rc)` over the logits `l` (see the module doc).
+#[allow(clippy::too_many_arguments)]
 fn rows_kernel(
     graph: &Graph,
     id: NodeId,
@@ -172,7 +173,8 @@ fn rows_kernel(
             let m = folds::fold(&names, k, lit(ty, f64::NEG_INFINITY), v, shift_maximum, |b, j| {
                 b.let_(&names.fresh("xv"), logit(j))
             });
-            let total = folds::fold(&names, k, lit(ty, 0.0), v, |a, b| a + b, |_, j| (logit(j) - m.clone()).exp());
+            let total =
+                folds::fold(&names, k, lit(ty, 0.0), v, |a, b| a + b, |_, j| (logit(j) - m.clone()).exp());
             (m, total)
         }
         Some(lanes) => {
@@ -192,10 +194,7 @@ fn rows_kernel(
     match (out, dy) {
         (Some(out), _) => {
             let loss = k.let_("loss", m + total.log() - logit(target_at));
-            let first = match lanes {
-                None => None,
-                Some(_) => Some(lane().eq_(i64(0))),
-            };
+            let first = lanes.map(|_| lane().eq_(i64(0)));
             match first {
                 None => k.store(&out, item() + ix(r0), loss),
                 Some(first) => k.if_(first, |b| b.store(&out, item() + ix(r0), loss)),
@@ -249,7 +248,17 @@ pub(super) fn linear_cross_entropy(
     let losses = temps.add(d.rows, d.dtype);
     for (i, c) in d.chunks().into_iter().enumerate() {
         steps.push(d.logits(x, w, l, c));
-        steps.push(rows_kernel(graph, id, &d, &format!("{name}_c{i}"), &temps, l, c, RowWork::Loss(losses), target)?);
+        steps.push(rows_kernel(
+            graph,
+            id,
+            &d,
+            &format!("{name}_c{i}"),
+            &temps,
+            l,
+            c,
+            RowWork::Loss(losses),
+            target,
+        )?);
     }
     // The mean, the rows added in order (the same order on every device and thread count).
     let mut kb = Kb::with_grid(graph, &format!("{name}_mean"), Grid::thread_per_item(1));
@@ -283,7 +292,17 @@ pub fn linear_cross_entropy_grads(
     let l = temps.add(d.chunk.min(d.rows) * d.v, d.dtype);
     for (i, c @ (r0, rc)) in d.chunks().into_iter().enumerate() {
         steps.push(d.logits(x, w, l, c));
-        let kernel = rows_kernel(graph, id, &d, &format!("{name}_c{i}"), &temps, l, c, RowWork::Grad(inputs[3]), target)?;
+        let kernel = rows_kernel(
+            graph,
+            id,
+            &d,
+            &format!("{name}_c{i}"),
+            &temps,
+            l,
+            c,
+            RowWork::Grad(inputs[3]),
+            target,
+        )?;
         steps.push(kernel);
         if let Some(dx) = outs[0] {
             // dx_c [rc, D] = G [rc, V] · wᵀ (w [D, V]), or G · w (w [V, D]).

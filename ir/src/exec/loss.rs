@@ -35,13 +35,13 @@ pub(crate) fn softmax_cross_entropy<T: Float>(
 /// (docs/math.md §1.7), whole: the reference is the oracle of the chunked kernels.
 fn vocab_logits<T: Float>(x: &Tensor<T>, w: &Tensor<T>, trans_b: bool, scale: f64) -> (Tensor<T>, usize) {
     let d = x.shape.last();
-    let rows = if d == 0 { 0 } else { x.data.len() / d };
+    let rows = x.data.len().checked_div(d).unwrap_or(0);
     let v = if trans_b { w.shape.dims()[0] } else { w.shape.dims()[1] };
     let flat = Tensor { shape: Shape::new([rows, d]), data: x.data.clone() };
     let mut logits = super::matmul::matmul(&flat, w, false, trans_b, &Shape::new([rows, v]));
     let s = T::from_f64(scale);
     for l in &mut logits.data {
-        *l = *l * s;
+        *l *= s;
     }
     (logits, v)
 }
@@ -72,7 +72,8 @@ pub(crate) fn linear_cross_entropy_grad<T: Float>(
     let (mut g, v) = vocab_logits(x, w, trans_b, scale);
     let d = x.shape.last();
     let rows = targets.data.len();
-    let factor = T::from_f64(scale) * dy.data.first().copied().unwrap_or_else(T::zero) / T::from_f64(rows as f64);
+    let factor =
+        T::from_f64(scale) * dy.data.first().copied().unwrap_or_else(T::zero) / T::from_f64(rows as f64);
     if v > 0 {
         for (row, &target) in g.data.chunks_exact_mut(v).zip(&targets.data) {
             let class = usize::try_from(target)
@@ -83,7 +84,7 @@ pub(crate) fn linear_cross_entropy_grad<T: Float>(
             super::reduce::softmax_row(&logits, row);
             row[class] -= T::one();
             for p in row.iter_mut() {
-                *p = *p * factor;
+                *p *= factor;
             }
         }
     }

@@ -287,7 +287,8 @@ pub(crate) fn eval_op<T: Float>(
             Value::Float(loss::softmax_cross_entropy(float(0)?, int(1)?).map_err(|m| cx.err(m))?)
         }
         Op::LinearCrossEntropy { trans_b, scale, .. } => Value::Float(
-            loss::linear_cross_entropy(float(0)?, float(1)?, int(2)?, *trans_b, *scale).map_err(|m| cx.err(m))?,
+            loss::linear_cross_entropy(float(0)?, float(1)?, int(2)?, *trans_b, *scale)
+                .map_err(|m| cx.err(m))?,
         ),
         Op::CausalAttention { scale, rope_base } => Value::Float(
             attention::causal_attention(float(0)?, float(1)?, float(2)?, *scale, *rope_base)
