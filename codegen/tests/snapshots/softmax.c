@@ -7,19 +7,25 @@
 #define WIDEN_INF_F64 ((double)INFINITY)
 #define WIDEN_NAN_F64 ((double)NAN)
 
+#if defined(__GNUC__) || defined(__clang__)
+#define WIDEN_INLINE static inline __attribute__((always_inline))
+#else
+#define WIDEN_INLINE static inline
+#endif
+
 #if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
 #define WIDEN_FMA(a, b, c) fmaf(a, b, c)
 #else
 #define WIDEN_FMA(a, b, c) ((a) * (b) + (c))
 #endif
 
-static inline float widen_pow2i(int32_t k) {
+WIDEN_INLINE float widen_pow2i(int32_t k) {
     union { int32_t i; float f; } v;
     v.i = (k + 127) << 23;
     return v.f;
 }
 
-static inline float widen_expf(float x) {
+WIDEN_INLINE float widen_expf(float x) {
     const float c = x < -104.0f ? -104.0f : x > 89.0f ? 89.0f : x == x ? x : 0.0f;
     const float shifter = 12582912.0f;
     const float n = (c * 1.44269504088896341f + shifter) - shifter;
