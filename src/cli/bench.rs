@@ -21,6 +21,11 @@
 //! ran as they do and every other step ran at its floor, the least that
 //! kernels moving its Plan's bytes could reach on this host.
 //!
+//! Each row's `mem GiB` is the peak memory the model's steps are expected to
+//! hold, counted from its Plan (`runtime::device::memory`); after the table the
+//! process's measured peak is set against the models' estimates together, since
+//! every model is resident at once.
+//!
 //! On the compiled devices a step is what training runs: the AdamW update in
 //! the Plan, Muon on the host. `--profile-kernels FILE` (Cuda) times every
 //! step of each Plan on the GPU and writes, per fused kernel, the achieved
@@ -431,7 +436,12 @@ fn expected_together(models: &[Model], probe_bytes: u64) -> Option<PeakEstimate>
 }
 
 /// The measured peak against the expected one, in words.
-fn peak_text(measured: &MeasuredPeak, expected: Option<&PeakEstimate>, device: Device, models: usize) -> String {
+fn peak_text(
+    measured: &MeasuredPeak,
+    expected: Option<&PeakEstimate>,
+    device: Device,
+    models: usize,
+) -> String {
     let of = if models == 1 { "the model".to_string() } else { format!("all {models} models together") };
     let Some(e) = expected else {
         return format!("peak memory ({of}): {}; no Plan-based estimate", measured.text());
@@ -551,7 +561,9 @@ fn print_table(rows: &[serde_json::Value], args: &Args, device: Device) {
             ms(r, "roofline_ms"),
             r["fraction_of_roofline"].as_f64().map_or_else(|| "-".into(), |f| format!("{:.0}%", f * 100.0)),
             pct(r, "least_overhead_pct"),
-            r["expected_peak_bytes"].as_u64().map_or_else(|| "-".into(), |b| format!("{:.2}", memory::gib(b))),
+            r["expected_peak_bytes"]
+                .as_u64()
+                .map_or_else(|| "-".into(), |b| format!("{:.2}", memory::gib(b))),
         );
     }
     println!("(FLOP ratio: the step's arithmetic against the baseline's, counted from the Plan; the overhead's floor at equal efficiency)");

@@ -1,5 +1,7 @@
-//! `widen check SPEC [--json]`: validate a spec and print its cost report
-//! (docs/architecture.md §8; the figures and their conventions are documented in `ir::cost`).
+//! `widen check SPEC [--json] [--device D]`: validate a spec and print its cost report
+//! (docs/architecture.md §8; the figures and their conventions are documented in `ir::cost`)
+//! and the peak memory a training run of it is expected to hold on the device, counted
+//! from the Plan it would run (`runtime::device::memory`, docs/performance.md, "Memory").
 //!
 //! Exit status 0 for a valid spec, 1 when the file cannot be read, is not RON, or
 //! breaks validation rules. With `--json`, stdout is exactly one JSON object in both

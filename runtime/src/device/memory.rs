@@ -42,7 +42,7 @@ use serde::Serialize;
 /// Resident bytes of the process beside everything counted from the Plan and
 /// the spec: code, libraries, the kernel module, allocator and runtime state.
 /// Measured on Linux x86-64 as `VmHWM` less the counted parts of small runs.
-pub const PROCESS_BASE_BYTES: u64 = 24 << 20;
+pub const PROCESS_BASE_BYTES: u64 = 16 << 20;
 
 /// Resident bytes per worker thread of the Cpu device: its stack as touched and
 /// the packed GEMM blocks (`MC x KC` of `a`, `KC x NC` of `b`: about 1.1 MiB of
