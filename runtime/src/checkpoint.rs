@@ -46,7 +46,8 @@ use crate::optim::Optimizer;
 use crate::params::ParamSet;
 use crate::rng::fnv1a64;
 use ir::spec::{ModelSpec, TokenizerSpec};
-use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use safetensors::tensor::{Dtype, SafeTensorError, SafeTensors, View};
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -200,19 +201,17 @@ pub fn save_with_data(
     if let Some((tensor, value)) = first_non_finite_state(params, optimizer) {
         return Err(CheckpointError::NonFiniteSave { path: path.to_path_buf(), tensor, value });
     }
-    let mut owned: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    // Each tensor is encoded as the file is written, one at a time: a copy of
+    // the whole state would add its size again to the run's peak memory
+    // (docs/performance.md, "Memory").
+    let mut tensors = Vec::new();
     for p in params.iter() {
-        owned.push((p.name.clone(), p.shape.dims().to_vec(), f32_bytes(&p.value)));
+        tensors.push((p.name.clone(), F32Tensor::new(p.shape.dims().to_vec(), &p.value).map_err(ser_err)?));
     }
     if let Some(opt) = optimizer {
         for (name, dims, values) in opt.state_tensors() {
-            owned.push((name, dims.to_vec(), f32_bytes(values)));
+            tensors.push((name, F32Tensor::new(dims.to_vec(), values).map_err(ser_err)?));
         }
-    }
-    let mut views = Vec::with_capacity(owned.len());
-    for (name, dims, bytes) in &owned {
-        let view = TensorView::new(Dtype::F32, dims.clone(), bytes).map_err(|e| ser_err(e.to_string()))?;
-        views.push((name.as_str(), view));
     }
     let spec_json = serde_json::to_string(spec).map_err(|e| ser_err(e.to_string()))?;
     let mut metadata: HashMap<String, String> = [
@@ -246,8 +245,49 @@ pub fn save_with_data(
             metadata.insert("data_path".into(), absolute.display().to_string());
         }
     }
-    let bytes = safetensors::tensor::serialize(views, &Some(metadata)).map_err(|e| ser_err(e.to_string()))?;
-    write_atomic(path, &bytes)
+    let metadata = Some(metadata);
+    write_atomic(path, |tmp| {
+        safetensors::tensor::serialize_to_file(tensors, &metadata, tmp).map_err(|e| match e {
+            SafeTensorError::IoError(source) => CheckpointError::Io { path: path.to_path_buf(), source },
+            other => ser_err(other.to_string()),
+        })
+    })
+}
+
+/// An f32 tensor of the state being saved, encoded to little-endian bytes
+/// only when the file writer asks for it.
+struct F32Tensor<'a> {
+    dims: Vec<usize>,
+    values: &'a [f32],
+}
+
+impl<'a> F32Tensor<'a> {
+    /// Refuses dims that do not hold `values`, as `TensorView::new` does.
+    fn new(dims: Vec<usize>, values: &'a [f32]) -> Result<F32Tensor<'a>, String> {
+        let numel = dims.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+        if numel != Some(values.len()) {
+            return Err(format!("a tensor of shape {dims:?} cannot hold {} values", values.len()));
+        }
+        Ok(F32Tensor { dims, values })
+    }
+}
+
+impl View for F32Tensor<'_> {
+    fn dtype(&self) -> Dtype {
+        Dtype::F32
+    }
+
+    fn shape(&self) -> &[usize] {
+        &self.dims
+    }
+
+    fn data(&self) -> Cow<'_, [u8]> {
+        Cow::Owned(f32_bytes(self.values))
+    }
+
+    fn data_len(&self) -> usize {
+        self.values.len() * 4
+    }
 }
 
 /// The temporary name a save of `path` writes first: `.<name>.tmp` beside it.
@@ -256,22 +296,28 @@ pub fn temp_path(path: &Path) -> PathBuf {
     path.with_file_name(format!(".{file_name}.tmp"))
 }
 
-/// Writes `bytes` to the temporary name, syncs it, renames it over `path` and
+/// Writes the file with `write` under the temporary name, syncs it, renames it over `path` and
 /// syncs the folder, so `path` is either the old file or the whole new one. On
 /// failure the temporary file is removed: a full disk must not fill up further
 /// with partial checkpoints.
-fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
-    use std::io::Write;
+fn write_atomic(
+    path: &Path,
+    write: impl FnOnce(&Path) -> Result<(), CheckpointError>,
+) -> Result<(), CheckpointError> {
     let io = |source| CheckpointError::Io { path: path.to_path_buf(), source };
     let tmp = temp_path(path);
-    let written = std::fs::File::create(&tmp).and_then(|mut f| {
-        f.write_all(bytes)?;
-        f.sync_all()
+    let written = write(&tmp).and_then(|()| {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&tmp)
+            .and_then(|f| f.sync_all())
+            .and_then(|()| std::fs::rename(&tmp, path))
+            .map_err(io)
     });
-    if let Err(e) = written.and_then(|()| std::fs::rename(&tmp, path)) {
+    if let Err(e) = written {
         // Best effort: the write error is what the caller needs to see.
         let _ = std::fs::remove_file(&tmp);
-        return Err(io(e));
+        return Err(e);
     }
     // The rename is durable once the folder is synced; where a folder cannot be
     // opened for that (some platforms), the file itself is already synced.

@@ -58,6 +58,7 @@
 
 use crate::checkpoint::{self, Checkpoint, CheckpointError, TrainState};
 use crate::data::{BatchSampler, Corpus, DataError, DataIdentity, ValidationPlan};
+use crate::device::memory::MeasuredPeak;
 use crate::device::Device;
 use crate::dist::{DistError, Fault, Group, Shard};
 use crate::init::{init_params, InitError};
@@ -274,6 +275,10 @@ pub struct TrainReport {
     pub steps: u64,
     pub final_checkpoint: PathBuf,
     pub metrics: PathBuf,
+    /// The process's peak memory over the run, its final checkpoint included
+    /// (`crate::device::memory`: the host's resident high-water mark, and on
+    /// `cuda` the device's allocations).
+    pub peak_memory: MeasuredPeak,
 }
 
 /// Lowers `spec` for its batch and sequence length, initializes the parameters
@@ -584,7 +589,11 @@ pub fn train(
     if let Some(metrics) = &metrics {
         saver.save(exec, &params, &mut optimizer, &sampler, steps, &final_checkpoint, metrics)?;
     }
-    Ok(TrainReport { losses, val_loss, steps, final_checkpoint, metrics: metrics_path })
+    // The run's peak so far, the final checkpoint's included; on `cuda`, the
+    // device's allocations besides the host's (docs/performance.md, "Memory").
+    let measured_on = if exec.device() == Device::Cuda.name() { Device::Cuda } else { Device::Cpu };
+    let peak_memory = MeasuredPeak::now(measured_on);
+    Ok(TrainReport { losses, val_loss, steps, final_checkpoint, metrics: metrics_path, peak_memory })
 }
 
 /// Before a checkpoint of a data-parallel run: every rank must hold the same

@@ -21,6 +21,11 @@
 //! ran as they do and every other step ran at its floor, the least that
 //! kernels moving its Plan's bytes could reach on this host.
 //!
+//! Each row's `mem GiB` is the peak memory the model's steps are expected to
+//! hold, counted from its Plan (`runtime::device::memory`); after the table the
+//! process's measured peak is set against the models' estimates together, since
+//! every model is resident at once.
+//!
 //! On the compiled devices a step is what training runs: the AdamW update in
 //! the Plan, Muon on the host. `--profile-kernels FILE` (Cuda) times every
 //! step of each Plan on the GPU and writes, per fused kernel, the achieved
@@ -36,6 +41,7 @@ use runtime::data::{BatchSampler, Corpus};
 use runtime::device::ceilings::{self, CpuCeilings};
 use runtime::device::cpu::{CpuExecutor, CpuOptions};
 use runtime::device::cuda::{copy_bandwidth, CudaExecutor};
+use runtime::device::memory::{self, MeasuredPeak, Memory, PeakEstimate, Workload};
 use runtime::device::{cuda_executor, Device};
 use runtime::init::init_params;
 use runtime::optim::schedule::lr_multiplier;
@@ -114,6 +120,10 @@ struct Model {
     bytes: Option<u64>,
     /// Each Plan step's FLOPs and bytes, for its roofline on the Cpu device.
     step_costs: Vec<(u64, u64)>,
+    /// The peak memory this model's steps are expected to hold, counted from
+    /// the Plan the device loaded (`runtime::device::memory`); none for the
+    /// reference executor.
+    expected: Option<PeakEstimate>,
 }
 
 impl Model {
@@ -128,6 +138,11 @@ impl Model {
         let corpus = Corpus::load_data(&spec.train.data, spec.train.val_fraction, seq_len + 1, spec.vocab)?;
         let lowered = ir::lower::lower(&spec, batch, seq_len)?;
         let params = init_params(&lowered.graph, spec.train.seed)?;
+        let graph = lowered.graph.clone();
+        let threads = CpuOptions::default().threads;
+        let expect = |plan: &codegen::plan::Plan| {
+            Some(memory::expected_peak(&spec, &graph, plan, device, Workload::Steps, threads))
+        };
         let optimizer = Optimizer::new(&spec, &params);
         // Compile and load the Plan now, so no timed step pays for it.
         // FLOPs are counted from the Plan the device runs (the Cpu Plan for the
@@ -141,20 +156,22 @@ impl Model {
                 steps,
             }
         };
-        let (exec, costs) = match device {
+        let (exec, costs, expected) = match device {
             Device::Cpu => {
                 let mut cpu = CpuExecutor::from_lowered(lowered, CpuOptions::default());
-                let costs = costs(cpu.load()?.plan());
-                (Exec::Any(Box::new(cpu)), costs)
+                let plan = cpu.load()?.plan();
+                let (costs, expected) = (costs(plan), expect(plan));
+                (Exec::Any(Box::new(cpu)), costs, expected)
             }
             Device::Cuda => {
                 let mut cuda = cuda_executor(lowered)?;
-                let costs = costs(cuda.device_mut().plan());
-                (Exec::Cuda(Box::new(cuda)), costs)
+                let plan = cuda.device_mut().plan();
+                let (costs, expected) = (costs(plan), expect(plan));
+                (Exec::Cuda(Box::new(cuda)), costs, expected)
             }
             Device::Reference => {
                 let costs = Costs { bytes: None, ..costs(&TrainingGraph::new(lowered.clone())?.plan()?) };
-                (Exec::Any(device.executor(lowered)?), costs)
+                (Exec::Any(device.executor(lowered)?), costs, None)
             }
         };
         Ok(Model {
@@ -175,6 +192,7 @@ impl Model {
             flops: costs.flops,
             bytes: costs.bytes,
             step_costs: costs.steps,
+            expected,
         })
     }
 
@@ -272,6 +290,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         }
     }
     let rows = rows(&models, ceilings.as_ref());
+    // Every model is resident at once, in one process: its peak is measured
+    // against the models' estimates together, the process counted once.
+    let measured = MeasuredPeak::now(device);
+    let expected = expected_together(&models, probe.as_ref().map_or(0, |p| p.bytes() as u64));
     if let Some(c) = &ceilings {
         println!(
             "host ceilings, the best of {} measurements in this run: {}",
@@ -280,6 +302,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         );
     }
     print_table(&rows, &args, device);
+    println!("{}", peak_text(&measured, expected.as_ref(), device, models.len()));
     if let Some(path) = &args.json {
         let doc = json!({
             "device": device.name(),
@@ -293,6 +316,11 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                 "vector": c.vector,
             })),
             "rows": rows,
+            "peak_memory": json!({
+                "measured": measured,
+                "expected_bytes": expected.as_ref().map(|e| e.bytes),
+                "expected_host_bytes": expected.as_ref().map(|e| e.host_bytes),
+            }),
         });
         std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")
             .with_context(|| format!("cannot write {}", path.display()))?;
@@ -385,6 +413,53 @@ fn profile_kernels(models: &mut [Model], reps: usize) -> anyhow::Result<serde_js
     Ok(json!({ "copy_bytes_per_s": copy, "copy_bytes": COPY_BYTES, "reps": reps.max(1), "models": out }))
 }
 
+/// What the models of this run are expected to hold at once: their estimates
+/// summed with the process counted once, and the ceilings probe's buffers
+/// (`probe_bytes`); none when a model has no estimate (the reference executor).
+fn expected_together(models: &[Model], probe_bytes: u64) -> Option<PeakEstimate> {
+    let mut estimates = models.iter().map(|m| m.expected.as_ref());
+    let first = estimates.next()??.clone();
+    let mut parts = first.parts;
+    for e in estimates {
+        for (sum, part) in parts.iter_mut().zip(&e?.parts) {
+            if part.name != "process" {
+                sum.bytes += part.bytes;
+            }
+        }
+    }
+    let probe = memory::MemoryPart { name: "ceilings probe", memory: Memory::Host, bytes: probe_bytes };
+    parts.push(probe);
+    let sum = |memory: Memory| parts.iter().filter(|p| p.memory == memory).map(|p| p.bytes).sum::<u64>();
+    let host_bytes = sum(Memory::Host);
+    let bytes = if first.device == "cuda" { sum(Memory::Gpu) } else { host_bytes };
+    Some(PeakEstimate { device: first.device, bytes, host_bytes, parts })
+}
+
+/// The measured peak against the expected one, in words.
+fn peak_text(
+    measured: &MeasuredPeak,
+    expected: Option<&PeakEstimate>,
+    device: Device,
+    models: usize,
+) -> String {
+    let of = if models == 1 { "the model".to_string() } else { format!("all {models} models together") };
+    let Some(e) = expected else {
+        return format!("peak memory ({of}): {}; no Plan-based estimate", measured.text());
+    };
+    let ratio = measured
+        .device_bytes(device)
+        .filter(|_| e.bytes > 0)
+        .map(|m| format!(", measured / expected {:.2}", m as f64 / e.bytes as f64))
+        .unwrap_or_default();
+    let memory = if device == Device::Cuda { Memory::Gpu } else { Memory::Host };
+    format!(
+        "peak memory ({of}): {}; expected {:.2} GiB ({}){ratio}",
+        measured.text(),
+        memory::gib(e.bytes),
+        e.parts_text(memory)
+    )
+}
+
 /// The ceilings in words.
 fn ceilings_text(c: &CpuCeilings) -> String {
     format!(
@@ -435,6 +510,8 @@ fn rows(models: &[Model], ceilings: Option<&CpuCeilings>) -> Vec<serde_json::Val
                 "seq_len": m.spec.train.seq_len,
                 "batch": m.spec.train.batch,
                 "final_loss": m.last_loss,
+                "expected_peak_bytes": m.expected.as_ref().map(|e| e.bytes),
+                "expected_peak": m.expected,
                 "times_ms": m.times_ms,
             })
         })
@@ -449,7 +526,7 @@ fn print_table(rows: &[serde_json::Value], args: &Args, device: Device) {
         args.warmup
     );
     println!(
-        "{:<16} {:<9} {:>9} {:>9} {:>12} {:>7} {:>10} {:>6} {:>9} {:>8} {:>10}",
+        "{:<16} {:<9} {:>9} {:>9} {:>12} {:>7} {:>10} {:>6} {:>9} {:>8} {:>10} {:>8}",
         "spec",
         "scheme",
         "ms/step",
@@ -460,7 +537,8 @@ fn print_table(rows: &[serde_json::Value], args: &Args, device: Device) {
         "GB",
         "roofline",
         "of floor",
-        "least ovh"
+        "least ovh",
+        "mem GiB"
     );
     let pct = |r: &serde_json::Value, key: &str| match r[key].as_f64() {
         _ if r["baseline"].as_bool() == Some(true) => "baseline".into(),
@@ -471,7 +549,7 @@ fn print_table(rows: &[serde_json::Value], args: &Args, device: Device) {
         |r: &serde_json::Value, key: &str| r[key].as_f64().map_or_else(|| "-".into(), |v| format!("{v:.1}"));
     for r in rows {
         println!(
-            "{:<16} {:<9} {:>9.2} {:>9.0} {:>12} {:>7.1} {:>10} {:>6} {:>9} {:>8} {:>10}",
+            "{:<16} {:<9} {:>9.2} {:>9.0} {:>12} {:>7.1} {:>10} {:>6} {:>9} {:>8} {:>10} {:>8}",
             r["spec"].as_str().unwrap_or("?"),
             r["scheme"].as_str().unwrap_or("?"),
             r["ms_per_step"].as_f64().unwrap_or(f64::NAN),
@@ -483,9 +561,16 @@ fn print_table(rows: &[serde_json::Value], args: &Args, device: Device) {
             ms(r, "roofline_ms"),
             r["fraction_of_roofline"].as_f64().map_or_else(|| "-".into(), |f| format!("{:.0}%", f * 100.0)),
             pct(r, "least_overhead_pct"),
+            r["expected_peak_bytes"]
+                .as_u64()
+                .map_or_else(|| "-".into(), |b| format!("{:.2}", memory::gib(b))),
         );
     }
     println!("(FLOP ratio: the step's arithmetic against the baseline's, counted from the Plan; the overhead's floor at equal efficiency)");
+    println!(
+        "(mem GiB: the peak memory the model's training steps are expected to hold, counted from its Plan \
+         (`widen check` adds a run's validation and checkpoints))"
+    );
     if device == Device::Cpu {
         println!(
             "(roofline: the Plan's steps each at the larger of FLOPs / peak FLOP rate and bytes / streaming rate, summed, \

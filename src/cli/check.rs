@@ -1,5 +1,7 @@
-//! `widen check SPEC [--json]`: validate a spec and print its cost report
-//! (docs/architecture.md §8; the figures and their conventions are documented in `ir::cost`).
+//! `widen check SPEC [--json] [--device D]`: validate a spec and print its cost report
+//! (docs/architecture.md §8; the figures and their conventions are documented in `ir::cost`)
+//! and the peak memory a training run of it is expected to hold on the device, counted
+//! from the Plan it would run (`runtime::device::memory`, docs/performance.md, "Memory").
 //!
 //! Exit status 0 for a valid spec, 1 when the file cannot be read, is not RON, or
 //! breaks validation rules. With `--json`, stdout is exactly one JSON object in both
@@ -10,10 +12,13 @@
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+use super::train::DeviceArg;
 use ir::cost::{cost_report, gib, training_memory, CostReport, TrainingMemory};
 use ir::lower::LowerError;
 use ir::passes::fused_connection_traffic;
 use ir::spec::{host_memory_bytes, SpecLoadError};
+use runtime::device::memory::{self, Memory, PeakEstimate, Workload};
+use runtime::device::Device;
 use serde_json::{json, Value};
 
 #[derive(clap::Args)]
@@ -26,6 +31,11 @@ pub struct Args {
     /// Set a spec field before checking, as `widen train --set` does (repeatable).
     #[arg(long = "set", value_name = "PATH=VALUE")]
     pub sets: Vec<String>,
+    /// The device whose training memory is reported: its Plan's buffers and what
+    /// the device holds beside them (the reference interpreter has no Plan: the
+    /// closed-form estimate alone).
+    #[arg(long, value_enum, default_value = "cpu")]
+    pub device: DeviceArg,
 }
 
 /// One problem that makes the spec unusable.
@@ -123,6 +133,26 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             return Ok(fail(&args, &[problem]));
         }
     };
+    // The spec fits (the closed form above refused it otherwise): the Plan the
+    // device would run is cheap to build, and its buffers are what it allocates.
+    let device = Device::from(args.device);
+    let peak = match memory::expected_training_peak(&spec, device, Workload::Train) {
+        Ok(peak) => Some(peak),
+        Err(memory::EstimateError::NoPlan) => None,
+        Err(e) => {
+            eprintln!("warning: no Plan-based memory estimate ({e}); the closed-form estimate is shown");
+            None
+        }
+    };
+    if let (Some(peak), Some(available), Device::Cpu) = (&peak, host_memory_bytes(), device) {
+        if peak.bytes > available {
+            eprintln!(
+                "warning: training is expected to need {:.2} GiB at its peak, more than this machine's {:.2} GiB",
+                memory::gib(peak.bytes),
+                memory::gib(available)
+            );
+        }
+    }
     // Fused-kernel traffic next to the unfused count (docs/architecture.md §8): the same batch-1
     // graph, partitioned by the fusion pass.
     let fused = FusedTraffic {
@@ -138,10 +168,11 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                 json!({ "read": fused.this.0, "write": fused.this.1 }),
             );
             map.insert("training_memory".into(), serde_json::to_value(memory)?);
+            map.insert("expected_peak".into(), serde_json::to_value(&peak)?);
         }
         println!("{}", serde_json::to_string_pretty(&value)?);
     } else {
-        print!("{}", table(&args.spec, &report, &fused, &memory));
+        print!("{}", table(&args.spec, &report, &fused, &memory_line(&memory, peak.as_ref())));
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -209,7 +240,41 @@ struct FusedTraffic {
     residual: (f64, f64),
 }
 
-fn table(path: &Path, r: &CostReport, fused: &FusedTraffic, memory: &TrainingMemory) -> String {
+/// The `training` line: the Plan-based peak with its parts where there is
+/// one, else the closed-form estimate's.
+fn memory_line(closed: &TrainingMemory, peak: Option<&PeakEstimate>) -> String {
+    let closed_form = format!(
+        "{:.2} GiB weights, gradients and moments, {:.2} GiB activations",
+        gib(closed.param_bytes),
+        gib(closed.activation_bytes)
+    );
+    let Some(peak) = peak else {
+        return format!(
+            "  training  about {:.2} GiB per step: {closed_form} (closed-form estimate)",
+            gib(closed.total_bytes)
+        );
+    };
+    let plan = format!("{} Plan", peak.device);
+    match peak.device {
+        "cuda" => format!(
+            "  training  about {:.2} GiB per step on the GPU: {}; on the host {:.2} GiB: {} ({plan}; \
+             closed-form estimate {:.2} GiB)",
+            memory::gib(peak.bytes),
+            peak.parts_text(Memory::Gpu),
+            memory::gib(peak.host_bytes),
+            peak.parts_text(Memory::Host),
+            gib(closed.total_bytes)
+        ),
+        _ => format!(
+            "  training  about {:.2} GiB per step: {} ({plan}; closed-form estimate {:.2} GiB)",
+            memory::gib(peak.bytes),
+            peak.parts_text(Memory::Host),
+            gib(closed.total_bytes)
+        ),
+    }
+}
+
+fn table(path: &Path, r: &CostReport, fused: &FusedTraffic, memory_line: &str) -> String {
     let mut out = String::new();
     let mut line = |s: String| {
         out.push_str(s.trim_end());
@@ -221,13 +286,7 @@ fn table(path: &Path, r: &CostReport, fused: &FusedTraffic, memory: &TrainingMem
         "  backbone  D = {}, L = {}, V = {}; counted on the graph at batch 1, T = {}",
         r.d_model, r.layers, r.vocab, r.seq_len
     ));
-    line(format!(
-        "  training  about {:.2} GiB per step: {:.2} GiB weights, gradients and moments, {:.2} GiB activations \
-         (closed-form estimate)",
-        gib(memory.total_bytes),
-        gib(memory.param_bytes),
-        gib(memory.activation_bytes)
-    ));
+    line(memory_line.to_string());
     line(String::new());
 
     let p = &r.params;

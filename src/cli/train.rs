@@ -14,6 +14,7 @@
 
 use anyhow::Context;
 use ir::spec::{load_spec, parse_spec, FieldError, ModelSpec, SpecLoadError};
+use runtime::device::memory::{self, MeasuredPeak, Workload};
 use runtime::device::Device;
 use runtime::dist::Group;
 use runtime::train::{train_spec, Progress, TrainError, TrainOptions};
@@ -206,7 +207,34 @@ fn run_rank(args: &Args, group: Option<&Group>) -> anyhow::Result<ExitCode> {
         report.final_checkpoint.display(),
         report.metrics.display()
     );
+    eprintln!("{}", peak_text(&spec, device, group, &report.peak_memory));
     Ok(ExitCode::SUCCESS)
+}
+
+/// The run's measured peak memory, beside what `widen check --device` expects of
+/// it (its Plan's buffers and what the device holds beside them), which a run
+/// alone on a compiled device can compare: a rank's share of a data-parallel
+/// run is not the spec's Plan.
+fn peak_text(spec: &ModelSpec, device: Device, group: Option<&Group>, measured: &MeasuredPeak) -> String {
+    let mut text = format!("peak memory: {}", measured.text());
+    if group.is_some_and(|g| g.size() > 1) {
+        return text;
+    }
+    match memory::expected_training_peak(spec, device, Workload::Train) {
+        Ok(expected) => {
+            text.push_str(&format!(
+                "; expected {:.2} GiB from the {} Plan",
+                memory::gib(expected.bytes),
+                expected.device
+            ));
+            if let Some(m) = measured.device_bytes(device).filter(|_| expected.bytes > 0) {
+                text.push_str(&format!(" (measured / expected {:.2})", m as f64 / expected.bytes as f64));
+            }
+        }
+        Err(memory::EstimateError::NoPlan) => {}
+        Err(e) => text.push_str(&format!("; no estimate ({e})")),
+    }
+    text
 }
 
 /// `--steps 0`: the initial checkpoint alone (`runtime::train::write_initial`).

@@ -10,6 +10,11 @@
 //! terms per token. The test `ir/tests/cost_memory.rs` checks it against the graph's
 //! counts for every spec in `specs/`.
 //!
+//! It is the guard, not the figure shown: once a spec passes it, `widen check`
+//! prints the peak counted from the compiled Plan and what the device holds
+//! beside it (`runtime::device::memory`, docs/performance.md, "Memory"), which a
+//! run's measured peak is held to.
+//!
 //! All arithmetic is in `f64`: a product of user sizes can only grow to infinity,
 //! never wrap or panic, and any comparison with a limit then refuses it.
 

@@ -71,6 +71,12 @@ impl Probe {
         Probe { threads: threads.max(1), stream: StreamBuffers::new(stream_len()) }
     }
 
+    /// Bytes the memory probe holds for as long as it lives (six buffers; a
+    /// process's peak memory counts them, `super::memory`).
+    pub fn bytes(&self) -> usize {
+        self.stream.bytes()
+    }
+
     /// Both ceilings, each the best of a few runs (a few tenths of a second).
     pub fn measure(&self) -> CpuCeilings {
         let threads = self.threads;

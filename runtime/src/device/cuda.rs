@@ -72,6 +72,7 @@
 //! graph ops, so there are no bf16 shadow copies. Parity tolerances widen to
 //! bf16 level (`runtime::parity::Tolerances::BF16`).
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 #[cfg(feature = "mpi")]
@@ -356,6 +357,8 @@ impl Layout {
 #[derive(Debug)]
 struct Allocation {
     ptr: sys::CUdeviceptr,
+    /// Its size, counted in [`ALLOCATED`] while it lives.
+    bytes: usize,
     ctx: Arc<CudaContext>,
 }
 
@@ -367,7 +370,9 @@ impl Allocation {
         // SAFETY: the context is current (bound by the caller); plain device
         // memory, no managed memory (device README).
         let ptr = unsafe { drv::malloc_sync(bytes) }.map_err(driver(format!("allocating {bytes} bytes")))?;
-        let a = Allocation { ptr, ctx: ctx.clone() };
+        let a = Allocation { ptr, bytes, ctx: ctx.clone() };
+        let now = ALLOCATED.fetch_add(bytes as u64, Ordering::Relaxed) + bytes as u64;
+        ALLOCATED_PEAK.fetch_max(now, Ordering::Relaxed);
         // SAFETY: `ptr` addresses `bytes` bytes just allocated.
         unsafe { drv::memset_d8_async(ptr, 0, bytes, stream.cu_stream()) }.map_err(driver("zeroing"))?;
         Ok(a)
@@ -381,7 +386,21 @@ impl Drop for Allocation {
         self.ctx.record_err(self.ctx.bind_to_thread());
         // SAFETY: allocated by `malloc_sync` and freed once.
         self.ctx.record_err(unsafe { drv::free_sync(self.ptr) });
+        ALLOCATED.fetch_sub(self.bytes as u64, Ordering::Relaxed);
     }
+}
+
+/// Bytes the Cuda devices of this process hold now, and the most they held at
+/// once: every [`Allocation`] (a Plan's buffers and arenas). The CUDA context and
+/// cuBLAS's workspace are the driver's and cuBLAS's own, not counted.
+static ALLOCATED: AtomicU64 = AtomicU64::new(0);
+static ALLOCATED_PEAK: AtomicU64 = AtomicU64::new(0);
+
+/// The most GPU memory the Cuda devices of this process had allocated at once,
+/// in bytes (0 before any device is loaded): the measured counterpart of a Plan's
+/// buffers and arenas (`super::memory`).
+pub fn allocated_peak_bytes() -> u64 {
+    ALLOCATED_PEAK.load(Ordering::Relaxed)
 }
 
 /// A precomputed step of the launch list.

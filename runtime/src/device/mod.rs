@@ -19,6 +19,8 @@
 //! - `plan_update`: training steps whose optimizer update runs in the Plan.
 //! - [`ceilings`]: the host's measured arithmetic and memory rates, which a
 //!   Plan's roofline floor divides by.
+//! - [`memory`]: the peak memory a run on a compiled device is expected to
+//!   hold, counted from its Plan, and the peak it measured.
 //!
 //! This module itself is the factory above the devices: [`Device`] names
 //! one, [`Device::executor`] builds its executor for a lowered model graph.
@@ -26,6 +28,7 @@
 pub mod ceilings;
 pub mod cpu;
 pub mod cuda;
+pub mod memory;
 pub mod plan_check;
 mod plan_io;
 mod plan_update;
