@@ -286,11 +286,12 @@ pub struct TrainReport {
 /// on `device`.
 ///
 /// Before anything is allocated, the spec's estimated training memory must fit this
-/// machine ([`ModelSpec::check_fits`]); validation alone only bounds it by what no
-/// machine holds.
+/// machine ([`crate::device::memory::check_fits`]: the closed form, then the Plan's
+/// expected peak where the closed form alone would refuse); validation alone only bounds
+/// it by what no machine holds.
 pub fn train_spec(spec: &ModelSpec, device: Device, opts: &TrainOptions) -> Result<TrainReport, TrainError> {
     if let Some(bytes) = ir::spec::host_memory_bytes() {
-        spec.check_fits(bytes).map_err(TrainError::TooLarge)?;
+        crate::device::memory::check_fits(spec, bytes, device).map_err(TrainError::TooLarge)?;
     }
     let corpus = Corpus::load(spec)?;
     // Across ranks, each rank's graph takes its shard of the global batch.

@@ -115,11 +115,13 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     // Validation refuses only what no machine holds; before lowering (which allocates
     // parameter inits) the estimate must also fit this machine (README, "What widen guarantees"). Where the
     // memory cannot be read the estimate is still printed.
-    let memory = match host_memory_bytes().map(|bytes| spec.check_fits(bytes)) {
-        Some(Ok(memory)) => memory,
-        Some(Err(e)) => return Ok(fail(&args, &[Problem { path: e.path, message: e.message, at: None }])),
-        None => training_memory(&spec),
-    };
+    // The closed form first; where it alone would refuse, the Plan's expected peak
+    // decides (`runtime::device::memory::check_fits`).
+    let fits = host_memory_bytes().map(|bytes| memory::check_fits(&spec, bytes, Device::from(args.device)));
+    if let Some(Err(e)) = fits {
+        return Ok(fail(&args, &[Problem { path: e.path, message: e.message, at: None }]));
+    }
+    let memory = training_memory(&spec);
     let report = match cost_report(&spec) {
         Ok(report) => report,
         Err(LowerError::Invalid(errors)) => {
@@ -133,8 +135,8 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             return Ok(fail(&args, &[problem]));
         }
     };
-    // The spec fits (the closed form above refused it otherwise): the Plan the
-    // device would run is cheap to build, and its buffers are what it allocates.
+    // The spec fits (refused above otherwise): the Plan the device would run is cheap
+    // to build, and its buffers are what it allocates.
     let device = Device::from(args.device);
     let peak = match memory::expected_training_peak(&spec, device, Workload::Train) {
         Ok(peak) => Some(peak),

@@ -20,12 +20,14 @@ pub use backbone::Backbone;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-/// Refuses a spec whose estimated training memory exceeds this machine's, before
-/// any graph is lowered or buffer allocated (`ModelSpec::check_fits`). Where the
+/// Refuses a spec whose estimated training memory on the Cpu device exceeds this
+/// machine's, before any buffer is allocated (`runtime::device::memory::check_fits`: the
+/// closed form, then the Plan where the closed form alone would refuse). Where the
 /// machine's memory cannot be read, the spec's validation ceiling is the only bound.
 pub fn fits_this_machine(spec: &ir::spec::ModelSpec) -> anyhow::Result<()> {
     if let Some(bytes) = ir::spec::host_memory_bytes() {
-        spec.check_fits(bytes).map_err(|e| anyhow::anyhow!("{}: {}", e.path, e.message))?;
+        runtime::device::memory::check_fits(spec, bytes, runtime::device::Device::Cpu)
+            .map_err(|e| anyhow::anyhow!("{}: {}", e.path, e.message))?;
     }
     Ok(())
 }

@@ -9,7 +9,7 @@
 //! allocation it stands for:
 //!
 //! - the Plan's persistent buffers (parameters, gradients, optimizer moments,
-//!   inputs, outputs such as the logits, constants) and its scratch arenas, one
+//!   inputs, outputs, constants) and its scratch arenas, one
 //!   per element type, laid out as [`super::cpu`] and [`super::cuda`] do;
 //! - the trainer's own f32 copy of the parameters (`crate::params::ParamSet`);
 //! - the host optimizer's state (`crate::optim::Optimizer`): allocated zeroed
@@ -17,8 +17,7 @@
 //!   host update (Muon, or any step the Plan's AdamW does not take) every step,
 //!   and by the moments read back from the Plan before each checkpoint;
 //! - what a run copies for a moment: a checkpoint encodes one tensor at a time
-//!   (`crate::checkpoint`), and validating a model with MTP modules reads the
-//!   logits back to the host;
+//!   (`crate::checkpoint`);
 //! - the training data held in memory (text and the synthetic corpus; token
 //!   shards are memory-mapped, their pages resident as windows are read);
 //! - the process itself: code, libraries, the loaded kernel module, thread
@@ -227,18 +226,10 @@ pub fn expected_peak(
         parts.push(MemoryPart { name: "host optimizer state", memory: Memory::Host, bytes: state });
     }
     if workload == Workload::Train {
-        // One at a time: the checkpoint's encoded tensor, or the logits a
-        // validation batch reads back (models with MTP modules, whose training
-        // loss is not the validation loss).
-        let logits = match spec.mtp.depth {
-            0 => 0,
-            _ => plan
-                .find(&BufferRole::Output { name: "logits".into() })
-                .map_or(0, |id| plan.buffers[id.0].len as u64 * 4),
-        };
-        let (name, bytes) =
-            if logits > largest { ("validation logits", logits) } else { ("checkpoint tensor", largest) };
-        parts.push(MemoryPart { name, memory: Memory::Host, bytes });
+        // The checkpoint encodes one tensor at a time. (Validation reads the
+        // `loss_main` output, never the logits, which the training Plan does not
+        // hold: docs/math.md §1.7.)
+        parts.push(MemoryPart { name: "checkpoint tensor", memory: Memory::Host, bytes: largest });
     }
     let data = match &spec.train.data {
         DataSpec::Synthetic(_) => crate::data::SYNTHETIC_BYTES as u64,
@@ -361,5 +352,43 @@ mod tests {
         let cpu = PlanMemory::of(&plan, Device::Cpu);
         assert_eq!(cpu.persistent_bytes, 440);
         assert_eq!(cpu.arena_bytes, (300 + 64) * 4 + (12 + 64) * 8 + 64 * 2 + 64 * 4);
+    }
+}
+
+/// How far above the machine's memory the closed-form estimate may lie before a spec is
+/// refused without consulting its Plan. The closed form overcounts activations (every
+/// stored op output of the unfused graph: 22 GiB at GPT-2-small mHC, whose Plan needs
+/// 11.6 GiB), and lowering a spec within this factor of the machine is cheap (the graph,
+/// no parameter values); beyond it, refusing on the closed form alone is safe.
+pub const CLOSED_FORM_SLACK: f64 = 4.0;
+
+/// Whether training `spec` on `device` fits in `available` bytes of host memory, checked
+/// before anything is allocated for it. The closed form
+/// ([`ModelSpec::check_fits`]) passes most specs at once; one it puts above the machine,
+/// but within [`CLOSED_FORM_SLACK`] of it, is judged by its Plan's expected peak
+/// ([`expected_training_peak`]; the host's share on the Cuda device). The error names the
+/// field of the largest share, as the closed form's does.
+pub fn check_fits(spec: &ModelSpec, available: u64, device: Device) -> Result<(), ir::spec::FieldError> {
+    let Err(closed) = spec.check_fits(available) else { return Ok(()) };
+    let estimate = ir::cost::training_memory(spec).total_bytes;
+    if device == Device::Reference || estimate > CLOSED_FORM_SLACK * available as f64 {
+        return Err(closed);
+    }
+    match expected_training_peak(spec, device, Workload::Train) {
+        Ok(peak) if peak.host_bytes <= available => Ok(()),
+        Ok(peak) => Err(ir::spec::FieldError {
+            path: closed.path.clone(),
+            message: format!(
+                "training needs about {:.1} GiB on the host (its {} Plan: {}), above the {:.1} GiB of memory \
+                 available (reduce `{}`)",
+                gib(peak.host_bytes),
+                peak.device,
+                peak.parts_text(Memory::Host),
+                gib(available),
+                closed.path
+            ),
+        }),
+        // A spec that does not lower has its own error where it is built.
+        Err(_) => Err(closed),
     }
 }
