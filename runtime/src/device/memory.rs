@@ -304,6 +304,44 @@ impl MeasuredPeak {
     }
 }
 
+/// How far above the machine's memory the closed-form estimate may lie before a spec is
+/// refused without consulting its Plan. The closed form overcounts activations (every
+/// stored op output of the unfused graph: 22 GiB at GPT-2-small mHC, whose Plan needs
+/// 11.6 GiB), and lowering a spec within this factor of the machine is cheap (the graph,
+/// no parameter values); beyond it, refusing on the closed form alone is safe.
+pub const CLOSED_FORM_SLACK: f64 = 4.0;
+
+/// Whether training `spec` on `device` fits in `available` bytes of host memory, checked
+/// before anything is allocated for it. The closed form
+/// ([`ModelSpec::check_fits`]) passes most specs at once; one it puts above the machine,
+/// but within [`CLOSED_FORM_SLACK`] of it, is judged by its Plan's expected peak
+/// ([`expected_training_peak`]; the host's share on the Cuda device). The error names the
+/// field of the largest share, as the closed form's does.
+pub fn check_fits(spec: &ModelSpec, available: u64, device: Device) -> Result<(), ir::spec::FieldError> {
+    let Err(closed) = spec.check_fits(available) else { return Ok(()) };
+    let estimate = ir::cost::training_memory(spec).total_bytes;
+    if device == Device::Reference || estimate > CLOSED_FORM_SLACK * available as f64 {
+        return Err(closed);
+    }
+    match expected_training_peak(spec, device, Workload::Train) {
+        Ok(peak) if peak.host_bytes <= available => Ok(()),
+        Ok(peak) => Err(ir::spec::FieldError {
+            path: closed.path.clone(),
+            message: format!(
+                "training needs about {:.1} GiB on the host (its {} Plan: {}), above the {:.1} GiB of memory \
+                 available (reduce `{}`)",
+                gib(peak.host_bytes),
+                peak.device,
+                peak.parts_text(Memory::Host),
+                gib(available),
+                closed.path
+            ),
+        }),
+        // A spec that does not lower has its own error where it is built.
+        Err(_) => Err(closed),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -352,43 +390,5 @@ mod tests {
         let cpu = PlanMemory::of(&plan, Device::Cpu);
         assert_eq!(cpu.persistent_bytes, 440);
         assert_eq!(cpu.arena_bytes, (300 + 64) * 4 + (12 + 64) * 8 + 64 * 2 + 64 * 4);
-    }
-}
-
-/// How far above the machine's memory the closed-form estimate may lie before a spec is
-/// refused without consulting its Plan. The closed form overcounts activations (every
-/// stored op output of the unfused graph: 22 GiB at GPT-2-small mHC, whose Plan needs
-/// 11.6 GiB), and lowering a spec within this factor of the machine is cheap (the graph,
-/// no parameter values); beyond it, refusing on the closed form alone is safe.
-pub const CLOSED_FORM_SLACK: f64 = 4.0;
-
-/// Whether training `spec` on `device` fits in `available` bytes of host memory, checked
-/// before anything is allocated for it. The closed form
-/// ([`ModelSpec::check_fits`]) passes most specs at once; one it puts above the machine,
-/// but within [`CLOSED_FORM_SLACK`] of it, is judged by its Plan's expected peak
-/// ([`expected_training_peak`]; the host's share on the Cuda device). The error names the
-/// field of the largest share, as the closed form's does.
-pub fn check_fits(spec: &ModelSpec, available: u64, device: Device) -> Result<(), ir::spec::FieldError> {
-    let Err(closed) = spec.check_fits(available) else { return Ok(()) };
-    let estimate = ir::cost::training_memory(spec).total_bytes;
-    if device == Device::Reference || estimate > CLOSED_FORM_SLACK * available as f64 {
-        return Err(closed);
-    }
-    match expected_training_peak(spec, device, Workload::Train) {
-        Ok(peak) if peak.host_bytes <= available => Ok(()),
-        Ok(peak) => Err(ir::spec::FieldError {
-            path: closed.path.clone(),
-            message: format!(
-                "training needs about {:.1} GiB on the host (its {} Plan: {}), above the {:.1} GiB of memory \
-                 available (reduce `{}`)",
-                gib(peak.host_bytes),
-                peak.device,
-                peak.parts_text(Memory::Host),
-                gib(available),
-                closed.path
-            ),
-        }),
-        // A spec that does not lower has its own error where it is built.
-        Err(_) => Err(closed),
     }
 }
