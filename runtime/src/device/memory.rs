@@ -347,6 +347,33 @@ mod tests {
     use super::*;
     use codegen::plan::{BufferDecl, BufferId};
 
+    /// Between the Plan's peak and the closed form, the Plan decides; below the Plan's
+    /// peak the error names the field and the Plan; past the slack the closed form
+    /// refuses without lowering.
+    #[test]
+    fn the_plan_judges_a_spec_the_closed_form_alone_would_refuse() {
+        let mut spec = ModelSpec { vocab: 4096, d_model: 64, layers: 2, heads: 2, ..ModelSpec::default() };
+        spec.train.batch = 16;
+        spec.train.seq_len = 256;
+        let closed = ir::cost::training_memory(&spec).total_bytes;
+        let plan = expected_training_peak(&spec, Device::Cpu, Workload::Train).expect("plan").host_bytes;
+        assert!((plan as f64) < closed, "the closed form bounds the Plan: {plan} vs {closed}");
+        let between = ((plan as f64 + closed) / 2.0) as u64;
+        assert!(spec.check_fits(between).is_err(), "the closed form alone refuses");
+        assert!(check_fits(&spec, between, Device::Cpu).is_ok(), "the Plan fits");
+        let e = check_fits(&spec, plan - 1, Device::Cpu).expect_err("the Plan does not fit");
+        assert!(
+            e.message.starts_with("training needs about") && e.message.contains("cpu Plan"),
+            "{}",
+            e.message
+        );
+        assert_eq!(e.path, spec.check_fits(plan - 1).expect_err("closed form").path);
+        let far = (closed / (2.0 * CLOSED_FORM_SLACK)) as u64;
+        let e = check_fits(&spec, far, Device::Cpu).expect_err("far too large");
+        assert!(!e.message.contains("Plan"), "refused on the closed form alone: {}", e.message);
+        assert!(check_fits(&spec, between, Device::Reference).is_err(), "the reference runs no Plan");
+    }
+
     #[test]
     fn reads_vm_hwm_in_kilobytes() {
         let status = "Name:\twiden\nVmPeak:\t  900 kB\nVmHWM:\t   26552 kB\nVmRSS:\t 100 kB\n";
