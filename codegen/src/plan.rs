@@ -82,6 +82,37 @@ pub struct Gemm<B = BufferId> {
 }
 
 impl<B> Gemm<B> {
+    /// One product (batch 1) of `(m, n, k)` over sub-blocks of the buffers at `offsets`:
+    /// a grouped product's group, a chunk of the fused vocabulary loss.
+    #[allow(clippy::too_many_arguments)]
+    pub fn single(
+        a: B,
+        b: B,
+        c: B,
+        (m, n, k): (usize, usize, usize),
+        trans_a: bool,
+        trans_b: bool,
+        offsets: [usize; 3],
+        accumulate: bool,
+    ) -> Gemm<B> {
+        Gemm {
+            a,
+            b,
+            c,
+            batch: 1,
+            m,
+            n,
+            k,
+            trans_a,
+            trans_b,
+            stride_a: 0,
+            stride_b: 0,
+            stride_c: 0,
+            offsets,
+            accumulate,
+        }
+    }
+
     /// The same product over other buffer handles.
     pub fn map_buffers<C>(self, mut f: impl FnMut(B) -> C) -> Gemm<C> {
         Gemm {
@@ -256,21 +287,8 @@ impl<B: Copy> GroupedGemm<B> {
                 }
                 continue;
             }
-            let plain = |a, b, c, (m, n, k), trans_a, trans_b, offsets| Gemm {
-                a,
-                b,
-                c,
-                batch: 1,
-                m,
-                n,
-                k,
-                trans_a,
-                trans_b,
-                stride_a: 0,
-                stride_b: 0,
-                stride_c: 0,
-                offsets,
-                accumulate: false,
+            let plain = |a, b, c, mnk, trans_a, trans_b, offsets| {
+                Gemm::single(a, b, c, mnk, trans_a, trans_b, offsets, false)
             };
             gemms.push(match (self.form, self.trans_b) {
                 // y_e [count, n] = x_e [count, k] · w_e ([k, n], or [n, k] transposed).

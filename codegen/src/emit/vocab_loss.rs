@@ -82,7 +82,7 @@ impl Dims {
     }
 }
 
-/// A single (batch 1) library product.
+/// A single (batch 1) library product ([`crate::plan::Gemm::single`]).
 #[allow(clippy::too_many_arguments)]
 fn gemm(
     a: Arg,
@@ -96,22 +96,32 @@ fn gemm(
     offsets: [usize; 3],
     accumulate: bool,
 ) -> Work {
-    Work::Gemm(GemmCall {
-        a,
-        b,
-        c,
-        batch: 1,
-        m,
-        n,
-        k,
-        trans_a,
-        trans_b,
-        stride_a: 0,
-        stride_b: 0,
-        stride_c: 0,
-        offsets,
-        accumulate,
-    })
+    Work::Gemm(GemmCall::single(a, b, c, (m, n, k), trans_a, trans_b, offsets, accumulate))
+}
+
+/// What the forward and the gradients share: the sizes, the temporaries, the steps
+/// that put x and w in memory (when they are views), their buffers and the chunk's
+/// logits buffer.
+struct Operands {
+    d: Dims,
+    temps: Temps,
+    steps: Vec<Work>,
+    x: Arg,
+    w: Arg,
+    l: Arg,
+}
+
+impl Operands {
+    fn of(graph: &Graph, id: NodeId, name: &str, target: Target) -> Result<Operands, EmitError> {
+        let d = Dims::of(graph, id)?;
+        let inputs = graph.inputs(id);
+        let mut temps = Temps::default();
+        let mut steps = Vec::new();
+        let x = memory(graph, inputs[0], name, &mut temps, &mut steps, target)?;
+        let w = memory(graph, inputs[1], name, &mut temps, &mut steps, target)?;
+        let l = temps.add(d.chunk.min(d.rows) * d.v, d.dtype);
+        Ok(Operands { d, temps, steps, x, w, l })
+    }
 }
 
 /// What a chunk's row kernel does with its row of logits.
@@ -238,13 +248,7 @@ pub(super) fn linear_cross_entropy(
     name: &str,
     target: Target,
 ) -> Result<Lowering, EmitError> {
-    let d = Dims::of(graph, id)?;
-    let inputs = graph.inputs(id);
-    let mut temps = Temps::default();
-    let mut steps = Vec::new();
-    let x = memory(graph, inputs[0], name, &mut temps, &mut steps, target)?;
-    let w = memory(graph, inputs[1], name, &mut temps, &mut steps, target)?;
-    let l = temps.add(d.chunk.min(d.rows) * d.v, d.dtype);
+    let Operands { d, mut temps, mut steps, x, w, l } = Operands::of(graph, id, name, target)?;
     let losses = temps.add(d.rows, d.dtype);
     for (i, c) in d.chunks().into_iter().enumerate() {
         steps.push(d.logits(x, w, l, c));
@@ -283,26 +287,12 @@ pub fn linear_cross_entropy_grads(
     target: Target,
 ) -> Result<Lowering, EmitError> {
     let id = super::first_requested(&outs, "linear_cross_entropy_grad", "gradient")?;
-    let d = Dims::of(graph, id)?;
-    let inputs = graph.inputs(id);
-    let mut temps = Temps::default();
-    let mut steps = Vec::new();
-    let x = memory(graph, inputs[0], name, &mut temps, &mut steps, target)?;
-    let w = memory(graph, inputs[1], name, &mut temps, &mut steps, target)?;
-    let l = temps.add(d.chunk.min(d.rows) * d.v, d.dtype);
+    let Operands { d, temps, mut steps, x, w, l } = Operands::of(graph, id, name, target)?;
+    let dy = graph.inputs(id)[3];
     for (i, c @ (r0, rc)) in d.chunks().into_iter().enumerate() {
         steps.push(d.logits(x, w, l, c));
-        let kernel = rows_kernel(
-            graph,
-            id,
-            &d,
-            &format!("{name}_c{i}"),
-            &temps,
-            l,
-            c,
-            RowWork::Grad(inputs[3]),
-            target,
-        )?;
+        let kernel =
+            rows_kernel(graph, id, &d, &format!("{name}_c{i}"), &temps, l, c, RowWork::Grad(dy), target)?;
         steps.push(kernel);
         if let Some(dx) = outs[0] {
             // dx_c [rc, D] = G [rc, V] · wᵀ (w [D, V]), or G · w (w [V, D]).
