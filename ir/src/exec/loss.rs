@@ -10,6 +10,14 @@ pub(crate) fn log_sum_exp<T: Float>(x: &[T]) -> T {
     m + x.iter().fold(T::zero(), |s, &v| s + (v - m).exp()).ln()
 }
 
+/// The class a target names, or the error for one outside `0..v`.
+fn target_class(target: i32, v: usize) -> Result<usize, String> {
+    usize::try_from(target)
+        .ok()
+        .filter(|&c| c < v)
+        .ok_or_else(|| format!("target {target} is out of range for {v} classes"))
+}
+
 /// Mean over all positions of -log softmax(logits)[target] = logsumexp - logit[target].
 /// A target outside 0..V is an error, not a silent zero.
 pub(crate) fn softmax_cross_entropy<T: Float>(
@@ -20,10 +28,7 @@ pub(crate) fn softmax_cross_entropy<T: Float>(
     let mut total = T::zero();
     if v > 0 {
         for (row, &target) in logits.data.chunks_exact(v).zip(&targets.data) {
-            let class = usize::try_from(target)
-                .ok()
-                .filter(|&c| c < v)
-                .ok_or_else(|| format!("target {target} is out of range for {v} classes"))?;
+            let class = target_class(target, v)?;
             total += log_sum_exp(row) - row[class];
         }
     }
@@ -76,10 +81,7 @@ pub(crate) fn linear_cross_entropy_grad<T: Float>(
         T::from_f64(scale) * dy.data.first().copied().unwrap_or_else(T::zero) / T::from_f64(rows as f64);
     if v > 0 {
         for (row, &target) in g.data.chunks_exact_mut(v).zip(&targets.data) {
-            let class = usize::try_from(target)
-                .ok()
-                .filter(|&c| c < v)
-                .ok_or_else(|| format!("target {target} is out of range for {v} classes"))?;
+            let class = target_class(target, v)?;
             let logits = row.to_vec();
             super::reduce::softmax_row(&logits, row);
             row[class] -= T::one();
