@@ -760,24 +760,25 @@ fn weight_gradient_is_one_gemm_over_every_token() {
 fn attention_gradients_share_one_lowering() {
     for rope in [None, Some(10000.0)] {
         let mut g = Graph::new();
-        let q = param(&mut g, "q", &[2, 6, 4, 4]);
-        let k = param(&mut g, "k", &[2, 6, 2, 4]);
-        let v = param(&mut g, "v", &[2, 6, 2, 4]);
-        let d = param(&mut g, "d", &[2, 6, 4, 4]);
+        let q = param(&mut g, "q", &[2, 24, 4, 4]);
+        let k = param(&mut g, "k", &[2, 24, 2, 4]);
+        let v = param(&mut g, "v", &[2, 24, 2, 4]);
+        let d = param(&mut g, "d", &[2, 24, 4, 4]);
         for (wrt, name) in ["dq", "dk", "dv"].iter().enumerate() {
             let op = Op::CausalAttentionGrad { scale: 0.5, rope_base: rope, wrt };
             let grad = add(&mut g, op, &[q, k, v, d]);
             g.set_output(name, grad);
         }
         for plan in both_partitions(&g, 1e-4, &format!("attention grads rope {rope:?}")) {
-            assert_eq!(kernels_ending(&plan, "_softmax"), 1, "the softmax statistics are computed once");
+            // 4 query blocks of 6 rows at T = 24 (codegen::emit::query_block_rows).
+            assert_eq!(kernels_ending(&plan, "_softmax"), 4, "the softmax statistics once per query block");
             assert_eq!(kernels_ending(&plan, "_prep"), 1);
-            // S, dP, dQ, dK, dV, each one GEMM per causal query block (2 blocks of 3 rows at
-            // T = 6), together 3/4 of the full 6×6 products' multiply-adds.
+            // S, dP, dQ, dK, dV, each one GEMM per query block over its key prefix
+            // (6, 12, 18, 24 keys), together 5/8 of the full 24×24 products' multiply-adds.
             let gemms = gemms(&plan);
-            assert_eq!(gemms.len(), 5 * 2, "S, dP, dQ, dK, dV per block");
+            assert_eq!(gemms.len(), 5 * 4, "S, dP, dQ, dK, dV per block");
             let macs: usize = gemms.iter().map(|g| g.batch * g.m * g.n * g.k).sum();
-            assert_eq!(macs, 5 * 8 * 6 * 6 * 4 * 3 / 4, "only the key prefix of each query block");
+            assert_eq!(macs, 5 * 8 * 24 * 24 * 4 * 5 / 8, "only the key prefix of each query block");
         }
     }
 }

@@ -1,37 +1,45 @@
 //! Causal attention and its gradients as library GEMMs around small row
-//! kernels (docs/math.md §1.3, §1.4; docs/architecture.md §5 "heavy ops are kernels of their
-//! own").
+//! kernels, one block of query rows at a time (docs/math.md §1.3, §1.4;
+//! docs/architecture.md §5 "heavy ops are kernels of their own").
 //!
 //! The operands are first copied to head-major rows `[B, H, T, dh]` (RoPE
 //! applied, key/value heads repeated per query head), so that every (b, h) is
-//! one contiguous matrix. Then, per (b, h):
+//! one contiguous matrix. The queries then split into blocks of at most
+//! `tq` rows ([`query_block_rows`]); block `i`, rows `[i·tq, i·tq + r)`, only
+//! meets the key prefix `[0, i·tq + r)` (every later key is masked). Per
+//! block, for every (b, h) at once:
 //!
-//! - forward: `S = Q·Kᵀ` (GEMM), a row kernel turns `S` into the causal
-//!   softmax `P` (scale, max, Σ exp, masked entries 0), `O = P·V` (GEMM), and
-//!   a kernel copies `O` back to `[B, T, H, dh]`;
-//! - backward: `S = Q·Kᵀ` and `dP = dO·Vᵀ` (GEMMs), one row kernel computes
-//!   the softmax statistics once and writes both `P` and
+//! - forward: `S = Q_i·K_{<e}ᵀ` (GEMM), a row kernel turns `S` into the
+//!   causal softmax `P` (scale, max, Σ exp, masked entries 0), `O_i = P·V_{<e}`
+//!   (GEMM); after the last block a kernel copies `O` back to `[B, T, H, dh]`;
+//! - backward, last block first: `S` and `dP = dO_i·V_{<e}ᵀ` (GEMMs), one row
+//!   kernel computes the softmax statistics and writes both `P` and
 //!   `dS = P ⊙ (dP − rowsum(P ⊙ dP)) · scale` (FlashAttention's form, the
-//!   row sum being `rowsum(dO ⊙ O)`), then `dQ = dS·K`, `dK = dSᵀ·Q`,
-//!   `dV = Pᵀ·dO` (GEMMs) for whichever of the three gradients are wanted;
-//!   the copies back sum the query heads of each key/value head and undo
-//!   RoPE (its VJP is the inverse rotation).
+//!   row sum being `rowsum(dO ⊙ O)`), then `dQ_i = dS·K_{<e}` (GEMM) and
+//!   `dK_{<e} += dSᵀ·Q_i`, `dV_{<e} += Pᵀ·dO_i` (GEMMs; the last block, whose
+//!   prefix is every key, overwrites) for whichever of the three gradients are
+//!   wanted; the copies back sum the query heads of each key/value head and
+//!   undo RoPE (its VJP is the inverse rotation).
 //!
-//! Causal blocks: the queries split into `nb` blocks of `tb` rows, and query
-//! block `i` only meets the key prefix `[0, (i+1)·tb)` (every later key is
-//! masked). Its scores are stored as one packed `[tb, (i+1)·tb]` matrix, the
-//! blocks of one (b, h) back to back, so every product above is one GEMM per
-//! block over packed operands at an offset: `(nb+1)/(2·nb)` of the full
-//! matrices' work (5/8 with 4 blocks). Entries above the diagonal inside a
-//! block are written as zeros so they contribute nothing.
+//! Every block reuses one score buffer (and, backward, one dP buffer) of
+//! `B·H·tq·T` elements: memory linear in the sequence, where the whole
+//! score matrix is `B·H·T²` (docs/math.md §1.4: at GPT-2 small, 25 MB per
+//! buffer instead of 400 MB). Each row's softmax is exact over its whole key
+//! prefix, so no running maximum is needed; the backward pass recomputes the
+//! probabilities block by block from q and k, and the forward keeps only its
+//! output. The products do `(nb+1)/(2·nb)` of the full matrices' work for `nb`
+//! equal blocks; entries above the diagonal inside a block are written as
+//! zeros so they contribute nothing.
 //!
 //! On the CPU the steps from the copies in to the last head-major product
 //! form a [`crate::plan::Chain`] of one entry per (b, h), which the Cpu device
-//! runs a head at a time: a head's operands, scores and products (about
-//! 300 KB at T = 256, dh = 64) then stay in its core's cache from one step to
-//! the next, where step by step each GEMM and row kernel streamed every head
-//! through memory. The backward pass computes all its products before its
-//! copies back (item (b, t, head), not head-major), which stay outside.
+//! runs a head at a time: a head's operands, its block of scores and its
+//! products (about 600 KB at T = 1024, dh = 64) then stay in its core's cache
+//! from one step to the next, where step by step each GEMM and row kernel
+//! streamed every head through memory. Each (b, h) owns its slab of the score
+//! buffers, so the heads that different threads run never share one. The
+//! backward pass computes all its products before its copies back (item
+//! (b, t, head), not head-major), which stay outside.
 
 use ir::graph::{Graph, NodeId, Op};
 use ir::DType;
@@ -40,6 +48,30 @@ use super::buffers::Kb;
 use super::folds::{fold_dynamic, maximum, shift_maximum};
 use super::{ix, lit, Arg, ChainWorks, EmitError, GemmCall, Lowering, Names, Target, Temps, Work};
 use crate::kernel::{f64, i64, item, lane, select, Access, Block, Buf, Combine, Expr, Grid, Ty, Unroll};
+
+/// Most query rows per block on the CPU: a (b, h)'s block of scores at
+/// T = 1024 is 256 KB, within a core's L2 with the head's operands.
+const CPU_BLOCK_ROWS: usize = 64;
+
+/// Most query rows per block on the GPU: fewer, larger batched GEMMs (one
+/// launch per block and product), the score buffer still linear in T.
+const CUDA_BLOCK_ROWS: usize = 128;
+
+/// Query rows per causal block at sequence length `t`: a quarter of the
+/// sequence, at most the target's block rows, and the whole sequence when it
+/// is at most 16 tokens (its full score matrix is smaller than the GEMM calls
+/// the blocks would add).
+pub fn query_block_rows(t: usize, target: Target) -> usize {
+    let most = match target {
+        Target::Cpu => CPU_BLOCK_ROWS,
+        Target::Cuda => CUDA_BLOCK_ROWS,
+    };
+    if t <= 16 {
+        t.max(1)
+    } else {
+        t.div_ceil(4).min(most)
+    }
+}
 
 /// Sizes and options of one attention node: q [B, T, H, dh], k and v [B, T, Hkv, dh].
 #[derive(Debug, Clone, Copy)]
@@ -52,10 +84,27 @@ struct Dims {
     scale: f64,
     rope: Option<f64>,
     dtype: DType,
+    /// Query rows per block ([`query_block_rows`]).
+    tq: usize,
+}
+
+/// Query rows `[start, start + rows)` of every (b, h), against the keys `[0, keys())`.
+#[derive(Debug, Clone, Copy)]
+struct QueryBlock {
+    index: usize,
+    start: usize,
+    rows: usize,
+}
+
+impl QueryBlock {
+    /// The key prefix the block's rows see: up to its last row.
+    fn keys(&self) -> usize {
+        self.start + self.rows
+    }
 }
 
 impl Dims {
-    fn of(graph: &Graph, id: NodeId) -> Result<Dims, EmitError> {
+    fn of(graph: &Graph, id: NodeId, target: Target) -> Result<Dims, EmitError> {
         let node = graph.node(id);
         let (Op::CausalAttention { scale, rope_base: rope }
         | Op::CausalAttentionGrad { scale, rope_base: rope, .. }) = node.op
@@ -64,7 +113,18 @@ impl Dims {
         };
         let inputs = graph.inputs(id);
         let (qd, kd) = (graph.node(inputs[0]).shape.dims(), graph.node(inputs[1]).shape.dims());
-        let d = Dims { b: qd[0], t: qd[1], h: qd[2], hkv: kd[2], dh: qd[3], scale, rope, dtype: node.dtype };
+        let t = qd[1];
+        let d = Dims {
+            b: qd[0],
+            t,
+            h: qd[2],
+            hkv: kd[2],
+            dh: qd[3],
+            scale,
+            rope,
+            dtype: node.dtype,
+            tq: query_block_rows(t, target),
+        };
         if d.rope.is_some() && d.dh % 2 == 1 {
             return Err(EmitError::at(id, &node.op, format!("RoPE needs an even head dim, got {}", d.dh)));
         }
@@ -85,36 +145,24 @@ impl Dims {
         self.rows() * self.dh
     }
 
-    /// Elements of the causal score blocks of every (b, h).
+    /// The causal query blocks, first rows first.
+    fn blocks(&self) -> Vec<QueryBlock> {
+        (0..self.t.div_ceil(self.tq))
+            .map(|index| {
+                let start = index * self.tq;
+                QueryBlock { index, start, rows: self.tq.min(self.t - start) }
+            })
+            .collect()
+    }
+
+    /// Score elements of one (b, h) entry: the largest block's `[rows, keys]`.
+    fn slab(&self) -> usize {
+        self.blocks().iter().map(|q| q.rows * q.keys()).max().unwrap_or(1)
+    }
+
+    /// Elements of a score buffer, one slab per (b, h).
     fn scores(&self) -> usize {
         self.b * self.h * self.slab()
-    }
-
-    /// Query blocks of the causal layout: several for sequences long enough to
-    /// amortize the extra GEMM calls, a single full block otherwise.
-    fn blocks(&self) -> usize {
-        match self.t {
-            t if t >= 512 && t % 8 == 0 => 8,
-            t if t >= 64 && t % 4 == 0 => 4,
-            t if t >= 4 && t % 2 == 0 => 2,
-            _ => 1,
-        }
-    }
-
-    /// Query rows per block.
-    fn block_rows(&self) -> usize {
-        self.t / self.blocks()
-    }
-
-    /// Offset of query block `i`'s packed scores within one (b, h) entry.
-    fn block_offset(&self, i: usize) -> usize {
-        let tb = self.block_rows();
-        tb * tb * i * (i + 1) / 2
-    }
-
-    /// Score elements of one (b, h) entry: the packed blocks `[tb, (i+1)·tb]`.
-    fn slab(&self) -> usize {
-        self.block_offset(self.blocks())
     }
 
     fn half(&self) -> usize {
@@ -123,73 +171,61 @@ impl Dims {
 
     /// The head-major steps `works` as a chain of one entry per (b, h) on the
     /// CPU: the copies in, the row kernels and the GEMMs all address one
-    /// (b, h) per run of `T` items or per batch entry. The copies back (item
+    /// (b, h) per run of items or per batch entry. The copies back (item
     /// = (b, t, head)) are not part of it. The GPU runs steps whole.
     fn chain(&self, works: std::ops::Range<usize>, target: Target) -> Option<ChainWorks> {
         (target == Target::Cpu && self.dtype == DType::F32)
             .then(|| ChainWorks { works, entries: self.b * self.h })
     }
 
-    /// `S = x·yᵀ` per (b, h) (scores or dP): query block `i` against its key prefix.
-    fn scores_gemm(&self, x: Arg, y: Arg, out: Arg) -> Vec<Work> {
-        let (t, dh, tb) = (self.t, self.dh, self.block_rows());
-        (0..self.blocks())
-            .map(|i| {
-                Work::Gemm(GemmCall {
-                    a: x,
-                    b: y,
-                    c: out,
-                    batch: self.b * self.h,
-                    m: tb,
-                    n: (i + 1) * tb,
-                    k: dh,
-                    trans_a: false,
-                    trans_b: true,
-                    stride_a: t * dh,
-                    stride_b: t * dh,
-                    stride_c: self.slab(),
-                    offsets: [i * tb * dh, 0, self.block_offset(i)],
-                    accumulate: false,
-                })
-            })
-            .collect()
+    /// `S = x_i·y_{<e}ᵀ` per (b, h) (scores or dP) for query block `q`.
+    fn scores_gemm(&self, q: QueryBlock, x: Arg, y: Arg, out: Arg) -> Work {
+        let (t, dh) = (self.t, self.dh);
+        Work::Gemm(GemmCall {
+            a: x,
+            b: y,
+            c: out,
+            batch: self.b * self.h,
+            m: q.rows,
+            n: q.keys(),
+            k: dh,
+            trans_a: false,
+            trans_b: true,
+            stride_a: t * dh,
+            stride_b: t * dh,
+            stride_c: self.slab(),
+            offsets: [q.start * dh, 0, 0],
+            accumulate: false,
+        })
     }
 
-    /// `out = s·y` per (b, h), or `out = sᵀ·y` when `trans`, over the causal blocks of `s`.
-    /// Forward, query block `i` reads its key prefix of `y`; transposed, block `i`
-    /// adds into the output rows of that prefix, the longest (last) block first
-    /// overwriting every row.
-    fn rows_gemm(&self, s: Arg, y: Arg, out: Arg, trans: bool) -> Vec<Work> {
-        let (t, dh, tb, nb) = (self.t, self.dh, self.block_rows(), self.blocks());
-        let call = |i: usize| {
-            let keys = (i + 1) * tb;
-            let (m, k, offsets) = if trans {
-                (keys, tb, [self.block_offset(i), i * tb * dh, 0])
-            } else {
-                (tb, keys, [self.block_offset(i), 0, i * tb * dh])
-            };
-            Work::Gemm(GemmCall {
-                a: s,
-                b: y,
-                c: out,
-                batch: self.b * self.h,
-                m,
-                n: dh,
-                k,
-                trans_a: trans,
-                trans_b: false,
-                stride_a: self.slab(),
-                stride_b: t * dh,
-                stride_c: t * dh,
-                offsets,
-                accumulate: trans && i + 1 < nb,
-            })
-        };
-        if trans {
-            (0..nb).rev().map(call).collect()
+    /// Per (b, h), `out_i = s·y_{<e}` (the block's output rows), or when
+    /// `trans`, `out_{<e} (+)= sᵀ·y_i` (the key prefix's rows, accumulated
+    /// unless `q` is the first block computed, the last one, whose prefix
+    /// covers every row).
+    fn rows_gemm(&self, q: QueryBlock, s: Arg, y: Arg, out: Arg, trans: bool) -> Work {
+        let (t, dh) = (self.t, self.dh);
+        let (m, k, offsets) = if trans {
+            (q.keys(), q.rows, [0, q.start * dh, 0])
         } else {
-            (0..nb).map(call).collect()
-        }
+            (q.rows, q.keys(), [0, 0, q.start * dh])
+        };
+        Work::Gemm(GemmCall {
+            a: s,
+            b: y,
+            c: out,
+            batch: self.b * self.h,
+            m,
+            n: dh,
+            k,
+            trans_a: trans,
+            trans_b: false,
+            stride_a: self.slab(),
+            stride_b: t * dh,
+            stride_c: t * dh,
+            offsets,
+            accumulate: trans && q.keys() < t,
+        })
     }
 }
 
@@ -298,27 +334,26 @@ fn prepare(
     kb.finish()
 }
 
-/// Where score row `item` (head-major (b, h, t)) lies in the packed scores:
-/// its stored length (the key prefix of its query block), its first element
-/// and its count of unmasked keys (t + 1). Row t lies in query block
-/// qi = t / tb, packed as [tb, (qi+1)·tb] (see the module docs).
-fn score_row(k: &mut Block, d: &Dims) -> (Expr, Expr, Expr) {
-    let t = k.let_("t", item() % ix(d.t));
-    let tb = d.block_rows();
-    let qi = k.let_("qi", t.clone() / ix(tb));
-    let len = k.let_("len", (qi.clone() + i64(1)) * ix(tb));
-    let block = k.let_("block", qi.clone() * (qi + i64(1)) / i64(2) * ix(tb * tb));
-    let base = k.let_("base", (item() / ix(d.t)) * ix(d.slab()) + block + (t.clone() % ix(tb)) * len.clone());
-    let end = k.let_("stop", t + i64(1));
+/// Where score row `item` (block `q`'s row r of (b, h), item = (b, h, r))
+/// lies in a score buffer: its stored length (the block's key prefix), its
+/// first element and its count of unmasked keys (t + 1 for t = start + r).
+fn score_row(k: &mut Block, d: &Dims, q: QueryBlock) -> (Expr, Expr, Expr) {
+    let r = k.let_("r", item() % ix(q.rows));
+    let len = ix(q.keys());
+    let base = k.let_("base", (item() / ix(q.rows)) * ix(d.slab()) + r.clone() * len.clone());
+    let end = k.let_("stop", r + ix(q.start + 1));
     (len, base, end)
 }
 
 /// The causal softmax of one score row in place (and, with `dp`, dS into `dp`
-/// in place): item = head-major row (b, h, t), keys t' ≤ t, the rest zeroed.
-/// On the GPU each row is a block of lanes ([`softmax_rows_blocks`]).
+/// in place) over query block `q`: item = (b, h, row of the block), keys
+/// t' ≤ t, the rest of the block's prefix zeroed. On the GPU each row is a
+/// block of lanes ([`softmax_rows_blocks`]).
+#[allow(clippy::too_many_arguments)]
 fn softmax_rows(
     graph: &Graph,
     d: &Dims,
+    q: QueryBlock,
     name: &str,
     temps: &Temps,
     s_arg: Arg,
@@ -326,14 +361,14 @@ fn softmax_rows(
     target: Target,
 ) -> Result<Work, EmitError> {
     if target == Target::Cuda {
-        return softmax_rows_blocks(graph, d, name, temps, s_arg, dp_arg);
+        return softmax_rows_blocks(graph, d, q, name, temps, s_arg, dp_arg);
     }
-    let mut kb = Kb::new(graph, name, d.rows());
+    let mut kb = Kb::new(graph, name, d.b * d.h * q.rows);
     let s = kb.temp("s", s_arg, temps, Access::ReadWrite);
     let dp = dp_arg.map(|a| kb.temp("dp", a, temps, Access::ReadWrite));
     let ty = d.ty();
     let k = &mut kb.k;
-    let (len, base, end) = score_row(k, d);
+    let (len, base, end) = score_row(k, d, q);
     let scale = lit(ty, d.scale);
     // Lane-split folds (see `fold_dynamic`): the max, the sum of exponentials and
     // the centring dot product vectorize instead of chaining one add per key.
@@ -394,18 +429,19 @@ const SOFTMAX_LANES: u32 = 128;
 fn softmax_rows_blocks(
     graph: &Graph,
     d: &Dims,
+    q: QueryBlock,
     name: &str,
     temps: &Temps,
     s_arg: Arg,
     dp_arg: Option<Arg>,
 ) -> Result<Work, EmitError> {
     let lanes = SOFTMAX_LANES;
-    let mut kb = Kb::with_grid(graph, name, Grid::block_per_item(d.rows(), lanes));
+    let mut kb = Kb::with_grid(graph, name, Grid::block_per_item(d.b * d.h * q.rows, lanes));
     let s = kb.temp("s", s_arg, temps, Access::ReadWrite);
     let dp = dp_arg.map(|a| kb.temp("dp", a, temps, Access::ReadWrite));
     let ty = d.ty();
     let k = &mut kb.k;
-    let (len, base, end) = score_row(k, d);
+    let (len, base, end) = score_row(k, d, q);
     let scale = lit(ty, d.scale);
     let step = i64::from(lanes);
     let keys =
@@ -495,6 +531,16 @@ fn gather_back(
     kb.finish()
 }
 
+/// The name of block `q`'s softmax kernel: `…_softmax` for a single block,
+/// `…_b{i}_softmax` for block i of several.
+fn softmax_name(name: &str, d: &Dims, q: QueryBlock) -> String {
+    if d.t <= d.tq {
+        format!("{name}_softmax")
+    } else {
+        format!("{name}_b{}_softmax", q.index)
+    }
+}
+
 /// Causal attention forward (see the module docs).
 pub(super) fn attention(
     graph: &Graph,
@@ -502,7 +548,7 @@ pub(super) fn attention(
     name: &str,
     target: Target,
 ) -> Result<Lowering, EmitError> {
-    let d = Dims::of(graph, id)?;
+    let d = Dims::of(graph, id, target)?;
     let mut temps = Temps::default();
     let cs = d.rope.map(|_| temps.add(d.t * d.half() * 2, d.dtype));
     let [qp, kp, vp, op] = [0; 4].map(|_| temps.add(d.mat(), d.dtype));
@@ -513,9 +559,11 @@ pub(super) fn attention(
     }
     let first = steps.len();
     steps.push(prepare(graph, id, &d, name, &temps, cs, [qp, kp, vp], None)?);
-    steps.extend(d.scores_gemm(qp, kp, s));
-    steps.push(softmax_rows(graph, &d, &format!("{name}_softmax"), &temps, s, None, target)?);
-    steps.extend(d.rows_gemm(s, vp, op, false));
+    for q in d.blocks() {
+        steps.push(d.scores_gemm(q, qp, kp, s));
+        steps.push(softmax_rows(graph, &d, q, &softmax_name(name, &d, q), &temps, s, None, target)?);
+        steps.push(d.rows_gemm(q, s, vp, op, false));
+    }
     let chain = d.chain(first..steps.len(), target);
     steps.push(gather_back(graph, id, &d, &format!("{name}_out"), &temps, op, None)?);
     Ok(Lowering { steps, temps: temps.0, chain })
@@ -523,8 +571,8 @@ pub(super) fn attention(
 
 /// The gradients of one attention w.r.t. q, k and v (`outs[wrt]`, the
 /// `CausalAttentionGrad` nodes sharing q, k, v and dO; at least one present),
-/// sharing the recomputed probabilities and the softmax statistics (see the
-/// module docs).
+/// sharing the recomputed probabilities and the softmax statistics of each
+/// query block (see the module docs).
 pub fn attention_grads(
     graph: &Graph,
     outs: [Option<NodeId>; 3],
@@ -532,7 +580,7 @@ pub fn attention_grads(
     target: Target,
 ) -> Result<Lowering, EmitError> {
     let id = super::first_requested(&outs, "causal_attention_grad", "gradient")?;
-    let d = Dims::of(graph, id)?;
+    let d = Dims::of(graph, id, target)?;
     let mut temps = Temps::default();
     let cs = d.rope.map(|_| temps.add(d.t * d.half() * 2, d.dtype));
     let [qp, kp, vp, dop] = [0; 4].map(|_| temps.add(d.mat(), d.dtype));
@@ -543,23 +591,35 @@ pub fn attention_grads(
     }
     let first = steps.len();
     steps.push(prepare(graph, id, &d, name, &temps, cs, [qp, kp, vp], Some(dop))?);
-    steps.extend(d.scores_gemm(qp, kp, s));
-    steps.extend(d.scores_gemm(dop, vp, dp));
-    steps.push(softmax_rows(graph, &d, &format!("{name}_softmax"), &temps, s, Some(dp), target)?);
-    // dQ = dS·K, dK = dSᵀ·Q, dV = Pᵀ·dO; RoPE undone for dQ and dK. The
-    // products first, all of them head-major (the chain), then the copies back.
+    // dQ = dS·K, dK = dSᵀ·Q, dV = Pᵀ·dO; RoPE undone for dQ and dK.
     let plans = [(dp, kp, false, "dq", true), (dp, qp, true, "dk", true), (s, dop, true, "dv", false)];
-    let mut copies = Vec::new();
-    for (wrt, out) in outs.iter().enumerate() {
-        let Some(out) = *out else { continue };
-        let (x, y, trans, label, rotated) = plans[wrt];
-        let grad = temps.add(d.mat(), d.dtype);
-        steps.extend(d.rows_gemm(x, y, grad, trans));
-        copies.push((out, label, grad, if rotated { cs } else { None }));
+    let grads: Vec<Option<Arg>> = outs.iter().map(|o| o.map(|_| temps.add(d.mat(), d.dtype))).collect();
+    // The last block first: its key prefix is every row of dK and dV, which its
+    // products overwrite and the earlier blocks' add to.
+    for q in d.blocks().into_iter().rev() {
+        steps.push(d.scores_gemm(q, qp, kp, s));
+        steps.push(d.scores_gemm(q, dop, vp, dp));
+        steps.push(softmax_rows(graph, &d, q, &softmax_name(name, &d, q), &temps, s, Some(dp), target)?);
+        for (wrt, grad) in grads.iter().enumerate() {
+            let Some(grad) = *grad else { continue };
+            let (x, y, trans, _, _) = plans[wrt];
+            steps.push(d.rows_gemm(q, x, y, grad, trans));
+        }
     }
+    // The products first, all of them head-major (the chain), then the copies back.
     let chain = d.chain(first..steps.len(), target);
-    for (out, label, grad, cs) in copies {
-        steps.push(gather_back(graph, out, &d, &format!("{name}_{label}"), &temps, grad, cs)?);
+    for (wrt, (out, grad)) in outs.iter().zip(&grads).enumerate() {
+        let (Some(out), Some(grad)) = (*out, *grad) else { continue };
+        let (_, _, _, label, rotated) = plans[wrt];
+        steps.push(gather_back(
+            graph,
+            out,
+            &d,
+            &format!("{name}_{label}"),
+            &temps,
+            grad,
+            if rotated { cs } else { None },
+        )?);
     }
     Ok(Lowering { steps, temps: temps.0, chain })
 }

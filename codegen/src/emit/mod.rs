@@ -55,7 +55,7 @@ mod reduce;
 mod views;
 mod vocab_loss;
 
-pub use attention::attention_grads;
+pub use attention::{attention_grads, query_block_rows};
 pub use fused::lower_fused;
 pub use item_split::{item_splits, itemize, ItemSplit};
 pub use lanes::{has_lanes_form, lower_sinkhorn_lanes};
