@@ -33,10 +33,10 @@
 //!
 //! On the CPU the steps from the copies in to the last head-major product
 //! form a [`crate::plan::Chain`] of one entry per (b, h), which the Cpu device
-//! runs a head at a time: a head's operands, its block of scores and its
-//! products (about 600 KB at T = 1024, dh = 64) then stay in its core's cache
-//! from one step to the next, where step by step each GEMM and row kernel
-//! streamed every head through memory. Each (b, h) owns its slab of the score
+//! runs a head at a time: a head's block of scores (256 KB at T = 1024,
+//! 64 rows) and the operand rows its products read then stay in its core's
+//! cache from one step to the next, where step by step each GEMM and row
+//! kernel streamed every head through memory. Each (b, h) owns its slab of the score
 //! buffers, so the heads that different threads run never share one. The
 //! backward pass computes all its products before its copies back (item
 //! (b, t, head), not head-major), which stay outside.
