@@ -222,6 +222,7 @@ fields!(TrainSpec {
     val_tokens,
     checkpoint_every,
     keep_last,
+    recompute,
 });
 fields!(AdamWSpec { lr, betas, eps, weight_decay });
 fields!(MuonSpec { lr, momentum, nesterov, ns_steps, scale, weight_decay, adamw });
@@ -454,6 +455,26 @@ impl FromValue for DataSpec {
             (0, Some(corpus)) => DataSpec::Synthetic(corpus_name(corpus, path, cx)?),
             (_, Some(file)) => DataSpec::Text(String::from_value(file, path, cx)?),
             (_, None) => return Err(v.range.error("expected a file: `text(\"corpus.txt\")`")),
+        })
+    }
+}
+
+impl FromValue for Recompute {
+    fn from_value(value: &Value, path: &str, cx: &mut Cx) -> syn::Result<Self> {
+        let v = Variant::parse(value, "recompute schedule", &["none", "stream", "block"])?;
+        Ok(match v.index {
+            0 => {
+                v.unit()?;
+                Recompute::None
+            }
+            1 => {
+                v.unit()?;
+                Recompute::Stream
+            }
+            _ => match v.positional()? {
+                Some(l) => Recompute::Block(usize::from_value(l, path, cx)?),
+                None => return Err(v.range.error("expected the sublayers per block: `block(4)`")),
+            },
         })
     }
 }
