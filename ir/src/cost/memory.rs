@@ -21,7 +21,9 @@
 use serde::Serialize;
 
 use crate::passes::vocab_loss::{CHUNK_ELEMENTS, MAX_CHUNKS};
-use crate::spec::{EmbedMode, FfnSpec, Flash, ModelSpec, MoeBalance, MoeDispatch, Precision, ResidualSpec};
+use crate::spec::{
+    EmbedMode, FfnSpec, Flash, ModelSpec, MoeBalance, MoeDispatch, Precision, Recompute, ResidualSpec,
+};
 
 /// Bytes per parameter in training: the f32 weight, its gradient and two optimizer
 /// moments (AdamW; Muon keeps one momentum for hidden matrices, so this bounds it).
@@ -188,10 +190,12 @@ pub fn training_memory(spec: &ModelSpec) -> TrainingMemory {
         | ResidualSpec::Mhc(_)
         | ResidualSpec::Ghc(_) => state,
     };
-    let connection_act = 2.0 * (6.0 * touched + 6.0 * coefficients_per_token(spec));
-    let per_block = attention_act + ffn_act + 2.0 * d + connection_act;
+    let coefficients = coefficients_per_token(spec);
+    let sublayers = 2.0 * (l + depth);
+    let connection_act = connection_activations(spec, sublayers, state, touched, coefficients);
+    let per_block = attention_act + ffn_act + 2.0 * d;
     let heads = 1.0 + depth;
-    let per_token = (l + depth) * per_block + state;
+    let per_token = (l + depth) * per_block + connection_act + state;
     // Each head's logits and their gradient: one chunk of rows at a time where the head's
     // projection and loss fuse (f32, docs/math.md §1.7), every row in bf16 mode.
     let logit_rows = match spec.precision {
@@ -213,6 +217,63 @@ pub fn training_memory(spec: &ModelSpec) -> TrainingMemory {
         activation_bytes,
         total_bytes: param_bytes + activation_bytes,
     }
+}
+
+/// The connection's stored activations per token over all `sublayers`
+/// (docs/math.md §4.5, "Recompute schedule"). Without recompute each sublayer
+/// keeps a few copies of the `touched` state and about six intermediates of
+/// every coefficient. With blocks of L_r sublayers (`train.recompute`,
+/// `ir::passes::recompute_blocks`) the backward keeps the `state` entering each
+/// block and the coefficients' projections, and one block's intermediates exist
+/// at a time, while its backward runs: ⌈L/L_r⌉·state + L·coefficients +
+/// L_r·(6·touched + 6·coefficients), mHC's nC⌈L/L_r⌉ + (n+2)C·L_r with the
+/// convention's six copies. A plain residual keeps nothing of its connection
+/// for the backward beyond the state, and recompute changes nothing there.
+fn connection_activations(
+    spec: &ModelSpec,
+    sublayers: f64,
+    state: f64,
+    touched: f64,
+    coefficients: f64,
+) -> f64 {
+    let per_sublayer = 6.0 * touched + 6.0 * coefficients;
+    match (spec.train.recompute.block(), &spec.residual) {
+        (None, _) | (_, ResidualSpec::Residual) => sublayers * per_sublayer,
+        (Some(l_r), _) => {
+            let l_r = (l_r as f64).clamp(1.0, sublayers.max(1.0));
+            (sublayers / l_r).ceil() * state + sublayers * coefficients + l_r * per_sublayer
+        }
+    }
+}
+
+/// mHC's block size L_r* ≈ √(nL/(n+2)) over the trunk's L = 2·layers
+/// sublayers (docs/math.md §4.5), n the streams of the state (the state over
+/// `d_model`), at least 1.
+pub fn optimal_recompute_block(spec: &ModelSpec) -> usize {
+    let n = match &spec.residual {
+        ResidualSpec::Residual | ResidualSpec::Fc(_) => 1.0,
+        ResidualSpec::Hc(x) => x.n as f64,
+        ResidualSpec::Mhc(x) => x.n as f64,
+        ResidualSpec::Xhc(x) => x.n as f64,
+        ResidualSpec::Ghc(g) => g.n as f64 / g.m.max(1) as f64,
+    };
+    let sublayers = 2.0 * spec.layers as f64;
+    ((n * sublayers / (n + 2.0)).sqrt().round() as usize).clamp(1, (2 * spec.layers).max(1))
+}
+
+/// The closed-form activation bytes of `spec` under each recompute choice:
+/// none, `Stream`, and `Block(L_r*)` ([`optimal_recompute_block`]), in that
+/// order (`widen check` prints them).
+pub fn recompute_activations(spec: &ModelSpec) -> Vec<(Recompute, f64)> {
+    let best = Recompute::Block(optimal_recompute_block(spec));
+    [Recompute::None, Recompute::Stream, best]
+        .into_iter()
+        .map(|r| {
+            let mut s = spec.clone();
+            s.train.recompute = r;
+            (r, training_memory(&s).activation_bytes)
+        })
+        .collect()
 }
 
 /// `passes::vocab_loss::default_chunk` in `f64`: the rows of one chunk of logits.
