@@ -224,11 +224,12 @@ pub fn training_memory(spec: &ModelSpec) -> TrainingMemory {
 /// keeps a few copies of the `touched` state and about six intermediates of
 /// every coefficient. With blocks of L_r sublayers (`train.recompute`,
 /// `ir::passes::recompute_blocks`) the backward keeps the `state` entering each
-/// block and the coefficients' projections, and one block's intermediates exist
-/// at a time, while its backward runs: ⌈L/L_r⌉·state + L·coefficients +
-/// L_r·(6·touched + 6·coefficients), mHC's nC⌈L/L_r⌉ + (n+2)C·L_r with the
-/// convention's six copies. A plain residual keeps nothing of its connection
-/// for the backward beyond the state, and recompute changes nothing there.
+/// block and the coefficients' projections, and one block's recomputed values
+/// exist at a time, while its backward runs, each sublayer's the paper's
+/// (n+2)C (the state, the read and its norm): ⌈L/L_r⌉·state + L·coefficients +
+/// L_r·(state + 2·d_model), mHC's nC⌈L/L_r⌉ + (n+2)C·L_r. A plain residual
+/// keeps nothing of its connection for the backward beyond the state, and
+/// recompute changes nothing there.
 fn connection_activations(
     spec: &ModelSpec,
     sublayers: f64,
@@ -236,12 +237,12 @@ fn connection_activations(
     touched: f64,
     coefficients: f64,
 ) -> f64 {
-    let per_sublayer = 6.0 * touched + 6.0 * coefficients;
     match (spec.train.recompute.block(), &spec.residual) {
-        (None, _) | (_, ResidualSpec::Residual) => sublayers * per_sublayer,
+        (None, _) | (_, ResidualSpec::Residual) => sublayers * (6.0 * touched + 6.0 * coefficients),
         (Some(l_r), _) => {
             let l_r = (l_r as f64).clamp(1.0, sublayers.max(1.0));
-            (sublayers / l_r).ceil() * state + sublayers * coefficients + l_r * per_sublayer
+            let transient = state + 2.0 * spec.d_model as f64;
+            (sublayers / l_r).ceil() * state + sublayers * coefficients + l_r * transient
         }
     }
 }
@@ -379,5 +380,59 @@ fn collapse_params(spec: &ModelSpec, state: f64) -> f64 {
         | ResidualSpec::Fc(_)
         | ResidualSpec::Mhc(_)
         | ResidualSpec::Xhc(_) => 0.0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spec::MhcSpec;
+
+    fn mhc(layers: usize, recompute: Recompute) -> ModelSpec {
+        let mut spec = ModelSpec {
+            residual: ResidualSpec::Mhc(MhcSpec { n: 4, ..MhcSpec::default() }),
+            layers,
+            ..ModelSpec::default()
+        };
+        spec.train.recompute = recompute;
+        spec
+    }
+
+    #[test]
+    fn recompute_stores_one_state_per_block_and_one_block_of_intermediates() {
+        let none = training_memory(&mhc(8, Recompute::None));
+        let spec = mhc(8, Recompute::Stream);
+        let (d, n) = (spec.d_model as f64, 4.0);
+        let (state, coefficients) = (n * d, n * (n + 2.0));
+        let tokens = (spec.train.batch * spec.train.seq_len) as f64;
+        // docs/math.md §4.5 over L = 16 sublayers: ⌈L/L_r⌉ states, L coefficient
+        // projections and L_r sublayers' (n+2)C instead of every sublayer's copies.
+        for l_r in [1usize, 3, 4, 16] {
+            let r = if l_r == 1 { Recompute::Stream } else { Recompute::Block(l_r) };
+            let with = training_memory(&mhc(8, r));
+            let stored =
+                (16.0 / l_r as f64).ceil() * state + 16.0 * coefficients + l_r as f64 * (n + 2.0) * d;
+            let expected =
+                (16.0 * (6.0 * state + 6.0 * coefficients) - stored) * tokens * BYTES_PER_ACTIVATION;
+            let saved = none.activation_bytes - with.activation_bytes;
+            assert!((saved - expected).abs() < 1e-6 * expected, "L_r = {l_r}: {saved} vs {expected}");
+            assert_eq!(with.param_bytes, none.param_bytes);
+        }
+        // L_r* = round(√(4·16/6)) = 3.
+        assert_eq!(optimal_recompute_block(&spec), 3);
+        let choices = recompute_activations(&spec);
+        assert_eq!(
+            choices.iter().map(|c| c.0).collect::<Vec<_>>(),
+            [Recompute::None, Recompute::Stream, Recompute::Block(3)]
+        );
+        assert!(choices[1].1 < choices[0].1 && choices[2].1 < choices[1].1, "{choices:?}");
+    }
+
+    #[test]
+    fn a_plain_residual_recomputes_nothing() {
+        let spec = ModelSpec::default();
+        assert_eq!(spec.residual, ResidualSpec::Residual);
+        let choices = recompute_activations(&spec);
+        assert!(choices.iter().all(|c| c.1 == choices[0].1), "{choices:?}");
     }
 }
