@@ -228,8 +228,9 @@ pub fn training_memory(spec: &ModelSpec) -> TrainingMemory {
 /// exist at a time, while its backward runs, each sublayer's the paper's
 /// (n+2)C (the state, the read and its norm): ⌈L/L_r⌉·state + L·coefficients +
 /// L_r·(state + 2·d_model), mHC's nC⌈L/L_r⌉ + (n+2)C·L_r. A plain residual
-/// keeps nothing of its connection for the backward beyond the state, and
-/// recompute changes nothing there.
+/// keeps nothing of its connection for the backward beyond the state; the
+/// pre-norm the pass recomputes there (d_model per sublayer) is below this
+/// estimate's resolution, which leaves it unchanged.
 fn connection_activations(
     spec: &ModelSpec,
     sublayers: f64,

@@ -15,9 +15,11 @@
 //! Everything else of the block that the backward reads is cloned, with the
 //! block's other values it is computed from, up to stored values (the block
 //! input, F's outputs, parameters, the coefficients' projections); the
-//! backward reads the clones. F itself ([`Region::Backbone`], with its
-//! pre-norm) keeps its activations: docs/math.md §4.5 stores "each layer's F
-//! output", and F's own backward reads what it always did. A block's stored
+//! backward reads the clones. Of F ([`Region::Backbone`]) only its pre-norm
+//! on the read is cloned (docs/math.md §4.5 recomputes RMSNorm(H_pre x_l));
+//! the rest keeps its activations: §4.5 stores "each layer's F output", and
+//! F's own backward reads what it always did. A clone reads only values the
+//! backward reads anyway, so no stored value's life grows. A block's stored
 //! states then number one per block, and its intermediates exist only while
 //! its backward runs: docs/math.md's nC⌈L/L_r⌉ + (n+2)C·L_r.
 //!
@@ -97,7 +99,12 @@ pub fn recompute_blocks(graph: &mut Graph, roots: &[NodeId], l_r: usize) -> Reco
     }
     let cloneable = |graph: &Graph, id: NodeId| -> Option<Block> {
         let node = graph.node(id);
-        if node.role.region != Region::Connection || boundary.contains(&id) || kept.contains(&id) {
+        let region = match node.role.region {
+            Region::Connection => true,
+            Region::Backbone => pre_norm(graph, id),
+            _ => false,
+        };
+        if !region || boundary.contains(&id) || kept.contains(&id) {
             return None;
         }
         let cheap = match node.op.family() {
@@ -198,6 +205,24 @@ pub fn recompute_blocks(graph: &mut Graph, roots: &[NodeId], l_r: usize) -> Reco
     stats
 }
 
+/// Whether backbone node `id` is F's pre-norm on the read (or a view of
+/// it): a row-wise or elementwise op whose operands are connection values
+/// or parameters, directly or through views. docs/math.md §4.5 recomputes
+/// RMSNorm(H_pre x_l) with the read; F's other activations stay stored.
+fn pre_norm(graph: &Graph, id: NodeId) -> bool {
+    fn from_connection(graph: &Graph, id: NodeId) -> bool {
+        let node = graph.node(id);
+        node.op.is_source()
+            || node.role.region == Region::Connection
+            || (node.op.is_view() && graph.inputs(id).iter().all(|&i| from_connection(graph, i)))
+    }
+    let node = graph.node(id);
+    let cheap = matches!(node.op.family(), OpFamily::RowWise | OpFamily::Elementwise | OpFamily::View(_));
+    cheap
+        && !matches!(node.op, Op::Softmax | Op::TopK { .. })
+        && graph.inputs(id).iter().all(|&i| from_connection(graph, i))
+}
+
 /// Whether `id` is a source, or a view of one.
 fn reads_source(graph: &Graph, id: NodeId) -> bool {
     let op = &graph.node(id).op;
@@ -231,7 +256,7 @@ fn clone_into(
 /// next get ids above every existing one (a removed node's id is reused
 /// first); returns the placeholders, to be removed afterwards.
 fn fill_vacancies(graph: &mut Graph) -> Vec<NodeId> {
-    let vacant = (&graph.g).node_bound() - graph.g.node_count();
+    let vacant = graph.g.node_bound() - graph.g.node_count();
     (0..vacant)
         .map(|_| {
             graph.g.add_node(Node {
