@@ -684,6 +684,18 @@ mod tests {
     }
 
     #[test]
+    fn recompute_takes_a_block_size() {
+        let (spec, cx) = build(quote::quote!(train(recompute = block(3))));
+        assert!(!cx.has_errors());
+        assert_eq!(spec.train.recompute, Recompute::Block(3));
+        let (spec, cx) = build(quote::quote!(train(recompute = stream)));
+        assert!(!cx.has_errors());
+        assert_eq!(spec.train.recompute, Recompute::Stream);
+        let (_, cx) = build(quote::quote!(train(recompute = block)));
+        assert_eq!(messages(cx), vec!["expected the sublayers per block: `block(4)`"]);
+    }
+
+    #[test]
     fn ghc_r_is_a_multiple_of_m() {
         let (spec, cx) = build(quote::quote!(residual = ghc(m = 2, r = 3, reduce_norm = off)));
         assert!(!cx.has_errors());
