@@ -228,6 +228,23 @@ fn report_includes_the_training_memory_estimate() {
 }
 
 #[test]
+fn report_gives_the_activations_under_each_recompute_choice() {
+    let file = Path::new(env!("CARGO_MANIFEST_DIR")).join("specs").join("mhc.ron");
+    let r = parse(&widen_check(&file, true));
+    let choices = r["recompute_activations"].as_array().expect("recompute_activations");
+    let names: Vec<&str> = choices.iter().map(|c| c["recompute"].as_str().expect("a name")).collect();
+    // mhc.ron: n = 4, 2 layers, L = 4 sublayers: L_r* = round(√(16/6)) = 2.
+    assert_eq!(names, ["None", "Stream", "Block(2)"], "{r}");
+    let bytes: Vec<f64> = choices.iter().map(|c| float(c, "activation_bytes")).collect();
+    assert!(bytes[1] < bytes[0] && bytes[2] < bytes[0], "{bytes:?}");
+    let out = widen_check(&file, false);
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line =
+        text.lines().find(|l| l.trim_start().starts_with("recompute activations")).expect("recompute line");
+    assert!(line.contains("None") && line.contains("(this spec)") && line.contains("Block(2)"), "{line}");
+}
+
+#[test]
 fn the_issues_bad_inputs_are_clear_errors() {
     for (tag, text, path, parts) in [
         ("vocab", "Model(vocab: 100)", "vocab", &["vocab = 100", ">= 256", "byte-level"][..]),

@@ -45,7 +45,9 @@ impl TrainingGraph {
     /// Appends the backward pass of `loss` to the lowered graph
     /// (`ir::autodiff`) and runs the passes before fusion, keeping every
     /// parameter gradient (`ir::passes::prepare_for_fusion`: CSE and DCE, token
-    /// sums within each token first, cheap chains copied for their readers).
+    /// sums within each token first, cheap chains copied for their readers), then
+    /// the spec's recompute schedule (`train.recompute`, `ir::passes::recompute_blocks`,
+    /// docs/math.md §4.5).
     ///
     /// A training step reads the losses and the gradients, never the logits: the
     /// `logits` output is dropped, so every head's output projection and loss fuse
@@ -64,7 +66,7 @@ impl TrainingGraph {
     }
 
     fn build(lowered: Lowered, keep_logits: bool) -> Result<TrainingGraph, TrainingError> {
-        let Lowered { mut graph, mut loss, .. } = lowered;
+        let Lowered { mut graph, mut loss, recompute, .. } = lowered;
         if !keep_logits {
             graph.remove_output("logits");
         }
@@ -76,6 +78,10 @@ impl TrainingGraph {
         let grads = ir::autodiff::grad(&mut graph, loss, &params)?;
         let mut passes = ir::passes::prepare_for_fusion(&mut graph, &grads).map_err(CompileError::from)?;
         passes.vocab_losses = fused.len();
+        // After CSE, which would merge the clones back into their originals.
+        if let Some(l_r) = recompute.block() {
+            passes.recompute = ir::passes::recompute_blocks(&mut graph, &grads, l_r);
+        }
         let request = Request::new(&graph, params.into_iter().zip(grads).collect()).with_update();
         Ok(TrainingGraph { graph, request, passes })
     }

@@ -101,6 +101,7 @@ fn template(path: &str) -> &'static str {
         "train.eval_batches" => "Model(train: (eval_batches: {}))",
         "train.val_tokens" => "Model(train: (val_tokens: {}))",
         "train.checkpoint_every" => "Model(train: (checkpoint_every: {}))",
+        "train.recompute" => "Model(train: (recompute: Block({})))",
         "train.schedule.warmup" => "Model(train: (schedule: Constant(warmup: {})))",
         "train.optimizer.ns_steps" => "Model(train: (optimizer: Muon(ns_steps: {})))",
         other => panic!("no template for `{other}`: add one"),
@@ -144,6 +145,7 @@ fn every_integer_field_has_a_row() {
     spec.head_dim = Some(16);
     spec.vocab_pad_to = Some(64);
     spec.train.val_tokens = Some(1 << 20);
+    spec.train.recompute = ir::spec::Recompute::Block(2);
     spec.ffn = ir::spec::FfnSpec::Moe(Default::default());
     spec.parametrization = ir::spec::Parametrization::MuP(Default::default());
     spec.train.optimizer = ir::spec::OptimizerSpec::Muon(Default::default());

@@ -394,3 +394,16 @@ fn balance_settings_read_their_scope_and_the_sequence_wise_weight() {
     assert_eq!(names.len(), 1);
     assert!(names[0].message.contains("valid variants: Batch, Sequence"), "{}", names[0].message);
 }
+
+#[test]
+fn recompute_schedules_parse_and_default_to_none() {
+    let parse = |train: &str| {
+        let text = format!("Model(name: \"r\", residual: Mhc(n: 4), train: ({train}))");
+        parse_spec(&text, "r.ron").unwrap_or_else(|e| panic!("{text}: {e}")).train.recompute
+    };
+    assert_eq!(parse(""), ir::spec::Recompute::None);
+    assert_eq!(parse("recompute: Stream"), ir::spec::Recompute::Stream);
+    assert_eq!(parse("recompute: Block(3)"), ir::spec::Recompute::Block(3));
+    let err = parse_spec("Model(name: \"r\", train: (recompute: Sometimes))", "r.ron").expect_err("unknown");
+    assert!(err.to_string().contains("Sometimes"), "{err}");
+}

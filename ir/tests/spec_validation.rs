@@ -8,7 +8,7 @@
 use ir::spec::{
     AuxLossSpec, BiasUpdateSpec, DataSpec, FcSpec, FfnSpec, FieldError, Flash, GhcSpec, HcSpec, MhcSpec,
     ModelSpec, MoeBalance, MoeDispatch, MoeSpec, MuonSpec, MupSpec, OptimizerSpec, Parametrization,
-    ReduceNorm, ResidualSpec, ScheduleSpec, SwiGluSpec, WsdSpec, XhcSpec,
+    Recompute, ReduceNorm, ResidualSpec, ScheduleSpec, SwiGluSpec, WsdSpec, XhcSpec,
 };
 
 fn errors(spec: &ModelSpec) -> Vec<FieldError> {
@@ -51,6 +51,22 @@ macro_rules! rule {
         }
     };
 }
+
+// Recompute blocks count sublayers, two per layer (docs/math.md §4.5).
+rule!(
+    recompute_block_at_least_1,
+    |s| s.train.recompute = Recompute::Block(0),
+    |s| s.train.recompute = Recompute::Block(1),
+    "train.recompute",
+    ["Block(0)", "1 ..= 4 sublayers"]
+);
+rule!(
+    recompute_block_at_most_the_sublayers,
+    |s| s.train.recompute = Recompute::Block(5),
+    |s| s.train.recompute = Recompute::Block(4),
+    "train.recompute",
+    ["Block(5)", "2 x layers = 4"]
+);
 
 #[test]
 fn default_spec_is_valid() {

@@ -222,6 +222,7 @@ fields!(TrainSpec {
     val_tokens,
     checkpoint_every,
     keep_last,
+    recompute,
 });
 fields!(AdamWSpec { lr, betas, eps, weight_decay });
 fields!(MuonSpec { lr, momentum, nesterov, ns_steps, scale, weight_decay, adamw });
@@ -458,6 +459,26 @@ impl FromValue for DataSpec {
     }
 }
 
+impl FromValue for Recompute {
+    fn from_value(value: &Value, path: &str, cx: &mut Cx) -> syn::Result<Self> {
+        let v = Variant::parse(value, "recompute schedule", &["none", "stream", "block"])?;
+        Ok(match v.index {
+            0 => {
+                v.unit()?;
+                Recompute::None
+            }
+            1 => {
+                v.unit()?;
+                Recompute::Stream
+            }
+            _ => match v.positional()? {
+                Some(l) => Recompute::Block(usize::from_value(l, path, cx)?),
+                None => return Err(v.range.error("expected the sublayers per block: `block(4)`")),
+            },
+        })
+    }
+}
+
 /// A corpus name may arrive as a bare flag (`synthetic(default)` parses `default` as a key).
 fn corpus_name(value: &Value, path: &str, cx: &mut Cx) -> syn::Result<SyntheticCorpus> {
     match value {
@@ -660,6 +681,18 @@ mod tests {
         assert_eq!((muon.lr, muon.adamw.lr, muon.adamw.betas), (0.01, 1e-3, (0.8, 0.9)));
         assert!(matches!(&spec.train.schedule, ScheduleSpec::Wsd(w) if w.decay_fraction == 0.25));
         assert_eq!((spec.train.clip, spec.train.seed), (None, 7));
+    }
+
+    #[test]
+    fn recompute_takes_a_block_size() {
+        let (spec, cx) = build(quote::quote!(train(recompute = block(3))));
+        assert!(!cx.has_errors());
+        assert_eq!(spec.train.recompute, Recompute::Block(3));
+        let (spec, cx) = build(quote::quote!(train(recompute = stream)));
+        assert!(!cx.has_errors());
+        assert_eq!(spec.train.recompute, Recompute::Stream);
+        let (_, cx) = build(quote::quote!(train(recompute = block)));
+        assert_eq!(messages(cx), vec!["expected the sublayers per block: `block(4)`"]);
     }
 
     #[test]

@@ -13,10 +13,10 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use super::train::DeviceArg;
-use ir::cost::{cost_report, gib, training_memory, CostReport, TrainingMemory};
+use ir::cost::{cost_report, gib, recompute_activations, training_memory, CostReport, TrainingMemory};
 use ir::lower::LowerError;
 use ir::passes::fused_connection_traffic;
-use ir::spec::{host_memory_bytes, SpecLoadError};
+use ir::spec::{host_memory_bytes, ModelSpec, Recompute, SpecLoadError};
 use runtime::device::memory::{self, Memory, PeakEstimate, Workload};
 use runtime::device::Device;
 use serde_json::{json, Value};
@@ -171,10 +171,16 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             );
             map.insert("training_memory".into(), serde_json::to_value(memory)?);
             map.insert("expected_peak".into(), serde_json::to_value(&peak)?);
+            let choices: Vec<Value> = recompute_activations(&spec)
+                .into_iter()
+                .map(|(r, bytes)| json!({ "recompute": recompute_name(r), "activation_bytes": bytes }))
+                .collect();
+            map.insert("recompute_activations".into(), Value::Array(choices));
         }
         println!("{}", serde_json::to_string_pretty(&value)?);
     } else {
-        print!("{}", table(&args.spec, &report, &fused, &memory_line(&memory, peak.as_ref())));
+        let memory_lines = format!("{}\n{}", memory_line(&memory, peak.as_ref()), recompute_line(&spec));
+        print!("{}", table(&args.spec, &report, &fused, &memory_lines));
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -274,6 +280,37 @@ fn memory_line(closed: &TrainingMemory, peak: Option<&PeakEstimate>) -> String {
             gib(closed.total_bytes)
         ),
     }
+}
+
+/// Bytes as GiB, or MiB below one GiB (small specs differ in the MiB).
+fn size(bytes: f64) -> String {
+    if gib(bytes) >= 1.0 {
+        format!("{:.2} GiB", gib(bytes))
+    } else {
+        format!("{:.1} MiB", bytes / (1u64 << 20) as f64)
+    }
+}
+
+/// `train.recompute` as the spec writes it.
+fn recompute_name(r: Recompute) -> String {
+    match r {
+        Recompute::None => "None".into(),
+        Recompute::Stream => "Stream".into(),
+        Recompute::Block(l) => format!("Block({l})"),
+    }
+}
+
+/// The `recompute` line: the closed form's activations under each recompute
+/// choice (docs/math.md §4.5), the spec's own marked.
+fn recompute_line(spec: &ModelSpec) -> String {
+    let choices: Vec<String> = recompute_activations(spec)
+        .into_iter()
+        .map(|(r, bytes)| {
+            let this = if r == spec.train.recompute { " (this spec)" } else { "" };
+            format!("{} {}{this}", recompute_name(r), size(bytes))
+        })
+        .collect();
+    format!("  recompute activations by train.recompute: {} (closed-form estimate)", choices.join(", "))
 }
 
 fn table(path: &Path, r: &CostReport, fused: &FusedTraffic, memory_line: &str) -> String {

@@ -21,7 +21,9 @@
 use serde::Serialize;
 
 use crate::passes::vocab_loss::{CHUNK_ELEMENTS, MAX_CHUNKS};
-use crate::spec::{EmbedMode, FfnSpec, Flash, ModelSpec, MoeBalance, MoeDispatch, Precision, ResidualSpec};
+use crate::spec::{
+    EmbedMode, FfnSpec, Flash, ModelSpec, MoeBalance, MoeDispatch, Precision, Recompute, ResidualSpec,
+};
 
 /// Bytes per parameter in training: the f32 weight, its gradient and two optimizer
 /// moments (AdamW; Muon keeps one momentum for hidden matrices, so this bounds it).
@@ -188,10 +190,12 @@ pub fn training_memory(spec: &ModelSpec) -> TrainingMemory {
         | ResidualSpec::Mhc(_)
         | ResidualSpec::Ghc(_) => state,
     };
-    let connection_act = 2.0 * (6.0 * touched + 6.0 * coefficients_per_token(spec));
-    let per_block = attention_act + ffn_act + 2.0 * d + connection_act;
+    let coefficients = coefficients_per_token(spec);
+    let sublayers = 2.0 * (l + depth);
+    let connection_act = connection_activations(spec, sublayers, state, touched, coefficients);
+    let per_block = attention_act + ffn_act + 2.0 * d;
     let heads = 1.0 + depth;
-    let per_token = (l + depth) * per_block + state;
+    let per_token = (l + depth) * per_block + connection_act + state;
     // Each head's logits and their gradient: one chunk of rows at a time where the head's
     // projection and loss fuse (f32, docs/math.md §1.7), every row in bf16 mode.
     let logit_rows = match spec.precision {
@@ -213,6 +217,65 @@ pub fn training_memory(spec: &ModelSpec) -> TrainingMemory {
         activation_bytes,
         total_bytes: param_bytes + activation_bytes,
     }
+}
+
+/// The connection's stored activations per token over all `sublayers`
+/// (docs/math.md §4.5, "Recompute schedule"). Without recompute each sublayer
+/// keeps a few copies of the `touched` state and about six intermediates of
+/// every coefficient. With blocks of L_r sublayers (`train.recompute`,
+/// `ir::passes::recompute_blocks`) the backward keeps the `state` entering each
+/// block and the coefficients' projections, and one block's recomputed values
+/// exist at a time, while its backward runs, each sublayer's the paper's
+/// (n+2)C (the state, the read and its norm): ⌈L/L_r⌉·state + L·coefficients +
+/// L_r·(state + 2·d_model), mHC's nC⌈L/L_r⌉ + (n+2)C·L_r. A plain residual
+/// keeps nothing of its connection for the backward beyond the state; the
+/// pre-norm the pass recomputes there (d_model per sublayer) is below this
+/// estimate's resolution, which leaves it unchanged.
+fn connection_activations(
+    spec: &ModelSpec,
+    sublayers: f64,
+    state: f64,
+    touched: f64,
+    coefficients: f64,
+) -> f64 {
+    match (spec.train.recompute.block(), &spec.residual) {
+        (None, _) | (_, ResidualSpec::Residual) => sublayers * (6.0 * touched + 6.0 * coefficients),
+        (Some(l_r), _) => {
+            let l_r = (l_r as f64).clamp(1.0, sublayers.max(1.0));
+            let transient = state + 2.0 * spec.d_model as f64;
+            (sublayers / l_r).ceil() * state + sublayers * coefficients + l_r * transient
+        }
+    }
+}
+
+/// mHC's block size L_r* ≈ √(nL/(n+2)) over the trunk's L = 2·layers
+/// sublayers (docs/math.md §4.5), n the streams of the state (the state over
+/// `d_model`), at least 1.
+pub fn optimal_recompute_block(spec: &ModelSpec) -> usize {
+    let n = match &spec.residual {
+        ResidualSpec::Residual | ResidualSpec::Fc(_) => 1.0,
+        ResidualSpec::Hc(x) => x.n as f64,
+        ResidualSpec::Mhc(x) => x.n as f64,
+        ResidualSpec::Xhc(x) => x.n as f64,
+        ResidualSpec::Ghc(g) => g.n as f64 / g.m.max(1) as f64,
+    };
+    let sublayers = 2.0 * spec.layers as f64;
+    ((n * sublayers / (n + 2.0)).sqrt().round() as usize).clamp(1, (2 * spec.layers).max(1))
+}
+
+/// The closed-form activation bytes of `spec` under each recompute choice:
+/// none, `Stream`, and `Block(L_r*)` ([`optimal_recompute_block`]), in that
+/// order (`widen check` prints them).
+pub fn recompute_activations(spec: &ModelSpec) -> Vec<(Recompute, f64)> {
+    let best = Recompute::Block(optimal_recompute_block(spec));
+    [Recompute::None, Recompute::Stream, best]
+        .into_iter()
+        .map(|r| {
+            let mut s = spec.clone();
+            s.train.recompute = r;
+            (r, training_memory(&s).activation_bytes)
+        })
+        .collect()
 }
 
 /// `passes::vocab_loss::default_chunk` in `f64`: the rows of one chunk of logits.
@@ -318,5 +381,59 @@ fn collapse_params(spec: &ModelSpec, state: f64) -> f64 {
         | ResidualSpec::Fc(_)
         | ResidualSpec::Mhc(_)
         | ResidualSpec::Xhc(_) => 0.0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spec::MhcSpec;
+
+    fn mhc(layers: usize, recompute: Recompute) -> ModelSpec {
+        let mut spec = ModelSpec {
+            residual: ResidualSpec::Mhc(MhcSpec { n: 4, ..MhcSpec::default() }),
+            layers,
+            ..ModelSpec::default()
+        };
+        spec.train.recompute = recompute;
+        spec
+    }
+
+    #[test]
+    fn recompute_stores_one_state_per_block_and_one_block_of_intermediates() {
+        let none = training_memory(&mhc(8, Recompute::None));
+        let spec = mhc(8, Recompute::Stream);
+        let (d, n) = (spec.d_model as f64, 4.0);
+        let (state, coefficients) = (n * d, n * (n + 2.0));
+        let tokens = (spec.train.batch * spec.train.seq_len) as f64;
+        // docs/math.md §4.5 over L = 16 sublayers: ⌈L/L_r⌉ states, L coefficient
+        // projections and L_r sublayers' (n+2)C instead of every sublayer's copies.
+        for l_r in [1usize, 3, 4, 16] {
+            let r = if l_r == 1 { Recompute::Stream } else { Recompute::Block(l_r) };
+            let with = training_memory(&mhc(8, r));
+            let stored =
+                (16.0 / l_r as f64).ceil() * state + 16.0 * coefficients + l_r as f64 * (n + 2.0) * d;
+            let expected =
+                (16.0 * (6.0 * state + 6.0 * coefficients) - stored) * tokens * BYTES_PER_ACTIVATION;
+            let saved = none.activation_bytes - with.activation_bytes;
+            assert!((saved - expected).abs() < 1e-6 * expected, "L_r = {l_r}: {saved} vs {expected}");
+            assert_eq!(with.param_bytes, none.param_bytes);
+        }
+        // L_r* = round(√(4·16/6)) = 3.
+        assert_eq!(optimal_recompute_block(&spec), 3);
+        let choices = recompute_activations(&spec);
+        assert_eq!(
+            choices.iter().map(|c| c.0).collect::<Vec<_>>(),
+            [Recompute::None, Recompute::Stream, Recompute::Block(3)]
+        );
+        assert!(choices[1].1 < choices[0].1 && choices[2].1 < choices[1].1, "{choices:?}");
+    }
+
+    #[test]
+    fn a_plain_residual_recomputes_nothing() {
+        let spec = ModelSpec::default();
+        assert_eq!(spec.residual, ResidualSpec::Residual);
+        let choices = recompute_activations(&spec);
+        assert!(choices.iter().all(|c| c.1 == choices[0].1), "{choices:?}");
     }
 }

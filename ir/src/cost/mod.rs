@@ -37,7 +37,8 @@ mod ops;
 mod paper;
 
 pub use memory::{
-    gib, training_memory, MemoryShare, TrainingMemory, BYTES_PER_ACTIVATION, TRAIN_BYTES_PER_PARAM,
+    gib, optimal_recompute_block, recompute_activations, training_memory, MemoryShare, TrainingMemory,
+    BYTES_PER_ACTIVATION, TRAIN_BYTES_PER_PARAM,
 };
 pub use ops::{grouped_rows, op_cost, stored_elements, Holding, OpCost};
 pub use paper::{paper_figures, PaperFigures};

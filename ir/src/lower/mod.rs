@@ -60,6 +60,9 @@ pub struct Lowered {
     /// every MoE sublayer's expert loads, then [`MOE_AUX_LOSS_OUTPUT`] when the model has
     /// the auxiliary balance loss. Empty without an MoE FFN.
     pub statistics: Vec<String>,
+    /// The spec's `train.recompute`: what the training graph's backward recomputes
+    /// (`crate::passes::recompute_blocks`, docs/math.md §4.5).
+    pub recompute: crate::spec::Recompute,
 }
 
 /// The graph output of the expert loads of MoE sublayer `prefix`: f32 `[E]`, how many of
@@ -242,7 +245,8 @@ pub fn lower(spec: &ModelSpec, batch: usize, seq_len: usize) -> Result<Lowered, 
     let (objective, moe_layers, statistics) = moe_outputs(&mut cx, loss)?;
     let activations = std::mem::take(&mut cx.activations);
     let graph = cx.finish();
-    Ok(Lowered { graph, tokens, loss: objective, logits, activations, moe_layers, statistics })
+    let recompute = spec.train.recompute;
+    Ok(Lowered { graph, tokens, loss: objective, logits, activations, moe_layers, statistics, recompute })
 }
 
 /// Records the MoE sublayers' expert loads and auxiliary losses as graph outputs

@@ -26,6 +26,7 @@ pub mod broadcast_products;
 pub mod fuse;
 pub mod memplan;
 pub mod norm_project;
+pub mod recompute;
 pub mod remat;
 pub mod simplify;
 pub mod token_sums;
@@ -41,6 +42,7 @@ pub use fuse::{
 };
 pub use memplan::{memplan, MemPlanError, MemoryPlan, Slot};
 pub use norm_project::split_norm_projections;
+pub use recompute::{recompute_blocks, RecomputeStats};
 pub use remat::{rematerialize, RematStats};
 pub use simplify::{simplify, SimplifyStats};
 pub use token_sums::sum_within_tokens_first;
@@ -61,6 +63,9 @@ pub struct PrepareStats {
     /// Heads whose output projection and loss [`fuse_vocab_losses`] fused (it runs
     /// before autodiff; its caller records the count here).
     pub vocab_losses: usize,
+    /// What [`recompute_blocks`] cloned for the backward (it runs after these passes,
+    /// where the spec's `train.recompute` asks for it; its caller records it here).
+    pub recompute: RecomputeStats,
 }
 
 /// The passes between autodiff and fusion, in the order the runtime's
@@ -73,5 +78,13 @@ pub fn prepare_for_fusion(graph: &mut Graph, roots: &[NodeId]) -> Result<Prepare
     let simplify = simplify(graph, roots);
     let token_sums = sum_within_tokens_first(graph, roots);
     let remat = rematerialize(graph, roots)?;
-    Ok(PrepareStats { broadcast_products, norm_projections, simplify, token_sums, remat, vocab_losses: 0 })
+    Ok(PrepareStats {
+        broadcast_products,
+        norm_projections,
+        simplify,
+        token_sums,
+        remat,
+        vocab_losses: 0,
+        recompute: RecomputeStats::default(),
+    })
 }

@@ -154,6 +154,12 @@ pub const INTEGER_LIMITS: &[IntegerLimit] = &[
         max: 100_000_000,
         why: "it counts steps, which are at most 1e8",
     },
+    IntegerLimit {
+        path: "train.recompute",
+        min: 1,
+        max: 2048,
+        why: "it counts sublayers, at most 2 x layers",
+    },
     IntegerLimit { path: "train.schedule.warmup", min: 0, max: 100_000_000, why: "it is below train.steps" },
     IntegerLimit {
         path: "train.optimizer.ns_steps",

@@ -783,6 +783,10 @@ pub struct TrainSpec {
     /// ones after each save (0 = keep all), so frequent checkpoints do not fill the
     /// disk; `final.safetensors` is always kept. Default 0.
     pub keep_last: usize,
+    /// What the backward pass reads stored and what it recomputes, per block of
+    /// residual sublayers (docs/math.md §4.5, "Recompute schedule"); default `None`
+    /// (every value the backward reads is stored).
+    pub recompute: Recompute,
 }
 
 impl Default for TrainSpec {
@@ -803,6 +807,7 @@ impl Default for TrainSpec {
             val_tokens: None,
             checkpoint_every: 0,
             keep_last: 0,
+            recompute: Recompute::None,
         }
     }
 }
@@ -873,6 +878,37 @@ pub enum TokenizerSpec {
         /// SHA-256 of its bytes, 64 hex digits (`widen data prepare` records it).
         sha256: String,
     },
+}
+
+/// Which forward values of the residual-stream machinery the backward pass
+/// recomputes instead of reading them stored (docs/math.md §4.5, "Recompute
+/// schedule"; HC App. B, §2.5; VWN §5.8). Losses and gradients are the same bits
+/// with every choice on the Cpu device; only the activation memory and the time
+/// of a step change.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum Recompute {
+    /// Every forward value the backward reads is stored.
+    #[default]
+    None,
+    /// The connection's intermediates of every sublayer (coefficients' gates,
+    /// reads, norms, Sinkhorn iterates, writes) recomputed from the stored
+    /// stream state entering the sublayer; `Block(1)`.
+    Stream,
+    /// mHC's block schedule with L_r sublayers per block [1 <= L_r <= 2 x layers]:
+    /// only the stream state entering each block and each sublayer's F output (and
+    /// F's own activations) stay stored; the states inside a block are recomputed.
+    Block(usize),
+}
+
+impl Recompute {
+    /// Sublayers per recompute block, `None` when nothing is recomputed.
+    pub fn block(self) -> Option<usize> {
+        match self {
+            Recompute::None => None,
+            Recompute::Stream => Some(1),
+            Recompute::Block(l) => Some(l),
+        }
+    }
 }
 
 /// The order in which training windows are drawn (docs/data.md).

@@ -11,7 +11,7 @@ use std::fmt;
 use super::limits::{integer_limit, MAX_CONV_KERNELS, MAX_NAME_LEN, MAX_PATH_LEN, MAX_TRAINING_BYTES};
 use super::{
     AdamWSpec, DataSpec, FfnSpec, Flash, ModelSpec, MoeBalance, MoeDispatch, OptimizerSpec, Parametrization,
-    ReduceNorm, ResidualSpec, ScheduleSpec, SyntheticCorpus,
+    Recompute, ReduceNorm, ResidualSpec, ScheduleSpec, SyntheticCorpus,
 };
 use crate::cost::{gib, training_memory};
 
@@ -222,6 +222,9 @@ impl ModelSpec {
             out.push(("train.val_tokens".into(), u(v)));
         }
         out.extend([("train.checkpoint_every".into(), u(t.checkpoint_every))]);
+        if let Recompute::Block(l) = t.recompute {
+            out.push(("train.recompute".into(), u(l)));
+        }
         let warmup = match &t.schedule {
             ScheduleSpec::Constant(s) => s.warmup,
             ScheduleSpec::Cosine(s) => s.warmup,
@@ -483,6 +486,18 @@ impl ModelSpec {
         }
         if let Some(clip) = t.clip {
             c.positive("train.clip", clip);
+        }
+        if let Recompute::Block(l) = t.recompute {
+            // Blocks count sublayers (two per layer), as mHC's L_r does (docs/math.md §4.5).
+            let sublayers = 2 * self.layers;
+            if l == 0 || l > sublayers {
+                c.fail(
+                    "train.recompute",
+                    format!(
+                        "train.recompute = Block({l}) must count 1 ..= {sublayers} sublayers (2 x layers = {sublayers})"
+                    ),
+                );
+            }
         }
         c.at_least("train.eval_every", t.eval_every, 1);
         c.at_least("train.eval_batches", t.eval_batches, 1);
