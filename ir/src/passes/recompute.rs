@@ -26,7 +26,7 @@
 //! The clones are backward nodes ([`Region::Backward`]), so fusion keeps them
 //! out of the forward kernels; they compute the originals' ops on the
 //! originals' operands, so on the Cpu device their bits are the originals'
-//! (the codegen test `recompute.rs` checks every gradient bit for bit).
+//! (`runtime/tests/recompute.rs` checks every gradient bit for bit).
 //!
 //! Where they run: the step order is the graph's topological order, smallest
 //! node id first ([`Graph::topo_order`]), and fusion's group order follows it.
