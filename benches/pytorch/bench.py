@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import sys
 import time
@@ -31,6 +32,7 @@ from models import SCHEMES, Config, Model, count_params, param_groups  # noqa: E
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--vocab", type=int, default=256, help="vocabulary V (256: bytes; 50304: GPT-2's, padded)")
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
@@ -41,6 +43,8 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     p.add_argument("--device", default="cpu", help="cpu or cuda (fp32, TF32 off, as widen's Cuda device)")
     p.add_argument("--schemes", default=",".join(SCHEMES), help="comma list; the residual baseline is always run")
+    p.add_argument("--no-baseline", action="store_true",
+                   help="run only the listed schemes (one scheme per process: the peak resident set is its own)")
     p.add_argument("--modes", default="eager,compile", help="comma list of eager, compile")
     p.add_argument("--compile-mode", default=None, help="torch.compile mode (default, reduce-overhead, ...)")
     p.add_argument("--vwn-m", type=int, default=4)
@@ -59,6 +63,7 @@ def parse_args(argv=None):
 
 def config_from(args) -> Config:
     return Config(
+        vocab=args.vocab,
         d_model=args.d_model,
         layers=args.layers,
         heads=args.heads,
@@ -180,9 +185,10 @@ def table(rows: list[dict]) -> str:
         speedup = ""
         if r["mode"] != "eager" and r["scheme"] in eager:
             speedup = f"{eager[r['scheme']]['ms_per_step'] / r['ms_per_step']:.2f}×"
+        vs = f"{r['vs_residual']:.3f}" if "vs_residual" in r else ""
         lines.append(
             f"| {r['scheme']} | {r['mode']} | {r['params']:,} | {r['ms_per_step']:.1f} | "
-            f"{r['ms_min']:.0f}–{r['ms_max']:.0f} | {r['tokens_per_s']:,.0f} | {r['vs_residual']:.3f} | {speedup} |"
+            f"{r['ms_min']:.0f}–{r['ms_max']:.0f} | {r['tokens_per_s']:,.0f} | {vs} | {speedup} |"
         )
     return "\n".join(lines)
 
@@ -194,7 +200,8 @@ def main(argv=None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     cfg = config_from(args)
-    schemes = ["residual"] + [s for s in args.schemes.split(",") if s and s != "residual"]
+    listed = [s for s in args.schemes.split(",") if s]
+    schemes = listed if args.no_baseline else ["residual"] + [s for s in listed if s != "residual"]
     unknown = [s for s in schemes if s not in SCHEMES]
     modes = [m for m in args.modes.split(",") if m]
     bad_modes = [m for m in modes if m not in ("eager", "compile")]
@@ -215,6 +222,9 @@ def main(argv=None) -> int:
         rows += run_mode(mode, schemes, cfg, args, windows)
 
     print(table(rows))
+    # ru_maxrss is in KiB on Linux: the whole process, every model it built.
+    peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)
+    print(f"peak memory: {peak_gib:.2f} GiB resident (ru_maxrss) for {', '.join(schemes)}")
     if args.json:
         report = {
             "config": {
@@ -233,6 +243,7 @@ def main(argv=None) -> int:
             "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
             "nproc": os.cpu_count(),
             "machine": platform.processor() or platform.machine(),
+            "peak_rss_gib": peak_gib,
             "results": rows,
         }
         with open(args.json, "w") as f:
