@@ -93,6 +93,11 @@ fn template(path: &str) -> &'static str {
         "residual.sinkhorn_iters" => "Model(residual: Mhc(sinkhorn_iters: {}))",
         "mtp.depth" => "Model(mtp: (depth: {}), train: (seq_len: 100))",
         "parametrization.base_width" => "Model(parametrization: MuP(base_width: {}))",
+        "residual.streams" => "Model(residual: Connection(streams: {}))",
+        "residual.segments" => "Model(residual: Connection(segments: {}))",
+        "residual.carry.constraint.iters" => {
+            "Model(residual: Connection(carry: (constraint: Sinkhorn(iters: {}, eps: 0.0))))"
+        }
         "train.seq_len" => "Model(train: (seq_len: {}))",
         "train.batch" => "Model(train: (batch: {}))",
         "train.steps" => "Model(train: (steps: {}))",
@@ -137,6 +142,7 @@ fn every_integer_field_has_a_row() {
         ResidualSpec::Mhc(Default::default()),
         ResidualSpec::Ghc(Default::default()),
         ResidualSpec::Xhc(Default::default()),
+        ResidualSpec::Connection(ir::spec::ConnectionSpec::mhc(&Default::default())),
     ] {
         spec.residual = residual;
         paths.extend(ir::spec::limits::integer_paths(&spec));

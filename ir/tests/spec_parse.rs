@@ -118,7 +118,7 @@ fn unknown_variant_names_the_field_and_valid_variants() {
     assert_eq!((names[0].path.as_str(), names[0].line, names[0].col), ("residual", 1, 17));
     assert_eq!(
         names[0].message,
-        "unknown variant `Ghx` for residual; did you mean `Ghc`? valid variants: Residual, Hc, Fc, Mhc, Ghc, Xhc"
+        "unknown variant `Ghx` for residual; did you mean `Ghc`? valid variants: Residual, Hc, Fc, Mhc, Ghc, Xhc, Connection"
     );
 }
 

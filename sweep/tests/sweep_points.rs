@@ -418,7 +418,7 @@ fn value_errors_name_the_field_the_value_and_what_is_valid() {
         ),
         (
             "residual=Zzz",
-            "`residual` = Zzz: unknown variant `Zzz` for residual; valid variants: Residual, Hc, Fc, Mhc, Ghc, Xhc",
+            "`residual` = Zzz: unknown variant `Zzz` for residual; valid variants: Residual, Hc, Fc, Mhc, Ghc, Xhc, Connection",
         ),
     ] {
         let e = point_error(TINY, set);

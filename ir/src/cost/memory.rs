@@ -22,7 +22,8 @@ use serde::Serialize;
 
 use crate::passes::vocab_loss::{CHUNK_ELEMENTS, MAX_CHUNKS};
 use crate::spec::{
-    EmbedMode, FfnSpec, Flash, ModelSpec, MoeBalance, MoeDispatch, Precision, Recompute, ResidualSpec,
+    Coefficient, CollapseRule, ConnectionSpec, Constraint, Create, EmbedMode, FfnSpec, Flash, Form, Gate, GenNorm,
+    Generator, ModelSpec, MoeBalance, MoeDispatch, Precision, Recompute, ReduceNorm, ResidualSpec,
 };
 
 /// Bytes per parameter in training: the f32 weight, its gradient and two optimizer
@@ -159,6 +160,16 @@ pub fn training_memory(spec: &ModelSpec) -> TrainingMemory {
             };
             (wide, segment, embedding)
         }
+        ResidualSpec::Connection(c) => {
+            let slot = d / f(c.segments.max(1));
+            let wide = f(c.streams) * slot;
+            let embedding = match c.create {
+                Create::Wide(EmbedMode::Full) => v * wide,
+                Create::Wide(EmbedMode::Expand) => v * d + d * wide,
+                Create::Replicate | Create::Split => v * d,
+            };
+            (wide, slot, embedding)
+        }
     };
     let connection = l * connection_params_per_block(spec, state) + collapse_params(spec, state);
     let head = d + if spec.tie_embeddings { 0.0 } else { v * d };
@@ -188,7 +199,8 @@ pub fn training_memory(spec: &ModelSpec) -> TrainingMemory {
         | ResidualSpec::Hc(_)
         | ResidualSpec::Fc(_)
         | ResidualSpec::Mhc(_)
-        | ResidualSpec::Ghc(_) => state,
+        | ResidualSpec::Ghc(_)
+        | ResidualSpec::Connection(_) => state,
     };
     let coefficients = coefficients_per_token(spec);
     let sublayers = 2.0 * (l + depth);
@@ -258,6 +270,7 @@ pub fn optimal_recompute_block(spec: &ModelSpec) -> usize {
         ResidualSpec::Mhc(x) => x.n as f64,
         ResidualSpec::Xhc(x) => x.n as f64,
         ResidualSpec::Ghc(g) => g.n as f64 / g.m.max(1) as f64,
+        ResidualSpec::Connection(c) => c.streams as f64 / c.segments.max(1) as f64,
     };
     let sublayers = 2.0 * spec.layers as f64;
     ((n * sublayers / (n + 2.0)).sqrt().round() as usize).clamp(1, (2 * spec.layers).max(1))
@@ -312,6 +325,7 @@ fn connection_params_per_block(spec: &ModelSpec, state: f64) -> f64 {
             let (m, n) = (g.m.max(1) as f64, g.n as f64);
             2.0 * ((d / m) * (2.0 * m + n + 1.0) + 3.0 * n * (2.0 * m + n))
         }
+        ResidualSpec::Connection(c) => 2.0 * connection_terms(c, d).0,
         ResidualSpec::Xhc(x) => {
             // Routing over all N streams, maps over the k active ones with K_r
             // components, the temporal kernels (docs/math.md §6.9), per sublayer.
@@ -368,6 +382,40 @@ fn coefficients_per_token(spec: &ModelSpec) -> f64 {
             let k_r = x.conv_kernels.len() as f64 + 1.0;
             2.0 * big_n + k * k + k * k_r
         }
+        ResidualSpec::Connection(c) => connection_terms(c, spec.d_model as f64).1,
+    }
+}
+
+/// A connection-language design's parameters per sublayer and the coefficients it
+/// generates per token (zero without a generator), from its fields (docs/math.md §9.1).
+fn connection_terms(c: &ConnectionSpec, d: f64) -> (f64, f64) {
+    let (s, m) = (c.streams as f64, c.segments.max(1) as f64);
+    let slot = d / m;
+    let entries = |coef: &Coefficient, rows: f64, cols: f64| match (coef.constraint, coef.form) {
+        (Constraint::Permutations, _) => (1..=c.streams).map(|k| k as f64).product(),
+        (_, Form::PerSlot) => s,
+        (_, Form::Matrix) => rows * cols,
+    };
+    let (read, carry, write) = (entries(&c.read, m, s), entries(&c.carry, s, s), entries(&c.write, s, m));
+    let all = read + carry + write;
+    match &c.generator {
+        Generator::None => (all, 0.0),
+        Generator::PerSlot(g) => {
+            let norm = match g.norm {
+                GenNorm::RmsNorm => slot,
+                GenNorm::LayerNorm => 2.0 * slot,
+            };
+            let columns = m + carry / s + write / s;
+            let gates = match g.gate {
+                Gate::Paired => 2.0,
+                Gate::Entrywise => all,
+            };
+            (all + norm + slot * columns + gates, all)
+        }
+        Generator::Flat(g) => {
+            let gain = if g.gain { s * slot } else { 0.0 };
+            (s * slot * all + all + 3.0 + gain, all)
+        }
     }
 }
 
@@ -376,6 +424,12 @@ fn collapse_params(spec: &ModelSpec, state: f64) -> f64 {
     let d = spec.d_model as f64;
     match &spec.residual {
         ResidualSpec::Ghc(_) => state * d + 2.0 * state,
+        ResidualSpec::Connection(c) => match &c.collapse {
+            CollapseRule::Reduce { norm: ReduceNorm::GroupNorm, .. } => state * d + 2.0 * state,
+            CollapseRule::Reduce { norm: ReduceNorm::Off, .. } => state * d,
+            CollapseRule::Readout(_) => c.streams as f64,
+            CollapseRule::Sum | CollapseRule::Mean | CollapseRule::Concat => 0.0,
+        },
         ResidualSpec::Residual
         | ResidualSpec::Hc(_)
         | ResidualSpec::Fc(_)

@@ -402,5 +402,13 @@ pub fn scheme_label(residual: &ResidualSpec) -> String {
             "Xhc(n: {}, k: {}, fixed: {}, conv_kernels: {:?}, flash: {:?})",
             x.n, x.k, x.fixed, x.conv_kernels, x.flash
         ),
+        ResidualSpec::Connection(c) => {
+            let generator = match c.generator {
+                crate::spec::Generator::None => "static",
+                crate::spec::Generator::PerSlot(_) => "per-slot",
+                crate::spec::Generator::Flat(_) => "flat",
+            };
+            format!("Connection(streams: {}, segments: {}, {generator})", c.streams, c.segments)
+        }
     }
 }

@@ -87,6 +87,10 @@ pub enum ParamClass {
     /// every step from that step's expert loads, and the optimizer leaves it alone: no
     /// learning rate, no weight decay.
     RouterBias,
+    /// A constant table the lowering needs as a tensor, e.g. the permutation matrices of
+    /// the connection language's `Permutations` carry (docs/math.md §9.2): set from its
+    /// `Init`, never optimized, no weight decay.
+    Table,
 }
 
 impl ParamClass {
@@ -105,7 +109,7 @@ impl ParamClass {
     /// Whether the optimizer updates this parameter at all: every class but the MoE
     /// router bias, which the trainer sets from the expert loads (docs/math.md §1.6).
     pub fn optimized(self) -> bool {
-        !matches!(self, ParamClass::RouterBias)
+        !matches!(self, ParamClass::RouterBias | ParamClass::Table)
     }
 
     /// Whether Muon (rather than AdamW) updates this parameter when Muon is selected (§8.2).

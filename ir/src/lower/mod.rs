@@ -174,12 +174,12 @@ pub fn lower(spec: &ModelSpec, batch: usize, seq_len: usize) -> Result<Lowered, 
         }]));
     }
     if spec.tie_embeddings {
-        if let crate::spec::ResidualSpec::Ghc(g) = &spec.residual {
-            if g.embed_mode == crate::spec::EmbedMode::Full && g.n != g.m {
+        if let Some(c) = spec.residual.connection() {
+            if c.create == crate::spec::Create::Wide(crate::spec::EmbedMode::Full) && c.streams != c.segments {
                 return Err(LowerError::Invalid(vec![FieldError {
                     path: "tie_embeddings".into(),
-                    message: "tie_embeddings = true needs a V x D embedding; with residual Ghc use \
-                              embed_mode: Expand (E_base is then tied), or set tie_embeddings: false"
+                    message: "tie_embeddings = true needs a V x D embedding; with residual Ghc (or create: Wide(Full)) use \
+                              embed_mode: Expand (create: Wide(Expand); E_base is then tied), or set tie_embeddings: false"
                         .into(),
                 }]));
             }

@@ -90,6 +90,24 @@ pub const INTEGER_LIMITS: &[IntegerLimit] = &[
         why: "connections hold n x n maps; the papers use 2..16 streams",
     },
     IntegerLimit { path: "residual.m", min: 1, max: MAX_STREAMS, why: "it is at most residual.n or d_model" },
+    IntegerLimit {
+        path: "residual.streams",
+        min: 1,
+        max: MAX_STREAMS,
+        why: "connections hold s x s maps; the papers use 2..16 streams",
+    },
+    IntegerLimit {
+        path: "residual.segments",
+        min: 1,
+        max: MAX_STREAMS,
+        why: "it is at most residual.streams or d_model",
+    },
+    IntegerLimit {
+        path: "residual.carry.constraint.iters",
+        min: 1,
+        max: 1000,
+        why: "every sublayer runs them on every step; 20 converge (the papers' setting)",
+    },
     IntegerLimit { path: "residual.k", min: 1, max: MAX_STREAMS, why: "it is at most residual.n" },
     IntegerLimit { path: "residual.fixed", min: 0, max: MAX_STREAMS, why: "it is at most residual.k" },
     IntegerLimit {

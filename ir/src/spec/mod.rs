@@ -9,6 +9,7 @@
 //! `gram_schmidt`) are `Option`s; use the resolving accessors
 //! ([`ModelSpec::kv_heads`], [`ModelSpec::head_dim`], ...) rather than the raw field.
 
+mod connection;
 mod fits;
 pub mod limits;
 mod names;
@@ -18,6 +19,10 @@ mod ron_tree;
 mod validate;
 mod virtual_width;
 
+pub use connection::{
+    CoefInit, Coefficient, CollapseRule, ConnectionSpec, Constraint, Create, FlatGenerator, Form, Gate, Generator,
+    PerSlotGenerator, MAX_PERMUTATION_STREAMS,
+};
 pub use fits::host_memory_bytes;
 pub use names::{field_paths, path_hint, similar_paths, UnknownName};
 pub use parse::{load_spec, parse_spec, SpecLoadError};
@@ -362,6 +367,8 @@ pub enum ResidualSpec {
     Ghc(GhcSpec),
     /// Expanded hyper-connections (docs/math.md §6).
     Xhc(XhcSpec),
+    /// A design written in the connection language (docs/connections.md, docs/math.md §9).
+    Connection(ConnectionSpec),
 }
 
 impl ResidualSpec {
@@ -374,6 +381,21 @@ impl ResidualSpec {
             ResidualSpec::Mhc(_) => "Mhc",
             ResidualSpec::Ghc(_) => "Ghc",
             ResidualSpec::Xhc(_) => "Xhc",
+            ResidualSpec::Connection(_) => "Connection",
+        }
+    }
+
+    /// The design in the connection language: HC, FC, mHC and GHC written out
+    /// (docs/connections.md), a `Connection` as given; None for the plain residual and xHC,
+    /// which the language does not carry (docs/math.md §9.4).
+    pub fn connection(&self) -> Option<ConnectionSpec> {
+        match self {
+            ResidualSpec::Hc(hc) => Some(ConnectionSpec::hc(hc)),
+            ResidualSpec::Fc(fc) => Some(ConnectionSpec::fc(fc)),
+            ResidualSpec::Mhc(mhc) => Some(ConnectionSpec::mhc(mhc)),
+            ResidualSpec::Ghc(ghc) => Some(ConnectionSpec::ghc(ghc)),
+            ResidualSpec::Connection(c) => Some(c.clone()),
+            ResidualSpec::Residual | ResidualSpec::Xhc(_) => None,
         }
     }
 }

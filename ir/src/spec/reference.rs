@@ -11,7 +11,7 @@
 //!   fills every field of the chosen variants, and the result is read back through
 //!   `Serialize`.
 //! - **Meanings** are the doc comments of the fields and variants in this module's
-//!   source (`spec/mod.rs`), read at compile time.
+//!   sources (`spec/mod.rs`, `spec/connection.rs`), read at compile time.
 
 use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
@@ -21,8 +21,8 @@ use serde::Deserialize;
 
 use super::ModelSpec;
 
-/// The source the doc comments are read from.
-const SOURCE: &str = include_str!("mod.rs");
+/// The sources the doc comments are read from: the spec types and the connection language's.
+const SOURCE: &str = concat!(include_str!("mod.rs"), include_str!("connection.rs"));
 
 /// What a probe saw at one path.
 #[derive(Debug, Clone, PartialEq)]

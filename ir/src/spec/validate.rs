@@ -10,6 +10,7 @@ use std::fmt;
 
 use super::limits::{integer_limit, MAX_CONV_KERNELS, MAX_NAME_LEN, MAX_PATH_LEN, MAX_TRAINING_BYTES};
 use super::{
+    CoefInit, Coefficient, CollapseRule, ConnectionSpec, Constraint, Create, Form, Generator, MAX_PERMUTATION_STREAMS,
     AdamWSpec, DataSpec, FfnSpec, Flash, ModelSpec, MoeBalance, MoeDispatch, OptimizerSpec, Parametrization,
     Recompute, ReduceNorm, ResidualSpec, ScheduleSpec, SyntheticCorpus,
 };
@@ -203,6 +204,13 @@ impl ModelSpec {
                 }
                 out.push(("residual.sinkhorn_iters".into(), u(x.sinkhorn_iters)));
             }
+            ResidualSpec::Connection(c) => {
+                out.push(("residual.streams".into(), u(c.streams)));
+                out.push(("residual.segments".into(), u(c.segments)));
+                if let Constraint::Sinkhorn { iters, .. } = c.carry.constraint {
+                    out.push(("residual.carry.constraint.iters".into(), u(iters)));
+                }
+            }
         }
         out.push(("mtp.depth".into(), u(self.mtp.depth)));
         match &self.parametrization {
@@ -381,6 +389,7 @@ impl ModelSpec {
                     );
                 }
             }
+            ResidualSpec::Connection(conn) => check_connection(c, conn, self.d_model),
             ResidualSpec::Xhc(x) => {
                 c.at_least("residual.n", x.n, 1);
                 if x.k < 1 {
@@ -629,6 +638,137 @@ impl Checker {
     fn unit_interval_open_top(&mut self, path: &str, value: f64) {
         if !(0.0..1.0).contains(&value) {
             self.fail(path, format!("{path} = {value:?} must be in [0, 1)"));
+        }
+    }
+}
+
+/// The connection language's rules (docs/connections.md, docs/math.md §9): every field
+/// named by its path, with what would be valid.
+fn check_connection(c: &mut Checker, conn: &ConnectionSpec, d_model: usize) {
+    let (s, m) = (conn.streams, conn.segments);
+    c.at_least("residual.streams", s, 1);
+    c.at_least("residual.segments", m, 1);
+    c.divides("residual.segments", d_model, m);
+    if m > s {
+        c.fail("residual.segments", format!("residual.segments = {m} must be <= residual.streams = {s}"));
+    }
+    match conn.create {
+        Create::Replicate if m != 1 => c.fail(
+            "residual.create",
+            format!("create: Replicate copies the d_model-wide embedding into every slot, so it needs segments = 1 (got {m}); use Split or Wide(Full)"),
+        ),
+        Create::Split if s != m => c.fail(
+            "residual.create",
+            format!("create: Split cuts the embedding into segments, so it needs streams = segments (got {s} and {m}); use Wide(Full) or Wide(Expand)"),
+        ),
+        _ => {}
+    }
+    match &conn.collapse {
+        CollapseRule::Sum | CollapseRule::Mean | CollapseRule::Readout(_) if m != 1 => c.fail(
+            "residual.collapse",
+            format!("collapse: Sum, Mean and Readout add d_model-wide slots, so they need segments = 1 (got {m}); use Concat or Reduce"),
+        ),
+        CollapseRule::Concat if s != m => c.fail(
+            "residual.collapse",
+            format!("collapse: Concat puts the slots side by side, so it needs streams = segments (got {s} and {m}); use Reduce"),
+        ),
+        CollapseRule::Reduce { norm: ReduceNorm::GroupNorm, .. } if m >= 1 && !s.is_multiple_of(m) => c.fail(
+            "residual.collapse.norm",
+            format!("GroupNorm has groups of size d_model, so it needs streams = {s} to be a multiple of segments = {m}; use norm: Off"),
+        ),
+        CollapseRule::Readout(coef) => check_coefficient(c, "residual.collapse", coef, s, (1, s), true),
+        _ => {}
+    }
+    match &conn.generator {
+        Generator::None => {}
+        Generator::PerSlot(g) => {
+            if let Some(tau) = g.temperature {
+                c.positive("residual.generator.temperature", tau);
+            }
+            c.finite("residual.generator.gate_init", g.gate_init);
+        }
+        Generator::Flat(g) => c.finite("residual.generator.gate_init", g.gate_init),
+    }
+    let per_slot = matches!(conn.generator, Generator::PerSlot(_));
+    check_coefficient(c, "residual.read", &conn.read, s, (m, s), per_slot);
+    if conn.read.form != Form::Matrix {
+        c.fail("residual.read.form", "read.form must be Matrix: the read is always [segments, streams]".into());
+    }
+    let carry_shape = if conn.carry.form == Form::PerSlot { (s, 1) } else { (s, s) };
+    check_coefficient(c, "residual.carry", &conn.carry, s, carry_shape, per_slot);
+    let write_shape = if conn.write.form == Form::PerSlot { (s, 1) } else { (s, m) };
+    if conn.write.form == Form::PerSlot && s != m {
+        c.fail(
+            "residual.write.form",
+            format!("write.form: PerSlot sends segment i to slot i, so it needs streams = segments (got {s} and {m}); use Matrix"),
+        );
+    }
+    check_coefficient(c, "residual.write", &conn.write, s, write_shape, per_slot);
+}
+
+/// One coefficient at `path` with its matrix shape: its init's length and range, and a
+/// constraint that fits its shape (`per_slot`: the per-slot generator, which cannot make
+/// the s! logits of `Permutations`).
+fn check_coefficient(c: &mut Checker, path: &str, coef: &Coefficient, s: usize, shape: (usize, usize), per_slot: bool) {
+    let square = shape.0 == shape.1 && shape.0 == s;
+    let logits = match coef.constraint {
+        Constraint::Permutations => (1..=s.min(MAX_PERMUTATION_STREAMS)).product(),
+        _ => shape.0 * shape.1,
+    };
+    match coef.constraint {
+        Constraint::None | Constraint::Tanh | Constraint::Softmax => {}
+        Constraint::Sigmoid { scale, offset } => {
+            c.finite(&format!("{path}.constraint.scale"), scale);
+            c.finite(&format!("{path}.constraint.offset"), offset);
+        }
+        Constraint::Sinkhorn { iters, eps } => {
+            if !square || path != "residual.carry" {
+                c.fail(&format!("{path}.constraint"), format!("{path}.constraint: Sinkhorn needs a square carry (carry with form: Matrix)"));
+            }
+            c.at_least(&format!("{path}.constraint.iters"), iters, 1);
+            c.non_negative(&format!("{path}.constraint.eps"), eps);
+        }
+        Constraint::Permutations => {
+            if !square || path != "residual.carry" {
+                c.fail(&format!("{path}.constraint"), format!("{path}.constraint: Permutations mixes s x s permutation matrices, so only a carry with form: Matrix takes it"));
+            } else if s > MAX_PERMUTATION_STREAMS {
+                c.fail(
+                    &format!("{path}.constraint"),
+                    format!("{path}.constraint: Permutations has streams! = {s}! logits; it takes streams <= {MAX_PERMUTATION_STREAMS} (use Sinkhorn)"),
+                );
+            } else if per_slot {
+                c.fail(&format!("{path}.constraint"), format!("{path}.constraint: Permutations needs the s! logits of a Flat generator (or none); PerSlot makes one row per slot"));
+            }
+        }
+    }
+    let init = format!("{path}.init");
+    match &coef.init {
+        CoefInit::Identity | CoefInit::Cyclic | CoefInit::Eye { .. } | CoefInit::First { .. } | CoefInit::Home { .. } => {
+            if let CoefInit::Eye { on, off } | CoefInit::First { on, off } | CoefInit::Home { on, off } = &coef.init {
+                c.finite(&format!("{init}.on"), *on);
+                c.finite(&format!("{init}.off"), *off);
+            }
+            if matches!(coef.init, CoefInit::Home { .. }) && shape.0 != 1 && shape.1 != 1 {
+                c.fail(&init, format!("{init}: Home marks one slot of a [1, s] or [s, 1] coefficient; this one is [{}, {}]: use Identity or Eye", shape.0, shape.1));
+            }
+        }
+        CoefInit::Constant(v) => c.finite(&init, *v),
+        CoefInit::Logit(p) => {
+            if !(*p > 0.0 && *p < 1.0) {
+                c.fail(&init, format!("{init} = Logit({p:?}): p must be in (0, 1)"));
+            }
+        }
+        CoefInit::Linspace(lo, hi) => {
+            c.finite(&format!("{init}.lo"), *lo);
+            c.finite(&format!("{init}.hi"), *hi);
+        }
+        CoefInit::Values(v) => {
+            if v.len() != logits {
+                c.fail(&init, format!("{init}: Values has {} numbers; this coefficient has {logits} logits", v.len()));
+            }
+            if let Some(i) = v.iter().position(|x| !x.is_finite()) {
+                c.fail(&init, format!("{init}: Values[{i}] = {:?} must be finite", v[i]));
+            }
         }
     }
 }

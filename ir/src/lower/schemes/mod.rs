@@ -1,9 +1,8 @@
-//! One module per residual-stream scheme (docs/math.md §0.3 table).
+//! The residual-stream schemes (docs/math.md §0.3 table): the plain residual, xHC, and the
+//! connection language, through which HC, FC, mHC and GHC lower as spellings
+//! (docs/connections.md).
 
-mod fc;
-mod ghc;
-mod hc;
-mod mhc;
+mod connection;
 mod residual;
 mod xhc;
 
@@ -14,10 +13,14 @@ use crate::spec::{ModelSpec, ResidualSpec};
 pub(crate) fn build(spec: &ModelSpec) -> Box<dyn Scheme> {
     match &spec.residual {
         ResidualSpec::Residual => Box::new(residual::PlainResidual::new(spec)),
-        ResidualSpec::Hc(hc) => Box::new(hc::Hc::new(spec, hc)),
-        ResidualSpec::Fc(fc) => Box::new(fc::Fc::new(spec, fc)),
-        ResidualSpec::Ghc(ghc) => Box::new(ghc::Ghc::new(spec, ghc)),
-        ResidualSpec::Mhc(mhc) => Box::new(mhc::Mhc::new(spec, mhc)),
         ResidualSpec::Xhc(xhc) => Box::new(xhc::Xhc::new(spec, xhc)),
+        ResidualSpec::Hc(_)
+        | ResidualSpec::Fc(_)
+        | ResidualSpec::Mhc(_)
+        | ResidualSpec::Ghc(_)
+        | ResidualSpec::Connection(_) => {
+            let design = spec.residual.connection().expect("every stream design but xHC is a connection");
+            Box::new(connection::Connection::new(spec, design))
+        }
     }
 }

@@ -37,10 +37,10 @@
 mod flash;
 
 use crate::graph::Build;
-use crate::graph::{BinaryOp, GraphError, Init, NodeId, Op, ParamClass, UnaryOp};
-use crate::lower::schemes::mhc::{collapse_streams, replicate_embedding};
+use crate::graph::{BinaryOp, GraphError, Init, NodeId, Op, ParamClass, ReduceOp, UnaryOp};
+use crate::lower::schemes::connection::{collapse_streams, replicate_embedding};
 use crate::lower::{Branch, Cx, Scheme, SublayerKind};
-use crate::spec::{AugSublayers, Collapse, Flash, ModelSpec, OptimizerSpec, Router, XhcSpec};
+use crate::spec::{AugSublayers, Flash, ModelSpec, OptimizerSpec, Router, XhcSpec};
 
 pub(crate) struct Xhc {
     cfg: XhcSpec,
@@ -402,6 +402,6 @@ impl Scheme for Xhc {
     }
 
     fn collapse(&mut self, cx: &mut Cx, state: NodeId, _module: Option<usize>) -> Result<NodeId, GraphError> {
-        collapse_streams(cx, state, Collapse::Sum)
+        collapse_streams(cx, state, ReduceOp::Sum)
     }
 }
