@@ -416,6 +416,17 @@ fn mhc_bf16_kernels_match_c() {
     check_spec("mhc-bf16");
 }
 
+/// The connection language's new designs (docs/math.md §12.2, §12.3).
+#[test]
+fn mhc_lite_kernels_match_c() {
+    check_spec("mhc-lite");
+}
+
+#[test]
+fn wide_residual_kernels_match_c() {
+    check_spec("wide-residual");
+}
+
 #[test]
 fn vwn_r4_kernels_match_c() {
     check_spec("vwn-r4");

@@ -84,6 +84,8 @@ parity! {
     hc => "hc.ron",
     mhc => "mhc.ron",
     mhc_bf16 => "mhc-bf16.ron",
+    mhc_lite => "mhc-lite.ron",
+    wide_residual => "wide-residual.ron",
     moe => "moe.ron",
     mtp => "mtp.ron",
     residual => "residual.ron",

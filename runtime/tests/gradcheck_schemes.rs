@@ -366,3 +366,38 @@ fn moe_on_ghc() {
     let ffn = FfnSpec::Moe(MoeSpec { experts: 4, top_k: 2, shared: 1, hidden: 4, ..MoeSpec::default() });
     check(&ModelSpec { ffn, ..tiny_spec("moe-ghc", ghc(2, 4, true)) }, 21, &[]);
 }
+
+/// The `residual` of a spec file in `specs/`: the connection language's designs are
+/// shipped as spec files only (docs/connections.md).
+fn spec_file_residual(file: &str) -> ResidualSpec {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../specs").join(file);
+    ir::spec::load_spec(&path).unwrap_or_else(|e| panic!("{e}")).residual
+}
+
+/// mHC-lite (docs/math.md §12.2): the flat generator with a gain and the permutation carry.
+#[test]
+fn mhc_lite() {
+    check(&tiny_spec("mhc-lite", spec_file_residual("mhc-lite.ron")), 30, &[]);
+}
+
+/// The wide residual with retention (docs/math.md §12.3): static sigmoid-bounded scalars,
+/// a per-slot carry and a readout collapse.
+#[test]
+fn wide_residual() {
+    check(&tiny_spec("wide-residual", spec_file_residual("wide-residual.ron")), 31, &[]);
+}
+
+/// A design only the language can write: a per-slot generator with a LayerNorm and
+/// paired gates, a softmax read, a per-slot tanh carry and a sigmoid write over 3 streams.
+/// The first sublayer's streams are copies of the embedding, so a convex read of them
+/// is the embedding whatever its weights: its static read is inert.
+#[test]
+fn connection_per_slot_softmax_read_tanh_retention() {
+    let text = "Connection(streams: 3, collapse: Mean, \
+        generator: PerSlot(norm: LayerNorm, gate: Paired, gate_init: 0.3, act: Identity), \
+        read: (init: Home(on: 2.0, off: 0.0), constraint: Softmax), \
+        carry: (init: Constant(1.5), constraint: Tanh, form: PerSlot), \
+        write: (init: Linspace(0.0, 1.0), constraint: Sigmoid(scale: 2.0, offset: 0.0)))";
+    let spec = ir::spec::parse_spec(&format!("Model(residual: {text})"), "mix.ron").expect("parses");
+    check(&tiny_spec("connection-mix", spec.residual), 32, &["blocks.0.attn.conn.h_pre"]);
+}

@@ -16,12 +16,14 @@ use std::collections::HashMap;
 use std::num::NonZeroUsize;
 
 /// Every spec in `specs/`: one per scheme (Flash variants, MoE, MTP and bf16 included).
-const SPECS: [&str; 15] = [
+const SPECS: [&str; 17] = [
     "tiny.ron",
     "residual.ron",
     "hc.ron",
     "fc.ron",
     "mhc.ron",
+    "mhc-lite.ron",
+    "wide-residual.ron",
     "mhc-bf16.ron",
     "vwn-1.5x.ron",
     "vwn-r4.ron",

@@ -69,10 +69,11 @@ fn assert_trains(spec: &ModelSpec) -> (f64, f64) {
 }
 
 /// Every spec file has a test below, so a new one cannot go untrained.
-const SPEC_FILES: [&str; 15] = [
+const SPEC_FILES: [&str; 17] = [
     "fc.ron",
     "hc.ron",
     "mhc-bf16.ron",
+    "mhc-lite.ron",
     "mhc.ron",
     "moe.ron",
     "mtp.ron",
@@ -82,6 +83,7 @@ const SPEC_FILES: [&str; 15] = [
     "vwn-moe.ron",
     "vwn-r4.ron",
     "vwn-r8.ron",
+    "wide-residual.ron",
     "xhc-flash.ron",
     "xhc-moe.ron",
     "xhc.ron",
@@ -107,6 +109,16 @@ fn fc_trains() {
 #[test]
 fn hc_trains() {
     assert_trains(&shrunk("hc.ron"));
+}
+
+#[test]
+fn mhc_lite_trains() {
+    assert_trains(&shrunk("mhc-lite.ron"));
+}
+
+#[test]
+fn wide_residual_trains() {
+    assert_trains(&shrunk("wide-residual.ron"));
 }
 
 #[test]

@@ -22,8 +22,8 @@ use serde::Serialize;
 
 use crate::passes::vocab_loss::{CHUNK_ELEMENTS, MAX_CHUNKS};
 use crate::spec::{
-    Coefficient, CollapseRule, ConnectionSpec, Constraint, Create, EmbedMode, FfnSpec, Flash, Form, Gate, GenNorm,
-    Generator, ModelSpec, MoeBalance, MoeDispatch, Precision, Recompute, ReduceNorm, ResidualSpec,
+    Coefficient, CollapseRule, ConnectionSpec, Constraint, Create, EmbedMode, FfnSpec, Flash, Form, Gate,
+    GenNorm, Generator, ModelSpec, MoeBalance, MoeDispatch, Precision, Recompute, ReduceNorm, ResidualSpec,
 };
 
 /// Bytes per parameter in training: the f32 weight, its gradient and two optimizer
@@ -387,7 +387,7 @@ fn coefficients_per_token(spec: &ModelSpec) -> f64 {
 }
 
 /// A connection-language design's parameters per sublayer and the coefficients it
-/// generates per token (zero without a generator), from its fields (docs/math.md §9.1).
+/// generates per token (zero without a generator), from its fields (docs/math.md §12.1).
 fn connection_terms(c: &ConnectionSpec, d: f64) -> (f64, f64) {
     let (s, m) = (c.streams as f64, c.segments.max(1) as f64);
     let slot = d / m;

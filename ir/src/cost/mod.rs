@@ -146,7 +146,11 @@ impl GraphCounts {
                 Some(l) if role.mtp.is_none() && l < sublayers => Some(l),
                 _ => None,
             };
-            if let Op::Param(_) = node.op {
+            if let Op::Param(info) = &node.op {
+                // A constant table (the permutations of docs/math.md §12.2) is not learned.
+                if info.class == crate::graph::ParamClass::Table {
+                    continue;
+                }
                 let count = node.shape.numel() as u64;
                 params.total += count;
                 active += count as f64 * role.active_fraction;

@@ -114,7 +114,7 @@ pub fn paper_figures(spec: &ModelSpec) -> PaperFigures {
         ResidualSpec::Xhc(x) => xhc_figures(spec, x),
         // A written design has no paper's closed form: its figures are the graph's counts.
         ResidualSpec::Connection(_) => PaperFigures {
-            source: "docs/math.md §9 (no closed form: counted from the graph)".into(),
+            source: "docs/math.md §12 (no closed form: counted from the graph)".into(),
             connection_flops_per_sublayer_d: None,
             traffic_read: None,
             traffic_write: None,

@@ -88,7 +88,7 @@ pub enum ParamClass {
     /// learning rate, no weight decay.
     RouterBias,
     /// A constant table the lowering needs as a tensor, e.g. the permutation matrices of
-    /// the connection language's `Permutations` carry (docs/math.md §9.2): set from its
+    /// the connection language's `Permutations` carry (docs/math.md §12.2): set from its
     /// `Init`, never optimized, no weight decay.
     Table,
 }

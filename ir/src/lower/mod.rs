@@ -175,7 +175,8 @@ pub fn lower(spec: &ModelSpec, batch: usize, seq_len: usize) -> Result<Lowered, 
     }
     if spec.tie_embeddings {
         if let Some(c) = spec.residual.connection() {
-            if c.create == crate::spec::Create::Wide(crate::spec::EmbedMode::Full) && c.streams != c.segments {
+            if c.create == crate::spec::Create::Wide(crate::spec::EmbedMode::Full) && c.streams != c.segments
+            {
                 return Err(LowerError::Invalid(vec![FieldError {
                     path: "tie_embeddings".into(),
                     message: "tie_embeddings = true needs a V x D embedding; with residual Ghc (or create: Wide(Full)) use \

@@ -1,5 +1,5 @@
 //! The connection language: a residual-stream design written in the spec
-//! (`residual: Connection(...)`, docs/connections.md, docs/math.md §9).
+//! (`residual: Connection(...)`, docs/connections.md, docs/math.md §12).
 //!
 //! A design is the unified form of docs/math.md §0.3 made explicit: a state of `streams`
 //! slots per token, each of width D / `segments`; per sublayer a Read `[m, s]`, a Carry
@@ -12,8 +12,8 @@
 use serde::{Deserialize, Serialize};
 
 use super::{
-    Collapse, EmbedMode, FcSpec, GateAct, GenNorm, GhcSpec, HcSpec, MhcBiasInit, MhcSpec, OutProjStdMult, ProjInit,
-    ReduceInit, ReduceNorm,
+    Collapse, EmbedMode, FcSpec, GateAct, GenNorm, GhcSpec, HcSpec, MhcBiasInit, MhcSpec, OutProjStdMult,
+    ProjInit, ReduceInit, ReduceNorm,
 };
 
 /// A residual-stream design in the connection language (docs/connections.md).
@@ -86,7 +86,7 @@ pub enum CollapseRule {
         init: ReduceInit,
     },
     /// Σ_i c_i X_i with static per-slot weights `[1, s]` (`{init, constraint}` of a
-    /// [`Coefficient`], e.g. the wide residual's σ(e_i), docs/math.md §9.3); needs segments = 1.
+    /// [`Coefficient`], e.g. the wide residual's σ(e_i), docs/math.md §12.3); needs segments = 1.
     Readout(Coefficient),
 }
 
@@ -102,7 +102,7 @@ pub enum Generator {
     Flat(FlatGenerator),
 }
 
-/// `act(norm(X_i) [W_alpha | W_beta] / τ) ⊙ gate + static`, per slot i (docs/math.md §9.1).
+/// `act(norm(X_i) [W_alpha | W_beta] / τ) ⊙ gate + static`, per slot i (docs/math.md §12.1).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct PerSlotGenerator {
@@ -120,7 +120,13 @@ pub struct PerSlotGenerator {
 
 impl Default for PerSlotGenerator {
     fn default() -> Self {
-        PerSlotGenerator { norm: GenNorm::RmsNorm, temperature: None, act: GateAct::Tanh, gate: Gate::Entrywise, gate_init: 1.0 }
+        PerSlotGenerator {
+            norm: GenNorm::RmsNorm,
+            temperature: None,
+            act: GateAct::Tanh,
+            gate: Gate::Entrywise,
+            gate_init: 1.0,
+        }
     }
 }
 
@@ -134,7 +140,7 @@ pub enum Gate {
 }
 
 /// `constraint(α ⊙ (RMSNorm(vec X) φ) + b)`: one projection of the whole state, columns
-/// `[read | write | carry]` (docs/math.md §4.3, §9.1).
+/// `[read | write | carry]` (docs/math.md §4.3, §12.1).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct FlatGenerator {
@@ -250,7 +256,7 @@ pub enum Constraint {
         /// Guard added to the row and column sums [>= 0].
         eps: f64,
     },
-    /// Σ_k softmax(a)_k P_k over all s! permutation matrices (mHC-lite, docs/math.md §9.2): an
+    /// Σ_k softmax(a)_k P_k over all s! permutation matrices (mHC-lite, docs/math.md §12.2): an
     /// exactly doubly stochastic carry with s! logits, s <= 6.
     Permutations,
 }

@@ -20,8 +20,8 @@ mod validate;
 mod virtual_width;
 
 pub use connection::{
-    CoefInit, Coefficient, CollapseRule, ConnectionSpec, Constraint, Create, FlatGenerator, Form, Gate, Generator,
-    PerSlotGenerator, MAX_PERMUTATION_STREAMS,
+    CoefInit, Coefficient, CollapseRule, ConnectionSpec, Constraint, Create, FlatGenerator, Form, Gate,
+    Generator, PerSlotGenerator, MAX_PERMUTATION_STREAMS,
 };
 pub use fits::host_memory_bytes;
 pub use names::{field_paths, path_hint, similar_paths, UnknownName};
@@ -367,7 +367,7 @@ pub enum ResidualSpec {
     Ghc(GhcSpec),
     /// Expanded hyper-connections (docs/math.md §6).
     Xhc(XhcSpec),
-    /// A design written in the connection language (docs/connections.md, docs/math.md §9).
+    /// A design written in the connection language (docs/connections.md, docs/math.md §12).
     Connection(ConnectionSpec),
 }
 
@@ -387,7 +387,7 @@ impl ResidualSpec {
 
     /// The design in the connection language: HC, FC, mHC and GHC written out
     /// (docs/connections.md), a `Connection` as given; None for the plain residual and xHC,
-    /// which the language does not carry (docs/math.md §9.4).
+    /// which the language does not carry (docs/math.md §12.4).
     pub fn connection(&self) -> Option<ConnectionSpec> {
         match self {
             ResidualSpec::Hc(hc) => Some(ConnectionSpec::hc(hc)),

@@ -10,9 +10,9 @@ use std::fmt;
 
 use super::limits::{integer_limit, MAX_CONV_KERNELS, MAX_NAME_LEN, MAX_PATH_LEN, MAX_TRAINING_BYTES};
 use super::{
-    CoefInit, Coefficient, CollapseRule, ConnectionSpec, Constraint, Create, Form, Generator, MAX_PERMUTATION_STREAMS,
-    AdamWSpec, DataSpec, FfnSpec, Flash, ModelSpec, MoeBalance, MoeDispatch, OptimizerSpec, Parametrization,
-    Recompute, ReduceNorm, ResidualSpec, ScheduleSpec, SyntheticCorpus,
+    AdamWSpec, CoefInit, Coefficient, CollapseRule, ConnectionSpec, Constraint, Create, DataSpec, FfnSpec,
+    Flash, Form, Generator, ModelSpec, MoeBalance, MoeDispatch, OptimizerSpec, Parametrization, Recompute,
+    ReduceNorm, ResidualSpec, ScheduleSpec, SyntheticCorpus, MAX_PERMUTATION_STREAMS,
 };
 use crate::cost::{gib, training_memory};
 
@@ -642,7 +642,7 @@ impl Checker {
     }
 }
 
-/// The connection language's rules (docs/connections.md, docs/math.md §9): every field
+/// The connection language's rules (docs/connections.md, docs/math.md §12): every field
 /// named by its path, with what would be valid.
 fn check_connection(c: &mut Checker, conn: &ConnectionSpec, d_model: usize) {
     let (s, m) = (conn.streams, conn.segments);
@@ -692,7 +692,10 @@ fn check_connection(c: &mut Checker, conn: &ConnectionSpec, d_model: usize) {
     let per_slot = matches!(conn.generator, Generator::PerSlot(_));
     check_coefficient(c, "residual.read", &conn.read, s, (m, s), per_slot);
     if conn.read.form != Form::Matrix {
-        c.fail("residual.read.form", "read.form must be Matrix: the read is always [segments, streams]".into());
+        c.fail(
+            "residual.read.form",
+            "read.form must be Matrix: the read is always [segments, streams]".into(),
+        );
     }
     let carry_shape = if conn.carry.form == Form::PerSlot { (s, 1) } else { (s, s) };
     check_coefficient(c, "residual.carry", &conn.carry, s, carry_shape, per_slot);
@@ -709,7 +712,14 @@ fn check_connection(c: &mut Checker, conn: &ConnectionSpec, d_model: usize) {
 /// One coefficient at `path` with its matrix shape: its init's length and range, and a
 /// constraint that fits its shape (`per_slot`: the per-slot generator, which cannot make
 /// the s! logits of `Permutations`).
-fn check_coefficient(c: &mut Checker, path: &str, coef: &Coefficient, s: usize, shape: (usize, usize), per_slot: bool) {
+fn check_coefficient(
+    c: &mut Checker,
+    path: &str,
+    coef: &Coefficient,
+    s: usize,
+    shape: (usize, usize),
+    per_slot: bool,
+) {
     let square = shape.0 == shape.1 && shape.0 == s;
     let logits = match coef.constraint {
         Constraint::Permutations => (1..=s.min(MAX_PERMUTATION_STREAMS)).product(),
@@ -723,7 +733,10 @@ fn check_coefficient(c: &mut Checker, path: &str, coef: &Coefficient, s: usize, 
         }
         Constraint::Sinkhorn { iters, eps } => {
             if !square || path != "residual.carry" {
-                c.fail(&format!("{path}.constraint"), format!("{path}.constraint: Sinkhorn needs a square carry (carry with form: Matrix)"));
+                c.fail(
+                    &format!("{path}.constraint"),
+                    format!("{path}.constraint: Sinkhorn needs a square carry (carry with form: Matrix)"),
+                );
             }
             c.at_least(&format!("{path}.constraint.iters"), iters, 1);
             c.non_negative(&format!("{path}.constraint.eps"), eps);
@@ -743,8 +756,14 @@ fn check_coefficient(c: &mut Checker, path: &str, coef: &Coefficient, s: usize, 
     }
     let init = format!("{path}.init");
     match &coef.init {
-        CoefInit::Identity | CoefInit::Cyclic | CoefInit::Eye { .. } | CoefInit::First { .. } | CoefInit::Home { .. } => {
-            if let CoefInit::Eye { on, off } | CoefInit::First { on, off } | CoefInit::Home { on, off } = &coef.init {
+        CoefInit::Identity
+        | CoefInit::Cyclic
+        | CoefInit::Eye { .. }
+        | CoefInit::First { .. }
+        | CoefInit::Home { .. } => {
+            if let CoefInit::Eye { on, off } | CoefInit::First { on, off } | CoefInit::Home { on, off } =
+                &coef.init
+            {
                 c.finite(&format!("{init}.on"), *on);
                 c.finite(&format!("{init}.off"), *off);
             }
@@ -764,7 +783,10 @@ fn check_coefficient(c: &mut Checker, path: &str, coef: &Coefficient, s: usize, 
         }
         CoefInit::Values(v) => {
             if v.len() != logits {
-                c.fail(&init, format!("{init}: Values has {} numbers; this coefficient has {logits} logits", v.len()));
+                c.fail(
+                    &init,
+                    format!("{init}: Values has {} numbers; this coefficient has {logits} logits", v.len()),
+                );
             }
             if let Some(i) = v.iter().position(|x| !x.is_finite()) {
                 c.fail(&init, format!("{init}: Values[{i}] = {:?} must be finite", v[i]));

@@ -1,4 +1,4 @@
-//! The connection language's lowering (docs/connections.md, docs/math.md §9): one
+//! The connection language's lowering (docs/connections.md, docs/math.md §12): one
 //! implementation of the unified Read / Carry / Write form of docs/math.md §0.3 for every
 //! design written as a [`ConnectionSpec`], and for HC (§2), FC (§3), mHC (§4) and GHC / VWN
 //! (§5), which are spellings of it (`ConnectionSpec::hc` and its siblings).
@@ -36,8 +36,9 @@ use crate::graph::Build;
 use crate::graph::{GraphError, Init, NodeId, Op, ParamClass, ReduceOp, UnaryOp};
 use crate::lower::{Branch, Cx, Scheme, SublayerKind};
 use crate::spec::{
-    CoefInit, CollapseRule, ConnectionSpec, Constraint, Create, EmbedMode, FlatGenerator, Form, GateAct, GenNorm,
-    Generator, ModelSpec, OutProjStdMult, Parametrization, PerSlotGenerator, ProjInit, ReduceInit, ReduceNorm,
+    CoefInit, CollapseRule, ConnectionSpec, Constraint, Create, EmbedMode, FlatGenerator, Form, GateAct,
+    GenNorm, Generator, ModelSpec, OutProjStdMult, Parametrization, PerSlotGenerator, ProjInit, ReduceInit,
+    ReduceNorm,
 };
 
 /// The output-major mixing matrices of one sublayer (docs/math.md §0.2, §0.3): `read`
@@ -122,7 +123,7 @@ impl Connection {
         r * c
     }
 
-    /// The static part's values over the logits of sublayer l (docs/math.md §9.1).
+    /// The static part's values over the logits of sublayer l (docs/math.md §12.1).
     fn init_values(&self, which: Which, sublayer: usize) -> Vec<f64> {
         let cols = self.matrix_shape(which)[1];
         init_values(&self.coefficient(which).init, self.logits(which), cols, sublayer % self.s())
@@ -154,8 +155,14 @@ impl Connection {
 
     /// One matrix's value from its logits `[.., logits]` (per token) or `[logits]`
     /// (static): elementwise constraints apply before the reshape to the matrix, row-wise
-    /// ones after it (docs/math.md §9.1).
-    fn constrain(&mut self, cx: &mut Cx, which: Which, logits: NodeId, lead: &[usize]) -> Result<NodeId, GraphError> {
+    /// ones after it (docs/math.md §12.1).
+    fn constrain(
+        &mut self,
+        cx: &mut Cx,
+        which: Which,
+        logits: NodeId,
+        lead: &[usize],
+    ) -> Result<NodeId, GraphError> {
         let [rows, cols] = self.matrix_shape(which);
         let mut dims = lead.to_vec();
         dims.extend([rows, cols]);
@@ -187,7 +194,7 @@ impl Connection {
     }
 
     /// The constant table `[s!, s²]` whose row k is permutation matrix P_k, output-major
-    /// (docs/math.md §9.2); row 0 is the identity.
+    /// (docs/math.md §12.2); row 0 is the identity.
     fn permutation_table(&mut self, cx: &mut Cx) -> NodeId {
         let s = self.s();
         *self.permutations.get_or_insert_with(|| {
@@ -222,7 +229,11 @@ impl Connection {
             };
             cx.param(&format!("{p}.{name}"), &dims, self.static_init(which, sublayer), stat)
         };
-        Mixing { read: param(Which::Read, "h_pre"), carry: param(Which::Carry, "h_res"), write: param(Which::Write, "h_post") }
+        Mixing {
+            read: param(Which::Read, "h_pre"),
+            carry: param(Which::Carry, "h_res"),
+            write: param(Which::Write, "h_post"),
+        }
     }
 
     /// The per-slot generator (docs/math.md §2.3, §3, §5.5): static + gate ⊙ act(norm(H)[W_α | W_β] / τ).
@@ -240,7 +251,9 @@ impl Connection {
         let base = self.static_params(cx, p, sublayer);
         let gain = cx.param(&format!("{p}.norm"), &[ds], Init::Ones, ParamClass::Gain);
         let norm_bias = match gen.norm {
-            GenNorm::LayerNorm => Some(cx.param(&format!("{p}.norm_bias"), &[ds], Init::Zeros, ParamClass::Gain)),
+            GenNorm::LayerNorm => {
+                Some(cx.param(&format!("{p}.norm_bias"), &[ds], Init::Zeros, ParamClass::Gain))
+            }
             GenNorm::RmsNorm => None,
         };
         let proj = ParamClass::ConnectionProjection;
@@ -321,7 +334,7 @@ impl Connection {
         Ok(Mixing { read, carry, write })
     }
 
-    /// The flat generator (docs/math.md §4.3, §9.1): constraint(α ⊙ (RMSNorm(vec H) φ) + b),
+    /// The flat generator (docs/math.md §4.3, §12.1): constraint(α ⊙ (RMSNorm(vec H) φ) + b),
     /// columns `[read | write | carry]`.
     fn flat_mixing(
         &mut self,
@@ -341,7 +354,12 @@ impl Connection {
             ProjInit::Xavier => Init::Uniform { bound: (6.0 / (width + cols) as f64).sqrt() },
         };
         let phi = cx.param(&format!("{p}.phi"), &[width, cols], phi_init, ParamClass::ConnectionProjection);
-        let alpha = cx.param(&format!("{p}.alpha"), &[3], Init::Constant(gen.gate_init), ParamClass::ConnectionStatic);
+        let alpha = cx.param(
+            &format!("{p}.alpha"),
+            &[3],
+            Init::Constant(gen.gate_init),
+            ParamClass::ConnectionStatic,
+        );
         let mut bias = self.init_values(Which::Read, sublayer);
         bias.extend(self.init_values(Which::Write, sublayer));
         bias.extend(self.init_values(Which::Carry, sublayer));
@@ -379,7 +397,12 @@ impl Connection {
         let w = match &self.spec.collapse {
             CollapseRule::Readout(coef) => {
                 let values = init_values(&coef.init, self.s(), self.s(), 0);
-                cx.param("collapse.readout", &[1, self.s()], Init::Values(values), ParamClass::ConnectionStatic)
+                cx.param(
+                    "collapse.readout",
+                    &[1, self.s()],
+                    Init::Values(values),
+                    ParamClass::ConnectionStatic,
+                )
             }
             CollapseRule::Reduce { init, .. } => {
                 let init = match init {
@@ -395,7 +418,6 @@ impl Connection {
         self.exit = Some(w);
         w
     }
-
 }
 
 /// A [`CoefInit`] laid out over `n` logits in rows of `cols`, `home` the sublayer's home slot.
@@ -556,7 +578,7 @@ impl Scheme for Connection {
 
     /// The collapse (docs/math.md §0.3): Σ_i X_i or the mean (§2.1, §4.4), the slots side by
     /// side (§3), VWN's GroupNorm with groups of size D and `x @ W_reduce` (§5.2, Alg. 1), or
-    /// Σ_i c_i X_i with static readout weights (§9.3).
+    /// Σ_i c_i X_i with static readout weights (§12.3).
     fn collapse(&mut self, cx: &mut Cx, state: NodeId, module: Option<usize>) -> Result<NodeId, GraphError> {
         let dims = cx.shape(state).to_vec();
         match self.spec.collapse.clone() {
@@ -579,7 +601,8 @@ impl Scheme for Connection {
                             Some(k) => format!("mtp.{k}.reduce"),
                         };
                         let gain = cx.param(&format!("{prefix}.norm"), &[wide], Init::Ones, ParamClass::Gain);
-                        let bias = cx.param(&format!("{prefix}.norm_bias"), &[wide], Init::Zeros, ParamClass::Gain);
+                        let bias =
+                            cx.param(&format!("{prefix}.norm_bias"), &[wide], Init::Zeros, ParamClass::Gain);
                         let eps = cx.spec.norm_eps;
                         cx.g.add(Op::GroupNorm { groups: s / m, eps }, &[flat, gain, bias])?
                     }
