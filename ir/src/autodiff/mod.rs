@@ -11,7 +11,7 @@ mod builder;
 mod rules;
 
 use crate::graph::Build;
-use crate::graph::{Graph, GraphError, NodeId, Region, Role};
+use crate::graph::{Graph, GraphError, NodeId, Op, ParamClass, Region, Role};
 use std::collections::{HashMap, HashSet};
 
 /// Errors while differentiating.
@@ -51,7 +51,9 @@ fn backward_role(graph: &Graph, id: NodeId) -> Role {
 }
 
 /// Float nodes on a path from a `wrt` node to `loss` that does not pass through an
-/// integer value.
+/// integer value. A constant table (`ParamClass::Table`, e.g. the permutation matrices of
+/// docs/math.md §12.2) starts no path: it is never optimized, so its gradient is zero and
+/// costs nothing.
 fn relevant_nodes(graph: &Graph, order: &[NodeId], loss: NodeId, wrt: &[NodeId]) -> HashSet<NodeId> {
     let mut to_loss = HashSet::new();
     let mut stack = vec![loss];
@@ -63,7 +65,9 @@ fn relevant_nodes(graph: &Graph, order: &[NodeId], loss: NodeId, wrt: &[NodeId])
     let mut active: HashSet<NodeId> = HashSet::new();
     for &id in order {
         let float = graph.node(id).dtype.is_float();
-        if float && (wrt.contains(&id) || graph.inputs(id).iter().any(|i| active.contains(i))) {
+        let table = matches!(&graph.node(id).op, Op::Param(info) if info.class == ParamClass::Table);
+        let source = wrt.contains(&id) && !table;
+        if float && (source || graph.inputs(id).iter().any(|i| active.contains(i))) {
             active.insert(id);
         }
     }

@@ -392,7 +392,8 @@ fn connection_terms(c: &ConnectionSpec, d: f64) -> (f64, f64) {
     let (s, m) = (c.streams as f64, c.segments.max(1) as f64);
     let slot = d / m;
     let entries = |coef: &Coefficient, rows: f64, cols: f64| match (coef.constraint, coef.form) {
-        (Constraint::Permutations, _) => (1..=c.streams).map(|k| k as f64).product(),
+        // s! logits; s is at most 6 in a valid spec, and 171! is already past f64.
+        (Constraint::Permutations, _) => (1..=c.streams.min(171)).map(|k| k as f64).product(),
         (_, Form::PerSlot) => s,
         (_, Form::Matrix) => rows * cols,
     };

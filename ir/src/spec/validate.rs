@@ -723,7 +723,7 @@ fn check_coefficient(
     let square = shape.0 == shape.1 && shape.0 == s;
     let logits = match coef.constraint {
         Constraint::Permutations => (1..=s.min(MAX_PERMUTATION_STREAMS)).product(),
-        _ => shape.0 * shape.1,
+        _ => shape.0.saturating_mul(shape.1),
     };
     match coef.constraint {
         Constraint::None | Constraint::Tanh | Constraint::Softmax => {}
