@@ -1245,3 +1245,36 @@ fn a_time_budget_shorter_than_the_warmup_scales_it_too() {
     assert!(e.contains("in 2 of 2 points"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A sweep over a field of a design written in the connection language (docs/connections.md):
+/// mHC-lite's number of streams, with its baseline, on the reference executor, to the
+/// results, the fit over the axis and the plots.
+#[test]
+fn a_sweep_over_a_connection_language_field_fits_and_plots() {
+    let spec = SPEC.replace(
+        "residual: Ghc(m: 2, n: 4),",
+        "residual: Connection(streams: 2, generator: Flat(gain: true), \
+         read: (init: Home(on: 1.0, off: -1.0), constraint: Sigmoid(scale: 1.0, offset: 0.0)), \
+         carry: (init: First(on: 0.0, off: -8.0), constraint: Permutations), \
+         write: (init: Home(on: 1.0, off: -1.0), constraint: Sigmoid(scale: 2.0, offset: 0.0))),",
+    );
+    let dir = common::workdir("sweep-connection", Some(&spec));
+    let args =
+        ["sweep", "spec.ron", "--set", "residual.streams=2,3,4", "--baseline", "--device", "reference"];
+    let o = widen(&dir, &[&args[..], &["--out", "sw"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("law over residual.streams"), "{out}");
+    let (_, rows) = read_csv(&dir.join("sw/results.csv"));
+    let streams: Vec<&str> = rows.iter().map(|r| r["residual.streams"].as_str()).collect();
+    assert_eq!(streams, ["2", "3", "4", ""], "three points and the baseline");
+    assert!(rows.iter().all(|r| r["status"] == "ok" && num(r, "val_loss_mean").is_finite()));
+    // More streams, more connection parameters: the cost model counts the written design.
+    let params: Vec<f64> = rows[..3].iter().map(|r| num(r, "params_total")).collect();
+    assert!(params[0] < params[1] && params[1] < params[2], "{params:?}");
+    for plot in ["loss.svg", "law.svg", "frontier.svg"] {
+        let doc = svg(&dir.join("sw/plots").join(plot));
+        assert!(doc.contains("<svg"), "{plot}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
