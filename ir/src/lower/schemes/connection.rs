@@ -166,25 +166,14 @@ impl Connection {
         let [rows, cols] = self.matrix_shape(which);
         let mut dims = lead.to_vec();
         dims.extend([rows, cols]);
-        let x = match self.coefficient(which).constraint {
-            Constraint::None => logits,
-            Constraint::Sigmoid { scale, offset } => {
-                let y = cx.unary(UnaryOp::Sigmoid, logits)?;
-                if (scale, offset) != (1.0, 0.0) {
-                    cx.affine(y, scale, offset)?
-                } else {
-                    y
-                }
-            }
-            Constraint::Tanh => cx.unary(UnaryOp::Tanh, logits)?,
-            Constraint::Softmax | Constraint::Sinkhorn { .. } => logits,
-            Constraint::Permutations => {
-                let a = cx.g.add(Op::Softmax, &[logits])?;
-                let table = self.permutation_table(cx);
-                let h = cx.matmul(a, table)?;
-                return cx.reshape(h, &dims);
-            }
-        };
+        let constraint = self.coefficient(which).constraint;
+        if constraint == Constraint::Permutations {
+            let a = cx.g.add(Op::Softmax, &[logits])?;
+            let table = self.permutation_table(cx);
+            let h = cx.matmul(a, table)?;
+            return cx.reshape(h, &dims);
+        }
+        let x = elementwise(cx, constraint, logits)?;
         let x = if cx.shape(x) == dims.as_slice() { x } else { cx.reshape(x, &dims)? };
         match self.coefficient(which).constraint {
             Constraint::Softmax => cx.g.add(Op::Softmax, &[x]),
@@ -438,6 +427,25 @@ fn init_values(init: &CoefInit, n: usize, cols: usize, home: usize) -> Vec<f64> 
     }
 }
 
+/// The elementwise constraints (docs/math.md §12.1): `scale·σ(x) + offset` or tanh(x); any
+/// other constraint leaves `x` as it is, for the caller to apply after a reshape.
+fn elementwise(cx: &mut Cx, constraint: Constraint, x: NodeId) -> Result<NodeId, GraphError> {
+    match constraint {
+        Constraint::Sigmoid { scale, offset } => {
+            let y = cx.unary(UnaryOp::Sigmoid, x)?;
+            if (scale, offset) != (1.0, 0.0) {
+                cx.affine(y, scale, offset)
+            } else {
+                Ok(y)
+            }
+        }
+        Constraint::Tanh => cx.unary(UnaryOp::Tanh, x),
+        Constraint::None | Constraint::Softmax | Constraint::Sinkhorn { .. } | Constraint::Permutations => {
+            Ok(x)
+        }
+    }
+}
+
 /// All permutations of 0..s in lexicographic order (the first is the identity).
 pub(crate) fn permutations(s: usize) -> Vec<Vec<usize>> {
     let mut out = Vec::new();
@@ -613,18 +621,10 @@ impl Scheme for Connection {
             }
             CollapseRule::Readout(coef) => {
                 let w = self.exit_weight(cx);
+                // Validation admits only the elementwise constraints and Softmax here.
                 let c = match coef.constraint {
-                    Constraint::Sigmoid { scale, offset } => {
-                        let y = cx.unary(UnaryOp::Sigmoid, w)?;
-                        if (scale, offset) != (1.0, 0.0) {
-                            cx.affine(y, scale, offset)?
-                        } else {
-                            y
-                        }
-                    }
-                    Constraint::Tanh => cx.unary(UnaryOp::Tanh, w)?,
                     Constraint::Softmax => cx.g.add(Op::Softmax, &[w])?,
-                    Constraint::None | Constraint::Sinkhorn { .. } | Constraint::Permutations => w,
+                    other => elementwise(cx, other, w)?,
                 };
                 // [1, s] @ [B, T, s, D] -> [B, T, 1, D].
                 let y = cx.matmul(c, state)?;
