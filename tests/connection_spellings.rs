@@ -117,6 +117,11 @@ fn inconsistent_designs_name_the_field_and_the_fix() {
             "residual.write.form",
             "streams = segments",
         ),
+        (
+            "Connection(collapse: Readout(init: Constant(1.0), form: PerSlot))",
+            "residual.collapse.form",
+            "leave form out",
+        ),
     ];
     for (residual, path, hint) in cases {
         let text = format!("Model(d_model: 64, layers: 2, heads: 4, residual: {residual})");

@@ -676,7 +676,15 @@ fn check_connection(c: &mut Checker, conn: &ConnectionSpec, d_model: usize) {
             "residual.collapse.norm",
             format!("GroupNorm has groups of size d_model, so it needs streams = {s} to be a multiple of segments = {m}; use norm: Off"),
         ),
-        CollapseRule::Readout(coef) => check_coefficient(c, "residual.collapse", coef, s, (1, s), true),
+        CollapseRule::Readout(coef) => {
+            check_coefficient(c, "residual.collapse", coef, s, (1, s), true);
+            if coef.form != Form::Matrix {
+                c.fail(
+                    "residual.collapse.form",
+                    "collapse: Readout weighs the slots with one [1, streams] row; leave form out (Matrix)".into(),
+                );
+            }
+        }
         _ => {}
     }
     match &conn.generator {
