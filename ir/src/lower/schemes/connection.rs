@@ -114,10 +114,11 @@ impl Connection {
         }
     }
 
-    /// The number of logits of a coefficient: its entries, or s! for `Permutations`.
+    /// The number of logits of a coefficient: its entries, or s! for `Permutations` (counted,
+    /// not enumerated: the table is built once, in `permutation_table`).
     fn logits(&self, which: Which) -> usize {
         if self.coefficient(which).constraint == Constraint::Permutations {
-            return permutations(self.s()).len();
+            return (1..=self.s()).product();
         }
         let [r, c] = self.matrix_shape(which);
         r * c
