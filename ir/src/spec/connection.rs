@@ -40,6 +40,9 @@ pub struct ConnectionSpec {
     pub write: Coefficient,
     /// Init std multiplier of the sublayers' output projections (docs/math.md §2.4); default one.
     pub out_proj_std_mult: OutProjStdMult,
+    /// A depth history beside (or instead of) the fixed state: earlier sublayers' outputs or
+    /// blocks' states that a read combines (docs/math.md §12.5); default none.
+    pub history: Option<History>,
 }
 
 impl Default for ConnectionSpec {
@@ -54,8 +57,79 @@ impl Default for ConnectionSpec {
             carry: Coefficient::new(CoefInit::Identity),
             write: Coefficient::new(CoefInit::Constant(1.0)),
             out_proj_std_mult: OutProjStdMult::One,
+            history: None,
         }
     }
+}
+
+/// A depth history (docs/math.md §12.5): a list of entries that grows with depth, entry 0
+/// being the created state (the embedding, or an MTP module's fused input), and reads that
+/// combine a subset of them with static or attention weights. Attention residuals (block
+/// or full) and DenseFormer's depth-weighted averages are written with it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct History {
+    /// What an entry holds; default outputs.
+    pub entries: Entries,
+    /// Sublayers per entry [1 ..= 2 · layers]: 1 gives one entry per sublayer (full
+    /// attention residuals), 2 one per transformer block (DenseFormer). Default 2.
+    pub block: usize,
+    /// How a read weighs the entries it combines; default attention.
+    pub weights: DepthWeights,
+    /// k [>= 1]: the read after entry i combines the entries j <= i with j ≡ i (mod k) only.
+    /// `entries: States` only; default 1.
+    pub dilation: usize,
+    /// p [>= 1]: a read follows entry i only where p divides i. `entries: States` only;
+    /// default 1.
+    pub period: usize,
+}
+
+impl Default for History {
+    fn default() -> Self {
+        History {
+            entries: Entries::Outputs,
+            block: 2,
+            weights: DepthWeights::Attention,
+            dilation: 1,
+            period: 1,
+        }
+    }
+}
+
+/// What a depth history's entries hold (docs/math.md §12.5).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Entries {
+    /// The sum of the branch outputs of each `block` sublayers (attention residuals). There is
+    /// no carried state: every sublayer reads the finished entries and the current block's
+    /// partial sum, and the head reads them all. Needs streams = 1 and the coefficient fields
+    /// left out.
+    Outputs,
+    /// The state after each `block` sublayers, its residual included (DenseFormer). The fixed
+    /// state carries on as written; after entry i (where `period` divides i) it is replaced
+    /// by the read of the entries j ≡ i (mod `dilation`).
+    States,
+}
+
+/// The weights of a depth read over entries v_0 .. v_{n-1} (docs/math.md §12.5).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum DepthWeights {
+    /// softmax_i(w · RMSNorm(v_i)) with a learned query w (init 0, so a read starts as the
+    /// mean of its entries) and a learned key-norm gain (init 1), per read (attention
+    /// residuals).
+    Attention,
+    /// One learned scalar per entry read, not normalised (DenseFormer's α).
+    Static(DepthInit),
+}
+
+/// Init of static depth weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum DepthInit {
+    /// 1 on the newest entry, 0 on the rest (DenseFormer: the plain model at init).
+    Newest,
+    /// 1 on every entry (over outputs: the plain residual's sum).
+    Ones,
+    /// 1/n on each of the n entries.
+    Mean,
 }
 
 /// Stream creation from the embedding row E[tok] (docs/math.md §0.3).
@@ -297,6 +371,7 @@ impl ConnectionSpec {
             carry: Coefficient::new(CoefInit::Identity),
             write: Coefficient::new(CoefInit::Constant(1.0)),
             out_proj_std_mult: hc.out_proj_std_mult,
+            history: None,
         }
     }
 
@@ -322,6 +397,7 @@ impl ConnectionSpec {
             carry: Coefficient::new(CoefInit::Identity),
             write: Coefficient { form: Form::PerSlot, ..Coefficient::new(CoefInit::Constant(1.0)) },
             out_proj_std_mult: OutProjStdMult::One,
+            history: None,
         }
     }
 
@@ -347,6 +423,7 @@ impl ConnectionSpec {
             carry: Coefficient::new(CoefInit::Identity),
             write: Coefficient::new(CoefInit::Cyclic),
             out_proj_std_mult: OutProjStdMult::One,
+            history: None,
         }
     }
 
@@ -380,6 +457,7 @@ impl ConnectionSpec {
                 ..Coefficient::new(CoefInit::Constant(0.0))
             },
             out_proj_std_mult: OutProjStdMult::One,
+            history: None,
         }
     }
 }
