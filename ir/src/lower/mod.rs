@@ -152,6 +152,18 @@ pub(crate) trait Scheme {
     /// the trunk and Some(k) for MTP module k (which owns its collapse norms, §5.7).
     fn collapse(&mut self, cx: &mut Cx, state: NodeId, module: Option<usize>) -> Result<NodeId, GraphError>;
 
+    /// The state an MTP module continues from (docs/math.md §7.2): the trunk's (or the
+    /// previous module's) final `state`, or, for a design that carries no state (a depth
+    /// history of outputs, §12.5), its `collapsed` `[B, T', D]` as a one-slot state.
+    fn continued_state(
+        &mut self,
+        _cx: &mut Cx,
+        state: NodeId,
+        _collapsed: NodeId,
+    ) -> Result<NodeId, GraphError> {
+        Ok(state)
+    }
+
     /// Multiplier on the init std of the output projections W_o, W_2 (HC's sqrt(n) rule,
     /// docs/math.md §2.4).
     fn out_proj_std_mult(&self) -> f64 {
@@ -223,7 +235,8 @@ pub fn lower(spec: &ModelSpec, batch: usize, seq_len: usize) -> Result<Lowered, 
 
     let mut loss = loss_main;
     let depth = spec.mtp.depth;
-    let mut prev = trunk_state;
+    let mut prev =
+        if depth > 0 { scheme.continued_state(&mut cx, trunk_state, collapsed)? } else { trunk_state };
     let mut mtp_sum = None;
     for k in 1..=depth {
         cx.module = Some(k);
@@ -409,6 +422,7 @@ fn lower_mtp_module(
     let state = lower_block(cx, scheme, fused, 0)?;
     cx.set_role(Role::new(Region::Collapse).mtp(Some(k)));
     let collapsed = scheme.collapse(cx, state, Some(k))?;
+    let state = scheme.continued_state(cx, state, collapsed)?;
     let logits = head.logits(cx, collapsed, &format!("{prefix}.final_norm"))?;
     cx.seq_len = saved_len;
     cx.set_role(Role::new(Region::Loss).mtp(Some(k)));

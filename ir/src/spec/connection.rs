@@ -242,12 +242,16 @@ pub struct Coefficient {
     pub constraint: Constraint,
     /// A full matrix or one value per slot; default matrix.
     pub form: Form,
+    /// Whether the static part is trained; default true. False keeps it at its init, a
+    /// constant (e.g. the plain residual's read, carry and write of 1 inside DenseFormer,
+    /// docs/math.md §12.5).
+    pub learned: bool,
 }
 
 impl Coefficient {
     /// An unconstrained full matrix with this init.
     pub fn new(init: CoefInit) -> Self {
-        Coefficient { init, constraint: Constraint::None, form: Form::Matrix }
+        Coefficient { init, constraint: Constraint::None, form: Form::Matrix, learned: true }
     }
 }
 

@@ -103,6 +103,24 @@ pub const INTEGER_LIMITS: &[IntegerLimit] = &[
         why: "it is at most residual.streams or d_model",
     },
     IntegerLimit {
+        path: "residual.history.block",
+        min: 1,
+        max: 2048,
+        why: "an entry holds at most every sublayer of the model (2 x layers)",
+    },
+    IntegerLimit {
+        path: "residual.history.dilation",
+        min: 1,
+        max: 2048,
+        why: "a dilation above the number of entries (2 x layers + 1) reads the newest entry only",
+    },
+    IntegerLimit {
+        path: "residual.history.period",
+        min: 1,
+        max: 2048,
+        why: "a period above the number of entries (2 x layers + 1) never reads",
+    },
+    IntegerLimit {
         path: "residual.carry.constraint.iters",
         min: 1,
         max: 1000,

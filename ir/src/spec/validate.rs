@@ -10,9 +10,10 @@ use std::fmt;
 
 use super::limits::{integer_limit, MAX_CONV_KERNELS, MAX_NAME_LEN, MAX_PATH_LEN, MAX_TRAINING_BYTES};
 use super::{
-    AdamWSpec, CoefInit, Coefficient, CollapseRule, ConnectionSpec, Constraint, Create, DataSpec, FfnSpec,
-    Flash, Form, Generator, ModelSpec, MoeBalance, MoeDispatch, OptimizerSpec, Parametrization, Recompute,
-    ReduceNorm, ResidualSpec, ScheduleSpec, SyntheticCorpus, MAX_PERMUTATION_STREAMS,
+    AdamWSpec, CoefInit, Coefficient, CollapseRule, ConnectionSpec, Constraint, Create, DataSpec, Entries,
+    FfnSpec, Flash, Form, Generator, History, ModelSpec, MoeBalance, MoeDispatch, OptimizerSpec,
+    Parametrization, Recompute, ReduceNorm, ResidualSpec, ScheduleSpec, SyntheticCorpus,
+    MAX_PERMUTATION_STREAMS,
 };
 use crate::cost::{gib, training_memory};
 
@@ -210,6 +211,11 @@ impl ModelSpec {
                 if let Constraint::Sinkhorn { iters, .. } = c.carry.constraint {
                     out.push(("residual.carry.constraint.iters".into(), u(iters)));
                 }
+                if let Some(h) = &c.history {
+                    out.push(("residual.history.block".into(), u(h.block)));
+                    out.push(("residual.history.dilation".into(), u(h.dilation)));
+                    out.push(("residual.history.period".into(), u(h.period)));
+                }
             }
         }
         out.push(("mtp.depth".into(), u(self.mtp.depth)));
@@ -389,7 +395,7 @@ impl ModelSpec {
                     );
                 }
             }
-            ResidualSpec::Connection(conn) => check_connection(c, conn, self.d_model),
+            ResidualSpec::Connection(conn) => check_connection(c, conn, self.d_model, self.layers),
             ResidualSpec::Xhc(x) => {
                 c.at_least("residual.n", x.n, 1);
                 if x.k < 1 {
@@ -644,7 +650,10 @@ impl Checker {
 
 /// The connection language's rules (docs/connections.md, docs/math.md §12): every field
 /// named by its path, with what would be valid.
-fn check_connection(c: &mut Checker, conn: &ConnectionSpec, d_model: usize) {
+fn check_connection(c: &mut Checker, conn: &ConnectionSpec, d_model: usize, layers: usize) {
+    if let Some(history) = &conn.history {
+        check_history(c, conn, history, layers);
+    }
     let (s, m) = (conn.streams, conn.segments);
     c.at_least("residual.streams", s, 1);
     c.at_least("residual.segments", m, 1);
@@ -715,6 +724,60 @@ fn check_connection(c: &mut Checker, conn: &ConnectionSpec, d_model: usize) {
         );
     }
     check_coefficient(c, "residual.write", &conn.write, s, write_shape, per_slot);
+}
+
+/// A depth history's rules (docs/math.md §12.5). A history of outputs replaces the fixed
+/// state, so the fields that shape one must keep their one-slot defaults.
+fn check_history(c: &mut Checker, conn: &ConnectionSpec, history: &History, layers: usize) {
+    c.at_least("residual.history.block", history.block, 1);
+    c.at_least("residual.history.dilation", history.dilation, 1);
+    c.at_least("residual.history.period", history.period, 1);
+    let sublayers = layers.saturating_mul(2);
+    if layers >= 1 && history.block > sublayers {
+        c.fail(
+            "residual.history.block",
+            format!(
+                "residual.history.block = {} must be <= 2 x layers = {sublayers}: an entry holds `block` consecutive sublayers",
+                history.block
+            ),
+        );
+    }
+    if history.entries != Entries::Outputs {
+        return;
+    }
+    for (path, value) in
+        [("residual.history.dilation", history.dilation), ("residual.history.period", history.period)]
+    {
+        if value != 1 {
+            c.fail(
+                path,
+                format!("{path} = {value}: with entries: Outputs every sublayer reads every entry; dilation and period apply to entries: States"),
+            );
+        }
+    }
+    let plain = ConnectionSpec::default();
+    let fixed = |path: &str, ok: bool, what: &str| (path.to_string(), ok, what.to_string());
+    for (path, ok, what) in [
+        fixed("residual.streams", conn.streams == 1, "streams: 1"),
+        fixed("residual.segments", conn.segments == 1, "segments: 1 (or leave it out)"),
+        fixed("residual.create", conn.create == Create::Replicate, "create: Replicate (or leave it out)"),
+        fixed(
+            "residual.collapse",
+            conn.collapse == CollapseRule::Sum,
+            "collapse: Sum (or leave it out); the head reads the history",
+        ),
+        fixed("residual.generator", conn.generator == Generator::None, "generator: None (or leave it out)"),
+        fixed("residual.read", conn.read == plain.read, "read left out"),
+        fixed("residual.carry", conn.carry == plain.carry, "carry left out"),
+        fixed("residual.write", conn.write == plain.write, "write left out"),
+    ] {
+        if !ok {
+            c.fail(
+                &path,
+                format!("residual.history with entries: Outputs replaces the fixed state (every sublayer reads the history, nothing is carried), so it needs {what}; for a history beside a fixed state use entries: States"),
+            );
+        }
+    }
 }
 
 /// One coefficient at `path` with its matrix shape: its init's length and range, and a

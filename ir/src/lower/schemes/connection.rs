@@ -210,8 +210,8 @@ impl Connection {
 
     /// h_pre, h_res, h_post as parameters over their logits (a matrix, or s! logits).
     fn static_params(&self, cx: &mut Cx, p: &str, sublayer: usize) -> Mixing {
-        let stat = ParamClass::ConnectionStatic;
         let mut param = |which: Which, name: &str| {
+            let stat = static_class(self.coefficient(which));
             let dims: Vec<usize> = if self.coefficient(which).constraint == Constraint::Permutations {
                 vec![1, self.logits(which)]
             } else {
@@ -353,7 +353,10 @@ impl Connection {
         let mut bias = self.init_values(Which::Read, sublayer);
         bias.extend(self.init_values(Which::Write, sublayer));
         bias.extend(self.init_values(Which::Carry, sublayer));
-        let bias = cx.param(&format!("{p}.bias"), &[cols], Init::Values(bias), ParamClass::ConnectionStatic);
+        // The bias is the three coefficients' static parts: trained unless all three are fixed.
+        let fixed = [Which::Read, Which::Write, Which::Carry].iter().all(|&w| !self.coefficient(w).learned);
+        let class = if fixed { ParamClass::Table } else { ParamClass::ConnectionStatic };
+        let bias = cx.param(&format!("{p}.bias"), &[cols], Init::Values(bias), class);
 
         let flat = cx.reshape(state, &[b, t, width])?;
         let raw = if gen.gain {
@@ -387,12 +390,7 @@ impl Connection {
         let w = match &self.spec.collapse {
             CollapseRule::Readout(coef) => {
                 let values = init_values(&coef.init, self.s(), self.s(), 0);
-                cx.param(
-                    "collapse.readout",
-                    &[1, self.s()],
-                    Init::Values(values),
-                    ParamClass::ConnectionStatic,
-                )
+                cx.param("collapse.readout", &[1, self.s()], Init::Values(values), static_class(coef))
             }
             CollapseRule::Reduce { init, .. } => {
                 let init = match init {
@@ -407,6 +405,16 @@ impl Connection {
         };
         self.exit = Some(w);
         w
+    }
+}
+
+/// The class of a coefficient's static part: trained (`ConnectionStatic`), or a constant
+/// (`Table`) with `learned: false` (docs/math.md §12.1).
+fn static_class(coef: &crate::spec::Coefficient) -> ParamClass {
+    if coef.learned {
+        ParamClass::ConnectionStatic
+    } else {
+        ParamClass::Table
     }
 }
 

@@ -1,8 +1,9 @@
 //! The residual-stream schemes (docs/math.md §0.3 table): the plain residual, xHC, and the
 //! connection language, through which HC, FC, mHC and GHC lower as spellings
-//! (docs/connections.md).
+//! (docs/connections.md), with its depth history (docs/math.md §12.5) in `history`.
 
 mod connection;
+mod history;
 mod residual;
 mod xhc;
 
@@ -20,7 +21,11 @@ pub(crate) fn build(spec: &ModelSpec) -> Box<dyn Scheme> {
         | ResidualSpec::Ghc(_)
         | ResidualSpec::Connection(_) => {
             let design = spec.residual.connection().expect("every stream design but xHC is a connection");
-            Box::new(connection::Connection::new(spec, design))
+            if design.history.is_some() {
+                Box::new(history::DepthHistory::new(spec, design))
+            } else {
+                Box::new(connection::Connection::new(spec, design))
+            }
         }
     }
 }
