@@ -407,3 +407,47 @@ fn connection_per_slot_softmax_read_tanh_retention() {
     let spec = ir::spec::parse_spec(&format!("Model(residual: {text})"), "mix.ron").expect("parses");
     check(&tiny_spec("connection-mix", spec.residual), 32, &["blocks.0.attn.conn.h_pre"]);
 }
+
+/// Block attention residuals (docs/math.md §12.5): attention reads over the embedding,
+/// the finished blocks' sums and the partial sum, and the head's read. The first sublayer
+/// reads the embedding alone: a softmax over one entry is 1 whatever its query and gain.
+#[test]
+fn attn_residuals() {
+    let spec =
+        ModelSpec { layers: 2, ..tiny_spec("attn-residuals", spec_file_residual("attn-residuals.ron")) };
+    check(&spec, 33, &["blocks.0.attn.history.query", "blocks.0.attn.history.norm"]);
+}
+
+/// DenseFormer (docs/math.md §12.5): static weights over the block states, the fixed
+/// unit read, carry and write of the plain residual inside the blocks (tables).
+#[test]
+fn denseformer() {
+    let spec = ModelSpec { layers: 2, ..tiny_spec("denseformer", spec_file_residual("denseformer.ron")) };
+    check(&spec, 34, &[]);
+}
+
+/// A history of states beside a two-stream state with a per-slot generator: attention
+/// reads after every sublayer over a dilated index set, so the first read (entry 1 alone)
+/// is inert; and an MTP module over a history of outputs with static mean weights.
+#[test]
+fn history_of_states_with_attention_and_outputs_with_mtp() {
+    let states = ir::spec::parse_spec(
+        "Model(residual: Connection(streams: 2, generator: PerSlot(), \
+         history: History(entries: States, block: 1, weights: Attention, dilation: 2)))",
+        "states.ron",
+    )
+    .expect("parses");
+    let spec = ModelSpec { layers: 2, ..tiny_spec("history-states", states.residual) };
+    check(&spec, 35, &["blocks.0.attn.history.query", "blocks.0.attn.history.norm"]);
+    let outputs = ir::spec::parse_spec(
+        "Model(residual: Connection(streams: 1, history: History(block: 1, weights: Static(Mean))))",
+        "outputs.ron",
+    )
+    .expect("parses");
+    let spec = ModelSpec {
+        layers: 2,
+        mtp: MtpSpec { depth: 1, lambda: 0.5, ..MtpSpec::default() },
+        ..tiny_spec("history-outputs-mtp", outputs.residual)
+    };
+    check(&spec, 36, &[]);
+}

@@ -704,7 +704,16 @@ fn check_connection(c: &mut Checker, conn: &ConnectionSpec, d_model: usize, laye
             }
             c.finite("residual.generator.gate_init", g.gate_init);
         }
-        Generator::Flat(g) => c.finite("residual.generator.gate_init", g.gate_init),
+        Generator::Flat(g) => {
+            c.finite("residual.generator.gate_init", g.gate_init);
+            // One bias holds the three static parts (docs/math.md §4.3, §12.1).
+            if !(conn.read.learned == conn.carry.learned && conn.carry.learned == conn.write.learned) {
+                c.fail(
+                    "residual.read.learned",
+                    "with generator: Flat one bias holds the static parts of read, carry and write, so learned must be the same for all three".into(),
+                );
+            }
+        }
     }
     let per_slot = matches!(conn.generator, Generator::PerSlot(_));
     check_coefficient(c, "residual.read", &conn.read, s, (m, s), per_slot);
