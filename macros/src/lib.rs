@@ -113,9 +113,15 @@ fn model_spec(input: &DeriveInput) -> syn::Result<ModelSpec> {
     }
 }
 
-/// A field error's message, prefixed with its path unless the message already names it.
+/// A field error's message, prefixed with its path unless the message already names it,
+/// in full or by its tail (`create: Split needs ...` for `residual.create`).
 fn describe(error: &FieldError) -> String {
-    if error.path.is_empty() || error.message.contains(&error.path) {
+    let path = error.path.as_str();
+    let names_tail = path.match_indices('.').any(|(i, _)| {
+        let tail = &path[i + 1..];
+        error.message.strip_prefix(tail).is_some_and(|rest| rest.starts_with([':', ' ', '.']))
+    });
+    if path.is_empty() || error.message.contains(path) || names_tail {
         error.message.clone()
     } else {
         format!("{}: {}", error.path, error.message)
@@ -190,6 +196,22 @@ mod tests {
         let spec = model_spec(&input).expect("valid");
         let text = embed(&spec, &input).expect("embeds");
         assert_eq!(ir::spec::parse_spec(&text, "t").expect("parses"), spec);
+    }
+
+    #[test]
+    fn messages_name_their_field_once() {
+        let error = |path: &str, message: &str| FieldError { path: path.into(), message: message.into() };
+        assert_eq!(describe(&error("residual.create", "create: Split needs ...")), "create: Split needs ...");
+        assert_eq!(
+            describe(&error("residual.read.form", "read.form must be Matrix")),
+            "read.form must be Matrix"
+        );
+        assert_eq!(
+            describe(&error("residual.k", "residual.k = 5 is too many")),
+            "residual.k = 5 is too many"
+        );
+        assert_eq!(describe(&error("residual.n", "must be >= 1")), "residual.n: must be >= 1");
+        assert_eq!(describe(&error("residual.creates", "create: x")), "residual.creates: create: x");
     }
 
     #[test]
