@@ -15,6 +15,21 @@
 //! optional field (`clip = none`), and `name` defaults to the type's name in
 //! kebab case. Keys go on the type only; `#[widen]` on fields is rejected.
 //!
+//! A connection-language design (docs/connections.md, "In the derive") is written the same
+//! way. Struct variants name every member, as RON requires (`sigmoid(scale = 2.0, offset
+//! = 0.0)`); tuple variants take their values in order (`linspace(-0.01, 0.01)`,
+//! `values([1.0, 0.0])`, `wide(full)`); keywords are names too (`weights = static(newest)`):
+//!
+//! ```text
+//! #[widen(residual = connection(
+//!     streams = 4,
+//!     collapse = readout(init = logit(0.25), constraint = sigmoid(scale = 1.0, offset = 0.0)),
+//!     read(init = logit(0.25), constraint = sigmoid(scale = 1.0, offset = 0.0)),
+//!     carry(init = logit(0.99), constraint = sigmoid(scale = 0.1, offset = 0.9), form = per_slot),
+//!     write(init = linspace(-0.01, 0.01), constraint = sigmoid(scale = 2.0, offset = 0.0)),
+//! ))]
+//! ```
+//!
 //! At expansion time the macro builds an `ir::spec::ModelSpec` and runs the same
 //! `ModelSpec::validate` as the RON path. Every problem (malformed attribute,
 //! unknown key with a "did you mean", wrong value type, failed validation rule)

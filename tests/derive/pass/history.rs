@@ -1,4 +1,4 @@
-//! Connection designs with a depth history (docs/math.md §12.5), written as attributes and
+//! Connection designs with a depth history (docs/math.md §12), written as attributes and
 //! compared with the same designs in RON.
 use widen::ir::spec::{parse_spec, DepthInit, DepthWeights, Entries, History, ResidualSpec};
 use widen::VirtualWidth;
