@@ -248,7 +248,7 @@ fields!(FlatGenerator { gain, proj_init, gate_init });
 fields!(Coefficient { init, constraint, form });
 
 /// Declares the members of a struct variant (`sigmoid(scale = 2.0, offset = 0.0)`) as a
-/// keyed struct of options, so that [`apply`] gives them the usual unknown-key, duplicate
+/// keyed struct of [`Member`]s, so that [`apply`] gives them the usual unknown-key, duplicate
 /// and path handling; [`Variant::require`] then asks for every one, since RON has no
 /// defaults for a struct variant's fields either. A missing member is reported and a
 /// placeholder stands in, which is never seen: errors stop the expansion before validation.
