@@ -17,6 +17,10 @@ fn derive_compile_errors() {
     trybuild::TestCases::new().compile_fail("tests/derive/fail/*.rs");
 }
 
+#[path = "derive/pass/connection.rs"]
+mod pass_connection;
+#[path = "derive/pass/history.rs"]
+mod pass_history;
 #[path = "derive/pass/plain.rs"]
 mod pass_plain;
 #[path = "derive/pass/vwn.rs"]
@@ -27,6 +31,16 @@ mod pass_xhc;
 #[test]
 fn derive_defaults_and_generics() {
     pass_plain::main();
+}
+
+#[test]
+fn derive_connection_designs_equal_their_ron_files() {
+    pass_connection::main();
+}
+
+#[test]
+fn derive_connection_with_a_depth_history() {
+    pass_history::main();
 }
 
 #[test]

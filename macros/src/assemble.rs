@@ -10,6 +10,7 @@
 use crate::suggest;
 use crate::syntax::{Arg, Range, Value};
 use ir::spec::*;
+use syn::ext::IdentExt;
 
 /// Accumulated errors and the path -> source-range map of one expansion.
 #[derive(Default)]
@@ -93,7 +94,7 @@ pub fn apply<'a, T: Fields>(
             cx.error(arg.range().error("expected `key = value`"));
             continue;
         };
-        let name = key.to_string();
+        let name = key.unraw().to_string();
         let known = T::KEYS.contains(&name.as_str());
         if !known && !extra.contains(&name.as_str()) {
             let mut candidates = T::KEYS.to_vec();
@@ -229,6 +230,57 @@ fields!(MuonSpec { lr, momentum, nesterov, ns_steps, scale, weight_decay, adamw 
 fields!(ConstantSpec { warmup });
 fields!(CosineSpec { warmup, min_ratio });
 fields!(WsdSpec { warmup, decay_fraction, final_ratio });
+fields!(ConnectionSpec {
+    streams,
+    segments,
+    create,
+    collapse,
+    generator,
+    read,
+    carry,
+    write,
+    out_proj_std_mult,
+    history,
+});
+fields!(History { entries, block, weights, dilation, period });
+fields!(PerSlotGenerator { norm, temperature, act, gate, gate_init });
+fields!(FlatGenerator { gain, proj_init, gate_init });
+fields!(Coefficient { init, constraint, form });
+
+/// Declares the members of a struct variant (`sigmoid(scale = 2.0, offset = 0.0)`) as a
+/// keyed struct of [`Member`]s, so that [`apply`] gives them the usual unknown-key, duplicate
+/// and path handling; [`Variant::require`] then asks for every one, since RON has no
+/// defaults for a struct variant's fields either. A missing member is reported and a
+/// placeholder stands in, which is never seen: errors stop the expansion before validation.
+macro_rules! members {
+    ($ty:ident { $($field:ident: $inner:ty),* $(,)? }) => {
+        #[derive(Default)]
+        struct $ty {
+            $($field: Member<$inner>),*
+        }
+        fields!($ty { $($field),* });
+    };
+}
+
+/// A struct variant's member: unset until written. Unlike `Option`, it takes no `none`.
+struct Member<T>(Option<T>);
+
+impl<T> Default for Member<T> {
+    fn default() -> Self {
+        Member(None)
+    }
+}
+
+impl<T: FromValue> FromValue for Member<T> {
+    fn from_value(value: &Value, path: &str, cx: &mut Cx) -> syn::Result<Self> {
+        T::from_value(value, path, cx).map(|v| Member(Some(v)))
+    }
+}
+
+members!(OnOff { on: f64, off: f64 });
+members!(SigmoidMembers { scale: f64, offset: f64 });
+members!(SinkhornMembers { iters: usize, eps: f64 });
+members!(ReduceMembers { norm: ReduceNorm, init: ReduceInit });
 
 /// Variant names compare case-insensitively and ignoring underscores, so the
 /// documented snake_case (`two_block`) and the RON spelling (`TwoBlock`) both work.
@@ -238,11 +290,12 @@ fn normalize(name: &str) -> String {
 
 /// Index of `ident` in `names`, or an error suggesting the closest name.
 fn find_variant(ident: &syn::Ident, what: &str, names: &[&str]) -> syn::Result<usize> {
-    let wanted = normalize(&ident.to_string());
+    let written = ident.unraw().to_string();
+    let wanted = normalize(&written);
     names
         .iter()
         .position(|n| normalize(n) == wanted)
-        .ok_or_else(|| syn::Error::new(ident.span(), suggest::unknown(what, &ident.to_string(), names)))
+        .ok_or_else(|| syn::Error::new(ident.span(), suggest::unknown(what, &written, names)))
 }
 
 /// Implements [`FromValue`] for a unit-only spec enum, written as a snake_case identifier.
@@ -290,6 +343,10 @@ unit_enum!(ConcatOrder, "concat order" { HiddenFirst => "hidden_first", EmbFirst
 unit_enum!(Precision, "precision" { F32 => "f32", Bf16 => "bf16" });
 unit_enum!(SyntheticCorpus, "corpus" { Default => "default" });
 unit_enum!(MuonScale, "Muon scaling" { Original => "original", MatchRmsAdamW => "match_rms_adamw" });
+unit_enum!(Gate, "gate" { Paired => "paired", Entrywise => "entrywise" });
+unit_enum!(Form, "coefficient form" { Matrix => "matrix", PerSlot => "per_slot" });
+unit_enum!(Entries, "history entries" { Outputs => "outputs", States => "states" });
+unit_enum!(DepthInit, "depth init" { Newest => "newest", Ones => "ones", Mean => "mean" });
 
 /// A data-carrying enum value: `ghc(m = 4)`, or a bare `ghc` for all defaults.
 struct Variant<'a> {
@@ -343,11 +400,48 @@ impl<'a> Variant<'a> {
             [_, second, ..] => Err(second.range().error(format!("`{}` takes one argument", self.name))),
         }
     }
+
+    /// The positional arguments of a tuple variant such as `linspace(-0.01, 0.01)`, exactly `N`.
+    fn tuple<const N: usize>(&self, usage: &str) -> syn::Result<[&'a Value; N]> {
+        let mut values = Vec::with_capacity(N);
+        for arg in self.args {
+            match (&arg.key, &arg.value) {
+                (None, value) => values.push(value),
+                _ => {
+                    return Err(arg.range().error(format!("expected a value, not `key = value`: `{usage}`")))
+                }
+            }
+        }
+        let found = values.len();
+        values.try_into().map_err(|_| {
+            let takes = if N == 1 { "one value".to_string() } else { format!("{N} values") };
+            self.range.error(format!("`{}` takes {takes}, found {found}: `{usage}`", self.name))
+        })
+    }
+
+    /// One member of a struct variant (see [`members!`]): a missing one is reported at the
+    /// variant, `sigmoid(scale = 2.0)` needs `offset`; one written with a bad value has been
+    /// reported already.
+    fn require<T>(&self, Member(member): Member<T>, key: &str, cx: &mut Cx) -> Option<T> {
+        let written = self.args.iter().any(|a| a.key.as_ref().is_some_and(|k| k.unraw() == key));
+        if member.is_none() && !written {
+            cx.error(self.range.error(format!("`{}` needs `{key} = ..`", self.name)));
+        }
+        member
+    }
+
+    /// Both members of an `on`/`off` init; zeros stand in for missing ones, which are
+    /// already reported.
+    fn on_off(&self, path: &str, cx: &mut Cx) -> (f64, f64) {
+        let m: OnOff = self.payload(path, cx);
+        let on = self.require(m.on, "on", cx).unwrap_or_default();
+        (on, self.require(m.off, "off", cx).unwrap_or_default())
+    }
 }
 
 impl FromValue for ResidualSpec {
     fn from_value(value: &Value, path: &str, cx: &mut Cx) -> syn::Result<Self> {
-        const NAMES: &[&str] = &["residual", "hc", "fc", "mhc", "ghc", "xhc"];
+        const NAMES: &[&str] = &["residual", "hc", "fc", "mhc", "ghc", "xhc", "connection"];
         let v = Variant::parse(value, "residual scheme", NAMES)?;
         Ok(match NAMES[v.index] {
             "residual" => {
@@ -358,7 +452,168 @@ impl FromValue for ResidualSpec {
             "fc" => ResidualSpec::Fc(v.payload(path, cx)),
             "mhc" => ResidualSpec::Mhc(v.payload(path, cx)),
             "ghc" => ResidualSpec::Ghc(ghc(&v, path, cx)),
-            _ => ResidualSpec::Xhc(v.payload(path, cx)),
+            "xhc" => ResidualSpec::Xhc(v.payload(path, cx)),
+            _ => ResidualSpec::Connection(v.payload(path, cx)),
+        })
+    }
+}
+
+impl FromValue for Create {
+    fn from_value(value: &Value, path: &str, cx: &mut Cx) -> syn::Result<Self> {
+        let v = Variant::parse(value, "stream creation", &["replicate", "split", "wide"])?;
+        Ok(match v.index {
+            0 => {
+                v.unit()?;
+                Create::Replicate
+            }
+            1 => {
+                v.unit()?;
+                Create::Split
+            }
+            _ => match v.positional()? {
+                Some(mode) => Create::Wide(named(mode, path, cx)?),
+                None => {
+                    return Err(v.range.error("expected the embedding mode: `wide(full)` or `wide(expand)`"))
+                }
+            },
+        })
+    }
+}
+
+impl FromValue for CollapseRule {
+    fn from_value(value: &Value, path: &str, cx: &mut Cx) -> syn::Result<Self> {
+        const NAMES: &[&str] = &["sum", "mean", "concat", "reduce", "readout"];
+        let v = Variant::parse(value, "collapse rule", NAMES)?;
+        Ok(match v.index {
+            0 => {
+                v.unit()?;
+                CollapseRule::Sum
+            }
+            1 => {
+                v.unit()?;
+                CollapseRule::Mean
+            }
+            2 => {
+                v.unit()?;
+                CollapseRule::Concat
+            }
+            3 => {
+                let m: ReduceMembers = v.payload(path, cx);
+                let norm = v.require(m.norm, "norm", cx);
+                match (norm, v.require(m.init, "init", cx)) {
+                    (Some(norm), Some(init)) => CollapseRule::Reduce { norm, init },
+                    _ => CollapseRule::Sum,
+                }
+            }
+            _ => CollapseRule::Readout(v.payload(path, cx)),
+        })
+    }
+}
+
+impl FromValue for Generator {
+    fn from_value(value: &Value, path: &str, cx: &mut Cx) -> syn::Result<Self> {
+        let v = Variant::parse(value, "generator", &["none", "per_slot", "flat"])?;
+        Ok(match v.index {
+            0 => {
+                v.unit()?;
+                Generator::None
+            }
+            1 => Generator::PerSlot(v.payload(path, cx)),
+            _ => Generator::Flat(v.payload(path, cx)),
+        })
+    }
+}
+
+impl FromValue for CoefInit {
+    fn from_value(value: &Value, path: &str, cx: &mut Cx) -> syn::Result<Self> {
+        const NAMES: &[&str] =
+            &["identity", "constant", "logit", "home", "eye", "first", "cyclic", "linspace", "values"];
+        let v = Variant::parse(value, "coefficient init", NAMES)?;
+        let number = |usage: &str, cx: &mut Cx| -> syn::Result<f64> {
+            let [x] = v.tuple::<1>(usage)?;
+            f64::from_value(x, path, cx)
+        };
+        Ok(match NAMES[v.index] {
+            "identity" => {
+                v.unit()?;
+                CoefInit::Identity
+            }
+            "cyclic" => {
+                v.unit()?;
+                CoefInit::Cyclic
+            }
+            "constant" => CoefInit::Constant(number("constant(1.0)", cx)?),
+            "logit" => CoefInit::Logit(number("logit(0.25)", cx)?),
+            "home" => {
+                let (on, off) = v.on_off(path, cx);
+                CoefInit::Home { on, off }
+            }
+            "eye" => {
+                let (on, off) = v.on_off(path, cx);
+                CoefInit::Eye { on, off }
+            }
+            "first" => {
+                let (on, off) = v.on_off(path, cx);
+                CoefInit::First { on, off }
+            }
+            "linspace" => {
+                let [lo, hi] = v.tuple::<2>("linspace(-0.01, 0.01)")?;
+                cx.record(&child(path, "lo"), lo.range());
+                cx.record(&child(path, "hi"), hi.range());
+                CoefInit::Linspace(f64::from_value(lo, path, cx)?, f64::from_value(hi, path, cx)?)
+            }
+            _ => {
+                let [list] = v.tuple::<1>("values([1.0, 0.0, ...])")?;
+                CoefInit::Values(Vec::from_value(list, path, cx)?)
+            }
+        })
+    }
+}
+
+impl FromValue for Constraint {
+    fn from_value(value: &Value, path: &str, cx: &mut Cx) -> syn::Result<Self> {
+        const NAMES: &[&str] = &["none", "sigmoid", "tanh", "softmax", "sinkhorn", "permutations"];
+        let v = Variant::parse(value, "constraint", NAMES)?;
+        Ok(match NAMES[v.index] {
+            "sigmoid" => {
+                let m: SigmoidMembers = v.payload(path, cx);
+                let scale = v.require(m.scale, "scale", cx).unwrap_or_default();
+                Constraint::Sigmoid { scale, offset: v.require(m.offset, "offset", cx).unwrap_or_default() }
+            }
+            "sinkhorn" => {
+                let m: SinkhornMembers = v.payload(path, cx);
+                let iters = v.require(m.iters, "iters", cx).unwrap_or_default();
+                Constraint::Sinkhorn { iters, eps: v.require(m.eps, "eps", cx).unwrap_or_default() }
+            }
+            unit => {
+                v.unit()?;
+                match unit {
+                    "none" => Constraint::None,
+                    "tanh" => Constraint::Tanh,
+                    "softmax" => Constraint::Softmax,
+                    _ => Constraint::Permutations,
+                }
+            }
+        })
+    }
+}
+
+impl FromValue for DepthWeights {
+    fn from_value(value: &Value, path: &str, cx: &mut Cx) -> syn::Result<Self> {
+        let v = Variant::parse(value, "depth weights", &["attention", "static"])?;
+        Ok(match v.index {
+            0 => {
+                v.unit()?;
+                DepthWeights::Attention
+            }
+            _ => match v.positional()? {
+                Some(init) => DepthWeights::Static(named(init, path, cx)?),
+                None => {
+                    return Err(v
+                        .range
+                        .error("expected the init: `static(newest)`, `static(ones)` or `static(mean)`"))
+                }
+            },
         })
     }
 }
@@ -452,7 +707,7 @@ impl FromValue for DataSpec {
         let arg = v.positional()?;
         Ok(match (v.index, arg) {
             (0, None) => DataSpec::Synthetic(SyntheticCorpus::Default),
-            (0, Some(corpus)) => DataSpec::Synthetic(corpus_name(corpus, path, cx)?),
+            (0, Some(corpus)) => DataSpec::Synthetic(named(corpus, path, cx)?),
             (_, Some(file)) => DataSpec::Text(String::from_value(file, path, cx)?),
             (_, None) => return Err(v.range.error("expected a file: `text(\"corpus.txt\")`")),
         })
@@ -479,11 +734,12 @@ impl FromValue for Recompute {
     }
 }
 
-/// A corpus name may arrive as a bare flag (`synthetic(default)` parses `default` as a key).
-fn corpus_name(value: &Value, path: &str, cx: &mut Cx) -> syn::Result<SyntheticCorpus> {
+/// A variant name given as a variant's only argument arrives as a bare flag
+/// (`synthetic(default)` and `wide(full)` parse `default` and `full` as keys).
+fn named<T: FromValue>(value: &Value, path: &str, cx: &mut Cx) -> syn::Result<T> {
     match value {
-        Value::Flag(ident) => SyntheticCorpus::from_value(&Value::Ident(ident.clone()), path, cx),
-        other => SyntheticCorpus::from_value(other, path, cx),
+        Value::Flag(ident) => T::from_value(&Value::Ident(ident.clone()), path, cx),
+        other => T::from_value(other, path, cx),
     }
 }
 
@@ -634,6 +890,160 @@ mod tests {
         check::<ConstantSpec>();
         check::<CosineSpec>();
         check::<WsdSpec>();
+        check::<ConnectionSpec>();
+        check::<History>();
+        check::<PerSlotGenerator>();
+        check::<FlatGenerator>();
+        check::<Coefficient>();
+    }
+
+    fn connection(tokens: proc_macro2::TokenStream) -> ConnectionSpec {
+        let (spec, cx) = build(tokens);
+        assert!(!cx.has_errors(), "{:?}", messages(cx));
+        match spec.residual {
+            ResidualSpec::Connection(c) => c,
+            other => panic!("a connection expected, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn builds_every_kind_of_connection_value() {
+        let c = connection(quote::quote!(residual = connection(
+            streams = 6,
+            segments = 2,
+            create = wide(expand),
+            collapse = reduce(init = normal, norm = off),
+            generator = per_slot(norm = layer_norm, temperature = 2.0, act = identity, gate = paired, gate_init = 0.5),
+            read(init = values([1.0, -2.0, 0.0, 0.0, 0.0, 3.5]), constraint = softmax),
+            carry = (init = first(on = 0.0, off = -8.0), constraint = sinkhorn(iters = 5, eps = 1e-6), form = matrix),
+            write(init = linspace(-0.01, 0.01), constraint = sigmoid(offset = 0.5, scale = 2.0)),
+            out_proj_std_mult = inv_sqrt_n,
+            history(entries = states, block = 1, weights = static(mean), dilation = 2, period = 3),
+        )));
+        assert_eq!((c.streams, c.segments, c.create), (6, 2, Create::Wide(EmbedMode::Expand)));
+        assert_eq!(c.collapse, CollapseRule::Reduce { norm: ReduceNorm::Off, init: ReduceInit::Normal });
+        let gen = PerSlotGenerator {
+            norm: GenNorm::LayerNorm,
+            temperature: Some(2.0),
+            act: GateAct::Identity,
+            gate: Gate::Paired,
+            gate_init: 0.5,
+        };
+        assert_eq!(c.generator, Generator::PerSlot(gen));
+        assert_eq!(c.read.init, CoefInit::Values(vec![1.0, -2.0, 0.0, 0.0, 0.0, 3.5]));
+        assert_eq!((c.read.constraint, c.read.form), (Constraint::Softmax, Form::Matrix));
+        assert_eq!(c.carry.init, CoefInit::First { on: 0.0, off: -8.0 });
+        assert_eq!(c.carry.constraint, Constraint::Sinkhorn { iters: 5, eps: 1e-6 });
+        assert_eq!(c.write.init, CoefInit::Linspace(-0.01, 0.01));
+        assert_eq!(c.write.constraint, Constraint::Sigmoid { scale: 2.0, offset: 0.5 });
+        assert_eq!(c.out_proj_std_mult, OutProjStdMult::InvSqrtN);
+        let history = History {
+            entries: Entries::States,
+            block: 1,
+            weights: DepthWeights::Static(DepthInit::Mean),
+            dilation: 2,
+            period: 3,
+        };
+        assert_eq!(c.history, Some(history));
+    }
+
+    #[test]
+    fn connection_unit_variants_and_defaults() {
+        assert_eq!(connection(quote::quote!(residual = connection)), ConnectionSpec::default());
+        let c = connection(quote::quote!(
+            residual = connection(
+                create = split,
+                collapse = readout(init = logit(0.25), constraint = tanh),
+                generator = flat(gain, proj_init = xavier),
+                read(init = home(on = 1.0, off = -1.0), constraint = none),
+                carry(init = eye(on = 2.0, off = 0.5), constraint = permutations, form = per_slot),
+                write(init = constant(-1), constraint = sigmoid(scale = 1, offset = 0)),
+                history = none,
+            )
+        ));
+        assert_eq!(c.create, Create::Split);
+        let readout = Coefficient { constraint: Constraint::Tanh, ..Coefficient::new(CoefInit::Logit(0.25)) };
+        assert_eq!(c.collapse, CollapseRule::Readout(readout));
+        assert_eq!(
+            c.generator,
+            Generator::Flat(FlatGenerator { gain: true, proj_init: ProjInit::Xavier, gate_init: 0.01 })
+        );
+        assert_eq!(c.read, Coefficient::new(CoefInit::Home { on: 1.0, off: -1.0 }));
+        assert_eq!(c.carry.init, CoefInit::Eye { on: 2.0, off: 0.5 });
+        assert_eq!((c.carry.constraint, c.carry.form), (Constraint::Permutations, Form::PerSlot));
+        assert_eq!(c.write.init, CoefInit::Constant(-1.0));
+        assert_eq!(c.write.constraint, Constraint::Sigmoid { scale: 1.0, offset: 0.0 });
+        assert_eq!(c.history, None);
+
+        for (written, collapse) in [
+            (quote::quote!(sum), CollapseRule::Sum),
+            (quote::quote!(mean), CollapseRule::Mean),
+            (quote::quote!(concat), CollapseRule::Concat),
+        ] {
+            assert_eq!(
+                connection(quote::quote!(residual = connection(collapse = #written))).collapse,
+                collapse
+            );
+        }
+        let c = connection(quote::quote!(
+            residual = connection(write(init = cyclic), carry(init = identity), history(weights = attention))
+        ));
+        assert_eq!((c.write.init, c.carry.init), (CoefInit::Cyclic, CoefInit::Identity));
+        assert_eq!(c.history, Some(History::default()));
+        let c = connection(quote::quote!(residual = connection(history(weights = r#static(newest)))));
+        assert_eq!(c.history.map(|h| h.weights), Some(DepthWeights::Static(DepthInit::Newest)));
+    }
+
+    #[test]
+    fn connection_mistakes_are_reported_with_suggestions() {
+        let (_, cx) = build(quote::quote!(residual = connection(
+            stream = 4,
+            create = wide,
+            collapse = reduce(norm = off),
+            generator = per_slot(temprature = 1.0),
+            read(init = linspace(0.0), constraint = sigmod(scale = 1.0, offset = 0.0)),
+            carry(init = home(on = 1.0), constraint = sigmoid(scale = 1.0, ofset = 0.0), form = slot),
+            write(init = values(1.0, 2.0), constraint = sinkhorn(iters = 2.5, eps = 0.0)),
+            history(weights = static, entries = output),
+        )));
+        assert_eq!(
+            messages(cx),
+            vec![
+                "unknown key `stream`; did you mean `streams`?",
+                "expected the embedding mode: `wide(full)` or `wide(expand)`",
+                "`reduce` needs `init = ..`",
+                "unknown key `temprature`; did you mean `temperature`?",
+                "`linspace` takes 2 values, found 1: `linspace(-0.01, 0.01)`",
+                "unknown constraint `sigmod`; did you mean `sigmoid`?",
+                "`home` needs `off = ..`",
+                "unknown key `ofset`; did you mean `offset`?",
+                "`sigmoid` needs `offset = ..`",
+                "unknown coefficient form `slot`; expected one of `matrix`, `per_slot`",
+                "`values` takes one value, found 2: `values([1.0, 0.0, ...])`",
+                "expected a non-negative integer, found `2.5`",
+                "expected the init: `static(newest)`, `static(ones)` or `static(mean)`",
+                "unknown history entries `output`; did you mean `outputs`?",
+            ]
+        );
+        let (_, cx) =
+            build(quote::quote!(residual = connection(read(constraint = sigmoid(scale = none, offset = 0)))));
+        assert_eq!(messages(cx), vec!["expected a number, found `none`"]);
+    }
+
+    #[test]
+    fn connection_validation_paths_are_recorded() {
+        let (_, cx) = build(quote::quote!(
+            residual = connection(
+                collapse = readout(init = logit(0.5)),
+                carry(constraint = sinkhorn(iters = 0, eps = 0.0)),
+                write(init = linspace(-1.0, 1.0)),
+            )
+        ));
+        assert!(!cx.has_errors());
+        for path in ["residual.collapse.init", "residual.carry.constraint.iters", "residual.write.init.hi"] {
+            assert!(cx.locate(path).is_some(), "{path}");
+        }
+        assert!(cx.locate("residual.read.init").is_some(), "falls back to `residual`");
     }
 
     #[test]

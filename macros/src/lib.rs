@@ -15,6 +15,21 @@
 //! optional field (`clip = none`), and `name` defaults to the type's name in
 //! kebab case. Keys go on the type only; `#[widen]` on fields is rejected.
 //!
+//! A connection-language design (docs/connections.md, "In the derive") is written the same
+//! way. Struct variants name every member, as RON requires (`sigmoid(scale = 2.0, offset
+//! = 0.0)`); tuple variants take their values in order (`linspace(-0.01, 0.01)`,
+//! `values([1.0, 0.0])`, `wide(full)`); keywords are names too (`weights = static(newest)`):
+//!
+//! ```text
+//! #[widen(residual = connection(
+//!     streams = 4,
+//!     collapse = readout(init = logit(0.25), constraint = sigmoid(scale = 1.0, offset = 0.0)),
+//!     read(init = logit(0.25), constraint = sigmoid(scale = 1.0, offset = 0.0)),
+//!     carry(init = logit(0.99), constraint = sigmoid(scale = 0.1, offset = 0.9), form = per_slot),
+//!     write(init = linspace(-0.01, 0.01), constraint = sigmoid(scale = 2.0, offset = 0.0)),
+//! ))]
+//! ```
+//!
 //! At expansion time the macro builds an `ir::spec::ModelSpec` and runs the same
 //! `ModelSpec::validate` as the RON path. Every problem (malformed attribute,
 //! unknown key with a "did you mean", wrong value type, failed validation rule)
@@ -113,9 +128,15 @@ fn model_spec(input: &DeriveInput) -> syn::Result<ModelSpec> {
     }
 }
 
-/// A field error's message, prefixed with its path unless the message already names it.
+/// A field error's message, prefixed with its path unless the message already names it,
+/// in full or by its tail (`create: Split needs ...` for `residual.create`).
 fn describe(error: &FieldError) -> String {
-    if error.path.is_empty() || error.message.contains(&error.path) {
+    let path = error.path.as_str();
+    let names_tail = path.match_indices('.').any(|(i, _)| {
+        let tail = &path[i + 1..];
+        error.message.strip_prefix(tail).is_some_and(|rest| rest.starts_with([':', ' ', '.']))
+    });
+    if path.is_empty() || error.message.contains(path) || names_tail {
         error.message.clone()
     } else {
         format!("{}: {}", error.path, error.message)
@@ -190,6 +211,22 @@ mod tests {
         let spec = model_spec(&input).expect("valid");
         let text = embed(&spec, &input).expect("embeds");
         assert_eq!(ir::spec::parse_spec(&text, "t").expect("parses"), spec);
+    }
+
+    #[test]
+    fn messages_name_their_field_once() {
+        let error = |path: &str, message: &str| FieldError { path: path.into(), message: message.into() };
+        assert_eq!(describe(&error("residual.create", "create: Split needs ...")), "create: Split needs ...");
+        assert_eq!(
+            describe(&error("residual.read.form", "read.form must be Matrix")),
+            "read.form must be Matrix"
+        );
+        assert_eq!(
+            describe(&error("residual.k", "residual.k = 5 is too many")),
+            "residual.k = 5 is too many"
+        );
+        assert_eq!(describe(&error("residual.n", "must be >= 1")), "residual.n: must be >= 1");
+        assert_eq!(describe(&error("residual.creates", "create: x")), "residual.creates: create: x");
     }
 
     #[test]

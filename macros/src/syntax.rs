@@ -11,7 +11,8 @@
 //!         | IDENT                    a bare flag (`true`) or a positional variant name
 //!         | value                    positional, e.g. the members of betas = (0.9, 0.95)
 //! value  := INT | FLOAT | '-' (INT | FLOAT) | STRING | true | false
-//!         | IDENT                    a unit variant (flash = block) or `none`
+//!         | IDENT                    a unit variant (flash = block) or `none`; IDENT
+//!                                    includes keywords, so `static(newest)` parses
 //!         | IDENT '(' args ')'       a variant with data: ghc(m = 4, n = 16)
 //!         | '(' args ')'             a struct or a tuple
 //!         | '[' value (',' value)* ']'
@@ -19,6 +20,7 @@
 
 use proc_macro2::{Span, TokenStream};
 use quote::ToTokens;
+use syn::ext::IdentExt;
 use syn::parse::{Parse, ParseStream};
 use syn::punctuated::Punctuated;
 use syn::{bracketed, parenthesized, Ident, LitBool, LitStr, Token};
@@ -163,20 +165,20 @@ impl Parse for Args {
 
 impl Parse for Arg {
     fn parse(input: ParseStream) -> syn::Result<Self> {
-        let is_ident = input.peek(Ident) && !input.peek(LitBool);
+        let is_ident = input.peek(Ident::peek_any) && !input.peek(LitBool);
         if is_ident && input.peek2(Token![=]) {
-            let key: Ident = input.parse()?;
+            let key = Ident::parse_any(input)?;
             input.parse::<Token![=]>()?;
             let value = input.parse()?;
             return Ok(Arg { key: Some(key), value });
         }
         if is_ident && input.peek2(syn::token::Paren) {
-            let key: Ident = input.parse()?;
+            let key = Ident::parse_any(input)?;
             let (args, range) = parse_group(input)?;
             return Ok(Arg { key: Some(key), value: Value::Group { args, range } });
         }
         if is_ident && (input.peek2(Token![,]) || is_last_token(input)) {
-            let key: Ident = input.parse()?;
+            let key = Ident::parse_any(input)?;
             return Ok(Arg { key: Some(key.clone()), value: Value::Flag(key) });
         }
         Ok(Arg { key: None, value: input.parse()? })
@@ -224,8 +226,9 @@ impl Parse for Value {
                 other => Err(syn::Error::new(other.span(), "expected a number, a string, `true` or `false`")),
             };
         }
-        if lookahead.peek(Ident) {
-            let name: Ident = input.parse()?;
+        // Keywords are names too: the depth history's `weights = static(newest)`.
+        if lookahead.peek(Ident) || input.peek(Ident::peek_any) {
+            let name = Ident::parse_any(input)?;
             if input.peek(syn::token::Paren) {
                 let (args, group) = parse_group(input)?;
                 let range = Range::single(name.span()).to(group);
@@ -285,6 +288,16 @@ mod tests {
         assert!(matches!(&args[0].value, Value::Number(n) if n.text() == "-0.5"));
         assert!(matches!(&args[1].value, Value::List { items, .. } if items.len() == 3));
         assert!(matches!(&args[2].value, Value::Ident(i) if i == "block"));
+    }
+
+    #[test]
+    fn keywords_are_names() {
+        let args = parse(quote::quote!(weights = static(newest), r#type = self, crate));
+        assert!(
+            matches!(&args[0].value, Value::Call { name, args, .. } if name == "static" && args.len() == 1)
+        );
+        assert!(matches!(&args[1].value, Value::Ident(i) if i == "self"));
+        assert!(matches!(&args[2].value, Value::Flag(i) if i == "crate"));
     }
 
     #[test]
