@@ -98,10 +98,12 @@ fn template(name: &str) -> String {
         });
         previous = part;
     }
-    // A connection tensor exists on both sublayer kinds (or, for xHC convolutions, as
-    // the doc says): `blocks.{i}.{s}.conn.phi`.
+    // A connection tensor exists on both sublayer kinds (or, for xHC convolutions and a
+    // history of states, as the doc says): `blocks.{i}.{s}.conn.phi`, `blocks.{i}.{s}.history.query`.
     for at in 0..parts.len().saturating_sub(1) {
-        if (parts[at] == "attn" || parts[at] == "ffn") && parts[at + 1] == "conn" {
+        if (parts[at] == "attn" || parts[at] == "ffn")
+            && (parts[at + 1] == "conn" || parts[at + 1] == "history")
+        {
             parts[at] = "{s}".into();
         }
     }

@@ -13,7 +13,8 @@ use codegen::render::render_cuda;
 use common::emit::{check, spec_training_graph, Rng, Sources};
 use ir::graph::Graph;
 
-const SPECS: [&str; 6] = ["residual", "mhc", "vwn-r4", "xhc", "mhc-lite", "wide-residual"];
+const SPECS: [&str; 8] =
+    ["residual", "mhc", "vwn-r4", "xhc", "mhc-lite", "wide-residual", "attn-residuals", "denseformer"];
 
 /// The spec at test size, lowered, with loss gradients for every parameter.
 fn tiny_model(name: &str) -> (Graph, Request, usize) {

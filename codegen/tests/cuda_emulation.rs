@@ -427,6 +427,17 @@ fn wide_residual_kernels_match_c() {
     check_spec("wide-residual");
 }
 
+/// The depth history (docs/math.md §12.5).
+#[test]
+fn attn_residuals_kernels_match_c() {
+    check_spec("attn-residuals");
+}
+
+#[test]
+fn denseformer_kernels_match_c() {
+    check_spec("denseformer");
+}
+
 #[test]
 fn vwn_r4_kernels_match_c() {
     check_spec("vwn-r4");

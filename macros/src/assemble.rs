@@ -245,7 +245,7 @@ fields!(ConnectionSpec {
 fields!(History { entries, block, weights, dilation, period });
 fields!(PerSlotGenerator { norm, temperature, act, gate, gate_init });
 fields!(FlatGenerator { gain, proj_init, gate_init });
-fields!(Coefficient { init, constraint, form });
+fields!(Coefficient { init, constraint, form, learned });
 
 /// Declares the members of a struct variant (`sigmoid(scale = 2.0, offset = 0.0)`) as a
 /// keyed struct of [`Member`]s, so that [`apply`] gives them the usual unknown-key, duplicate

@@ -86,6 +86,8 @@ parity! {
     mhc_bf16 => "mhc-bf16.ron",
     mhc_lite => "mhc-lite.ron",
     wide_residual => "wide-residual.ron",
+    attn_residuals => "attn-residuals.ron",
+    denseformer => "denseformer.ron",
     moe => "moe.ron",
     mtp => "mtp.ron",
     residual => "residual.ron",

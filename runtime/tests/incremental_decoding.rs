@@ -24,6 +24,8 @@ const SPECS: [&str; 17] = [
     "mhc.ron",
     "mhc-lite.ron",
     "wide-residual.ron",
+    "attn-residuals.ron",
+    "denseformer.ron",
     "mhc-bf16.ron",
     "vwn-1.5x.ron",
     "vwn-r4.ron",

@@ -69,7 +69,9 @@ fn assert_trains(spec: &ModelSpec) -> (f64, f64) {
 }
 
 /// Every spec file has a test below, so a new one cannot go untrained.
-const SPEC_FILES: [&str; 17] = [
+const SPEC_FILES: [&str; 19] = [
+    "attn-residuals.ron",
+    "denseformer.ron",
     "fc.ron",
     "hc.ron",
     "mhc-bf16.ron",
@@ -119,6 +121,16 @@ fn mhc_lite_trains() {
 #[test]
 fn wide_residual_trains() {
     assert_trains(&shrunk("wide-residual.ron"));
+}
+
+#[test]
+fn attn_residuals_trains() {
+    assert_trains(&shrunk("attn-residuals.ron"));
+}
+
+#[test]
+fn denseformer_trains() {
+    assert_trains(&shrunk("denseformer.ron"));
 }
 
 #[test]

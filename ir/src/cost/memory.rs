@@ -22,8 +22,9 @@ use serde::Serialize;
 
 use crate::passes::vocab_loss::{CHUNK_ELEMENTS, MAX_CHUNKS};
 use crate::spec::{
-    Coefficient, CollapseRule, ConnectionSpec, Constraint, Create, EmbedMode, FfnSpec, Flash, Form, Gate,
-    GenNorm, Generator, ModelSpec, MoeBalance, MoeDispatch, Precision, Recompute, ReduceNorm, ResidualSpec,
+    Coefficient, CollapseRule, ConnectionSpec, Constraint, Create, DepthWeights, EmbedMode, Entries, FfnSpec,
+    Flash, Form, Gate, GenNorm, Generator, History, ModelSpec, MoeBalance, MoeDispatch, Precision, Recompute,
+    ReduceNorm, ResidualSpec,
 };
 
 /// Bytes per parameter in training: the f32 weight, its gradient and two optimizer
@@ -171,7 +172,18 @@ pub fn training_memory(spec: &ModelSpec) -> TrainingMemory {
             (wide, slot, embedding)
         }
     };
-    let connection = l * connection_params_per_block(spec, state) + collapse_params(spec, state);
+    // A depth history's reads (docs/math.md §12.5): parameters and stored values of the
+    // trunk's 2L sublayers and of each MTP module's 2.
+    let history = |sublayers: usize| match &spec.residual {
+        ResidualSpec::Connection(c) => {
+            c.history.as_ref().map_or((0.0, 0.0), |h| history_terms(h, state, sublayers))
+        }
+        _ => (0.0, 0.0),
+    };
+    let (trunk_history, trunk_history_act) = history(2 * spec.layers);
+    let (module_history, module_history_act) = history(2);
+    let connection =
+        l * connection_params_per_block(spec, state) + collapse_params(spec, state) + trunk_history;
     let head = d + if spec.tie_embeddings { 0.0 } else { v * d };
     // An MTP module: two norms over the state, the per-slot [2W, W] mixing, one block
     // with its connections, its collapse and final norm (docs/math.md §7.1, §5.7).
@@ -181,6 +193,7 @@ pub fn training_memory(spec: &ModelSpec) -> TrainingMemory {
         + block
         + connection_params_per_block(spec, state)
         + collapse_params(spec, state)
+        + module_history
         + d;
     let mtp = depth * module;
     let params = embedding + l * block + connection + head + mtp;
@@ -207,7 +220,8 @@ pub fn training_memory(spec: &ModelSpec) -> TrainingMemory {
     let connection_act = connection_activations(spec, sublayers, state, touched, coefficients);
     let per_block = attention_act + ffn_act + 2.0 * d;
     let heads = 1.0 + depth;
-    let per_token = (l + depth) * per_block + connection_act + state;
+    let per_token =
+        (l + depth) * per_block + connection_act + state + trunk_history_act + depth * module_history_act;
     // Each head's logits and their gradient: one chunk of rows at a time where the head's
     // projection and loss fuse (f32, docs/math.md §1.7), every row in bf16 mode.
     let logit_rows = match spec.precision {
@@ -325,6 +339,8 @@ fn connection_params_per_block(spec: &ModelSpec, state: f64) -> f64 {
             let (m, n) = (g.m.max(1) as f64, g.n as f64);
             2.0 * ((d / m) * (2.0 * m + n + 1.0) + 3.0 * n * (2.0 * m + n))
         }
+        // A history of outputs has no fixed state: its sublayers only read (§12.5).
+        ResidualSpec::Connection(c) if outputs_only(c) => 0.0,
         ResidualSpec::Connection(c) => 2.0 * connection_terms(c, d).0,
         ResidualSpec::Xhc(x) => {
             // Routing over all N streams, maps over the k active ones with K_r
@@ -386,6 +402,37 @@ fn coefficients_per_token(spec: &ModelSpec) -> f64 {
     }
 }
 
+/// Whether a design is a depth history of outputs, which carries no fixed state.
+fn outputs_only(c: &ConnectionSpec) -> bool {
+    c.history.as_ref().is_some_and(|h| h.entries == Entries::Outputs)
+}
+
+/// A depth history's parameters and stored values per token over `sublayers` sublayers
+/// (docs/math.md §12.5), for entries `width` wide. Every read has 2·width attention
+/// parameters (query and gain) or one static weight per entry it combines; it stores its
+/// weighted sum (width) and, with attention, each entry's key once (width).
+fn history_terms(h: &History, width: f64, sublayers: usize) -> (f64, f64) {
+    let block = h.block.max(1);
+    let (dilation, period) = (h.dilation.max(1), h.period.max(1));
+    // The sizes of the reads' index sets.
+    let reads: Vec<usize> = match h.entries {
+        Entries::Outputs => {
+            (0..=sublayers).map(|l| 1 + l / block + usize::from(!l.is_multiple_of(block))).collect()
+        }
+        Entries::States => {
+            (1..=sublayers / block).filter(|i| i.is_multiple_of(period)).map(|i| i / dilation + 1).collect()
+        }
+    };
+    let entries = 1.0 + (sublayers / block) as f64;
+    match h.weights {
+        DepthWeights::Attention => {
+            let params = reads.len() as f64 * 2.0 * width;
+            (params, reads.len() as f64 * width + entries * width)
+        }
+        DepthWeights::Static(_) => (reads.iter().sum::<usize>() as f64, reads.len() as f64 * width),
+    }
+}
+
 /// A connection-language design's parameters per sublayer and the coefficients it
 /// generates per token (zero without a generator), from its fields (docs/math.md §12.1).
 fn connection_terms(c: &ConnectionSpec, d: f64) -> (f64, f64) {
@@ -397,10 +444,13 @@ fn connection_terms(c: &ConnectionSpec, d: f64) -> (f64, f64) {
         (_, Form::PerSlot) => s,
         (_, Form::Matrix) => rows * cols,
     };
+    // A coefficient with `learned: false` is a constant table, not a parameter (§12.1).
+    let trained = |coef: &Coefficient, n: f64| if coef.learned { n } else { 0.0 };
     let (read, carry, write) = (entries(&c.read, m, s), entries(&c.carry, s, s), entries(&c.write, s, m));
+    let learned = trained(&c.read, read) + trained(&c.carry, carry) + trained(&c.write, write);
     let all = read + carry + write;
     match &c.generator {
-        Generator::None => (all, 0.0),
+        Generator::None => (learned, 0.0),
         Generator::PerSlot(g) => {
             let norm = match g.norm {
                 GenNorm::RmsNorm => slot,
@@ -411,11 +461,13 @@ fn connection_terms(c: &ConnectionSpec, d: f64) -> (f64, f64) {
                 Gate::Paired => 2.0,
                 Gate::Entrywise => all,
             };
-            (all + norm + slot * columns + gates, all)
+            (learned + norm + slot * columns + gates, all)
         }
         Generator::Flat(g) => {
             let gain = if g.gain { s * slot } else { 0.0 };
-            (s * slot * all + all + 3.0 + gain, all)
+            // One bias holds the three static parts, trained unless all three are fixed.
+            let bias = if c.read.learned { all } else { 0.0 };
+            (s * slot * all + bias + 3.0 + gain, all)
         }
     }
 }
@@ -428,7 +480,8 @@ fn collapse_params(spec: &ModelSpec, state: f64) -> f64 {
         ResidualSpec::Connection(c) => match &c.collapse {
             CollapseRule::Reduce { norm: ReduceNorm::GroupNorm, .. } => state * d + 2.0 * state,
             CollapseRule::Reduce { norm: ReduceNorm::Off, .. } => state * d,
-            CollapseRule::Readout(_) => c.streams as f64,
+            CollapseRule::Readout(coef) if coef.learned => c.streams as f64,
+            CollapseRule::Readout(_) => 0.0,
             CollapseRule::Sum | CollapseRule::Mean | CollapseRule::Concat => 0.0,
         },
         ResidualSpec::Residual

@@ -412,7 +412,20 @@ pub fn scheme_label(residual: &ResidualSpec) -> String {
                 crate::spec::Generator::PerSlot(_) => "per-slot",
                 crate::spec::Generator::Flat(_) => "flat",
             };
-            format!("Connection(streams: {}, segments: {}, {generator})", c.streams, c.segments)
+            let history = match &c.history {
+                None => String::new(),
+                Some(h) => {
+                    let weights = match h.weights {
+                        crate::spec::DepthWeights::Attention => "attention".to_string(),
+                        crate::spec::DepthWeights::Static(init) => format!("static {init:?}"),
+                    };
+                    format!(
+                        ", history of {:?} every {} sublayers, {weights}, dilation {}, period {}",
+                        h.entries, h.block, h.dilation, h.period
+                    )
+                }
+            };
+            format!("Connection(streams: {}, segments: {}, {generator}{history})", c.streams, c.segments)
         }
     }
 }

@@ -352,6 +352,9 @@ pub enum MoeGate {
 }
 
 /// The residual-stream scheme (docs/math.md §0.3 unified Read / Carry / Write form).
+// A spec is built once per run and copied rarely, so the written-out `Connection` variant's
+// size costs nothing worth a box (which would show in every match and constructor).
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub enum ResidualSpec {
     /// Plain pre-norm residual (docs/math.md §1).

@@ -369,21 +369,30 @@ pub fn sections() -> Vec<Section> {
                 "" => record.chosen.iter().find(|(p, _)| *p == path).map_or("", |(_, v)| v.as_ref()),
                 other => other,
             };
+            // An optional struct left out by default (`residual.history`) has no defaults in
+            // the spec of defaults: its fields' are those of the struct written empty.
+            let written = match json_at(&defaults, path, &record.chosen) {
+                Some(serde_json::Value::Null) => written_empty(path, &record.chosen),
+                _ => None,
+            };
+            let defaults_here = written.as_ref().unwrap_or(&defaults);
             let rows = fields
                 .iter()
                 .map(|f| {
                     let fpath = child(path, f);
                     let seen = record.seen.get(&fpath).and_then(|all| all.first());
                     let kind = seen.map(describe).unwrap_or_else(|| "?".into());
-                    let default =
-                        match (seen.and_then(unwrap_optional), json_at(&defaults, &fpath, &record.chosen)) {
-                            // The walk with no fields given failed: the field has no default.
-                            (_, None) => "required".into(),
-                            (_, Some(serde_json::Value::Null)) => "none".into(),
-                            (Some(Seen::Struct { .. }), Some(_)) => "(...)".into(),
-                            (Some(Seen::Enum { .. }), Some(serde_json::Value::String(v))) => v.clone(),
-                            (_, Some(v)) => show(v),
-                        };
+                    let default = match (
+                        seen.and_then(unwrap_optional),
+                        json_at(defaults_here, &fpath, &record.chosen),
+                    ) {
+                        // The walk with no fields given failed: the field has no default.
+                        (_, None) => "required".into(),
+                        (_, Some(serde_json::Value::Null)) => "none".into(),
+                        (Some(Seen::Struct { .. }), Some(_)) => "(...)".into(),
+                        (Some(Seen::Enum { .. }), Some(serde_json::Value::String(v))) => v.clone(),
+                        (_, Some(v)) => show(v),
+                    };
                     FieldRow {
                         path: fpath.clone(),
                         name: f.to_string(),
@@ -491,6 +500,20 @@ fn unwrap_enum_parent(seen: &Seen) -> Option<&Vec<&'static str>> {
 
 /// `Model(...)`, or `path: Variant(...)` when an enum at `path` holds the struct, or
 /// `path: (...)` for a plain struct field.
+/// The defaults' JSON of a spec that writes the struct at `path` as `()`, through the
+/// variants chosen on the way to it (`Model(residual: Connection(history: ()))`).
+fn written_empty(path: &str, chosen: &BTreeMap<String, &'static str>) -> Option<serde_json::Value> {
+    let steps: Vec<&str> = path.split('.').collect();
+    let mut text = "()".to_string();
+    for i in (0..steps.len()).rev() {
+        let parent = steps[..i].join(".");
+        let wrapper = if parent.is_empty() { "Model" } else { chosen.get(&parent).copied().unwrap_or("") };
+        text = format!("{wrapper}({}: {text})", steps[i]);
+    }
+    let spec = super::parse_spec(&text, "reference.ron").ok()?;
+    serde_json::to_value(spec).ok()
+}
+
 fn section_ron(path: &str, chosen: &BTreeMap<String, &'static str>) -> String {
     if path.is_empty() {
         return "Model(...)".into();

@@ -45,7 +45,9 @@ pub fn main() {
     assert_eq!(MhcLite::spec(), ron_spec("mhc-lite.ron"));
 
     // The equalities above are not vacuous: the derived values are the written ones.
-    let ResidualSpec::Connection(wide) = WideResidual::spec().residual else { panic!("a connection expected") };
+    let ResidualSpec::Connection(wide) = WideResidual::spec().residual else {
+        panic!("a connection expected")
+    };
     assert_eq!(wide.write.init, CoefInit::Linspace(-0.01, 0.01));
     assert_eq!(wide.carry.form, Form::PerSlot);
     assert_eq!(wide.carry.constraint, Constraint::Sigmoid { scale: 0.1, offset: 0.9 });
