@@ -825,6 +825,29 @@ class WidenCheckpoints(unittest.TestCase):
         kept = [t for t in tensors if t[0] not in ("reduce.w", "opt.reduce.w.m", "opt.reduce.w.v")]
         self.mutated("real_missing", encode(*layout(kept, meta)), r"missing: `reduce.w` \[128, 64\]")
 
+    @unittest.skipUnless(
+        importlib.util.find_spec("numpy") and importlib.util.find_spec("torch"),
+        "numpy or torch is not installed (the table's values are checked when a model is built)",
+    )
+    def test_widen_wrong_permutation_table(self):
+        # mHC-lite's constant table with its first two rows (permutation matrices) swapped:
+        # a well-formed file whose carry would mix other matrices than widen's.
+        with open(self.ckpt["mhc-lite.ron"], "rb") as f:
+            tensors, meta = tensors_of(f.read())
+        at = next(k for k, t in enumerate(tensors) if t[0] == "conn.permutations")
+        name, dtype, shape, raw = tensors[at]
+        row = shape[1] * 4
+        tensors[at] = (name, dtype, shape, raw[row : 2 * row] + raw[:row] + raw[2 * row :])
+        path = os.path.join(self.tmp, "real_wrong_permutations.safetensors")
+        with open(path, "wb") as f:
+            f.write(encode(*layout(tensors, meta)))
+        widen_torch.check_checkpoint(path)
+        pattern = r"tensor `conn.permutations` is not the table of the 24 permutation matrices of 4 streams"
+        with self.assertRaisesRegex(widen_torch.CheckpointError, pattern):
+            widen_torch.load(path)
+        # The unmodified file builds.
+        widen_torch.load(self.ckpt["mhc-lite.ron"])
+
     def test_widen_extra_tensor(self):
         tensors, meta = tensors_of(self.tiny)
         tensors.append(tensor("blocks.2.attn.norm", [64]))

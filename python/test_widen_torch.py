@@ -1,12 +1,13 @@
 """Checks python/widen_torch.py against widen's own numbers.
 
-    python python/test_widen_torch.py                 # the four specs, trained and dumped here
+    python python/test_widen_torch.py                 # the specs below, trained and dumped here
     python python/test_widen_torch.py CKPT DUMP_DIR   # one checkpoint and its `widen eval --dump`
 
-Without arguments, for specs/residual.ron, specs/mhc.ron, specs/vwn-r4.ron and
-specs/xhc.ron: `widen train SPEC --steps 3` (so the zero-initialized connection
-generators are no longer zero), `widen eval final.safetensors --batches 1 --dump DIR`,
-then the loader's model (float64) on the dumped batch against widen's float32 results:
+Without arguments, for each of SPECS (in specs/) and VARIANT_SPECS (connection
+designs written here, one branch of the loader each): `widen train SPEC --steps 3`
+(so the zero-initialized connection generators are no longer zero),
+`widen eval final.safetensors --batches 1 --dump DIR`, then the loader's model
+(float64) on the dumped batch against widen's float32 results:
 
 - logits: max |widen - torch| <= 1e-3 (logits are O(1); f32 rounding is ~1e-6);
 - loss: |widen loss_main - torch loss| <= 1e-4 * loss;

@@ -7,13 +7,16 @@ shape and orientation are documented in docs/checkpoints.md; the equations are
 those of docs/math.md, implemented as widen's lowering implements them
 (ir/src/lower/).
 
-Supported: the plain residual, mHC (docs/math.md §4), GHC / VWN (§5, dynamic or
-static, embed_mode Full or Expand, with or without the GroupNorm before the
-reduce) and full xHC (§6, flash: None), with a SwiGLU FFN, f32 precision, the
-standard parametrization or muP (§8.1), tied or separate unembedding. With MTP
-modules (§7) the main head's logits and next-token loss are computed; the MTP
-terms are not. Other configurations (HC, FC, MoE, xHC-Flash, bf16) raise
-NotImplementedError.
+Supported: the plain residual; every design of the connection language
+(`residual: Connection(...)`, docs/connections.md, docs/math.md §12: any
+create, collapse, generator, constraint and form, the fixed state only) and
+HC (§2), FC (§3), mHC (§4) and GHC / VWN (§5), which are its spellings and are
+built by the same code, as widen lowers them (ir/src/lower/schemes/connection.rs);
+and full xHC (§6, flash: None); with a SwiGLU FFN, f32 precision, the standard
+parametrization or muP (§8.1), tied or separate unembedding. With MTP modules
+(§7) the main head's logits and next-token loss are computed; the MTP terms
+are not. Other configurations (a connection design with a depth `history`,
+MoE, xHC-Flash, bf16) raise NotImplementedError.
 
     import widen_torch
     model = widen_torch.load("runs/vwn-r4/final.safetensors")
@@ -33,7 +36,10 @@ otherwise make the loader allocate without bound or compute NaN silently
 
 The names every scheme reads are in TENSOR_NAMES below, one literal that a
 widen test (tests/checkpoint_names.rs) checks against the names widen writes
-for specs/residual.ron, specs/mhc.ron, specs/vwn-r4.ron and specs/xhc.ron.
+for specs/residual.ron, specs/mhc.ron, specs/vwn-r4.ron and specs/xhc.ron;
+python/test_hostile_checkpoints.py checks the whole parameter set the loader
+implies against the checkpoints widen writes for more specs, the connection
+designs among them.
 """
 
 import importlib
