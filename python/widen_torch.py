@@ -626,30 +626,31 @@ class ConnectionDesign:
 def _spelled_design(scheme, cfg, s):
     """HC, FC, mHC or GHC (fields checked by check_spec) written in the connection
     language, as ConnectionSpec::hc, ::fc, ::mhc and ::ghc write them."""
-    d = s.d
+    generator = "PerSlot" if cfg.get("dynamic") else "None"
+    plain = dict(read=Coefficient(), carry=Coefficient(), write=Coefficient())
     if scheme == "Hc":
         gen = {"norm": cfg["gen_norm"], "temperature": 1.0, "act": cfg["act"], "gate": "Paired"}
         return ConnectionDesign(
-            cfg["n"], 1, d, "Replicate", "Sum", "PerSlot" if cfg["dynamic"] else "None", gen,
-            Coefficient(), Coefficient(), Coefficient(),
-        )  # fmt: skip
+            cfg["n"], 1, s.d, create="Replicate", collapse="Sum", generator=generator, gen=gen, **plain
+        )
     if scheme == "Fc":
         gen = {"norm": "RmsNorm", "temperature": 1.0, "act": cfg["act"], "gate": "Paired"}
+        plain["write"] = Coefficient(form="PerSlot")
         return ConnectionDesign(
-            cfg["m"], cfg["m"], d, "Split", "Concat", "PerSlot" if cfg["dynamic"] else "None", gen,
-            Coefficient(), Coefficient(), Coefficient(form="PerSlot"),
-        )  # fmt: skip
+            cfg["m"], cfg["m"], s.d, create="Split", collapse="Concat", generator=generator, gen=gen, **plain
+        )
     if scheme == "Mhc":
-        read = Coefficient(("Sigmoid", {"scale": 1.0, "offset": cfg["pre_eps"]}))
-        carry = Coefficient(("Sinkhorn", {"iters": cfg["sinkhorn_iters"], "eps": cfg["sinkhorn_eps"]}))
-        write = Coefficient(("Sigmoid", {"scale": cfg["post_max"], "offset": 0.0}))
-        return ConnectionDesign(cfg["n"], 1, d, "Replicate", cfg["collapse"], "Flat", {"gain": False}, read, carry, write)
+        return ConnectionDesign(
+            cfg["n"], 1, s.d, create="Replicate", collapse=cfg["collapse"], generator="Flat", gen={"gain": False},
+            read=Coefficient(("Sigmoid", {"scale": 1.0, "offset": cfg["pre_eps"]})),
+            carry=Coefficient(("Sinkhorn", {"iters": cfg["sinkhorn_iters"], "eps": cfg["sinkhorn_eps"]})),
+            write=Coefficient(("Sigmoid", {"scale": cfg["post_max"], "offset": 0.0})),
+        )  # fmt: skip
     # Ghc
     gen = {"norm": "RmsNorm", "temperature": cfg["tau"], "act": "Tanh", "gate": "Entrywise"}
     design = ConnectionDesign(
-        cfg["n"], cfg["m"], d, cfg["embed_mode"], "Reduce", "PerSlot" if cfg["dynamic"] else "None", gen,
-        Coefficient(), Coefficient(), Coefficient(),
-    )  # fmt: skip
+        cfg["n"], cfg["m"], s.d, create=cfg["embed_mode"], collapse="Reduce", generator=generator, gen=gen, **plain
+    )
     design.reduce_norm = s.reduce_norm
     return design
 
@@ -685,19 +686,19 @@ def _read_coefficient(r, obj, path, s, shape, per_slot):
             )
         if s > MAX_PERMUTATION_STREAMS:
             r.fail(
-                f"{path}.constraint", name,
+                f"{path}.constraint",
+                name,
                 f"has streams! = {s}! logits; it takes streams <= {MAX_PERMUTATION_STREAMS} (use Sinkhorn)",
-            )  # fmt: skip
+            )
         if per_slot:
             r.fail(
-                f"{path}.constraint", name,
+                f"{path}.constraint",
+                name,
                 "needs the s! logits of a Flat generator (or none); PerSlot makes one row per slot",
-            )  # fmt: skip
+            )
     logits = math.factorial(s) if name == "Permutations" else shape[0] * shape[1]
-    init, value = r.enum(
-        obj, "init", f"{path}.init", ("Identity", "Cyclic"), ("Home", "Eye", "First"),
-        ("Constant", "Logit", "Linspace", "Values"),
-    )  # fmt: skip
+    units, structs = ("Identity", "Cyclic"), ("Home", "Eye", "First")
+    init, value = r.enum(obj, "init", f"{path}.init", units, structs, ("Constant", "Logit", "Linspace", "Values"))
     if init in ("Home", "Eye", "First"):
         r.finite(value, "on", f"{path}.init.on")
         r.finite(value, "off", f"{path}.init.off")
@@ -738,34 +739,39 @@ def _read_connection(r, cfg, d):
         create = mode
     if create == "Replicate" and m != 1:
         r.fail(
-            "residual.create", create,
+            "residual.create",
+            create,
             f"copies the d_model-wide embedding into every slot, so it needs segments = 1 (got {m}); use Split or Wide",
-        )  # fmt: skip
+        )
     if create == "Split" and s != m:
         r.fail(
-            "residual.create", create,
+            "residual.create",
+            create,
             f"cuts the embedding into segments, so it needs streams = segments (got {s} and {m}); use Wide",
-        )  # fmt: skip
+        )
     collapse, fields = r.enum(cfg, "collapse", "residual.collapse", ("Sum", "Mean", "Concat"), ("Reduce", "Readout"))
     if collapse in ("Sum", "Mean", "Readout") and m != 1:
         r.fail(
-            "residual.collapse", cfg["collapse"],
+            "residual.collapse",
+            cfg["collapse"],
             f"adds d_model-wide slots, so it needs segments = 1 (got {m}); use Concat or Reduce",
-        )  # fmt: skip
+        )
     if collapse == "Concat" and s != m:
         r.fail(
-            "residual.collapse", collapse,
+            "residual.collapse",
+            collapse,
             f"puts the slots side by side, so it needs streams = segments (got {s} and {m}); use Reduce",
-        )  # fmt: skip
+        )
     reduce_norm, readout = "Off", None
     if collapse == "Reduce":
         reduce_norm = r.choice(fields, "norm", "residual.collapse.norm", ("GroupNorm", "Off"))
         r.choice(fields, "init", "residual.collapse.init", ("BlockIdentity", "Normal"))
         if reduce_norm == "GroupNorm" and s % m != 0:
             r.fail(
-                "residual.collapse.norm", reduce_norm,
+                "residual.collapse.norm",
+                reduce_norm,
                 f"has groups of size d_model, so it needs streams = {s} to be a multiple of segments = {m}; use Off",
-            )  # fmt: skip
+            )
     if collapse == "Readout":
         readout = _read_coefficient(r, fields, "residual.collapse", s, [1, s], True)
         if readout.form != "Matrix":
@@ -786,7 +792,10 @@ def _read_connection(r, cfg, d):
             "gate_init": r.finite(gen, "gate_init", "residual.generator.gate_init"),
         }
     per_slot = generator == "PerSlot"
-    coef = lambda which, shape: _read_coefficient(r, r.get(cfg, which, f"residual.{which}"), f"residual.{which}", s, shape, per_slot)  # noqa: E731
+
+    def coef(which, shape):
+        return _read_coefficient(r, r.get(cfg, which, f"residual.{which}"), f"residual.{which}", s, shape, per_slot)
+
     read = coef("read", [m, s])
     if read.form != "Matrix":
         r.fail("residual.read.form", read.form, "must be Matrix: the read is always [segments, streams]")
@@ -795,9 +804,10 @@ def _read_connection(r, cfg, d):
     write_form = r.get(r.get(cfg, "write", "residual.write"), "form", "residual.write.form")
     if write_form == "PerSlot" and s != m:
         r.fail(
-            "residual.write.form", write_form,
+            "residual.write.form",
+            write_form,
             f"sends segment i to slot i, so it needs streams = segments (got {s} and {m}); use Matrix",
-        )  # fmt: skip
+        )
     write = coef("write", [s, 1] if write_form == "PerSlot" else [s, m])
     r.choice(cfg, "out_proj_std_mult", "residual.out_proj_std_mult", ("One", "InvSqrtN", "SqrtN"))
     design = ConnectionDesign(s, m, d, create, collapse, generator, gen, read, carry, write)
@@ -976,10 +986,11 @@ def check_spec(spec, where="spec"):
         s.design = _spelled_design(scheme, cfg, s)
     if s.design is not None and s.tied and s.design.create == "Full" and s.design.width() != s.d:
         r.fail(
-            "tie_embeddings", True,
+            "tie_embeddings",
+            True,
             f"needs a vocab x d_model embedding to tie the head to; create Wide(Full) makes one of width "
             f"{s.design.width()} (streams x d_model / segments), not d_model = {s.d}",
-        )  # fmt: skip
+        )
     # Valid, but not built here.
     if history is not None:
         raise NotImplementedError(
