@@ -195,6 +195,26 @@ def with_header(edit):
     return make
 
 
+def connection(**fields):
+    """A `Connection(...)` residual in the JSON form widen writes (mHC-lite's design,
+    specs/mhc-lite.ron), with `fields` replaced."""
+    sigmoid = lambda scale: {"Sigmoid": {"scale": scale, "offset": 0.0}}  # noqa: E731
+    design = {
+        "streams": 4,
+        "segments": 1,
+        "create": "Replicate",
+        "collapse": "Sum",
+        "generator": {"Flat": {"gain": True, "proj_init": "Zero", "gate_init": 0.01}},
+        "read": {"init": {"Home": {"on": 1.0, "off": -1.0}}, "constraint": sigmoid(1.0), "form": "Matrix"},
+        "carry": {"init": {"First": {"on": 0.0, "off": -8.0}}, "constraint": "Permutations", "form": "Matrix"},
+        "write": {"init": {"Home": {"on": 1.0, "off": -1.0}}, "constraint": sigmoid(2.0), "form": "Matrix"},
+        "out_proj_std_mult": "One",
+        "history": None,
+    }
+    design.update(fields)
+    return {"Connection": design}
+
+
 def set_in(path, value):
     """An edit that sets the spec field at a dotted `path` to `value`."""
 
@@ -452,6 +472,73 @@ CASES = [
         with_spec(set_in("parametrization", {"MuP": {"base_width": 64, "attn_mult": 8.0, "output_mult": 1.0}})),
         r"parametrization.base_width = 64 must be in 1..=d_model \(d_model = 4\)",
     ),
+    (
+        "connection_huge_streams",
+        with_spec(set_in("residual", connection(streams=5000))),
+        r"residual.streams = 5000 must be a whole number in 1..=1024",
+    ),
+    (
+        "connection_segments_not_dividing",
+        with_spec(set_in("residual", connection(segments=3))),
+        r"residual.segments = 3 must divide d_model = 4",
+    ),
+    (
+        "connection_replicate_segments",
+        with_spec(set_in("residual", connection(segments=2))),
+        r'residual.create = "Replicate" copies the d_model-wide embedding into every slot, so it needs segments = 1',
+    ),
+    (
+        "connection_concat_streams",
+        with_spec(set_in("residual", connection(create="Split", segments=2, collapse="Concat"))),
+        r'residual.create = "Split" cuts the embedding into segments, so it needs streams = segments \(got 4 and 2\)',
+    ),
+    (
+        "connection_unknown_generator",
+        with_spec(set_in("residual", connection(generator={"Deep": {}}))),
+        r'residual.generator = \{"Deep": \{\}\} must be one of None, \{"PerSlot": \{...\}\}, \{"Flat": \{...\}\}',
+    ),
+    (
+        "connection_permutations_of_7",
+        with_spec(set_in("residual", connection(streams=7))),
+        r'residual.carry.constraint = "Permutations" has streams! = 7! logits; it takes streams <= 6',
+    ),
+    (
+        "connection_permutations_per_slot",
+        with_spec(set_in("residual", connection(generator={"PerSlot": {"norm": "RmsNorm", "temperature": None,
+                                                                       "act": "Tanh", "gate": "Paired",
+                                                                       "gate_init": 1.0}}))),  # fmt: skip
+        r'residual.carry.constraint = "Permutations" needs the s! logits of a Flat generator',
+    ),
+    (
+        "connection_sinkhorn_read",
+        with_spec(set_in("residual", connection(read={"init": "Identity", "form": "Matrix",
+                                                      "constraint": {"Sinkhorn": {"iters": 5, "eps": 0.0}}}))),  # fmt: skip
+        r"residual.read.constraint = .* cannot be Sinkhorn: it needs a square carry",
+    ),
+    (
+        "connection_values_length",
+        with_spec(set_in("residual", connection(read={"init": {"Values": [1.0, 2.0]}, "constraint": "None",
+                                                      "form": "Matrix"}))),  # fmt: skip
+        r"residual.read.init.Values = \[1.0, 2.0\] has 2 numbers; this coefficient has 4 logits",
+    ),
+    (
+        "connection_logit_out_of_range",
+        with_spec(set_in("residual", connection(write={"init": {"Logit": 1.5}, "constraint": "None",
+                                                       "form": "Matrix"}))),  # fmt: skip
+        r"residual.write.init.Logit = 1.5 must be in \(0, 1\)",
+    ),
+    (
+        "connection_per_slot_write_of_4_streams_1_segment",
+        with_spec(set_in("residual", connection(write={"init": {"Constant": 1.0}, "constraint": "None",
+                                                       "form": "PerSlot"}))),  # fmt: skip
+        r'residual.write.form = "PerSlot" sends segment i to slot i, so it needs streams = segments \(got 4 and 1\)',
+    ),
+    (
+        "connection_lying_streams",
+        with_spec(set_in("residual", connection())),
+        r"tensor\(s\) the spec implies are missing: `blocks.0.attn.conn.phi` \[16, 32\], .* residual = "
+        r"Connection\(streams: 4, segments: 1, generator: Flat\)",
+    ),
     # -- the tensors against the parameters the spec implies --
     (
         "lying_layers",
@@ -500,7 +587,12 @@ CASES = [
 
 # Cases whose spec is valid but names a configuration the loader does not build.
 UNSUPPORTED = [
-    ("hc", with_spec(set_in("residual", {"Hc": {"n": 4}})), r"residual scheme Hc: this loader builds"),
+    (
+        "connection_history",
+        with_spec(set_in("residual", connection(history={"entries": "Outputs", "block": 2}))),
+        r"residual.history = \{\"entries\": \"Outputs\", \"block\": 2\}: this loader builds the connection "
+        r"language's fixed state only",
+    ),
     ("bf16", with_spec(set_in("precision", "Bf16")), r"precision Bf16: only F32 is built"),
 ]
 
@@ -598,8 +690,11 @@ def widen_binary():
 
 
 # Specs whose initial checkpoints (`widen train SPEC --steps 0`) the loader must accept:
-# the four schemes it builds, tiny.ron (GHC, r = 2) and mtp.ron (GHC with an MTP module).
-REAL_SPECS = ["tiny.ron", "residual.ron", "mhc.ron", "vwn-r4.ron", "xhc.ron", "mtp.ron"]
+# the schemes it builds, tiny.ron (GHC, r = 2) and mtp.ron (GHC with an MTP module).
+REAL_SPECS = [
+    "tiny.ron", "residual.ron", "mhc.ron", "vwn-r4.ron", "xhc.ron", "mtp.ron",
+    "hc.ron", "fc.ron", "mhc-lite.ron", "wide-residual.ron",
+]  # fmt: skip
 
 # More configurations, one branch of the implied parameter set each: GQA with an
 # explicit head_dim, tied embeddings and two MTP modules; mHC with MTP; static GHC
@@ -620,6 +715,19 @@ VARIANT_SPECS = {
     f"temporal_aug: MlpAndAttention), mtp: (depth: 1), {_MUON}",
     "xhc-no-conv": f"d_model: 32, layers: 1, heads: 4, ffn: SwiGlu(hidden: 40), residual: Xhc(n: 4, k: 2, fixed: 1, "
     f"conv_kernels: []), {_TRAIN}",
+    "hc-static-mtp": f"d_model: 32, layers: 1, heads: 4, residual: Hc(n: 3, dynamic: false), mtp: (depth: 1), {_TRAIN}",
+    "fc-rms-mtp-muon": f"d_model: 32, layers: 1, heads: 4, residual: Fc(m: 2), mtp: (depth: 1), {_MUON}",
+    "conn-perslot-expand-mtp": f"d_model: 32, layers: 1, heads: 4, residual: Connection(streams: 4, segments: 2, "
+    f"create: Wide(Expand), collapse: Reduce(norm: GroupNorm, init: Normal), generator: PerSlot(norm: LayerNorm, "
+    f"gate: Paired), read: (init: Identity), carry: (init: Logit(0.9), constraint: Sigmoid(scale: 1.0, offset: 0.0), "
+    f"form: PerSlot), write: (init: Cyclic)), mtp: (depth: 1), {_TRAIN}",
+    "conn-flat-perms-readout-tied-mtp": f"d_model: 32, layers: 1, heads: 4, tie_embeddings: true, "
+    f"residual: Connection(streams: 3, collapse: Readout(init: Constant(0.0), constraint: Softmax), "
+    f"generator: Flat(gain: false), carry: (init: First(on: 1.0, off: 0.0), constraint: Permutations)), "
+    f"mtp: (depth: 2), {_TRAIN}",
+    "conn-static-wide-full-entrywise": f"d_model: 32, layers: 1, heads: 4, residual: Connection(streams: 4, "
+    f"segments: 2, create: Wide(Full), collapse: Reduce(norm: Off, init: BlockIdentity), generator: PerSlot(gate: "
+    f"Entrywise), read: (init: Identity), write: (init: Cyclic)), {_TRAIN}",
 }
 
 
@@ -716,6 +824,29 @@ class WidenCheckpoints(unittest.TestCase):
         tensors, meta = tensors_of(self.tiny)
         kept = [t for t in tensors if t[0] not in ("reduce.w", "opt.reduce.w.m", "opt.reduce.w.v")]
         self.mutated("real_missing", encode(*layout(kept, meta)), r"missing: `reduce.w` \[128, 64\]")
+
+    @unittest.skipUnless(
+        importlib.util.find_spec("numpy") and importlib.util.find_spec("torch"),
+        "numpy or torch is not installed (the table's values are checked when a model is built)",
+    )
+    def test_widen_wrong_permutation_table(self):
+        # mHC-lite's constant table with its first two rows (permutation matrices) swapped:
+        # a well-formed file whose carry would mix other matrices than widen's.
+        with open(self.ckpt["mhc-lite.ron"], "rb") as f:
+            tensors, meta = tensors_of(f.read())
+        at = next(k for k, t in enumerate(tensors) if t[0] == "conn.permutations")
+        name, dtype, shape, raw = tensors[at]
+        row = shape[1] * 4
+        tensors[at] = (name, dtype, shape, raw[row : 2 * row] + raw[:row] + raw[2 * row :])
+        path = os.path.join(self.tmp, "real_wrong_permutations.safetensors")
+        with open(path, "wb") as f:
+            f.write(encode(*layout(tensors, meta)))
+        widen_torch.check_checkpoint(path)
+        pattern = r"tensor `conn.permutations` is not the table of the 24 permutation matrices of 4 streams"
+        with self.assertRaisesRegex(widen_torch.CheckpointError, pattern):
+            widen_torch.load(path)
+        # The unmodified file builds.
+        widen_torch.load(self.ckpt["mhc-lite.ron"])
 
     def test_widen_extra_tensor(self):
         tensors, meta = tensors_of(self.tiny)

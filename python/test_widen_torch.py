@@ -1,12 +1,13 @@
 """Checks python/widen_torch.py against widen's own numbers.
 
-    python python/test_widen_torch.py                 # the four specs, trained and dumped here
+    python python/test_widen_torch.py                 # the specs below, trained and dumped here
     python python/test_widen_torch.py CKPT DUMP_DIR   # one checkpoint and its `widen eval --dump`
 
-Without arguments, for specs/residual.ron, specs/mhc.ron, specs/vwn-r4.ron and
-specs/xhc.ron: `widen train SPEC --steps 3` (so the zero-initialized connection
-generators are no longer zero), `widen eval final.safetensors --batches 1 --dump DIR`,
-then the loader's model (float64) on the dumped batch against widen's float32 results:
+Without arguments, for each of SPECS (in specs/) and VARIANT_SPECS (connection
+designs written here, one branch of the loader each): `widen train SPEC --steps 3`
+(so the zero-initialized connection generators are no longer zero),
+`widen eval final.safetensors --batches 1 --dump DIR`, then the loader's model
+(float64) on the dumped batch against widen's float32 results:
 
 - logits: max |widen - torch| <= 1e-3 (logits are O(1); f32 rounding is ~1e-6);
 - loss: |widen loss_main - torch loss| <= 1e-4 * loss;
@@ -30,7 +31,44 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-SPECS = ["residual.ron", "mhc.ron", "vwn-r4.ron", "xhc.ron"]
+SPECS = [
+    "residual.ron", "mhc.ron", "vwn-r4.ron", "xhc.ron",
+    "hc.ron", "fc.ron", "mhc-lite.ron", "wide-residual.ron",
+]  # fmt: skip
+
+# Designs of the connection language beyond specs/, one branch of the loader each: a
+# PerSlot generator with LayerNorm, no activation and the Paired gate under muP, over a
+# Wide(Expand) state of 4 slots of D/2, with a Softmax read, a per-slot retention carry,
+# a Tanh write and the GroupNorm reduce; a Flat generator without gain, a Tanh read, a
+# Sinkhorn carry and a Softmax readout with a tied head; a static Split / Concat design
+# with a Permutations carry and a per-segment write; an Entrywise PerSlot generator
+# with a set temperature, a Softmax carry and a tied Wide(Full) embedding; HC with
+# RmsNorm and no activation; static FC.
+_BASE = "d_model: 32, layers: 2, heads: 4, train: (seq_len: 16, batch: 4, steps: 100)"
+VARIANT_SPECS = {
+    "conn-perslot-wide": "parametrization: MuP(base_width: 16), residual: Connection(streams: 4, segments: 2, "
+    "create: Wide(Expand), collapse: Reduce(norm: GroupNorm, init: Normal), "
+    "generator: PerSlot(norm: LayerNorm, act: Identity, gate: Paired, gate_init: 0.5), "
+    "read: (init: Constant(0.5), constraint: Softmax), "
+    "carry: (init: Logit(0.9), constraint: Sigmoid(scale: 1.0, offset: 0.0), form: PerSlot), "
+    "write: (init: Cyclic, constraint: Tanh))",
+    "conn-flat-sinkhorn": "tie_embeddings: true, residual: Connection(streams: 3, create: Replicate, "
+    "collapse: Readout(init: Constant(0.0), constraint: Softmax), "
+    "generator: Flat(gain: false, proj_init: Xavier, gate_init: 0.1), "
+    "read: (init: Home(on: 1.0, off: 0.0), constraint: Tanh), "
+    "carry: (init: Eye(on: 2.0, off: -2.0), constraint: Sinkhorn(iters: 10, eps: 1e-6)), "
+    "write: (init: Linspace(0.5, 1.5)))",
+    "conn-split-perms": "residual: Connection(streams: 4, segments: 4, create: Split, collapse: Concat, "
+    "generator: None, read: (init: Identity, constraint: Softmax), "
+    "carry: (init: First(on: 2.0, off: 0.0), constraint: Permutations), "
+    "write: (init: Constant(1.0), constraint: Sigmoid(scale: 2.0, offset: 0.0), form: PerSlot))",
+    "conn-wide-tied": "tie_embeddings: true, residual: Connection(streams: 2, segments: 2, create: Wide(Full), "
+    "collapse: Concat, generator: PerSlot(temperature: Some(2.0), gate: Entrywise, gate_init: 0.3), "
+    "read: (init: Identity), carry: (init: Eye(on: 0.9, off: 0.05), constraint: Softmax), "
+    "write: (init: Values([1.0, 0.1, 0.2, 0.8])))",
+    "hc-rms-identity": "residual: Hc(n: 3, gen_norm: RmsNorm, act: Identity, scale_init: 0.1)",
+    "fc-static": "residual: Fc(m: 2, dynamic: false)",
+}
 
 LOGITS_ATOL = 1e-3
 LOSS_RTOL = 1e-4
@@ -81,6 +119,7 @@ def compare(ckpt, dump):
     if not abs(loss.item() - want) <= LOSS_RTOL * abs(want):
         failures.append(f"loss {loss.item():.6f}, widen {want:.6f}")
 
+    worst = None  # (max |widen - torch| / its bound, name) over the gradients
     if model.spec["mtp"]["depth"] == 0:
         loss.backward()
         grads = widen_torch.read_safetensors(os.path.join(dump, "grads.safetensors"))[0]
@@ -89,9 +128,11 @@ def compare(ckpt, dump):
             ours = param.grad if param.grad is not None else torch.zeros_like(param)
             d = (ours - g).abs().max().item()
             bound = GRAD_RTOL * g.abs().max().item() + 1e-7
+            worst = max(worst or (d / bound, name), (d / bound, name))
             if not d <= bound:
                 failures.append(f"gradient of {name} differs by {d:.3e} (bound {bound:.3e})")
-    print(f"  logits max diff {diff:.2e}, loss {loss.item():.6f} vs {want:.6f}")
+    grads = f", gradient differences at most {worst[0]:.1e} x their bound ({worst[1]})" if worst else ""
+    print(f"  logits max diff {diff:.2e}, loss {loss.item():.6f} vs {want:.6f}{grads}")
     return failures
 
 
@@ -112,18 +153,24 @@ def main():
         skip("no widen binary (set WIDEN, or run `cargo build` first)")
     failed = 0
     with tempfile.TemporaryDirectory(prefix="widen-torch-") as tmp:
-        for spec in SPECS:
+        specs = [os.path.join(ROOT, "specs", spec) for spec in SPECS]
+        for name, fields in VARIANT_SPECS.items():
+            specs.append(os.path.join(tmp, f"{name}.ron"))
+            with open(specs[-1], "w") as f:
+                f.write(f'Model(name: "{name}", {_BASE}, {fields})\n')
+        for path in specs:
+            spec = os.path.basename(path)
             name = spec[: -len(".ron")]
             out = os.path.join(tmp, name)
             print(f"{spec}:")
-            run([widen, "train", os.path.join(ROOT, "specs", spec), "--steps", "3", "--out", out])
+            run([widen, "train", path, "--steps", "3", "--out", out])
             ckpt = os.path.join(out, "final.safetensors")
             run([widen, "eval", ckpt, "--batches", "1", "--dump", os.path.join(out, "dump")])
             failures = compare(ckpt, os.path.join(out, "dump"))
             for f in failures:
                 print(f"  FAIL {f}")
             failed += bool(failures)
-    print("ok" if not failed else f"{failed} of {len(SPECS)} specs FAILED")
+    print("ok" if not failed else f"{failed} of {len(specs)} specs FAILED")
     return 1 if failed else 0
 
 

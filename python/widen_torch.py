@@ -7,13 +7,16 @@ shape and orientation are documented in docs/checkpoints.md; the equations are
 those of docs/math.md, implemented as widen's lowering implements them
 (ir/src/lower/).
 
-Supported: the plain residual, mHC (docs/math.md §4), GHC / VWN (§5, dynamic or
-static, embed_mode Full or Expand, with or without the GroupNorm before the
-reduce) and full xHC (§6, flash: None), with a SwiGLU FFN, f32 precision, the
-standard parametrization or muP (§8.1), tied or separate unembedding. With MTP
-modules (§7) the main head's logits and next-token loss are computed; the MTP
-terms are not. Other configurations (HC, FC, MoE, xHC-Flash, bf16) raise
-NotImplementedError.
+Supported: the plain residual; every design of the connection language
+(`residual: Connection(...)`, docs/connections.md, docs/math.md §12: any
+create, collapse, generator, constraint and form, the fixed state only) and
+HC (§2), FC (§3), mHC (§4) and GHC / VWN (§5), which are its spellings and are
+built by the same code, as widen lowers them (ir/src/lower/schemes/connection.rs);
+and full xHC (§6, flash: None); with a SwiGLU FFN, f32 precision, the standard
+parametrization or muP (§8.1), tied or separate unembedding. With MTP modules
+(§7) the main head's logits and next-token loss are computed; the MTP terms
+are not. Other configurations (a connection design with a depth `history`,
+MoE, xHC-Flash, bf16) raise NotImplementedError.
 
     import widen_torch
     model = widen_torch.load("runs/vwn-r4/final.safetensors")
@@ -33,10 +36,14 @@ otherwise make the loader allocate without bound or compute NaN silently
 
 The names every scheme reads are in TENSOR_NAMES below, one literal that a
 widen test (tests/checkpoint_names.rs) checks against the names widen writes
-for specs/residual.ron, specs/mhc.ron, specs/vwn-r4.ron and specs/xhc.ron.
+for specs/residual.ron, specs/mhc.ron, specs/vwn-r4.ron and specs/xhc.ron;
+python/test_hostile_checkpoints.py checks the whole parameter set the loader
+implies against the checkpoints widen writes for more specs, the connection
+designs among them.
 """
 
 import importlib
+import itertools
 import json
 import math
 import os
@@ -76,6 +83,11 @@ class CheckpointError(ValueError):
 # The lists are those of the configurations in specs/*.ron; optional names (a
 # static GHC has no generator, a tied head no `unembed`, ...) are listed and
 # skipped by the loader where the spec says they are absent.
+# HC, FC, mHC, GHC and `Connection(...)` are one design language with one set of
+# names (ir/src/lower/schemes/connection.rs): a Flat generator's are in "mhc",
+# the static parts', a PerSlot generator's, the wide embedding's and the reduce's
+# in "ghc" (specs/mhc.ron and specs/vwn-r4.ron write exactly those lists), and
+# the names only other designs have in "connection".
 # BEGIN TENSOR_NAMES
 TENSOR_NAMES = {
     "backbone": {
@@ -147,6 +159,16 @@ TENSOR_NAMES = {
         "ffn.b_post": "blocks.{i}.ffn.conn.b_post",
         "ffn.alpha_post": "blocks.{i}.ffn.conn.alpha_post",
         "ffn.conv": "blocks.{i}.ffn.conn.conv{j}"
+    },
+    "connection": {
+        "attn.norm_bias": "blocks.{i}.attn.conn.norm_bias",
+        "attn.s_alpha": "blocks.{i}.attn.conn.s_alpha",
+        "attn.s_beta": "blocks.{i}.attn.conn.s_beta",
+        "ffn.norm_bias": "blocks.{i}.ffn.conn.norm_bias",
+        "ffn.s_alpha": "blocks.{i}.ffn.conn.s_alpha",
+        "ffn.s_beta": "blocks.{i}.ffn.conn.s_beta",
+        "permutations": "conn.permutations",
+        "collapse.readout": "collapse.readout"
     }
 }
 # END TENSOR_NAMES
@@ -178,6 +200,9 @@ SPEC_LIMITS = {
     "residual.fixed": [0, 1024, "it is at most residual.k"],
     "residual.conv_kernels": [1, 1024, "a temporal kernel spans that many positions; the paper's widest is 12"],
     "residual.sinkhorn_iters": [1, 1000, "every sublayer runs them on every step; 20 converge (the papers' setting)"],
+    "residual.streams": [1, 1024, "connections hold s x s maps; the papers use 2..16 streams"],
+    "residual.segments": [1, 1024, "it is at most residual.streams or d_model"],
+    "residual.carry.constraint.iters": [1, 1000, "every sublayer runs them on every step; 20 converge (the papers' setting)"],
     "mtp.depth": [0, 16, "each module is one more block and head; DeepSeek-V3 uses 1"],
     "parametrization.base_width": [1, 16777216, "it is at most d_model"]
 }
@@ -185,6 +210,15 @@ SPEC_LIMITS = {
 
 # Most temporal-conv kernels on an xHC sublayer (ir/src/spec/limits.rs, MAX_CONV_KERNELS).
 MAX_CONV_KERNELS = 16
+
+# The most streams a `Permutations` carry takes: 6! = 720 logits per sublayer
+# (ir/src/spec/connection.rs, MAX_PERMUTATION_STREAMS).
+MAX_PERMUTATION_STREAMS = 6
+
+# The residual schemes that are designs of the connection language (docs/connections.md):
+# HC, FC, mHC and GHC are spellings of `Connection(...)` and are built by the same code here,
+# as widen lowers them by the same code.
+CONNECTION_SCHEMES = ("Hc", "Fc", "Mhc", "Ghc", "Connection")
 
 # ---- the safetensors header, read and checked with the standard library ----
 
@@ -501,6 +535,286 @@ class _SpecReader:
         forms = list(units) + [f"{{{json.dumps(s)}: {{...}}}}" for s in structs]
         self.fail(field, value, f"must be one of {', '.join(forms)}")
 
+    def finite(self, obj, key, field):
+        """A finite number of either sign."""
+        value = self.get(obj, key, field)
+        if not ((_whole(value) or isinstance(value, float)) and math.isfinite(value)):
+            self.fail(field, value, "must be a finite number")
+        return float(value)
+
+    def enum(self, obj, key, field, units=(), structs=(), newtypes=()):
+        """(name, payload) of a serde enum value: a unit name (payload None), {"Name": {...}}
+        for a struct variant, or {"Name": value} for a newtype or tuple variant, whose value
+        the caller checks."""
+        value = self.get(obj, key, field)
+        if isinstance(value, str) and value in units:
+            return value, None
+        if isinstance(value, dict) and len(value) == 1:
+            ((name, payload),) = value.items()
+            if (name in structs and isinstance(payload, dict)) or name in newtypes:
+                return name, payload
+        forms = list(units) + [f"{{{json.dumps(s)}: {{...}}}}" for s in structs]
+        forms += [f"{{{json.dumps(s)}: ...}}" for s in newtypes]
+        self.fail(field, value, f"must be one of {', '.join(forms)}")
+
+
+class Coefficient:
+    """One of a design's read, carry and write (ir/src/spec/connection.rs, Coefficient):
+    its constraint, (name, fields) with fields None for a unit variant, and its form
+    (Matrix or PerSlot). Its init only says where widen started: a checkpoint holds the values."""
+
+    __slots__ = ("constraint", "form")
+
+    def __init__(self, constraint=("None", None), form="Matrix"):
+        self.constraint, self.form = constraint, form
+
+    def __repr__(self):
+        return f"Coefficient({self.constraint}, {self.form})"
+
+
+class ConnectionDesign:
+    """A residual-stream design of the connection language (docs/connections.md,
+    docs/math.md §12) as the loader builds it: `s` slots of width `ds` = d_model / `m`
+    per token; `create` ("Replicate", "Split", "Full" or "Expand", the last two being
+    Wide(..)); `collapse` ("Sum", "Mean", "Concat", "Reduce" or "Readout") with
+    `reduce_norm` ("GroupNorm" or "Off") or `readout` (a Coefficient); `generator`
+    ("None", "PerSlot" or "Flat") with its fields `gen`; and the coefficients `read`,
+    `carry`, `write`. HC, FC, mHC and GHC are written into one (`_spelled_design`) as
+    ConnectionSpec::hc and its siblings write them (ir/src/spec/connection.rs)."""
+
+    def __init__(self, s, m, d, create, collapse, generator, gen, read, carry, write):
+        self.s, self.m, self.ds = s, m, d // m
+        self.create, self.collapse = create, collapse
+        self.reduce_norm, self.readout = "Off", None
+        self.generator, self.gen = generator, gen
+        self.read, self.carry, self.write = read, carry, write
+
+    def coefficient(self, which):
+        return {"read": self.read, "carry": self.carry, "write": self.write}[which]
+
+    def matrix_shape(self, which):
+        """[rows, cols] of a coefficient's matrix, output-major (docs/math.md §0.2)."""
+        s, m = self.s, self.m
+        if which == "read":
+            return [m, s]
+        if self.coefficient(which).form == "PerSlot":
+            return [s, 1]
+        return [s, s] if which == "carry" else [s, m]
+
+    def permutations(self):
+        """Whether the carry is a softmax over the s! permutation matrices (docs/math.md §12.2)."""
+        return self.carry.constraint[0] == "Permutations"
+
+    def logits(self, which):
+        """How many logits a coefficient has: its entries, or s! for `Permutations`."""
+        if self.coefficient(which).constraint[0] == "Permutations":
+            return math.factorial(self.s)
+        rows, cols = self.matrix_shape(which)
+        return rows * cols
+
+    def static_shape(self, which):
+        """The shape of a static part (`h_pre`, `h_res`, `h_post`): the matrix, or [1, s!]."""
+        if self.coefficient(which).constraint[0] == "Permutations":
+            return [1, self.logits(which)]
+        return self.matrix_shape(which)
+
+    def width(self):
+        """The per-token state width s · d_s."""
+        return self.s * self.ds
+
+
+def _spelled_design(scheme, cfg, s):
+    """HC, FC, mHC or GHC (fields checked by check_spec) written in the connection
+    language, as ConnectionSpec::hc, ::fc, ::mhc and ::ghc write them."""
+    generator = "PerSlot" if cfg.get("dynamic") else "None"
+    plain = dict(read=Coefficient(), carry=Coefficient(), write=Coefficient())
+    if scheme == "Hc":
+        gen = {"norm": cfg["gen_norm"], "temperature": 1.0, "act": cfg["act"], "gate": "Paired"}
+        return ConnectionDesign(
+            cfg["n"], 1, s.d, create="Replicate", collapse="Sum", generator=generator, gen=gen, **plain
+        )
+    if scheme == "Fc":
+        gen = {"norm": "RmsNorm", "temperature": 1.0, "act": cfg["act"], "gate": "Paired"}
+        plain["write"] = Coefficient(form="PerSlot")
+        return ConnectionDesign(
+            cfg["m"], cfg["m"], s.d, create="Split", collapse="Concat", generator=generator, gen=gen, **plain
+        )
+    if scheme == "Mhc":
+        return ConnectionDesign(
+            cfg["n"], 1, s.d, create="Replicate", collapse=cfg["collapse"], generator="Flat", gen={"gain": False},
+            read=Coefficient(("Sigmoid", {"scale": 1.0, "offset": cfg["pre_eps"]})),
+            carry=Coefficient(("Sinkhorn", {"iters": cfg["sinkhorn_iters"], "eps": cfg["sinkhorn_eps"]})),
+            write=Coefficient(("Sigmoid", {"scale": cfg["post_max"], "offset": 0.0})),
+        )  # fmt: skip
+    # Ghc
+    gen = {"norm": "RmsNorm", "temperature": cfg["tau"], "act": "Tanh", "gate": "Entrywise"}
+    design = ConnectionDesign(
+        cfg["n"], cfg["m"], s.d, create=cfg["embed_mode"], collapse="Reduce", generator=generator, gen=gen, **plain
+    )
+    design.reduce_norm = s.reduce_norm
+    return design
+
+
+def _read_coefficient(r, obj, path, s, shape, per_slot):
+    """The Coefficient at `path` (`residual.read`, ...) of a `shape` [rows, cols] matrix,
+    checked as ir/src/spec/validate.rs (check_coefficient) checks it: a constraint that
+    fits the shape, an init of the right length and range. `per_slot`: the generator is
+    PerSlot, which cannot make the s! logits of Permutations."""
+    if not isinstance(obj, dict):
+        r.fail(path, obj, "must be an object {init, constraint, form}")
+    square = shape[0] == shape[1] == s
+    constraint = r.enum(
+        obj, "constraint", f"{path}.constraint", ("None", "Tanh", "Softmax", "Permutations"), ("Sigmoid", "Sinkhorn")
+    )
+    name, fields = constraint
+    if name == "Sigmoid":
+        fields = {
+            "scale": r.finite(fields, "scale", f"{path}.constraint.scale"),
+            "offset": r.finite(fields, "offset", f"{path}.constraint.offset"),
+        }
+    elif name == "Sinkhorn":
+        if not square or path != "residual.carry":
+            r.fail(f"{path}.constraint", obj["constraint"], "cannot be Sinkhorn: it needs a square carry (form: Matrix)")
+        fields = {
+            "iters": r.whole(fields, "iters", f"{path}.constraint.iters"),
+            "eps": r.number(fields, "eps", f"{path}.constraint.eps", lo_closed=0),
+        }
+    elif name == "Permutations":
+        if not square or path != "residual.carry":
+            r.fail(
+                f"{path}.constraint", name, "mixes s x s permutation matrices, so only a carry with form: Matrix takes it"
+            )
+        if s > MAX_PERMUTATION_STREAMS:
+            r.fail(
+                f"{path}.constraint",
+                name,
+                f"has streams! = {s}! logits; it takes streams <= {MAX_PERMUTATION_STREAMS} (use Sinkhorn)",
+            )
+        if per_slot:
+            r.fail(
+                f"{path}.constraint",
+                name,
+                "needs the s! logits of a Flat generator (or none); PerSlot makes one row per slot",
+            )
+    logits = math.factorial(s) if name == "Permutations" else shape[0] * shape[1]
+    units, structs = ("Identity", "Cyclic"), ("Home", "Eye", "First")
+    init, value = r.enum(obj, "init", f"{path}.init", units, structs, ("Constant", "Logit", "Linspace", "Values"))
+    if init in ("Home", "Eye", "First"):
+        r.finite(value, "on", f"{path}.init.on")
+        r.finite(value, "off", f"{path}.init.off")
+        if init == "Home" and 1 not in shape:
+            r.fail(f"{path}.init", obj["init"], f"marks one slot of a [1, s] or [s, 1] coefficient; this one is {shape}")
+    elif init == "Constant":
+        r.finite(obj["init"], "Constant", f"{path}.init.Constant")
+    elif init == "Logit":
+        p = r.finite(obj["init"], "Logit", f"{path}.init.Logit")
+        if not 0 < p < 1:
+            r.fail(f"{path}.init.Logit", value, "must be in (0, 1)")
+    elif init in ("Linspace", "Values"):
+        if not isinstance(value, list) or (init == "Linspace" and len(value) != 2):
+            valid = "must be [lo, hi]" if init == "Linspace" else "must be a list of numbers"
+            r.fail(f"{path}.init.{init}", value, valid)
+        if init == "Values" and len(value) != logits:
+            r.fail(f"{path}.init.Values", value, f"has {len(value)} numbers; this coefficient has {logits} logits")
+        for j in range(len(value)):
+            r.finite(value, j, f"{path}.init.{init}[{j}]")
+    form = r.choice(obj, "form", f"{path}.form", ("Matrix", "PerSlot"))
+    return Coefficient((name, fields), form)
+
+
+def _read_connection(r, cfg, d):
+    """The ConnectionDesign of a `Connection(...)` spec, every field checked with the
+    rules of ir/src/spec/validate.rs (check_connection), and its `history` (None when
+    the spec has none)."""
+    s = r.whole(cfg, "streams", "residual.streams")
+    m = r.whole(cfg, "segments", "residual.segments")
+    if d % m != 0:
+        r.fail("residual.segments", m, f"must divide d_model = {d} (slots of width d_model / segments)")
+    if m > s:
+        r.fail("residual.segments", m, f"must be <= residual.streams = {s}")
+    create, mode = r.enum(cfg, "create", "residual.create", ("Replicate", "Split"), (), ("Wide",))
+    if create == "Wide":
+        if mode not in ("Full", "Expand") or not isinstance(mode, str):
+            r.fail("residual.create", cfg["create"], 'must be "Replicate", "Split", {"Wide": "Full"} or {"Wide": "Expand"}')
+        create = mode
+    if create == "Replicate" and m != 1:
+        r.fail(
+            "residual.create",
+            create,
+            f"copies the d_model-wide embedding into every slot, so it needs segments = 1 (got {m}); use Split or Wide",
+        )
+    if create == "Split" and s != m:
+        r.fail(
+            "residual.create",
+            create,
+            f"cuts the embedding into segments, so it needs streams = segments (got {s} and {m}); use Wide",
+        )
+    collapse, fields = r.enum(cfg, "collapse", "residual.collapse", ("Sum", "Mean", "Concat"), ("Reduce", "Readout"))
+    if collapse in ("Sum", "Mean", "Readout") and m != 1:
+        r.fail(
+            "residual.collapse",
+            cfg["collapse"],
+            f"adds d_model-wide slots, so it needs segments = 1 (got {m}); use Concat or Reduce",
+        )
+    if collapse == "Concat" and s != m:
+        r.fail(
+            "residual.collapse",
+            collapse,
+            f"puts the slots side by side, so it needs streams = segments (got {s} and {m}); use Reduce",
+        )
+    reduce_norm, readout = "Off", None
+    if collapse == "Reduce":
+        reduce_norm = r.choice(fields, "norm", "residual.collapse.norm", ("GroupNorm", "Off"))
+        r.choice(fields, "init", "residual.collapse.init", ("BlockIdentity", "Normal"))
+        if reduce_norm == "GroupNorm" and s % m != 0:
+            r.fail(
+                "residual.collapse.norm",
+                reduce_norm,
+                f"has groups of size d_model, so it needs streams = {s} to be a multiple of segments = {m}; use Off",
+            )
+    if collapse == "Readout":
+        readout = _read_coefficient(r, fields, "residual.collapse", s, [1, s], True)
+        if readout.form != "Matrix":
+            r.fail("residual.collapse.form", readout.form, "must be Matrix: Readout weighs the slots with one [1, s] row")
+    generator, gen = r.enum(cfg, "generator", "residual.generator", ("None",), ("PerSlot", "Flat"))
+    if generator == "PerSlot":
+        gen = {
+            "norm": r.choice(gen, "norm", "residual.generator.norm", ("LayerNorm", "RmsNorm")),
+            "temperature": r.number(gen, "temperature", "residual.generator.temperature", lo_open=0, optional=True),
+            "act": r.choice(gen, "act", "residual.generator.act", ("Tanh", "Identity")),
+            "gate": r.choice(gen, "gate", "residual.generator.gate", ("Paired", "Entrywise")),
+            "gate_init": r.finite(gen, "gate_init", "residual.generator.gate_init"),
+        }
+    elif generator == "Flat":
+        gen = {
+            "gain": r.boolean(gen, "gain", "residual.generator.gain"),
+            "proj_init": r.choice(gen, "proj_init", "residual.generator.proj_init", ("Zero", "Xavier")),
+            "gate_init": r.finite(gen, "gate_init", "residual.generator.gate_init"),
+        }
+    per_slot = generator == "PerSlot"
+
+    def coef(which, shape):
+        return _read_coefficient(r, r.get(cfg, which, f"residual.{which}"), f"residual.{which}", s, shape, per_slot)
+
+    read = coef("read", [m, s])
+    if read.form != "Matrix":
+        r.fail("residual.read.form", read.form, "must be Matrix: the read is always [segments, streams]")
+    carry_form = r.get(r.get(cfg, "carry", "residual.carry"), "form", "residual.carry.form")
+    carry = coef("carry", [s, 1] if carry_form == "PerSlot" else [s, s])
+    write_form = r.get(r.get(cfg, "write", "residual.write"), "form", "residual.write.form")
+    if write_form == "PerSlot" and s != m:
+        r.fail(
+            "residual.write.form",
+            write_form,
+            f"sends segment i to slot i, so it needs streams = segments (got {s} and {m}); use Matrix",
+        )
+    write = coef("write", [s, 1] if write_form == "PerSlot" else [s, m])
+    r.choice(cfg, "out_proj_std_mult", "residual.out_proj_std_mult", ("One", "InvSqrtN", "SqrtN"))
+    design = ConnectionDesign(s, m, d, create, collapse, generator, gen, read, carry, write)
+    design.reduce_norm, design.readout = reduce_norm, readout
+    # Checkpoints written before the depth history existed have no `history` field.
+    return design, cfg.get("history")
+
 
 class SpecSizes:
     """The sizes and settings of a spec the loader reads, resolved (defaults that
@@ -521,6 +835,13 @@ class SpecSizes:
             parts.append(f"residual = Mhc(n: {self.n})")
         elif self.scheme == "Ghc":
             parts.append(f"residual = Ghc(m: {self.m}, n: {self.n}, dynamic: {json.dumps(self.cfg['dynamic'])})")
+        elif self.scheme == "Hc":
+            parts.append(f"residual = Hc(n: {self.n}, dynamic: {json.dumps(self.cfg['dynamic'])})")
+        elif self.scheme == "Fc":
+            parts.append(f"residual = Fc(m: {self.m}, dynamic: {json.dumps(self.cfg['dynamic'])})")
+        elif self.scheme == "Connection":
+            c = self.design
+            parts.append(f"residual = Connection(streams: {c.s}, segments: {c.m}, generator: {c.generator})")
         elif self.scheme == "Xhc":
             parts.append(f"residual = Xhc(n: {self.n}, k: {self.k}, fixed: {self.fixed}, conv_kernels: {self.kernels})")
         else:
@@ -578,11 +899,28 @@ def check_spec(spec, where="spec"):
     s.norm_eps = r.number(spec, "norm_eps", "norm_eps", lo_open=0)
     s.rope_base = r.number(spec, "rope_base", "rope_base", lo_open=0)
     s.tied = r.boolean(spec, "tie_embeddings", "tie_embeddings")
-    scheme, cfg = r.variant(spec, "residual", "residual", ("Residual",), ("Hc", "Fc", "Mhc", "Ghc", "Xhc"))
+    scheme, cfg = r.variant(spec, "residual", "residual", ("Residual",), CONNECTION_SCHEMES + ("Xhc",))
     s.scheme, s.cfg = scheme, cfg
     s.n = s.m = s.k = s.fixed = None
     s.kernels = []
-    if scheme == "Mhc":
+    s.design = history = None
+    if scheme == "Hc":
+        s.n = r.whole(cfg, "n", "residual.n")
+        r.boolean(cfg, "dynamic", "residual.dynamic")
+        r.choice(cfg, "act", "residual.act", ("Tanh", "Identity"))
+        r.choice(cfg, "gen_norm", "residual.gen_norm", ("LayerNorm", "RmsNorm"))
+        r.finite(cfg, "scale_init", "residual.scale_init")
+        r.choice(cfg, "out_proj_std_mult", "residual.out_proj_std_mult", ("One", "InvSqrtN", "SqrtN"))
+    elif scheme == "Fc":
+        s.m = r.whole(cfg, "m", "residual.m")
+        if s.d % s.m != 0:
+            r.fail("residual.m", s.m, f"must divide d_model = {s.d} (fractions of width d_model / m)")
+        r.boolean(cfg, "dynamic", "residual.dynamic")
+        r.choice(cfg, "act", "residual.act", ("Tanh", "Identity"))
+        r.finite(cfg, "scale_init", "residual.scale_init")
+    elif scheme == "Connection":
+        s.design, history = _read_connection(r, cfg, s.d)
+    elif scheme == "Mhc":
         s.n = r.whole(cfg, "n", "residual.n")
         r.whole(cfg, "sinkhorn_iters", "residual.sinkhorn_iters")
         r.number(cfg, "sinkhorn_eps", "residual.sinkhorn_eps", lo_closed=0)
@@ -644,9 +982,21 @@ def check_spec(spec, where="spec"):
     precision = r.choice(spec, "precision", "precision", ("F32", "Bf16"))
     train = r.get(spec, "train", "train")
     r.variant(train, "optimizer", "train.optimizer", (), ("AdamW", "Muon"))
+    if scheme in CONNECTION_SCHEMES and s.design is None:
+        s.design = _spelled_design(scheme, cfg, s)
+    if s.design is not None and s.tied and s.design.create == "Full" and s.design.width() != s.d:
+        r.fail(
+            "tie_embeddings",
+            True,
+            f"needs a vocab x d_model embedding to tie the head to; create Wide(Full) makes one of width "
+            f"{s.design.width()} (streams x d_model / segments), not d_model = {s.d}",
+        )
     # Valid, but not built here.
-    if scheme not in ("Residual", "Mhc", "Ghc", "Xhc"):
-        raise NotImplementedError(f"{where}: residual scheme {scheme}: this loader builds Residual, Mhc, Ghc and Xhc")
+    if history is not None:
+        raise NotImplementedError(
+            f"{where}: residual.history = {_show(history)}: this loader builds the connection language's fixed "
+            "state only (history: null); the depth history (docs/math.md §12.5) is not built"
+        )
     if ffn != "SwiGlu":
         raise NotImplementedError(f"{where}: ffn {ffn}: only the SwiGlu FFN is built")
     if precision != "F32":
@@ -678,30 +1028,11 @@ def _backbone_shape(role, s):
     }[role]
 
 
-def _conn_shape(scheme, role, s):
-    """The shape of a connection tensor (docs/checkpoints.md, one table per scheme)."""
+def _xhc_shape(role, s):
+    """The shape of an xHC connection tensor (docs/checkpoints.md, "xHC")."""
     sub, _, kind = role.partition(".")
-    n, m, k, d = s.n, s.m, s.k, s.d
-    if scheme == "Mhc":
-        return {"phi": [n * d, n * n + 2 * n], "alpha": [3], "bias": [n * n + 2 * n]}[kind]
-    if scheme == "Ghc":
-        db = d // m
-        wide = n * db
-        return {
-            "embed_wide": [s.vocab, wide],
-            "h_pre": [m, n],
-            "h_res": [n, n],
-            "h_post": [n, m],
-            "norm": [db] if sub != "reduce" else [wide],
-            "w_alpha": [db, m + n],
-            "w_beta": [db, m],
-            "s_pre": [m, n],
-            "s_res": [n, n],
-            "s_post": [n, m],
-            "norm_bias": [wide],
-            "w": [wide, d],
-        }[kind or sub]
-    # Xhc: K_r = 1 + len(conv_kernels) on augmented sublayers.
+    n, k, d = s.n, s.k, s.d
+    # K_r = 1 + len(conv_kernels) on augmented sublayers.
     kr = len(s.kernels) + 1 if _xhc_augmented(s, sub) else 1
     return {
         "router": [n * d, n],
@@ -721,6 +1052,67 @@ def _xhc_augmented(s, sub):
     return len(s.kernels) > 0 and (sub == "ffn" or s.cfg["temporal_aug"] == "MlpAndAttention")
 
 
+def connection_name(role):
+    """The name template of a connection-language tensor (`attn.h_pre`, `ffn.phi`,
+    `reduce.w`, `permutations`, ...): one of the TENSOR_NAMES lists "connection",
+    "ghc" and "mhc", which together hold every name the designs have."""
+    for group in ("connection", "ghc", "mhc"):
+        if role in TENSOR_NAMES[group]:
+            return TENSOR_NAMES[group][role]
+    return GHC_EXPAND_NAMES[role]
+
+
+def _design_sublayer_tensors(c, kind):
+    """(role, shape) of the connection tensors of one sublayer (`kind` "attn" or "ffn"),
+    as ir/src/lower/schemes/connection.rs creates them: the static parts without a
+    generator or with PerSlot; the PerSlot generator's norm, projections and gates; the
+    Flat generator's fused projection, gates and bias (columns [read | write | carry])."""
+    ds, m, width = c.ds, c.m, c.width()
+    out = []
+    if c.generator != "Flat":
+        out += [("h_pre", c.static_shape("read")), ("h_res", c.static_shape("carry"))]
+        out += [("h_post", c.static_shape("write"))]
+    if c.generator == "PerSlot":
+        carry_cols, write_cols = c.matrix_shape("carry")[1], c.matrix_shape("write")[1]
+        out.append(("norm", [ds]))
+        if c.gen["norm"] == "LayerNorm":
+            out.append(("norm_bias", [ds]))
+        out += [("w_alpha", [ds, m + carry_cols]), ("w_beta", [ds, write_cols])]
+        if c.gen["gate"] == "Paired":
+            out += [("s_alpha", [1]), ("s_beta", [1])]
+        else:
+            out += [("s_pre", c.matrix_shape("read")), ("s_res", c.matrix_shape("carry"))]
+            out += [("s_post", c.matrix_shape("write"))]
+    if c.generator == "Flat":
+        cols = c.logits("read") + c.logits("write") + c.logits("carry")
+        out += [("phi", [width, cols]), ("alpha", [3]), ("bias", [cols])]
+        if c.gen["gain"]:
+            out.append(("norm", [width]))
+    return [(f"{kind}.{role}", shape) for role, shape in out]
+
+
+def _design_global_tensors(c, s):
+    """(name, shape) of a design's tensors outside the blocks: the embedding (created by
+    replication or split: `embed`; Wide: `embed_wide`, or `embed` and `embed_expand`),
+    the collapse's weights and the permutation table."""
+    out = []
+    if c.create == "Full":
+        out.append((connection_name("embed_wide"), [s.vocab, c.width()]))
+    else:
+        out.append((TENSOR_NAMES["backbone"]["embed"], _backbone_shape("embed", s)))
+        if c.create == "Expand":
+            out.append((connection_name("embed_expand"), [s.d, c.width()]))
+    if c.collapse == "Reduce":
+        if c.reduce_norm == "GroupNorm":
+            out += [(connection_name("reduce.norm"), [c.width()]), (connection_name("reduce.norm_bias"), [c.width()])]
+        out.append((connection_name("reduce.w"), [c.width(), s.d]))
+    if c.collapse == "Readout":
+        out.append((connection_name("collapse.readout"), [1, c.s]))
+    if c.permutations():
+        out.append((connection_name("permutations"), [math.factorial(c.s), c.s * c.s]))
+    return out
+
+
 def _block_tensors(s, block):
     """(name, shape) of every tensor of one block, named `block` (`blocks.3`, `mtp.1.block`)."""
     out = []
@@ -735,16 +1127,10 @@ def _block_tensors(s, block):
     for role, tmpl in TENSOR_NAMES["backbone"].items():
         if "{i}" in tmpl:
             add(tmpl, lambda role=role: _backbone_shape(role, s))
-    if s.scheme == "Mhc":
-        for role, tmpl in TENSOR_NAMES["mhc"].items():
-            add(tmpl, lambda role=role: _conn_shape("Mhc", role, s))
-    elif s.scheme == "Ghc":
-        generator = {"norm", "w_alpha", "w_beta", "s_pre", "s_res", "s_post"}
-        for role, tmpl in TENSOR_NAMES["ghc"].items():
-            sub, _, kind = role.partition(".")
-            if "{i}" not in tmpl or (kind in generator and not s.cfg["dynamic"]):
-                continue  # global tensors, or a static GHC's absent generator
-            add(tmpl, lambda role=role: _conn_shape("Ghc", role, s))
+    if s.design is not None:
+        for kind in ("attn", "ffn"):
+            for role, shape in _design_sublayer_tensors(s.design, kind):
+                add(connection_name(role), lambda shape=shape: shape)
     elif s.scheme == "Xhc":
         for role, tmpl in TENSOR_NAMES["xhc"].items():
             sub, _, kind = role.partition(".")
@@ -752,7 +1138,7 @@ def _block_tensors(s, block):
                 continue
             if kind == "conv":
                 continue  # below, for each augmented sublayer
-            add(tmpl, lambda role=role: _conn_shape("Xhc", role, s))
+            add(tmpl, lambda role=role: _xhc_shape(role, s))
         for sub in ("attn", "ffn"):
             if _xhc_augmented(s, sub):
                 add(XHC_CONV_NAMES[sub], None)
@@ -764,44 +1150,35 @@ def expected_parameters(spec, where="spec"):
     writes them (docs/checkpoints.md), main model first, then the MTP modules.
     Checks the spec first (check_spec)."""
     s = spec if isinstance(spec, SpecSizes) else check_spec(spec, where)
+    c = s.design
     out = {}
     for role, tmpl in TENSOR_NAMES["backbone"].items():
         if "{i}" in tmpl:
             continue
         if role == "unembed" and s.tied:
             continue
-        if role == "embed" and s.scheme == "Ghc":
-            continue  # GHC's embedding is embed_wide or embed + embed_expand, below
+        if role == "embed" and c is not None:
+            continue  # a design's embedding is among its own tensors, below
         out[tmpl] = _backbone_shape(role, s)
     for i in range(s.layers):
         out.update(_block_tensors(s, f"blocks.{i}"))
-    if s.scheme == "Ghc":
-        wide = s.n * (s.d // s.m)
-        if s.cfg["embed_mode"] == "Full":
-            out[TENSOR_NAMES["ghc"]["embed_wide"]] = [s.vocab, wide]
-        else:
-            out[GHC_EXPAND_NAMES["embed"]] = [s.vocab, s.d]
-            out[GHC_EXPAND_NAMES["embed_expand"]] = [s.d, wide]
-        for role in ("reduce.norm", "reduce.norm_bias", "reduce.w"):
-            if role != "reduce.w" and s.reduce_norm != "GroupNorm":
-                continue
-            out[TENSOR_NAMES["ghc"][role]] = _conn_shape("Ghc", role, s)
-    # MTP modules (docs/checkpoints.md, "MTP modules"): a block and norms each; the
-    # embedding, head and (GHC) reduce.w are the trunk's.
-    slots, width = {
-        "Residual": (1, s.d),
-        "Mhc": (s.n, s.d),
-        "Ghc": (s.n, s.d // s.m if s.m else 0),
-        "Xhc": (s.n, s.d),
-    }[s.scheme]
+    if c is not None:
+        out.update(_design_global_tensors(c, s))
+    # MTP modules (docs/checkpoints.md, "MTP modules"): a block and norms each, on the
+    # scheme's state layout (s, d_s); the embedding, head, permutation table and exit
+    # weights (reduce.w, collapse.readout) are the trunk's.
+    if c is not None:
+        slots, width = c.s, c.ds
+    else:
+        slots, width = (1, s.d) if s.scheme == "Residual" else (s.n, s.d)
     for k in range(1, s.mtp_depth + 1):
         out[f"mtp.{k}.hidden_norm"] = [slots, width]
         out[f"mtp.{k}.emb_norm"] = [slots, width]
         out[f"mtp.{k}.mix"] = [2 * width, width]
         out.update(_block_tensors(s, f"mtp.{k}.block"))
-        if s.scheme == "Ghc" and s.reduce_norm == "GroupNorm":
-            out[f"mtp.{k}.reduce.norm"] = [s.n * width]
-            out[f"mtp.{k}.reduce.norm_bias"] = [s.n * width]
+        if c is not None and c.collapse == "Reduce" and c.reduce_norm == "GroupNorm":
+            out[f"mtp.{k}.reduce.norm"] = [c.width()]
+            out[f"mtp.{k}.reduce.norm_bias"] = [c.width()]
         out[f"mtp.{k}.final_norm"] = [s.d]
     return out
 
@@ -947,6 +1324,43 @@ def sinkhorn(x, iters, eps):
     return m
 
 
+def elementwise(name, fields, x):
+    """The elementwise constraints (docs/math.md §12.1): scale · σ(x) + offset, or tanh(x);
+    any other leaves x as it is."""
+    if name == "Sigmoid":
+        return fields["scale"] * torch.sigmoid(x) + fields["offset"]
+    if name == "Tanh":
+        return torch.tanh(x)
+    return x
+
+
+def _constrained(name, fields, logits, dims, table):
+    """A coefficient's matrix of shape `dims` from its logits (docs/math.md §12.1, as
+    Connection::constrain): Permutations is softmax(logits) @ table() (the [s!, s²]
+    permutation table); any other constraint applies elementwise, then the logits are
+    reshaped to the matrix, then Softmax (per row) or Sinkhorn applies."""
+    if name == "Permutations":
+        return (torch.softmax(logits, -1) @ table()).reshape(dims)
+    x = elementwise(name, fields, logits).reshape(dims)
+    if name == "Softmax":
+        return torch.softmax(x, -1)
+    if name == "Sinkhorn":
+        return sinkhorn(x, fields["iters"], fields["eps"])
+    return x
+
+
+def permutation_table(s):
+    """The [s!, s²] table (numpy, float64) whose row k is permutation matrix P_k,
+    output-major, P_k[i, p_k(i)] = 1 for the k-th permutation p_k of 0..s-1 in
+    lexicographic order, row 0 the identity (docs/math.md §12.2)."""
+    perms = list(itertools.permutations(range(s)))
+    out = np.zeros((len(perms), s * s))
+    for k, perm in enumerate(perms):
+        for i, j in enumerate(perm):
+            out[k, i * s + j] = 1.0
+    return out
+
+
 def rope(x, base):
     """Half-split RoPE on x [B, T, H, dh] (docs/math.md §1.3): position = index along T;
     the pair (x_i, x_{i + dh/2}) turns by t * base^(-2i/dh)."""
@@ -1054,8 +1468,22 @@ class _WidenModel:
         par, mup = _variant(spec["parametrization"])
         self.width_mult = self.d / mup["base_width"] if par == "MuP" else 1.0
         self.mup = mup if par == "MuP" else None
+        self.design = sizes.design
+        # The permutation table is a constant (never optimized, widen's gradient of it is
+        # zero); a file whose table is not the permutation matrices would compute another carry.
+        table = connection_name("permutations")
+        if table in self.names:
+            want = permutation_table(self.design.s)
+            if not np.array_equal(np.asarray(params[table], dtype=np.float64), want):
+                raise CheckpointError(
+                    f"tensor `{table}` is not the table of the {want.shape[0]} permutation matrices of "
+                    f"{self.design.s} streams (row k = P_k, output-major, lexicographic from the identity)"
+                )
         self.params = torch.nn.ParameterDict(
-            {n.replace(".", "__"): torch.nn.Parameter(torch.tensor(params[n], dtype=dtype)) for n in self.names}
+            {
+                n.replace(".", "__"): torch.nn.Parameter(torch.tensor(params[n], dtype=dtype), requires_grad=n != table)
+                for n in self.names
+            }
         )
 
     # -- configuration --
@@ -1065,9 +1493,6 @@ class _WidenModel:
 
     def _name(self, group, role, **kw):
         return TENSOR_NAMES[group][role].format(**kw)
-
-    def _ghc_reduce_norm(self):
-        return self.sizes.reduce_norm
 
     def _xhc_augmented(self, kind):
         x = self.cfg
@@ -1098,74 +1523,119 @@ class _WidenModel:
     # -- schemes --
 
     def embed(self, ids):
-        if self.scheme == "Ghc":
-            g = self.cfg
-            b, t = ids.shape
-            db = self.d // g["m"]
-            if g["embed_mode"] == "Full":
-                flat = self._p("embed_wide")[ids]
-            else:
-                flat = self._p("embed")[ids] @ self._p("embed_expand")
-            return flat.reshape(b, t, g["n"], db)
+        b, t = ids.shape
+        c = self.design
+        if c is not None and c.create == "Full":
+            return self._p(connection_name("embed_wide"))[ids].reshape(b, t, c.s, c.ds)
         h = self._p("embed")[ids]  # [B, T, D]
         if self.scheme == "Residual":
             return h[:, :, None, :]
-        n = self.cfg["n"]
-        return h[:, :, None, :].expand(-1, -1, n, -1)
+        if c is None:  # xHC
+            return h[:, :, None, :].expand(-1, -1, self.cfg["n"], -1)
+        if c.create == "Replicate":
+            return h[:, :, None, :].expand(-1, -1, c.s, -1)
+        if c.create == "Expand":
+            h = h @ self._p(connection_name("embed_expand"))
+        return h.reshape(b, t, c.s, c.ds)  # Split, or the expanded embedding
 
     def sublayer(self, state, kind, i):
         """Block i's attention (`kind` "attn", sublayer 2i) or FFN ("ffn", sublayer 2i + 1)."""
         if self.scheme == "Residual":
             u = state[:, :, 0, :]
             return state + self.branch(kind, u, i)[:, :, None, :]
-        if self.scheme == "Mhc":
-            return self._mhc(state, kind, i)
-        if self.scheme == "Ghc":
-            return self._ghc(state, kind, i)
+        if self.design is not None:
+            return self._connection(state, kind, i)
         return self._xhc(state, kind, i)
 
-    def _mhc(self, X, kind, i):
-        """docs/math.md §4.3, as ir/src/lower/schemes/mhc.rs."""
-        c = self.cfg
-        n = c["n"]
-        b, t, _, d = X.shape
-        p = lambda r: self._p(self._name("mhc", f"{kind}.{r}", i=i))
-        raw = norm_project(X.reshape(b, t, n * d), p("phi"), self.eps, 0)
-        alpha = p("alpha")
-        scale = torch.cat([alpha[0:1].expand(n), alpha[1:2].expand(n), alpha[2:3].expand(n * n)]) / self.width_mult
-        logits = raw * scale + p("bias")
-        pre = torch.sigmoid(logits[..., :n]) + c["pre_eps"]  # [B, T, n]
-        post = c["post_max"] * torch.sigmoid(logits[..., n : 2 * n])  # [B, T, n]
-        res = sinkhorn(logits[..., 2 * n :].reshape(b, t, n, n), c["sinkhorn_iters"], c["sinkhorn_eps"])
-        u = torch.einsum("btj,btjc->btc", pre, X)
-        y = self.branch(kind, u, i)
-        return torch.einsum("btij,btjc->btic", res, X) + post[..., None] * y[:, :, None, :]
+    def _connection(self, H, kind, i):
+        """One sublayer of a connection-language design (docs/math.md §0.3, §12.1), as
+        ir/src/lower/schemes/connection.rs lowers it: the state H [B, T, s, d_s];
+        X = Read H [m, d_s], z = F(vec X) reshaped [m, d_s], H' = Carry H + Write z
+        (Carry and Write per slot with form PerSlot), each coefficient
+        constraint(static + dynamic)."""
+        c = self.design
+        b, t, _, ds = H.shape
+        p = lambda role: self._p(connection_name(f"{kind}.{role}").format(i=i))  # noqa: E731
+        if c.generator == "Flat":
+            read, carry, write = self._flat_mixing(H, p)
+        else:
+            read, carry, write = p("h_pre"), p("h_res"), p("h_post")
+            lead = ()
+            if c.generator == "PerSlot":
+                read, carry, write = self._per_slot_mixing(H, p, read, carry, write)
+                lead = (b, t)
+            read = self._constrain("read", read, lead)
+            carry = self._constrain("carry", carry, lead)
+            write = self._constrain("write", write, lead)
+        x = torch.matmul(read, H)  # [B, T, m, d_s]
+        z = self.branch(kind, x.reshape(b, t, c.m * ds), i).reshape(b, t, c.m, ds)
+        carried = torch.matmul(carry, H) if c.carry.form == "Matrix" else H * carry
+        written = torch.matmul(write, z) if c.write.form == "Matrix" else z * write
+        return carried + written
 
-    def _ghc(self, H, kind, i):
-        """docs/math.md §5.3-5.5, as ir/src/lower/schemes/ghc.rs: output-major Read [m, n],
-        Carry [n, n], Write [n, m]."""
-        g = self.cfg
-        m, n = g["m"], g["n"]
-        b, t, _, db = H.shape
-        p = lambda r: self._p(self._name("ghc", f"{kind}.{r}", i=i))
-        read, carry, write = p("h_pre"), p("h_res"), p("h_post")
-        if g["dynamic"]:
-            normed = rms_norm(H, p("norm"), self.eps)  # per slot, over d_b
-            coef = normed @ torch.cat([p("w_alpha"), p("w_beta")], 1)  # [B, T, n, 2m + n]
-            coef = torch.tanh(coef / self._ghc_tau())
-            read = coef[..., :m].transpose(-1, -2) * p("s_pre") + read  # [B, T, m, n]
-            carry = coef[..., m : m + n].transpose(-1, -2) * p("s_res") + carry  # [B, T, n, n]
-            write = coef[..., m + n :] * p("s_post") + write  # [B, T, n, m]
-        x = torch.matmul(read, H)  # [B, T, m, d_b]
-        z = self.branch(kind, x.reshape(b, t, m * db), i).reshape(b, t, m, db)
-        return torch.matmul(carry, H) + torch.matmul(write, z)
+    def _per_slot_mixing(self, H, p, read, carry, write):
+        """static + gate ⊙ act(norm(H_i) [W_alpha | W_beta] / τ), per slot i (docs/math.md
+        §2.3, §3, §5.5): row i of the projection is slot i's read (m), carry (s, or 1 per
+        slot) and write weights; read and a full carry are transposed to output-major."""
+        c, g = self.design, self.design.gen
+        m = c.m
+        carry_cols = c.matrix_shape("carry")[1]
+        if g["norm"] == "LayerNorm":
+            normed = group_norm(H, 1, p("norm"), p("norm_bias"), self.eps)
+        else:
+            normed = rms_norm(H, p("norm"), self.eps)
+        coef = (normed @ torch.cat([p("w_alpha"), p("w_beta")], 1)) / self._tau()
+        if g["act"] == "Tanh":
+            coef = torch.tanh(coef)
+        d_read = coef[..., :m].transpose(-1, -2)  # [B, T, m, s]
+        d_carry = coef[..., m : m + carry_cols]
+        if c.carry.form == "Matrix":
+            d_carry = d_carry.transpose(-1, -2)  # [B, T, s, s]
+        d_write = coef[..., m + carry_cols :]  # [B, T, s, m] or [B, T, s, 1]
+        if g["gate"] == "Paired":
+            gates = p("s_alpha"), p("s_alpha"), p("s_beta")
+        else:
+            gates = p("s_pre"), p("s_res"), p("s_post")
+        return d_read * gates[0] + read, d_carry * gates[1] + carry, d_write * gates[2] + write
 
-    def _ghc_tau(self):
-        g = self.cfg
+    def _tau(self):
+        """The temperature applied, τ_eff: τ (default √(D/m)); under muP τ(D_base) · D/D_base
+        (docs/math.md §8.1 DECISION)."""
+        c = self.design
+        tau = lambda d: c.gen["temperature"] if c.gen["temperature"] is not None else math.sqrt(d // c.m)  # noqa: E731
         if self.mup is None:
-            return g["tau"] if g["tau"] is not None else math.sqrt(self.d // g["m"])
-        base = g["tau"] if g["tau"] is not None else math.sqrt(self.mup["base_width"] // g["m"])
-        return base * self.width_mult
+            return tau(self.d)
+        return tau(self.mup["base_width"]) * self.width_mult
+
+    def _flat_mixing(self, H, p):
+        """constraint(α ⊙ (RMSNorm(vec H) φ) + b), columns [read | write | carry]
+        (docs/math.md §4.3, §12.1); muP divides α by D/D_base."""
+        c = self.design
+        b, t = H.shape[:2]
+        flat = H.reshape(b, t, c.width())
+        if c.gen["gain"]:
+            raw = rms_norm(flat, p("norm"), self.eps) @ p("phi")
+        else:
+            raw = norm_project(flat, p("phi"), self.eps, 0)
+        sizes = [c.logits("read"), c.logits("write"), c.logits("carry")]
+        alpha = p("alpha")
+        scale = torch.cat([alpha[j : j + 1].expand(n) for j, n in enumerate(sizes)]) / self.width_mult
+        logits = raw * scale + p("bias")
+        read, write, carry = torch.split(logits, sizes, -1)
+        return (
+            self._constrain("read", read, (b, t)),
+            self._constrain("carry", carry, (b, t)),
+            self._constrain("write", write, (b, t)),
+        )
+
+    def _constrain(self, which, logits, lead):
+        """A coefficient's matrix [*lead, rows, cols] from its logits (docs/math.md §12.1):
+        Permutations as softmax(logits) times the permutation table; else the elementwise
+        constraint, the reshape to the matrix, then a row-wise one (Softmax, Sinkhorn)."""
+        c = self.design
+        dims = (*lead, *c.matrix_shape(which))
+        name, f = c.coefficient(which).constraint
+        return _constrained(name, f, logits, dims, lambda: self._p(connection_name("permutations")))
 
     def _xhc(self, X, kind, i):
         """One full-xHC sublayer (docs/math.md §6.2-6.6), as ir/src/lower/schemes/xhc.rs."""
@@ -1220,18 +1690,29 @@ class _WidenModel:
         return X.scatter(2, idx[..., None].expand(b, t, k, c), x_new)
 
     def collapse(self, state):
+        """The state [B, T, s, d_s] as one [B, T, D] vector before the final norm (docs/math.md §0.3)."""
+        c = self.design
         if self.scheme == "Residual":
             return state[:, :, 0, :]
-        if self.scheme == "Ghc":
-            g = self.cfg
-            b, t, n, db = state.shape
-            flat = state.reshape(b, t, n * db)
-            if self._ghc_reduce_norm() == "GroupNorm":
-                flat = group_norm(flat, n // g["m"], self._p("reduce.norm"), self._p("reduce.norm_bias"), self.eps)
-            return flat @ self._p("reduce.w")
-        if self.scheme == "Mhc" and self.cfg["collapse"] == "Mean":
+        if c is None or c.collapse == "Sum":  # xHC sums its streams
+            return state.sum(2)
+        b, t = state.shape[:2]
+        if c.collapse == "Mean":
             return state.mean(2)
-        return state.sum(2)
+        if c.collapse == "Concat":
+            return state.reshape(b, t, self.d)
+        if c.collapse == "Reduce":
+            # VWN's GroupNorm with groups of size D, then x @ W_reduce (docs/math.md §5.2, §5.6).
+            flat = state.reshape(b, t, c.width())
+            if c.reduce_norm == "GroupNorm":
+                gain, bias = self._p(connection_name("reduce.norm")), self._p(connection_name("reduce.norm_bias"))
+                flat = group_norm(flat, c.s // c.m, gain, bias, self.eps)
+            return flat @ self._p(connection_name("reduce.w"))
+        # Readout: Σ_i c_i X_i with c = constraint(w) [1, s] (docs/math.md §12.3).
+        name, fields = c.readout.constraint
+        w = self._p(connection_name("collapse.readout"))
+        weights = torch.softmax(w, -1) if name == "Softmax" else elementwise(name, fields, w)
+        return torch.matmul(weights, state).reshape(b, t, self.d)
 
     def forward(self, ids):
         """Main-head logits [B, T, V] of token ids [B, T]."""
@@ -1242,7 +1723,8 @@ class _WidenModel:
             state = self.sublayer(state, "ffn", i)
         h = rms_norm(self.collapse(state), self._p("final_norm"), self.eps)
         if self.spec["tie_embeddings"]:
-            table = self._p("embed_wide") if self.scheme == "Ghc" and self.cfg["embed_mode"] == "Full" else self._p("embed")
+            full = self.design is not None and self.design.create == "Full"
+            table = self._p(connection_name("embed_wide") if full else "embed")
             logits = h @ table.T
         else:
             logits = h @ self._p("unembed")
