@@ -1278,3 +1278,32 @@ fn a_sweep_over_a_connection_language_field_fits_and_plots() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A sweep over a depth-history field (docs/math.md §12.5): block attention residuals at
+/// one entry per 1, 2 and 4 sublayers, with the plain residual as the baseline. Fewer
+/// entries, fewer reads over fewer entries: the cost model counts the written design.
+#[test]
+fn a_sweep_over_a_depth_history_field_fits_and_plots() {
+    let spec = SPEC.replace("layers: 1", "layers: 2").replace(
+        "residual: Ghc(m: 2, n: 4),",
+        "residual: Connection(streams: 1, history: History(entries: Outputs, weights: Attention)),",
+    );
+    let dir = common::workdir("sweep-history", Some(&spec));
+    let args =
+        ["sweep", "spec.ron", "--set", "residual.history.block=1,2,4", "--baseline", "--device", "reference"];
+    let o = widen(&dir, &[&args[..], &["--out", "sw"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("law over residual.history.block"), "{out}");
+    let (_, rows) = read_csv(&dir.join("sw/results.csv"));
+    let blocks: Vec<&str> = rows.iter().map(|r| r["residual.history.block"].as_str()).collect();
+    assert_eq!(blocks, ["1", "2", "4", ""], "three points and the baseline");
+    assert!(rows.iter().all(|r| r["status"] == "ok" && num(r, "val_loss_mean").is_finite()));
+    let flops: Vec<f64> = rows[..3].iter().map(|r| num(r, "flops_per_token_forward")).collect();
+    assert!(flops[0] > flops[1] && flops[1] > flops[2], "{flops:?}");
+    for plot in ["loss.svg", "law.svg", "frontier.svg"] {
+        let doc = svg(&dir.join("sw/plots").join(plot));
+        assert!(doc.contains("<svg"), "{plot}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
