@@ -103,3 +103,11 @@ fn xhc_recomputes_the_stream_state() {
 fn hc_recomputes_the_stream_state() {
     check("hc.ron", true);
 }
+
+/// The depth history's reads are connection work like any other (docs/math.md §12.5): the
+/// same bits under every schedule, and no more memory.
+#[test]
+fn depth_histories_recompute_their_reads() {
+    check("attn-residuals.ron", false);
+    check("denseformer.ron", false);
+}
