@@ -98,6 +98,13 @@ fn template(path: &str) -> &'static str {
         "residual.carry.constraint.iters" => {
             "Model(residual: Connection(carry: (constraint: Sinkhorn(iters: {}, eps: 0.0))))"
         }
+        "residual.history.block" => "Model(residual: Connection(streams: 1, history: History(block: {})))",
+        "residual.history.dilation" => {
+            "Model(residual: Connection(history: History(entries: States, dilation: {})))"
+        }
+        "residual.history.period" => {
+            "Model(residual: Connection(history: History(entries: States, period: {})))"
+        }
         "train.seq_len" => "Model(train: (seq_len: {}))",
         "train.batch" => "Model(train: (batch: {}))",
         "train.steps" => "Model(train: (steps: {}))",
@@ -143,6 +150,10 @@ fn every_integer_field_has_a_row() {
         ResidualSpec::Ghc(Default::default()),
         ResidualSpec::Xhc(Default::default()),
         ResidualSpec::Connection(ir::spec::ConnectionSpec::mhc(&Default::default())),
+        ResidualSpec::Connection(ir::spec::ConnectionSpec {
+            history: Some(Default::default()),
+            ..ir::spec::ConnectionSpec::mhc(&Default::default())
+        }),
     ] {
         spec.residual = residual;
         paths.extend(ir::spec::limits::integer_paths(&spec));

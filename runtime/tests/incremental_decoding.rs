@@ -16,7 +16,7 @@ use std::collections::HashMap;
 use std::num::NonZeroUsize;
 
 /// Every spec in `specs/`: one per scheme (Flash variants, MoE, MTP and bf16 included).
-const SPECS: [&str; 17] = [
+const SPECS: [&str; 19] = [
     "tiny.ron",
     "residual.ron",
     "hc.ron",

@@ -425,7 +425,16 @@ pub fn scheme_label(residual: &ResidualSpec) -> String {
                     )
                 }
             };
-            format!("Connection(streams: {}, segments: {}, {generator}{history})", c.streams, c.segments)
+            match &c.history {
+                // A history of outputs has no fixed state to describe.
+                Some(h) if h.entries == crate::spec::Entries::Outputs => {
+                    format!("Connection({})", history.trim_start_matches(", "))
+                }
+                _ => format!(
+                    "Connection(streams: {}, segments: {}, {generator}{history})",
+                    c.streams, c.segments
+                ),
+            }
         }
     }
 }
