@@ -48,7 +48,8 @@ SPECS = [
 # states over a 2-stream Flat fixed state under muP, with attention weights and
 # dilation 2; of outputs with Static(Mean) weights and block 1 (the full form); of
 # states over a PerSlot Split / Concat state whose carry and write are constants
-# (`learned: false`), static Newest weights and period 2.
+# (`learned: false`), static Newest weights and period 2; of outputs in blocks of 3
+# with an MTP module (the main head's logits and loss only).
 _BASE = "d_model: 32, layers: 2, heads: 4, train: (seq_len: 16, batch: 4, steps: 100)"
 VARIANT_SPECS = {
     "conn-perslot-wide": "parametrization: MuP(base_width: 16), residual: Connection(streams: 4, segments: 2, "
@@ -85,6 +86,7 @@ VARIANT_SPECS = {
     "generator: PerSlot(gate: Paired, gate_init: 0.5), read: (init: Identity), "
     "carry: (init: Identity, learned: false), write: (init: Constant(1.0), form: PerSlot, learned: false), "
     "history: History(entries: States, block: 1, weights: Static(Newest), period: 2))",
+    "hist-outputs-mtp": "mtp: (depth: 1), residual: Connection(streams: 1, history: History(block: 3))",
 }
 
 LOGITS_ATOL = 1e-3
