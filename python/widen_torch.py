@@ -9,14 +9,15 @@ those of docs/math.md, implemented as widen's lowering implements them
 
 Supported: the plain residual; every design of the connection language
 (`residual: Connection(...)`, docs/connections.md, docs/math.md §12: any
-create, collapse, generator, constraint and form, the fixed state only) and
-HC (§2), FC (§3), mHC (§4) and GHC / VWN (§5), which are its spellings and are
-built by the same code, as widen lowers them (ir/src/lower/schemes/connection.rs);
-and full xHC (§6, flash: None); with a SwiGLU FFN, f32 precision, the standard
+create, collapse, generator, constraint and form, static parts trained or
+constant with `learned: false`, and a depth `history` of outputs or states,
+§12.5, as ir/src/lower/schemes/history.rs lowers it) and HC (§2), FC (§3),
+mHC (§4) and GHC / VWN (§5), which are its spellings and are built by the same
+code, as widen lowers them (ir/src/lower/schemes/connection.rs); and full xHC
+(§6, flash: None); with a SwiGLU FFN, f32 precision, the standard
 parametrization or muP (§8.1), tied or separate unembedding. With MTP modules
 (§7) the main head's logits and next-token loss are computed; the MTP terms
-are not. Other configurations (a connection design with a depth `history`,
-MoE, xHC-Flash, bf16) raise NotImplementedError.
+are not. Other configurations (MoE, xHC-Flash, bf16) raise NotImplementedError.
 
     import widen_torch
     model = widen_torch.load("runs/vwn-r4/final.safetensors")
