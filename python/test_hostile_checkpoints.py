@@ -777,7 +777,8 @@ class Hostile(unittest.TestCase):
         extra = [(f"blocks.0.{k}.conn.{r}", [1, 1]) for k in ("attn", "ffn") for r in ("h_pre", "h_res", "h_post")]
         extra += [(f"blocks.0.{k}.history.{r}", [4]) for k in ("attn", "ffn") for r in ("query", "norm")]
         sizes = self.accepted("history_states", residual, extra)
-        self.assertEqual(widen_torch.constant_parameters(sizes), {"blocks.0.attn.conn.h_res", "blocks.0.ffn.conn.h_res"})
+        constants = widen_torch.constant_parameters(sizes)
+        self.assertEqual(constants, {"blocks.0.attn.conn.h_res", "blocks.0.ffn.conn.h_res"})
         reads = sizes.design.history.reads(4)
         self.assertEqual(reads, [(0, [1]), (1, [0, 2]), (2, [1, 3]), (3, [0, 2, 4])])
         # Static weights: one per entry read, oldest first; a period of 2 skips the odd entries.
@@ -860,7 +861,8 @@ VARIANT_SPECS = {
     "hist-outputs-block3-static": f"d_model: 32, layers: 2, heads: 4, residual: Connection(streams: 1, "
     f"history: History(entries: Outputs, block: 3, weights: Static(Ones))), mtp: (depth: 1), {_TRAIN}",
     "hist-states-flat-fixed-mtp": f"d_model: 32, layers: 2, heads: 4, residual: Connection(streams: 2, "
-    f"generator: Flat(), read: (init: Home(on: 1.0, off: 0.0), learned: false), carry: (init: Identity, learned: false), "
+    f"generator: Flat(), read: (init: Home(on: 1.0, off: 0.0), learned: false), "
+    f"carry: (init: Identity, learned: false), "
     f"write: (init: Constant(1.0), learned: false), history: History(entries: States, block: 1, "
     f"weights: Static(Mean), dilation: 2, period: 2)), mtp: (depth: 1), {_TRAIN}",
     "hist-states-reduce-mtp": f"d_model: 32, layers: 1, heads: 4, residual: Connection(streams: 4, segments: 2, "

@@ -974,7 +974,11 @@ def _read_history(r, h, cfg, layers):
             ("residual.streams", _json_equal(cfg["streams"], 1), "streams: 1"),
             ("residual.segments", _json_equal(cfg["segments"], 1), "segments: 1 (or leave it out)"),
             ("residual.create", cfg["create"] == "Replicate", "create: Replicate (or leave it out)"),
-            ("residual.collapse", cfg["collapse"] == "Sum", "collapse: Sum (or leave it out); the head reads the history"),
+            (
+                "residual.collapse",
+                cfg["collapse"] == "Sum",
+                "collapse: Sum (or leave it out); the head reads the history",
+            ),
             ("residual.generator", cfg["generator"] == "None", "generator: None (or leave it out)"),
         ]
         fixed += [(f"residual.{w}", _is_plain(w, cfg[w]), f"{w} left out") for w in ("read", "carry", "write")]
