@@ -215,6 +215,29 @@ def connection(**fields):
     return {"Connection": design}
 
 
+def plain_connection(**fields):
+    """`Connection(streams: 1)` with every other field at its default (the plain residual
+    written in the language, as specs/attn-residuals.ron's fixed fields), with `fields`
+    replaced."""
+    plain = {
+        "streams": 1,
+        "generator": "None",
+        "read": {"init": {"Home": {"on": 1.0, "off": 0.0}}, "constraint": "None", "form": "Matrix", "learned": True},
+        "carry": {"init": "Identity", "constraint": "None", "form": "Matrix", "learned": True},
+        "write": {"init": {"Constant": 1.0}, "constraint": "None", "form": "Matrix", "learned": True},
+    }
+    plain.update(fields)
+    return connection(**plain)
+
+
+def history(**fields):
+    """A depth history in the JSON form widen writes (the defaults of History), with
+    `fields` replaced."""
+    out = {"entries": "States", "block": 2, "weights": "Attention", "dilation": 1, "period": 1}
+    out.update(fields)
+    return out
+
+
 def set_in(path, value):
     """An edit that sets the spec field at a dotted `path` to `value`."""
 
@@ -539,6 +562,70 @@ CASES = [
         r"tensor\(s\) the spec implies are missing: `blocks.0.attn.conn.phi` \[16, 32\], .* residual = "
         r"Connection\(streams: 4, segments: 1, generator: Flat\)",
     ),
+    (
+        "connection_flat_learned_disagree",
+        with_spec(set_in("residual", connection(read={"init": {"Home": {"on": 1.0, "off": -1.0}}, "form": "Matrix",
+                                                      "constraint": "None", "learned": False}))),  # fmt: skip
+        r"residual.read.learned = false must be the learned of carry and write too: with generator: Flat one bias "
+        r"holds the static parts of read, carry and write \(here read False, carry True, write True\)",
+    ),
+    (
+        "connection_learned_not_bool",
+        with_spec(set_in("residual", connection(write={"init": {"Constant": 1.0}, "constraint": "None",
+                                                       "form": "Matrix", "learned": 1}))),  # fmt: skip
+        r"residual.write.learned = 1 must be true or false",
+    ),
+    # -- the depth history (docs/math.md §12.5) --
+    (
+        "history_outputs_over_streams",
+        with_spec(set_in("residual", connection(history=history(entries="Outputs")))),
+        r"residual.streams = 4 is not allowed here: residual.history with entries: Outputs replaces the fixed state "
+        r".* so it needs streams: 1; for a history beside a fixed state use entries: States",
+    ),
+    (
+        "history_outputs_read",
+        with_spec(set_in("residual", plain_connection(history=history(entries="Outputs"),
+                                                      read={"init": "Identity", "constraint": "None",
+                                                            "form": "Matrix"}))),  # fmt: skip
+        r"residual.read = .* is not allowed here: .* so it needs read left out",
+    ),
+    (
+        "history_outputs_dilation",
+        with_spec(set_in("residual", plain_connection(history=history(entries="Outputs", dilation=2)))),
+        r"residual.history.dilation = 2 must be 1: with entries: Outputs every sublayer reads every entry; dilation "
+        r"and period apply to entries: States",
+    ),
+    (
+        "history_block_above_sublayers",
+        with_spec(set_in("residual", connection(history=history(block=3)))),
+        r"residual.history.block = 3 must be <= 2 x layers = 2: an entry holds `block` consecutive sublayers",
+    ),
+    (
+        "history_block_zero",
+        with_spec(set_in("residual", connection(history=history(block=0)))),
+        r"residual.history.block = 0 must be a whole number in 1..=2048 \(an entry holds at most every sublayer",
+    ),
+    (
+        "history_period_fraction",
+        with_spec(set_in("residual", connection(history=history(period=1.5)))),
+        r"residual.history.period = 1.5 must be a whole number in 1..=2048",
+    ),
+    (
+        "history_unknown_weights",
+        with_spec(set_in("residual", connection(history=history(weights={"Static": "Last"})))),
+        r'residual.history.weights = \{"Static": "Last"\} must be "Attention", \{"Static": "Newest"\}',
+    ),
+    (
+        "history_unknown_entries",
+        with_spec(set_in("residual", connection(history=history(entries="Blocks")))),
+        r"residual.history.entries = \"Blocks\" must be one of Outputs, States",
+    ),
+    (
+        "history_lying_reads",
+        with_spec(set_in("residual", plain_connection(history=history(entries="Outputs", block=1)))),
+        r"6 tensor\(s\) the spec implies are missing: `blocks.0.attn.history.query` \[4\], .* residual = "
+        r"Connection\(streams: 1, segments: 1, generator: None, history: History\(entries: Outputs, block: 1",
+    ),
     # -- the tensors against the parameters the spec implies --
     (
         "lying_layers",
@@ -587,12 +674,6 @@ CASES = [
 
 # Cases whose spec is valid but names a configuration the loader does not build.
 UNSUPPORTED = [
-    (
-        "connection_history",
-        with_spec(set_in("residual", connection(history={"entries": "Outputs", "block": 2}))),
-        r"residual.history = \{\"entries\": \"Outputs\", \"block\": 2\}: this loader builds the connection "
-        r"language's fixed state only",
-    ),
     ("bf16", with_spec(set_in("precision", "Bf16")), r"precision Bf16: only F32 is built"),
 ]
 
@@ -661,6 +742,49 @@ class Hostile(unittest.TestCase):
             widen_torch.read_checkpoint(path)
         self.assertEqual(len(widen_torch.read_checkpoint(self.write("finite", well_formed()))[1]), len(PARAMS))
 
+    def accepted(self, name, residual, extra):
+        """A file of the plain model's tensors and `extra`, its residual `residual`, passes
+        check_checkpoint and implies exactly those tensors."""
+        spec = copy.deepcopy(SPEC)
+        spec["residual"] = residual
+        params = PARAMS + extra
+        blob = encode(*layout([tensor(n, shape) for n, shape in params], metadata(spec)))
+        path = self.write(name, blob)
+        _, sizes, entries, _ = widen_torch.check_checkpoint(path)
+        self.assertEqual(widen_torch.expected_parameters(spec), dict(params))
+        self.assertEqual({n: list(e.shape) for n, e in entries.items()}, dict(params))
+        return sizes
+
+    def test_history_of_outputs_passes(self):
+        # Full attention residuals with static mean weights (docs/math.md §12.5), L = 1: the
+        # attention reads the embedding, the FFN it and the attention's output, the head
+        # all three; no sublayer has a read, carry or write of its own.
+        residual = plain_connection(history=history(entries="Outputs", block=1, weights={"Static": "Mean"}))
+        extra = [
+            ("blocks.0.attn.history.weights", [1]),
+            ("blocks.0.ffn.history.weights", [2]),
+            ("history.weights", [3]),
+        ]
+        sizes = self.accepted("history_outputs", residual, extra)
+        self.assertEqual(widen_torch.constant_parameters(sizes), set())
+
+    def test_history_of_states_passes(self):
+        # A history of states after every sublayer with dilation 2 over the plain one-slot
+        # state, its carry a constant: entry 1 (after the attention) reads entry 1 alone,
+        # entry 2 (after the FFN) entries 0 and 2; attention weights, W = 4.
+        carry = {"init": "Identity", "constraint": "None", "form": "Matrix", "learned": False}
+        residual = plain_connection(carry=carry, history=history(block=1, dilation=2))
+        extra = [(f"blocks.0.{k}.conn.{r}", [1, 1]) for k in ("attn", "ffn") for r in ("h_pre", "h_res", "h_post")]
+        extra += [(f"blocks.0.{k}.history.{r}", [4]) for k in ("attn", "ffn") for r in ("query", "norm")]
+        sizes = self.accepted("history_states", residual, extra)
+        constants = widen_torch.constant_parameters(sizes)
+        self.assertEqual(constants, {"blocks.0.attn.conn.h_res", "blocks.0.ffn.conn.h_res"})
+        reads = sizes.design.history.reads(4)
+        self.assertEqual(reads, [(0, [1]), (1, [0, 2]), (2, [1, 3]), (3, [0, 2, 4])])
+        # Static weights: one per entry read, oldest first; a period of 2 skips the odd entries.
+        odd = widen_torch.DepthHistory("States", 1, "Ones", True, 1, 2)
+        self.assertEqual(odd.reads(4), [(1, [0, 1, 2]), (3, [0, 1, 2, 3, 4])])
+
     def test_unsupported_configurations(self):
         for name, make, pattern in UNSUPPORTED:
             with self.subTest(name):
@@ -693,14 +817,18 @@ def widen_binary():
 # the schemes it builds, tiny.ron (GHC, r = 2) and mtp.ron (GHC with an MTP module).
 REAL_SPECS = [
     "tiny.ron", "residual.ron", "mhc.ron", "vwn-r4.ron", "xhc.ron", "mtp.ron",
-    "hc.ron", "fc.ron", "mhc-lite.ron", "wide-residual.ron",
+    "hc.ron", "fc.ron", "mhc-lite.ron", "wide-residual.ron", "attn-residuals.ron", "denseformer.ron",
 ]  # fmt: skip
 
 # More configurations, one branch of the implied parameter set each: GQA with an
 # explicit head_dim, tied embeddings and two MTP modules; mHC with MTP; static GHC
 # with embed_mode Expand and n not a multiple of m (no GroupNorm); GHC with
 # reduce_norm Off, muP and Muon (momentum state); xHC with fixed = k (no router),
-# convolutions on the attention too, and MTP; xHC without convolutions.
+# convolutions on the attention too, and MTP; xHC without convolutions; depth histories
+# (docs/math.md §12.5) with MTP modules, which start histories of their own: of outputs
+# in the full form, and with blocks of 3 (across the trunk's blocks; the module's two
+# sublayers finish no entry); of states over a Flat state whose static parts are
+# constants, with dilation and period 2, and over a GHC-like Reduce state.
 _TRAIN = "train: (seq_len: 16, batch: 2, steps: 100)"
 _MUON = "train: (seq_len: 16, batch: 2, steps: 100, optimizer: Muon())"
 VARIANT_SPECS = {
@@ -728,6 +856,19 @@ VARIANT_SPECS = {
     "conn-static-wide-full-entrywise": f"d_model: 32, layers: 1, heads: 4, residual: Connection(streams: 4, "
     f"segments: 2, create: Wide(Full), collapse: Reduce(norm: Off, init: BlockIdentity), generator: PerSlot(gate: "
     f"Entrywise), read: (init: Identity), write: (init: Cyclic)), {_TRAIN}",
+    "hist-outputs-full-mtp2": f"d_model: 32, layers: 2, heads: 4, residual: Connection(streams: 1, "
+    f"history: History(entries: Outputs, block: 1)), mtp: (depth: 2), {_TRAIN}",
+    "hist-outputs-block3-static": f"d_model: 32, layers: 2, heads: 4, residual: Connection(streams: 1, "
+    f"history: History(entries: Outputs, block: 3, weights: Static(Ones))), mtp: (depth: 1), {_TRAIN}",
+    "hist-states-flat-fixed-mtp": f"d_model: 32, layers: 2, heads: 4, residual: Connection(streams: 2, "
+    f"generator: Flat(), read: (init: Home(on: 1.0, off: 0.0), learned: false), "
+    f"carry: (init: Identity, learned: false), "
+    f"write: (init: Constant(1.0), learned: false), history: History(entries: States, block: 1, "
+    f"weights: Static(Mean), dilation: 2, period: 2)), mtp: (depth: 1), {_TRAIN}",
+    "hist-states-reduce-mtp": f"d_model: 32, layers: 1, heads: 4, residual: Connection(streams: 4, segments: 2, "
+    f"create: Wide(Expand), collapse: Reduce(norm: GroupNorm, init: Normal), generator: PerSlot(), "
+    f"read: (init: Identity), write: (init: Cyclic), history: History(entries: States, block: 2)), "
+    f"mtp: (depth: 1), {_TRAIN}",
 }
 
 

@@ -34,6 +34,7 @@ ROOT = os.path.dirname(HERE)
 SPECS = [
     "residual.ron", "mhc.ron", "vwn-r4.ron", "xhc.ron",
     "hc.ron", "fc.ron", "mhc-lite.ron", "wide-residual.ron",
+    "attn-residuals.ron", "denseformer.ron",
 ]  # fmt: skip
 
 # Designs of the connection language beyond specs/, one branch of the loader each: a
@@ -43,7 +44,12 @@ SPECS = [
 # Sinkhorn carry and a Softmax readout with a tied head; a static Split / Concat design
 # with a Permutations carry and a per-segment write; an Entrywise PerSlot generator
 # with a set temperature, a Softmax carry and a tied Wide(Full) embedding; HC with
-# RmsNorm and no activation; static FC.
+# RmsNorm and no activation; static FC. Depth histories (docs/math.md §12.5): of
+# states over a 2-stream Flat fixed state under muP, with attention weights and
+# dilation 2; of outputs with Static(Mean) weights and block 1 (the full form); of
+# states over a PerSlot Split / Concat state whose carry and write are constants
+# (`learned: false`), static Newest weights and period 2; of outputs in blocks of 3
+# with an MTP module (the main head's logits and loss only).
 _BASE = "d_model: 32, layers: 2, heads: 4, train: (seq_len: 16, batch: 4, steps: 100)"
 VARIANT_SPECS = {
     "conn-perslot-wide": "parametrization: MuP(base_width: 16), residual: Connection(streams: 4, segments: 2, "
@@ -68,6 +74,19 @@ VARIANT_SPECS = {
     "write: (init: Values([1.0, 0.1, 0.2, 0.8])))",
     "hc-rms-identity": "residual: Hc(n: 3, gen_norm: RmsNorm, act: Identity, scale_init: 0.1)",
     "fc-static": "residual: Fc(m: 2, dynamic: false)",
+    "hist-states-flat-attn": "parametrization: MuP(base_width: 16), residual: Connection(streams: 2, "
+    "generator: Flat(gain: true, proj_init: Xavier), "
+    "read: (init: Home(on: 1.0, off: -1.0), constraint: Sigmoid(scale: 1.0, offset: 0.0)), "
+    "carry: (init: Eye(on: 2.0, off: -2.0), constraint: Softmax), "
+    "write: (init: Constant(0.0), constraint: Sigmoid(scale: 2.0, offset: 0.0)), "
+    "history: History(entries: States, block: 1, weights: Attention, dilation: 2))",
+    "hist-outputs-mean": "residual: Connection(streams: 1, "
+    "history: History(entries: Outputs, block: 1, weights: Static(Mean)))",
+    "hist-states-perslot-fixed": "residual: Connection(streams: 2, segments: 2, create: Split, collapse: Concat, "
+    "generator: PerSlot(gate: Paired, gate_init: 0.5), read: (init: Identity), "
+    "carry: (init: Identity, learned: false), write: (init: Constant(1.0), form: PerSlot, learned: false), "
+    "history: History(entries: States, block: 1, weights: Static(Newest), period: 2))",
+    "hist-outputs-mtp": "mtp: (depth: 1), residual: Connection(streams: 1, history: History(block: 3))",
 }
 
 LOGITS_ATOL = 1e-3

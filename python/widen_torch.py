@@ -9,14 +9,15 @@ those of docs/math.md, implemented as widen's lowering implements them
 
 Supported: the plain residual; every design of the connection language
 (`residual: Connection(...)`, docs/connections.md, docs/math.md §12: any
-create, collapse, generator, constraint and form, the fixed state only) and
-HC (§2), FC (§3), mHC (§4) and GHC / VWN (§5), which are its spellings and are
-built by the same code, as widen lowers them (ir/src/lower/schemes/connection.rs);
-and full xHC (§6, flash: None); with a SwiGLU FFN, f32 precision, the standard
+create, collapse, generator, constraint and form, static parts trained or
+constant with `learned: false`, and a depth `history` of outputs or states,
+§12.5, as ir/src/lower/schemes/history.rs lowers it) and HC (§2), FC (§3),
+mHC (§4) and GHC / VWN (§5), which are its spellings and are built by the same
+code, as widen lowers them (ir/src/lower/schemes/connection.rs); and full xHC
+(§6, flash: None); with a SwiGLU FFN, f32 precision, the standard
 parametrization or muP (§8.1), tied or separate unembedding. With MTP modules
 (§7) the main head's logits and next-token loss are computed; the MTP terms
-are not. Other configurations (a connection design with a depth `history`,
-MoE, xHC-Flash, bf16) raise NotImplementedError.
+are not. Other configurations (MoE, xHC-Flash, bf16) raise NotImplementedError.
 
     import widen_torch
     model = widen_torch.load("runs/vwn-r4/final.safetensors")
@@ -202,6 +203,9 @@ SPEC_LIMITS = {
     "residual.sinkhorn_iters": [1, 1000, "every sublayer runs them on every step; 20 converge (the papers' setting)"],
     "residual.streams": [1, 1024, "connections hold s x s maps; the papers use 2..16 streams"],
     "residual.segments": [1, 1024, "it is at most residual.streams or d_model"],
+    "residual.history.block": [1, 2048, "an entry holds at most every sublayer of the model (2 x layers)"],
+    "residual.history.dilation": [1, 2048, "a dilation above the number of entries (2 x layers + 1) reads the newest entry only"],
+    "residual.history.period": [1, 2048, "a period above the number of entries (2 x layers + 1) never reads"],
     "residual.carry.constraint.iters": [1, 1000, "every sublayer runs them on every step; 20 converge (the papers' setting)"],
     "mtp.depth": [0, 16, "each module is one more block and head; DeepSeek-V3 uses 1"],
     "parametrization.base_width": [1, 16777216, "it is at most d_model"]
@@ -560,16 +564,68 @@ class _SpecReader:
 
 class Coefficient:
     """One of a design's read, carry and write (ir/src/spec/connection.rs, Coefficient):
-    its constraint, (name, fields) with fields None for a unit variant, and its form
-    (Matrix or PerSlot). Its init only says where widen started: a checkpoint holds the values."""
+    its constraint, (name, fields) with fields None for a unit variant, its form
+    (Matrix or PerSlot), and whether its static part is trained (`learned`; false keeps
+    it a constant of class Table, docs/math.md §12.1). Its init only says where widen
+    started: a checkpoint holds the values."""
 
-    __slots__ = ("constraint", "form")
+    __slots__ = ("constraint", "form", "learned")
 
-    def __init__(self, constraint=("None", None), form="Matrix"):
-        self.constraint, self.form = constraint, form
+    def __init__(self, constraint=("None", None), form="Matrix", learned=True):
+        self.constraint, self.form, self.learned = constraint, form, learned
 
     def __repr__(self):
-        return f"Coefficient({self.constraint}, {self.form})"
+        return f"Coefficient({self.constraint}, {self.form}, learned={self.learned})"
+
+
+class DepthHistory:
+    """A design's depth history (ir/src/spec/connection.rs, History; docs/math.md §12.5):
+    `entries` ("Outputs" or "States"), `block` sublayers per entry, `weights` ("Attention"
+    or the Static init "Newest", "Ones" or "Mean", with `static` true), and for States
+    the `dilation` k and `period` p of its reads."""
+
+    __slots__ = ("entries", "block", "weights", "static", "dilation", "period")
+
+    def __init__(self, entries, block, weights, static, dilation, period):
+        self.entries, self.block, self.weights, self.static = entries, block, weights, static
+        self.dilation, self.period = dilation, period
+
+    def __repr__(self):
+        weights = f"Static({self.weights})" if self.static else self.weights
+        return (
+            f"History(entries: {self.entries}, block: {self.block}, weights: {weights}, "
+            f"dilation: {self.dilation}, period: {self.period})"
+        )
+
+    def reads(self, sublayers):
+        """The reads of a history over `sublayers` sublayers (the trunk's 2L, or an MTP
+        module's 2, each starting its own history), as ir/src/lower/schemes/history.rs
+        makes them: [(sublayer, sources)], `sources` the indices of the finished entries
+        the read combines, in order. With Outputs every sublayer l reads the entries
+        0 ..= l // block (and the current block's partial sum, if it has begun, which is
+        not an entry); with States a read follows entry i = (l + 1) / block where `block`
+        divides l + 1 and the period divides i, over the entries j <= i with
+        j ≡ i (mod dilation)."""
+        out = []
+        for l in range(sublayers):
+            if self.entries == "Outputs":
+                out.append((l, list(range(l // self.block + 1))))
+                continue
+            if (l + 1) % self.block:
+                continue
+            i = (l + 1) // self.block
+            if i % self.period == 0:
+                out.append((l, [j for j in range(i + 1) if j % self.dilation == i % self.dilation]))
+        return out
+
+    def partial(self, sublayer):
+        """Outputs: whether the read before `sublayer` (the head's: `sublayer` = the count
+        of sublayers) also combines the current block's partial sum."""
+        return self.entries == "Outputs" and sublayer % self.block != 0
+
+    def read_count(self, sublayer, sources):
+        """n, the values a read combines: its entries and, with Outputs, the partial sum."""
+        return len(sources) + self.partial(sublayer)
 
 
 class ConnectionDesign:
@@ -579,8 +635,9 @@ class ConnectionDesign:
     Wide(..)); `collapse` ("Sum", "Mean", "Concat", "Reduce" or "Readout") with
     `reduce_norm` ("GroupNorm" or "Off") or `readout` (a Coefficient); `generator`
     ("None", "PerSlot" or "Flat") with its fields `gen`; and the coefficients `read`,
-    `carry`, `write`. HC, FC, mHC and GHC are written into one (`_spelled_design`) as
-    ConnectionSpec::hc and its siblings write them (ir/src/spec/connection.rs)."""
+    `carry`, `write`; and its depth `history` (a DepthHistory, or None). HC, FC, mHC and
+    GHC are written into one (`_spelled_design`) as ConnectionSpec::hc and its siblings
+    write them (ir/src/spec/connection.rs)."""
 
     def __init__(self, s, m, d, create, collapse, generator, gen, read, carry, write):
         self.s, self.m, self.ds = s, m, d // m
@@ -588,6 +645,8 @@ class ConnectionDesign:
         self.reduce_norm, self.readout = "Off", None
         self.generator, self.gen = generator, gen
         self.read, self.carry, self.write = read, carry, write
+        # The depth history (docs/math.md §12.5), a DepthHistory or None.
+        self.history = None
 
     def coefficient(self, which):
         return {"read": self.read, "carry": self.carry, "write": self.write}[which]
@@ -621,6 +680,21 @@ class ConnectionDesign:
     def width(self):
         """The per-token state width s · d_s."""
         return self.s * self.ds
+
+    def outputs(self):
+        """Whether a history of outputs replaces the fixed state: no sublayer then has
+        a read, carry or write of its own (ir/src/lower/schemes/history.rs)."""
+        return self.history is not None and self.history.entries == "Outputs"
+
+    def constant_roles(self):
+        """The roles (as in _design_sublayer_tensors) of the static parts that are
+        constants, `learned: false` (class Table, never trained): `h_pre`, `h_res`,
+        `h_post` one by one, or a Flat generator's `bias`, which holds all three and is
+        a constant only when all three are (docs/math.md §12.1)."""
+        if self.generator == "Flat":
+            return ["bias"] if not self.read.learned else []
+        roles = zip(("h_pre", "h_res", "h_post"), (self.read, self.carry, self.write))
+        return [role for role, coef in roles if not coef.learned]
 
 
 def _spelled_design(scheme, cfg, s):
@@ -719,13 +793,15 @@ def _read_coefficient(r, obj, path, s, shape, per_slot):
         for j in range(len(value)):
             r.finite(value, j, f"{path}.init.{init}[{j}]")
     form = r.choice(obj, "form", f"{path}.form", ("Matrix", "PerSlot"))
-    return Coefficient((name, fields), form)
+    # Checkpoints written before `learned` existed have no such field: trained, as then.
+    learned = r.boolean(obj, "learned", f"{path}.learned") if "learned" in obj else True
+    return Coefficient((name, fields), form, learned)
 
 
-def _read_connection(r, cfg, d):
+def _read_connection(r, cfg, d, layers):
     """The ConnectionDesign of a `Connection(...)` spec, every field checked with the
-    rules of ir/src/spec/validate.rs (check_connection), and its `history` (None when
-    the spec has none)."""
+    rules of ir/src/spec/validate.rs (check_connection), with its `history` (a
+    DepthHistory, or None when the spec has none) checked as check_history checks it."""
     s = r.whole(cfg, "streams", "residual.streams")
     m = r.whole(cfg, "segments", "residual.segments")
     if d % m != 0:
@@ -809,11 +885,114 @@ def _read_connection(r, cfg, d):
             f"sends segment i to slot i, so it needs streams = segments (got {s} and {m}); use Matrix",
         )
     write = coef("write", [s, 1] if write_form == "PerSlot" else [s, m])
+    if generator == "Flat" and not (read.learned == carry.learned == write.learned):
+        r.fail(
+            "residual.read.learned",
+            read.learned,
+            "must be the learned of carry and write too: with generator: Flat one bias holds the static parts of "
+            f"read, carry and write (here read {read.learned}, carry {carry.learned}, write {write.learned})",
+        )
     r.choice(cfg, "out_proj_std_mult", "residual.out_proj_std_mult", ("One", "InvSqrtN", "SqrtN"))
     design = ConnectionDesign(s, m, d, create, collapse, generator, gen, read, carry, write)
     design.reduce_norm, design.readout = reduce_norm, readout
     # Checkpoints written before the depth history existed have no `history` field.
-    return design, cfg.get("history")
+    raw = cfg.get("history")
+    design.history = None if raw is None else _read_history(r, raw, cfg, layers)
+    return design
+
+
+# The plain one-slot read, carry and write (ConnectionSpec::default) in the JSON form
+# widen writes: what a history of outputs needs the coefficients to be (validate.rs).
+_PLAIN_COEFFICIENTS = {
+    "read": {"init": {"Home": {"on": 1.0, "off": 0.0}}, "constraint": "None", "form": "Matrix", "learned": True},
+    "carry": {"init": "Identity", "constraint": "None", "form": "Matrix", "learned": True},
+    "write": {"init": {"Constant": 1.0}, "constraint": "None", "form": "Matrix", "learned": True},
+}
+
+
+def _is_plain(which, value):
+    """Whether a coefficient's JSON is ConnectionSpec::default's (`learned` absent: true)."""
+    want = _PLAIN_COEFFICIENTS[which]
+    if not isinstance(value, dict):
+        return False
+    value = dict(value)
+    value.setdefault("learned", True)
+    return _json_equal(value, want)
+
+
+def _json_equal(a, b):
+    """JSON values equal as serde would read them: numbers by value (1 and 1.0 alike),
+    booleans only as booleans."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return isinstance(a, bool) and isinstance(b, bool) and a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b
+    if isinstance(a, dict) and isinstance(b, dict):
+        return set(a) == set(b) and all(_json_equal(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_json_equal(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+def _read_history(r, h, cfg, layers):
+    """The DepthHistory of `residual.history`, checked with the rules of
+    ir/src/spec/validate.rs (check_history): block, dilation and period within their
+    SPEC_LIMITS rows, block <= 2 x layers, and with entries: Outputs, which replaces the
+    fixed state, dilation and period 1 and the design's other fields at their one-slot
+    defaults (streams 1, segments 1, Replicate, Sum, no generator, the plain read, carry
+    and write)."""
+    if not isinstance(h, dict):
+        r.fail("residual.history", h, "must be null or an object {entries, block, weights, dilation, period}")
+    entries = r.choice(h, "entries", "residual.history.entries", ("Outputs", "States"))
+    block = r.whole(h, "block", "residual.history.block")
+    weights, init = r.enum(h, "weights", "residual.history.weights", ("Attention",), (), ("Static",))
+    if weights == "Static":
+        if init not in ("Newest", "Ones", "Mean") or not isinstance(init, str):
+            r.fail(
+                "residual.history.weights",
+                h["weights"],
+                'must be "Attention", {"Static": "Newest"}, {"Static": "Ones"} or {"Static": "Mean"}',
+            )
+    dilation = r.whole(h, "dilation", "residual.history.dilation")
+    period = r.whole(h, "period", "residual.history.period")
+    if block > 2 * layers:
+        r.fail(
+            "residual.history.block",
+            block,
+            f"must be <= 2 x layers = {2 * layers}: an entry holds `block` consecutive sublayers",
+        )
+    if entries == "Outputs":
+        for field, value in (("residual.history.dilation", dilation), ("residual.history.period", period)):
+            if value != 1:
+                r.fail(
+                    field,
+                    value,
+                    "must be 1: with entries: Outputs every sublayer reads every entry; dilation and period apply "
+                    "to entries: States",
+                )
+        fixed = [
+            ("residual.streams", _json_equal(cfg["streams"], 1), "streams: 1"),
+            ("residual.segments", _json_equal(cfg["segments"], 1), "segments: 1 (or leave it out)"),
+            ("residual.create", cfg["create"] == "Replicate", "create: Replicate (or leave it out)"),
+            (
+                "residual.collapse",
+                cfg["collapse"] == "Sum",
+                "collapse: Sum (or leave it out); the head reads the history",
+            ),
+            ("residual.generator", cfg["generator"] == "None", "generator: None (or leave it out)"),
+        ]
+        fixed += [(f"residual.{w}", _is_plain(w, cfg[w]), f"{w} left out") for w in ("read", "carry", "write")]
+        for field, ok, what in fixed:
+            if not ok:
+                r.fail(
+                    field,
+                    cfg[field.split(".")[1]],
+                    f"is not allowed here: residual.history with entries: Outputs replaces the fixed state (every "
+                    f"sublayer reads the history, nothing is carried), so it needs {what}; for a history beside a "
+                    "fixed state use entries: States",
+                )
+    static = weights == "Static"
+    return DepthHistory(entries, block, init if static else "Attention", static, dilation, period)
 
 
 class SpecSizes:
@@ -841,7 +1020,8 @@ class SpecSizes:
             parts.append(f"residual = Fc(m: {self.m}, dynamic: {json.dumps(self.cfg['dynamic'])})")
         elif self.scheme == "Connection":
             c = self.design
-            parts.append(f"residual = Connection(streams: {c.s}, segments: {c.m}, generator: {c.generator})")
+            history = "" if c.history is None else f", history: {c.history}"
+            parts.append(f"residual = Connection(streams: {c.s}, segments: {c.m}, generator: {c.generator}{history})")
         elif self.scheme == "Xhc":
             parts.append(f"residual = Xhc(n: {self.n}, k: {self.k}, fixed: {self.fixed}, conv_kernels: {self.kernels})")
         else:
@@ -903,7 +1083,7 @@ def check_spec(spec, where="spec"):
     s.scheme, s.cfg = scheme, cfg
     s.n = s.m = s.k = s.fixed = None
     s.kernels = []
-    s.design = history = None
+    s.design = None
     if scheme == "Hc":
         s.n = r.whole(cfg, "n", "residual.n")
         r.boolean(cfg, "dynamic", "residual.dynamic")
@@ -919,7 +1099,7 @@ def check_spec(spec, where="spec"):
         r.choice(cfg, "act", "residual.act", ("Tanh", "Identity"))
         r.finite(cfg, "scale_init", "residual.scale_init")
     elif scheme == "Connection":
-        s.design, history = _read_connection(r, cfg, s.d)
+        s.design = _read_connection(r, cfg, s.d, s.layers)
     elif scheme == "Mhc":
         s.n = r.whole(cfg, "n", "residual.n")
         r.whole(cfg, "sinkhorn_iters", "residual.sinkhorn_iters")
@@ -992,11 +1172,6 @@ def check_spec(spec, where="spec"):
             f"{s.design.width()} (streams x d_model / segments), not d_model = {s.d}",
         )
     # Valid, but not built here.
-    if history is not None:
-        raise NotImplementedError(
-            f"{where}: residual.history = {_show(history)}: this loader builds the connection language's fixed "
-            "state only (history: null); the depth history (docs/math.md §12.5) is not built"
-        )
     if ffn != "SwiGlu":
         raise NotImplementedError(f"{where}: ffn {ffn}: only the SwiGlu FFN is built")
     if precision != "F32":
@@ -1127,7 +1302,7 @@ def _block_tensors(s, block):
     for role, tmpl in TENSOR_NAMES["backbone"].items():
         if "{i}" in tmpl:
             add(tmpl, lambda role=role: _backbone_shape(role, s))
-    if s.design is not None:
+    if s.design is not None and not s.design.outputs():
         for kind in ("attn", "ffn"):
             for role, shape in _design_sublayer_tensors(s.design, kind):
                 add(connection_name(role), lambda shape=shape: shape)
@@ -1142,6 +1317,56 @@ def _block_tensors(s, block):
         for sub in ("attn", "ffn"):
             if _xhc_augmented(s, sub):
                 add(XHC_CONV_NAMES[sub], None)
+    return out
+
+
+def _sublayer_prefix(l, module=None):
+    """The parameter prefix of sublayer l of the trunk (`blocks.3.ffn`) or of MTP module
+    `module`'s block (`mtp.1.block.attn`), as Cx::sublayer_prefix names it."""
+    kind = "attn" if l % 2 == 0 else "ffn"
+    return f"blocks.{l // 2}.{kind}" if module is None else f"mtp.{module}.block.{kind}"
+
+
+def history_tensors(c, sublayers, module=None):
+    """(name, shape) of the depth reads of a design's history (docs/checkpoints.md, the
+    `history.*` names) over the trunk's `sublayers` (module None) or MTP module
+    `module`'s two, whose history is its own (docs/math.md §12.5 DECISION (MTP)): per
+    read `{p}.history.query` and `.norm` [W] with attention weights, `{p}.history.weights`
+    [n] with static ones, W = s · d_s; with entries: Outputs also the head's read
+    (`history.*`, `mtp.{k}.history.*`)."""
+    h = c.history
+    reads = [(f"{_sublayer_prefix(l, module)}.history", h.read_count(l, src)) for l, src in h.reads(sublayers)]
+    if h.entries == "Outputs":
+        head = "history" if module is None else f"mtp.{module}.history"
+        reads.append((head, h.read_count(sublayers, range(sublayers // h.block + 1))))
+    out = []
+    for prefix, n in reads:
+        if h.static:
+            out.append((f"{prefix}.weights", [n]))
+        else:
+            out += [(f"{prefix}.query", [c.width()]), (f"{prefix}.norm", [c.width()])]
+    return out
+
+
+def constant_parameters(spec):
+    """The names of the parameters that are constants of class Table, never trained
+    (widen's gradient of them is zero): the permutation table (docs/math.md §12.2) and
+    the static parts with `learned: false` (§12.1), over the trunk and MTP modules."""
+    s = spec if isinstance(spec, SpecSizes) else check_spec(spec)
+    c = s.design
+    if c is None:
+        return set()
+    out = set()
+    if c.permutations():
+        out.add(connection_name("permutations"))
+    if c.readout is not None and not c.readout.learned:
+        out.add(connection_name("collapse.readout"))
+    if not c.outputs():
+        blocks = [f"blocks.{i}" for i in range(s.layers)] + [f"mtp.{k}.block" for k in range(1, s.mtp_depth + 1)]
+        for block in blocks:
+            for kind in ("attn", "ffn"):
+                for role in c.constant_roles():
+                    out.add(connection_name(f"{kind}.{role}").replace("blocks.{i}", block))
     return out
 
 
@@ -1162,6 +1387,8 @@ def expected_parameters(spec, where="spec"):
         out[tmpl] = _backbone_shape(role, s)
     for i in range(s.layers):
         out.update(_block_tensors(s, f"blocks.{i}"))
+    if c is not None and c.history is not None:
+        out.update(history_tensors(c, 2 * s.layers))
     if c is not None:
         out.update(_design_global_tensors(c, s))
     # MTP modules (docs/checkpoints.md, "MTP modules"): a block and norms each, on the
@@ -1176,6 +1403,8 @@ def expected_parameters(spec, where="spec"):
         out[f"mtp.{k}.emb_norm"] = [slots, width]
         out[f"mtp.{k}.mix"] = [2 * width, width]
         out.update(_block_tensors(s, f"mtp.{k}.block"))
+        if c is not None and c.history is not None:
+            out.update(history_tensors(c, 2, module=k))
         if c is not None and c.collapse == "Reduce" and c.reduce_norm == "GroupNorm":
             out[f"mtp.{k}.reduce.norm"] = [c.width()]
             out[f"mtp.{k}.reduce.norm_bias"] = [c.width()]
@@ -1479,9 +1708,13 @@ class _WidenModel:
                     f"tensor `{table}` is not the table of the {want.shape[0]} permutation matrices of "
                     f"{self.design.s} streams (row k = P_k, output-major, lexicographic from the identity)"
                 )
+        # The constants (the table, `learned: false` static parts) take no gradient, as in widen.
+        constants = constant_parameters(sizes)
         self.params = torch.nn.ParameterDict(
             {
-                n.replace(".", "__"): torch.nn.Parameter(torch.tensor(params[n], dtype=dtype), requires_grad=n != table)
+                n.replace(".", "__"): torch.nn.Parameter(
+                    torch.tensor(params[n], dtype=dtype), requires_grad=n not in constants
+                )
                 for n in self.names
             }
         )
@@ -1714,14 +1947,73 @@ class _WidenModel:
         weights = torch.softmax(w, -1) if name == "Softmax" else elementwise(name, fields, w)
         return torch.matmul(weights, state).reshape(b, t, self.d)
 
+    def _depth_read(self, prefix, values):
+        """Σ_i a_i v_i over the history values [B, T, s, d_s] (docs/math.md §12.5), as
+        DepthHistory::read: with attention weights a = softmax_i(RMSNorm(vec v_i) · (g ⊙ w))
+        (the gain g folded into the query w, the logits / (D/D_base) under muP); with
+        static ones a = the read's weights."""
+        b, t, slots, ds = values[0].shape
+        width = slots * ds
+        if self.design.history.static:
+            alpha = self._p(f"{prefix}.weights")
+            weights = [alpha[i] for i in range(len(values))]
+        else:
+            q = (self._p(f"{prefix}.norm") * self._p(f"{prefix}.query")).reshape(width, 1)
+            logits = torch.cat([rms_norm(v.reshape(b, t, width), None, self.eps) @ q for v in values], 2)
+            a = torch.softmax(logits / self.width_mult, -1)  # [B, T, n]
+            weights = [a[:, :, i, None, None] for i in range(len(values))]
+        out = values[0] * weights[0]
+        for v, w in zip(values[1:], weights[1:]):
+            out = out + v * w
+        return out
+
+    def _history_trunk(self, state):
+        """The trunk with a depth history (docs/math.md §12.5), as
+        ir/src/lower/schemes/history.rs lowers it, from the created state [B, T, s, d_s]
+        (entry 0) to the [B, T, D] vector before the final norm. Outputs: each sublayer
+        l reads the finished entries and the current block's partial sum, its output
+        joins the partial sum, which becomes an entry after every `block` sublayers; the
+        head reads them all. States: the fixed state's sublayers; after every `block`
+        the state is an entry, and where the period divides its index i the state
+        becomes the read of the entries j ≡ i (mod dilation); then the fixed collapse."""
+        h = self.design.history
+        b, t = state.shape[:2]
+        entries, partial = [state], None
+        reads = dict(h.reads(2 * self.layers))
+        for l in range(2 * self.layers):
+            kind, i = ("attn", "ffn")[l % 2], l // 2
+            prefix = f"{_sublayer_prefix(l)}.history"
+            if h.entries == "Outputs":
+                values = entries + ([] if partial is None else [partial])
+                u = self._depth_read(prefix, values)
+                y = self.branch(kind, u.reshape(b, t, self.d), i).reshape(u.shape)
+                partial = y if partial is None else partial + y
+                if (l + 1) % h.block == 0:
+                    entries.append(partial)
+                    partial = None
+                continue
+            state = self.sublayer(state, kind, i)
+            if (l + 1) % h.block == 0:
+                entries.append(state)
+            if l in reads:
+                state = self._depth_read(prefix, [entries[j] for j in reads[l]])
+        if h.entries == "States":
+            return self.collapse(state)
+        values = entries + ([] if partial is None else [partial])
+        return self._depth_read("history", values).reshape(b, t, self.d)
+
     def forward(self, ids):
         """Main-head logits [B, T, V] of token ids [B, T]."""
         ids = torch.as_tensor(ids, dtype=torch.long)
         state = self.embed(ids).to(self.dtype)
-        for i in range(self.layers):
-            state = self.sublayer(state, "attn", i)
-            state = self.sublayer(state, "ffn", i)
-        h = rms_norm(self.collapse(state), self._p("final_norm"), self.eps)
+        if self.design is not None and self.design.history is not None:
+            collapsed = self._history_trunk(state)
+        else:
+            for i in range(self.layers):
+                state = self.sublayer(state, "attn", i)
+                state = self.sublayer(state, "ffn", i)
+            collapsed = self.collapse(state)
+        h = rms_norm(collapsed, self._p("final_norm"), self.eps)
         if self.spec["tie_embeddings"]:
             full = self.design is not None and self.design.create == "Full"
             table = self._p(connection_name("embed_wide") if full else "embed")
