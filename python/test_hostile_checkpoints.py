@@ -817,7 +817,7 @@ def widen_binary():
 # the schemes it builds, tiny.ron (GHC, r = 2) and mtp.ron (GHC with an MTP module).
 REAL_SPECS = [
     "tiny.ron", "residual.ron", "mhc.ron", "vwn-r4.ron", "xhc.ron", "mtp.ron",
-    "hc.ron", "fc.ron", "mhc-lite.ron", "wide-residual.ron", "attn-residuals.ron", "denseformer.ron",
+    "hc.ron", "fc.ron", "mhc-lite.ron", "wide-residual.ron", "attn-residuals.ron", "denseformer.ron", "kromhc.ron",
 ]  # fmt: skip
 
 # More configurations, one branch of the implied parameter set each: GQA with an
@@ -988,6 +988,27 @@ class WidenCheckpoints(unittest.TestCase):
             widen_torch.load(path)
         # The unmodified file builds.
         widen_torch.load(self.ckpt["mhc-lite.ron"])
+
+    @unittest.skipUnless(
+        importlib.util.find_spec("numpy") and importlib.util.find_spec("torch"),
+        "numpy or torch is not installed (the table's values are checked when a model is built)",
+    )
+    def test_widen_wrong_kronecker_table(self):
+        # KromHC's factor table with its first two rows (factor 0's p and 1 - p) swapped: a
+        # well-formed file whose carry would put 1 - p where widen puts p.
+        with open(self.ckpt["kromhc.ron"], "rb") as f:
+            tensors, meta = tensors_of(f.read())
+        at = next(k for k, t in enumerate(tensors) if t[0] == "conn.kronecker")
+        name, dtype, shape, raw = tensors[at]
+        row = shape[1] * 4
+        tensors[at] = (name, dtype, shape, raw[row : 2 * row] + raw[:row] + raw[2 * row :])
+        path = os.path.join(self.tmp, "real_wrong_kronecker.safetensors")
+        with open(path, "wb") as f:
+            f.write(encode(*layout(tensors, meta)))
+        widen_torch.check_checkpoint(path)
+        with self.assertRaisesRegex(widen_torch.CheckpointError, r"tensor `conn.kronecker` is not the factor table"):
+            widen_torch.load(path)
+        widen_torch.load(self.ckpt["kromhc.ron"])
 
     def test_widen_extra_tensor(self):
         tensors, meta = tensors_of(self.tiny)

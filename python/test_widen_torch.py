@@ -34,7 +34,7 @@ ROOT = os.path.dirname(HERE)
 SPECS = [
     "residual.ron", "mhc.ron", "vwn-r4.ron", "xhc.ron",
     "hc.ron", "fc.ron", "mhc-lite.ron", "wide-residual.ron",
-    "attn-residuals.ron", "denseformer.ron",
+    "attn-residuals.ron", "denseformer.ron", "kromhc.ron",
 ]  # fmt: skip
 
 # Designs of the connection language beyond specs/, one branch of the loader each: a

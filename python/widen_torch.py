@@ -169,6 +169,7 @@ TENSOR_NAMES = {
         "ffn.s_alpha": "blocks.{i}.ffn.conn.s_alpha",
         "ffn.s_beta": "blocks.{i}.ffn.conn.s_beta",
         "permutations": "conn.permutations",
+        "kronecker": "conn.kronecker",
         "collapse.readout": "collapse.readout"
     }
 }
@@ -664,16 +665,25 @@ class ConnectionDesign:
         """Whether the carry is a softmax over the s! permutation matrices (docs/math.md §12.2)."""
         return self.carry.constraint[0] == "Permutations"
 
+    def kronecker(self):
+        """Whether the carry is a Kronecker product of 2 x 2 factors (docs/math.md §12.6)."""
+        return self.carry.constraint[0] == "Kronecker"
+
     def logits(self, which):
-        """How many logits a coefficient has: its entries, or s! for `Permutations`."""
-        if self.coefficient(which).constraint[0] == "Permutations":
+        """How many logits a coefficient has: its entries, s! for `Permutations`, 2 log2(s)
+        for `Kronecker`."""
+        name = self.coefficient(which).constraint[0]
+        if name == "Permutations":
             return math.factorial(self.s)
+        if name == "Kronecker":
+            return 2 * kronecker_factors(self.s)
         rows, cols = self.matrix_shape(which)
         return rows * cols
 
     def static_shape(self, which):
-        """The shape of a static part (`h_pre`, `h_res`, `h_post`): the matrix, or [1, s!]."""
-        if self.coefficient(which).constraint[0] == "Permutations":
+        """The shape of a static part (`h_pre`, `h_res`, `h_post`): the matrix, or [1, logits]
+        for the structured carries."""
+        if self.coefficient(which).constraint[0] in ("Permutations", "Kronecker"):
             return [1, self.logits(which)]
         return self.matrix_shape(which)
 
@@ -738,7 +748,11 @@ def _read_coefficient(r, obj, path, s, shape, per_slot):
         r.fail(path, obj, "must be an object {init, constraint, form}")
     square = shape[0] == shape[1] == s
     constraint = r.enum(
-        obj, "constraint", f"{path}.constraint", ("None", "Tanh", "Softmax", "Permutations"), ("Sigmoid", "Sinkhorn")
+        obj,
+        "constraint",
+        f"{path}.constraint",
+        ("None", "Tanh", "Softmax", "Permutations", "Kronecker"),
+        ("Sigmoid", "Sinkhorn"),
     )
     name, fields = constraint
     if name == "Sigmoid":
@@ -770,7 +784,25 @@ def _read_coefficient(r, obj, path, s, shape, per_slot):
                 name,
                 "needs the s! logits of a Flat generator (or none); PerSlot makes one row per slot",
             )
-    logits = math.factorial(s) if name == "Permutations" else shape[0] * shape[1]
+    elif name == "Kronecker":
+        if not square or path != "residual.carry":
+            r.fail(
+                f"{path}.constraint", name, "builds an s x s carry from 2 x 2 factors, so only a carry with form: Matrix takes it"
+            )
+        if kronecker_factors(s) == 0:
+            r.fail(f"{path}.constraint", name, f"needs streams = 2^K for K >= 1 factors (2, 4, 8, ...), got {s}")
+        if per_slot:
+            r.fail(
+                f"{path}.constraint",
+                name,
+                "needs the 2K logits of a Flat generator (or none); PerSlot makes one row per slot",
+            )
+    if name == "Permutations":
+        logits = math.factorial(s)
+    elif name == "Kronecker":
+        logits = 2 * kronecker_factors(s)
+    else:
+        logits = shape[0] * shape[1]
     units, structs = ("Identity", "Cyclic"), ("Home", "Eye", "First")
     init, value = r.enum(obj, "init", f"{path}.init", units, structs, ("Constant", "Logit", "Linspace", "Values"))
     if init in ("Home", "Eye", "First"):
@@ -1285,6 +1317,8 @@ def _design_global_tensors(c, s):
         out.append((connection_name("collapse.readout"), [1, c.s]))
     if c.permutations():
         out.append((connection_name("permutations"), [math.factorial(c.s), c.s * c.s]))
+    if c.kronecker():
+        out.append((connection_name("kronecker"), [2 * kronecker_factors(c.s), c.s * c.s]))
     return out
 
 
@@ -1359,6 +1393,8 @@ def constant_parameters(spec):
     out = set()
     if c.permutations():
         out.add(connection_name("permutations"))
+    if c.kronecker():
+        out.add(connection_name("kronecker"))
     if c.readout is not None and not c.readout.learned:
         out.add(connection_name("collapse.readout"))
     if not c.outputs():
@@ -1570,12 +1606,52 @@ def _constrained(name, fields, logits, dims, table):
     reshaped to the matrix, then Softmax (per row) or Sinkhorn applies."""
     if name == "Permutations":
         return (torch.softmax(logits, -1) @ table()).reshape(dims)
+    if name == "Kronecker":
+        return kronecker_carry(logits).reshape(dims)
     x = elementwise(name, fields, logits).reshape(dims)
     if name == "Softmax":
         return torch.softmax(x, -1)
     if name == "Sinkhorn":
         return sinkhorn(x, fields["iters"], fields["eps"])
     return x
+
+
+def kronecker_factors(s):
+    """K for a `Kronecker` carry over s = 2^K streams, or 0 when s is no such power."""
+    return s.bit_length() - 1 if s >= 2 and s & (s - 1) == 0 else 0
+
+
+def kronecker_carry(logits):
+    """U_1 ⊗ ... ⊗ U_K from logits [..., 2K] (docs/math.md §12.6): (p_k, 1 - p_k) is the
+    softmax of pair k, U_k = [[p_k, 1 - p_k], [1 - p_k, p_k]]; returns [..., s, s]. Built
+    by explicit Kronecker products, not widen's table."""
+    lead, k = logits.shape[:-1], logits.shape[-1] // 2
+    p = torch.softmax(logits.reshape(*lead, k, 2), -1)
+    h = None
+    for f in range(k):
+        same, other = p[..., f, 0], p[..., f, 1]
+        u = torch.stack([torch.stack([same, other], -1), torch.stack([other, same], -1)], -2)
+        if h is None:
+            h = u
+        else:
+            n = h.shape[-1]
+            h = (h[..., :, None, :, None] * u[..., None, :, None, :]).reshape(*lead, 2 * n, 2 * n)
+    return h
+
+
+def kronecker_table(s):
+    """widen's constant [2K, s²] table of a `Kronecker` carry (numpy, float64): for factor f
+    (acting on bit K - 1 - f of the slot index), row 2f is 1 where entry (i, j) takes p_f
+    (the bits agree) and row 2f + 1 where it takes 1 - p_f (docs/math.md §12.6)."""
+    k = kronecker_factors(s)
+    out = np.zeros((2 * k, s * s))
+    for f in range(k):
+        bit = k - 1 - f
+        for i in range(s):
+            for j in range(s):
+                row = 2 * f + (0 if (i >> bit) & 1 == (j >> bit) & 1 else 1)
+                out[row, i * s + j] = 1.0
+    return out
 
 
 def permutation_table(s):
@@ -1707,6 +1783,14 @@ class _WidenModel:
                 raise CheckpointError(
                     f"tensor `{table}` is not the table of the {want.shape[0]} permutation matrices of "
                     f"{self.design.s} streams (row k = P_k, output-major, lexicographic from the identity)"
+                )
+        table = connection_name("kronecker")
+        if table in self.names:
+            want = kronecker_table(self.design.s)
+            if not np.array_equal(np.asarray(params[table], dtype=np.float64), want):
+                raise CheckpointError(
+                    f"tensor `{table}` is not the factor table of a Kronecker carry over {self.design.s} "
+                    "streams (rows 2k and 2k + 1: where factor k puts p_k and 1 - p_k)"
                 )
         # The constants (the table, `learned: false` static parts) take no gradient, as in widen.
         constants = constant_parameters(sizes)

@@ -106,6 +106,17 @@ fn inconsistent_designs_name_the_field_and_the_fix() {
             "Flat generator",
         ),
         (
+            "Connection(streams: 6, carry: (constraint: Kronecker), generator: Flat())",
+            "residual.carry.constraint",
+            "streams = 2^K",
+        ),
+        (
+            "Connection(streams: 4, carry: (constraint: Kronecker, init: Values([0.0, -8.0])))",
+            "residual.carry.init",
+            "4 logits",
+        ),
+        ("Connection(streams: 4, read: (constraint: Kronecker))", "residual.read.constraint", "only a carry"),
+        (
             "Connection(read: (constraint: Sinkhorn(iters: 3, eps: 0.0)))",
             "residual.read.constraint",
             "square carry",

@@ -13,8 +13,17 @@ use codegen::render::render_cuda;
 use common::emit::{check, spec_training_graph, Rng, Sources};
 use ir::graph::Graph;
 
-const SPECS: [&str; 8] =
-    ["residual", "mhc", "vwn-r4", "xhc", "mhc-lite", "wide-residual", "attn-residuals", "denseformer"];
+const SPECS: [&str; 9] = [
+    "residual",
+    "mhc",
+    "vwn-r4",
+    "xhc",
+    "mhc-lite",
+    "wide-residual",
+    "attn-residuals",
+    "denseformer",
+    "kromhc",
+];
 
 /// The spec at test size, lowered, with loss gradients for every parameter.
 fn tiny_model(name: &str) -> (Graph, Request, usize) {

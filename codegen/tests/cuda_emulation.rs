@@ -427,6 +427,12 @@ fn wide_residual_kernels_match_c() {
     check_spec("wide-residual");
 }
 
+/// KromHC's Kronecker carry (docs/math.md §12.6).
+#[test]
+fn kromhc_kernels_match_c() {
+    check_spec("kromhc");
+}
+
 /// The depth history (docs/math.md §12.5).
 #[test]
 fn attn_residuals_kernels_match_c() {

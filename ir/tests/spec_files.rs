@@ -48,6 +48,7 @@ fn every_spec_loads_validates_and_is_named_after_its_file() {
         "wide-residual",
         "attn-residuals",
         "denseformer",
+        "kromhc",
     ] {
         assert!(stems.contains(&expected), "specs/{expected}.ron missing; found {stems:?}");
     }
@@ -70,7 +71,7 @@ fn specs_are_small_enough_for_cpu_and_use_their_scheme() {
             "fc" => "Fc",
             "mhc" | "mhc-bf16" => "Mhc",
             "xhc" | "xhc-flash" | "xhc-moe" => "Xhc",
-            "mhc-lite" | "wide-residual" | "attn-residuals" | "denseformer" => "Connection",
+            "mhc-lite" | "wide-residual" | "attn-residuals" | "denseformer" | "kromhc" => "Connection",
             _ => "Ghc",
         };
         assert_eq!(kind, expected, "specs/{stem}.ron");

@@ -572,7 +572,8 @@ impl FromValue for CoefInit {
 
 impl FromValue for Constraint {
     fn from_value(value: &Value, path: &str, cx: &mut Cx) -> syn::Result<Self> {
-        const NAMES: &[&str] = &["none", "sigmoid", "tanh", "softmax", "sinkhorn", "permutations"];
+        const NAMES: &[&str] =
+            &["none", "sigmoid", "tanh", "softmax", "sinkhorn", "permutations", "kronecker"];
         let v = Variant::parse(value, "constraint", NAMES)?;
         Ok(match NAMES[v.index] {
             "sigmoid" => {
@@ -591,7 +592,8 @@ impl FromValue for Constraint {
                     "none" => Constraint::None,
                     "tanh" => Constraint::Tanh,
                     "softmax" => Constraint::Softmax,
-                    _ => Constraint::Permutations,
+                    "permutations" => Constraint::Permutations,
+                    _ => Constraint::Kronecker,
                 }
             }
         })

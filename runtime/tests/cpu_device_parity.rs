@@ -88,6 +88,7 @@ parity! {
     wide_residual => "wide-residual.ron",
     attn_residuals => "attn-residuals.ron",
     denseformer => "denseformer.ron",
+    kromhc => "kromhc.ron",
     moe => "moe.ron",
     mtp => "mtp.ron",
     residual => "residual.ron",

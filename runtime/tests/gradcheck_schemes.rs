@@ -386,6 +386,13 @@ fn mhc_lite() {
     check(&tiny_spec("mhc-lite", spec_file_residual("mhc-lite.ron")), 30, &[]);
 }
 
+/// KromHC (docs/math.md §12.6): mHC-lite's generator with the Kronecker carry of two 2 x 2
+/// factors.
+#[test]
+fn kromhc() {
+    check(&tiny_spec("kromhc", spec_file_residual("kromhc.ron")), 37, &[]);
+}
+
 /// The wide residual with retention (docs/math.md §12.3): static sigmoid-bounded scalars,
 /// a per-slot carry and a readout collapse.
 #[test]

@@ -16,7 +16,7 @@ use std::collections::HashMap;
 use std::num::NonZeroUsize;
 
 /// Every spec in `specs/`: one per scheme (Flash variants, MoE, MTP and bf16 included).
-const SPECS: [&str; 19] = [
+const SPECS: [&str; 20] = [
     "tiny.ron",
     "residual.ron",
     "hc.ron",
@@ -26,6 +26,7 @@ const SPECS: [&str; 19] = [
     "wide-residual.ron",
     "attn-residuals.ron",
     "denseformer.ron",
+    "kromhc.ron",
     "mhc-bf16.ron",
     "vwn-1.5x.ron",
     "vwn-r4.ron",

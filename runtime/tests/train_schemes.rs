@@ -69,11 +69,12 @@ fn assert_trains(spec: &ModelSpec) -> (f64, f64) {
 }
 
 /// Every spec file has a test below, so a new one cannot go untrained.
-const SPEC_FILES: [&str; 19] = [
+const SPEC_FILES: [&str; 20] = [
     "attn-residuals.ron",
     "denseformer.ron",
     "fc.ron",
     "hc.ron",
+    "kromhc.ron",
     "mhc-bf16.ron",
     "mhc-lite.ron",
     "mhc.ron",
@@ -131,6 +132,11 @@ fn attn_residuals_trains() {
 #[test]
 fn denseformer_trains() {
     assert_trains(&shrunk("denseformer.ron"));
+}
+
+#[test]
+fn kromhc_trains() {
+    assert_trains(&shrunk("kromhc.ron"));
 }
 
 #[test]

@@ -441,6 +441,7 @@ fn connection_terms(c: &ConnectionSpec, d: f64) -> (f64, f64) {
     let entries = |coef: &Coefficient, rows: f64, cols: f64| match (coef.constraint, coef.form) {
         // s! logits; s is at most 6 in a valid spec, and 171! is already past f64.
         (Constraint::Permutations, _) => (1..=c.streams.min(171)).map(|k| k as f64).product(),
+        (Constraint::Kronecker, _) => 2.0 * crate::spec::kronecker_factors(c.streams).unwrap_or(0) as f64,
         (_, Form::PerSlot) => s,
         (_, Form::Matrix) => rows * cols,
     };

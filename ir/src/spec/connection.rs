@@ -337,10 +337,20 @@ pub enum Constraint {
     /// Σ_k softmax(a)_k P_k over all s! permutation matrices (mHC-lite, docs/math.md §12.2): an
     /// exactly doubly stochastic carry with s! logits, s <= 6.
     Permutations,
+    /// U_1 ⊗ … ⊗ U_K with U_k = [[p_k, 1 - p_k], [1 - p_k, p_k]], (p_k, 1 - p_k) the softmax of
+    /// the k-th pair of 2K logits (KromHC, docs/math.md §12.6): an exactly doubly stochastic
+    /// carry for streams = 2^K.
+    Kronecker,
 }
 
 /// The largest stream count `Permutations` accepts: 6! = 720 logits per sublayer.
 pub const MAX_PERMUTATION_STREAMS: usize = 6;
+
+/// The number of 2 x 2 factors K of a `Kronecker` carry over `streams` = 2^K slots, or None
+/// when `streams` is not a power of two of at least 2.
+pub fn kronecker_factors(streams: usize) -> Option<usize> {
+    (streams >= 2 && streams.is_power_of_two()).then(|| streams.trailing_zeros() as usize)
+}
 
 impl ConnectionSpec {
     /// Slot width d_model / segments.

@@ -20,8 +20,9 @@ mod validate;
 mod virtual_width;
 
 pub use connection::{
-    CoefInit, Coefficient, CollapseRule, ConnectionSpec, Constraint, Create, DepthInit, DepthWeights,
-    Entries, FlatGenerator, Form, Gate, Generator, History, PerSlotGenerator, MAX_PERMUTATION_STREAMS,
+    kronecker_factors, CoefInit, Coefficient, CollapseRule, ConnectionSpec, Constraint, Create, DepthInit,
+    DepthWeights, Entries, FlatGenerator, Form, Gate, Generator, History, PerSlotGenerator,
+    MAX_PERMUTATION_STREAMS,
 };
 pub use fits::host_memory_bytes;
 pub use names::{field_paths, path_hint, similar_paths, UnknownName};

@@ -803,6 +803,7 @@ fn check_coefficient(
     let square = shape.0 == shape.1 && shape.0 == s;
     let logits = match coef.constraint {
         Constraint::Permutations => (1..=s.min(MAX_PERMUTATION_STREAMS)).product(),
+        Constraint::Kronecker => 2 * crate::spec::kronecker_factors(s).unwrap_or(0),
         _ => shape.0.saturating_mul(shape.1),
     };
     match coef.constraint {
@@ -831,6 +832,18 @@ fn check_coefficient(
                 );
             } else if per_slot {
                 c.fail(&format!("{path}.constraint"), format!("{path}.constraint: Permutations needs the s! logits of a Flat generator (or none); PerSlot makes one row per slot"));
+            }
+        }
+        Constraint::Kronecker => {
+            if !square || path != "residual.carry" {
+                c.fail(&format!("{path}.constraint"), format!("{path}.constraint: Kronecker builds an s x s carry from 2 x 2 factors, so only a carry with form: Matrix takes it"));
+            } else if crate::spec::kronecker_factors(s).is_none() {
+                c.fail(
+                    &format!("{path}.constraint"),
+                    format!("{path}.constraint: Kronecker needs streams = 2^K for K >= 1 factors (2, 4, 8, ...), got {s}; use Sinkhorn or Permutations"),
+                );
+            } else if per_slot {
+                c.fail(&format!("{path}.constraint"), format!("{path}.constraint: Kronecker needs the 2K logits of a Flat generator (or none); PerSlot makes one row per slot"));
             }
         }
     }

@@ -25,7 +25,8 @@
 //! - `Flat`: `{p}.conn.phi` `[s·d_s, cols]` and `{p}.conn.bias` `[cols]`, columns
 //!   `[read | write | carry]` (§4.6), `{p}.conn.alpha` `[3]` (read, write, carry), and with
 //!   `gain` the norm gain `{p}.conn.norm` `[s·d_s]`.
-//! - `Permutations`: the constant table `conn.permutations` `[s!, s²]` (never optimized).
+//! - `Permutations`: the constant table `conn.permutations` `[s!, s²]` (never optimized);
+//!   `Kronecker`: the constant table `conn.kronecker` `[2K, s²]` (§12.6).
 //! - Creation: `embed` `[V, D]` (`Replicate`, `Split`), `embed_wide` `[V, s·d_s]` or
 //!   `embed` + `embed_expand` (`Wide`, §5.2). Collapse: `reduce.norm`, `reduce.norm_bias`,
 //!   `reduce.w` (`Reduce`, §5.6; `mtp.{k}.reduce.norm*` per MTP module), `collapse.readout`
@@ -73,13 +74,15 @@ pub(crate) struct Connection {
     exit: Option<NodeId>,
     /// The permutation table of `Permutations`, created once.
     permutations: Option<NodeId>,
+    /// The factor table of `Kronecker`, created once.
+    kronecker: Option<NodeId>,
 }
 
 impl Connection {
     pub(crate) fn new(model: &ModelSpec, spec: ConnectionSpec) -> Self {
         let d = model.d_model;
         let ds = spec.slot_width(d);
-        Connection { spec, d, ds, table: None, expand: None, exit: None, permutations: None }
+        Connection { spec, d, ds, table: None, expand: None, exit: None, permutations: None, kronecker: None }
     }
 
     fn s(&self) -> usize {
@@ -117,11 +120,19 @@ impl Connection {
     /// The number of logits of a coefficient: its entries, or s! for `Permutations` (counted,
     /// not enumerated: the table is built once, in `permutation_table`).
     fn logits(&self, which: Which) -> usize {
-        if self.coefficient(which).constraint == Constraint::Permutations {
-            return (1..=self.s()).product();
+        match self.coefficient(which).constraint {
+            Constraint::Permutations => (1..=self.s()).product(),
+            Constraint::Kronecker => 2 * crate::spec::kronecker_factors(self.s()).unwrap_or(0),
+            _ => {
+                let [r, c] = self.matrix_shape(which);
+                r * c
+            }
         }
-        let [r, c] = self.matrix_shape(which);
-        r * c
+    }
+
+    /// Whether a coefficient's logits are not its matrix's entries (a vector of them).
+    fn structured(&self, which: Which) -> bool {
+        matches!(self.coefficient(which).constraint, Constraint::Permutations | Constraint::Kronecker)
     }
 
     /// The static part's values over the logits of sublayer l (docs/math.md §12.1).
@@ -174,6 +185,9 @@ impl Connection {
             let h = cx.matmul(a, table)?;
             return cx.reshape(h, &dims);
         }
+        if constraint == Constraint::Kronecker {
+            return self.kronecker(cx, logits, &dims);
+        }
         let x = elementwise(cx, constraint, logits)?;
         let x = if cx.shape(x) == dims.as_slice() { x } else { cx.reshape(x, &dims)? };
         match self.coefficient(which).constraint {
@@ -181,6 +195,44 @@ impl Connection {
             Constraint::Sinkhorn { iters, eps } => cx.g.add(Op::Sinkhorn { iters, eps }, &[x]),
             _ => Ok(x),
         }
+    }
+
+    /// H = U_1 ⊗ … ⊗ U_K from 2K logits `[.., 2K]` (docs/math.md §12.6): each pair's softmax
+    /// (p_k, 1 - p_k) times rows 2k and 2k + 1 of the factor table, which say where U_k puts
+    /// p_k and where 1 - p_k over the s² entries of H, then the product over the factors.
+    fn kronecker(&mut self, cx: &mut Cx, logits: NodeId, dims: &[usize]) -> Result<NodeId, GraphError> {
+        let s = self.s();
+        let k = crate::spec::kronecker_factors(s).expect("validation admits streams = 2^K only");
+        let mut pairs = cx.shape(logits).to_vec();
+        pairs.pop();
+        pairs.extend([k, 2]);
+        let pairs = cx.reshape(logits, &pairs)?;
+        let a = cx.g.add(Op::Softmax, &[pairs])?;
+        let table = self.kronecker_table(cx, k);
+        let axis = cx.shape(a).len() - 2;
+        let mut h: Option<NodeId> = None;
+        for f in 0..k {
+            let pk = cx.slice(a, axis, f, f + 1)?;
+            let rows = cx.slice(table, 0, 2 * f, 2 * f + 2)?;
+            let u = cx.matmul(pk, rows)?;
+            h = Some(match h {
+                None => u,
+                Some(acc) => cx.mul(acc, u)?,
+            });
+        }
+        cx.reshape(h.expect("K >= 1 factors"), dims)
+    }
+
+    /// The constant table `[2K, s²]` of a `Kronecker` carry: for factor f (the f-th from the
+    /// left of U_1 ⊗ … ⊗ U_K, acting on bit K - 1 - f of the slot index), row 2f is 1 where
+    /// entry (i, j) of H takes that factor's diagonal p_f (the bits agree) and row 2f + 1 is 1
+    /// where it takes 1 - p_f (docs/math.md §12.6).
+    fn kronecker_table(&mut self, cx: &mut Cx, k: usize) -> NodeId {
+        let s = self.s();
+        *self.kronecker.get_or_insert_with(|| {
+            let values = kronecker_values(k);
+            cx.param("conn.kronecker", &[2 * k, s * s], Init::Values(values), ParamClass::Table)
+        })
     }
 
     /// The constant table `[s!, s²]` whose row k is permutation matrix P_k, output-major
@@ -212,7 +264,7 @@ impl Connection {
     fn static_params(&self, cx: &mut Cx, p: &str, sublayer: usize) -> Mixing {
         let mut param = |which: Which, name: &str| {
             let stat = static_class(self.coefficient(which));
-            let dims: Vec<usize> = if self.coefficient(which).constraint == Constraint::Permutations {
+            let dims: Vec<usize> = if self.structured(which) {
                 vec![1, self.logits(which)]
             } else {
                 self.matrix_shape(which).to_vec()
@@ -449,10 +501,30 @@ fn elementwise(cx: &mut Cx, constraint: Constraint, x: NodeId) -> Result<NodeId,
             }
         }
         Constraint::Tanh => cx.unary(UnaryOp::Tanh, x),
-        Constraint::None | Constraint::Softmax | Constraint::Sinkhorn { .. } | Constraint::Permutations => {
-            Ok(x)
+        Constraint::None
+        | Constraint::Softmax
+        | Constraint::Sinkhorn { .. }
+        | Constraint::Permutations
+        | Constraint::Kronecker => Ok(x),
+    }
+}
+
+/// The values of the `[2K, s²]` factor table of a `Kronecker` carry over s = 2^K slots
+/// (see `Connection::kronecker_table`).
+fn kronecker_values(k: usize) -> Vec<f64> {
+    let s = 1usize << k;
+    let mut values = vec![0.0; 2 * k * s * s];
+    for f in 0..k {
+        let bit = k - 1 - f;
+        for i in 0..s {
+            for j in 0..s {
+                let same = (i >> bit) & 1 == (j >> bit) & 1;
+                let row = 2 * f + usize::from(!same);
+                values[row * s * s + i * s + j] = 1.0;
+            }
         }
     }
+    values
 }
 
 /// All permutations of 0..s in lexicographic order (the first is the identity).
@@ -656,7 +728,33 @@ impl Scheme for Connection {
 
 #[cfg(test)]
 mod tests {
-    use super::permutations;
+    use super::{kronecker_values, permutations};
+
+    /// The table's product over factors is U_1 ⊗ U_2 ⊗ U_3 written out, and doubly
+    /// stochastic (docs/math.md §12.6).
+    #[test]
+    fn the_kronecker_table_builds_the_kronecker_product() {
+        let (k, s) = (3, 8);
+        let p = [0.9, 0.3, 0.65];
+        let table = kronecker_values(k);
+        let u = |f: usize, a: usize, b: usize| if a == b { p[f] } else { 1.0 - p[f] };
+        for i in 0..s {
+            let mut row_sum = 0.0;
+            for j in 0..s {
+                let from_table: f64 = (0..k)
+                    .map(|f| {
+                        p[f] * table[2 * f * s * s + i * s + j]
+                            + (1.0 - p[f]) * table[(2 * f + 1) * s * s + i * s + j]
+                    })
+                    .product();
+                // (U_1 ⊗ U_2 ⊗ U_3)[i, j] with i = (i_1 i_2 i_3) in binary, i_1 the top bit.
+                let explicit = u(0, i >> 2, j >> 2) * u(1, (i >> 1) & 1, (j >> 1) & 1) * u(2, i & 1, j & 1);
+                assert!((from_table - explicit).abs() < 1e-15, "({i}, {j}): {from_table} vs {explicit}");
+                row_sum += from_table;
+            }
+            assert!((row_sum - 1.0).abs() < 1e-12, "row {i} sums to {row_sum}");
+        }
+    }
 
     #[test]
     fn permutations_are_all_distinct_and_start_with_the_identity() {
