@@ -434,6 +434,29 @@ fn the_documented_sweep_file_expands_to_its_points() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// The design comparison behind docs/sweeps.md ("Designs in the connection language"):
+/// its points are, in order, the `residual` of the spec files it names, and the committed
+/// results hold every point.
+#[test]
+fn the_documented_design_sweep_compares_the_shipped_spec_files() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let sweep = sweep::Sweep::load(&root.join("docs/sweeps/designs.ron")).unwrap_or_else(|e| panic!("{e}"));
+    let expansion = sweep::expand(&sweep).unwrap_or_else(|e| panic!("{e}"));
+    let files = ["residual", "mhc", "mhc-lite", "kromhc", "wide-residual", "attn-residuals", "denseformer"];
+    assert_eq!(expansion.points.len(), files.len());
+    for (point, file) in expansion.points.iter().zip(files) {
+        let spec = widen::ir::spec::load_spec(&root.join(format!("specs/{file}.ron"))).unwrap();
+        assert_eq!(
+            point.spec.residual, spec.residual,
+            "point {} is not specs/{file}.ron's residual",
+            point.name
+        );
+        assert_eq!(point.runs.len(), 3, "{file}: three seeds");
+    }
+    let csv = std::fs::read_to_string(root.join("docs/sweeps/designs/results.csv")).unwrap();
+    assert_eq!(csv.lines().count(), 1 + files.len(), "the committed results hold every point");
+}
+
 /// Reads `results.json` as JSON, or panics naming what a reader found.
 fn results_json(sw: &Path) -> serde_json::Value {
     let text = std::fs::read_to_string(sw.join("results.json")).unwrap();
