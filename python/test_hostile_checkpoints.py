@@ -966,49 +966,41 @@ class WidenCheckpoints(unittest.TestCase):
         kept = [t for t in tensors if t[0] not in ("reduce.w", "opt.reduce.w.m", "opt.reduce.w.v")]
         self.mutated("real_missing", encode(*layout(kept, meta)), r"missing: `reduce.w` \[128, 64\]")
 
+    def wrong_table(self, spec, table, pattern):
+        """`spec`'s checkpoint with the first two rows of its constant `table` swapped: a
+        well-formed file whose carry would mix other matrices than widen's. It passes the
+        file checks, is refused when a model is built, and the unmodified file builds."""
+        with open(self.ckpt[spec], "rb") as f:
+            tensors, meta = tensors_of(f.read())
+        at = next(k for k, t in enumerate(tensors) if t[0] == table)
+        name, dtype, shape, raw = tensors[at]
+        row = shape[1] * 4
+        tensors[at] = (name, dtype, shape, raw[row : 2 * row] + raw[:row] + raw[2 * row :])
+        path = os.path.join(self.tmp, f"real_wrong_{table}.safetensors")
+        with open(path, "wb") as f:
+            f.write(encode(*layout(tensors, meta)))
+        widen_torch.check_checkpoint(path)
+        with self.assertRaisesRegex(widen_torch.CheckpointError, pattern):
+            widen_torch.load(path)
+        widen_torch.load(self.ckpt[spec])
+
     @unittest.skipUnless(
         importlib.util.find_spec("numpy") and importlib.util.find_spec("torch"),
         "numpy or torch is not installed (the table's values are checked when a model is built)",
     )
     def test_widen_wrong_permutation_table(self):
-        # mHC-lite's constant table with its first two rows (permutation matrices) swapped:
-        # a well-formed file whose carry would mix other matrices than widen's.
-        with open(self.ckpt["mhc-lite.ron"], "rb") as f:
-            tensors, meta = tensors_of(f.read())
-        at = next(k for k, t in enumerate(tensors) if t[0] == "conn.permutations")
-        name, dtype, shape, raw = tensors[at]
-        row = shape[1] * 4
-        tensors[at] = (name, dtype, shape, raw[row : 2 * row] + raw[:row] + raw[2 * row :])
-        path = os.path.join(self.tmp, "real_wrong_permutations.safetensors")
-        with open(path, "wb") as f:
-            f.write(encode(*layout(tensors, meta)))
-        widen_torch.check_checkpoint(path)
+        # mHC-lite's table with its first two permutation matrices swapped.
         pattern = r"tensor `conn.permutations` is not the table of the 24 permutation matrices of 4 streams"
-        with self.assertRaisesRegex(widen_torch.CheckpointError, pattern):
-            widen_torch.load(path)
-        # The unmodified file builds.
-        widen_torch.load(self.ckpt["mhc-lite.ron"])
+        self.wrong_table("mhc-lite.ron", "conn.permutations", pattern)
 
     @unittest.skipUnless(
         importlib.util.find_spec("numpy") and importlib.util.find_spec("torch"),
         "numpy or torch is not installed (the table's values are checked when a model is built)",
     )
     def test_widen_wrong_kronecker_table(self):
-        # KromHC's factor table with its first two rows (factor 0's p and 1 - p) swapped: a
-        # well-formed file whose carry would put 1 - p where widen puts p.
-        with open(self.ckpt["kromhc.ron"], "rb") as f:
-            tensors, meta = tensors_of(f.read())
-        at = next(k for k, t in enumerate(tensors) if t[0] == "conn.kronecker")
-        name, dtype, shape, raw = tensors[at]
-        row = shape[1] * 4
-        tensors[at] = (name, dtype, shape, raw[row : 2 * row] + raw[:row] + raw[2 * row :])
-        path = os.path.join(self.tmp, "real_wrong_kronecker.safetensors")
-        with open(path, "wb") as f:
-            f.write(encode(*layout(tensors, meta)))
-        widen_torch.check_checkpoint(path)
-        with self.assertRaisesRegex(widen_torch.CheckpointError, r"tensor `conn.kronecker` is not the factor table"):
-            widen_torch.load(path)
-        widen_torch.load(self.ckpt["kromhc.ron"])
+        # KromHC's factor table with factor 0's rows (where p goes, where 1 - p goes) swapped.
+        pattern = r"tensor `conn.kronecker` is not the factor table of a Kronecker carry over 4 streams"
+        self.wrong_table("kromhc.ron", "conn.kronecker", pattern)
 
     def test_widen_extra_tensor(self):
         tensors, meta = tensors_of(self.tiny)

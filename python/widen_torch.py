@@ -1774,24 +1774,28 @@ class _WidenModel:
         self.width_mult = self.d / mup["base_width"] if par == "MuP" else 1.0
         self.mup = mup if par == "MuP" else None
         self.design = sizes.design
-        # The permutation table is a constant (never optimized, widen's gradient of it is
-        # zero); a file whose table is not the permutation matrices would compute another carry.
-        table = connection_name("permutations")
-        if table in self.names:
-            want = permutation_table(self.design.s)
-            if not np.array_equal(np.asarray(params[table], dtype=np.float64), want):
-                raise CheckpointError(
-                    f"tensor `{table}` is not the table of the {want.shape[0]} permutation matrices of "
-                    f"{self.design.s} streams (row k = P_k, output-major, lexicographic from the identity)"
-                )
-        table = connection_name("kronecker")
-        if table in self.names:
-            want = kronecker_table(self.design.s)
-            if not np.array_equal(np.asarray(params[table], dtype=np.float64), want):
-                raise CheckpointError(
-                    f"tensor `{table}` is not the factor table of a Kronecker carry over {self.design.s} "
-                    "streams (rows 2k and 2k + 1: where factor k puts p_k and 1 - p_k)"
-                )
+        # The carries' tables are constants (never optimized, widen's gradient of them is
+        # zero); a file whose table is not widen's would compute another carry.
+        for role, build, what in (
+            (
+                "permutations",
+                permutation_table,
+                lambda s: f"the table of the {math.factorial(s)} permutation matrices of {s} streams "
+                "(row k = P_k, output-major, lexicographic from the identity)",
+            ),
+            (
+                "kronecker",
+                kronecker_table,
+                lambda s: f"the factor table of a Kronecker carry over {s} streams "
+                "(rows 2k and 2k + 1: where factor k puts p_k and 1 - p_k)",
+            ),
+        ):
+            table = connection_name(role)
+            if table not in self.names:
+                continue
+            s = self.design.s
+            if not np.array_equal(np.asarray(params[table], dtype=np.float64), build(s)):
+                raise CheckpointError(f"tensor `{table}` is not {what(s)}")
         # The constants (the table, `learned: false` static parts) take no gradient, as in widen.
         constants = constant_parameters(sizes)
         self.params = torch.nn.ParameterDict(
